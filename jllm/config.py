@@ -1,0 +1,162 @@
+"""Engine arguments and the typed configs they resolve into.
+
+`EngineArgs` is the flat set of vLLM argument names that `LLM(...)` (and later the server
+flags) accept. `EngineArgs.from_kwargs` rejects unknown names and vLLM arguments jllm does not
+support yet with a clear error instead of ignoring them. `create_engine_config` groups them as
+vLLM users know them (model, cache, scheduler, parallel) once the model's config is known.
+Host-side only: no JAX import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+# vLLM arguments jllm recognises but cannot honour yet: setting them to anything but the
+# default raises instead of being silently ignored.
+UNSUPPORTED_ARGS = {
+    "quantization": None,
+    "speculative_config": None,
+    "enable_lora": False,
+    "kv_cache_dtype": "auto",
+    "cpu_offload_gb": 0,
+    "swap_space": None,
+    "pipeline_parallel_size": 1,
+    "data_parallel_size": 1,
+    "guided_decoding_backend": None,
+    "structured_outputs_config": None,
+    "hf_overrides": None,
+    "mm_processor_kwargs": None,
+    "limit_mm_per_prompt": None,
+    "enable_sleep_mode": False,
+}
+
+DTYPES = {"auto", "half", "float16", "bfloat16", "float", "float32"}
+LOAD_FORMATS = {"auto", "safetensors", "gguf", "dummy"}
+TOKENIZER_MODES = {"auto", "slow"}
+ATTENTION_BACKENDS = {"auto", "xla", "pallas", "pallas_interpret"}
+
+# vLLM's CPU backend sizes its cache from VLLM_CPU_KVCACHE_SPACE (default 4 GiB).
+DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    tokenizer: str | None = None
+    tokenizer_mode: str = "auto"
+    skip_tokenizer_init: bool = False
+    trust_remote_code: bool = False
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    seed: int | None = 0
+    max_model_len: int | None = None
+    # Cache.
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    # Scheduler.
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    enable_chunked_prefill: bool = True
+    # Execution.
+    enforce_eager: bool = False
+    max_seq_len_to_capture: int = 8192
+    attention_backend: str = "auto"
+    max_logprobs: int = 20
+    disable_log_stats: bool = False
+    tensor_parallel_size: int = 1
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key, value in kwargs.items():
+            if key in UNSUPPORTED_ARGS:
+                if value != UNSUPPORTED_ARGS[key]:
+                    raise ValueError(f"{key}={value!r} is not supported by jllm yet.")
+            elif key not in names:
+                raise TypeError(f"Unknown engine argument {key!r}.")
+        return cls(**{k: v for k, v in kwargs.items() if k in names})
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}.")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format must be one of {sorted(LOAD_FORMATS)}, got {self.load_format!r}."
+            )
+        if self.tokenizer_mode not in TOKENIZER_MODES:
+            raise ValueError(
+                f"tokenizer_mode must be one of {sorted(TOKENIZER_MODES)}, "
+                f"got {self.tokenizer_mode!r}."
+            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {sorted(ATTENTION_BACKENDS)}, "
+                f"got {self.attention_backend!r}."
+            )
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
+            )
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError("num_gpu_blocks_override must be at least 2.")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported by jllm yet.")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}.")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None
+    dtype: str  # numpy dtype name the weights and activations use
+    max_model_len: int
+    seed: int
+    skip_tokenizer_init: bool
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    num_blocks: int | None  # None: size from memory
+    kv_cache_memory_bytes: int | None
+    gpu_memory_utilization: float
+    enable_prefix_caching: bool
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool
+    # Prefill chunks occupy whole tiles of this many token slots in the device batch, so
+    # they are charged to the budget rounded up to it (decodes cost one token).
+    tile_size: int = 1
+
+
+def resolve_scheduler_config(
+    args: EngineArgs, max_model_len: int, tile_size: int
+) -> SchedulerConfig:
+    max_num_seqs = args.max_num_seqs or 256
+    budget = args.max_num_batched_tokens or 2048
+    if not args.enable_chunked_prefill:
+        # Without chunking every prompt must fit one step.
+        budget = max(budget, -(-max_model_len // tile_size) * tile_size)
+    if budget < max_num_seqs:
+        raise ValueError(
+            f"max_num_batched_tokens ({budget}) must be at least max_num_seqs ({max_num_seqs})."
+        )
+    return SchedulerConfig(
+        max_num_seqs, budget, max_model_len, args.enable_chunked_prefill, tile_size
+    )

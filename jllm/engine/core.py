@@ -1,0 +1,223 @@
+"""The engine core loop: schedule, execute, update, emit outputs.
+
+`EngineCore.step()` is the whole engine in four lines: the scheduler picks tokens, the runner
+computes them and samples, every sequence that got a token is checked for a stop and
+detokenized, and finished (or, when streaming, updated) requests come out as
+`RequestOutput`s. The runner is injected (anything with `execute`, `free_request`), so this
+module stays free of JAX and is tested with a mock runner.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from jllm.engine.detokenizer import IncrementalDetokenizer
+from jllm.engine.request import Request, RequestStatus
+from jllm.engine.scheduler import Scheduler
+from jllm.engine.stats import StatLogger
+from jllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass
+class ParentRequest:
+    """A user request: `n` sequences that share a prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[Request]
+    arrival_time: float
+    detokenizers: dict[str, IncrementalDetokenizer] = field(default_factory=dict)
+    sent_text: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.is_finished() for c in self.children)
+
+
+class EngineCore:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner,
+        tokenizer,
+        max_model_len: int,
+        eos_token_id: int | None,
+        stat_logger: StatLogger | None = None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+        self.stats = stat_logger
+        self.parents: dict[str, ParentRequest] = {}
+        self._child_parent: dict[str, ParentRequest] = {}
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        seed: int = 0,
+    ) -> None:
+        """Admit a validated request; its `n` sequences get seeds `seed`, `seed + 1`, ..."""
+        if request_id in self.parents:
+            raise ValueError(f"Request id {request_id!r} is already running.")
+        now = time.time()
+        parent = ParentRequest(request_id, prompt, prompt_token_ids, params, [], now)
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            child = Request(child_id, prompt_token_ids, params, self.eos_token_id, seed + i, now)
+            parent.children.append(child)
+            if params.detokenize and self.tokenizer is not None:
+                parent.detokenizers[child_id] = IncrementalDetokenizer(
+                    self.tokenizer, prompt_token_ids, params
+                )
+            self._child_parent[child_id] = parent
+        self.parents[request_id] = parent
+        for child in parent.children:
+            self.scheduler.add_request(child)
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            parent = self.parents.pop(rid, None)
+            if parent is None:
+                continue
+            for child in parent.children:
+                self.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
+                self._release(child)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def _release(self, child: Request) -> None:
+        self.runner.free_request(child.request_id)
+        self._child_parent.pop(child.request_id, None)
+
+    # ---- the loop ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty():
+            return []
+        sampled = self.runner.execute(sched_out)
+        now = time.time()
+        touched: dict[str, ParentRequest] = {}
+        num_generated = 0
+        for s, tok in zip(sched_out.scheduled, sampled, strict=True):
+            if tok is None:
+                continue
+            req = s.request
+            parent = self._child_parent[req.request_id]
+            self._append(req, parent, tok, now)
+            num_generated += 1
+            touched[parent.request_id] = parent
+        if self.stats is not None:
+            self.stats.record_step(sched_out, num_generated, self.scheduler)
+        outputs = []
+        for parent in touched.values():
+            kind = parent.params.output_kind
+            if parent.finished:
+                self.parents.pop(parent.request_id, None)
+                outputs.append(self._make_output(parent, now))
+            elif kind != RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._make_output(parent, now))
+        return outputs
+
+    def _append(self, req: Request, parent: ParentRequest, tok, now: float) -> None:
+        req.append_output_token(tok.token_id)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        p = req.sampling_params
+        if p.logprobs is not None:
+            self._record_logprobs(req, tok)
+        status = self._check_stop(req)
+        detok = parent.detokenizers.get(req.request_id)
+        if detok is not None and not (
+            status == RequestStatus.FINISHED_STOPPED and not p.include_stop_str_in_output
+        ):
+            stop_str = detok.update(tok.token_id)
+            if stop_str is not None and status is None:
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+        if status is not None:
+            self.scheduler.finish_request(req, status)
+            self._release(req)
+
+    def _check_stop(self, req: Request) -> RequestStatus | None:
+        p = req.sampling_params
+        max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len
+        if req.num_tokens >= self.max_model_len or req.num_output_tokens >= max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        if req.num_output_tokens < p.min_tokens:
+            return None
+        last = req.output_token_ids[-1]
+        if not p.ignore_eos and last == req.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+        if last in p.all_stop_token_ids:
+            req.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+    def _record_logprobs(self, req: Request, tok) -> None:
+        k = req.sampling_params.logprobs
+        entry = {}
+        entry[tok.token_id] = Logprob(tok.logprob, tok.rank, self._decode_one(tok.token_id))
+        for rank, (tid, lp) in enumerate(
+            zip(tok.top_ids[:k], tok.top_logprobs[:k], strict=True), 1
+        ):
+            tid = int(tid)
+            if tid not in entry:
+                entry[tid] = Logprob(float(lp), rank, self._decode_one(tid))
+        req.logprobs.append(entry)
+        req.cumulative_logprob += tok.logprob
+
+    def _decode_one(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id])
+
+    def _make_output(self, parent: ParentRequest, now: float) -> RequestOutput:
+        p = parent.params
+        completions = []
+        for i, child in enumerate(parent.children):
+            detok = parent.detokenizers.get(child.request_id)
+            text = detok.text if detok is not None else ""
+            token_ids = list(child.output_token_ids)
+            logprobs = list(child.logprobs) if p.logprobs is not None else None
+            if p.output_kind == RequestOutputKind.DELTA:
+                sent = parent.sent_text.get(child.request_id, 0)
+                parent.sent_text[child.request_id] = len(text)
+                text = text[sent:]
+            completions.append(
+                CompletionOutput(
+                    index=i,
+                    text=text,
+                    token_ids=token_ids,
+                    cumulative_logprob=child.cumulative_logprob if logprobs is not None else None,
+                    logprobs=logprobs,
+                    finish_reason=child.status.finish_reason,
+                    stop_reason=child.stop_reason,
+                )
+            )
+        first = parent.children[0]
+        metrics = RequestMetrics(
+            arrival_time=parent.arrival_time,
+            first_scheduled_time=first.first_scheduled_time,
+            first_token_time=first.first_token_time,
+            finished_time=now if parent.finished else None,
+        )
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            prompt_logprobs=None,
+            outputs=completions,
+            finished=parent.finished,
+            metrics=metrics,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+        )

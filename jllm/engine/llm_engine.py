@@ -1,0 +1,213 @@
+"""`LLMEngine`: builds every part from `EngineArgs` and wires them together.
+
+resolve the model -> configs -> tokenizer -> weights onto the mesh -> KV cache sized from
+memory -> model runner (every bucket compiled) -> block manager + scheduler -> engine core.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jllm.config import EngineArgs, resolve_scheduler_config
+from jllm.engine.core import EngineCore
+from jllm.engine.kv_cache_manager import KVCacheManager
+from jllm.engine.processor import Processor
+from jllm.engine.scheduler import Scheduler
+from jllm.engine.stats import StatLogger
+from jllm.model_loader import resolve_model
+from jllm.models.llama import LlamaConfig
+from jllm.models.loader import load_model
+from jllm.runner.inputs import BatchLayout
+from jllm.runner.kv_cache import allocate_kv_cache, bytes_per_block, determine_num_blocks
+from jllm.runner.model_runner import ModelRunner
+from jllm.sampling_params import SamplingParams
+from sharding import make_mesh
+
+logger = logging.getLogger("jllm")
+
+# Prefill chunks are laid out in tiles of this many tokens (see models/attention.py).
+PREFILL_TILE = 16
+
+_DTYPES = {
+    "half": jnp.float16,
+    "float16": jnp.float16,
+    "bfloat16": jnp.bfloat16,
+    "float": jnp.float32,
+    "float32": jnp.float32,
+}
+
+
+def resolve_dtype(dtype: str, checkpoint_dtype: str, platform: str):
+    """vLLM's `dtype` values. "auto": float32 on CPU (XLA's CPU bf16 matmuls are 2-3x slower
+    than fp32), the checkpoint's dtype on accelerators (bfloat16 for float32 checkpoints)."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if platform == "cpu":
+        return jnp.float32
+    if checkpoint_dtype in ("float32", "float"):
+        return jnp.bfloat16
+    return _DTYPES.get(checkpoint_dtype, jnp.bfloat16)
+
+
+def resolve_backend(requested: str, platform: str) -> str:
+    if requested != "auto":
+        return requested
+    return "xla" if platform == "cpu" else "pallas"
+
+
+def _extra_eos_ids(source, primary: int | None) -> set[int]:
+    """EOS ids from generation_config.json beyond the tokenizer's (vLLM stops on them too)."""
+    if source.kind != "hf":
+        return set()
+    try:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(source.path)
+    except OSError:
+        return set()
+    ids = gen.eos_token_id
+    ids = {ids} if isinstance(ids, int) else set(ids or [])
+    return ids - {primary}
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        start = time.perf_counter()
+        self.args = args
+        platform = jax.devices()[0].platform
+        source = resolve_model(
+            args.model,
+            revision=args.revision,
+            tokenizer=args.tokenizer,
+            trust_remote_code=args.trust_remote_code,
+            download_dir=args.download_dir,
+        )
+        self.hf_config = source.hf_config
+        cfg = LlamaConfig.from_hf(source.hf_config)
+        self.model_config = cfg
+        derived_len = cfg.max_position_embeddings
+        max_model_len = args.max_model_len or derived_len
+        if max_model_len > derived_len:
+            raise ValueError(
+                f"User-specified max_model_len ({max_model_len}) is greater than the derived "
+                f"max_model_len (max_position_embeddings={derived_len} in the model's config)."
+            )
+        self.max_model_len = max_model_len
+        dtype = resolve_dtype(args.dtype, source.checkpoint_dtype, platform)
+        logger.info(
+            "Initializing jllm engine with config: model=%r, dtype=%s, max_model_len=%d, "
+            "block_size=%d, enable_prefix_caching=%s, enable_chunked_prefill=%s, "
+            "enforce_eager=%s, platform=%s, seed=%s",
+            source.path,
+            jnp.dtype(dtype).name,
+            max_model_len,
+            args.block_size,
+            args.enable_prefix_caching,
+            args.enable_chunked_prefill,
+            args.enforce_eager,
+            platform,
+            args.seed,
+        )
+        self.tokenizer = None
+        if not args.skip_tokenizer_init:
+            self.tokenizer = source.load_tokenizer(
+                args.tokenizer_mode, args.trust_remote_code, args.tokenizer_revision
+            )
+        mesh = make_mesh(args.tensor_parallel_size)
+        graphdef, state = load_model(
+            cfg, source, dtype, mesh, args.load_format, seed=args.seed or 0
+        )
+        sched_cfg = resolve_scheduler_config(args, max_model_len, PREFILL_TILE)
+        per_block = bytes_per_block(
+            cfg.num_layers, args.block_size, cfg.num_kv_heads, cfg.head_dim, dtype
+        )
+        num_blocks = determine_num_blocks(
+            per_block,
+            override=args.num_gpu_blocks_override,
+            memory_bytes=args.kv_cache_memory_bytes,
+            utilization=args.gpu_memory_utilization,
+            activation_bytes=sched_cfg.max_num_batched_tokens * cfg.vocab_size * 4,
+        )
+        logger.info(
+            "# %s blocks: %d (%.2f GiB KV cache); maximum concurrency for %d tokens per "
+            "request: %.2fx",
+            platform.upper(),
+            num_blocks,
+            num_blocks * per_block / 2**30,
+            max_model_len,
+            (num_blocks - 1) * args.block_size / max_model_len,
+        )
+        kv_cache = allocate_kv_cache(
+            cfg.num_layers, num_blocks, args.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, mesh
+        )
+        layout = BatchLayout.create(
+            args.block_size,
+            num_blocks,
+            PREFILL_TILE,
+            max_model_len,
+            sched_cfg.max_num_seqs,
+            sched_cfg.max_num_batched_tokens,
+        )
+        self.runner = ModelRunner(
+            graphdef,
+            state,
+            kv_cache,
+            layout,
+            cfg.vocab_size,
+            sched_cfg.max_num_seqs,
+            args.max_logprobs,
+            resolve_backend(args.attention_backend, platform),
+            args.enforce_eager,
+        )
+        self.runner.compile_all()
+        self.scheduler = Scheduler(
+            sched_cfg, KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        )
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(source.hf_config, "eos_token_id", None)
+            eos = eos[0] if isinstance(eos, list) else eos
+        self.eos_token_id = eos
+        self.extra_stop_ids = _extra_eos_ids(source, eos)
+        self.stat_logger = None if args.disable_log_stats else StatLogger()
+        self.core = EngineCore(
+            self.scheduler, self.runner, self.tokenizer, max_model_len, eos, self.stat_logger
+        )
+        self.processor = Processor(self.tokenizer, max_model_len, cfg.vocab_size, args.max_logprobs)
+        self._rng = random.Random(args.seed)
+        logger.info("Engine ready in %.1f seconds.", time.perf_counter() - start)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args)
+
+    # ---- requests ------------------------------------------------------------------------
+    def prepare(self, prompt, params: SamplingParams):
+        """Validate and tokenize without touching engine state (raises ValueError)."""
+        params = params.clone()
+        if not params.ignore_eos:
+            params.all_stop_token_ids |= self.extra_stop_ids
+        return self.processor.process_prompt(prompt, params), params
+
+    def add_request(self, request_id: str, processed, params: SamplingParams) -> None:
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        self.core.add_request(
+            request_id, processed.prompt_token_ids, params, processed.prompt, seed=seed
+        )
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        self.core.abort_request(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def step(self):
+        return self.core.step()
+
+    def get_tokenizer(self):
+        return self.tokenizer

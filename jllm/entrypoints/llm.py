@@ -1,0 +1,148 @@
+"""`LLM`: vLLM's offline inference class, with the same arguments and outputs.
+
+from jllm import LLM, SamplingParams
+llm = LLM()  # the embedded SmolLM2-135M-Instruct
+outputs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0.8))
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from jllm.config import EngineArgs
+from jllm.engine.llm_engine import LLMEngine
+from jllm.outputs import RequestOutput
+from jllm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("jllm")
+
+
+def _setup_logging() -> None:
+    root = logging.getLogger("jllm")
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(
+            logging.Formatter("%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s")
+        )
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+        root.propagate = False
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        _setup_logging()
+        args = EngineArgs.from_kwargs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(args)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.get_tokenizer()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return SamplingParams()
+
+    # ---- generation ----------------------------------------------------------------------
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request=None,
+        priority=None,
+    ) -> list[RequestOutput]:
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported by jllm yet.")
+        if priority is not None:
+            raise ValueError("priority scheduling is not supported by jllm yet.")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"The lengths of prompts ({len(prompts)}) and sampling_params "
+                    f"({len(params_list)}) must be the same."
+                )
+        # Validate everything before the first request enters the engine.
+        prepared = [
+            self.llm_engine.prepare(p, sp) for p, sp in zip(prompts, params_list, strict=True)
+        ]
+        return self._run(prepared, use_tqdm)
+
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat() needs a tokenizer; skip_tokenizer_init is set.")
+        conversations = messages
+        if not messages or isinstance(messages[0], dict):
+            conversations = [messages]
+        prompts = []
+        for conv in conversations:
+            text = tokenizer.apply_chat_template(
+                conv,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template=chat_template,
+                **(chat_template_kwargs or {}),
+            )
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt_token_ids": ids, "prompt": text})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, prepared, use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids = []
+        for processed, params in prepared:
+            params.output_kind = RequestOutputKind.FINAL_ONLY
+            rid = str(next(self._counter))
+            engine.add_request(rid, processed, params)
+            ids.append(rid)
+        results: dict[str, RequestOutput] = {}
+        bar = (
+            tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True) if use_tqdm else None
+        )
+        start = time.perf_counter()
+        in_toks = out_toks = 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if not out.finished:
+                        continue
+                    results[out.request_id] = out
+                    if bar is not None:
+                        in_toks += len(out.prompt_token_ids)
+                        out_toks += sum(len(c.token_ids) for c in out.outputs)
+                        elapsed = time.perf_counter() - start
+                        bar.postfix = (
+                            f"est. speed input: {in_toks / elapsed:.2f} toks/s, "
+                            f"output: {out_toks / elapsed:.2f} toks/s"
+                        )
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in results])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[i] for i in ids]

@@ -1,0 +1,136 @@
+"""Reading GGUF files (llama.cpp's format) as Hugging Face named float32 numpy arrays.
+
+Every tensor is dequantized on load with gguf-py's numpy kernels (Q4_0/Q4_1/Q8_0/K-quants/F16/...),
+renamed from llama.cpp's names to transformers' and left in transformers' layout. Two things in a
+GGUF differ from the Hugging Face checkpoint it was converted from, and both are undone here:
+
+- Names: `blk.N.attn_q.weight` is `model.layers.N.self_attn.q_proj.weight`, and so on.
+- Row order of the query and key projections, for the `llama` architecture only. transformers
+  rotates the two halves of each head (`rotate_half`: dimension i pairs with i + H/2); llama.cpp's
+  llama kernel rotates adjacent pairs (2i with 2i + 1). Its converter therefore reorders the rows
+  of each head of q_proj and k_proj, including their biases, from
+  `[x_0 .. x_{H/2-1}, y_0 .. y_{H/2-1}]` to `[x_0, y_0, x_1, y_1, ...]`. We read each head's rows
+  as `[H/2, 2]` and transpose to `[2, H/2]` to get the halves back. Qwen2/Qwen3 use the
+  half-rotation layout in llama.cpp too, so their rows are stored unchanged.
+
+The metadata is read once, with `gguf.GGUFReader` (a memory map: tensor data is only touched when
+it is dequantized).
+"""
+
+import re
+from collections.abc import Iterator
+
+import gguf
+import numpy as np
+from gguf.quants import dequantize
+
+# llama.cpp architectures we can load, and whether its converter permuted q/k rows for them.
+ARCHITECTURES: dict[str, bool] = {"llama": True, "qwen2": False, "qwen3": False}
+
+# llama.cpp tensor names -> transformers module names.
+_TOP_LEVEL = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_PER_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+# Tensors that carry configuration rather than weights: read by `gguf_config`, never yielded.
+CONFIG_TENSORS = {"rope_freqs.weight"}
+
+
+class GgufFile:
+    """One GGUF file: its metadata as plain Python values and its tensors, read lazily."""
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            self.reader = gguf.GGUFReader(path)
+        except (ValueError, OSError) as e:
+            raise ValueError(f"{path} could not be read as a GGUF file: {e}") from e
+        self.metadata = {key: field.contents() for key, field in self.reader.fields.items()}
+        self.architecture: str = self.metadata.get("general.architecture", "")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(
+                f"{path} is a GGUF file of architecture {self.architecture!r}; jllm loads GGUF "
+                f"files of architectures {sorted(ARCHITECTURES)}. Use the model's Hugging Face "
+                "safetensors checkpoint instead."
+            )
+        self.tensors = {t.name: t for t in self.reader.tensors}
+
+    def arch_key(self, name: str, default=None):
+        """Architecture-scoped metadata: `arch_key("block_count")` reads `llama.block_count`."""
+        return self.metadata.get(f"{self.architecture}.{name}", default)
+
+    def tensor(self, name: str) -> np.ndarray:
+        """One tensor by its GGUF name, dequantized to float32 in numpy (row-major) order."""
+        t = self.tensors[name]
+        return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+
+    def hf_name(self, gguf_name: str) -> str:
+        """The transformers name of a GGUF tensor; ValueError for one we do not know."""
+        stem, _, suffix = gguf_name.rpartition(".")
+        if stem in _TOP_LEVEL:
+            return f"{_TOP_LEVEL[stem]}.{suffix}"
+        match = _LAYER_NAME.fullmatch(gguf_name)
+        if match and match.group(2) in _PER_LAYER:
+            layer, part, suffix = match.groups()
+            return f"model.layers.{layer}.{_PER_LAYER[part]}.{suffix}"
+        raise ValueError(
+            f"{self.path} holds a tensor {gguf_name!r} that jllm does not know how to load for "
+            f"architecture {self.architecture!r}."
+        )
+
+    def weight_names(self) -> list[str]:
+        """GGUF names of the tensors `iter_weights` yields, in file order."""
+        return [name for name in self.tensors if name not in CONFIG_TENSORS]
+
+    def iter_weights(self) -> Iterator[tuple[str, np.ndarray]]:
+        """Yield `(hf_name, float32 array)` in transformers' layout ([out, in] for linears)."""
+        permute = ARCHITECTURES[self.architecture]
+        num_heads = self.arch_key("attention.head_count")
+        num_kv_heads = self.arch_key("attention.head_count_kv", num_heads)
+        for gguf_name in self.weight_names():
+            hf_name = self.hf_name(gguf_name)
+            array = self.tensor(gguf_name)
+            if permute and ".attn_q." in gguf_name:
+                array = unpermute_rope_rows(array, num_heads)
+            elif permute and ".attn_k." in gguf_name:
+                array = unpermute_rope_rows(array, num_kv_heads)
+            yield hf_name, array
+
+    def num_params(self) -> tuple[int, int]:
+        """`(number of elements, bytes of tensor data on disk)` of the yielded tensors."""
+        names = self.weight_names()
+        params = sum(int(self.tensors[n].n_elements) for n in names)
+        nbytes = sum(int(self.tensors[n].n_bytes) for n in names)
+        return params, nbytes
+
+
+def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of q/k rows: per head, `[H/2, 2]` rows back to `[2, H/2]`.
+
+    `weight` is `[num_heads * H, ...]` (a projection weight `[N*H, D]` or its bias `[N*H]`).
+    """
+    rows = weight.shape[0]
+    if rows % (2 * num_heads):
+        raise ValueError(
+            f"Cannot undo the rope row order of a tensor with {rows} rows for {num_heads} heads: "
+            "the GGUF file's head counts do not match its tensors."
+        )
+    half = rows // num_heads // 2
+    per_head = weight.reshape(num_heads, half, 2, *weight.shape[1:])  # [N, H/2, 2, ...]
+    return np.ascontiguousarray(per_head.swapaxes(1, 2)).reshape(weight.shape)  # [N*H, ...]

@@ -1,0 +1,175 @@
+"""Paged attention over the flat batch, with two backends.
+
+The flat batch puts the decode tokens first (one per request, rows 0..Rd-1), then the prefill
+chunks, each request's run starting on a multiple of the tile size C so that the prefill
+segment reshapes to tiles [Tt, C] that each belong to one request.
+
+- `xla`: the CPU path. Decodes are tiles of size 1. Each tile gathers its request's pages in
+  chunks with a dynamic trip count (the longest context in the batch), so no bucket depends
+  on sequence length, and folds them in with an online softmax.
+- `pallas` / `pallas_interpret`: the ragged paged attention kernel from `pallas_kernels/`
+  over the same flat batch, described by query_start / query_lens / kv_lens / block_tables.
+
+Both write the new K/V into the cache first (padding tokens write to an out-of-range slot
+that is dropped), so every query sees its own chunk and any block shared in the same step.
+
+Glossary: T tokens, R requests, N query heads, K kv heads, G = N / K, H head dim, B blocks,
+S block size, P pages per request, Tt tiles, C tile size, L keys in a chunk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+# Keys folded in per loop iteration of the XLA path.
+KV_CHUNK_TOKENS = 256
+
+
+def kv_chunk_pages(block_size: int) -> int:
+    """Pages per KV chunk; block tables are padded to a multiple of it."""
+    return max(1, KV_CHUNK_TOKENS // block_size)
+
+
+@partial(
+    jax.tree_util.register_dataclass,
+    data_fields=[
+        "slot_mapping",
+        "decode_block_table",
+        "decode_kv_lens",
+        "tile_block_table",
+        "tile_kv_lens",
+        "tile_q_pos",
+        "decode_chunks",
+        "tile_chunks",
+        "query_start",
+        "query_lens",
+        "kv_lens",
+        "block_tables",
+        "num_seqs",
+    ],
+    meta_fields=["tile_size"],
+)
+@dataclasses.dataclass
+class AttentionMetadata:
+    slot_mapping: jax.Array  # [T] flat cache slot of each token; B*S for padding
+    decode_block_table: jax.Array  # [Rd, P]
+    decode_kv_lens: jax.Array  # [Rd] context length including the new token; 0 for padding
+    tile_block_table: jax.Array  # [Tt, P] the block table of each tile's request
+    tile_kv_lens: jax.Array  # [Tt]
+    tile_q_pos: jax.Array  # [Tt, C] absolute position of each query; -1 for padding
+    decode_chunks: jax.Array  # [] KV chunks the decode rows need
+    tile_chunks: jax.Array  # [] KV chunks the prefill tiles need
+    # The same batch as the ragged kernel sees it: decode requests then prefill requests.
+    query_start: jax.Array  # [R]
+    query_lens: jax.Array  # [R]
+    kv_lens: jax.Array  # [R]
+    block_tables: jax.Array  # [R, P]
+    num_seqs: jax.Array  # [1]
+    tile_size: int
+
+
+def write_kv(kv_cache, layer, k, v, slot_mapping):
+    """Scatter new K/V [T, K, H] into layer `layer` of the cache [L, B, S, 2K, H], K and V
+    interleaved. Indexing the stacked cache directly keeps the update in place."""
+    NL, B, S, K2, H = kv_cache.shape
+    T, K, _ = k.shape
+    kv = jnp.stack([k, v], axis=2).reshape(T, K2, H).astype(kv_cache.dtype)
+    flat = kv_cache.reshape(NL, B * S, K2, H).at[layer, slot_mapping].set(kv, mode="drop")
+    return flat.reshape(NL, B, S, K2, H)
+
+
+def tile_attention(q, kv_cache, layer, block_table, kv_lens, q_pos, num_chunks, sm_scale):
+    """Attention for tiles of C queries that each belong to one request.
+
+    q [Tt, C, N, H], block_table [Tt, P], kv_lens [Tt], q_pos [Tt, C] -> [Tt, C, N, H].
+    """
+    Tt, C, N, H = q.shape
+    _, B, S, K2, _ = kv_cache.shape
+    K = K2 // 2
+    G = N // K
+    pages = kv_chunk_pages(S)
+    L = pages * S
+    qg = (q.astype(jnp.float32) * sm_scale).reshape(Tt, C, K, G, H)
+
+    def body(c, carry):
+        m, denom, acc = carry  # [Tt, K, G, C], [Tt, K, G, C], [Tt, K, G, C, H]
+        page_ids = jax.lax.dynamic_slice_in_dim(block_table, c * pages, pages, axis=1)
+        kv = kv_cache[layer, page_ids].reshape(Tt, L, K, 2, H).astype(jnp.float32)
+        k, v = kv[:, :, :, 0], kv[:, :, :, 1]  # [Tt, L, K, H]
+        s = jnp.einsum("TCKGH,TLKH->TKGCL", qg, k)  # [Tt, K, G, C, L]
+        k_pos = c * L + jnp.arange(L)  # [L]
+        mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (
+            k_pos[None, None, :] < kv_lens[:, None, None]
+        )  # [Tt, C, L]
+        s = jnp.where(mask[:, None, None], s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - m_safe[..., None])  # [Tt, K, G, C, L]
+        alpha = jnp.exp(jnp.where(jnp.isfinite(m), m - m_safe, -jnp.inf))
+        denom = denom * alpha + p.sum(-1)
+        acc = acc * alpha[..., None] + jnp.einsum("TKGCL,TLKH->TKGCH", p, v)
+        return m_new, denom, acc
+
+    init = (
+        jnp.full((Tt, K, G, C), -jnp.inf, jnp.float32),
+        jnp.zeros((Tt, K, G, C), jnp.float32),
+        jnp.zeros((Tt, K, G, C, H), jnp.float32),
+    )
+    _, denom, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # [Tt, K, G, C, H]
+    return out.transpose(0, 3, 1, 2, 4).reshape(Tt, C, N, H).astype(q.dtype)
+
+
+def paged_attention(q, k, v, kv_cache, layer, md: AttentionMetadata, backend: str):
+    """q [T, N, H], k/v [T, K, H] -> (out [T, N, H], updated kv_cache [L, B, S, 2K, H])."""
+    kv_cache = write_kv(kv_cache, layer, k, v, md.slot_mapping)
+    T, N, H = q.shape
+    sm_scale = H**-0.5
+    if backend != "xla":
+        out = ragged_paged_attention(
+            q,
+            kv_cache[layer],
+            md.kv_lens,
+            md.block_tables,
+            md.query_start,
+            md.query_lens,
+            md.num_seqs,
+            sm_scale=sm_scale,
+            interpret=backend == "pallas_interpret",
+        )
+        return out, kv_cache
+    Rd = md.decode_kv_lens.shape[0]
+    Tt, C = md.tile_q_pos.shape
+    parts = []
+    if Rd:
+        dec = tile_attention(
+            q[:Rd, None],
+            kv_cache,
+            layer,
+            md.decode_block_table,
+            md.decode_kv_lens,
+            (md.decode_kv_lens - 1)[:, None],
+            md.decode_chunks,
+            sm_scale,
+        )
+        parts.append(dec.reshape(Rd, N, H))
+    if Tt:
+        pre = tile_attention(
+            q[Rd:].reshape(Tt, C, N, H),
+            kv_cache,
+            layer,
+            md.tile_block_table,
+            md.tile_kv_lens,
+            md.tile_q_pos,
+            md.tile_chunks,
+            sm_scale,
+        )
+        parts.append(pre.reshape(Tt * C, N, H))
+    out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+    return out, kv_cache

@@ -1,0 +1,67 @@
+"""How many KV blocks fit, and the per-layer cache arrays themselves.
+
+On TPU/GPU the cache takes `gpu_memory_utilization` of device memory less what the weights
+and the largest step's activations use; on CPU (no memory stats) it takes an explicit size,
+`kv_cache_memory_bytes` (vLLM's CPU backend reads VLLM_CPU_KVCACHE_SPACE; default 4 GiB).
+`num_gpu_blocks_override` wins over both.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from jllm.config import DEFAULT_CPU_KV_CACHE_BYTES
+from pallas_kernels.ragged_paged_attention import kv_cache_shape
+from sharding import named_sharding
+
+logger = logging.getLogger(__name__)
+
+CACHE_AXES = ("layers", "cache_blocks", "cache_slots", "cache_kv_heads", "head_dim")
+
+
+def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
+    return num_layers * block_size * 2 * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+
+
+def determine_num_blocks(
+    per_block: int,
+    *,
+    override: int | None,
+    memory_bytes: int | None,
+    utilization: float,
+    activation_bytes: int,
+) -> int:
+    if override is not None:
+        return override
+    if memory_bytes is None:
+        stats = jax.devices()[0].memory_stats() or {}
+        limit = stats.get("bytes_limit")
+        if limit:
+            used = stats.get("bytes_in_use", 0)
+            memory_bytes = int(limit * utilization) - used - activation_bytes
+            if memory_bytes <= 0:
+                raise ValueError(
+                    "No device memory is left for the KV cache: the weights and activations "
+                    f"use {used / 2**30:.2f} GiB of {limit / 2**30:.2f} GiB. Increase "
+                    "gpu_memory_utilization or use a smaller model."
+                )
+        else:
+            memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
+    num_blocks = memory_bytes // per_block
+    if num_blocks < 2:
+        raise ValueError(
+            f"The KV cache memory ({memory_bytes} bytes) holds fewer than 2 blocks of "
+            f"{per_block} bytes; give it more memory."
+        )
+    return int(num_blocks)
+
+
+def allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, mesh):
+    """The zeroed cache [L, B, S, 2K, H]: each layer's slice is the kernel's [B, S, 2K, H]
+    page-major layout; sharded on the kv-head axis."""
+    shape = (num_layers, *kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim))
+    sharding = named_sharding(mesh, CACHE_AXES)
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()

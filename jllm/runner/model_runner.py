@@ -1,0 +1,207 @@
+"""The model runner: the only owner of device arrays (weights, KV cache, penalty state).
+
+Each engine step it builds the padded flat batch in numpy, hands it to the device in one
+transfer, runs the compiled forward for the batch's (Rd, Tt) bucket and the compiled sampler
+for its row bucket, and brings back only the sampled ids and requested logprobs.
+
+Every bucket is compiled ahead of time in `compile_all` (the equivalent of vLLM's CUDA-graph
+capture), the executables are kept in a table, and once `compile_guard` is set a step whose
+bucket is missing raises instead of compiling. `enforce_eager=True` skips the start-up pass:
+buckets compile on first use.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jllm.engine.scheduler import SchedulerOutput
+from jllm.runner.inputs import (
+    BatchLayout,
+    StepInputs,
+    build_sampling_metadata,
+    build_step_inputs,
+)
+from jllm.runner.sampler import sample
+
+logger = logging.getLogger(__name__)
+
+
+class CompileAfterWarmupError(RuntimeError):
+    pass
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+
+def _forward(state, kv_cache, counts, prompt_mask, batch: StepInputs, *, graphdef, backend):
+    model = nnx.merge(graphdef, state)
+    hidden, kv_cache = model(batch.token_ids, batch.positions, kv_cache, batch.attn, backend)
+    logits = model.compute_logits(hidden[batch.logits_indices])  # [Rs, V]
+    # Penalty state: clear rows of sequences starting over, then learn this step's tokens.
+    counts = counts.at[batch.penalty_reset_rows].set(0, mode="drop")
+    prompt_mask = prompt_mask.at[batch.penalty_reset_rows].set(False, mode="drop")
+    is_out = batch.penalty_is_output
+    rows, toks = batch.penalty_token_rows, batch.token_ids
+    counts = counts.at[rows, toks].add(is_out.astype(jnp.int32), mode="drop")
+    prompt_rows = jnp.where(is_out, counts.shape[0], rows)
+    prompt_mask = prompt_mask.at[prompt_rows, toks].set(True, mode="drop")
+    return logits, kv_cache, counts, prompt_mask
+
+
+forward_step = jax.jit(
+    _forward,
+    static_argnames=("graphdef", "backend"),
+    donate_argnames=("kv_cache", "counts", "prompt_mask"),
+)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        graphdef,
+        state,
+        kv_cache: jax.Array,
+        layout: BatchLayout,
+        vocab_size: int,
+        max_num_seqs: int,
+        max_logprobs: int,
+        backend: str,
+        enforce_eager: bool,
+    ) -> None:
+        self.graphdef = graphdef
+        self.state = state
+        self.kv_cache = kv_cache
+        self.layout = layout
+        self.backend = backend
+        self.enforce_eager = enforce_eager
+        self.max_logprobs = max_logprobs
+        # Penalty state: row 0 stays empty for sequences without penalties.
+        self.num_penalty_rows = max_num_seqs + 1
+        self.counts = jnp.zeros((self.num_penalty_rows, vocab_size), jnp.int32)
+        self.prompt_mask = jnp.zeros((self.num_penalty_rows, vocab_size), jnp.bool_)
+        self.penalty_rows: dict[str, int] = {}
+        self._free_rows = list(range(self.num_penalty_rows - 1, 0, -1))
+        self._forward_exe: dict[tuple[int, int], object] = {}
+        self._sample_exe: dict[int, object] = {}
+        self.compile_guard = False
+
+    # ---- compilation ---------------------------------------------------------------------
+    def _abstract_inputs(self, rd: int, tt: int):
+        """Zero inputs of the (Rd, Tt) bucket, built by the same code as real steps."""
+        inputs, _, _, rs = build_step_inputs(
+            SchedulerOutput(), self.layout, {}, self.num_penalty_rows, shape=(rd, tt)
+        )
+        md = build_sampling_metadata([], [], rs, {}, self.max_logprobs)
+        return inputs, md, rs
+
+    def _forward_executable(self, rd: int, tt: int, inputs):
+        exe = self._forward_exe.get((rd, tt))
+        if exe is None:
+            if self.compile_guard:
+                raise CompileAfterWarmupError(f"forward bucket (Rd={rd}, Tt={tt}) not compiled")
+            exe = forward_step.lower(
+                self.state,
+                self.kv_cache,
+                self.counts,
+                self.prompt_mask,
+                inputs,
+                graphdef=self.graphdef,
+                backend=self.backend,
+            ).compile()
+            self._forward_exe[(rd, tt)] = exe
+        return exe
+
+    def _sample_executable(self, rs: int, logits, md):
+        exe = self._sample_exe.get(rs)
+        if exe is None:
+            if self.compile_guard:
+                raise CompileAfterWarmupError(f"sampler bucket (R={rs}) not compiled")
+            exe = sample.lower(
+                logits, md, self.counts, self.prompt_mask, num_logprobs=self.max_logprobs
+            ).compile()
+            self._sample_exe[rs] = exe
+        return exe
+
+    def compile_all(self) -> None:
+        """Compile every forward and sampler bucket before serving (skipped when eager)."""
+        if self.enforce_eager:
+            logger.info("enforce_eager=True: buckets compile on first use.")
+            return
+        shapes = self.layout.shapes()
+        logger.info(
+            "Compiling %d forward buckets (decode rows %s x prefill tiles of %d tokens %s) "
+            "and %d sampler buckets.",
+            len(shapes),
+            self.layout.decode_buckets,
+            self.layout.tile_size,
+            self.layout.tile_buckets,
+            len(self.layout.sample_buckets),
+        )
+        start = time.perf_counter()
+        for i, (rd, tt) in enumerate(shapes):
+            inputs, md, rs = self._abstract_inputs(rd, tt)
+            t0 = time.perf_counter()
+            self._forward_executable(rd, tt, jax.device_put(inputs))
+            logger.debug("Compiled (Rd=%d, Tt=%d) in %.2fs", rd, tt, time.perf_counter() - t0)
+            if rs not in self._sample_exe:
+                logits = jax.ShapeDtypeStruct((rs, self._vocab()), jnp.float32)
+                self._sample_executable(rs, logits, jax.device_put(md))
+            if (i + 1) % 16 == 0 or i + 1 == len(shapes):
+                logger.info("Compiled %d/%d buckets.", i + 1, len(shapes))
+        logger.info("Graph compilation finished in %.1f secs.", time.perf_counter() - start)
+        self.compile_guard = True
+
+    def _vocab(self) -> int:
+        return self.counts.shape[1]
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_penalty_row(self, request_id: str) -> None:
+        if request_id not in self.penalty_rows:
+            self.penalty_rows[request_id] = self._free_rows.pop()
+
+    def free_request(self, request_id: str) -> None:
+        row = self.penalty_rows.pop(request_id, None)
+        if row is not None:
+            self._free_rows.append(row)
+
+    # ---- the step ------------------------------------------------------------------------
+    def execute(self, out: SchedulerOutput) -> list[SampledToken | None]:
+        """Run one step; one entry per `out.scheduled` (None where nothing is sampled)."""
+        for s in out.scheduled:
+            if s.request.sampling_params.has_penalties:
+                self.add_penalty_row(s.request.request_id)
+        inputs, ordered, sample_row, rs = build_step_inputs(
+            out, self.layout, self.penalty_rows, self.num_penalty_rows
+        )
+        md = build_sampling_metadata(ordered, sample_row, rs, self.penalty_rows, self.max_logprobs)
+        rd = inputs.attn.decode_kv_lens.shape[0]
+        tt = inputs.attn.tile_q_pos.shape[0]
+        inputs, md = jax.device_put((inputs, md))
+        fwd = self._forward_executable(rd, tt, inputs)
+        logits, self.kv_cache, self.counts, self.prompt_mask = fwd(
+            self.state, self.kv_cache, self.counts, self.prompt_mask, inputs
+        )
+        smp = self._sample_executable(rs, logits, md)
+        tokens, lp, rank, top_ids, top_lp = jax.device_get(
+            smp(logits, md, self.counts, self.prompt_mask)
+        )
+        by_request = {}
+        for s, r in zip(ordered, sample_row, strict=True):
+            if r is not None:
+                by_request[id(s)] = SampledToken(
+                    int(tokens[r]), float(lp[r]), int(rank[r]), top_ids[r], top_lp[r]
+                )
+        return [by_request.get(id(s)) for s in out.scheduled]

@@ -1,0 +1,265 @@
+"""Ragged paged attention as a Pallas TPU kernel: mixed prefill + decode in one call.
+
+Design. The grid is ``(R, cdiv(T, block_q))``: step ``(r, i)`` owns query rows
+``query_start[r] + i * block_q ...`` of request ``r`` (at most ``block_q`` of them) and
+does nothing when ``r >= num_seqs`` or the request has fewer queries. All metadata
+(``kv_lens``, the flattened ``block_tables``, ``query_start``, ``query_lens``,
+``num_seqs``) is scalar-prefetched into SMEM, so the page table drives the KV DMAs.
+
+q, the KV cache and the output stay in HBM (``pl.ANY``); each step moves fixed-size
+windows by hand. q is handed over head-major as ``[N, T, H]`` so that one kv head's
+query group is a contiguous ``[G * block_q, H]`` matrix (G = N // K). The step copies a
+``block_q``-row window of q starting at ``min(row_lo, T - block_q)`` (clamped so the
+static-size copy stays in bounds), then walks its kv range in chunks of
+``pages_per_chunk`` pages: one DMA per page into a double-buffered VMEM chunk, the next
+chunk's DMAs started before the current one is consumed. Only pages that hold positions
+the step can attend to (causal limit, sliding window) are fetched; every other column
+of the chunk buffer holds stale data and is masked out of the scores *and* zeroed in V,
+so NaN/garbage there cannot leak through ``0 * NaN``. Scores, the running max, the
+normaliser and the accumulator are float32 (online softmax).
+
+Output. The output aliases a zero-initialised ``[N, T, H]`` array, so rows no valid
+request owns (gaps, padding) stay zero. A step's ``block_q`` window can overlap rows of
+other requests (clamping, a short last block), so the write is read-modify-write: copy
+the window in, ``jnp.where`` the step's own rows over it, copy it back. Both grid
+dimensions are "arbitrary", i.e. sequential, so these read-modify-writes never race.
+
+Known costs: the grid has R * cdiv(T, block_q) steps and most of them are empty for a
+large batch (each costs only the SMEM reads and a branch); the output window is copied
+in and out once per non-empty step.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from .validation import validate_inputs, validate_options
+
+_NUM_SCALAR_PREFETCH = 5
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    kv_cache: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    query_start: jax.Array,
+    query_lens: jax.Array,
+    num_seqs,
+    *,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    block_q: int = 32,
+    pages_per_chunk: int = 8,
+    interpret: bool | pltpu.InterpretParams = False,
+) -> jax.Array:
+    """Attention of a flat ragged batch of queries over a paged KV cache (Pallas TPU).
+
+    q [T, N, H]; kv_cache [B, S, 2K, H] (K at head 2k, V at head 2k+1); kv_lens,
+    query_start, query_lens [R] int32; block_tables [R, P] int32; num_seqs int32 scalar
+    or [1]. Returns [T, N, H] in q's dtype, zero on rows no valid request owns.
+    ``interpret=True`` runs the kernel in TPU interpret mode (CPU); an
+    ``pltpu.InterpretParams`` is passed through as is.
+    """
+    validate_inputs(q, kv_cache, kv_lens, block_tables, query_start, query_lens, num_seqs)
+    validate_options(sm_scale, sliding_window, soft_cap)
+    if block_q < 1 or pages_per_chunk < 1:
+        raise ValueError(f"block_q={block_q} and pages_per_chunk={pages_per_chunk} must be >= 1")
+    t, n, h = q.shape
+    _, s, two_k, _ = kv_cache.shape
+    r, p = block_tables.shape
+    bq = min(block_q, t)
+    ppc = min(pages_per_chunk, p)
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(h)
+    if interpret is True:
+        interpret = pltpu.InterpretParams()
+
+    kernel = functools.partial(
+        _kernel,
+        sm_scale=float(sm_scale),
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        pages_per_seq=p,
+    )
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=_NUM_SCALAR_PREFETCH,
+        grid=(r, pl.cdiv(t, bq)),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * 3,
+        out_specs=pl.BlockSpec(memory_space=pl.ANY),
+        scratch_shapes=[
+            pltpu.VMEM((n, bq, h), q.dtype),  # q window
+            pltpu.VMEM((n, bq, h), q.dtype),  # output window
+            pltpu.VMEM((2, ppc, s, two_k, h), kv_cache.dtype),  # kv chunks, double-buffered
+            pltpu.VMEM((n, bq, h), jnp.float32),  # accumulator
+            pltpu.VMEM((n, bq, 1), jnp.float32),  # running max
+            pltpu.VMEM((n, bq, 1), jnp.float32),  # running normaliser
+            pltpu.SemaphoreType.DMA((2, ppc)),  # one per page slot
+            pltpu.SemaphoreType.DMA((2,)),  # q window, output window
+        ],
+    )
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((n, t, h), q.dtype),
+        grid_spec=grid_spec,
+        input_output_aliases={_NUM_SCALAR_PREFETCH + 2: 0},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )(
+        kv_lens,
+        block_tables.reshape(-1),  # 1-D in SMEM: no padding of a 2-D table
+        query_start,
+        query_lens,
+        jnp.asarray(num_seqs, jnp.int32).reshape(1),
+        jnp.swapaxes(q, 0, 1),  # [N, T, H]
+        kv_cache,
+        jnp.zeros((n, t, h), q.dtype),  # [N, T, H], aliased to the output
+    )
+    return jnp.swapaxes(out, 0, 1)  # [T, N, H]
+
+
+def _kernel(
+    # scalar prefetch (SMEM)
+    kv_lens_ref,
+    block_tables_ref,
+    query_start_ref,
+    query_lens_ref,
+    num_seqs_ref,
+    # HBM
+    q_hbm,  # [N, T, H]
+    kv_hbm,  # [B, S, 2K, H]
+    _out_init_hbm,  # aliased to out_hbm
+    out_hbm,  # [N, T, H]
+    # scratch
+    q_buf,  # [N, bq, H]
+    o_buf,  # [N, bq, H]
+    kv_buf,  # [2, ppc, S, 2K, H]
+    acc_ref,  # [N, bq, H] f32
+    m_ref,  # [N, bq, 1] f32
+    l_ref,  # [N, bq, 1] f32
+    kv_sems,  # [2, ppc]
+    io_sems,  # [2]
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    pages_per_seq: int,
+):
+    req, qblk = pl.program_id(0), pl.program_id(1)
+    n, bq, h = q_buf.shape
+    _, ppc, s, two_k, _ = kv_buf.shape
+    num_kv_heads = two_k // 2
+    group = n // num_kv_heads
+    t = q_hbm.shape[1]
+    chunk = ppc * s
+    compute_dtype = jnp.promote_types(q_buf.dtype, kv_buf.dtype)
+
+    kv_len = kv_lens_ref[req]
+    q_len = query_lens_ref[req]
+    q0 = query_start_ref[req]
+    row_lo = q0 + qblk * bq  # first row of q this step owns
+    row_hi = jnp.minimum(q0 + q_len, row_lo + bq)  # one past its last row
+    window = jnp.minimum(row_lo, t - bq)  # first row of the static-size window
+    ctx = kv_len - q_len  # kv positions before the request's first query
+    last_pos = ctx + (row_hi - q0) - 1  # furthest position any owned row attends to
+    first_pos = ctx + (row_lo - q0)
+    lo_pos = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
+
+    @pl.when((req < num_seqs_ref[0]) & (row_lo < q0 + q_len))
+    def _step():
+        q_copy = pltpu.make_async_copy(q_hbm.at[:, pl.ds(window, bq)], q_buf, io_sems.at[0])
+        o_read = pltpu.make_async_copy(out_hbm.at[:, pl.ds(window, bq)], o_buf, io_sems.at[1])
+        q_copy.start()
+        o_read.start()
+
+        def page_copy(c, slot, j):
+            page_idx = jnp.minimum(c * ppc + j, pages_per_seq - 1)
+            page = block_tables_ref[req * pages_per_seq + page_idx]
+            return pltpu.make_async_copy(
+                kv_hbm.at[page], kv_buf.at[slot, j], kv_sems.at[slot, j]
+            )
+
+        def page_needed(c, j):
+            first = (c * ppc + j) * s
+            return (first <= last_pos) & (first + s > lo_pos) & (c * ppc + j < pages_per_seq)
+
+        def for_chunk_pages(c, slot, action):
+            for j in range(ppc):
+                pl.when(page_needed(c, j))(lambda j=j: action(page_copy(c, slot, j)))
+
+        c_start = lo_pos // chunk
+        c_end = last_pos // chunk + 1
+        for_chunk_pages(c_start, 0, lambda cp: cp.start())
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+        # Query positions of the window's rows; rows the step does not own get
+        # arbitrary positions and are dropped at the write.
+        q_pos = ctx - q0 + window + jax.lax.broadcasted_iota(jnp.int32, (1, bq, 1), 1)
+        q_copy.wait()
+
+        def chunk_body(c, carry):
+            slot = jax.lax.rem(c - c_start, 2)
+
+            @pl.when(c + 1 < c_end)
+            def _prefetch():
+                for_chunk_pages(c + 1, slot, lambda cp: cp.start())
+
+            for_chunk_pages(c, slot, lambda cp: cp.wait())
+            kv_pos = c * chunk + jax.lax.broadcasted_iota(jnp.int32, (1, 1, chunk), 2)
+            col_ok = (kv_pos >= lo_pos) & (kv_pos <= last_pos)  # [1, 1, C]
+            mask = col_ok & (kv_pos <= q_pos)  # [1, bq, C]
+            if sliding_window is not None:
+                mask &= kv_pos > q_pos - sliding_window
+            v_pos = c * chunk + jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
+            v_ok = (v_pos >= lo_pos) & (v_pos <= last_pos)  # [C, 1]
+            for kh in range(num_kv_heads):
+                heads = slice(kh * group, (kh + 1) * group)
+                k = kv_buf[slot, :, :, 2 * kh, :].reshape(chunk, h)  # [C, H]
+                v = kv_buf[slot, :, :, 2 * kh + 1, :].reshape(chunk, h)  # [C, H]
+                v = jnp.where(v_ok, v, jnp.zeros_like(v))
+                qg = q_buf[heads].reshape(group * bq, h)  # [G*bq, H]
+                scores = jax.lax.dot_general(
+                    qg.astype(compute_dtype),
+                    k.astype(compute_dtype),
+                    (((1,), (1,)), ((), ())),
+                    preferred_element_type=jnp.float32,
+                )  # [G*bq, C]
+                scores = scores * sm_scale
+                if soft_cap is not None:
+                    scores = soft_cap * jnp.tanh(scores / soft_cap)
+                scores = jnp.where(mask, scores.reshape(group, bq, chunk), -jnp.inf)
+
+                m_prev = m_ref[heads]  # [G, bq, 1]
+                m_new = jnp.maximum(m_prev, scores.max(axis=-1, keepdims=True))
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # fully masked rows
+                probs = jnp.exp(scores - m_safe)  # [G, bq, C]
+                alpha = jnp.exp(m_prev - m_safe)  # [G, bq, 1]
+                l_ref[heads] = alpha * l_ref[heads] + probs.sum(axis=-1, keepdims=True)
+                pv = jnp.dot(
+                    probs.reshape(group * bq, chunk).astype(v.dtype),
+                    v,
+                    preferred_element_type=jnp.float32,
+                )  # [G*bq, H]
+                acc_ref[heads] = alpha * acc_ref[heads] + pv.reshape(group, bq, h)
+                m_ref[heads] = m_new
+            return carry
+
+        jax.lax.fori_loop(c_start, c_end, chunk_body, 0)
+
+        l = l_ref[...]
+        out = acc_ref[...] / jnp.where(l == 0.0, 1.0, l)  # [N, bq, H]
+        rows = window + jax.lax.broadcasted_iota(jnp.int32, (1, bq, 1), 1)
+        owned = (rows >= row_lo) & (rows < row_hi)
+        o_read.wait()
+        o_buf[...] = jnp.where(owned, out.astype(o_buf.dtype), o_buf[...])
+        o_write = pltpu.make_async_copy(o_buf, out_hbm.at[:, pl.ds(window, bq)], io_sems.at[1])
+        o_write.start()
+        o_write.wait()

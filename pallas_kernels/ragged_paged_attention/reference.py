@@ -1,0 +1,81 @@
+"""Pure-jnp oracle for ragged paged attention: simple, eager, obviously correct.
+
+It resolves the ragged metadata on the host (which request owns each query row and at
+which position it sits), gathers every request's pages in page-table order into one
+contiguous ``[R, P*S, 2K, H]`` array, and runs dense masked attention of each query row
+over its own request's positions. It is what the Pallas kernel is tested against, not a
+fast path: memory grows as T * P * S.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .validation import validate_inputs, validate_options
+
+
+def ragged_paged_attention_reference(
+    q: jnp.ndarray,
+    kv_cache: jnp.ndarray,
+    kv_lens: jnp.ndarray,
+    block_tables: jnp.ndarray,
+    query_start: jnp.ndarray,
+    query_lens: jnp.ndarray,
+    num_seqs,
+    *,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> jnp.ndarray:
+    """Attention of a flat ragged batch of queries over a paged KV cache.
+
+    q [T, N, H]; kv_cache [B, S, 2K, H] (K at head 2k, V at head 2k+1); kv_lens,
+    query_start, query_lens [R]; block_tables [R, P]; only requests r < num_seqs are used.
+    Returns [T, N, H] in q's dtype, zero on rows no valid request owns.
+    """
+    validate_inputs(q, kv_cache, kv_lens, block_tables, query_start, query_lens, num_seqs)
+    validate_options(sm_scale, sliding_window, soft_cap)
+    t, n, h = q.shape
+    s = kv_cache.shape[1]
+    k_heads = kv_cache.shape[2] // 2
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(h)
+
+    kv_lens, block_tables = np.asarray(kv_lens), np.asarray(block_tables)
+    query_start, query_lens = np.asarray(query_start), np.asarray(query_lens)
+    owner = np.full(t, -1)  # request owning each query row, -1 for padding
+    for r in range(int(np.asarray(num_seqs).reshape(-1)[0])):
+        kv_len, q_len, q0 = int(kv_lens[r]), int(query_lens[r]), int(query_start[r])
+        if not (0 <= q_len <= kv_len <= block_tables.shape[1] * s and 0 <= q0 <= t - q_len):
+            raise ValueError(
+                f"request {r}: inconsistent metadata (query_start={q0}, query_len={q_len}, "
+                f"kv_len={kv_len}, T={t}, capacity={block_tables.shape[1] * s})"
+            )
+        if (owner[q0 : q0 + q_len] != -1).any():
+            raise ValueError(f"request {r}: query rows overlap another request's")
+        owner[q0 : q0 + q_len] = r
+    owned = owner >= 0  # [T]
+    req = np.maximum(owner, 0)  # [T]
+    q_pos = kv_lens[req] - query_lens[req] + np.arange(t) - query_start[req]  # [T]
+
+    r_total, p = block_tables.shape
+    kv = kv_cache[block_tables].reshape(r_total, p * s, 2 * k_heads, h)  # [R, L, 2K, H]
+    kv = kv[req].astype(jnp.float32)  # [T, L, 2K, H]: each row's own request
+    kv_pos = jnp.arange(p * s)[None, :]  # [1, L]
+    mask = (kv_pos <= q_pos[:, None]) & owned[:, None]  # [T, L]
+    if sliding_window is not None:
+        mask &= kv_pos > q_pos[:, None] - sliding_window
+    k = jnp.repeat(kv[:, :, 0::2], n // k_heads, axis=2)  # [T, L, N, H]
+    v = jnp.repeat(kv[:, :, 1::2], n // k_heads, axis=2)  # [T, L, N, H]
+    v = jnp.where(mask[:, :, None, None], v, 0.0)  # unused slots may hold NaN
+
+    scores = jnp.einsum("TNH,TLNH->TNL", q.astype(jnp.float32), k) * sm_scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    scores = jnp.where(mask[:, None, :], scores, -jnp.inf)
+    scores = jnp.where(owned[:, None, None], scores, 0.0)  # keep padding rows finite
+    probs = jax.nn.softmax(scores, axis=-1)  # [T, N, L]
+    out = jnp.einsum("TNL,TLNH->TNH", probs, v)
+    return jnp.where(owned[:, None, None], out, 0.0).astype(q.dtype)

@@ -1,0 +1,85 @@
+"""Input checks for ragged paged attention, shared by the kernel and the reference.
+
+Only static properties are checked (ranks, dtypes, shapes), so the checks run unchanged
+on concrete arrays and on tracers under ``jax.jit``. Errors are ``ValueError`` with a
+message that names the offending argument.
+"""
+
+import jax.numpy as jnp
+
+
+def _shape(name: str, x) -> tuple[int, ...]:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+    return tuple(x.shape)
+
+
+def _int32(name: str, x, rank: int) -> tuple[int, ...]:
+    shape = _shape(name, x)
+    if len(shape) != rank:
+        raise ValueError(f"{name} must have rank {rank}, got shape {shape}")
+    if jnp.dtype(x.dtype) != jnp.int32:
+        raise ValueError(f"{name} must be int32, got {x.dtype}")
+    return shape
+
+
+def validate_inputs(q, kv_cache, kv_lens, block_tables, query_start, query_lens, num_seqs) -> None:
+    """Raises ValueError unless the arguments form a consistent ragged paged batch.
+
+    Expected: q [T, N, H] float; kv_cache [B, S, 2K, H] float with N % K == 0;
+    kv_lens, query_start, query_lens [R] int32; block_tables [R, P] int32;
+    num_seqs an int, an int32 scalar or an int32 array of shape [1].
+    """
+    q_shape = _shape("q", q)
+    if len(q_shape) != 3:
+        raise ValueError(f"q must be [T, N, H], got shape {q_shape}")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q must be floating point, got {q.dtype}")
+    t, n, h = q_shape
+    if min(t, n, h) < 1:
+        raise ValueError(f"q must have non-empty dimensions, got shape {q_shape}")
+
+    kv_shape = _shape("kv_cache", kv_cache)
+    if len(kv_shape) != 4:
+        raise ValueError(f"kv_cache must be [B, S, 2K, H], got shape {kv_shape}")
+    if not jnp.issubdtype(kv_cache.dtype, jnp.floating):
+        raise ValueError(f"kv_cache must be floating point, got {kv_cache.dtype}")
+    _, s, two_k, kv_h = kv_shape
+    if s < 1 or two_k < 2 or two_k % 2:
+        raise ValueError(
+            f"kv_cache must be [B, S, 2K, H] with S >= 1 and an even, non-zero head axis "
+            f"(K and V interleaved), got shape {kv_shape}"
+        )
+    if kv_h != h:
+        raise ValueError(f"head dim mismatch: q has H={h}, kv_cache has H={kv_h}")
+    k = two_k // 2
+    if n % k:
+        raise ValueError(f"query heads N={n} must be a multiple of kv heads K={k}")
+
+    (r,) = _int32("kv_lens", kv_lens, 1)
+    bt_shape = _int32("block_tables", block_tables, 2)
+    if bt_shape[0] != r or bt_shape[1] < 1:
+        raise ValueError(f"block_tables must be [R={r}, P>=1], got shape {bt_shape}")
+    for name, x in (("query_start", query_start), ("query_lens", query_lens)):
+        if _int32(name, x, 1) != (r,):
+            raise ValueError(f"{name} must be [R={r}], got shape {tuple(x.shape)}")
+
+    if isinstance(num_seqs, int):
+        return
+    ns_shape = _shape("num_seqs", num_seqs)
+    if ns_shape not in ((), (1,)) or jnp.dtype(num_seqs.dtype) != jnp.int32:
+        raise ValueError(
+            f"num_seqs must be an int32 scalar or [1] array, got {num_seqs.dtype}{list(ns_shape)}"
+        )
+
+
+def validate_options(sm_scale, sliding_window, soft_cap) -> None:
+    """Raises ValueError on out-of-range attention options."""
+    if sm_scale is not None and not sm_scale > 0:
+        raise ValueError(f"sm_scale must be positive, got {sm_scale}")
+    if sliding_window is not None and (
+        int(sliding_window) != sliding_window or sliding_window < 1
+    ):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap must be positive or None, got {soft_cap}")

@@ -1,0 +1,172 @@
+"""Fixtures for the model loader tests: the embedded SmolLM2 GGUF, tiny random transformers models
+saved as safetensors directories, and tiny GGUF files written the way llama.cpp's converter
+writes them (its names from gguf-py's own tensor map, its q/k row order for llama).
+"""
+
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jllm.model_loader import ModelSource, resolve_model
+from jllm.model_loader.locate import default_model_path
+
+_CONFIGS = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+}
+
+_GGUF_ARCHS = {
+    "llama": gguf.MODEL_ARCH.LLAMA,
+    "qwen2": gguf.MODEL_ARCH.QWEN2,
+    "qwen3": gguf.MODEL_ARCH.QWEN3,
+}
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> str:
+    try:
+        return default_model_path()
+    except ImportError as e:
+        pytest.skip(f"embedded model not installed: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm_source(smollm_path) -> ModelSource:
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(smollm_source, tmp_path_factory) -> str:
+    """A Hugging Face tokenizer directory made offline from the embedded GGUF's tokenizer."""
+    path = str(tmp_path_factory.mktemp("tokenizer"))
+    smollm_source.load_tokenizer().save_pretrained(path)
+    return path
+
+
+def tiny_model(arch: str, *, tie: bool = False, seed: int = 0, **overrides):
+    """A small random transformers causal LM of the given architecture (float32)."""
+    config_cls, model_cls = _CONFIGS[arch]
+    kwargs = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    if arch == "qwen3":
+        kwargs["head_dim"] = 32
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kwargs)).eval()
+    with torch.no_grad():  # norms start at exactly 1: make them distinguishable
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                param.normal_()
+    return model
+
+
+@pytest.fixture
+def save_tiny(tmp_path, tokenizer_dir):
+    """`save_tiny(arch, dtype=..., **config)` -> (model directory, torch model)."""
+
+    def save(arch: str, dtype: torch.dtype = torch.float32, tie: bool = False, **kwargs):
+        model = tiny_model(arch, tie=tie, **kwargs).to(dtype)
+        path = tmp_path / f"{arch}-{str(dtype).removeprefix('torch.')}"
+        model.save_pretrained(path)
+        transformers.AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+        return str(path), model
+
+    return save
+
+
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter for llama: each head's rows from [halves] to [interleaved pairs]."""
+    rows = weight.shape[0]
+    per_head = weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
+    return per_head.swapaxes(1, 2).reshape(weight.shape)
+
+
+def write_gguf(path: str, model, arch: str, *, rope_freqs: np.ndarray | None = None) -> dict:
+    """Write `model` as llama.cpp would; return `{hf_name: values the file holds, in HF order}`.
+
+    2-D projection weights are stored as Q8_0, the embedding as F16 and the rest as F32, so the
+    loader's dequantization is exercised; the returned values are what the file really holds.
+    """
+    config = model.config
+    name_map = gguf.get_tensor_name_map(_GGUF_ARCHS[arch], config.num_hidden_layers)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+    writer.add_pad_token_id(config.pad_token_id)
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+
+    stored = {}
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # llama.cpp writes no output tensor for a tied head
+        stem, suffix = hf_name.rsplit(".", 1)
+        name = f"{name_map.get_name(stem)}.{suffix}"
+        values = tensor.float().numpy()
+        if name == "token_embd.weight":
+            qtype = gguf.GGMLQuantizationType.F16
+            stored[hf_name] = values.astype(np.float16).astype(np.float32)
+        elif values.ndim == 2:
+            qtype = gguf.GGMLQuantizationType.Q8_0
+            # Q8_0 blocks run along rows, so quantizing commutes with the row permutation below
+            stored[hf_name] = gguf.quants.dequantize(gguf.quants.quantize(values, qtype), qtype)
+        else:
+            qtype = gguf.GGMLQuantizationType.F32
+            stored[hf_name] = values
+        if arch == "llama" and ".attn_q." in name:
+            values = llama_cpp_permute(values, config.num_attention_heads)
+        elif arch == "llama" and ".attn_k." in name:
+            values = llama_cpp_permute(values, config.num_key_value_heads)
+        writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert os.path.getsize(path) > 0
+    return stored
+
+
+@pytest.fixture
+def gguf_writer():
+    """`write_gguf` as a fixture, for test modules."""
+    return write_gguf
+
+
+@pytest.fixture
+def make_tiny():
+    """`tiny_model` as a fixture, for test modules."""
+    return tiny_model
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: runs the real SmolLM2 GGUF through an oracle")

@@ -1,0 +1,227 @@
+"""Ragged paged attention: the Pallas kernel (TPU interpret mode on CPU) against the jnp
+reference, and the reference against naive numpy attention over contiguous K/V.
+
+Batches are built to catch indexing mistakes: randomly permuted block tables, gaps of
+NaN query rows between requests and at the end, padding requests (r >= num_seqs) whose
+metadata points at real rows, and NaN in every cache slot no valid request owns.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.ragged_paged_attention import (
+    kv_cache_bytes,
+    kv_cache_shape,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+    validate_inputs,
+)
+
+# (kv_len, query_len): decodes, a fresh prefill, chunked-prefill continuations.
+MIX = [(5, 1), (13, 13), (30, 7), (17, 1), (9, 9), (21, 3)]
+
+
+def make_batch(seqs, *, n, k, h, s, dtype, seed=0, num_pad_requests=2, extra_pages=2):
+    """Builds kernel arguments plus the contiguous numpy K/V each request sees."""
+    rng = np.random.default_rng(seed)
+    num_pages = [-(-kv_len // s) for kv_len, _ in seqs]
+    p = max(num_pages) + extra_pages
+    b = 1 + sum(num_pages) + 3  # block 0 is the null block; a few blocks stay unused
+    cache = np.full((b, s, 2 * k, h), np.nan, np.float32)
+    free = list(rng.permutation(np.arange(1, b)))
+
+    r = len(seqs) + num_pad_requests
+    block_tables = np.zeros((r, p), np.int32)  # unused entries point at the NaN null block
+    kv_lens = np.zeros(r, np.int32)
+    query_start = np.zeros(r, np.int32)
+    query_lens = np.zeros(r, np.int32)
+    contiguous = []
+    row = int(rng.integers(0, 3))
+    for i, (kv_len, q_len) in enumerate(seqs):
+        kv = rng.standard_normal((kv_len, 2 * k, h)).astype(np.float32)
+        kv = kv.astype(dtype).astype(np.float32)  # exactly representable in dtype
+        for j in range(num_pages[i]):
+            page = free.pop()
+            block_tables[i, j] = page
+            chunk = kv[j * s : (j + 1) * s]
+            cache[page, : len(chunk)] = chunk
+        kv_lens[i], query_lens[i], query_start[i] = kv_len, q_len, row
+        contiguous.append(kv)
+        row += q_len + int(rng.integers(0, 4))  # gap of 0-3 padding rows
+    t = row + 5  # trailing padding rows
+
+    for i in range(len(seqs), r):  # padding requests overlapping real rows
+        kv_lens[i], query_lens[i], query_start[i] = p * s, 4, 1
+        block_tables[i] = rng.integers(0, b, p)
+
+    q = np.full((t, n, h), np.nan, np.float32)
+    for i, (_, q_len) in enumerate(seqs):
+        q0 = query_start[i]
+        q[q0 : q0 + q_len] = rng.standard_normal((q_len, n, h))
+    args = (
+        jnp.asarray(q, dtype),
+        jnp.asarray(cache, dtype),
+        jnp.asarray(kv_lens),
+        jnp.asarray(block_tables),
+        jnp.asarray(query_start),
+        jnp.asarray(query_lens),
+        jnp.asarray([len(seqs)], jnp.int32),
+    )
+    return args, contiguous
+
+
+def owned_rows(args):
+    """Boolean [T] mask of the rows that some valid request owns."""
+    q, _, _, _, query_start, query_lens, num_seqs = args
+    mask = np.zeros(q.shape[0], bool)
+    for r in range(int(num_seqs[0])):
+        mask[int(query_start[r]) : int(query_start[r] + query_lens[r])] = True
+    return mask
+
+
+def assert_matches(out, ref, args, dtype):
+    out = np.asarray(out.astype(jnp.float32))
+    ref = np.asarray(ref.astype(jnp.float32))
+    assert out.shape == args[0].shape
+    assert not np.isnan(out).any()
+    assert (out[~owned_rows(args)] == 0).all()
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(out, ref, atol=tol, rtol=tol)
+
+
+def naive_attention(q, kv, *, sm_scale, sliding_window=None, soft_cap=None):
+    """Per-token causal attention in float64 over contiguous kv [L, 2K, H]."""
+    q = np.asarray(q, np.float64)  # [Q, N, H]
+    q_len, n, _ = q.shape
+    kv_len, two_k, _ = kv.shape
+    group = n // (two_k // 2)
+    out = np.zeros(q.shape)
+    for j in range(q_len):
+        pos = kv_len - q_len + j
+        lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+        for head in range(n):
+            keys = kv[lo : pos + 1, 2 * (head // group)].astype(np.float64)
+            values = kv[lo : pos + 1, 2 * (head // group) + 1].astype(np.float64)
+            scores = keys @ q[j, head] * sm_scale
+            if soft_cap is not None:
+                scores = soft_cap * np.tanh(scores / soft_cap)
+            weights = np.exp(scores - scores.max())
+            out[j, head] = weights @ values / weights.sum()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("s", [8, 16])
+@pytest.mark.parametrize("n,k", [(4, 4), (8, 2), (6, 1)])
+def test_kernel_matches_reference(dtype, s, n, k):
+    args, _ = make_batch(MIX, n=n, k=k, h=16, s=s, dtype=dtype, seed=s + n)
+    ref = ragged_paged_attention_reference(*args)
+    out = ragged_paged_attention(*args, block_q=8, pages_per_chunk=2, interpret=True)
+    assert out.dtype == dtype
+    assert_matches(out, ref, args, dtype)
+
+
+@pytest.mark.parametrize("block_q,pages_per_chunk", [(1, 1), (5, 3), (64, 16)])
+def test_kernel_tile_sizes(block_q, pages_per_chunk):
+    # block_q=64 exceeds T (window clamped to T); pages_per_chunk=16 exceeds P.
+    args, _ = make_batch(MIX, n=8, k=2, h=16, s=8, dtype=jnp.float32, seed=block_q)
+    ref = ragged_paged_attention_reference(*args)
+    out = ragged_paged_attention(
+        *args, block_q=block_q, pages_per_chunk=pages_per_chunk, interpret=True
+    )
+    assert_matches(out, ref, args, jnp.float32)
+
+
+@pytest.mark.parametrize(
+    "sliding_window,soft_cap", [(5, None), (None, 1.0), (12, 2.0), (1, None)]
+)
+def test_kernel_window_and_soft_cap(sliding_window, soft_cap):
+    args, _ = make_batch(MIX, n=8, k=2, h=16, s=8, dtype=jnp.float32, seed=3)
+    opts = dict(sliding_window=sliding_window, soft_cap=soft_cap, sm_scale=0.7)
+    ref = ragged_paged_attention_reference(*args, **opts)
+    plain = ragged_paged_attention_reference(*args, sm_scale=0.7)
+    assert not np.allclose(ref, plain, atol=1e-3)  # the option has an effect
+    out = ragged_paged_attention(*args, **opts, block_q=8, pages_per_chunk=1, interpret=True)
+    assert_matches(out, ref, args, jnp.float32)
+
+
+def test_kernel_under_jit_and_strict_interpreter():
+    args, _ = make_batch(MIX, n=8, k=2, h=16, s=16, dtype=jnp.float32, seed=7)
+    ref = ragged_paged_attention_reference(*args)
+    # Eager DMAs plus the race detector: a read of a kv slot while its DMA is in
+    # flight, or an output write racing the next step's read, raises here.
+    strict = pltpu.InterpretParams(dma_execution_mode="eager", detect_races=True)
+    fn = jax.jit(
+        functools.partial(ragged_paged_attention, block_q=8, pages_per_chunk=2, interpret=strict)
+    )
+    out = fn(*args)
+    assert_matches(out, ref, args, jnp.float32)
+
+
+def test_kernel_num_seqs_zero_and_scalar():
+    args, _ = make_batch(MIX[:2], n=4, k=2, h=8, s=8, dtype=jnp.float32)
+    none = args[:6] + (jnp.int32(0),)
+    out = ragged_paged_attention(*none, block_q=8, interpret=True)
+    assert (np.asarray(out) == 0).all()
+    out = ragged_paged_attention(*args[:6], jnp.int32(2), block_q=8, interpret=True)
+    assert_matches(out, ragged_paged_attention_reference(*args), args, jnp.float32)
+
+
+@pytest.mark.parametrize("sliding_window,soft_cap", [(None, None), (6, None), (None, 1.5)])
+def test_reference_matches_naive_attention(sliding_window, soft_cap):
+    h = 16
+    args, contiguous = make_batch(MIX, n=6, k=2, h=h, s=8, dtype=jnp.float32, seed=11)
+    opts = dict(sliding_window=sliding_window, soft_cap=soft_cap)
+    out = np.asarray(ragged_paged_attention_reference(*args, **opts))
+    q, query_start = np.asarray(args[0]), np.asarray(args[4])
+    expected = np.zeros(q.shape)
+    for (_, q_len), q0, kv in zip(MIX, query_start, contiguous, strict=False):
+        expected[q0 : q0 + q_len] = naive_attention(
+            q[q0 : q0 + q_len], kv, sm_scale=1 / math.sqrt(h), **opts
+        )
+    np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def _bad_inputs():
+    args, _ = make_batch(MIX[:2], n=4, k=2, h=8, s=8, dtype=jnp.float32, num_pad_requests=0)
+    q, cache, kv_lens, bt, qs, ql, ns = args
+    yield "q rank", (q[0], cache, kv_lens, bt, qs, ql, ns)
+    yield "head dim", (q[..., :4], cache, kv_lens, bt, qs, ql, ns)
+    yield "odd kv heads", (q, cache[:, :, :3], kv_lens, bt, qs, ql, ns)
+    yield "N % K", (q[:, :3], cache, kv_lens, bt, qs, ql, ns)
+    yield "float lens", (q, cache, kv_lens.astype(jnp.float32), bt, qs, ql, ns)
+    yield "R mismatch", (q, cache, kv_lens, bt[:1], qs, ql, ns)
+    yield "query_lens shape", (q, cache, kv_lens, bt, qs, ql[:1], ns)
+    yield "num_seqs shape", (q, cache, kv_lens, bt, qs, ql, jnp.zeros(2, jnp.int32))
+    yield "int q", (q.astype(jnp.int32), cache, kv_lens, bt, qs, ql, ns)
+
+
+@pytest.mark.parametrize("case", list(_bad_inputs()), ids=lambda case: case[0])
+def test_validate_inputs_rejects(case):
+    _, bad = case
+    with pytest.raises(ValueError):
+        validate_inputs(*bad)
+    with pytest.raises(ValueError):
+        ragged_paged_attention(*bad, interpret=True)
+
+
+def test_validate_inputs_accepts_and_bad_options():
+    args, _ = make_batch(MIX[:2], n=4, k=2, h=8, s=8, dtype=jnp.float32)
+    validate_inputs(*args)
+    validate_inputs(*args[:6], 2)
+    for bad in (dict(sliding_window=0), dict(soft_cap=0.0), dict(sm_scale=-1.0)):
+        with pytest.raises(ValueError):
+            ragged_paged_attention_reference(*args, **bad)
+
+
+def test_kv_cache_shape():
+    assert kv_cache_shape(10, 16, 4, 64) == (10, 16, 8, 64)
+    assert kv_cache_bytes(10, 16, 4, 64, jnp.bfloat16) == 10 * 16 * 8 * 64 * 2
+    with pytest.raises(ValueError):
+        kv_cache_shape(10, 0, 4, 64)
