@@ -1,0 +1,33 @@
+"""Session fixtures: the embedded tokenizer saved as a directory, tiny models, engines."""
+
+from __future__ import annotations
+
+import pytest
+from oracle import ARCHS, SMALL, save_tiny
+
+from jllm.model_loader import resolve_model
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("smollm2-tokenizer"))
+    resolve_model(None).load_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: save_tiny(arch, root, tokenizer_dir) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tiny_models) -> str:
+    return tiny_models["llama"]
+
+
+@pytest.fixture(scope="session")
+def llama_llm(llama_dir):
+    from jllm import LLM
+
+    return LLM(llama_dir, **SMALL)

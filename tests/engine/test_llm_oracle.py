@@ -1,0 +1,45 @@
+"""LLM.generate against transformers: greedy tokens and logprobs on tiny random models."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from oracle import SMALL, hf_greedy, prompt_ids
+
+from jllm import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3-untied"])
+def test_greedy_matches_transformers(tiny_models, arch):
+    prompts = prompt_ids(4, 5) + prompt_ids(1, 40, seed=1)
+    llm = LLM(tiny_models[arch], **SMALL)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    expected = hf_greedy(tiny_models[arch], prompts, 12)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+
+
+def test_logprobs_match_transformers(llama_dir, llama_llm):
+    prompt = prompt_ids(1, 21, seed=3)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5)
+    out = llama_llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+    ids = prompt + out.token_ids
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].double()
+    ref = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1]  # [6, V]
+    cumulative = 0.0
+    for step, entry in enumerate(out.logprobs):
+        token = out.token_ids[step]
+        assert token in entry and entry[token].rank == 1  # greedy: the top token
+        top_vals, top_ids = torch.topk(ref[step], 5)
+        assert set(entry) == set(top_ids.tolist())
+        for tid, lp in entry.items():
+            np.testing.assert_allclose(lp.logprob, ref[step, tid].item(), atol=2e-4)
+        assert [entry[t].rank for t in top_ids.tolist()] == [1, 2, 3, 4, 5]
+        cumulative += entry[token].logprob
+    assert out.cumulative_logprob == pytest.approx(cumulative, abs=1e-5)

@@ -1,0 +1,91 @@
+"""The oracles and settings tests share: tiny random transformers models saved as safetensors
+directories, transformers' greedy generation, and small engine settings."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+TINY = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    # Wide weights so random logits have clear winners: greedy comparisons stay stable.
+    initializer_range=0.25,
+)
+
+ARCHS = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "llama3-untied": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        {
+            "tie_word_embeddings": False,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 128,
+            },
+        },
+    ),
+}
+
+
+def save_tiny(arch: str, root, tokenizer_dir: str) -> str:
+    config_cls, model_cls, extra = ARCHS[arch]
+    config = config_cls(**{"tie_word_embeddings": True, **TINY, **extra})
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    with torch.no_grad():  # non-trivial norms and biases
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.5)
+    path = root / arch
+    model.save_pretrained(path)
+    transformers.AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+    return str(path)
+
+
+# Engine settings for tiny models: small cache, few buckets, compile on first use.
+SMALL = dict(
+    kv_cache_memory_bytes=32 << 20,
+    max_num_seqs=16,
+    max_num_batched_tokens=256,
+    enforce_eager=True,
+    disable_log_stats=True,
+)
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """The oracle: transformers' greedy generation, one prompt at a time, EOS ignored."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    model.generation_config.eos_token_id = None  # like ignore_eos: EOS may appear, no stop
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            gen = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            out.append(gen[0, len(ids) :].tolist())
+    return out
+
+
+def prompt_ids(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 49152, (length + 7 * i,), generator=g).tolist() for i in range(n)]
