@@ -1,7 +1,10 @@
-"""jllm: vLLM's API on a JAX/XLA engine."""
+"""jllm: vLLM's API on a JAX/XLA engine.
+
+`LLM` is imported lazily so that the host-side modules (config, sampling params, scheduler,
+block manager, engine core) stay importable without JAX.
+"""
 
 from jllm.config import EngineArgs
-from jllm.entrypoints.llm import LLM
 from jllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -16,3 +19,11 @@ __all__ = [
     "EngineArgs",
     "RequestOutputKind",
 ]
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from jllm.entrypoints.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'jllm' has no attribute {name!r}")

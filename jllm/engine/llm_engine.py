@@ -22,8 +22,8 @@ from jllm.engine.stats import StatLogger
 from jllm.model_loader import resolve_model
 from jllm.models.llama import LlamaConfig
 from jllm.models.loader import load_model
-from jllm.runner.inputs import BatchLayout
 from jllm.runner.compile_cache import enable_compilation_cache
+from jllm.runner.inputs import BatchLayout
 from jllm.runner.kv_cache import allocate_kv_cache, bytes_per_block, determine_num_blocks
 from jllm.runner.model_runner import ModelRunner
 from jllm.sampling_params import SamplingParams

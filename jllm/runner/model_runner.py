@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jllm.engine.scheduler import SchedulerOutput
@@ -28,6 +26,7 @@ from jllm.runner.inputs import (
     build_sampling_metadata,
     build_step_inputs,
 )
+from jllm.runner.sampled import SampledToken
 from jllm.runner.sampler import sample
 
 logger = logging.getLogger(__name__)
@@ -35,15 +34,6 @@ logger = logging.getLogger(__name__)
 
 class CompileAfterWarmupError(RuntimeError):
     pass
-
-
-@dataclass
-class SampledToken:
-    token_id: int
-    logprob: float
-    rank: int
-    top_ids: np.ndarray
-    top_logprobs: np.ndarray
 
 
 def _forward(state, kv_cache, counts, prompt_mask, batch: StepInputs, *, graphdef, backend):

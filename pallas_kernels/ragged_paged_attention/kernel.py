@@ -181,9 +181,7 @@ def _kernel(
         def page_copy(c, slot, j):
             page_idx = jnp.minimum(c * ppc + j, pages_per_seq - 1)
             page = block_tables_ref[req * pages_per_seq + page_idx]
-            return pltpu.make_async_copy(
-                kv_hbm.at[page], kv_buf.at[slot, j], kv_sems.at[slot, j]
-            )
+            return pltpu.make_async_copy(kv_hbm.at[page], kv_buf.at[slot, j], kv_sems.at[slot, j])
 
         def page_needed(c, j):
             first = (c * ppc + j) * s
@@ -210,7 +208,7 @@ def _kernel(
 
             @pl.when(c + 1 < c_end)
             def _prefetch():
-                for_chunk_pages(c + 1, slot, lambda cp: cp.start())
+                for_chunk_pages(c + 1, 1 - slot, lambda cp: cp.start())
 
             for_chunk_pages(c, slot, lambda cp: cp.wait())
             kv_pos = c * chunk + jax.lax.broadcasted_iota(jnp.int32, (1, 1, chunk), 2)
@@ -254,8 +252,8 @@ def _kernel(
 
         jax.lax.fori_loop(c_start, c_end, chunk_body, 0)
 
-        l = l_ref[...]
-        out = acc_ref[...] / jnp.where(l == 0.0, 1.0, l)  # [N, bq, H]
+        denom = l_ref[...]
+        out = acc_ref[...] / jnp.where(denom == 0.0, 1.0, denom)  # [N, bq, H]
         rows = window + jax.lax.broadcasted_iota(jnp.int32, (1, bq, 1), 1)
         owned = (rows >= row_lo) & (rows < row_hi)
         o_read.wait()

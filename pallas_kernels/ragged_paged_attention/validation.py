@@ -77,9 +77,7 @@ def validate_options(sm_scale, sliding_window, soft_cap) -> None:
     """Raises ValueError on out-of-range attention options."""
     if sm_scale is not None and not sm_scale > 0:
         raise ValueError(f"sm_scale must be positive, got {sm_scale}")
-    if sliding_window is not None and (
-        int(sliding_window) != sliding_window or sliding_window < 1
-    ):
+    if sliding_window is not None and (int(sliding_window) != sliding_window or sliding_window < 1):
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"soft_cap must be positive or None, got {soft_cap}")

@@ -138,9 +138,7 @@ def test_kernel_tile_sizes(block_q, pages_per_chunk):
     assert_matches(out, ref, args, jnp.float32)
 
 
-@pytest.mark.parametrize(
-    "sliding_window,soft_cap", [(5, None), (None, 1.0), (12, 2.0), (1, None)]
-)
+@pytest.mark.parametrize("sliding_window,soft_cap", [(5, None), (None, 1.0), (12, 2.0), (1, None)])
 def test_kernel_window_and_soft_cap(sliding_window, soft_cap):
     args, _ = make_batch(MIX, n=8, k=2, h=16, s=8, dtype=jnp.float32, seed=3)
     opts = dict(sliding_window=sliding_window, soft_cap=soft_cap, sm_scale=0.7)

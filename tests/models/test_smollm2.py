@@ -1,0 +1,75 @@
+"""The embedded SmolLM2-135M-Instruct GGUF end to end against transformers.
+
+The oracle is transformers' LlamaForCausalLM holding the same dequantized weights (the loader
+tests check those bit for bit against transformers' own GGUF reader)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from jllm import LLM, SamplingParams
+from jllm.model_loader import resolve_model
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write one sentence about the moon.",
+]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return LLM(
+        max_num_seqs=4,
+        max_num_batched_tokens=128,
+        kv_cache_memory_bytes=64 << 20,
+        enforce_eager=True,
+        disable_log_stats=True,
+    )
+
+
+def hf_model():
+    source = resolve_model(None)
+    config = transformers.LlamaConfig(**source.hf_config.to_dict())
+    model = transformers.LlamaForCausalLM(config).eval()
+    state = {name: torch.from_numpy(w.copy()) for name, w in source.iter_weights()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    model.tie_weights()
+    return model
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_chat_matches_transformers(smollm):
+    tok = smollm.get_tokenizer()
+    convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = smollm.chat(convs, params, use_tqdm=False)
+    model = hf_model()
+    model.generation_config.eos_token_id = None
+    for conv, out in zip(convs, outs, strict=True):
+        ids = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
+        ids = ids if isinstance(ids, list) else ids["input_ids"]
+        assert out.prompt_token_ids == list(ids)
+        with torch.no_grad():
+            ref = model.generate(
+                torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0
+            )[0, len(ids) :].tolist()
+        assert out.outputs[0].token_ids == ref
+        assert out.outputs[0].text == tok.decode(ref, skip_special_tokens=True)
+    assert "Paris" in outs[0].outputs[0].text
+
+
+@pytest.mark.slow
+def test_smollm2_stops_on_end_of_turn(smollm):
+    out = smollm.chat(
+        [{"role": "user", "content": "Say hello."}],
+        SamplingParams(temperature=0, max_tokens=200),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids[-1] == smollm.get_tokenizer().eos_token_id
+    assert "<|im_end|>" not in out.text

@@ -1,0 +1,51 @@
+"""Every bucket is compiled at start-up: a varied workload afterwards compiles nothing."""
+
+from __future__ import annotations
+
+import pytest
+from oracle import prompt_ids
+
+from jllm import LLM, SamplingParams
+from jllm.runner.compile_guard import count_compiles
+from jllm.runner.model_runner import CompileAfterWarmupError
+
+
+@pytest.mark.slow
+def test_no_compile_after_warmup(llama_dir):
+    llm = LLM(
+        llama_dir,
+        kv_cache_memory_bytes=16 << 20,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        disable_log_stats=True,
+    )
+    runner = llm.llm_engine.runner
+    assert runner.compile_guard
+    assert len(runner._forward_exe) == len(runner.layout.shapes())
+    prompts = [{"prompt_token_ids": p} for p in prompt_ids(7, 3, seed=1)]
+    prompts.append({"prompt_token_ids": prompt_ids(1, 150, seed=2)[0]})  # chunked
+    mixed = [
+        SamplingParams(temperature=0, max_tokens=9),
+        SamplingParams(temperature=0.9, top_p=0.8, top_k=20, max_tokens=12, seed=3),
+        SamplingParams(temperature=1.0, min_p=0.1, max_tokens=5, logprobs=3),
+        SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, max_tokens=7),
+        SamplingParams(n=2, temperature=0.7, max_tokens=6, stop=["the"]),
+        SamplingParams(temperature=0, max_tokens=20, min_tokens=10, frequency_penalty=0.3),
+        SamplingParams(temperature=0.5, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=4),
+    ]
+    with count_compiles() as events:
+        outs = llm.generate(prompts, mixed, use_tqdm=False)
+        outs += llm.chat([{"role": "user", "content": "hi"}], mixed[1], use_tqdm=False)
+    assert len(outs) == 9
+    assert events == []
+
+
+def test_guard_refuses_unknown_bucket(llama_llm):
+    runner = llama_llm.llm_engine.runner
+    runner.compile_guard = True
+    try:
+        with pytest.raises(CompileAfterWarmupError):
+            runner._forward_executable(3, 3, None)
+    finally:
+        runner.compile_guard = False
