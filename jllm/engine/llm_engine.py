@@ -154,6 +154,7 @@ class LLMEngine:
             max_model_len,
             sched_cfg.max_num_seqs,
             sched_cfg.max_num_batched_tokens,
+            kv_token_bytes=2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize,
         )
         self.runner = ModelRunner(
             graphdef,

@@ -17,7 +17,7 @@ import numpy as np
 
 from jllm.engine.kv_cache_manager import cdiv
 from jllm.engine.scheduler import ScheduledRequest, SchedulerOutput
-from jllm.models.attention import AttentionMetadata, kv_chunk_pages
+from jllm.models.attention import AttentionMetadata, kv_chunk_pages, max_kv_chunk_pages
 from jllm.runner.sampler import SamplingMetadata
 from jllm.sampling_params import MAX_SUPPRESS
 
@@ -68,20 +68,24 @@ class BatchLayout:
     block_size: int
     num_blocks: int
     tile_size: int
-    max_pages: int  # block table width, a multiple of the KV chunk in pages
+    max_pages: int  # block table width, a multiple of the largest KV chunk in pages
+    kv_token_bytes: int  # one token's K and V in one layer
     decode_buckets: list[int]  # Rd
     tile_buckets: list[int]  # Tt
     sample_buckets: list[int]  # Rs
 
     @staticmethod
-    def create(block_size, num_blocks, tile_size, max_model_len, max_num_seqs, budget):
-        chunk_pages = kv_chunk_pages(block_size)
+    def create(
+        block_size, num_blocks, tile_size, max_model_len, max_num_seqs, budget, kv_token_bytes
+    ):
+        chunk_pages = max_kv_chunk_pages(block_size)
         max_pages = cdiv(cdiv(max_model_len, block_size), chunk_pages) * chunk_pages
         return BatchLayout(
             block_size=block_size,
             num_blocks=num_blocks,
             tile_size=tile_size,
             max_pages=max_pages,
+            kv_token_bytes=kv_token_bytes,
             decode_buckets=[0] + pow2_buckets(max_num_seqs),
             tile_buckets=[0] + pow2_buckets(cdiv(budget, tile_size)),
             sample_buckets=pow2_buckets(max_num_seqs),
@@ -172,7 +176,8 @@ def build_step_inputs(
         else:
             sample_row.append(None)
 
-    chunk = kv_chunk_pages(S) * S
+    dec_chunk = kv_chunk_pages(S, Rd, layout.kv_token_bytes) * S
+    tile_chunk = kv_chunk_pages(S, Tt, layout.kv_token_bytes) * S
     dec_kv = kv_lens[:Rd]
     attn = AttentionMetadata(
         slot_mapping=slot_mapping,
@@ -181,8 +186,8 @@ def build_step_inputs(
         tile_block_table=tile_bt,
         tile_kv_lens=tile_kv,
         tile_q_pos=tile_pos,
-        decode_chunks=np.int32(cdiv(int(dec_kv.max(initial=0)), chunk)),
-        tile_chunks=np.int32(cdiv(int(tile_kv.max(initial=0)), chunk)),
+        decode_chunks=np.int32(cdiv(int(dec_kv.max(initial=0)), dec_chunk)),
+        tile_chunks=np.int32(cdiv(int(tile_kv.max(initial=0)), tile_chunk)),
         query_start=query_start,
         query_lens=query_lens,
         kv_lens=kv_lens,

@@ -9,7 +9,7 @@ import pytest
 from oracle import SMALL, prompt_ids
 
 from jllm import LLM, SamplingParams
-from jllm.models.attention import tile_attention
+from jllm.models.attention import kv_chunk_pages, tile_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
 
@@ -41,7 +41,8 @@ def test_tile_attention_matches_reference(tile):
     q_pos = np.full((len(kv_lens), tile), -1, np.int32)
     for i, (n, kl) in enumerate(zip(n_valid, kv_lens, strict=True)):
         q_pos[i, :n] = np.arange(kl - n, kl)
-    chunks = np.int32(-(-kv_lens.max() // 32))  # KV_CHUNK_TOKENS=256 / S=8 -> 32 pages
+    chunk = kv_chunk_pages(S, len(kv_lens), 2 * K * H * 4) * S
+    chunks = np.int32(-(-kv_lens.max() // chunk))
     out = tile_attention(
         jnp.asarray(q),
         jnp.asarray(cache),
