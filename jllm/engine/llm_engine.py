@@ -56,9 +56,11 @@ def resolve_dtype(dtype: str, checkpoint_dtype: str, platform: str):
 
 
 def resolve_backend(requested: str, platform: str) -> str:
+    """auto: the Pallas kernel on TPU (its TPU flavour is the one written so far), the XLA
+    attention elsewhere (CPU, and GPU until the kernel has a GPU variant)."""
     if requested != "auto":
         return requested
-    return "xla" if platform == "cpu" else "pallas"
+    return "pallas" if platform == "tpu" else "xla"
 
 
 def _extra_eos_ids(source, primary: int | None) -> set[int]:
