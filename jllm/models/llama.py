@@ -23,8 +23,6 @@ from flax import nnx
 from jllm.models.attention import AttentionMetadata, paged_attention
 from jllm.models.rope import RopeConfig, apply_rope
 
-SCAN_UNROLL = 1
-
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -165,9 +163,8 @@ class LlamaForCausalLM(nnx.Module):
             return (x, kv_cache), None
 
         layers = jnp.arange(self.cfg.num_layers)
-        (x, kv_cache), _ = jax.lax.scan(
-            body, (x, kv_cache), (layer_states, layers), unroll=SCAN_UNROLL
-        )
+        # Not unrolled: with the stacked cache an unrolled scan copies the cache per layer.
+        (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (layer_states, layers))
         return self.norm(x), kv_cache
 
     def compute_logits(self, hidden):  # [R, D] -> [R, V]
