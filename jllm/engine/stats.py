@@ -19,7 +19,6 @@ class StatLogger:
         self._generation_tokens = 0
         self.total_prompt_tokens = 0
         self.total_generation_tokens = 0
-        self.num_steps = 0
 
     def record_step(self, sched_out, num_generated: int, scheduler) -> None:
         prompt = sched_out.total_num_tokens - sum(
@@ -29,7 +28,6 @@ class StatLogger:
         self._generation_tokens += num_generated
         self.total_prompt_tokens += prompt
         self.total_generation_tokens += num_generated
-        self.num_steps += 1
         now = time.monotonic()
         if now - self._last >= self.interval:
             self.log(scheduler, now)

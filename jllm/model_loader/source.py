@@ -14,12 +14,11 @@ from typing import Literal
 import numpy as np
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from jllm.config import TOKENIZER_MODES
 from jllm.model_loader import locate
 from jllm.model_loader.gguf_io import GgufFile
 from jllm.model_loader.gguf_tokenizer import gguf_tokenizer
 from jllm.model_loader.safetensors_io import checkpoint_files, count_params, iter_safetensors
-
-TOKENIZER_MODES = ("auto", "slow")
 
 
 @dataclass
@@ -86,7 +85,8 @@ class ModelSource:
         """
         if tokenizer_mode not in TOKENIZER_MODES:
             raise ValueError(
-                f"tokenizer_mode={tokenizer_mode!r} is not supported; use one of {TOKENIZER_MODES}."
+                f"tokenizer_mode={tokenizer_mode!r} is not supported; "
+                f"use one of {sorted(TOKENIZER_MODES)}."
             )
         if self.tokenizer is None:
             kind, path = self.kind, self.path
