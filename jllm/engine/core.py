@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from jllm.engine.detokenizer import IncrementalDetokenizer
 from jllm.engine.request import Request, RequestStatus
 from jllm.engine.scheduler import Scheduler
-from jllm.engine.stats import StatLogger
+from jllm.metrics.stats import FinishedRequestStats, SchedulerStats, StepStats
 from jllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -31,7 +31,9 @@ class ParentRequest:
     children: list[Request]
     arrival_time: float
     detokenizers: dict[str, IncrementalDetokenizer] = field(default_factory=dict)
+    # DELTA outputs: how much text and how many tokens of each sequence were already sent.
     sent_text: dict[str, int] = field(default_factory=dict)
+    sent_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -46,14 +48,15 @@ class EngineCore:
         tokenizer,
         max_model_len: int,
         eos_token_id: int | None,
-        stat_logger: StatLogger | None = None,
+        stat_loggers: list | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
-        self.stats = stat_logger
+        # Anything with `record(StepStats, SchedulerStats)` (see jllm.metrics).
+        self.stat_loggers = list(stat_loggers or [])
         self.parents: dict[str, ParentRequest] = {}
         self._child_parent: dict[str, ParentRequest] = {}
 
@@ -85,13 +88,20 @@ class EngineCore:
             self.scheduler.add_request(child)
 
     def abort_request(self, request_ids: list[str]) -> None:
+        stats = StepStats()
+        now = time.time()
         for rid in request_ids:
             parent = self.parents.pop(rid, None)
             if parent is None:
                 continue
             for child in parent.children:
+                if child.is_finished():
+                    continue
                 self.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
                 self._release(child)
+                stats.finished.append(self._finished_stats(child, now))
+        if stats.finished:
+            self._record(stats)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -107,32 +117,58 @@ class EngineCore:
             return []
         sampled = self.runner.execute(sched_out)
         now = time.time()
-        touched: dict[str, ParentRequest] = {}
-        num_generated = 0
+        stats = StepStats(num_computed_tokens=sched_out.total_num_tokens)
+        touched: dict[str, tuple[ParentRequest, set[str]]] = {}
         for s, tok in zip(sched_out.scheduled, sampled, strict=True):
+            req = s.request
+            if s.num_computed_tokens < req.num_prompt_tokens or not s.samples:
+                stats.num_prefill_tokens += s.num_new_tokens
             if tok is None:
                 continue
-            req = s.request
             parent = self._child_parent[req.request_id]
-            self._append(req, parent, tok, now)
-            num_generated += 1
-            touched[parent.request_id] = parent
-        if self.stats is not None:
-            self.stats.record_step(sched_out, num_generated, self.scheduler)
+            self._append(req, parent, tok, now, stats)
+            touched.setdefault(parent.request_id, (parent, set()))[1].add(req.request_id)
+        self._record(stats)
         outputs = []
-        for parent in touched.values():
+        for parent, children in touched.values():
             kind = parent.params.output_kind
             if parent.finished:
                 self.parents.pop(parent.request_id, None)
-                outputs.append(self._make_output(parent, now))
+                outputs.append(self._make_output(parent, now, children))
             elif kind != RequestOutputKind.FINAL_ONLY:
-                outputs.append(self._make_output(parent, now))
+                outputs.append(self._make_output(parent, now, children))
         return outputs
 
-    def _append(self, req: Request, parent: ParentRequest, tok, now: float) -> None:
+    def _record(self, stats: StepStats) -> None:
+        if self.stat_loggers:
+            sched = SchedulerStats.from_scheduler(self.scheduler)
+            for stat_logger in self.stat_loggers:
+                stat_logger.record(stats, sched)
+
+    def _finished_stats(self, req: Request, now: float) -> FinishedRequestStats:
+        scheduled = req.first_scheduled_time or now
+        return FinishedRequestStats(
+            finish_reason=req.status.finish_reason,
+            e2e_latency=now - req.arrival_time,
+            queued_time=scheduled - req.arrival_time,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_generation_tokens=req.num_output_tokens,
+            max_tokens_param=req.sampling_params.max_tokens,
+            n=req.sampling_params.n,
+        )
+
+    def _append(
+        self, req: Request, parent: ParentRequest, tok, now: float, stats: StepStats
+    ) -> None:
         req.append_output_token(tok.token_id)
+        stats.num_generation_tokens += 1
         if req.first_token_time is None:
             req.first_token_time = now
+            stats.time_to_first_tokens.append(now - req.arrival_time)
+            stats.num_prompt_tokens += req.num_prompt_tokens
+        else:
+            stats.inter_token_latencies.append(now - req.last_token_time)
+        req.last_token_time = now
         p = req.sampling_params
         if p.logprobs is not None:
             self._record_logprobs(req, tok)
@@ -147,6 +183,7 @@ class EngineCore:
         if status is not None:
             self.scheduler.finish_request(req, status)
             self._release(req)
+            stats.finished.append(self._finished_stats(req, now))
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
         p = req.sampling_params
@@ -181,18 +218,31 @@ class EngineCore:
             return None
         return self.tokenizer.decode([token_id])
 
-    def _make_output(self, parent: ParentRequest, now: float) -> RequestOutput:
+    def _make_output(
+        self, parent: ParentRequest, now: float, touched: set[str] | None = None
+    ) -> RequestOutput:
+        """CUMULATIVE and FINAL_ONLY: every sequence so far. DELTA: only the sequences that
+        moved this step (`touched`), each with the text, tokens and logprobs since the last
+        output; their `index` says which of the `n` they are."""
         p = parent.params
+        delta = p.output_kind == RequestOutputKind.DELTA
         completions = []
         for i, child in enumerate(parent.children):
-            detok = parent.detokenizers.get(child.request_id)
-            text = detok.text if detok is not None else ""
+            rid = child.request_id
+            if delta and touched is not None and rid not in touched:
+                continue
+            detok = parent.detokenizers.get(rid)
+            text = detok.visible_text(child.is_finished()) if detok is not None else ""
             token_ids = list(child.output_token_ids)
             logprobs = list(child.logprobs) if p.logprobs is not None else None
-            if p.output_kind == RequestOutputKind.DELTA:
-                sent = parent.sent_text.get(child.request_id, 0)
-                parent.sent_text[child.request_id] = len(text)
+            if delta:
+                sent = parent.sent_text.get(rid, 0)
+                parent.sent_text[rid] = len(text)
                 text = text[sent:]
+                sent = parent.sent_tokens.get(rid, 0)
+                parent.sent_tokens[rid] = len(token_ids)
+                token_ids = token_ids[sent:]
+                logprobs = logprobs[sent:] if logprobs is not None else None
             completions.append(
                 CompletionOutput(
                     index=i,

@@ -41,6 +41,14 @@ class IncrementalDetokenizer:
         self.text += delta
         return self._check_stop(start) if self.stop else None
 
+    def visible_text(self, finished: bool) -> str:
+        """The text a stream may show now. Until the sequence ends, the last
+        `len(longest stop) - 1` characters are held back (as vLLM does), since they may be the
+        start of a stop string that must not appear in the output."""
+        if finished or self.include_stop or self._max_stop_len <= 1:
+            return self.text
+        return self.text[: max(0, len(self.text) - self._max_stop_len + 1)]
+
     def _check_stop(self, search_from: int) -> str | None:
         for stop in self.stop:
             idx = self.text.find(stop, search_from)

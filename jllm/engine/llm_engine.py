@@ -18,7 +18,7 @@ from jllm.engine.core import EngineCore
 from jllm.engine.kv_cache_manager import KVCacheManager
 from jllm.engine.processor import Processor
 from jllm.engine.scheduler import Scheduler
-from jllm.engine.stats import StatLogger
+from jllm.metrics.stats import LoggingStatLogger
 from jllm.model_loader import resolve_model
 from jllm.models.llama import LlamaConfig
 from jllm.models.loader import load_model
@@ -179,9 +179,9 @@ class LLMEngine:
             eos = eos[0] if isinstance(eos, list) else eos
         self.eos_token_id = eos
         self.extra_stop_ids = _extra_eos_ids(source, eos)
-        self.stat_logger = None if args.disable_log_stats else StatLogger()
+        self.stat_loggers = [] if args.disable_log_stats else [LoggingStatLogger()]
         self.core = EngineCore(
-            self.scheduler, self.runner, self.tokenizer, max_model_len, eos, self.stat_logger
+            self.scheduler, self.runner, self.tokenizer, max_model_len, eos, self.stat_loggers
         )
         self.processor = Processor(self.tokenizer, max_model_len, cfg.vocab_size, args.max_logprobs)
         self._rng = random.Random(args.seed)

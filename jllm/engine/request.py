@@ -63,6 +63,7 @@ class Request:
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -16,27 +16,16 @@ from tqdm.auto import tqdm
 
 from jllm.config import EngineArgs
 from jllm.engine.llm_engine import LLMEngine
+from jllm.logger import setup_logging
 from jllm.outputs import RequestOutput
 from jllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("jllm")
 
 
-def _setup_logging() -> None:
-    root = logging.getLogger("jllm")
-    if not root.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(
-            logging.Formatter("%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s")
-        )
-        root.addHandler(handler)
-        root.setLevel(logging.INFO)
-        root.propagate = False
-
-
 class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
-        _setup_logging()
+        setup_logging()
         args = EngineArgs.from_kwargs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(args)
         self._counter = itertools.count()

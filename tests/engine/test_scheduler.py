@@ -149,7 +149,7 @@ def test_host_side_imports_no_jax():
         "jllm.engine.scheduler",
         "jllm.engine.detokenizer",
         "jllm.engine.processor",
-        "jllm.engine.stats",
+        "jllm.metrics.stats",
         "jllm.engine.core",
         "jllm.runner.sampled",
     ]

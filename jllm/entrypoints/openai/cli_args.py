@@ -1,0 +1,88 @@
+"""The server's command line: vLLM's server flags plus every engine argument under its vLLM
+flag name (see `jllm.engine.arg_utils`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from jllm.engine.arg_utils import add_engine_args
+
+
+def _json_list(value: str) -> list[str]:
+    items = json.loads(value)
+    if not isinstance(items, list):
+        raise argparse.ArgumentTypeError(f"expected a JSON list, got {value!r}")
+    return items
+
+
+def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(
+        description="jllm OpenAI-compatible API server.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    server = parser.add_argument_group("server arguments")
+    server.add_argument("--host", default=None, help="Host name to bind (default: all).")
+    server.add_argument("--port", type=int, default=8000, help="Port to listen on.")
+    server.add_argument(
+        "--api-key",
+        default=None,
+        help="Require this key in 'Authorization: Bearer <key>' for /v1 endpoints "
+        "(also read from JLLM_API_KEY).",
+    )
+    server.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="Model name(s) the API answers to; the first is the one reported. "
+        "Default: the --model argument (or 'SmolLM2-135M-Instruct' for the embedded model).",
+    )
+    server.add_argument(
+        "--chat-template",
+        default=None,
+        help="Chat template: a file path or the Jinja template itself; default: the model's.",
+    )
+    server.add_argument(
+        "--response-role",
+        default="assistant",
+        help="Role of generated messages when add_generation_prompt is true.",
+    )
+    server.add_argument("--allowed-origins", type=_json_list, default=["*"], help="CORS origins.")
+    server.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods.")
+    server.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers.")
+    server.add_argument("--allow-credentials", action="store_true", help="CORS credentials.")
+    server.add_argument("--ssl-keyfile", default=None, help="SSL key file (serve HTTPS).")
+    server.add_argument("--ssl-certfile", default=None, help="SSL certificate file.")
+    server.add_argument("--root-path", default=None, help="ASGI root path behind a proxy.")
+    server.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's log level.",
+    )
+    server.add_argument(
+        "--disable-log-requests", action="store_true", help="Do not log each request."
+    )
+    server.add_argument(
+        "--max-log-len",
+        type=int,
+        default=None,
+        help="Most prompt characters / token ids printed per logged request (default: all).",
+    )
+    add_engine_args(parser)
+    return parser
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """`--chat-template` is a path when such a file exists, else the template itself."""
+    if value is None:
+        return None
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except OSError:
+        if any(c in value for c in "{}"):
+            return value.encode().decode("unicode_escape")
+        raise ValueError(
+            f"--chat-template {value!r} is neither a readable file nor a Jinja template."
+        ) from None

@@ -1,0 +1,178 @@
+"""`POST /v1/completions`: prompts as text or token ids, one engine request per prompt,
+`n` choices each (choice index = prompt index * n + sequence index), streamed or not."""
+
+from __future__ import annotations
+
+import uuid
+
+from jllm.entrypoints.openai.protocol import CompletionRequest
+from jllm.entrypoints.openai.serving_engine import (
+    OpenAIError,
+    OpenAIServing,
+    SSEResponse,
+    clamp,
+    sse,
+    usage,
+)
+from jllm.outputs import CompletionOutput
+
+
+def normalize_prompts(prompt) -> list:
+    """str | list[str] | list[int] | list[list[int]] -> engine prompts."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise OpenAIError("prompt cannot be empty.", 400, "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [{"prompt_token_ids": prompt}]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    return [{"prompt_token_ids": p} for p in prompt]
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(self, request: CompletionRequest):
+        self.check_request(request)
+        if request.suffix is not None:
+            raise OpenAIError("suffix is not supported by jllm yet.", 400, "suffix")
+        if request.echo and request.logprobs is not None:
+            raise OpenAIError(
+                "echo with logprobs needs prompt logprobs, which jllm does not support yet.",
+                400,
+                "echo",
+            )
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        try:
+            params = request.sampling_params(request.max_tokens, request.logprobs, None)
+        except ValueError as e:
+            raise OpenAIError(str(e), 400) from e
+        prepared = [
+            self.prepare(f"{request_id}-{i}", p, params)
+            for i, p in enumerate(normalize_prompts(request.prompt))
+        ]
+        if request.stream:
+            return SSEResponse(self._stream(request, request_id, prepared))
+        return await self._full(request, request_id, prepared)
+
+    def _echo(self, prepared) -> str:
+        processed = prepared[0]
+        if processed.prompt is not None:
+            return processed.prompt
+        return self.tokenizer.decode(processed.prompt_token_ids) if self.tokenizer else ""
+
+    def _logprobs(self, c: CompletionOutput, k: int, offset: int) -> dict:
+        """OpenAI's legacy completion logprobs for the tokens of `c`."""
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for tid, entry in zip(c.token_ids, c.logprobs, strict=True):
+            sampled = entry[tid]
+            text = sampled.decoded_token or ""
+            tokens.append(text)
+            token_logprobs.append(clamp(sampled.logprob))
+            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
+            top.append(
+                {
+                    (lp.decoded_token or ""): clamp(lp.logprob)
+                    for t, lp in ranked
+                    if t == tid or (lp.rank or 0) <= k
+                }
+            )
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "text_offset": offsets,
+            "token_logprobs": token_logprobs,
+            "tokens": tokens,
+            "top_logprobs": top,
+        }
+
+    async def _full(self, request, request_id, prepared) -> dict:
+        n = request.n
+        finals = {}
+        async for i, out in self.run_all(request_id, prepared):
+            finals[i] = out
+        choices = []
+        num_generated = 0
+        for i in range(len(prepared)):
+            prefix = self._echo(prepared[i]) if request.echo else ""
+            for c in finals[i].outputs:
+                num_generated += len(c.token_ids)
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = self._logprobs(c, request.logprobs, len(prefix))
+                choices.append(
+                    {
+                        "index": i * n + c.index,
+                        "text": prefix + c.text,
+                        "logprobs": logprobs,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                )
+        num_prompt = sum(len(p[0].prompt_token_ids) for p in prepared)
+        return {
+            "id": request_id,
+            "object": "text_completion",
+            "created": self.created(),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": usage(num_prompt, num_generated),
+        }
+
+    async def _stream(self, request, request_id, prepared):
+        n = request.n
+        created = self.created()
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        echoed: set[int] = set()
+        offsets: dict[int, int] = {}
+        num_generated = 0
+        try:
+            async for i, out in self.run_all(request_id, prepared):
+                for c in out.outputs:
+                    index = i * n + c.index
+                    text = c.text
+                    if request.echo and index not in echoed:
+                        echoed.add(index)
+                        text = self._echo(prepared[i]) + text
+                    num_generated += len(c.token_ids)
+                    if not (text or c.token_ids or c.finish_reason):
+                        continue
+                    logprobs = None
+                    if request.logprobs is not None:
+                        start = offsets.get(index, 0)
+                        logprobs = self._logprobs(c, request.logprobs, start)
+                        offsets[index] = start + sum(len(t) for t in logprobs["tokens"])
+                    chunk = {
+                        "id": request_id,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": self.model_name,
+                        "choices": [
+                            {
+                                "index": index,
+                                "text": text,
+                                "logprobs": logprobs,
+                                "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason,
+                            }
+                        ],
+                    }
+                    if include_usage:
+                        chunk["usage"] = None
+                    yield sse(chunk)
+            if include_usage:
+                num_prompt = sum(len(p[0].prompt_token_ids) for p in prepared)
+                yield sse(
+                    {
+                        "id": request_id,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": self.model_name,
+                        "choices": [],
+                        "usage": usage(num_prompt, num_generated),
+                    }
+                )
+        except OpenAIError as e:
+            yield sse({"error": {"message": e.message, "type": "BadRequestError", "code": 400}})
+        except Exception as e:  # noqa: BLE001 - the stream has started: report it in-band
+            yield sse({"error": {"message": str(e), "type": "InternalServerError", "code": 500}})
+        yield sse("[DONE]")

@@ -1,0 +1,163 @@
+"""What the completion and chat handlers share: OpenAI error bodies, model-name checks,
+request logging, running several sub-requests at once, and SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse
+from starlette.responses import StreamingResponse
+
+from jllm.engine.async_llm import AsyncLLM
+from jllm.outputs import RequestOutput
+from jllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("jllm.entrypoints.openai")
+
+# JSON has no -inf; vLLM reports impossible tokens with this logprob.
+MIN_LOGPROB = -9999.0
+
+_STATUS_TYPE = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class OpenAIError(Exception):
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict:
+    return {
+        "error": {
+            "message": message,
+            "type": _STATUS_TYPE.get(status, "BadRequestError"),
+            "param": param,
+            "code": status,
+        }
+    }
+
+
+def error_response(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=status)
+
+
+def sse(data: dict | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """An event stream whose generator is always closed, so a dropped client aborts its
+    requests even when the server notices only at the next write."""
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def clamp(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+class OpenAIServing:
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        served_model_names: list[str],
+        log_requests: bool = True,
+        max_log_len: int | None = None,
+    ) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.model_name = served_model_names[0]
+        self.log_requests = log_requests
+        self.max_log_len = max_log_len
+        self.tokenizer = engine.get_tokenizer()
+
+    def check_request(self, request) -> None:
+        if request.model is not None and request.model not in self.served_model_names:
+            raise OpenAIError(f"The model `{request.model}` does not exist.", 404, "model")
+        field = request.unsupported_field()
+        if field is not None:
+            raise OpenAIError(f"{field} is not supported by jllm yet.", 400, field)
+
+    def prepare(self, request_id: str, prompt, params: SamplingParams):
+        try:
+            prepared = self.engine.prepare(prompt, params)
+        except ValueError as e:
+            raise OpenAIError(str(e), 400) from e
+        if self.log_requests:
+            text = prepared[0].prompt
+            ids = prepared[0].prompt_token_ids
+            if self.max_log_len is not None:
+                text = text[: self.max_log_len] if text is not None else None
+                ids = ids[: self.max_log_len]
+            logger.info(
+                "Received request %s: prompt: %r, params: %s, prompt_token_ids: %s",
+                request_id,
+                text,
+                params,
+                ids,
+            )
+        return prepared
+
+    async def run_all(
+        self, request_id: str, prepared: list
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run one engine request per prompt and yield `(prompt index, output)` as they
+        come. Leaving early (a disconnect, an error) aborts every unfinished one."""
+        merged: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(i: int, item) -> None:
+            try:
+                async for out in self.engine.generate(None, None, f"{request_id}-{i}", item):
+                    await merged.put((i, out))
+            except Exception as e:  # noqa: BLE001 - re-raised by the consumer below
+                await merged.put((i, e))
+            await merged.put((i, done))
+
+        tasks = [asyncio.create_task(pump(i, item)) for i, item in enumerate(prepared)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                i, out = await merged.get()
+                if out is done:
+                    remaining -= 1
+                elif isinstance(out, Exception):
+                    raise out
+                else:
+                    yield i, out
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if self.log_requests:
+                logger.info("Finished request %s.", request_id)
+
+    @staticmethod
+    def created() -> int:
+        return int(time.time())

@@ -1,0 +1,218 @@
+"""Prometheus metrics under vLLM's names (`vllm:` prefix), so dashboards, autoscalers and
+routers built for vLLM read jllm unchanged.
+
+`PrometheusStatLogger` is a stat logger like `LoggingStatLogger`: the engine core hands it a
+`StepStats` and a `SchedulerStats` after every step, and it updates gauges, counters and
+histograms in its own registry, which the server exposes at `/metrics`.
+Host-side only: no JAX import.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from jllm.metrics.stats import SchedulerStats, StepStats
+
+# vLLM's histogram buckets (seconds).
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+ITL_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+LATENCY_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
+FINISH_REASONS = ("stop", "length", "abort")
+
+# No `*_created` series, as in vLLM.
+disable_created_metrics()
+
+
+def length_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's request-length buckets)."""
+    buckets, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
+class PrometheusStatLogger:
+    def __init__(self, model_name: str, max_model_len: int, engine_index: int = 0) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            self.registry.register(collector)
+        names = ["model_name", "engine"]
+        labels = {"model_name": model_name, "engine": str(engine_index)}
+        reg = self.registry
+
+        def gauge(name, doc):
+            return Gauge(name, doc, names, registry=reg).labels(**labels)
+
+        def counter(name, doc):
+            return Counter(name, doc, names, registry=reg).labels(**labels)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, names, buckets=buckets, registry=reg).labels(**labels)
+
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting")
+        self.kv_usage = gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
+        )
+        self.prefix_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of tokens."
+        )
+        self.prefix_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of tokens."
+        )
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter(
+            "vllm:generation_tokens", "Number of generation tokens processed."
+        )
+        success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*names, "finished_reason"],
+            registry=reg,
+        )
+        self.success = {r: success.labels(**labels, finished_reason=r) for r in FINISH_REASONS}
+        lengths = length_buckets(max_model_len)
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", lengths
+        )
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", lengths
+        )
+        self.request_max_tokens = histogram(
+            "vllm:request_params_max_tokens", "The max_tokens request parameter.", lengths
+        )
+        self.request_n = histogram(
+            "vllm:request_params_n", "The n request parameter.", [1, 2, 5, 10, 20]
+        )
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total",
+            "Number of tokens per engine_step.",
+            [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
+        )
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds", "Inter-token latency in seconds.", ITL_BUCKETS
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds",
+            "End to end request latency in seconds.",
+            LATENCY_BUCKETS,
+        )
+        self.queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "Time spent in WAITING phase for request.",
+            LATENCY_BUCKETS,
+        )
+        self._seen = SchedulerStats(0, 0, 0.0, 0, 0, 0)
+
+    def record(self, step: StepStats, sched: SchedulerStats) -> None:
+        self.running.set(sched.num_running)
+        self.waiting.set(sched.num_waiting)
+        self.kv_usage.set(sched.kv_cache_usage)
+        # The scheduler keeps cumulative counts; counters advance by the difference.
+        self.prefix_queries.inc(sched.prefix_cache_queries - self._seen.prefix_cache_queries)
+        self.prefix_hits.inc(sched.prefix_cache_hits - self._seen.prefix_cache_hits)
+        self.preemptions.inc(sched.num_preemptions - self._seen.num_preemptions)
+        self._seen = sched
+        self.prompt_tokens.inc(step.num_prompt_tokens)
+        self.generation_tokens.inc(step.num_generation_tokens)
+        if step.num_computed_tokens:
+            self.iteration_tokens.observe(step.num_computed_tokens)
+        for t in step.time_to_first_tokens:
+            self.ttft.observe(t)
+        for t in step.inter_token_latencies:
+            self.itl.observe(t)
+        for f in step.finished:
+            self.success[f.finish_reason].inc()
+            self.e2e.observe(f.e2e_latency)
+            self.queue_time.observe(f.queued_time)
+            self.request_prompt_tokens.observe(f.num_prompt_tokens)
+            self.request_generation_tokens.observe(f.num_generation_tokens)
+            self.request_n.observe(f.n)
+            if f.max_tokens_param is not None:
+                self.request_max_tokens.observe(f.max_tokens_param)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,35 @@
+"""A real jllm server on 127.0.0.1 (uvicorn in a thread) over a tiny Llama model, and
+`openai` clients pointed at it."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from openai_server import RunningServer, server_args
+
+from jllm.entrypoints.openai.api_server import build_app, build_engine
+
+
+@pytest.fixture(scope="session")
+def served(llama_dir):
+    args = server_args(llama_dir)
+    engine, metrics = build_engine(args)
+    running = RunningServer(build_app(args, engine, metrics), engine)
+    yield running, args, metrics
+    running.stop()
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def server(served) -> RunningServer:
+    return served[0]
+
+
+@pytest.fixture(scope="session")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def async_client(server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)

@@ -1,0 +1,412 @@
+"""The official `openai` client against a real jllm server: answers equal the offline API's,
+streaming equals non-streaming, and every error case has its status code and body."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+from openai_server import MODEL_NAME, RunningServer, server_args
+
+from jllm import SamplingParams
+
+PROMPTS = ["Hello, my name is", "The capital of France is", "In a hole in the ground"]
+CHAT = [{"role": "user", "content": "Write a haiku about JAX."}]
+
+
+def offline(llm, prompts, **params):
+    return llm.generate(prompts, SamplingParams(**params), use_tqdm=False)
+
+
+def test_models_health_version(client, server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME, "other-name"]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/version").json()["version"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_greedy_matches_offline(client, llama_llm, stream):
+    want = offline(llama_llm, PROMPTS, temperature=0, max_tokens=12, ignore_eos=True)
+    got = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPTS,
+        temperature=0,
+        max_tokens=12,
+        stream=stream,
+        extra_body={"ignore_eos": True},
+        **({"stream_options": {"include_usage": True}} if stream else {}),
+    )
+    texts = ["" for _ in PROMPTS]
+    reasons = [None for _ in PROMPTS]
+    if stream:
+        usage = None
+        for chunk in got:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for c in chunk.choices:
+                texts[c.index] += c.text
+                reasons[c.index] = c.finish_reason or reasons[c.index]
+    else:
+        usage = got.usage
+        for c in got.choices:
+            texts[c.index], reasons[c.index] = c.text, c.finish_reason
+        assert got.model == MODEL_NAME and got.object == "text_completion"
+    assert texts == [o.outputs[0].text for o in want]
+    assert reasons == ["length"] * len(PROMPTS)
+    assert usage.completion_tokens == 12 * len(PROMPTS)
+    assert usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in want)
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_completion_token_id_prompts_and_echo(client, llama_llm):
+    ids = llama_llm.get_tokenizer().encode(PROMPTS[0])
+    want = offline(llama_llm, [{"prompt_token_ids": ids}], temperature=0, max_tokens=6)
+    for prompt in (ids, [ids]):
+        got = client.completions.create(
+            model=MODEL_NAME, prompt=prompt, temperature=0, max_tokens=6
+        )
+        assert got.choices[0].text == want[0].outputs[0].text
+    echo = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[0], temperature=0, max_tokens=6, echo=True
+    )
+    assert echo.choices[0].text == PROMPTS[0] + want[0].outputs[0].text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_greedy_matches_offline(client, llama_llm, stream):
+    want = llama_llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
+    got = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=CHAT,
+        temperature=0,
+        max_completion_tokens=10,
+        stream=stream,
+        **({"stream_options": {"include_usage": True}} if stream else {}),
+    )
+    if stream:
+        chunks = list(got)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        usage = chunks[-1].usage
+        assert chunks[-1].choices == []
+    else:
+        text, finish, usage = (
+            got.choices[0].message.content,
+            got.choices[0].finish_reason,
+            got.usage,
+        )
+        assert got.choices[0].message.role == "assistant"
+    assert text == want[0].outputs[0].text
+    assert finish == want[0].outputs[0].finish_reason
+    assert usage.prompt_tokens == len(want[0].prompt_token_ids)
+    assert usage.completion_tokens == len(want[0].outputs[0].token_ids)
+
+
+def test_chat_content_parts_and_template_flag(client, llama_llm):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Write a haiku about JAX."}]}]
+    a = client.chat.completions.create(
+        model=MODEL_NAME, messages=parts, temperature=0, max_tokens=8
+    )
+    b = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, temperature=0, max_tokens=8)
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n2_seeded_sampling(client, stream):
+    kwargs = dict(
+        model=MODEL_NAME,
+        prompt=PROMPTS[1],
+        n=2,
+        max_tokens=8,
+        seed=7,
+        temperature=1.0,
+        stream=stream,
+    )
+    got = client.completions.create(**kwargs)
+    texts = ["", ""]
+    if stream:
+        for chunk in got:
+            for c in chunk.choices:
+                texts[c.index] += c.text
+    else:
+        for c in got.choices:
+            texts[c.index] = c.text
+    again = client.completions.create(**{**kwargs, "stream": False})
+    assert texts == [c.text for c in sorted(again.choices, key=lambda c: c.index)]
+    assert texts[0] != texts[1]
+
+
+def test_completion_logprobs_match_offline(client, llama_llm):
+    want = offline(llama_llm, [PROMPTS[0]], temperature=0, max_tokens=5, logprobs=3)[0].outputs[0]
+    got = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[0], temperature=0, max_tokens=5, logprobs=3
+    ).choices[0]
+    lp = got.logprobs
+    assert lp.token_logprobs == pytest.approx(
+        [entry[t].logprob for t, entry in zip(want.token_ids, want.logprobs, strict=True)],
+        abs=1e-4,  # the two engines' prefix caches hold different prefixes
+    )
+    assert all(len(top) == 3 for top in lp.top_logprobs)  # greedy: the sampled is the top 1
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == got.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs(client, llama_llm, stream):
+    want = llama_llm.chat(
+        CHAT, SamplingParams(temperature=0, max_tokens=5, logprobs=2), use_tqdm=False
+    )[0].outputs[0]
+    got = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=CHAT,
+        temperature=0,
+        max_tokens=5,
+        logprobs=True,
+        top_logprobs=2,
+        stream=stream,
+    )
+    if stream:
+        content = [
+            t
+            for c in got
+            if c.choices and c.choices[0].logprobs
+            for t in c.choices[0].logprobs.content
+        ]
+    else:
+        content = got.choices[0].logprobs.content
+    assert [t.logprob for t in content] == pytest.approx(
+        [entry[t].logprob for t, entry in zip(want.token_ids, want.logprobs, strict=True)],
+        abs=1e-4,  # the two engines' prefix caches hold different prefixes
+    )
+    for t in content:
+        assert [x.logprob for x in t.top_logprobs] == sorted(
+            [x.logprob for x in t.top_logprobs], reverse=True
+        )
+        assert len(t.top_logprobs) == 2 and t.top_logprobs[0].token == t.token
+        assert bytes(t.bytes).decode() == t.token
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string(client, llama_llm, stream):
+    full = offline(llama_llm, [PROMPTS[2]], temperature=0, max_tokens=16, ignore_eos=True)
+    text = full[0].outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    want = text[: text.index(stop)]
+    got = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPTS[2],
+        temperature=0,
+        max_tokens=16,
+        stop=[stop],
+        stream=stream,
+        extra_body={"ignore_eos": True},
+    )
+    if stream:
+        chunks = [c.choices[0] for c in got]
+        assert all(stop not in c.text for c in chunks)
+        got_text, last = "".join(c.text for c in chunks), chunks[-1]
+    else:
+        got_text, last = got.choices[0].text, got.choices[0]
+    assert got_text == want
+    assert last.finish_reason == "stop" and last.stop_reason == stop
+
+
+async def _stream_one(client, prompt):
+    stream = await client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompt,
+        temperature=0,
+        max_tokens=10,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    text, chunks = "", 0
+    async for chunk in stream:
+        chunks += 1
+        text += chunk.choices[0].text
+    return text, chunks
+
+
+def test_32_concurrent_streams_match_offline(async_client, llama_llm, server):
+    prompts = [f"Request number {i} says" for i in range(32)]
+    want = offline(llama_llm, prompts, temperature=0, max_tokens=10, ignore_eos=True)
+
+    async def run():
+        good = [_stream_one(async_client, p) for p in prompts]
+        # Bad requests interleaved with the good ones must not disturb them.
+        bad = [
+            async_client.completions.create(model=MODEL_NAME, prompt="x", top_p=0) for _ in range(4)
+        ]
+        results = await asyncio.gather(*good, *bad, return_exceptions=True)
+        return results[:32], results[32:]
+
+    results, bad = asyncio.run(run())
+    assert [r[0] for r in results] == [o.outputs[0].text for o in want]
+    assert all(r[1] > 2 for r in results)  # streamed in pieces, not one final chunk
+    assert all(isinstance(b, openai.BadRequestError) for b in bad)
+    wait_idle(server)
+
+
+def wait_idle(server, timeout: float = 60.0) -> None:
+    """Wait until the engine holds no request and no KV block."""
+    scheduler = server.engine.engine.scheduler
+    kv = scheduler.kv_cache
+    deadline = time.monotonic() + timeout
+    while scheduler.running or scheduler.waiting or kv.num_free_blocks != kv.num_blocks - 1:
+        assert time.monotonic() < deadline, "requests or blocks still held"
+        time.sleep(0.05)
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    scheduler = server.engine.engine.scheduler
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "Once upon a time",
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.Client(base_url=server.url) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            for i, _ in enumerate(response.iter_lines()):
+                if i == 6:
+                    break
+            assert scheduler.running, "the request should still be generating"
+    wait_idle(server)
+    assert server.engine.engine.core.parents == {}
+
+
+def test_disconnect_non_streaming_aborts(server):
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "Once upon a time",
+        "max_tokens": 400,
+        "ignore_eos": True,
+    }
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
+    wait_idle(server)
+
+
+def test_metrics(client, server):
+    client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=4)
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:num_preemptions_total",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:request_success_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:request_prompt_tokens_bucket",
+        "vllm:request_generation_tokens_bucket",
+    ):
+        assert f'{name}{{engine="0"' in text or f"{name}{{" in text, name
+    values = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:") and "_bucket" not in line and "finished_reason" not in line
+    }
+    assert values["vllm:generation_tokens_total"] >= 4
+    assert values["vllm:time_to_first_token_seconds_count"] >= 1
+    assert f'model_name="{MODEL_NAME}"' in text
+
+
+def test_tokenize_detokenize(server, llama_llm):
+    tok = llama_llm.get_tokenizer()
+    got = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world"}).json()
+    assert got["tokens"] == tok.encode("Hello world") and got["count"] == len(got["tokens"])
+    back = httpx.post(f"{server.url}/detokenize", json={"tokens": got["tokens"]}).json()
+    assert back["prompt"] == "Hello world"
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": CHAT}).json()
+    want = llama_llm.chat(CHAT, SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_token_ids
+    assert chat["tokens"] == want
+
+
+def post(server, path, body, **kw):
+    return httpx.post(f"{server.url}{path}", json=body, **kw)
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "x", "temperature": -1}, None),
+        ({"prompt": "x", "top_p": 0}, None),
+        ({"prompt": "x", "n": 0}, None),
+        ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+        ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"prompt": "x", "logprobs": 50}, None),
+        ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+        ({"prompt": []}, "prompt"),
+        ({}, "prompt"),
+    ],
+)
+def test_bad_completion_requests_are_400(server, body, param):
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "BadRequestError" and error["code"] == 400 and error["message"]
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_prompt_over_context_is_400(client):
+    with pytest.raises(openai.BadRequestError, match="maximum model length"):
+        client.completions.create(model=MODEL_NAME, prompt="word " * 600, max_tokens=4)
+
+
+def test_malformed_json_is_400(server):
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        content=b"{not json",
+        headers={"Content-Type": "application/json"},
+    )
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="nope", messages=CHAT, max_tokens=2)
+
+
+def test_bad_chat_requests_are_400(server):
+    cases = [
+        {"messages": CHAT, "top_logprobs": 2},
+        {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        {"messages": []},
+        {"messages": "hello"},
+    ]
+    for body in cases:
+        r = post(server, "/v1/chat/completions", body)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["message"]
+
+
+def test_api_key(served):
+    from jllm.entrypoints.openai.api_server import build_app
+
+    running, args, metrics = served
+    keyed_args = server_args(args.model, "--api-key", "secret")
+    keyed = RunningServer(build_app(keyed_args, running.engine, metrics), running.engine)
+    try:
+        bad = openai.OpenAI(base_url=f"{keyed.url}/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        r = httpx.post(f"{keyed.url}/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == 401
+        good = openai.OpenAI(base_url=f"{keyed.url}/v1", api_key="secret", max_retries=0)
+        assert good.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2).choices
+        assert httpx.get(f"{keyed.url}/health").status_code == 200  # outside /v1
+    finally:
+        keyed.stop()

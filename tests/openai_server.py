@@ -1,0 +1,51 @@
+"""A real jllm server on 127.0.0.1 (uvicorn in a thread), used by the server tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+from oracle import SMALL
+
+from jllm.engine.arg_utils import flag
+from jllm.entrypoints.openai.cli_args import make_arg_parser
+
+MODEL_NAME = "tiny-llama"
+
+
+def server_args(model: str, *extra: str):
+    argv = ["--model", model, "--served-model-name", MODEL_NAME, "other-name"]
+    for key, value in SMALL.items():
+        argv += [flag(key)] if value is True else [flag(key), str(value)]
+    return make_arg_parser().parse_args([*argv, *extra])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningServer:
+    def __init__(self, app, engine) -> None:
+        self.engine = engine
+        self.port = free_port()
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.05)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
