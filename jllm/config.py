@@ -108,8 +108,10 @@ class EngineArgs:
             )
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ValueError("num_gpu_blocks_override must be at least 2.")
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported by jllm yet.")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}."
+            )
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -42,9 +42,50 @@ def make_mesh(tensor_parallel_size: int = 1, devices=None) -> Mesh:
     return Mesh(grid, (DATA_AXIS, MODEL_AXIS))
 
 
-def partition_spec(logical_axes: tuple[str | None, ...]) -> PartitionSpec:
-    return PartitionSpec(*(LOGICAL_RULES.get(a) if a else None for a in logical_axes))
+def partition_spec(
+    logical_axes: tuple[str | None, ...], shape: tuple[int, ...] | None = None, mesh=None
+) -> PartitionSpec:
+    """The mesh axes of `logical_axes`. Given the array's shape and mesh, a dimension the
+    mesh axis does not divide is replicated instead (e.g. a vocabulary of 49153 over 2)."""
+    spec = []
+    for i, name in enumerate(logical_axes):
+        axis = LOGICAL_RULES.get(name) if name else None
+        if axis is not None and shape is not None and shape[i] % mesh.shape[axis]:
+            axis = None
+        spec.append(axis)
+    return PartitionSpec(*spec)
 
 
-def named_sharding(mesh: Mesh, logical_axes: tuple[str | None, ...]) -> NamedSharding:
-    return NamedSharding(mesh, partition_spec(logical_axes))
+def named_sharding(
+    mesh: Mesh, logical_axes: tuple[str | None, ...], shape: tuple[int, ...] | None = None
+) -> NamedSharding:
+    return NamedSharding(mesh, partition_spec(logical_axes, shape, mesh))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def kv_head_replicas(num_heads: int, num_kv_heads: int, tensor_parallel_size: int) -> int:
+    """vLLM's tensor-parallel rules for attention heads. Query heads must divide evenly over
+    the devices. KV heads too when there are at least as many as devices; when there are
+    fewer, each is replicated so that every device holds one (returns the factor)."""
+    tp = tensor_parallel_size
+    if num_heads % tp:
+        raise ValueError(
+            f"Total number of attention heads ({num_heads}) must be divisible by tensor "
+            f"parallel size ({tp})."
+        )
+    if num_kv_heads >= tp:
+        if num_kv_heads % tp:
+            raise ValueError(
+                f"Total number of key/value heads ({num_kv_heads}) must be divisible by "
+                f"tensor parallel size ({tp})."
+            )
+        return 1
+    if tp % num_kv_heads:
+        raise ValueError(
+            f"Tensor parallel size ({tp}) must be a multiple of the number of key/value "
+            f"heads ({num_kv_heads}) when it is larger."
+        )
+    return tp // num_kv_heads

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
-import pytest
-from oracle import ARCHS, SMALL, save_tiny
+import os
 
-from jllm.model_loader import resolve_model
+# Eight fake CPU devices for the tensor-parallel tests; set before JAX starts. Everything
+# else runs on the first device, as on a one-device machine.
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+
+import pytest  # noqa: E402
+from oracle import ARCHS, SMALL, save_tiny  # noqa: E402
+
+from jllm.model_loader import resolve_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -39,6 +39,17 @@ ARCHS = {
             },
         },
     ),
+    # Tensor-parallel shapes: 8 query heads over 2 or 8 kv heads.
+    "llama-h8kv2": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        {"num_attention_heads": 8, "num_key_value_heads": 2},
+    ),
+    "llama-h8kv8": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        {"num_attention_heads": 8, "num_key_value_heads": 8},
+    ),
 }
 
 

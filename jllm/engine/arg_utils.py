@@ -37,8 +37,8 @@ HELP = {
     "gpu_memory_utilization": "Fraction of accelerator memory for weights, activations and "
     "the KV cache (TPU/GPU; see --kv-cache-memory-bytes on CPU).",
     "num_gpu_blocks_override": "Use exactly this many KV-cache blocks.",
-    "kv_cache_memory_bytes": "KV-cache size in bytes (the CPU default is 4 GiB, like vLLM's "
-    "VLLM_CPU_KVCACHE_SPACE).",
+    "kv_cache_memory_bytes": "KV-cache size per device in bytes (the CPU default is 4 GiB, "
+    "like vLLM's VLLM_CPU_KVCACHE_SPACE).",
     "enable_prefix_caching": "Reuse the KV cache of shared prompt prefixes.",
     "max_num_batched_tokens": "Token budget of one engine step (default 2048).",
     "max_num_seqs": "Most sequences in one step (default 256).",
@@ -49,7 +49,8 @@ HELP = {
     "'xla', 'pallas', or 'pallas_interpret' (the Pallas kernel interpreted, for testing).",
     "max_logprobs": "Largest logprobs / top_logprobs a request may ask for.",
     "disable_log_stats": "Do not log throughput and cache statistics.",
-    "tensor_parallel_size": "Devices to split the model over (only 1 so far).",
+    "tensor_parallel_size": "Devices of this host to split the model over (heads, MLP and "
+    "vocabulary on the mesh's 'model' axis).",
 }
 
 CHOICES = {

@@ -6,6 +6,7 @@ memory -> model runner (every bucket compiled) -> block manager + scheduler -> e
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -27,7 +28,7 @@ from jllm.runner.inputs import BatchLayout
 from jllm.runner.kv_cache import allocate_kv_cache, bytes_per_block, determine_num_blocks
 from jllm.runner.model_runner import ModelRunner
 from jllm.sampling_params import SamplingParams
-from sharding import make_mesh
+from sharding import kv_head_replicas, make_mesh
 
 logger = logging.getLogger("jllm")
 
@@ -78,6 +79,35 @@ def _extra_eos_ids(source, primary: int | None) -> set[int]:
     return ids - {primary}
 
 
+def _per_device_bytes(arrays) -> int:
+    """Bytes of `arrays` held by the first device."""
+    first = None
+    total = 0
+    for a in jax.tree_util.tree_leaves(arrays):
+        for shard in a.addressable_shards:
+            first = first or shard.device
+            if shard.device == first:
+                total += shard.data.nbytes
+    return total
+
+
+def log_split(mesh, state, kv_cache, replicas: int) -> None:
+    weights = jax.tree_util.tree_leaves(state)
+    total = sum(w.nbytes for w in weights)
+    logger.info(
+        "Tensor parallel over %d devices (%s): heads, kv heads, MLP and vocabulary split on "
+        "the 'model' axis%s; each device holds %.3f GiB of the %.3f GiB of weights and "
+        "%.3f GiB of the %.3f GiB KV cache.",
+        mesh.shape["model"],
+        ", ".join(str(d) for d in mesh.devices.flat),
+        f", each kv head replicated {replicas}x" if replicas > 1 else "",
+        _per_device_bytes(weights) / 2**30,
+        total / 2**30,
+        _per_device_bytes(kv_cache) / 2**30,
+        kv_cache.nbytes / 2**30,
+    )
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         start = time.perf_counter()
@@ -122,13 +152,20 @@ class LLMEngine:
             self.tokenizer = source.load_tokenizer(
                 args.tokenizer_mode, args.trust_remote_code, args.tokenizer_revision
             )
-        mesh = make_mesh(args.tensor_parallel_size)
+        tp = args.tensor_parallel_size
+        mesh = make_mesh(tp)
+        replicas = kv_head_replicas(cfg.num_heads, cfg.num_kv_heads, tp)
+        if replicas > 1:
+            cfg = dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * replicas)
+            self.model_config = cfg
+        self.mesh = mesh
         graphdef, state = load_model(
-            cfg, source, dtype, mesh, args.load_format, seed=args.seed or 0
+            cfg, source, dtype, mesh, args.load_format, seed=args.seed or 0, kv_replicas=replicas
         )
         sched_cfg = resolve_scheduler_config(args, max_model_len, PREFILL_TILE)
+        # Sizes are per device: the cache is split over the devices on its kv-head axis.
         per_block = bytes_per_block(
-            cfg.num_layers, args.block_size, cfg.num_kv_heads, cfg.head_dim, dtype
+            cfg.num_layers, args.block_size, cfg.num_kv_heads // tp, cfg.head_dim, dtype
         )
         num_blocks = determine_num_blocks(
             per_block,
@@ -149,6 +186,8 @@ class LLMEngine:
         kv_cache = allocate_kv_cache(
             cfg.num_layers, num_blocks, args.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, mesh
         )
+        if tp > 1:
+            log_split(mesh, state, kv_cache, replicas)
         layout = BatchLayout.create(
             args.block_size,
             num_blocks,
@@ -168,6 +207,7 @@ class LLMEngine:
             args.max_logprobs,
             resolve_backend(args.attention_backend, platform),
             args.enforce_eager,
+            mesh,
         )
         self.runner.compile_all()
         self.scheduler = Scheduler(

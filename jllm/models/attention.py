@@ -25,7 +25,11 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention import (
+    ragged_paged_attention,
+    ragged_paged_attention_sharded,
+)
+from sharding import MODEL_AXIS
 
 # The XLA path gathers the KV cache in chunks small enough to stay in the CPU's caches: the
 # chunk shrinks as the rows grow (measured on the 2-core CPU, 64 decode rows of SmolLM2:
@@ -142,7 +146,7 @@ def paged_attention(q, k, v, kv_cache, layer, md: AttentionMetadata, backend: st
     T, N, H = q.shape
     sm_scale = H**-0.5
     if backend != "xla":
-        out = ragged_paged_attention(
+        args = (
             q,
             kv_cache[layer],
             md.kv_lens,
@@ -150,9 +154,15 @@ def paged_attention(q, k, v, kv_cache, layer, md: AttentionMetadata, backend: st
             md.query_start,
             md.query_lens,
             md.num_seqs,
-            sm_scale=sm_scale,
-            interpret=backend == "pallas_interpret",
         )
+        options = dict(sm_scale=sm_scale, interpret=backend == "pallas_interpret")
+        # Under tensor parallelism (the runner traces inside `jax.set_mesh`), each device
+        # runs the kernel on its own heads.
+        mesh = jax.sharding.get_abstract_mesh()
+        if not mesh.empty and mesh.shape.get(MODEL_AXIS, 1) > 1:
+            out = ragged_paged_attention_sharded(mesh, MODEL_AXIS, *args, **options)
+        else:
+            out = ragged_paged_attention(*args, **options)
         return out, kv_cache
     Rd = md.decode_kv_lens.shape[0]
     Tt, C = md.tile_q_pos.shape

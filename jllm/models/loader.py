@@ -38,6 +38,7 @@ _LAYER_MAP = {
     "input_layernorm.weight": (("input_norm", "weight"), None),
     "post_attention_layernorm.weight": (("post_attn_norm", "weight"), None),
 }
+_KV_WEIGHTS = ("wk", "wv", "bk", "bv")
 _TOP_MAP = {
     "model.embed_tokens.weight": (("embed",), None),
     "model.norm.weight": (("norm", "weight"), None),
@@ -79,13 +80,25 @@ def abstract_model(cfg: LlamaConfig, dtype) -> LlamaForCausalLM:
     return nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype, nnx.Rngs(0)))
 
 
-def load_model(cfg: LlamaConfig, source, dtype, mesh, load_format: str = "auto", seed: int = 0):
-    """Returns (graphdef, state) with every parameter on its target sharding."""
+def load_model(
+    cfg: LlamaConfig,
+    source,
+    dtype,
+    mesh,
+    load_format: str = "auto",
+    seed: int = 0,
+    kv_replicas: int = 1,
+):
+    """Returns (graphdef, state) with every parameter on its target sharding.
+
+    `cfg.num_kv_heads` is the model's count times `kv_replicas`: with fewer kv heads than
+    devices each checkpoint kv head is repeated (sharding.kv_head_replicas), so that query
+    head h still reads kv head h // (num_heads // num_kv_heads)."""
     start = time.perf_counter()
     model = abstract_model(cfg, dtype)
     graphdef, abstract_state = nnx.split(model)
     flat = dict(nnx.to_flat_state(abstract_state))
-    shardings = {path: named_sharding(mesh, _axes(var)) for path, var in flat.items()}
+    shardings = {path: named_sharding(mesh, _axes(var), var.shape) for path, var in flat.items()}
     values: dict[tuple, jax.Array] = {}
     if load_format == "dummy":
         rng = np.random.default_rng(seed)
@@ -107,12 +120,17 @@ def load_model(cfg: LlamaConfig, source, dtype, mesh, load_format: str = "auto",
                     continue
                 raise ValueError(f"Checkpoint tensor {name} has no place in the model.")
             shape = flat[path].shape[1:] if layer is not None else flat[path].shape
+            replicate = kv_replicas > 1 and path[-1] in _KV_WEIGHTS
+            if replicate:  # kv-head axis is the one before head_dim
+                shape = (*shape[:-2], shape[-2] // kv_replicas, shape[-1])
             host = _convert(np.asarray(w), kind, shape)
             if host.shape != shape:
                 raise ValueError(
                     f"Checkpoint tensor {name} has shape {w.shape}, expected one that maps "
                     f"to {shape}."
                 )
+            if replicate:
+                host = np.repeat(host, kv_replicas, axis=-2)
             if layer is None:
                 values[path] = jax.device_put(host.astype(dtype), shardings[path])
             else:

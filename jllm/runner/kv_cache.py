@@ -63,5 +63,5 @@ def allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim
     """The zeroed cache [L, B, S, 2K, H]: each layer's slice is the kernel's [B, S, 2K, H]
     page-major layout; sharded on the kv-head axis."""
     shape = (num_layers, *kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim))
-    sharding = named_sharding(mesh, CACHE_AXES)
+    sharding = named_sharding(mesh, CACHE_AXES, shape)
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()

@@ -17,6 +17,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jllm.engine.scheduler import SchedulerOutput
@@ -28,6 +29,7 @@ from jllm.runner.inputs import (
 )
 from jllm.runner.sampled import SampledToken
 from jllm.runner.sampler import sample
+from sharding import named_sharding, replicated
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +38,14 @@ class CompileAfterWarmupError(RuntimeError):
     pass
 
 
-def _forward(state, kv_cache, counts, prompt_mask, batch: StepInputs, *, graphdef, backend):
+def _forward(
+    state, kv_cache, counts, prompt_mask, batch: StepInputs, *, graphdef, backend, logits_sharding
+):
     model = nnx.merge(graphdef, state)
     hidden, kv_cache = model(batch.token_ids, batch.positions, kv_cache, batch.attn, backend)
     logits = model.compute_logits(hidden[batch.logits_indices])  # [Rs, V]
+    # One fixed layout for the sampler, whatever the bucket (vocab-split under TP).
+    logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
     # Penalty state: clear rows of sequences starting over, then learn this step's tokens.
     counts = counts.at[batch.penalty_reset_rows].set(0, mode="drop")
     prompt_mask = prompt_mask.at[batch.penalty_reset_rows].set(False, mode="drop")
@@ -53,7 +59,7 @@ def _forward(state, kv_cache, counts, prompt_mask, batch: StepInputs, *, graphde
 
 forward_step = jax.jit(
     _forward,
-    static_argnames=("graphdef", "backend"),
+    static_argnames=("graphdef", "backend", "logits_sharding"),
     donate_argnames=("kv_cache", "counts", "prompt_mask"),
 )
 
@@ -70,8 +76,13 @@ class ModelRunner:
         max_logprobs: int,
         backend: str,
         enforce_eager: bool,
+        mesh,
     ) -> None:
         self.graphdef = graphdef
+        self.mesh = mesh
+        # Step inputs and penalty state are replicated on every device of the mesh.
+        self.replicated = replicated(mesh)
+        self.logits_sharding = named_sharding(mesh, (None, "vocab"), (1, vocab_size))
         self.state = state
         self.kv_cache = kv_cache
         self.layout = layout
@@ -80,8 +91,9 @@ class ModelRunner:
         self.max_logprobs = max_logprobs
         # Penalty state: row 0 stays empty for sequences without penalties.
         self.num_penalty_rows = max_num_seqs + 1
-        self.counts = jnp.zeros((self.num_penalty_rows, vocab_size), jnp.int32)
-        self.prompt_mask = jnp.zeros((self.num_penalty_rows, vocab_size), jnp.bool_)
+        shape = (self.num_penalty_rows, vocab_size)
+        self.counts = jax.device_put(np.zeros(shape, np.int32), self.replicated)
+        self.prompt_mask = jax.device_put(np.zeros(shape, np.bool_), self.replicated)
         self.penalty_rows: dict[str, int] = {}
         self._free_rows = list(range(self.num_penalty_rows - 1, 0, -1))
         self._forward_exe: dict[tuple[int, int], object] = {}
@@ -102,15 +114,18 @@ class ModelRunner:
         if exe is None:
             if self.compile_guard:
                 raise CompileAfterWarmupError(f"forward bucket (Rd={rd}, Tt={tt}) not compiled")
-            exe = forward_step.lower(
-                self.state,
-                self.kv_cache,
-                self.counts,
-                self.prompt_mask,
-                inputs,
-                graphdef=self.graphdef,
-                backend=self.backend,
-            ).compile()
+            with jax.set_mesh(self.mesh):
+                lowered = forward_step.lower(
+                    self.state,
+                    self.kv_cache,
+                    self.counts,
+                    self.prompt_mask,
+                    inputs,
+                    graphdef=self.graphdef,
+                    backend=self.backend,
+                    logits_sharding=self.logits_sharding,
+                )
+            exe = lowered.compile()
             self._forward_exe[(rd, tt)] = exe
         return exe
 
@@ -144,11 +159,13 @@ class ModelRunner:
         for i, (rd, tt) in enumerate(shapes):
             inputs, md, rs = self._abstract_inputs(rd, tt)
             t0 = time.perf_counter()
-            self._forward_executable(rd, tt, jax.device_put(inputs))
+            self._forward_executable(rd, tt, jax.device_put(inputs, self.replicated))
             logger.debug("Compiled (Rd=%d, Tt=%d) in %.2fs", rd, tt, time.perf_counter() - t0)
             if rs not in self._sample_exe:
-                logits = jax.ShapeDtypeStruct((rs, self._vocab()), jnp.float32)
-                self._sample_executable(rs, logits, jax.device_put(md))
+                logits = jax.ShapeDtypeStruct(
+                    (rs, self._vocab()), jnp.float32, sharding=self.logits_sharding
+                )
+                self._sample_executable(rs, logits, jax.device_put(md, self.replicated))
             if (i + 1) % 16 == 0 or i + 1 == len(shapes):
                 logger.info("Compiled %d/%d buckets.", i + 1, len(shapes))
         logger.info("Graph compilation finished in %.1f secs.", time.perf_counter() - start)
@@ -179,7 +196,7 @@ class ModelRunner:
         md = build_sampling_metadata(ordered, sample_row, rs, self.penalty_rows, self.max_logprobs)
         rd = inputs.attn.decode_kv_lens.shape[0]
         tt = inputs.attn.tile_q_pos.shape[0]
-        inputs, md = jax.device_put((inputs, md))
+        inputs, md = jax.device_put((inputs, md), self.replicated)
         fwd = self._forward_executable(rd, tt, inputs)
         logits, self.kv_cache, self.counts, self.prompt_mask = fwd(
             self.state, self.kv_cache, self.counts, self.prompt_mask, inputs

@@ -2,13 +2,15 @@
 
 ``ragged_paged_attention`` is the Pallas TPU kernel (``interpret=True`` runs it on CPU),
 ``ragged_paged_attention_reference`` the pure-jnp oracle it is tested against,
-``validate_inputs`` the shared static checks and ``kv_cache_shape`` the cache layout
-``[B, S, 2K, H]`` (K and V interleaved on the head axis).
+``validate_inputs`` the shared static checks, ``kv_cache_shape`` the cache layout
+``[B, S, 2K, H]`` (K and V interleaved on the head axis) and
+``ragged_paged_attention_sharded`` the kernel under ``shard_map`` over the head axes.
 """
 
 from .cache import kv_cache_bytes, kv_cache_shape
 from .kernel import ragged_paged_attention
 from .reference import ragged_paged_attention_reference
+from .sharded import ragged_paged_attention_sharded
 from .validation import validate_inputs, validate_options
 
 __all__ = [
@@ -16,6 +18,7 @@ __all__ = [
     "kv_cache_shape",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
+    "ragged_paged_attention_sharded",
     "validate_inputs",
     "validate_options",
 ]

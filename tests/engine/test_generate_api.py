@@ -156,7 +156,7 @@ def test_engine_arguments_are_checked(llama_dir, tmp_path):
     with pytest.raises(ValueError, match="quantization"):
         LLM(llama_dir, quantization="awq")
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        LLM(llama_dir, tensor_parallel_size=2)
+        LLM(llama_dir, tensor_parallel_size=0)
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(llama_dir, max_model_len=100_000)
     with pytest.raises(ValueError, match="does not exist"):

@@ -20,15 +20,18 @@ QUESTIONS = [
 MAX_TOKENS = 24
 
 
+ARGS = dict(
+    max_num_seqs=4,
+    max_num_batched_tokens=128,
+    kv_cache_memory_bytes=64 << 20,
+    enforce_eager=True,
+    disable_log_stats=True,
+)
+
+
 @pytest.fixture(scope="module")
 def smollm():
-    return LLM(
-        max_num_seqs=4,
-        max_num_batched_tokens=128,
-        kv_cache_memory_bytes=64 << 20,
-        enforce_eager=True,
-        disable_log_stats=True,
-    )
+    return LLM(**ARGS)
 
 
 def hf_model():
@@ -73,3 +76,15 @@ def test_smollm2_stops_on_end_of_turn(smollm):
     assert out.finish_reason == "stop"
     assert out.token_ids[-1] == smollm.get_tokenizer().eos_token_id
     assert "<|im_end|>" not in out.text
+
+
+@pytest.mark.slow
+def test_smollm2_tp3_matches_tp1(smollm):
+    """9 query heads and 3 kv heads over 3 fake CPU devices (tests/conftest.py)."""
+    convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = smollm.chat(convs, params, use_tqdm=False)
+    tp3 = LLM(tensor_parallel_size=3, **ARGS)
+    assert tp3.llm_engine.runner.kv_cache.addressable_shards[0].data.shape[3] == 2
+    got = tp3.chat(convs, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
