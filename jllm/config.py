@@ -71,6 +71,12 @@ class EngineArgs:
     max_logprobs: int = 20
     disable_log_stats: bool = False
     tensor_parallel_size: int = 1
+    # Several processes (hosts) serving one model: vLLM's multi-node names, mapped onto
+    # jax.distributed (coordinator master_addr:master_port; the step channel uses port + 1).
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None  # None: JAX detects the cluster (Cloud TPU, Slurm, ...)
+    master_port: int = 29501
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:
@@ -111,6 +117,11 @@ class EngineArgs:
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}."
+            )
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"node_rank must be in [0, nnodes); got node_rank={self.node_rank}, "
+                f"nnodes={self.nnodes}."
             )
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             value = getattr(self, name)

@@ -50,7 +50,13 @@ HELP = {
     "max_logprobs": "Largest logprobs / top_logprobs a request may ask for.",
     "disable_log_stats": "Do not log throughput and cache statistics.",
     "tensor_parallel_size": "Devices of this host to split the model over (heads, MLP and "
-    "vocabulary on the mesh's 'model' axis).",
+    "vocabulary on the mesh's 'model' axis). With several nodes: all devices of all nodes.",
+    "nnodes": "Number of processes (hosts) serving this model together.",
+    "node_rank": "This process's rank; 0 runs the scheduler and the API, the others follow.",
+    "master_addr": "Address of process 0 (JAX's coordinator runs there). Unset: JAX detects "
+    "the cluster (Cloud TPU metadata and TPU_* variables, Slurm, Open MPI, "
+    "JAX_COORDINATOR_ADDRESS).",
+    "master_port": "Port of JAX's coordinator on process 0; the step channel uses the next.",
 }
 
 CHOICES = {

@@ -6,6 +6,7 @@ memory -> model runner (every bucket compiled) -> block manager + scheduler -> e
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import random
@@ -15,6 +16,12 @@ import jax
 import jax.numpy as jnp
 
 from jllm.config import EngineArgs, resolve_scheduler_config
+from jllm.distributed import (
+    ProcessLostError,
+    StepChannel,
+    initialize_distributed,
+    leader_address,
+)
 from jllm.engine.core import EngineCore
 from jllm.engine.kv_cache_manager import KVCacheManager
 from jllm.engine.processor import Processor
@@ -112,6 +119,10 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         start = time.perf_counter()
         self.args = args
+        # Before anything touches a device: join the other processes, if any.
+        self.rank = initialize_distributed(
+            args.nnodes, args.node_rank, args.master_addr, args.master_port
+        )
         enable_compilation_cache()
         platform = jax.devices()[0].platform
         source = resolve_model(
@@ -153,6 +164,11 @@ class LLMEngine:
                 args.tokenizer_mode, args.trust_remote_code, args.tokenizer_revision
             )
         tp = args.tensor_parallel_size
+        if args.nnodes > 1 and tp != jax.device_count():
+            raise ValueError(
+                f"With {args.nnodes} nodes the model must span all {jax.device_count()} devices "
+                f"of the cluster; got tensor_parallel_size={tp}."
+            )
         mesh = make_mesh(tp)
         replicas = kv_head_replicas(cfg.num_heads, cfg.num_kv_heads, tp)
         if replicas > 1:
@@ -210,6 +226,16 @@ class LLMEngine:
             mesh,
         )
         self.runner.compile_all()
+        self.channel = None
+        if args.nnodes > 1:
+            port = args.master_port + 1
+            host = leader_address(args.master_addr)
+            if self.rank == 0:
+                self.channel = StepChannel.serve("0.0.0.0", port, args.nnodes - 1)
+                self.runner.channel = self.channel
+                atexit.register(self.channel.close)
+            else:
+                self.channel = StepChannel.connect(host, port, self.rank)
         self.scheduler = Scheduler(
             sched_cfg, KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         )
@@ -231,9 +257,29 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args)
 
+    @property
+    def is_follower(self) -> bool:
+        """A process other than 0 of a multi-process engine: it takes no requests."""
+        return self.rank != 0
+
+    def follow(self) -> None:
+        """Processes other than 0: run process 0's steps until it stops or exits."""
+        logger.info("Process %d follows process 0's steps.", self.rank)
+        try:
+            self.runner.follow(self.channel)
+        except ProcessLostError as e:
+            logger.error("%s Stopping.", e)
+            raise
+        logger.info("Process 0 stopped; process %d is done.", self.rank)
+
     # ---- requests ------------------------------------------------------------------------
     def prepare(self, prompt, params: SamplingParams):
         """Validate and tokenize without touching engine state (raises ValueError)."""
+        if self.is_follower:
+            raise RuntimeError(
+                f"This is process {self.rank} of a {self.args.nnodes}-process engine; only "
+                "process 0 takes requests."
+            )
         params = params.clone()
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.extra_stop_ids

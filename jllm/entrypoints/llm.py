@@ -28,6 +28,9 @@ class LLM:
         setup_logging()
         args = EngineArgs.from_kwargs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(args)
+        if self.llm_engine.is_follower:
+            # vLLM's headless nodes: this process only runs process 0's steps.
+            self.llm_engine.follow()
         self._counter = itertools.count()
 
     def get_tokenizer(self):

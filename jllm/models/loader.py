@@ -76,6 +76,12 @@ def _axes(var) -> tuple:
     return ("layers", *axes) if len(axes) < len(var.shape) else axes
 
 
+def _place(host: np.ndarray, sharding) -> jax.Array:
+    """Host array -> device array on `sharding`, each device receiving only its own shard
+    (and, with several processes, each process filling only its own devices)."""
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def abstract_model(cfg: LlamaConfig, dtype) -> LlamaForCausalLM:
     return nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype, nnx.Rngs(0)))
 
@@ -107,7 +113,7 @@ def load_model(
                 host = np.ones(var.shape, np.float32)
             else:
                 host = rng.normal(0.0, 0.02, var.shape).astype(np.float32)
-            values[path] = jax.device_put(host.astype(dtype), shardings[path])
+            values[path] = _place(host.astype(dtype), shardings[path])
     else:
         layered: dict[tuple, dict[int, np.ndarray]] = {}
         for name, w in source.iter_weights():
@@ -132,12 +138,12 @@ def load_model(
             if replicate:
                 host = np.repeat(host, kv_replicas, axis=-2)
             if layer is None:
-                values[path] = jax.device_put(host.astype(dtype), shardings[path])
+                values[path] = _place(host.astype(dtype), shardings[path])
             else:
                 layered.setdefault(path, {})[layer] = host.astype(dtype)
                 if len(layered[path]) == cfg.num_layers:
                     stacked = np.stack([layered[path][i] for i in range(cfg.num_layers)])
-                    values[path] = jax.device_put(stacked, shardings[path])
+                    values[path] = _place(stacked, shardings[path])
                     del layered[path]
         missing = [".".join(map(str, p)) for p in flat if p not in values]
         if missing:

@@ -99,6 +99,7 @@ class ModelRunner:
         self._forward_exe: dict[tuple[int, int], object] = {}
         self._sample_exe: dict[int, object] = {}
         self.compile_guard = False
+        self.channel = None  # process 0 of a multi-process engine: a StepChannel
 
     # ---- compilation ---------------------------------------------------------------------
     def _abstract_inputs(self, rd: int, tt: int):
@@ -134,9 +135,11 @@ class ModelRunner:
         if exe is None:
             if self.compile_guard:
                 raise CompileAfterWarmupError(f"sampler bucket (R={rs}) not compiled")
-            exe = sample.lower(
-                logits, md, self.counts, self.prompt_mask, num_logprobs=self.max_logprobs
-            ).compile()
+            with jax.set_mesh(self.mesh):
+                lowered = sample.lower(
+                    logits, md, self.counts, self.prompt_mask, num_logprobs=self.max_logprobs
+                )
+            exe = lowered.compile()
             self._sample_exe[rs] = exe
         return exe
 
@@ -185,6 +188,31 @@ class ModelRunner:
             self._free_rows.append(row)
 
     # ---- the step ------------------------------------------------------------------------
+    def run_step(self, inputs: StepInputs, md):
+        """The device part of a step, from host inputs to host results. Every process of a
+        multi-process engine runs it with the same inputs."""
+        rd = inputs.attn.decode_kv_lens.shape[0]
+        tt = inputs.attn.tile_q_pos.shape[0]
+        rs = md.want_logprobs.shape[0]
+        inputs, md = jax.device_put((inputs, md), self.replicated)
+        fwd = self._forward_executable(rd, tt, inputs)
+        logits, self.kv_cache, self.counts, self.prompt_mask = fwd(
+            self.state, self.kv_cache, self.counts, self.prompt_mask, inputs
+        )
+        smp = self._sample_executable(rs, logits, md)
+        out = smp(logits, md, self.counts, self.prompt_mask)
+        # Replicated results: this process's first shard is the whole array.
+        return [np.asarray(x.addressable_shards[0].data) for x in out]
+
+    def follow(self, channel) -> None:
+        """Processes other than 0: run the steps process 0 sends until it stops."""
+        while True:
+            message = channel.recv()
+            if message[0] == "stop":
+                return
+            _, inputs, md = message
+            self.run_step(inputs, md)
+
     def execute(self, out: SchedulerOutput) -> list[SampledToken | None]:
         """Run one step; one entry per `out.scheduled` (None where nothing is sampled)."""
         for s in out.scheduled:
@@ -194,17 +222,9 @@ class ModelRunner:
             out, self.layout, self.penalty_rows, self.num_penalty_rows
         )
         md = build_sampling_metadata(ordered, sample_row, rs, self.penalty_rows, self.max_logprobs)
-        rd = inputs.attn.decode_kv_lens.shape[0]
-        tt = inputs.attn.tile_q_pos.shape[0]
-        inputs, md = jax.device_put((inputs, md), self.replicated)
-        fwd = self._forward_executable(rd, tt, inputs)
-        logits, self.kv_cache, self.counts, self.prompt_mask = fwd(
-            self.state, self.kv_cache, self.counts, self.prompt_mask, inputs
-        )
-        smp = self._sample_executable(rs, logits, md)
-        tokens, lp, rank, top_ids, top_lp = jax.device_get(
-            smp(logits, md, self.counts, self.prompt_mask)
-        )
+        if self.channel is not None:  # the other processes run the same step
+            self.channel.send(("step", inputs, md))
+        tokens, lp, rank, top_ids, top_lp = self.run_step(inputs, md)
         by_request = {}
         for s, r in zip(ordered, sample_row, strict=True):
             if r is not None:

@@ -192,4 +192,9 @@ def sample(logits, md: SamplingMetadata, counts, prompt_mask, *, num_logprobs):
             jnp.zeros((R, num_logprobs), jnp.float32),
         )
 
-    return tokens, *jax.lax.cond(jnp.any(md.want_logprobs), logprobs, no_logprobs)
+    out = (tokens, *jax.lax.cond(jnp.any(md.want_logprobs), logprobs, no_logprobs))
+    # Under a mesh (the runner lowers inside `jax.set_mesh`) every process gets the whole
+    # result, which process 0 reads back.
+    if not jax.sharding.get_abstract_mesh().empty:
+        out = jax.lax.with_sharding_constraint(out, jax.sharding.PartitionSpec())
+    return out

@@ -211,6 +211,9 @@ def build_engine(args: argparse.Namespace) -> tuple[AsyncLLM, PrometheusStatLogg
 
     engine_args = engine_args_from_namespace(args)
     llm_engine = LLMEngine.from_engine_args(engine_args)
+    if llm_engine.is_follower:
+        llm_engine.follow()  # headless: no API on processes other than 0
+        raise SystemExit(0)
     name = (args.served_model_name or [args.model or EMBEDDED_MODEL_NAME])[0]
     metrics = PrometheusStatLogger(name, llm_engine.max_model_len)
     return AsyncLLM(llm_engine, [metrics]), metrics

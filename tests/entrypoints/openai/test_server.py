@@ -107,7 +107,7 @@ def test_chat_greedy_matches_offline(client, llama_llm, stream):
     assert usage.completion_tokens == len(want[0].outputs[0].token_ids)
 
 
-def test_chat_content_parts_and_template_flag(client, llama_llm):
+def test_chat_content_parts(client, llama_llm):
     parts = [{"role": "user", "content": [{"type": "text", "text": "Write a haiku about JAX."}]}]
     a = client.chat.completions.create(
         model=MODEL_NAME, messages=parts, temperature=0, max_tokens=8
@@ -410,3 +410,30 @@ def test_api_key(served):
         assert httpx.get(f"{keyed.url}/health").status_code == 200  # outside /v1
     finally:
         keyed.stop()
+
+
+def test_chat_template_and_response_role_flags(served, tmp_path, llama_llm):
+    from jllm.entrypoints.openai.api_server import build_app
+
+    running, args, metrics = served
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    flags = server_args(args.model, "--chat-template", str(template), "--response-role", "bot")
+    custom = RunningServer(build_app(flags, running.engine, metrics), running.engine)
+    try:
+        got = httpx.post(f"{custom.url}/tokenize", json={"messages": CHAT}).json()
+        tok = llama_llm.get_tokenizer()
+        assert got["tokens"] == tok.encode(f"<user>{CHAT[0]['content']}", add_special_tokens=False)
+        client = openai.OpenAI(base_url=f"{custom.url}/v1", api_key="x", max_retries=0)
+        answer = client.chat.completions.create(
+            model=MODEL_NAME, messages=CHAT, temperature=0, max_tokens=6
+        )
+        want = llama_llm.generate(
+            {"prompt_token_ids": got["tokens"]},
+            SamplingParams(temperature=0, max_tokens=6),
+            use_tqdm=False,
+        )[0].outputs[0]
+        assert answer.choices[0].message.role == "bot"
+        assert answer.choices[0].message.content == want.text
+    finally:
+        custom.stop()

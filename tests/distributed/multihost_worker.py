@@ -1,0 +1,64 @@
+"""One process of a two-process engine on 127.0.0.1 (run by test_multihost.py).
+
+    python multihost_worker.py RANK MODEL PORT MODE PROMPTS_JSON
+
+Each process has 2 fake CPU devices; TP = 4 spans both. Process 0 prints the greedy token
+ids as a `TOKENS <json>` line. MODE "generate": addresses given. MODE "slurm": no
+addresses, the cluster comes from (emulated) Slurm variables. MODE "crash": process 0
+prints READY, waits for a line on stdin (the test kills process 1 meanwhile), then tries
+to generate and prints LOST <error>.
+"""
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+from jllm import LLM, SamplingParams  # noqa: E402
+from jllm.distributed import ProcessLostError  # noqa: E402
+
+rank, model, port, mode, prompts = (
+    int(sys.argv[1]),
+    sys.argv[2],
+    int(sys.argv[3]),
+    sys.argv[4],
+    json.loads(sys.argv[5]),
+)
+cluster = dict(nnodes=2, node_rank=rank, master_addr="127.0.0.1", master_port=port)
+if mode == "slurm":
+    # No addresses given: JAX detects the cluster from (emulated) Slurm variables, as it
+    # does from the TPU metadata on Cloud TPU.
+    os.environ.update(
+        SLURM_JOB_ID="1",
+        SLURM_STEP_NODELIST="localhost",
+        SLURM_NTASKS="2",
+        SLURM_PROCID=str(rank),
+        SLURM_LOCALID="0",
+        JAX_COORDINATOR_PORT=str(port),
+    )
+    cluster = dict(nnodes=2, master_port=port)
+llm = LLM(
+    model,
+    tensor_parallel_size=4,
+    **cluster,
+    kv_cache_memory_bytes=8 << 20,
+    max_num_seqs=8,
+    max_num_batched_tokens=128,
+    enforce_eager=True,
+    disable_log_stats=True,
+)
+if rank == 0:
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    if mode == "crash":
+        print("READY", flush=True)
+        sys.stdin.readline()
+        try:
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        except ProcessLostError as e:
+            print(f"LOST {e}", flush=True)
+            os._exit(3)
+        os._exit(0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    print("TOKENS " + json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
