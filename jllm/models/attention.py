@@ -31,11 +31,14 @@ from pallas_kernels.ragged_paged_attention import (
 )
 from sharding import MODEL_AXIS
 
-# The XLA path gathers the KV cache in chunks small enough to stay in the CPU's caches: the
-# chunk shrinks as the rows grow (measured on the 2-core CPU, 64 decode rows of SmolLM2:
-# 18.5 ms per layer with 256-token chunks, 4-5 ms with 32-64).
+# The XLA path gathers the KV cache in chunks small enough to stay near the CPU's caches: the
+# chunk shrinks as the rows grow. Measured on the 2-core CPU with SmolLM2 (per layer, 64
+# decode rows: 18.5 ms with 256-token chunks, 4-5 ms with 32-64). Prefill tiles reuse each
+# gathered token for all their queries, so they take larger chunks: 2048-token prefill
+# steps of 4 x 512-token prompts took 4.4 s with 16-token chunks and 3.5 s with 64.
 MAX_KV_CHUNK_TOKENS = 256
-KV_CHUNK_BYTES = 4 << 20
+DECODE_KV_CHUNK_BYTES = 8 << 20
+PREFILL_KV_CHUNK_BYTES = 16 << 20
 
 
 def max_kv_chunk_pages(block_size: int) -> int:
@@ -43,9 +46,11 @@ def max_kv_chunk_pages(block_size: int) -> int:
     return max(1, MAX_KV_CHUNK_TOKENS // block_size)
 
 
-def kv_chunk_pages(block_size: int, rows: int, kv_token_bytes: int) -> int:
-    """Pages per loop iteration when `rows` rows each gather their own KV."""
-    tokens = min(MAX_KV_CHUNK_TOKENS, KV_CHUNK_BYTES // max(1, rows * kv_token_bytes))
+def kv_chunk_pages(block_size: int, rows: int, kv_token_bytes: int, queries_per_row: int) -> int:
+    """Pages per loop iteration when `rows` rows of `queries_per_row` queries each gather
+    their own KV."""
+    budget = DECODE_KV_CHUNK_BYTES if queries_per_row == 1 else PREFILL_KV_CHUNK_BYTES
+    tokens = min(MAX_KV_CHUNK_TOKENS, budget // max(1, rows * kv_token_bytes))
     pages = max(1, tokens // block_size)
     return 1 << (pages.bit_length() - 1)  # a power of two, so it divides the table width
 
@@ -107,7 +112,7 @@ def tile_attention(q, kv_cache, layer, block_table, kv_lens, q_pos, num_chunks, 
     _, B, S, K2, _ = kv_cache.shape
     K = K2 // 2
     G = N // K
-    pages = kv_chunk_pages(S, Tt, K2 * H * kv_cache.dtype.itemsize)
+    pages = kv_chunk_pages(S, Tt, K2 * H * kv_cache.dtype.itemsize, C)
     L = pages * S
     qg = (q.astype(jnp.float32) * sm_scale).reshape(Tt, C, K, G, H)
 

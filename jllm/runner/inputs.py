@@ -176,8 +176,8 @@ def build_step_inputs(
         else:
             sample_row.append(None)
 
-    dec_chunk = kv_chunk_pages(S, Rd, layout.kv_token_bytes) * S
-    tile_chunk = kv_chunk_pages(S, Tt, layout.kv_token_bytes) * S
+    dec_chunk = kv_chunk_pages(S, Rd, layout.kv_token_bytes, 1) * S
+    tile_chunk = kv_chunk_pages(S, Tt, layout.kv_token_bytes, layout.tile_size) * S
     dec_kv = kv_lens[:Rd]
     attn = AttentionMetadata(
         slot_mapping=slot_mapping,

@@ -41,7 +41,7 @@ def test_tile_attention_matches_reference(tile):
     q_pos = np.full((len(kv_lens), tile), -1, np.int32)
     for i, (n, kl) in enumerate(zip(n_valid, kv_lens, strict=True)):
         q_pos[i, :n] = np.arange(kl - n, kl)
-    chunk = kv_chunk_pages(S, len(kv_lens), 2 * K * H * 4) * S
+    chunk = kv_chunk_pages(S, len(kv_lens), 2 * K * H * 4, tile) * S
     chunks = np.int32(-(-kv_lens.max() // chunk))
     out = tile_attention(
         jnp.asarray(q),
