@@ -40,6 +40,8 @@ class StepChannel:
         self.peers: dict[int, socket.socket] = {}
         self.leader: socket.socket | None = None
         self.lost: list[int] = []
+        self.closing = False
+        self._gone = threading.Condition()
 
     # ---- process 0 -----------------------------------------------------------------------
     @classmethod
@@ -70,9 +72,14 @@ class StepChannel:
                 pass
         except OSError:
             pass
-        if rank not in self.lost:
-            self.lost.append(rank)
-            logger.error("Process %d of the cluster exited; the engine cannot continue.", rank)
+        with self._gone:
+            if rank not in self.lost:
+                self.lost.append(rank)
+                if not self.closing:
+                    logger.error(
+                        "Process %d of the cluster exited; the engine cannot continue.", rank
+                    )
+            self._gone.notify_all()
 
     def send(self, message) -> None:
         if self.lost:
@@ -88,13 +95,22 @@ class StepChannel:
                 self.lost.append(rank)
                 raise ProcessLostError(f"Process {rank} of the cluster is gone: {e}") from e
 
-    def close(self) -> None:
+    def close(self, timeout: float = 30) -> None:
+        """Tell the other processes to stop and wait until they hang up, so that they leave
+        JAX's cluster in order before process 0 (which hosts its coordinator) does."""
+        if not self.peers:
+            return
+        self.closing = True
+        logger.info("Stopping the other %d processes.", len(self.peers))
         for conn in self.peers.values():
             try:
                 conn.sendall(_pack(("stop",)))
-                conn.close()
             except OSError:
                 pass
+        with self._gone:
+            self._gone.wait_for(lambda: set(self.peers) <= set(self.lost), timeout)
+        for conn in self.peers.values():
+            conn.close()
         self.peers.clear()
 
     # ---- the other processes -------------------------------------------------------------
@@ -115,6 +131,12 @@ class StepChannel:
         sock.sendall(_HEADER.pack(rank))
         channel.leader = sock
         return channel
+
+    def hang_up(self) -> None:
+        """A follower that got "stop" closes its end, which process 0 is waiting for."""
+        if self.leader is not None:
+            self.leader.close()
+            self.leader = None
 
     def recv(self):
         try:

@@ -95,6 +95,7 @@ class AsyncLLM:
     def shutdown(self) -> None:
         self._commands.put(("stop",))
         self._thread.join(timeout=30)
+        self.engine.shutdown()
 
     # ---- engine thread -------------------------------------------------------------------
     def _deliver(self, request_id: str, item) -> None:

@@ -233,7 +233,7 @@ class LLMEngine:
             if self.rank == 0:
                 self.channel = StepChannel.serve("0.0.0.0", port, args.nnodes - 1)
                 self.runner.channel = self.channel
-                atexit.register(self.channel.close)
+                atexit.register(self.shutdown)
             else:
                 self.channel = StepChannel.connect(host, port, self.rank)
         self.scheduler = Scheduler(
@@ -262,6 +262,11 @@ class LLMEngine:
         """A process other than 0 of a multi-process engine: it takes no requests."""
         return self.rank != 0
 
+    def shutdown(self) -> None:
+        """Process 0 of a multi-process engine: stop the other processes (also at exit)."""
+        if self.channel is not None and not self.is_follower:
+            self.channel.close()
+
     def follow(self) -> None:
         """Processes other than 0: run process 0's steps until it stops or exits."""
         logger.info("Process %d follows process 0's steps.", self.rank)
@@ -270,6 +275,7 @@ class LLMEngine:
         except ProcessLostError as e:
             logger.error("%s Stopping.", e)
             raise
+        self.channel.hang_up()
         logger.info("Process 0 stopped; process %d is done.", self.rank)
 
     # ---- requests ------------------------------------------------------------------------

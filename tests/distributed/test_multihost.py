@@ -60,3 +60,72 @@ def test_lost_process_is_reported(tiny_models):
                 p.kill()
     assert leader.returncode == 3, out
     assert "LOST Process(es) [1] of the cluster exited" in out
+
+
+def test_server_over_two_processes(tiny_models):
+    """`jllm serve` as process 0 and a headless follower: the API answers with TP = 1's
+    greedy text, and stopping process 0 stops the follower."""
+    import os
+    import time
+
+    import httpx
+
+    model = tiny_models["llama-h8kv2"]
+    port, api_port = free_port(), free_port()
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    common = [
+        sys.executable,
+        "-m",
+        "jllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--tensor-parallel-size",
+        "4",
+        "--nnodes",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        "--enforce-eager",
+        "--kv-cache-memory-bytes",
+        str(8 << 20),
+        "--max-num-seqs",
+        "8",
+        "--max-num-batched-tokens",
+        "128",
+        "--disable-log-stats",
+    ]
+    procs = [
+        subprocess.Popen(
+            [*common, "--node-rank", str(rank), "--host", "127.0.0.1", "--port", str(api_port)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert all(p.poll() is None for p in procs), procs[0].stdout.read()
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{api_port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        body = {"prompt": PROMPTS[3], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        got = httpx.post(f"http://127.0.0.1:{api_port}/v1/completions", json=body, timeout=120)
+        assert got.status_code == 200, got.text
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        want = LLM(model, **SMALL).generate({"prompt_token_ids": PROMPTS[3]}, params)
+        assert got.json()["choices"][0]["text"] == want[0].outputs[0].text
+        procs[0].terminate()
+        assert procs[0].wait(timeout=60) is not None
+        assert procs[1].wait(timeout=60) == 0, procs[1].stdout.read()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()

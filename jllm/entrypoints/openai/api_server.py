@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 
 import uvicorn
@@ -172,12 +173,15 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM, metrics: PrometheusSta
             return await chat.create_chat_completion(body)
         return await with_cancellation(raw, chat.create_chat_completion(body))
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
+    def check_tokenizer_request(body) -> None:
         if tokenizer is None:
             raise OpenAIError("The server runs without a tokenizer.", 400)
         if body.model is not None and body.model not in names:
             raise OpenAIError(f"The model `{body.model}` does not exist.", 404, "model")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        check_tokenizer_request(body)
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError("Give exactly one of prompt and messages.", 400, "prompt")
         if body.messages is not None:
@@ -194,10 +198,7 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM, metrics: PrometheusSta
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        if tokenizer is None:
-            raise OpenAIError("The server runs without a tokenizer.", 400)
-        if body.model is not None and body.model not in names:
-            raise OpenAIError(f"The model `{body.model}` does not exist.", 404, "model")
+        check_tokenizer_request(body)
         vocab = len(tokenizer)
         if any(not 0 <= t < vocab for t in body.tokens):
             raise OpenAIError(f"Token ids must be in [0, {vocab}).", 400, "tokens")
@@ -219,6 +220,10 @@ def build_engine(args: argparse.Namespace) -> tuple[AsyncLLM, PrometheusStatLogg
     return AsyncLLM(llm_engine, [metrics]), metrics
 
 
+def _terminate(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def run_server(args: argparse.Namespace) -> None:
     setup_logging()
     logger.info("jllm API server version %s", jllm.__version__)
@@ -235,6 +240,9 @@ def run_server(args: argparse.Namespace) -> None:
         "Available routes: %s",
         ", ".join(sorted(r.path for r in app.routes if hasattr(r, "methods"))),
     )
+    # uvicorn re-raises SIGTERM once it has shut down; turn it into an exception so that the
+    # engine (and, with several processes, the others) still stop in order.
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         uvicorn.run(
             app,
@@ -245,6 +253,8 @@ def run_server(args: argparse.Namespace) -> None:
             ssl_certfile=args.ssl_certfile,
             timeout_keep_alive=5,
         )
+    except KeyboardInterrupt:
+        logger.info("Shutting down.")
     finally:
         engine.shutdown()
 

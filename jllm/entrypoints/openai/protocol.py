@@ -8,11 +8,25 @@ rejected with a 400 that names the field when they are set, never silently ignor
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from jllm.sampling_params import RequestOutputKind, SamplingParams
+
+# Defined by OpenAI or vLLM, not honoured by jllm yet: a 400 naming the field when set.
+UNSUPPORTED_FIELDS = (
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "prompt_logprobs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "lora_request",
+)
 
 
 class OpenAIBaseModel(BaseModel):
@@ -64,22 +78,9 @@ class SamplingFields(OpenAIBaseModel):
     priority: int = 0
     lora_request: Any = None
 
-    _UNSUPPORTED = (
-        "logit_bias",
-        "allowed_token_ids",
-        "bad_words",
-        "prompt_logprobs",
-        "guided_json",
-        "guided_regex",
-        "guided_choice",
-        "guided_grammar",
-        "structured_outputs",
-        "lora_request",
-    )
-
     def unsupported_field(self) -> str | None:
         """The first field set that jllm cannot honour, if any."""
-        for name in self._UNSUPPORTED:
+        for name in UNSUPPORTED_FIELDS:
             if getattr(self, name):
                 return name
         if self.best_of is not None and self.best_of != self.n:
@@ -160,8 +161,3 @@ class TokenizeRequest(OpenAIBaseModel):
 class DetokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     tokens: list[int]
-
-
-ErrorType = Literal[
-    "BadRequestError", "AuthenticationError", "NotFoundError", "InternalServerError"
-]
