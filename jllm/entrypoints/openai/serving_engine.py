@@ -109,6 +109,16 @@ class OpenAIServing:
             prepared = self.engine.prepare(prompt, params)
         except ValueError as e:
             raise OpenAIError(str(e), 400) from e
+        num_prompt = len(prepared[0].prompt_token_ids)
+        max_len = self.engine.max_model_len
+        if params.max_tokens is not None and num_prompt + params.max_tokens > max_len:
+            raise OpenAIError(
+                f"This model's maximum context length is {max_len} tokens. However, you "
+                f"requested {num_prompt + params.max_tokens} tokens ({num_prompt} in the "
+                f"messages, {params.max_tokens} in the completion). Please reduce the length "
+                "of the messages or completion.",
+                400,
+            )
         if self.log_requests:
             text = prepared[0].prompt
             ids = prepared[0].prompt_token_ids

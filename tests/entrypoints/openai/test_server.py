@@ -363,6 +363,9 @@ def test_bad_completion_requests_are_400(server, body, param):
 def test_prompt_over_context_is_400(client):
     with pytest.raises(openai.BadRequestError, match="maximum model length"):
         client.completions.create(model=MODEL_NAME, prompt="word " * 600, max_tokens=4)
+    # The prompt fits but prompt + max_tokens does not (max_model_len is 512): vLLM's 400.
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 512 tokens"):
+        client.completions.create(model=MODEL_NAME, prompt="word " * 100, max_tokens=500)
 
 
 def test_malformed_json_is_400(server):
