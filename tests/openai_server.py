@@ -1,4 +1,4 @@
-"""A real jllm server on 127.0.0.1 (uvicorn in a thread), used by the server tests."""
+"""Real jllm servers on 127.0.0.1 for the tests: uvicorn in a thread, or a subprocess to wait on."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import socket
 import threading
 import time
 
+import httpx
 import uvicorn
 from oracle import SMALL
 
@@ -49,3 +50,17 @@ class RunningServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+def wait_healthy(url: str, procs, timeout: float) -> None:
+    """Poll `url`/health until it answers 200, failing with the log of the first process if
+    any of the server processes `procs` exits or `timeout` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert all(p.poll() is None for p in procs), procs[0].stdout.read()
+        assert time.monotonic() < deadline, "the server did not come up"
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.2)

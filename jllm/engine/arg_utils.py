@@ -78,11 +78,9 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine arguments")
     for f in dataclasses.fields(EngineArgs):
-        if f.name in skip:
-            continue
         kind = _base_type(f.type) if isinstance(f.type, str) else f.type
         if isinstance(kind, types.UnionType):
             kind = kind.__args__[0]

@@ -218,9 +218,7 @@ class EngineCore:
             return None
         return self.tokenizer.decode([token_id])
 
-    def _make_output(
-        self, parent: ParentRequest, now: float, touched: set[str] | None = None
-    ) -> RequestOutput:
+    def _make_output(self, parent: ParentRequest, now: float, touched: set[str]) -> RequestOutput:
         """CUMULATIVE and FINAL_ONLY: every sequence so far. DELTA: only the sequences that
         moved this step (`touched`), each with the text, tokens and logprobs since the last
         output; their `index` says which of the `n` they are."""
@@ -229,7 +227,7 @@ class EngineCore:
         completions = []
         for i, child in enumerate(parent.children):
             rid = child.request_id
-            if delta and touched is not None and rid not in touched:
+            if delta and rid not in touched:
                 continue
             detok = parent.detokenizers.get(rid)
             text = detok.visible_text(child.is_finished()) if detok is not None else ""

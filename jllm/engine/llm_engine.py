@@ -174,7 +174,6 @@ class LLMEngine:
         if replicas > 1:
             cfg = dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * replicas)
             self.model_config = cfg
-        self.mesh = mesh
         graphdef, state = load_model(
             cfg, source, dtype, mesh, args.load_format, seed=args.seed or 0, kv_replicas=replicas
         )

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from openai_server import free_port
+from openai_server import free_port, wait_healthy
 from oracle import SMALL, prompt_ids
 
 from jllm import LLM, SamplingParams
@@ -66,7 +66,6 @@ def test_server_over_two_processes(tiny_models):
     """`jllm serve` as process 0 and a headless follower: the API answers with TP = 1's
     greedy text, and stopping process 0 stops the follower."""
     import os
-    import time
 
     import httpx
 
@@ -107,15 +106,7 @@ def test_server_over_two_processes(tiny_models):
         for rank in (0, 1)
     ]
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert all(p.poll() is None for p in procs), procs[0].stdout.read()
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{api_port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.5)
+        wait_healthy(f"http://127.0.0.1:{api_port}", procs, timeout=300)
         body = {"prompt": PROMPTS[3], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
         got = httpx.post(f"http://127.0.0.1:{api_port}/v1/completions", json=body, timeout=120)
         assert got.status_code == 200, got.text

@@ -6,10 +6,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import httpx
-from openai_server import free_port
+from openai_server import free_port, wait_healthy
 
 JLLM = [sys.executable, "-m", "jllm.entrypoints.cli"]
 
@@ -68,15 +67,7 @@ def test_api_server_module_serves(llama_dir):
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "server did not come up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_healthy(f"http://127.0.0.1:{port}", [proc], timeout=120)
         r = httpx.post(
             f"http://127.0.0.1:{port}/v1/completions",
             json={"prompt": "Hello", "max_tokens": 3, "temperature": 0},

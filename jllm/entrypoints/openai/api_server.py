@@ -66,8 +66,13 @@ async def with_cancellation(request: Request, work):
     return task.result()
 
 
+def served_model_names(args: argparse.Namespace) -> list[str]:
+    """--served-model-name, else the --model argument, else the embedded model's hub id."""
+    return args.served_model_name or [args.model or EMBEDDED_MODEL_NAME]
+
+
 def build_app(args: argparse.Namespace, engine: AsyncLLM, metrics: PrometheusStatLogger):
-    names = args.served_model_name or [args.model or EMBEDDED_MODEL_NAME]
+    names = served_model_names(args)
     common = dict(
         served_model_names=names,
         log_requests=not args.disable_log_requests,
@@ -215,8 +220,7 @@ def build_engine(args: argparse.Namespace) -> tuple[AsyncLLM, PrometheusStatLogg
     if llm_engine.is_follower:
         llm_engine.follow()  # headless: no API on processes other than 0
         raise SystemExit(0)
-    name = (args.served_model_name or [args.model or EMBEDDED_MODEL_NAME])[0]
-    metrics = PrometheusStatLogger(name, llm_engine.max_model_len)
+    metrics = PrometheusStatLogger(served_model_names(args)[0], llm_engine.max_model_len)
     return AsyncLLM(llm_engine, [metrics]), metrics
 
 
@@ -228,8 +232,8 @@ def run_server(args: argparse.Namespace) -> None:
     setup_logging()
     logger.info("jllm API server version %s", jllm.__version__)
     logger.info("args: %s", vars(args))
-    # Fail on bad flags before spending time on the engine.
-    engine_args_from_namespace(args)
+    # A bad --chat-template fails before the engine loads (build_engine checks the engine
+    # flags first thing).
     load_chat_template(args.chat_template)
     engine, metrics = build_engine(args)
     app = build_app(args, engine, metrics)

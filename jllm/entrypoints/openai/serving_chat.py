@@ -166,32 +166,26 @@ class OpenAIServingChat(OpenAIServing):
 
         prefix = self._echo(request, role)
         num_generated = 0
-        try:
-            for i in range(request.n):
-                delta = {"role": role, "content": prefix}
-                yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
-            async for _, out in self.run_all(request_id, prepared):
-                for c in out.outputs:
-                    num_generated += len(c.token_ids)
-                    if not (c.text or c.token_ids or c.finish_reason):
-                        continue
-                    logprobs = None
-                    if request.logprobs:
-                        logprobs = self._logprobs(c, request.top_logprobs or 0)
-                    choice = {
-                        "index": c.index,
-                        "delta": {"content": c.text},
-                        "logprobs": logprobs,
-                        "finish_reason": c.finish_reason,
-                    }
-                    if c.finish_reason is not None:
-                        choice["stop_reason"] = c.stop_reason
-                    yield chunk([choice])
-            if include_usage:
-                num_prompt = len(prepared[0][0].prompt_token_ids)
-                yield chunk([], usage=usage(num_prompt, num_generated))
-        except OpenAIError as e:
-            yield sse({"error": {"message": e.message, "type": "BadRequestError", "code": 400}})
-        except Exception as e:  # noqa: BLE001 - the stream has started: report it in-band
-            yield sse({"error": {"message": str(e), "type": "InternalServerError", "code": 500}})
-        yield sse("[DONE]")
+        for i in range(request.n):
+            delta = {"role": role, "content": prefix}
+            yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
+        async for _, out in self.run_all(request_id, prepared):
+            for c in out.outputs:
+                num_generated += len(c.token_ids)
+                if not (c.text or c.token_ids or c.finish_reason):
+                    continue
+                logprobs = None
+                if request.logprobs:
+                    logprobs = self._logprobs(c, request.top_logprobs or 0)
+                choice = {
+                    "index": c.index,
+                    "delta": {"content": c.text},
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                }
+                if c.finish_reason is not None:
+                    choice["stop_reason"] = c.stop_reason
+                yield chunk([choice])
+        if include_usage:
+            num_prompt = len(prepared[0][0].prompt_token_ids)
+            yield chunk([], usage=usage(num_prompt, num_generated))

@@ -125,54 +125,48 @@ class OpenAIServingCompletion(OpenAIServing):
         echoed: set[int] = set()
         offsets: dict[int, int] = {}
         num_generated = 0
-        try:
-            async for i, out in self.run_all(request_id, prepared):
-                for c in out.outputs:
-                    index = i * n + c.index
-                    text = c.text
-                    if request.echo and index not in echoed:
-                        echoed.add(index)
-                        text = self._echo(prepared[i]) + text
-                    num_generated += len(c.token_ids)
-                    if not (text or c.token_ids or c.finish_reason):
-                        continue
-                    logprobs = None
-                    if request.logprobs is not None:
-                        start = offsets.get(index, 0)
-                        logprobs = self._logprobs(c, request.logprobs, start)
-                        offsets[index] = start + sum(len(t) for t in logprobs["tokens"])
-                    chunk = {
-                        "id": request_id,
-                        "object": "text_completion",
-                        "created": created,
-                        "model": self.model_name,
-                        "choices": [
-                            {
-                                "index": index,
-                                "text": text,
-                                "logprobs": logprobs,
-                                "finish_reason": c.finish_reason,
-                                "stop_reason": c.stop_reason,
-                            }
-                        ],
-                    }
-                    if include_usage:
-                        chunk["usage"] = None
-                    yield sse(chunk)
-            if include_usage:
-                num_prompt = sum(len(p[0].prompt_token_ids) for p in prepared)
-                yield sse(
-                    {
-                        "id": request_id,
-                        "object": "text_completion",
-                        "created": created,
-                        "model": self.model_name,
-                        "choices": [],
-                        "usage": usage(num_prompt, num_generated),
-                    }
-                )
-        except OpenAIError as e:
-            yield sse({"error": {"message": e.message, "type": "BadRequestError", "code": 400}})
-        except Exception as e:  # noqa: BLE001 - the stream has started: report it in-band
-            yield sse({"error": {"message": str(e), "type": "InternalServerError", "code": 500}})
-        yield sse("[DONE]")
+        async for i, out in self.run_all(request_id, prepared):
+            for c in out.outputs:
+                index = i * n + c.index
+                text = c.text
+                if request.echo and index not in echoed:
+                    echoed.add(index)
+                    text = self._echo(prepared[i]) + text
+                num_generated += len(c.token_ids)
+                if not (text or c.token_ids or c.finish_reason):
+                    continue
+                logprobs = None
+                if request.logprobs is not None:
+                    start = offsets.get(index, 0)
+                    logprobs = self._logprobs(c, request.logprobs, start)
+                    offsets[index] = start + sum(len(t) for t in logprobs["tokens"])
+                chunk = {
+                    "id": request_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": self.model_name,
+                    "choices": [
+                        {
+                            "index": index,
+                            "text": text,
+                            "logprobs": logprobs,
+                            "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason,
+                        }
+                    ],
+                }
+                if include_usage:
+                    chunk["usage"] = None
+                yield sse(chunk)
+        if include_usage:
+            num_prompt = sum(len(p[0].prompt_token_ids) for p in prepared)
+            yield sse(
+                {
+                    "id": request_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": self.model_name,
+                    "choices": [],
+                    "usage": usage(num_prompt, num_generated),
+                }
+            )

@@ -4,6 +4,7 @@ request logging, running several sub-requests at once, and SSE framing."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -56,12 +57,27 @@ def sse(data: dict | str) -> str:
     return f"data: {payload}\n\n"
 
 
-class SSEResponse(StreamingResponse):
-    """An event stream whose generator is always closed, so a dropped client aborts its
-    requests even when the server notices only at the next write."""
+async def event_stream(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The SSE events of `chunks`, then `[DONE]`. Once the stream has started an error can
+    no longer change the status code, so it is sent in-band in OpenAI's error body."""
+    async with contextlib.aclosing(chunks):
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except OpenAIError as e:
+            yield sse(error_body(e.message, e.status, e.param))
+        except Exception as e:  # noqa: BLE001 - reported to the client, in-band
+            logger.exception("Error in a streaming response.")
+            yield sse(error_body(str(e), 500))
+    yield sse("[DONE]")
 
-    def __init__(self, content: AsyncIterator[str]) -> None:
-        super().__init__(content, media_type="text/event-stream")
+
+class SSEResponse(StreamingResponse):
+    """An event stream (see `event_stream`) whose generator is always closed, so a dropped
+    client aborts its requests even when the server notices only at the next write."""
+
+    def __init__(self, chunks: AsyncIterator[str]) -> None:
+        super().__init__(event_stream(chunks), media_type="text/event-stream")
 
     async def __call__(self, scope, receive, send) -> None:
         try:
