@@ -17,7 +17,12 @@ import numpy as np
 
 from jllm.engine.kv_cache_manager import cdiv
 from jllm.engine.scheduler import ScheduledRequest, SchedulerOutput
-from jllm.models.attention import AttentionMetadata, kv_chunk_pages, max_kv_chunk_pages
+from jllm.models.attention import (
+    AttentionMetadata,
+    kv_bands,
+    kv_chunk_pages,
+    max_kv_chunk_pages,
+)
 from jllm.runner.sampler import SamplingMetadata
 from jllm.sampling_params import MAX_SUPPRESS
 
@@ -109,8 +114,10 @@ def build_step_inputs(
     """Returns (StepInputs in numpy, scheduled requests in batch order, each one's sample
     row or None, the number of sample rows). `shape` forces the (Rd, Tt) bucket (warm-up)."""
     S, C = layout.block_size, layout.tile_size
-    decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
-    prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
+    # Longest context first, so that the attention's bands group similar lengths.
+    by_context = sorted(out.scheduled, key=lambda s: -(s.num_computed_tokens + s.num_new_tokens))
+    decodes = [s for s in by_context if s.num_new_tokens == 1]
+    prefills = [s for s in by_context if s.num_new_tokens > 1]
     n_tiles = sum(cdiv(s.num_new_tokens, C) for s in prefills)
     if shape is None:
         Rd = bucket(len(decodes), layout.decode_buckets)
@@ -176,8 +183,6 @@ def build_step_inputs(
         else:
             sample_row.append(None)
 
-    dec_chunk = kv_chunk_pages(S, Rd, layout.kv_token_bytes, 1) * S
-    tile_chunk = kv_chunk_pages(S, Tt, layout.kv_token_bytes, layout.tile_size) * S
     dec_kv = kv_lens[:Rd]
     attn = AttentionMetadata(
         slot_mapping=slot_mapping,
@@ -186,8 +191,8 @@ def build_step_inputs(
         tile_block_table=tile_bt,
         tile_kv_lens=tile_kv,
         tile_q_pos=tile_pos,
-        decode_chunks=np.int32(cdiv(int(dec_kv.max(initial=0)), dec_chunk)),
-        tile_chunks=np.int32(cdiv(int(tile_kv.max(initial=0)), tile_chunk)),
+        decode_chunks=band_chunks(dec_kv, S, layout.kv_token_bytes, 1),
+        tile_chunks=band_chunks(tile_kv, S, layout.kv_token_bytes, C),
         query_start=query_start,
         query_lens=query_lens,
         kv_lens=kv_lens,
@@ -205,6 +210,15 @@ def build_step_inputs(
         attn=attn,
     )
     return inputs, ordered, sample_row, Rs
+
+
+def band_chunks(kv_lens: np.ndarray, block_size: int, kv_token_bytes: int, queries: int):
+    """[bands] KV chunks each band of rows (sorted longest first) loops over."""
+    bands = kv_bands(len(kv_lens))
+    rows = len(kv_lens) // bands
+    chunk = kv_chunk_pages(block_size, rows, kv_token_bytes, queries) * block_size
+    longest = kv_lens.reshape(bands, rows).max(axis=1) if len(kv_lens) else np.zeros(1)
+    return (-(-longest // chunk)).astype(np.int32)
 
 
 def build_sampling_metadata(ordered, sample_row, Rs, penalty_rows, max_logprobs):
