@@ -33,16 +33,19 @@ from sharding import MODEL_AXIS
 
 # The XLA path gathers the KV cache in chunks small enough to stay near the CPU's caches: the
 # chunk shrinks as the rows grow. Measured on the 2-core CPU with SmolLM2 (per layer, 64
-# decode rows: 18.5 ms with 256-token chunks, 4-5 ms with 32-64). Prefill tiles reuse each
-# gathered token for all their queries, so they take larger chunks: 2048-token prefill
-# steps of 4 x 512-token prompts took 4.4 s with 16-token chunks and 3.5 s with 64.
+# decode rows: 18.5 ms with 256-token chunks, 4-5 ms with 32-64; W1 decode with bands ran
+# best at 8 MB per iteration). Prefill tiles reuse each gathered token for all their
+# queries; since they are sorted by causal horizon, smaller chunks waste fewer masked keys:
+# 2048-token prefill steps of 16 x 128-token prompts took 2.8 s at 16 MB, 2.4 s at 8 MB,
+# 2.2 s at 4 MB and 2.6 s at 1 MB (4 x 512: 3.1, 2.9, 2.9, 4.0 s).
 MAX_KV_CHUNK_TOKENS = 256
 DECODE_KV_CHUNK_BYTES = 8 << 20
-PREFILL_KV_CHUNK_BYTES = 16 << 20
+PREFILL_KV_CHUNK_BYTES = 4 << 20
 
 
 # Every row of a loop runs to the longest context among them, so a short context beside a long
-# one wastes its gathers. The host sorts rows by context length (longest first) and the rows
+# one wastes its gathers. The host sorts the rows (decode rows by context length, prefill
+# tiles by causal horizon: the position of their last query), longest first, and the rows
 # are split into bands of at least MIN_KV_BAND_ROWS rows, at most MAX_KV_BANDS of them, each
 # with its own trip count. In a chat-like load (inputs 16-512, outputs 4-256 tokens) on the
 # 2-core CPU, decode steps of 128 rows went from 0.93 s to 0.58 s and the load ran 1.4x
@@ -82,6 +85,8 @@ def kv_chunk_pages(block_size: int, rows: int, kv_token_bytes: int, queries_per_
         "tile_block_table",
         "tile_kv_lens",
         "tile_q_pos",
+        "tile_order",
+        "tile_inverse",
         "decode_chunks",
         "tile_chunks",
         "query_start",
@@ -100,6 +105,9 @@ class AttentionMetadata:
     tile_block_table: jax.Array  # [Tt, P] the block table of each tile's request
     tile_kv_lens: jax.Array  # [Tt]
     tile_q_pos: jax.Array  # [Tt, C] absolute position of each query; -1 for padding
+    # The tile_* arrays above are sorted by causal horizon (longest first) for the bands:
+    tile_order: jax.Array  # [Tt] the flat batch's tile at each sorted position
+    tile_inverse: jax.Array  # [Tt] the sorted position of each of the flat batch's tiles
     decode_chunks: jax.Array  # [kv_bands(Rd)] KV chunks each band of decode rows needs
     tile_chunks: jax.Array  # [kv_bands(Tt)] KV chunks each band of prefill tiles needs
     # The same batch as the ragged kernel sees it: decode requests then prefill requests.
@@ -224,7 +232,7 @@ def paged_attention(q, k, v, kv_cache, layer, md: AttentionMetadata, backend: st
         parts.append(dec.reshape(Rd, N, H))
     if Tt:
         pre = banded_attention(
-            q[Rd:].reshape(Tt, C, N, H),
+            q[Rd:].reshape(Tt, C, N, H)[md.tile_order],
             kv_cache,
             layer,
             md.tile_block_table,
@@ -233,6 +241,6 @@ def paged_attention(q, k, v, kv_cache, layer, md: AttentionMetadata, backend: st
             md.tile_chunks,
             sm_scale,
         )
-        parts.append(pre.reshape(Tt * C, N, H))
+        parts.append(pre[md.tile_inverse].reshape(Tt * C, N, H))
     out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
     return out, kv_cache

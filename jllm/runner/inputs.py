@@ -184,15 +184,23 @@ def build_step_inputs(
             sample_row.append(None)
 
     dec_kv = kv_lens[:Rd]
+    # A prefill tile needs the keys up to its last query (causal), not its request's whole
+    # context; the attention's bands take tiles in that order, longest first.
+    tile_need = tile_pos.max(axis=1, initial=-1) + 1
+    tile_order = np.argsort(-tile_need, kind="stable").astype(np.int32)
+    tile_inverse = np.empty_like(tile_order)
+    tile_inverse[tile_order] = np.arange(Tt, dtype=np.int32)
     attn = AttentionMetadata(
         slot_mapping=slot_mapping,
         decode_block_table=block_tables[:Rd],
         decode_kv_lens=dec_kv,
-        tile_block_table=tile_bt,
-        tile_kv_lens=tile_kv,
-        tile_q_pos=tile_pos,
+        tile_block_table=tile_bt[tile_order],
+        tile_kv_lens=tile_kv[tile_order],
+        tile_q_pos=tile_pos[tile_order],
+        tile_order=tile_order,
+        tile_inverse=tile_inverse,
         decode_chunks=band_chunks(dec_kv, S, layout.kv_token_bytes, 1),
-        tile_chunks=band_chunks(tile_kv, S, layout.kv_token_bytes, C),
+        tile_chunks=band_chunks(tile_need[tile_order], S, layout.kv_token_bytes, C),
         query_start=query_start,
         query_lens=query_lens,
         kv_lens=kv_lens,
