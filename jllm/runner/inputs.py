@@ -114,7 +114,8 @@ def build_step_inputs(
     """Returns (StepInputs in numpy, scheduled requests in batch order, each one's sample
     row or None, the number of sample rows). `shape` forces the (Rd, Tt) bucket (warm-up)."""
     S, C = layout.block_size, layout.tile_size
-    # Longest context first, so that the attention's bands group similar lengths.
+    # Decode rows longest context first, so that the attention's bands group similar lengths
+    # (prefill tiles are sorted on their own below).
     by_context = sorted(out.scheduled, key=lambda s: -(s.num_computed_tokens + s.num_new_tokens))
     decodes = [s for s in by_context if s.num_new_tokens == 1]
     prefills = [s for s in by_context if s.num_new_tokens > 1]
