@@ -13,9 +13,7 @@ buckets compile on first use.
 from __future__ import annotations
 
 import logging
-import os
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import jax
 import jax.numpy as jnp
@@ -34,9 +32,6 @@ from jllm.runner.sampler import sample
 from sharding import named_sharding, replicated
 
 logger = logging.getLogger(__name__)
-
-# XLA compiles the start-up buckets on this many threads at most (one per core below that).
-COMPILE_THREADS = 4
 
 
 class CompileAfterWarmupError(RuntimeError):
@@ -153,9 +148,9 @@ class ModelRunner:
     def compile_all(self) -> None:
         """Compile every forward and sampler bucket before serving (skipped when eager).
 
-        Tracing runs here, one bucket after another; XLA's compiles release the GIL, so they
-        run on a thread per core (on the 2-core CPU start-up went from 81 s to 48 s for the
-        89 SmolLM2 buckets)."""
+        One after another: compiling on a thread per core (XLA releases the GIL) was slower
+        on the 2-core CPU, 100 s against 92 s for the 89 SmolLM2 buckets, since XLA's CPU
+        compiler already uses the cores."""
         if self.enforce_eager:
             logger.info("enforce_eager=True: buckets compile on first use.")
             return
@@ -170,32 +165,18 @@ class ModelRunner:
             len(self.layout.sample_buckets),
         )
         start = time.perf_counter()
-        workers = max(1, min(COMPILE_THREADS, os.cpu_count() or 1))
-        done = 0
-        with ThreadPoolExecutor(workers, thread_name_prefix="jllm-compile") as pool:
-            jobs, sample_buckets = {}, set(self._sample_exe)
-            for rd, tt in shapes:
-                inputs, md, rs = self._abstract_inputs(rd, tt)
-                inputs = jax.device_put(inputs, self.replicated)
-                job = pool.submit(self._lower_forward(inputs).compile)
-                jobs[job] = (self._forward_exe, (rd, tt))
-                if rs not in sample_buckets:
-                    sample_buckets.add(rs)
-                    logits = jax.ShapeDtypeStruct(
-                        (rs, self._vocab()), jnp.float32, sharding=self.logits_sharding
-                    )
-                    md = jax.device_put(md, self.replicated)
-                    jobs[pool.submit(self._lower_sample(logits, md).compile)] = (
-                        self._sample_exe,
-                        rs,
-                    )
-            for job in as_completed(jobs):
-                table, key = jobs[job]
-                table[key] = job.result()
-                if table is self._forward_exe:
-                    done += 1
-                    if done % 16 == 0 or done == len(shapes):
-                        logger.info("Compiled %d/%d buckets.", done, len(shapes))
+        for i, (rd, tt) in enumerate(shapes):
+            inputs, md, rs = self._abstract_inputs(rd, tt)
+            t0 = time.perf_counter()
+            self._forward_executable(rd, tt, jax.device_put(inputs, self.replicated))
+            logger.debug("Compiled (Rd=%d, Tt=%d) in %.2fs", rd, tt, time.perf_counter() - t0)
+            if rs not in self._sample_exe:
+                logits = jax.ShapeDtypeStruct(
+                    (rs, self._vocab()), jnp.float32, sharding=self.logits_sharding
+                )
+                self._sample_executable(rs, logits, jax.device_put(md, self.replicated))
+            if (i + 1) % 16 == 0 or i + 1 == len(shapes):
+                logger.info("Compiled %d/%d buckets.", i + 1, len(shapes))
         logger.info("Graph compilation finished in %.1f secs.", time.perf_counter() - start)
         self.compile_guard = True
 
