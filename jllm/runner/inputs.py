@@ -116,9 +116,10 @@ def build_step_inputs(
     S, C = layout.block_size, layout.tile_size
     # Decode rows longest context first, so that the attention's bands group similar lengths
     # (prefill tiles are sorted on their own below).
-    by_context = sorted(out.scheduled, key=lambda s: -(s.num_computed_tokens + s.num_new_tokens))
-    decodes = [s for s in by_context if s.num_new_tokens == 1]
-    prefills = [s for s in by_context if s.num_new_tokens > 1]
+    decodes = sorted(
+        (s for s in out.scheduled if s.num_new_tokens == 1), key=lambda s: -s.num_computed_tokens
+    )
+    prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
     n_tiles = sum(cdiv(s.num_new_tokens, C) for s in prefills)
     if shape is None:
         Rd = bucket(len(decodes), layout.decode_buckets)

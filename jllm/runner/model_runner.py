@@ -110,31 +110,23 @@ class ModelRunner:
         md = build_sampling_metadata([], [], rs, {}, self.max_logprobs)
         return inputs, md, rs
 
-    def _lower_forward(self, inputs):
-        with jax.set_mesh(self.mesh):
-            return forward_step.lower(
-                self.state,
-                self.kv_cache,
-                self.counts,
-                self.prompt_mask,
-                inputs,
-                graphdef=self.graphdef,
-                backend=self.backend,
-                logits_sharding=self.logits_sharding,
-            )
-
-    def _lower_sample(self, logits, md):
-        with jax.set_mesh(self.mesh):
-            return sample.lower(
-                logits, md, self.counts, self.prompt_mask, num_logprobs=self.max_logprobs
-            )
-
     def _forward_executable(self, rd: int, tt: int, inputs):
         exe = self._forward_exe.get((rd, tt))
         if exe is None:
             if self.compile_guard:
                 raise CompileAfterWarmupError(f"forward bucket (Rd={rd}, Tt={tt}) not compiled")
-            exe = self._forward_exe[(rd, tt)] = self._lower_forward(inputs).compile()
+            with jax.set_mesh(self.mesh):
+                lowered = forward_step.lower(
+                    self.state,
+                    self.kv_cache,
+                    self.counts,
+                    self.prompt_mask,
+                    inputs,
+                    graphdef=self.graphdef,
+                    backend=self.backend,
+                    logits_sharding=self.logits_sharding,
+                )
+            exe = self._forward_exe[(rd, tt)] = lowered.compile()
         return exe
 
     def _sample_executable(self, rs: int, logits, md):
@@ -142,7 +134,11 @@ class ModelRunner:
         if exe is None:
             if self.compile_guard:
                 raise CompileAfterWarmupError(f"sampler bucket (R={rs}) not compiled")
-            exe = self._sample_exe[rs] = self._lower_sample(logits, md).compile()
+            with jax.set_mesh(self.mesh):
+                lowered = sample.lower(
+                    logits, md, self.counts, self.prompt_mask, num_logprobs=self.max_logprobs
+                )
+            exe = self._sample_exe[rs] = lowered.compile()
         return exe
 
     def compile_all(self) -> None:
