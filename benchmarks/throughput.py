@@ -1,6 +1,7 @@
 """Offline throughput: jllm against Hugging Face transformers, side by side in one run.
 
-Workloads (SmolLM2-135M-Instruct from the embedded GGUF, fp32, the same weights in both):
+Workloads (SmolLM2-135M-Instruct from the embedded GGUF, the same weights and dtype in both:
+jllm's `dtype="auto"`, bf16 on an AMX CPU, or `--dtype float32`):
   W1  64 prompts x 128 input tokens x 128 output tokens, EOS ignored.
   W3  256 chat-like requests: inputs 16-512 tokens, outputs 4-256 tokens with a long tail,
       each request its own max_tokens.
@@ -12,7 +13,7 @@ transformers runs `model.generate` the way a user without a serving engine would
 prompts with left padding, each batch generating up to its longest max_tokens.
 
     python benchmarks/throughput.py                 # everything (about 10 minutes on 2 cores)
-    python benchmarks/throughput.py --workloads W1 S1 --skip-hf
+    python benchmarks/throughput.py --workloads W1 S1 --skip-hf --dtype float32
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def run_jllm(llm, reqs, name):
     return {"name": name, "seconds": dt, "tokens": gen, "tok_s": gen / dt, "ttft": ttft}
 
 
-def hf_model():
+def hf_model(dtype: str):
     import torch
     import transformers
 
@@ -96,7 +97,7 @@ def hf_model():
     model.load_state_dict(state, strict=False)
     model.tie_weights()
     model.generation_config.eos_token_id = None
-    return model.eval()
+    return model.to(getattr(torch, dtype)).eval()
 
 
 def run_hf(model, reqs, name, batch_size=64):
@@ -153,7 +154,8 @@ def roofline(llm, batch):
             x = x + (jax.nn.silu(x @ m["w_gate"][...]) * (x @ m["w_up"][...])) @ m["w_down"][...]
         return jnp.argmax(jnp.einsum("TD,VD->TV", x, embed), -1)
 
-    ids = jnp.zeros((batch,), jnp.int32)
+    # A 16-bit model on CPU runs at least 2 rows a step (min_dot_rows): so does its roofline.
+    ids = jnp.zeros((max(batch, llm.llm_engine.runner.layout.sample_buckets[0]),), jnp.int32)
     fwd(layers, ids).block_until_ready()
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < 5.0:
@@ -167,13 +169,15 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     ap.add_argument("--skip-hf", action="store_true", help="only jllm")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="auto", help="jllm's dtype (transformers gets the same)")
     args = ap.parse_args()
     rng = np.random.default_rng(args.seed)
     make = {"W1": w1, "W3": w3, "S1": s1}
     reqs = {w: make[w](rng) for w in args.workloads}
 
     print(f"host: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
-    llm = LLM(disable_log_stats=True)
+    llm = LLM(dtype=args.dtype, disable_log_stats=True)
+    print(f"dtype: {llm.llm_engine.dtype.name} (jllm and transformers)")
     timer = StepTimer(llm.llm_engine.runner)
     run_jllm(llm, w1(np.random.default_rng(99))[:8], "warm-up")
     results = {}
@@ -186,7 +190,7 @@ def main() -> None:
             results[w]["decode1"] = timer.decode_rate(1)
     roof = {64: roofline(llm, 64), 1: roofline(llm, 1)}
     if not args.skip_hf:
-        model = hf_model()
+        model = hf_model(llm.llm_engine.dtype.name)
         for w in args.workloads:
             results[w]["hf"] = run_hf(model, reqs[w], w)
 

@@ -53,7 +53,7 @@ ARCHS = {
 }
 
 
-def save_tiny(arch: str, root, tokenizer_dir: str) -> str:
+def save_tiny(arch: str, root, tokenizer_dir: str, dtype: torch.dtype = torch.float32) -> str:
     config_cls, model_cls, extra = ARCHS[arch]
     config = config_cls(**{"tie_word_embeddings": True, **TINY, **extra})
     torch.manual_seed(0)
@@ -64,8 +64,8 @@ def save_tiny(arch: str, root, tokenizer_dir: str) -> str:
                 param.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 param.normal_(0.0, 0.5)
-    path = root / arch
-    model.save_pretrained(path)
+    path = root / (arch if dtype == torch.float32 else f"{arch}-{dtype}".replace("torch.", ""))
+    model.to(dtype).save_pretrained(path)
     transformers.AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
     return str(path)
 
@@ -95,6 +95,13 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int) -> list
             )
             out.append(gen[0, len(ids) :].tolist())
     return out
+
+
+def teacher_forced_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), V] float64 log-probabilities the model gives each next token."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0].double()
+    return torch.log_softmax(logits, -1)[len(prompt) - 1 : -1]
 
 
 def prompt_ids(n: int, length: int, seed: int = 0) -> list[list[int]]:

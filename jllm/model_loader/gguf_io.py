@@ -112,6 +112,19 @@ class GgufFile:
                 array = unpermute_rope_rows(array, num_kv_heads)
             yield hf_name, array
 
+    def checkpoint_dtype(self) -> str:
+        """The precision the weight matrices are stored in: "float32" when they are all F32,
+        "bfloat16" when any is BF16, else "float16" (F16, and the quantized types, whose block
+        scales are float16)."""
+        kinds = {
+            self.tensors[n].tensor_type.name
+            for n in self.weight_names()
+            if len(self.tensors[n].shape) > 1
+        }
+        if kinds <= {"F32"}:
+            return "float32"
+        return "bfloat16" if "BF16" in kinds else "float16"
+
     def num_params(self) -> tuple[int, int]:
         """`(number of elements, bytes of tensor data on disk)` of the yielded tensors."""
         names = self.weight_names()

@@ -43,7 +43,8 @@ def resolve_model(
     common = {"tokenizer": tokenizer, "download_dir": download_dir}
     if kind == "gguf":
         gf = GgufFile(path)
-        return ModelSource("gguf", path, gguf_hf_config(gf), "float32", gguf_file=gf, **common)
+        config = gguf_hf_config(gf)
+        return ModelSource("gguf", path, config, gf.checkpoint_dtype(), gguf_file=gf, **common)
 
     files = checkpoint_files(path)
     if not files:

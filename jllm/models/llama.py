@@ -167,7 +167,8 @@ class LlamaForCausalLM(nnx.Module):
         (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (layer_states, layers))
         return self.norm(x), kv_cache
 
-    def compute_logits(self, hidden):  # [R, D] -> [R, V]
+    def compute_logits(self, hidden):  # [R, D] -> [R, V] float32, whatever the model's dtype
+        f32 = jnp.float32
         if self.cfg.tie_word_embeddings:
-            return jnp.einsum("RD,VD->RV", hidden, self.embed[...])
-        return hidden @ self.lm_head[...]
+            return jnp.einsum("RD,VD->RV", hidden, self.embed[...], preferred_element_type=f32)
+        return jnp.matmul(hidden, self.lm_head[...], preferred_element_type=f32)

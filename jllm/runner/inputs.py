@@ -81,8 +81,16 @@ class BatchLayout:
 
     @staticmethod
     def create(
-        block_size, num_blocks, tile_size, max_model_len, max_num_seqs, budget, kv_token_bytes
+        block_size,
+        num_blocks,
+        tile_size,
+        max_model_len,
+        max_num_seqs,
+        budget,
+        kv_token_bytes,
+        min_rows=1,
     ):
+        """`min_rows`: the smallest decode and sample bucket (see `min_dot_rows`)."""
         chunk_pages = max_kv_chunk_pages(block_size)
         max_pages = cdiv(cdiv(max_model_len, block_size), chunk_pages) * chunk_pages
         return BatchLayout(
@@ -91,9 +99,9 @@ class BatchLayout:
             tile_size=tile_size,
             max_pages=max_pages,
             kv_token_bytes=kv_token_bytes,
-            decode_buckets=[0] + pow2_buckets(max_num_seqs),
+            decode_buckets=[0] + pow2_buckets(max_num_seqs, min_rows),
             tile_buckets=[0] + pow2_buckets(cdiv(budget, tile_size)),
-            sample_buckets=pow2_buckets(max_num_seqs),
+            sample_buckets=pow2_buckets(max_num_seqs, min_rows),
         )
 
     def sample_rows(self, rd: int, tt: int) -> int:

@@ -69,7 +69,8 @@ def test_smollm2_config_matches_transformers(smollm_source):
             value = pytest.approx(value, rel=1e-6)
         assert getattr(cfg, field) == value, field
     assert cfg.architectures == ["LlamaForCausalLM"]
-    assert smollm_source.kind == "gguf" and smollm_source.checkpoint_dtype == "float32"
+    # Q4_1 matrices (float16 block scales): a 16-bit checkpoint for `dtype="auto"`.
+    assert smollm_source.kind == "gguf" and smollm_source.checkpoint_dtype == "float16"
 
 
 def test_smollm2_tokenizer_matches_transformers(smollm_source):

@@ -1,15 +1,19 @@
 """The embedded SmolLM2-135M-Instruct GGUF end to end against transformers.
 
 The oracle is transformers' LlamaForCausalLM holding the same dequantized weights (the loader
-tests check those bit for bit against transformers' own GGUF reader)."""
+tests check those bit for bit against transformers' own GGUF reader). The exact comparisons
+run the engine in float32; the default dtype (bf16 on an AMX CPU) is checked teacher-forced."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import pytest
 import torch
 import transformers
+from oracle import teacher_forced_logprobs
 
 from jllm import LLM, SamplingParams
+from jllm.engine.llm_engine import cpu_has_amx
 from jllm.model_loader import resolve_model
 
 QUESTIONS = [
@@ -21,6 +25,7 @@ MAX_TOKENS = 24
 
 
 ARGS = dict(
+    dtype="float32",
     max_num_seqs=4,
     max_num_batched_tokens=128,
     kv_cache_memory_bytes=64 << 20,
@@ -88,3 +93,25 @@ def test_smollm2_tp3_matches_tp1(smollm):
     assert tp3.llm_engine.runner.kv_cache.addressable_shards[0].data.shape[3] == 2
     got = tp3.chat(convs, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+@pytest.mark.slow
+def test_smollm2_default_dtype_against_fp32_oracle():
+    """`LLM()` as a user starts it: bf16 on an AMX CPU (Q4_1 weights count as 16-bit). Its
+    greedy tokens stay the float32 oracle's argmax or within bf16's error of it."""
+    llm = LLM(**{**ARGS, "dtype": "auto"})
+    assert llm.llm_engine.dtype == (jnp.bfloat16 if cpu_has_amx() else jnp.float32)
+    convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    outs = llm.chat(convs, params, use_tqdm=False)
+    model = hf_model()
+    gaps, errors = [], []
+    for out in outs:
+        gen = out.outputs[0]
+        ref = teacher_forced_logprobs(model, out.prompt_token_ids, gen.token_ids)
+        for step, token in enumerate(gen.token_ids):
+            gaps.append((ref[step].max() - ref[step, token]).item())
+            errors.append(abs(gen.logprobs[step][token].logprob - ref[step, token].item()))
+    print(f"worst choice gap {max(gaps):.3f}, worst logprob error {max(errors):.3f}")
+    assert max(gaps) <= 0.2 and max(errors) <= 0.3, (max(gaps), max(errors))
+    assert "Paris" in outs[0].outputs[0].text

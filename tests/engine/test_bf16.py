@@ -1,0 +1,70 @@
+"""bfloat16 on CPU: when `dtype="auto"` picks it, and a bf16 engine against transformers in
+float32 on the same bf16 weights, teacher-forced on the tokens the engine chose."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+import torch
+import transformers
+from oracle import SMALL, prompt_ids, save_tiny, teacher_forced_logprobs
+
+from jllm import LLM, SamplingParams
+from jllm.engine.llm_engine import cpu_has_amx, min_dot_rows, resolve_dtype
+
+
+def test_auto_dtype():
+    # CPU: bf16 for 16-bit checkpoints when the CPU has AMX, else float32.
+    assert resolve_dtype("auto", "bfloat16", "cpu", amx=True) == jnp.bfloat16
+    assert resolve_dtype("auto", "float16", "cpu", amx=True) == jnp.bfloat16
+    assert resolve_dtype("auto", "bfloat16", "cpu", amx=False) == jnp.float32
+    assert resolve_dtype("auto", "float32", "cpu", amx=True) == jnp.float32
+    # Accelerators: the checkpoint's dtype, bf16 for float32 checkpoints.
+    assert resolve_dtype("auto", "float32", "tpu") == jnp.bfloat16
+    assert resolve_dtype("auto", "float16", "gpu") == jnp.float16
+    # An explicit dtype is what you get.
+    assert resolve_dtype("float32", "bfloat16", "cpu", amx=True) == jnp.float32
+    assert resolve_dtype("bfloat16", "float32", "cpu", amx=False) == jnp.bfloat16
+    # 16-bit models on CPU never run a one-row step (XLA's 1-row bf16 products are slow).
+    assert min_dot_rows(jnp.bfloat16, "cpu") == 2
+    assert min_dot_rows(jnp.float32, "cpu") == 1
+    assert min_dot_rows(jnp.bfloat16, "tpu") == 1
+
+
+@pytest.fixture(scope="module")
+def bf16_llama(tmp_path_factory, tokenizer_dir):
+    return save_tiny("llama", tmp_path_factory.mktemp("bf16"), tokenizer_dir, torch.bfloat16)
+
+
+def test_auto_dtype_of_a_bf16_checkpoint(bf16_llama):
+    llm = LLM(bf16_llama, **SMALL)
+    assert llm.llm_engine.dtype == (jnp.bfloat16 if cpu_has_amx() else jnp.float32)
+
+
+def test_bf16_engine_against_fp32_oracle(bf16_llama):
+    """Greedy choices stay the float32 argmax (or within bf16's error of it) and the reported
+    logprobs stay within bf16's error, for a batch and for a prompt decoding alone (a 1-row
+    step padded to 2 rows)."""
+    llm = LLM(bf16_llama, dtype="bfloat16", **SMALL)
+    assert llm.llm_engine.runner.layout.decode_buckets[:2] == [0, 2]
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        bf16_llama, dtype=torch.float32
+    ).eval()
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    batch = prompt_ids(4, 5) + prompt_ids(1, 40, seed=1)
+    alone = prompt_ids(1, 23, seed=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    outs += llm.generate([{"prompt_token_ids": p} for p in alone], params, use_tqdm=False)
+    worst_choice = worst_logprob = 0.0
+    for prompt, out in zip(batch + alone, outs, strict=True):
+        gen = out.outputs[0]
+        ref = teacher_forced_logprobs(model, prompt, gen.token_ids)
+        for step, token in enumerate(gen.token_ids):
+            worst_choice = max(worst_choice, (ref[step].max() - ref[step, token]).item())
+            got = gen.logprobs[step][token].logprob
+            worst_logprob = max(worst_logprob, abs(got - ref[step, token].item()))
+    # bf16 keeps 8 significant bits: the hidden state is rounded in every layer, and logits
+    # of magnitude ~10 (these random weights are wide) carry errors of a few hundredths.
+    print(f"worst choice gap {worst_choice:.3f}, worst logprob error {worst_logprob:.3f}")
+    assert worst_choice <= 0.1, worst_choice
+    assert worst_logprob <= 0.25, worst_logprob
