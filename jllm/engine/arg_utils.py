@@ -29,8 +29,9 @@ HELP = {
     "tokenizer_revision": "Tokenizer revision in the HF cache.",
     "download_dir": "Hugging Face cache directory to look in.",
     "load_format": "Weights format; 'dummy' makes random weights (for profiling).",
-    "dtype": "Weights and activations dtype. 'auto': float32 on CPU, the checkpoint's dtype "
-    "(bfloat16 for float32 checkpoints) on TPU/GPU.",
+    "dtype": "Weights and activations dtype. 'auto' on CPU: bfloat16 for a 16-bit checkpoint "
+    "when the CPU has AMX, else float32; on TPU/GPU the checkpoint's dtype (bfloat16 for "
+    "float32 checkpoints).",
     "seed": "Random seed for requests without their own seed.",
     "max_model_len": "Context length (prompt + output); default: the model's.",
     "block_size": "Tokens per KV-cache block (a power of two).",
