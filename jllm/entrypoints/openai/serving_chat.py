@@ -14,6 +14,7 @@ from jllm.entrypoints.openai.serving_engine import (
     clamp,
     sse,
     usage,
+    usage_options,
 )
 from jllm.outputs import CompletionOutput
 
@@ -149,7 +150,9 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(self, request, request_id, prepared, role):
         created = self.created()
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        include_usage, continuous = usage_options(request)
+        num_prompt = len(prepared[0][0].prompt_token_ids)
+        generated = [0] * request.n  # tokens so far, per choice
 
         def chunk(choices, **extra) -> str:
             body = {
@@ -160,18 +163,23 @@ class OpenAIServingChat(OpenAIServing):
                 "choices": choices,
             }
             if include_usage:
-                body["usage"] = None
+                # Continuous stats: each choice's chunk carries its own tokens so far.
+                index = choices[0]["index"] if choices else None
+                body["usage"] = (
+                    usage(num_prompt, generated[index])
+                    if continuous and index is not None
+                    else None
+                )
             body.update(extra)
             return sse(body)
 
         prefix = self._echo(request, role)
-        num_generated = 0
         for i in range(request.n):
             delta = {"role": role, "content": prefix}
             yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
         async for _, out in self.run_all(request_id, prepared):
             for c in out.outputs:
-                num_generated += len(c.token_ids)
+                generated[c.index] += len(c.token_ids)
                 if not (c.text or c.token_ids or c.finish_reason):
                     continue
                 logprobs = None
@@ -187,5 +195,4 @@ class OpenAIServingChat(OpenAIServing):
                     choice["stop_reason"] = c.stop_reason
                 yield chunk([choice])
         if include_usage:
-            num_prompt = len(prepared[0][0].prompt_token_ids)
-            yield chunk([], usage=usage(num_prompt, num_generated))
+            yield chunk([], usage=usage(num_prompt, sum(generated)))

@@ -13,6 +13,7 @@ from jllm.entrypoints.openai.serving_engine import (
     clamp,
     sse,
     usage,
+    usage_options,
 )
 from jllm.outputs import CompletionOutput
 
@@ -121,10 +122,10 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _stream(self, request, request_id, prepared):
         n = request.n
         created = self.created()
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        include_usage, continuous = usage_options(request)
         echoed: set[int] = set()
         offsets: dict[int, int] = {}
-        num_generated = 0
+        generated: dict[int, int] = {}  # tokens so far, per choice
         async for i, out in self.run_all(request_id, prepared):
             for c in out.outputs:
                 index = i * n + c.index
@@ -132,7 +133,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 if request.echo and index not in echoed:
                     echoed.add(index)
                     text = self._echo(prepared[i]) + text
-                num_generated += len(c.token_ids)
+                generated[index] = generated.get(index, 0) + len(c.token_ids)
                 if not (text or c.token_ids or c.finish_reason):
                     continue
                 logprobs = None
@@ -156,7 +157,11 @@ class OpenAIServingCompletion(OpenAIServing):
                     ],
                 }
                 if include_usage:
-                    chunk["usage"] = None
+                    chunk["usage"] = (
+                        usage(len(prepared[i][0].prompt_token_ids), generated[index])
+                        if continuous
+                        else None
+                    )
                 yield sse(chunk)
         if include_usage:
             num_prompt = sum(len(p[0].prompt_token_ids) for p in prepared)
@@ -167,6 +172,6 @@ class OpenAIServingCompletion(OpenAIServing):
                     "created": created,
                     "model": self.model_name,
                     "choices": [],
-                    "usage": usage(num_prompt, num_generated),
+                    "usage": usage(num_prompt, sum(generated.values())),
                 }
             )

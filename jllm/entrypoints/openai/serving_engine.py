@@ -90,6 +90,14 @@ def clamp(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB)
 
 
+def usage_options(request) -> tuple[bool, bool]:
+    """(a final usage chunk, usage in every chunk) from `stream_options`, as vLLM reads them:
+    `continuous_usage_stats` counts only together with `include_usage`."""
+    opts = request.stream_options
+    include = bool(opts and opts.include_usage)
+    return include, include and bool(opts.continuous_usage_stats)
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {
         "prompt_tokens": prompt_tokens,

@@ -440,3 +440,59 @@ def test_chat_template_and_response_role_flags(served, tmp_path, llama_llm):
         assert answer.choices[0].message.content == want.text
     finally:
         custom.stop()
+
+
+def test_continuous_usage_stats(client):
+    """`continuous_usage_stats`: every chunk carries usage with its choice's tokens so far (0
+    on the role chunk), and the final chunk carries the totals; without it only the final one."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=CHAT,
+            temperature=0,
+            max_tokens=7,
+            stream=True,
+            stream_options=opts,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    prompt = chunks[0].usage.prompt_tokens
+    assert prompt > 0 and chunks[0].usage.completion_tokens == 0
+    counts = [c.usage.completion_tokens for c in chunks[:-1]]
+    assert all(c.usage.prompt_tokens == prompt for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == 7
+    assert all(c.usage.total_tokens == prompt + c.usage.completion_tokens for c in chunks)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 7
+
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME,
+            prompt=PROMPTS[:2],
+            n=2,
+            temperature=0.8,
+            seed=3,
+            max_tokens=5,
+            stream=True,
+            stream_options=opts,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    last: dict[int, int] = {}
+    for c in chunks[:-1]:
+        index = c.choices[0].index
+        assert c.usage.completion_tokens >= last.get(index, 0)
+        last[index] = c.usage.completion_tokens
+    assert last == {0: 5, 1: 5, 2: 5, 3: 5}
+    assert chunks[-1].usage.completion_tokens == 20
+
+    plain = list(
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=CHAT,
+            max_tokens=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage is not None
