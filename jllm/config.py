@@ -51,6 +51,7 @@ class EngineArgs:
     tokenizer_revision: str | None = None
     download_dir: str | None = None
     load_format: str = "auto"
+    generation_config: str = "auto"
     dtype: str = "auto"
     seed: int | None = 0
     max_model_len: int | None = None

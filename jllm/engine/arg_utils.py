@@ -29,6 +29,9 @@ HELP = {
     "tokenizer_revision": "Tokenizer revision in the HF cache.",
     "download_dir": "Hugging Face cache directory to look in.",
     "load_format": "Weights format; 'dummy' makes random weights (for profiling).",
+    "generation_config": "Default sampling parameters: 'auto' takes the model's "
+    "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+    "max_new_tokens), 'vllm' ignores it, or a folder holding a generation_config.json.",
     "dtype": "Weights and activations dtype. 'auto' on CPU: bfloat16 for a 16-bit checkpoint "
     "when the CPU has AMX, else float32; on TPU/GPU the checkpoint's dtype (bfloat16 for "
     "float32 checkpoints).",

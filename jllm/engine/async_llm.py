@@ -92,6 +92,10 @@ class AsyncLLM:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def default_sampling_params(self) -> dict:
+        return self.engine.default_sampling_params
+
     def shutdown(self) -> None:
         self._commands.put(("stop",))
         self._thread.join(timeout=30)

@@ -93,6 +93,47 @@ def resolve_backend(requested: str, platform: str) -> str:
     return "pallas" if platform == "tpu" else "xla"
 
 
+# The sampling fields a generation_config.json may set as defaults (vLLM's list).
+GENERATION_DEFAULT_FIELDS = (
+    "repetition_penalty",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "max_new_tokens",
+)
+
+
+def generation_defaults(setting: str, source) -> dict:
+    """vLLM's `generation_config`: "auto" reads the model's generation_config.json, "vllm"
+    ignores it, anything else names a folder holding one. Returns the sampling defaults it
+    sets (max_new_tokens as max_tokens), for requests that leave those fields out."""
+    if setting == "vllm" or (setting == "auto" and source.kind != "hf"):
+        return {}
+    from transformers import GenerationConfig
+
+    path = source.path if setting == "auto" else setting
+    try:
+        config = GenerationConfig.from_pretrained(path).to_diff_dict()
+    except OSError as e:
+        if setting == "auto":
+            return {}
+        raise ValueError(
+            f"generation_config={setting!r} holds no readable generation_config.json: {e}"
+        ) from e
+    defaults = {k: config[k] for k in GENERATION_DEFAULT_FIELDS if config.get(k) is not None}
+    if "max_new_tokens" in defaults:
+        defaults["max_tokens"] = defaults.pop("max_new_tokens")
+    if defaults:
+        logger.warning(
+            "Default sampling parameters have been overridden by the model's Hugging Face "
+            "generation config recommended from the model creator: %s. If this is not "
+            "intended, relaunch with `--generation-config vllm`.",
+            defaults,
+        )
+    return defaults
+
+
 def _extra_eos_ids(source, primary: int | None) -> set[int]:
     """EOS ids from generation_config.json beyond the tokenizer's (vLLM stops on them too)."""
     if source.kind != "hf":
@@ -268,6 +309,7 @@ class LLMEngine:
             eos = eos[0] if isinstance(eos, list) else eos
         self.eos_token_id = eos
         self.extra_stop_ids = _extra_eos_ids(source, eos)
+        self.default_sampling_params = generation_defaults(args.generation_config, source)
         self.stat_loggers = [] if args.disable_log_stats else [LoggingStatLogger()]
         self.core = EngineCore(
             self.scheduler, self.runner, self.tokenizer, max_model_len, eos, self.stat_loggers

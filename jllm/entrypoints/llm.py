@@ -37,7 +37,9 @@ class LLM:
         return self.llm_engine.get_tokenizer()
 
     def get_default_sampling_params(self) -> SamplingParams:
-        return SamplingParams()
+        """The parameters `generate`/`chat` use when given none: the model's generation
+        config defaults (see `generation_config`), else SamplingParams()."""
+        return SamplingParams(**self.llm_engine.default_sampling_params)
 
     # ---- generation ----------------------------------------------------------------------
     def generate(

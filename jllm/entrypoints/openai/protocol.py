@@ -92,21 +92,34 @@ class SamplingFields(OpenAIBaseModel):
         return None
 
     def sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int | None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        default_max_tokens: int | None,
+        defaults: dict | None = None,
     ) -> SamplingParams:
-        """vLLM's defaults where the request leaves a field out (temperature 1, top_p 1,
-        top_k off, min_p 0, repetition_penalty 1); raises ValueError for invalid values."""
+        """vLLM's defaults where the request leaves a field out: the model's generation config
+        (`defaults`, see `generation_config`), else temperature 1, top_p 1, top_k off, min_p 0,
+        repetition_penalty 1. A generation config's max_tokens caps the request's, as in
+        vLLM. Raises ValueError for invalid values."""
+        defaults = defaults or {}
+
+        def pick(name: str, fallback):
+            value = getattr(self, name)
+            return defaults.get(name, fallback) if value is None else value
+
+        if "max_tokens" in defaults:
+            cap = defaults["max_tokens"]
+            max_tokens = cap if max_tokens is None else min(max_tokens, cap)
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=(
-                1.0 if self.repetition_penalty is None else self.repetition_penalty
-            ),
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             seed=self.seed,

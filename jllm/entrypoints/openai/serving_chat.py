@@ -80,7 +80,9 @@ class OpenAIServingChat(OpenAIServing):
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens or request.max_tokens
         try:
-            params = request.sampling_params(max_tokens, logprobs, None)
+            params = request.sampling_params(
+                max_tokens, logprobs, None, self.engine.default_sampling_params
+            )
         except ValueError as e:
             raise OpenAIError(str(e), 400) from e
         prepared = [self.prepare(request_id, {"prompt_token_ids": ids, "prompt": text}, params)]
