@@ -104,24 +104,39 @@ GENERATION_DEFAULT_FIELDS = (
 )
 
 
-def generation_defaults(setting: str, source) -> dict:
-    """vLLM's `generation_config`: "auto" reads the model's generation_config.json, "vllm"
-    ignores it, anything else names a folder holding one. Returns the sampling defaults it
-    sets (max_new_tokens as max_tokens), for requests that leave those fields out."""
-    if setting == "vllm" or (setting == "auto" and source.kind != "hf"):
-        return {}
+def model_generation_config(source):
+    """The model's own generation_config.json (transformers' GenerationConfig), or None: GGUF
+    files and directories without one have none. Read once at start-up."""
+    if source.kind != "hf":
+        return None
     from transformers import GenerationConfig
 
-    path = source.path if setting == "auto" else setting
     try:
-        config = GenerationConfig.from_pretrained(path).to_diff_dict()
-    except OSError as e:
-        if setting == "auto":
-            return {}
-        raise ValueError(
-            f"generation_config={setting!r} holds no readable generation_config.json: {e}"
-        ) from e
-    defaults = {k: config[k] for k in GENERATION_DEFAULT_FIELDS if config.get(k) is not None}
+        return GenerationConfig.from_pretrained(source.path)
+    except OSError:
+        return None
+
+
+def generation_defaults(setting: str, model_config) -> dict:
+    """vLLM's `generation_config`: "auto" takes the model's own (`model_config`, from
+    `model_generation_config`), "vllm" ignores it, anything else names a folder holding a
+    generation_config.json. Returns the sampling defaults it sets (max_new_tokens as
+    max_tokens), for requests that leave those fields out."""
+    if setting == "vllm":
+        return {}
+    if setting == "auto":
+        config = model_config
+    else:
+        from transformers import GenerationConfig
+
+        try:
+            config = GenerationConfig.from_pretrained(setting)
+        except OSError as e:
+            raise ValueError(
+                f"generation_config={setting!r} holds no readable generation_config.json: {e}"
+            ) from e
+    diff = config.to_diff_dict() if config is not None else {}
+    defaults = {k: diff[k] for k in GENERATION_DEFAULT_FIELDS if diff.get(k) is not None}
     if "max_new_tokens" in defaults:
         defaults["max_tokens"] = defaults.pop("max_new_tokens")
     if defaults:
@@ -134,17 +149,9 @@ def generation_defaults(setting: str, source) -> dict:
     return defaults
 
 
-def _extra_eos_ids(source, primary: int | None) -> set[int]:
+def _extra_eos_ids(model_config, primary: int | None) -> set[int]:
     """EOS ids from generation_config.json beyond the tokenizer's (vLLM stops on them too)."""
-    if source.kind != "hf":
-        return set()
-    try:
-        from transformers import GenerationConfig
-
-        gen = GenerationConfig.from_pretrained(source.path)
-    except OSError:
-        return set()
-    ids = gen.eos_token_id
+    ids = model_config.eos_token_id if model_config is not None else None
     ids = {ids} if isinstance(ids, int) else set(ids or [])
     return ids - {primary}
 
@@ -308,8 +315,9 @@ class LLMEngine:
             eos = getattr(source.hf_config, "eos_token_id", None)
             eos = eos[0] if isinstance(eos, list) else eos
         self.eos_token_id = eos
-        self.extra_stop_ids = _extra_eos_ids(source, eos)
-        self.default_sampling_params = generation_defaults(args.generation_config, source)
+        gen_config = model_generation_config(source)
+        self.extra_stop_ids = _extra_eos_ids(gen_config, eos)
+        self.default_sampling_params = generation_defaults(args.generation_config, gen_config)
         self.stat_loggers = [] if args.disable_log_stats else [LoggingStatLogger()]
         self.core = EngineCore(
             self.scheduler, self.runner, self.tokenizer, max_model_len, eos, self.stat_loggers

@@ -12,7 +12,7 @@ from openai_server import MODEL_NAME, RunningServer, server_args
 from oracle import SMALL
 
 from jllm import LLM, SamplingParams
-from jllm.engine.llm_engine import generation_defaults
+from jllm.engine.llm_engine import generation_defaults, model_generation_config
 from jllm.entrypoints.openai.api_server import build_app, build_engine
 from jllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from jllm.model_loader import resolve_model
@@ -24,6 +24,7 @@ GENERATION = {
     "repetition_penalty": 1.1,
     "max_new_tokens": 5,
     "do_sample": True,
+    "eos_token_id": [2, 7],  # the tokenizer's EOS is 2
 }
 DEFAULTS = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1}
 
@@ -38,17 +39,19 @@ def model_dir(tmp_path_factory, llama_dir):
 
 
 def test_generation_defaults(model_dir, llama_dir, tmp_path):
-    source = resolve_model(model_dir)
-    assert generation_defaults("auto", source) == {**DEFAULTS, "max_tokens": 5}
-    assert generation_defaults("vllm", source) == {}
+    own = model_generation_config(resolve_model(model_dir))
+    assert generation_defaults("auto", own) == {**DEFAULTS, "max_tokens": 5}
+    assert generation_defaults("vllm", own) == {}
     # A folder of its own: the model's file is not read.
-    assert generation_defaults(model_dir, resolve_model(llama_dir))["max_tokens"] == 5
+    plain = model_generation_config(resolve_model(llama_dir))
+    assert generation_defaults(model_dir, plain)["max_tokens"] == 5
     # transformers' own save (token ids only) sets no sampling default.
-    assert generation_defaults("auto", resolve_model(llama_dir)) == {}
+    assert generation_defaults("auto", plain) == {}
     # GGUF files carry no generation config.
-    assert generation_defaults("auto", resolve_model(None)) == {}
+    assert model_generation_config(resolve_model(None)) is None
+    assert generation_defaults("auto", None) == {}
     with pytest.raises(ValueError, match="generation_config"):
-        generation_defaults(str(tmp_path), source)
+        generation_defaults(str(tmp_path), own)
 
 
 def test_offline_defaults(model_dir):
@@ -56,6 +59,7 @@ def test_offline_defaults(model_dir):
     params = llm.get_default_sampling_params()
     assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.9, 20)
     assert (params.repetition_penalty, params.max_tokens) == (1.1, 5)
+    assert llm.llm_engine.extra_stop_ids == {7}  # from the same file
     out = llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) <= 5
     # Explicit parameters win; "vllm" ignores the file.
