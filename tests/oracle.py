@@ -104,6 +104,18 @@ def teacher_forced_logprobs(model, prompt: list[int], tokens: list[int]) -> torc
     return torch.log_softmax(logits, -1)[len(prompt) - 1 : -1]
 
 
+def worst_teacher_forced_gaps(model, runs) -> tuple[float, float]:
+    """For (prompt ids, CompletionOutput with logprobs) pairs: the largest gap between a chosen
+    token's and the top token's oracle logprob, and the largest error of a reported logprob."""
+    gap = error = 0.0
+    for prompt, gen in runs:
+        ref = teacher_forced_logprobs(model, prompt, gen.token_ids)
+        for step, token in enumerate(gen.token_ids):
+            gap = max(gap, (ref[step].max() - ref[step, token]).item())
+            error = max(error, abs(gen.logprobs[step][token].logprob - ref[step, token].item()))
+    return gap, error
+
+
 def prompt_ids(n: int, length: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 49152, (length + 7 * i,), generator=g).tolist() for i in range(n)]

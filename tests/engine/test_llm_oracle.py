@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from oracle import SMALL, hf_greedy, prompt_ids
+from oracle import SMALL, hf_greedy, prompt_ids, teacher_forced_logprobs
 
 from jllm import LLM, SamplingParams
 
@@ -28,10 +28,7 @@ def test_logprobs_match_transformers(llama_dir, llama_llm):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5)
     out = llama_llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
     model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir).eval()
-    ids = prompt + out.token_ids
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0].double()
-    ref = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1]  # [6, V]
+    ref = teacher_forced_logprobs(model, prompt, out.token_ids)  # [6, V]
     cumulative = 0.0
     for step, entry in enumerate(out.logprobs):
         token = out.token_ids[step]
