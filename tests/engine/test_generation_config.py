@@ -73,15 +73,15 @@ def test_offline_defaults(model_dir):
 def test_request_fields_fall_back_to_defaults():
     defaults = {**DEFAULTS, "max_tokens": 5}
     req = CompletionRequest(prompt="hi")
-    params = req.sampling_params(req.max_tokens, None, None, defaults)
+    params = req.sampling_params(req.max_tokens, None, defaults)
     assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.9, 20)
     assert (params.repetition_penalty, params.max_tokens) == (1.1, 5)  # min(16, 5)
     req = CompletionRequest(prompt="hi", temperature=0, top_k=-1, max_tokens=3)
-    params = req.sampling_params(req.max_tokens, None, None, defaults)
+    params = req.sampling_params(req.max_tokens, None, defaults)
     assert (params.temperature, params.top_k, params.max_tokens) == (0, 0, 3)  # -1: top-k off
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
-    assert chat.sampling_params(None, None, None, defaults).max_tokens == 5
-    assert chat.sampling_params(None, None, None, {}).temperature == 1.0
+    assert chat.sampling_params(None, None, defaults).max_tokens == 5
+    assert chat.sampling_params(None, None, {}).temperature == 1.0
 
 
 def test_server_applies_model_defaults(model_dir):

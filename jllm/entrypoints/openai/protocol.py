@@ -95,7 +95,6 @@ class SamplingFields(OpenAIBaseModel):
         self,
         max_tokens: int | None,
         logprobs: int | None,
-        default_max_tokens: int | None,
         defaults: dict | None = None,
     ) -> SamplingParams:
         """vLLM's defaults where the request leaves a field out: the model's generation config
@@ -124,7 +123,7 @@ class SamplingFields(OpenAIBaseModel):
             stop_token_ids=self.stop_token_ids,
             seed=self.seed,
             ignore_eos=self.ignore_eos,
-            max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+            max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,

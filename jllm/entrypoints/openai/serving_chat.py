@@ -81,7 +81,7 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = request.max_completion_tokens or request.max_tokens
         try:
             params = request.sampling_params(
-                max_tokens, logprobs, None, self.engine.default_sampling_params
+                max_tokens, logprobs, self.engine.default_sampling_params
             )
         except ValueError as e:
             raise OpenAIError(str(e), 400) from e

@@ -45,7 +45,7 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = f"cmpl-{uuid.uuid4().hex}"
         try:
             params = request.sampling_params(
-                request.max_tokens, request.logprobs, None, self.engine.default_sampling_params
+                request.max_tokens, request.logprobs, self.engine.default_sampling_params
             )
         except ValueError as e:
             raise OpenAIError(str(e), 400) from e
