@@ -49,8 +49,9 @@ HELP = {
     "enable_chunked_prefill": "Split long prompts over several steps.",
     "enforce_eager": "Compile each step shape on first use instead of all at start-up.",
     "max_seq_len_to_capture": "Accepted for compatibility; every bucket is compiled.",
-    "attention_backend": "Attention implementation: 'auto' (Pallas on TPU, XLA elsewhere), "
-    "'xla', 'pallas', or 'pallas_interpret' (the Pallas kernel interpreted, for testing).",
+    "attention_backend": "Attention implementation: 'auto' (Pallas on TPU, the C++ kernel on "
+    "CPU, XLA elsewhere), 'cpu_kernel', 'xla', 'pallas', or 'pallas_interpret' (the Pallas "
+    "kernel interpreted, for testing).",
     "max_logprobs": "Largest logprobs / top_logprobs a request may ask for.",
     "disable_log_stats": "Do not log throughput and cache statistics.",
     "tensor_parallel_size": "Devices of this host to split the model over (heads, MLP and "

@@ -35,6 +35,11 @@ from jllm.runner.inputs import BatchLayout
 from jllm.runner.kv_cache import allocate_kv_cache, bytes_per_block, determine_num_blocks
 from jllm.runner.model_runner import ModelRunner
 from jllm.sampling_params import SamplingParams
+from pallas_kernels.ragged_paged_attention import (
+    SUPPORTED_DTYPES,
+    CpuKernelUnavailable,
+    load_cpu_kernel,
+)
 from sharding import kv_head_replicas, make_mesh
 
 logger = logging.getLogger("jllm")
@@ -85,12 +90,32 @@ def min_dot_rows(dtype, platform: str) -> int:
     return 2 if platform == "cpu" and jnp.dtype(dtype).itemsize == 2 else 1
 
 
-def resolve_backend(requested: str, platform: str) -> str:
-    """auto: the Pallas kernel on TPU (its TPU flavour is the one written so far), the XLA
-    attention elsewhere (CPU, and GPU until the kernel has a GPU variant)."""
+def resolve_backend(requested: str, platform: str, dtype) -> str:
+    """auto: the Pallas kernel on TPU (its TPU flavour is the one written so far), the C++
+    kernel on CPU (float32 and bfloat16, where a C++ compiler can build it), the XLA attention
+    elsewhere (GPU until the kernel has a GPU variant, and CPU otherwise)."""
+    if requested == "cpu_kernel":
+        if platform != "cpu":
+            raise ValueError(f"attention_backend='cpu_kernel' runs on CPU, not {platform}")
+        if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+            raise ValueError(
+                f"attention_backend='cpu_kernel' takes float32 or bfloat16, not {dtype}"
+            )
+        load_cpu_kernel()  # CpuKernelUnavailable says why it cannot be built
+        return requested
     if requested != "auto":
         return requested
-    return "pallas" if platform == "tpu" else "xla"
+    if platform == "tpu":
+        return "pallas"
+    if platform == "cpu" and jnp.dtype(dtype) in SUPPORTED_DTYPES:
+        try:
+            load_cpu_kernel()
+            return "cpu_kernel"
+        except CpuKernelUnavailable as e:
+            logger.warning(
+                "Using the XLA attention: the CPU attention kernel is unavailable: %s", e
+            )
+    return "xla"
 
 
 # The sampling fields a generation_config.json may set as defaults (vLLM's list).
@@ -292,7 +317,7 @@ class LLMEngine:
             cfg.vocab_size,
             sched_cfg.max_num_seqs,
             args.max_logprobs,
-            resolve_backend(args.attention_backend, platform),
+            resolve_backend(args.attention_backend, platform, dtype),
             args.enforce_eager,
             mesh,
         )

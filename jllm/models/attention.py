@@ -7,6 +7,8 @@ segment reshapes to tiles [Tt, C] that each belong to one request.
 - `xla`: the CPU path. Decodes are tiles of size 1. Each tile gathers its request's pages in
   chunks with a dynamic trip count (the longest context in the batch), so no bucket depends
   on sequence length, and folds them in with an online softmax.
+- `cpu_kernel`: the CPU default, the C++ flavour of the ragged paged attention kit
+  (`pallas_kernels/ragged_paged_attention/cpu.py`), reading the stacked cache in place.
 - `pallas` / `pallas_interpret`: the ragged paged attention kernel from `pallas_kernels/`
   over the same flat batch, described by query_start / query_lens / kv_lens / block_tables.
 
@@ -27,6 +29,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
+    ragged_paged_attention_cpu,
+    ragged_paged_attention_cpu_sharded,
     ragged_paged_attention_sharded,
 )
 from sharding import MODEL_AXIS
@@ -196,6 +200,18 @@ def paged_attention(q, k, v, kv_cache, layer, md: AttentionMetadata, backend: st
     kv_cache = write_kv(kv_cache, layer, k, v, md.slot_mapping)
     T, N, H = q.shape
     sm_scale = H**-0.5
+    mesh = jax.sharding.get_abstract_mesh()
+    sharded = not mesh.empty and mesh.shape.get(MODEL_AXIS, 1) > 1
+    if backend == "cpu_kernel":
+        args = (md.kv_lens, md.block_tables, md.query_start, md.query_lens, md.num_seqs)
+        q = q.astype(kv_cache.dtype)
+        if sharded:
+            out = ragged_paged_attention_cpu_sharded(
+                mesh, MODEL_AXIS, q, kv_cache, layer, *args, sm_scale=sm_scale
+            )
+        else:
+            out = ragged_paged_attention_cpu(q, kv_cache, *args, layer=layer, sm_scale=sm_scale)
+        return out, kv_cache
     if backend != "xla":
         args = (
             q,
@@ -209,8 +225,7 @@ def paged_attention(q, k, v, kv_cache, layer, md: AttentionMetadata, backend: st
         options = dict(sm_scale=sm_scale, interpret=backend == "pallas_interpret")
         # Under tensor parallelism (the runner traces inside `jax.set_mesh`), each device
         # runs the kernel on its own heads.
-        mesh = jax.sharding.get_abstract_mesh()
-        if not mesh.empty and mesh.shape.get(MODEL_AXIS, 1) > 1:
+        if sharded:
             out = ragged_paged_attention_sharded(mesh, MODEL_AXIS, *args, **options)
         else:
             out = ragged_paged_attention(*args, **options)

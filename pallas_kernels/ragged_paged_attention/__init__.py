@@ -5,15 +5,29 @@
 ``validate_inputs`` the shared static checks, ``kv_cache_shape`` the cache layout
 ``[B, S, 2K, H]`` (K and V interleaved on the head axis) and
 ``ragged_paged_attention_sharded`` the kernel under ``shard_map`` over the head axes.
+``ragged_paged_attention_cpu`` is the same contract as a C++ XLA FFI kernel for the CPU
+(built on first use; ``load_cpu_kernel``), with its own ``..._cpu_sharded``.
 """
 
 from .cache import kv_cache_bytes, kv_cache_shape
+from .cpu import (
+    SUPPORTED_DTYPES,
+    CpuKernelUnavailable,
+    load_cpu_kernel,
+    ragged_paged_attention_cpu,
+    ragged_paged_attention_cpu_sharded,
+)
 from .kernel import ragged_paged_attention
 from .reference import ragged_paged_attention_reference
 from .sharded import ragged_paged_attention_sharded
 from .validation import validate_inputs, validate_options
 
 __all__ = [
+    "SUPPORTED_DTYPES",
+    "CpuKernelUnavailable",
+    "load_cpu_kernel",
+    "ragged_paged_attention_cpu",
+    "ragged_paged_attention_cpu_sharded",
     "kv_cache_bytes",
     "kv_cache_shape",
     "ragged_paged_attention",

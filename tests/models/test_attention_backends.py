@@ -1,5 +1,6 @@
-"""The whole engine on the Pallas kernel (interpret mode) gives the XLA path's tokens, and the
-XLA tile attention matches the kernel kit's jnp reference."""
+"""The whole engine gives the same tokens on every attention backend (the C++ CPU kernel, the
+default here; the XLA attention; the Pallas kernel in interpret mode), the XLA tile attention
+matches the kernel kit's jnp reference, and `auto` falls back to XLA without a compiler."""
 
 from __future__ import annotations
 
@@ -9,8 +10,42 @@ import pytest
 from oracle import SMALL, prompt_ids
 
 from jllm import LLM, SamplingParams
+from jllm.engine.llm_engine import resolve_backend
 from jllm.models.attention import kv_chunk_pages, tile_attention
+from pallas_kernels.ragged_paged_attention import cpu as cpu_kernel
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+
+
+def test_llama_llm_runs_the_cpu_kernel(llama_llm):
+    assert llama_llm.llm_engine.runner.backend == "cpu_kernel"
+
+
+def test_engine_on_xla_matches_cpu_kernel(llama_dir, llama_llm):
+    # Decodes beside chunked prefills: a 32-token budget splits the 40-token prompt.
+    prompts = [{"prompt_token_ids": p} for p in prompt_ids(3, 6, seed=8)]
+    prompts.append({"prompt_token_ids": prompt_ids(1, 40, seed=9)[0]})
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llama_llm.generate(prompts, params, False)]
+    llm = LLM(llama_dir, **{**SMALL, "attention_backend": "xla", "max_num_batched_tokens": 32})
+    assert llm.llm_engine.runner.backend == "xla"
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+
+
+def test_auto_backend_without_a_compiler(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_kernel, "_registered", None)
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    with caplog.at_level("WARNING"):
+        assert resolve_backend("auto", "cpu", jnp.float32) == "xla"
+    assert "CPU attention kernel is unavailable" in caplog.text
+    with pytest.raises(cpu_kernel.CpuKernelUnavailable, match="no-such-compiler"):
+        resolve_backend("cpu_kernel", "cpu", jnp.float32)
+    assert resolve_backend("auto", "cpu", jnp.float16) == "xla"  # a dtype it does not take
+    assert resolve_backend("auto", "tpu", jnp.bfloat16) == "pallas"
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        resolve_backend("cpu_kernel", "cpu", jnp.float16)
+    with pytest.raises(ValueError, match="runs on CPU"):
+        resolve_backend("cpu_kernel", "gpu", jnp.float32)
 
 
 @pytest.mark.slow

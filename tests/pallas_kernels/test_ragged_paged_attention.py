@@ -1,5 +1,6 @@
-"""Ragged paged attention: the Pallas kernel (TPU interpret mode on CPU) against the jnp
-reference, and the reference against naive numpy attention over contiguous K/V.
+"""Ragged paged attention: the Pallas kernel (TPU interpret mode on CPU) and the C++ CPU
+kernel against the jnp reference, and the reference against naive numpy attention over
+contiguous K/V.
 
 Batches are built to catch indexing mistakes: randomly permuted block tables, gaps of
 NaN query rows between requests and at the end, padding requests (r >= num_seqs) whose
@@ -19,6 +20,8 @@ from pallas_kernels.ragged_paged_attention import (
     kv_cache_bytes,
     kv_cache_shape,
     ragged_paged_attention,
+    ragged_paged_attention_cpu,
+    ragged_paged_attention_cpu_sharded,
     ragged_paged_attention_reference,
     validate_inputs,
 )
@@ -253,4 +256,86 @@ def test_kernel_under_shard_map_matches_reference(tp, n, k):
     out = run(q, cache, *meta)
     assert out.sharding.spec == P(None, MODEL_AXIS, None)
     assert out.addressable_shards[0].data.shape == (q.shape[0], n // tp, 16)
+    assert_matches(out, ref, args, jnp.float32)
+
+
+# The C++ CPU kernel (cpu_kernel.cc). MIX's prefills of 13 and 9 queries span two of its
+# 8-query blocks; h=16 takes its generic loop, h=64 and h=128 the unrolled ones.
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("s", [8, 16])
+@pytest.mark.parametrize("n,k,h", [(4, 4, 16), (8, 2, 64), (6, 1, 128), (9, 3, 64)])
+def test_cpu_kernel_matches_reference(dtype, s, n, k, h):
+    args, _ = make_batch(MIX, n=n, k=k, h=h, s=s, dtype=dtype, seed=s + n + h)
+    ref = ragged_paged_attention_reference(*args, sm_scale=0.3)
+    out = ragged_paged_attention_cpu(*args, sm_scale=0.3)
+    assert out.dtype == dtype
+    assert_matches(out, ref, args, dtype)
+
+
+def test_cpu_kernel_long_contexts_and_default_scale():
+    # Many pages per request, so the online softmax rescales across pages.
+    seqs = [(300, 1), (257, 40), (64, 64), (1, 1)]
+    args, _ = make_batch(seqs, n=8, k=2, h=64, s=16, dtype=jnp.float32, seed=5)
+    assert_matches(
+        ragged_paged_attention_cpu(*args),
+        ragged_paged_attention_reference(*args),
+        args,
+        jnp.float32,
+    )
+
+
+def test_cpu_kernel_reads_one_layer_of_the_stacked_cache_under_jit():
+    args, _ = make_batch(MIX, n=8, k=2, h=16, s=8, dtype=jnp.bfloat16, seed=2)
+    q, cache, *meta = args
+    nan = jnp.full_like(cache, jnp.nan)
+    stacked = jnp.stack([nan, cache, nan])  # [L=3, B, S, 2K, H]: only layer 1 is real
+    run = jax.jit(lambda q, c, layer, *m: ragged_paged_attention_cpu(q, c, *m, layer=layer))
+    out = run(q, stacked, jnp.int32(1), *meta)
+    assert_matches(out, ragged_paged_attention_reference(*args), args, jnp.bfloat16)
+
+
+def test_cpu_kernel_num_seqs_and_errors():
+    args, _ = make_batch(MIX[:2], n=4, k=2, h=8, s=8, dtype=jnp.float32)
+    assert (np.asarray(ragged_paged_attention_cpu(*args[:6], jnp.int32(0))) == 0).all()
+    out = ragged_paged_attention_cpu(*args[:6], 2)
+    assert_matches(out, ragged_paged_attention_reference(*args), args, jnp.float32)
+    q, cache, *meta = args
+    with pytest.raises(ValueError, match="dtype"):
+        ragged_paged_attention_cpu(q.astype(jnp.bfloat16), cache, *meta)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        ragged_paged_attention_cpu(q.astype(jnp.float16), cache.astype(jnp.float16), *meta)
+    with pytest.raises(ValueError, match="layer"):
+        ragged_paged_attention_cpu(q, cache[None], *meta)
+    with pytest.raises(ValueError, match="layer"):
+        ragged_paged_attention_cpu(q, cache, *meta, layer=0)
+    for _, bad in _bad_inputs():
+        with pytest.raises(ValueError):
+            ragged_paged_attention_cpu(*bad)
+    # Metadata the static checks cannot see is refused at run time, not read out of bounds.
+    kv_lens = meta[0].at[0].set(10_000)
+    with pytest.raises(Exception, match="inconsistent ragged metadata"):
+        ragged_paged_attention_cpu(q, cache, kv_lens, *meta[1:]).block_until_ready()
+    tables = meta[1].at[0, 0].set(cache.shape[0])
+    with pytest.raises(Exception, match="block table entry out of range"):
+        ragged_paged_attention_cpu(q, cache, meta[0], tables, *meta[2:]).block_until_ready()
+
+
+@pytest.mark.parametrize("tp,n,k", [(2, 8, 2), (4, 8, 4)])
+def test_cpu_kernel_under_shard_map_matches_reference(tp, n, k):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from sharding import MODEL_AXIS, make_mesh
+
+    mesh = make_mesh(tp)
+    args, _ = make_batch(MIX, n=n, k=k, h=16, s=8, dtype=jnp.float32, seed=tp + n)
+    ref = ragged_paged_attention_reference(*args)
+    q, cache, *meta = args
+    q = jax.device_put(q, NamedSharding(mesh, P(None, MODEL_AXIS, None)))
+    stacked = jax.device_put(
+        cache[None], NamedSharding(mesh, P(None, None, None, MODEL_AXIS, None))
+    )
+    run = jax.jit(functools.partial(ragged_paged_attention_cpu_sharded, mesh, MODEL_AXIS))
+    out = run(q, stacked, jnp.int32(0), *meta)
+    assert out.sharding.spec == P(None, MODEL_AXIS, None)
     assert_matches(out, ref, args, jnp.float32)

@@ -1,0 +1,239 @@
+"""The CPU flavour of the kit: ragged paged attention as a C++ XLA FFI custom call.
+
+Pallas has no CPU backend (only interpret mode), and XLA's own CPU attention spends most of
+its time gathering pages and transposing them for small batched matmuls. This kernel
+(``cpu_kernel.cc``) reads each request's pages in place and keeps the online softmax in
+float32 registers. It is built once per machine with the host's C++ compiler (``$CXX``,
+default ``g++``; ``-O3 -march=native``) against the FFI headers that ship with jaxlib, and the
+shared library is kept under ``~/.cache/jllm/kernels`` (``$XDG_CACHE_HOME`` respected).
+
+It takes the whole stacked cache ``[L, B, S, 2K, H]`` and a layer index rather than one
+layer's slice, so that a model's scan over layers never copies a layer out of the cache.
+Same arguments and results as ``ragged_paged_attention_reference`` otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from .validation import validate_inputs, validate_options
+
+logger = logging.getLogger(__name__)
+
+TARGET = "jllm_ragged_paged_attention_cpu"
+SOURCE = os.path.join(os.path.dirname(__file__), "cpu_kernel.cc")
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+# -fassociative-math (and the two flags it needs) lets the compiler vectorize the float
+# reductions; no -ffast-math, whose finite-math assumption would break the -inf masking.
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-std=c++17",
+    "-fPIC",
+    "-shared",
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+)
+
+
+class CpuKernelUnavailable(RuntimeError):
+    """The kernel could not be built here (no C++ compiler, or it failed)."""
+
+
+_lock = threading.Lock()
+_registered: str | None = None
+
+
+def _cpu_fingerprint() -> str:
+    # -march=native makes the library specific to this CPU's instruction set.
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _library_path(compiler: str) -> str:
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=True
+    ).stdout
+    with open(SOURCE) as f:
+        source = f.read()
+    key = hashlib.sha256()
+    for part in (
+        source,
+        " ".join(FLAGS),
+        version,
+        jax.__version__,
+        jax.ffi.include_dir(),
+        platform.machine(),
+        _cpu_fingerprint(),
+    ):
+        key.update(part.encode())
+    root = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
+    return os.path.join(
+        root, "jllm", "kernels", f"ragged_paged_attention_{key.hexdigest()[:16]}.so"
+    )
+
+
+def _build(compiler: str, path: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    # Build to a temporary name and rename: processes starting together (one per host or
+    # device) may all build, and none may load a half-written library.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+    os.close(fd)
+    cmd = [compiler, *FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp]
+    logger.info("Building the CPU attention kernel: %s", " ".join(cmd))
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise CpuKernelUnavailable(
+                f"building {SOURCE} failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}"
+            )
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load_cpu_kernel() -> str:
+    """Builds (once per machine) and registers the kernel; returns the FFI target name.
+
+    Raises CpuKernelUnavailable when there is no C++ compiler or the build fails.
+    """
+    global _registered
+    with _lock:
+        if _registered:
+            return _registered
+        compiler = os.environ.get("CXX", "g++")
+        if shutil.which(compiler) is None:
+            raise CpuKernelUnavailable(
+                f"no C++ compiler {compiler!r} on PATH (set CXX, or install g++)"
+            )
+        try:
+            path = _library_path(compiler)
+        except (OSError, subprocess.CalledProcessError) as e:
+            raise CpuKernelUnavailable(f"cannot run {compiler!r}: {e}") from e
+        if not os.path.exists(path):
+            _build(compiler, path)
+        library = ctypes.cdll.LoadLibrary(path)
+        jax.ffi.register_ffi_target(
+            TARGET, jax.ffi.pycapsule(library.JllmRaggedPagedAttention), platform="cpu"
+        )
+        _registered = TARGET
+        return TARGET
+
+
+def _as_layer_index(layer) -> jax.Array:
+    return jnp.asarray(layer, jnp.int32).reshape(1)
+
+
+def ragged_paged_attention_cpu(
+    q: jax.Array,
+    kv_cache: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    query_start: jax.Array,
+    query_lens: jax.Array,
+    num_seqs,
+    *,
+    layer=None,
+    sm_scale: float | None = None,
+) -> jax.Array:
+    """Ragged paged attention on the CPU; the reference's arguments and result.
+
+    kv_cache is one layer [B, S, 2K, H], or the stacked cache [L, B, S, 2K, H] with `layer`
+    (an int or an int32 scalar array, traced or not) picking the layer to read.
+    """
+    if kv_cache.ndim == 5:
+        if layer is None:
+            raise ValueError("a stacked kv_cache [L, B, S, 2K, H] needs layer=")
+        one_layer = jax.ShapeDtypeStruct(kv_cache.shape[1:], kv_cache.dtype)
+    else:
+        if layer is not None:
+            raise ValueError("layer= needs the stacked kv_cache [L, B, S, 2K, H]")
+        one_layer = kv_cache
+    validate_inputs(q, one_layer, kv_lens, block_tables, query_start, query_lens, num_seqs)
+    validate_options(sm_scale, None, None)
+    if jnp.dtype(kv_cache.dtype) not in SUPPORTED_DTYPES or q.dtype != kv_cache.dtype:
+        raise ValueError(
+            f"the CPU kernel takes float32 or bfloat16 q and kv_cache of one dtype, got "
+            f"q {q.dtype} and kv_cache {kv_cache.dtype}"
+        )
+    if kv_cache.ndim == 4:
+        kv_cache, layer = kv_cache[None], 0
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(q.shape[-1])
+    target = load_cpu_kernel()
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    return call(
+        q,
+        kv_cache,
+        _as_layer_index(layer),
+        kv_lens,
+        block_tables,
+        query_start,
+        query_lens,
+        jnp.asarray(num_seqs, jnp.int32).reshape(1),
+        sm_scale=np.float32(sm_scale),
+    )
+
+
+def ragged_paged_attention_cpu_sharded(
+    mesh,
+    axis: str,
+    q,
+    kv_cache,
+    layer,
+    kv_lens,
+    block_tables,
+    query_start,
+    query_lens,
+    num_seqs,
+    **options,
+):
+    """The CPU kernel with heads split over `mesh` axis `axis` (see sharded.py); kv_cache is
+    the stacked cache [L, B, S, 2K, H]."""
+    heads = P(None, axis, None)
+    cache = P(None, None, None, axis, None)
+    kernel = functools.partial(_stacked_kernel, **options)
+    return jax.shard_map(
+        kernel,
+        mesh=mesh,
+        in_specs=(heads, cache, P(), P(), P(), P(), P(), P()),
+        out_specs=heads,
+        check_vma=False,
+    )(
+        q,
+        kv_cache,
+        _as_layer_index(layer),
+        kv_lens,
+        block_tables,
+        query_start,
+        query_lens,
+        jnp.asarray(num_seqs, jnp.int32).reshape(1),
+    )
+
+
+def _stacked_kernel(q, kv_cache, layer, *metadata, **options):
+    return ragged_paged_attention_cpu(q, kv_cache, *metadata, layer=layer[0], **options)
