@@ -144,8 +144,41 @@ def load_cpu_kernel() -> str:
         return TARGET
 
 
-def _as_layer_index(layer) -> jax.Array:
-    return jnp.asarray(layer, jnp.int32).reshape(1)
+def _checked_args(q, kv_cache, layer, kv_lens, block_tables, query_start, query_lens, num_seqs):
+    """Validates the arguments and returns them as the FFI call takes them: the stacked cache
+    and the layer and num_seqs as int32 [1]."""
+    if kv_cache.ndim == 5:
+        if layer is None:
+            raise ValueError("a stacked kv_cache [L, B, S, 2K, H] needs layer=")
+        one_layer = jax.ShapeDtypeStruct(kv_cache.shape[1:], kv_cache.dtype)
+    else:
+        if layer is not None:
+            raise ValueError("layer= needs the stacked kv_cache [L, B, S, 2K, H]")
+        one_layer = kv_cache
+    validate_inputs(q, one_layer, kv_lens, block_tables, query_start, query_lens, num_seqs)
+    if jnp.dtype(kv_cache.dtype) not in SUPPORTED_DTYPES or q.dtype != kv_cache.dtype:
+        raise ValueError(
+            f"the CPU kernel takes float32 or bfloat16 q and kv_cache of one dtype, got "
+            f"q {q.dtype} and kv_cache {kv_cache.dtype}"
+        )
+    if kv_cache.ndim == 4:
+        kv_cache, layer = kv_cache[None], 0
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(1)
+    return q, kv_cache, layer, kv_lens, block_tables, query_start, query_lens, num_seqs
+
+
+def _scale(q, sm_scale) -> np.float32:
+    validate_options(sm_scale, None, None)
+    return np.float32(1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale)
+
+
+def _call(*args, sm_scale):
+    """The FFI call on checked arguments (q first)."""
+    q = args[0]
+    return jax.ffi.ffi_call(load_cpu_kernel(), jax.ShapeDtypeStruct(q.shape, q.dtype))(
+        *args, sm_scale=sm_scale
+    )
 
 
 def ragged_paged_attention_cpu(
@@ -165,38 +198,10 @@ def ragged_paged_attention_cpu(
     kv_cache is one layer [B, S, 2K, H], or the stacked cache [L, B, S, 2K, H] with `layer`
     (an int or an int32 scalar array, traced or not) picking the layer to read.
     """
-    if kv_cache.ndim == 5:
-        if layer is None:
-            raise ValueError("a stacked kv_cache [L, B, S, 2K, H] needs layer=")
-        one_layer = jax.ShapeDtypeStruct(kv_cache.shape[1:], kv_cache.dtype)
-    else:
-        if layer is not None:
-            raise ValueError("layer= needs the stacked kv_cache [L, B, S, 2K, H]")
-        one_layer = kv_cache
-    validate_inputs(q, one_layer, kv_lens, block_tables, query_start, query_lens, num_seqs)
-    validate_options(sm_scale, None, None)
-    if jnp.dtype(kv_cache.dtype) not in SUPPORTED_DTYPES or q.dtype != kv_cache.dtype:
-        raise ValueError(
-            f"the CPU kernel takes float32 or bfloat16 q and kv_cache of one dtype, got "
-            f"q {q.dtype} and kv_cache {kv_cache.dtype}"
-        )
-    if kv_cache.ndim == 4:
-        kv_cache, layer = kv_cache[None], 0
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(q.shape[-1])
-    target = load_cpu_kernel()
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q.dtype))
-    return call(
-        q,
-        kv_cache,
-        _as_layer_index(layer),
-        kv_lens,
-        block_tables,
-        query_start,
-        query_lens,
-        jnp.asarray(num_seqs, jnp.int32).reshape(1),
-        sm_scale=np.float32(sm_scale),
+    args = _checked_args(
+        q, kv_cache, layer, kv_lens, block_tables, query_start, query_lens, num_seqs
     )
+    return _call(*args, sm_scale=_scale(q, sm_scale))
 
 
 def ragged_paged_attention_cpu_sharded(
@@ -210,30 +215,20 @@ def ragged_paged_attention_cpu_sharded(
     query_start,
     query_lens,
     num_seqs,
-    **options,
+    *,
+    sm_scale: float | None = None,
 ):
-    """The CPU kernel with heads split over `mesh` axis `axis` (see sharded.py); kv_cache is
-    the stacked cache [L, B, S, 2K, H]."""
+    """The CPU kernel with heads split over `mesh` axis `axis` (as in sharded.py): each device
+    runs it on its own query heads and kv heads; kv_cache is the stacked cache."""
+    args = _checked_args(
+        q, kv_cache, layer, kv_lens, block_tables, query_start, query_lens, num_seqs
+    )
     heads = P(None, axis, None)
-    cache = P(None, None, None, axis, None)
-    kernel = functools.partial(_stacked_kernel, **options)
+    replicated = (P(),) * 6
     return jax.shard_map(
-        kernel,
+        functools.partial(_call, sm_scale=_scale(q, sm_scale)),
         mesh=mesh,
-        in_specs=(heads, cache, P(), P(), P(), P(), P(), P()),
+        in_specs=(heads, P(None, None, None, axis, None), *replicated),
         out_specs=heads,
         check_vma=False,
-    )(
-        q,
-        kv_cache,
-        _as_layer_index(layer),
-        kv_lens,
-        block_tables,
-        query_start,
-        query_lens,
-        jnp.asarray(num_seqs, jnp.int32).reshape(1),
-    )
-
-
-def _stacked_kernel(q, kv_cache, layer, *metadata, **options):
-    return ragged_paged_attention_cpu(q, kv_cache, *metadata, layer=layer[0], **options)
+    )(*args)
