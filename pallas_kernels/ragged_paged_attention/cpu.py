@@ -3,9 +3,10 @@
 Pallas has no CPU backend (only interpret mode), and XLA's own CPU attention spends most of
 its time gathering pages and transposing them for small batched matmuls. This kernel
 (``cpu_kernel.cc``) reads each request's pages in place and keeps the online softmax in
-float32 registers. It is built once per machine with the host's C++ compiler (``$CXX``,
-default ``g++``; ``-O3 -march=native``) against the FFI headers that ship with jaxlib, and the
-shared library is kept under ``~/.cache/jllm/kernels`` (``$XDG_CACHE_HOME`` respected).
+float32 registers. It is built once per machine with GCC (``$CXX``, default ``g++``;
+``-O3 -march=native``; the source uses GCC's vector extension) against the FFI headers that
+ship with jaxlib, and the shared library is kept under ``~/.cache/jllm/kernels``
+(``$XDG_CACHE_HOME`` respected).
 
 It takes the whole stacked cache ``[L, B, S, 2K, H]`` and a layer index rather than one
 layer's slice, so that a model's scan over layers never copies a layer out of the cache.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import importlib.metadata
 import logging
 import math
 import os
@@ -59,6 +61,7 @@ class CpuKernelUnavailable(RuntimeError):
 
 _lock = threading.Lock()
 _registered: str | None = None
+_failure: CpuKernelUnavailable | None = None  # a failed build is not retried in this process
 
 
 def _cpu_fingerprint() -> str:
@@ -85,6 +88,7 @@ def _library_path(compiler: str) -> str:
         " ".join(FLAGS),
         version,
         jax.__version__,
+        importlib.metadata.version("jaxlib"),  # the FFI headers come from jaxlib
         jax.ffi.include_dir(),
         platform.machine(),
         _cpu_fingerprint(),
@@ -121,22 +125,28 @@ def load_cpu_kernel() -> str:
 
     Raises CpuKernelUnavailable when there is no C++ compiler or the build fails.
     """
-    global _registered
+    global _registered, _failure
     with _lock:
         if _registered:
             return _registered
+        if _failure is not None:
+            raise _failure
         compiler = os.environ.get("CXX", "g++")
-        if shutil.which(compiler) is None:
-            raise CpuKernelUnavailable(
-                f"no C++ compiler {compiler!r} on PATH (set CXX, or install g++)"
-            )
         try:
-            path = _library_path(compiler)
-        except (OSError, subprocess.CalledProcessError) as e:
-            raise CpuKernelUnavailable(f"cannot run {compiler!r}: {e}") from e
-        if not os.path.exists(path):
-            _build(compiler, path)
-        library = ctypes.cdll.LoadLibrary(path)
+            if shutil.which(compiler) is None:
+                raise CpuKernelUnavailable(
+                    f"no C++ compiler {compiler!r} on PATH (set CXX, or install g++)"
+                )
+            try:
+                path = _library_path(compiler)
+                if not os.path.exists(path):
+                    _build(compiler, path)
+                library = ctypes.cdll.LoadLibrary(path)
+            except (OSError, subprocess.CalledProcessError) as e:  # unwritable cache, noexec
+                raise CpuKernelUnavailable(f"cannot build or load the kernel: {e}") from e
+        except CpuKernelUnavailable as e:
+            _failure = e
+            raise
         jax.ffi.register_ffi_target(
             TARGET, jax.ffi.pycapsule(library.JllmRaggedPagedAttention), platform="cpu"
         )

@@ -13,7 +13,8 @@
 // are bound by reading the cache; prefill blocks by arithmetic, which runs on 16-lane
 // vectors (GCC's vector extension) for block size 16 and head dims 64 and 128.
 //
-// Built at run time by cpu.py with the host compiler (g++, -O3 -march=native).
+// Built at run time by cpu.py with GCC (g++ -O3 -march=native; it uses GCC's vector
+// extension and __builtin_shuffle).
 
 #include <algorithm>
 #include <atomic>
@@ -254,12 +255,13 @@ void run_item(const Problem& pb, const Item& it, std::vector<float>& scratch) {
               const v16 pv = lane < int32_t(visible) ? exp16(sv - m_new) : zero;
               sum = sum16(pv);
               alpha = exp_nonpositive(m[j] - m_new);
-              // acc = acc * alpha + sum_t p_t v_t over the whole page (p = 0 past `visible`).
+              // acc = acc * alpha + sum_t p_t v_t.
               constexpr int kV = kH / 16;
               float* aj = acc + j * kH;
               v16 a[kV];
               for (int u = 0; u < kV; ++u) a[u] = load16(aj + 16 * u) * alpha;
-              for (int t = 0; t < 16; ++t) {
+              // Only visible keys: a later position's non-finite value times p = 0 is NaN.
+              for (int64_t t = 0; t < visible; ++t) {
                 const float p = pv[t];
                 for (int u = 0; u < kV; ++u) a[u] += p * load16(vf + t * kH + 16 * u);
               }
@@ -325,6 +327,7 @@ void run(const Problem& pb, const Item& it, std::vector<float>& scratch) {
 struct Progress {
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
+  std::atomic<bool> failed{false};
   std::mutex mu;
   std::condition_variable cv;
 };
@@ -364,21 +367,24 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_c
   std::memset(out->untyped_data(), 0, out->size_bytes());
   const int64_t R = std::min<int64_t>(num_seqs.typed_data()[0], kv_lens.dimensions()[0]);
   std::vector<Item> items;
+  std::vector<char> owned(qd[0], 0);
   for (int32_t r = 0; r < R; ++r) {
     const int32_t q_len = pb.query_lens[r], kv_len = pb.kv_lens[r];
     const int64_t q0 = pb.query_start[r];
-    // The same consistency rules as the reference; a bad row is an error, not a wild read.
+    // The reference's consistency rules: a bad request is an error, not a wild read or two
+    // threads writing one row.
     if (q_len < 0 || q_len > kv_len || kv_len > pb.P * S || q0 < 0 || q0 + q_len > qd[0])
       return ffi::Error::InvalidArgument("inconsistent ragged metadata");
-    for (int32_t first = 0; first < q_len; first += kQueryBlock)
-      items.push_back({r, first, std::min(kQueryBlock, q_len - first)});
-  }
-  for (const Item& it : items) {
-    const int64_t pages = (int64_t(pb.kv_lens[it.request]) + S - 1) / S;
-    const int32_t* table = pb.block_tables + int64_t(it.request) * pb.P;
-    for (int64_t p = 0; p < pages; ++p)
+    for (int64_t row = q0; row < q0 + q_len; ++row) {
+      if (owned[row]) return ffi::Error::InvalidArgument("query rows of two requests overlap");
+      owned[row] = 1;
+    }
+    const int32_t* table = pb.block_tables + int64_t(r) * pb.P;
+    for (int64_t p = 0; p < (int64_t(kv_len) + S - 1) / S; ++p)
       if (table[p] < 0 || table[p] >= B)
         return ffi::Error::InvalidArgument("block table entry out of range");
+    for (int32_t first = 0; first < q_len; first += kQueryBlock)
+      items.push_back({r, first, std::min(kQueryBlock, q_len - first)});
   }
 
   const int64_t total = int64_t(items.size());
@@ -389,10 +395,14 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_c
     for (;;) {
       const int64_t i = progress->next.fetch_add(1);
       if (i >= total) return;
-      if (bf16)
-        run<Bf16>(pb, items[i], scratch);
-      else
-        run<F32>(pb, items[i], scratch);
+      try {
+        if (bf16)
+          run<Bf16>(pb, items[i], scratch);
+        else
+          run<F32>(pb, items[i], scratch);
+      } catch (...) {  // scratch allocation; reported once every item is accounted for
+        progress->failed.store(true);
+      }
       if (progress->done.fetch_add(1) + 1 == total) {
         std::lock_guard<std::mutex> lock(progress->mu);
         progress->cv.notify_all();
@@ -404,6 +414,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_c
   work();
   std::unique_lock<std::mutex> lock(progress->mu);
   progress->cv.wait(lock, [&] { return progress->done.load() >= total; });
+  if (progress->failed.load()) return ffi::Error::Internal("out of memory for kernel scratch");
   return ffi::Error::Success();
 }
 

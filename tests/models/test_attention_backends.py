@@ -32,8 +32,21 @@ def test_engine_on_xla_matches_cpu_kernel(llama_dir, llama_llm):
     assert got == expected
 
 
+def test_auto_backend_falls_back_when_the_kernel_cannot_be_built(monkeypatch, tmp_path):
+    # A cache directory that cannot be created (an OSError, not a compiler error).
+    monkeypatch.setattr(cpu_kernel, "_registered", None)
+    monkeypatch.setattr(cpu_kernel, "_failure", None)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker / "cache"))
+    assert resolve_backend("auto", "cpu", jnp.bfloat16) == "xla"
+    with pytest.raises(cpu_kernel.CpuKernelUnavailable, match="cannot build or load"):
+        resolve_backend("cpu_kernel", "cpu", jnp.bfloat16)
+
+
 def test_auto_backend_without_a_compiler(monkeypatch, caplog):
     monkeypatch.setattr(cpu_kernel, "_registered", None)
+    monkeypatch.setattr(cpu_kernel, "_failure", None)
     monkeypatch.setenv("CXX", "no-such-compiler")
     with caplog.at_level("WARNING"):
         assert resolve_backend("auto", "cpu", jnp.float32) == "xla"

@@ -259,8 +259,8 @@ def test_kernel_under_shard_map_matches_reference(tp, n, k):
     assert_matches(out, ref, args, jnp.float32)
 
 
-# The C++ CPU kernel (cpu_kernel.cc). MIX's prefills of 13 and 9 queries span two of its
-# 8-query blocks; h=16 takes its generic loop, h=64 and h=128 the unrolled ones.
+# The C++ CPU kernel (cpu_kernel.cc). h=16 or s=8 take its generic loop; s=16 with h=64 or
+# h=128 its vector path, which prefill blocks (several queries per kv head) use.
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("s", [8, 16])
 @pytest.mark.parametrize("n,k,h", [(4, 4, 16), (8, 2, 64), (6, 1, 128), (9, 3, 64)])
@@ -272,16 +272,30 @@ def test_cpu_kernel_matches_reference(dtype, s, n, k, h):
     assert_matches(out, ref, args, dtype)
 
 
-def test_cpu_kernel_long_contexts_and_default_scale():
-    # Many pages per request, so the online softmax rescales across pages.
+@pytest.mark.parametrize("dtype,h", [(jnp.float32, 64), (jnp.bfloat16, 64), (jnp.bfloat16, 16)])
+def test_cpu_kernel_long_contexts_and_default_scale(dtype, h):
+    # Many pages per request, so the online softmax rescales across pages, and prefills of
+    # 40 and 64 queries, several of the kernel's 16-query blocks.
     seqs = [(300, 1), (257, 40), (64, 64), (1, 1)]
-    args, _ = make_batch(seqs, n=8, k=2, h=64, s=16, dtype=jnp.float32, seed=5)
+    args, _ = make_batch(seqs, n=8, k=2, h=h, s=16, dtype=dtype, seed=5)
     assert_matches(
-        ragged_paged_attention_cpu(*args),
-        ragged_paged_attention_reference(*args),
-        args,
-        jnp.float32,
+        ragged_paged_attention_cpu(*args), ragged_paged_attention_reference(*args), args, dtype
     )
+
+
+@pytest.mark.parametrize("n,k,h", [(8, 8, 64), (8, 1, 64), (8, 1, 32)])
+def test_cpu_kernel_later_values_never_reach_earlier_queries(n, k, h):
+    # An infinite V at the last position of a prefill must not leak into earlier queries
+    # through 0 * inf (the vector path covers whole pages; the reference masks V).
+    args, _ = make_batch([(13, 13)], n=n, k=k, h=h, s=16, dtype=jnp.float32, seed=4)
+    q, cache, kv_lens, tables, *rest = args
+    cache = cache.at[tables[0, 0], 12, 1::2].set(jnp.inf)
+    args = (q, cache, kv_lens, tables, *rest)
+    out = np.asarray(ragged_paged_attention_cpu(*args))
+    ref = np.asarray(ragged_paged_attention_reference(*args))
+    q0 = int(args[4][0])
+    np.testing.assert_allclose(out[q0 : q0 + 12], ref[q0 : q0 + 12], atol=1e-5, rtol=1e-5)
+    assert np.isfinite(out[q0 : q0 + 12]).all()
 
 
 def test_cpu_kernel_reads_one_layer_of_the_stacked_cache_under_jit():
@@ -318,6 +332,9 @@ def test_cpu_kernel_num_seqs_and_errors():
     tables = meta[1].at[0, 0].set(cache.shape[0])
     with pytest.raises(Exception, match="block table entry out of range"):
         ragged_paged_attention_cpu(q, cache, meta[0], tables, *meta[2:]).block_until_ready()
+    starts = meta[2].at[1].set(meta[2][0])  # request 1's rows on top of request 0's
+    with pytest.raises(Exception, match="overlap"):
+        ragged_paged_attention_cpu(q, cache, *meta[:2], starts, *meta[3:]).block_until_ready()
 
 
 @pytest.mark.parametrize("tp,n,k", [(2, 8, 2), (4, 8, 4)])
