@@ -222,23 +222,20 @@ void run_item(const Problem& pb, const Item& it, std::vector<float>& scratch) {
           for (int64_t h = 0; h < H; ++h) kf[t * H + h] = D::load(kp[h]);
         for (int64_t h = 0; h < H; ++h) vf[t * H + h] = D::load(kp[H + h]);
       }
-      if (transpose) {  // keys and values past the page's end take part with p = 0
-        for (int64_t h = 0; h < H; ++h)
-          for (int64_t t = nt; t < S; ++t) kf[h * S + t] = 0.0f;
-        std::fill(vf + nt * H, vf + S * H, 0.0f);
-      }
       for (int64_t i = 0; i < it.num_queries; ++i) {
         const int64_t visible = std::min(nt, pos0 + i - key0 + 1);  // keys t < visible
         if (visible <= 0) continue;
         for (int64_t g = 0; g < G; ++g) {
           const int64_t j = i * N + k * G + g;
           const float* qj = qf + j * H;
+          // Scores of the visible keys, then their probabilities, into sj.
           float m_new = m[j];
           float sum = 0.0f;
-          float alpha;
           if constexpr (kS == 16 && kH > 0) {
             if (transpose) {
               // Four partial sums over the head dim, so the FMAs do not wait on each other.
+              // Lanes past `visible` (later keys, or stale ones past the page's end) are
+              // selected away, never multiplied.
               v16 s0 = {}, s1 = {}, s2 = {}, s3 = {};
               for (int64_t h = 0; h < kH; h += 4) {
                 s0 += qj[h] * load16(kf + h * 16);
@@ -248,53 +245,41 @@ void run_item(const Problem& pb, const Item& it, std::vector<float>& scratch) {
               }
               v16i lane;
               for (int t = 0; t < 16; ++t) lane[t] = t;
-              const v16 neg = zero_vector() - INFINITY;
-              const v16 sv = lane < int32_t(visible) ? (s0 + s1) + (s2 + s3) : neg;
-              m_new = std::max(m_new, max16(sv));
               const v16 zero = {};
+              const v16 sv = lane < int32_t(visible) ? (s0 + s1) + (s2 + s3) : zero - INFINITY;
+              m_new = std::max(m_new, max16(sv));
               const v16 pv = lane < int32_t(visible) ? exp16(sv - m_new) : zero;
               sum = sum16(pv);
-              alpha = exp_nonpositive(m[j] - m_new);
-              // acc = acc * alpha + sum_t p_t v_t.
-              constexpr int kV = kH / 16;
-              float* aj = acc + j * kH;
-              v16 a[kV];
-              for (int u = 0; u < kV; ++u) a[u] = load16(aj + 16 * u) * alpha;
-              // Only visible keys: a later position's non-finite value times p = 0 is NaN.
-              for (int64_t t = 0; t < visible; ++t) {
-                const float p = pv[t];
-                for (int u = 0; u < kV; ++u) a[u] += p * load16(vf + t * kH + 16 * u);
-              }
-              for (int u = 0; u < kV; ++u) store16(aj + 16 * u, a[u]);
-              l[j] = l[j] * alpha + sum;
-              m[j] = m_new;
-              continue;
+              store16(sj, pv);
             }
           }
-          for (int64_t t = 0; t < visible; ++t) {
-            float dot = 0.0f;
-            for (int64_t h = 0; h < H; ++h) dot += qj[h] * kf[t * H + h];
-            sj[t] = dot;
+          if (!transpose) {
+            for (int64_t t = 0; t < visible; ++t) {
+              float dot = 0.0f;
+              for (int64_t h = 0; h < H; ++h) dot += qj[h] * kf[t * H + h];
+              sj[t] = dot;
+            }
+            for (int64_t t = 0; t < visible; ++t) m_new = std::max(m_new, sj[t]);
+            for (int64_t t = 0; t < visible; ++t) {
+              sj[t] = exp_nonpositive(sj[t] - m_new);
+              sum += sj[t];
+            }
           }
-          for (int64_t t = 0; t < visible; ++t) m_new = std::max(m_new, sj[t]);
-          alpha = exp_nonpositive(m[j] - m_new);
-          for (int64_t t = 0; t < visible; ++t) {
-            sj[t] = exp_nonpositive(sj[t] - m_new);
-            sum += sj[t];
-          }
+          const float alpha = exp_nonpositive(m[j] - m_new);
           l[j] = l[j] * alpha + sum;
           m[j] = m_new;
-          // acc = acc * alpha + sum_t p_t v_t, in registers when H is a compile-time constant.
-          float* __restrict aj = acc + j * H;
+          // acc = acc * alpha + sum_t p_t v_t, over visible keys only (a later position's
+          // non-finite value times p = 0 would be NaN); in 16-lane registers for H = 64, 128.
+          float* aj = acc + j * H;
           if constexpr (kH > 0) {
-            float a[kH];
-            for (int64_t h = 0; h < kH; ++h) a[h] = aj[h] * alpha;
+            constexpr int kV = kH / 16;
+            v16 a[kV];
+            for (int u = 0; u < kV; ++u) a[u] = load16(aj + 16 * u) * alpha;
             for (int64_t t = 0; t < visible; ++t) {
               const float p = sj[t];
-              const float* __restrict vt = vf + t * kH;
-              for (int64_t h = 0; h < kH; ++h) a[h] += p * vt[h];
+              for (int u = 0; u < kV; ++u) a[u] += p * load16(vf + t * kH + 16 * u);
             }
-            for (int64_t h = 0; h < kH; ++h) aj[h] = a[h];
+            for (int u = 0; u < kV; ++u) store16(aj + 16 * u, a[u]);
           } else {
             for (int64_t h = 0; h < H; ++h) aj[h] *= alpha;
             for (int64_t t = 0; t < visible; ++t) {
