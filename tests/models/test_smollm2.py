@@ -109,3 +109,20 @@ def test_smollm2_default_dtype_against_fp32_oracle():
     print(f"worst choice gap {gap:.3f}, worst logprob error {error:.3f}")
     assert gap <= 0.2 and error <= 0.3, (gap, error)
     assert "Paris" in outs[0].outputs[0].text
+
+
+@pytest.mark.slow
+def test_seeded_chat_same_text_alone_cached_and_batched(smollm):
+    """The reported case: a seeded top-p request run alone three times (the second and third
+    hit the prefix cache, so their last step has fewer rows) and inside a batch of three
+    gives one text."""
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=MAX_TOKENS)
+    story = "Tell me a story about a dragon who learns to fly over mountains and rivers."
+    conv = [{"role": "user", "content": story}]
+    assert smollm.llm_engine.scheduler.kv_cache.reset_prefix_cache()
+    runs = [smollm.chat(conv, params, use_tqdm=False)[0] for _ in range(3)]
+    assert runs[0].num_cached_tokens == 0 and runs[1].num_cached_tokens > 0
+    others = [[{"role": "user", "content": q}] for q in QUESTIONS[:2]]
+    batched = smollm.chat([others[0], conv, others[1]], params, use_tqdm=False)[1]
+    texts = {o.outputs[0].text for o in runs} | {batched.outputs[0].text}
+    assert len(texts) == 1, texts
