@@ -68,15 +68,19 @@ class EngineCore:
         params: SamplingParams,
         prompt: str | None = None,
         seed: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
-        """Admit a validated request; its `n` sequences get seeds `seed`, `seed + 1`, ..."""
+        """Admit a validated request; its `n` sequences get seeds `seed`, `seed + 1`, ...
+        and share its `cache_salt`."""
         if request_id in self.parents:
             raise ValueError(f"Request id {request_id!r} is already running.")
         now = time.time()
         parent = ParentRequest(request_id, prompt, prompt_token_ids, params, [], now)
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
-            child = Request(child_id, prompt_token_ids, params, self.eos_token_id, seed + i, now)
+            child = Request(
+                child_id, prompt_token_ids, params, self.eos_token_id, seed + i, now, cache_salt
+            )
             parent.children.append(child)
             if params.detokenize and self.tokenizer is not None:
                 parent.detokenizers[child_id] = IncrementalDetokenizer(

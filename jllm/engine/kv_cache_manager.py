@@ -3,21 +3,49 @@
 Blocks are the unit of the device cache (`block_size` token slots each). Block 0 is a
 reserved null block that padding tokens write into; it is never handed out.
 
-Prefix caching: every full block of a request has a hash chained from its parent's hash and
-its own token ids. A full block is registered under its hash as soon as it is allocated (its
-KV is written in the same step that first reads it, and every layer writes before it
-attends), so even requests scheduled in the same step share it. Freed blocks keep their
-hash and stay in an LRU free queue until the pool needs them back.
+Prefix caching: every full block of a request has a key chained from its parent's key and
+its own token ids: sha256(parent key || the block's token ids as int64 || extra keys), where
+the first block's parent is a random per-process root (from PYTHONHASHSEED when set, as in
+vLLM) and its extra key is the request's `cache_salt`. A hit is trusted, so the key must not
+be forgeable: Python's `hash` of the token tuple, used before, is neither wide nor keyed, and
+requests with different salts (tenants) must never share a block.
+
+A full block is registered under its key as soon as it is allocated (its KV is written in
+the same step that first reads it, and every layer writes before it attends), so even
+requests scheduled in the same step share it. Freed blocks keep their key and stay in an LRU
+free queue until the pool needs them back.
 Host-side only: no JAX import.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 from collections import OrderedDict
+
+import numpy as np
 
 from jllm.engine.request import Request
 
 NULL_BLOCK = 0
+
+
+def _root_key() -> bytes:
+    seed = os.environ.get("PYTHONHASHSEED")
+    return os.urandom(32) if seed is None else hashlib.sha256(seed.encode()).digest()
+
+
+ROOT_KEY = _root_key()
+
+
+def block_key(parent: bytes | None, tokens, cache_salt: str | None = None) -> bytes:
+    """The prefix-cache key of a full block: a 32-byte sha256 digest. Blocks have a fixed
+    token count, so the encoding is unambiguous with the salt last."""
+    h = hashlib.sha256(ROOT_KEY if parent is None else parent)
+    h.update(np.asarray(tokens, np.int64).tobytes())
+    if parent is None and cache_salt is not None:
+        h.update(b"cache_salt:" + cache_salt.encode())
+    return h.digest()
 
 
 def cdiv(a: int, b: int) -> int:
@@ -32,10 +60,10 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_cnt = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
         # Eviction order: the front is reused first.
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.cached: dict[bytes, int] = {}  # block key -> block id
         self.req_blocks: dict[str, list[int]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_queries = 0  # tokens looked up in the prefix cache
@@ -58,7 +86,8 @@ class KVCacheManager:
         tokens = req.all_token_ids
         for i in range(len(req.block_hashes), num_tokens // size):
             parent = req.block_hashes[i - 1] if i else None
-            req.block_hashes.append(hash((parent, tuple(tokens[i * size : (i + 1) * size]))))
+            block = tokens[i * size : (i + 1) * size]
+            req.block_hashes.append(block_key(parent, block, req.cache_salt))
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
         """The longest cached prefix of `req` in whole blocks, leaving one token to compute.

@@ -392,7 +392,12 @@ class LLMEngine:
     def add_request(self, request_id: str, processed, params: SamplingParams) -> None:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self.core.add_request(
-            request_id, processed.prompt_token_ids, params, processed.prompt, seed=seed
+            request_id,
+            processed.prompt_token_ids,
+            params,
+            processed.prompt,
+            seed=seed,
+            cache_salt=processed.cache_salt,
         )
 
     def abort_request(self, request_ids: list[str]) -> None:

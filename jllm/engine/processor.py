@@ -1,9 +1,9 @@
 """Turn user prompts and sampling parameters into validated engine inputs.
 
-Accepts vLLM's prompt forms (a string, `{"prompt": ...}`, `{"prompt_token_ids": [...]}`),
-tokenizes, truncates on request and rejects what the engine cannot serve with a ValueError
-that names the problem, before anything reaches the scheduler.
-Host-side only: no JAX import.
+Accepts vLLM's prompt forms (a string, `{"prompt": ...}`, `{"prompt_token_ids": [...]}`,
+either dict with vLLM's `cache_salt`), tokenizes, truncates on request and rejects what the
+engine cannot serve with a ValueError that names the problem, before anything reaches the
+scheduler. Host-side only: no JAX import.
 """
 
 from __future__ import annotations
@@ -12,11 +12,33 @@ from dataclasses import dataclass
 
 from jllm.sampling_params import MAX_SUPPRESS, SamplingParams
 
+# Prompt-dict keys vLLM defines that jllm cannot honour yet: refused by name, never ignored.
+UNSUPPORTED_PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids")
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+
 
 @dataclass
 class ProcessedPrompt:
     prompt: str | None
     prompt_token_ids: list[int]
+    cache_salt: str | None = None
+
+
+def cache_salt_of(prompt) -> str | None:
+    if not isinstance(prompt, dict):
+        return None
+    unsupported = [k for k in prompt if k in UNSUPPORTED_PROMPT_KEYS]
+    if unsupported:
+        raise ValueError(f"Prompt field {unsupported[0]!r} is not supported by jllm yet.")
+    unknown = [k for k in prompt if k not in PROMPT_KEYS]
+    if unknown:
+        raise ValueError(
+            f"Unknown prompt field {unknown[0]!r}; a prompt dict takes {', '.join(PROMPT_KEYS)}."
+        )
+    salt = prompt.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
+    return salt
 
 
 class Processor:
@@ -27,6 +49,7 @@ class Processor:
         self.max_logprobs = max_logprobs
 
     def process_prompt(self, prompt, params: SamplingParams) -> ProcessedPrompt:
+        salt = cache_salt_of(prompt)
         text = None
         if isinstance(prompt, str):
             text = prompt
@@ -47,7 +70,7 @@ class Processor:
         if params.truncate_prompt_tokens is not None:
             ids = ids[-params.truncate_prompt_tokens :]
         self.validate(ids, params)
-        return ProcessedPrompt(text, ids)
+        return ProcessedPrompt(text, ids, salt)
 
     def validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:

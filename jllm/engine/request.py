@@ -44,6 +44,7 @@ class Request:
         eos_token_id: int | None,
         seed: int,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -56,7 +57,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit of the first schedule
-        self.block_hashes: list[int] = []
+        self.cache_salt = cache_salt  # only requests with the same salt share cached blocks
+        self.block_hashes: list[bytes] = []
         self.stop_reason: int | str | None = None
         self.logprobs: list = []  # per output token, filled when logprobs are requested
         self.cumulative_logprob = 0.0

@@ -175,3 +175,32 @@ def test_chat_single_and_batch(llama_llm):
     assert len(two) == 2 and two[0].outputs[0].token_ids == one[0].outputs[0].token_ids
     custom = llama_llm.chat(conv, greedy, use_tqdm=False, chat_template="{{ 'X: ' }}")
     assert custom[0].prompt == "X: "
+
+
+def test_cache_salt_separates_prefix_cache_hits(llama_llm):
+    ids = prompt_ids(1, 40, seed=11)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    def cached(**salt):
+        out = llama_llm.generate({"prompt_token_ids": ids, **salt}, greedy, use_tqdm=False)[0]
+        return out.num_cached_tokens, out.outputs[0].token_ids
+
+    first = cached(cache_salt="alice")
+    assert first[0] == 0
+    assert cached(cache_salt="alice") == (32, first[1])  # same tenant: its full blocks hit
+    assert cached(cache_salt="bob") == (0, first[1])  # another tenant: nothing shared
+    assert cached() == (0, first[1])  # no salt: nothing shared with salted requests
+
+
+@pytest.mark.parametrize(
+    "prompt, match",
+    [
+        ({"prompt": "hi", "cache_salt": ""}, "cache_salt"),
+        ({"prompt": "hi", "cache_salt": 5}, "cache_salt"),
+        ({"prompt": "hi", "salt": "x"}, "Unknown prompt field 'salt'"),
+        ({"prompt": "hi", "multi_modal_data": {}}, "'multi_modal_data' is not supported"),
+    ],
+)
+def test_bad_prompt_dicts_are_refused(llama_llm, prompt, match):
+    with pytest.raises(ValueError, match=match):
+        llama_llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)

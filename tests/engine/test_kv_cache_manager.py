@@ -1,9 +1,16 @@
-"""Block pool, ref counts, prefix hashing and LRU eviction, in pure Python."""
+"""Block pool, ref counts, prefix-cache keys (sha256, cache_salt) and LRU eviction, in pure
+Python."""
 
 from __future__ import annotations
 
+import hashlib
+import os
+import subprocess
+import sys
+
 import pytest
 
+from jllm.engine import kv_cache_manager as kv_module
 from jllm.engine.kv_cache_manager import KVCacheManager
 from jllm.engine.request import Request
 from jllm.sampling_params import SamplingParams
@@ -80,3 +87,61 @@ def test_penalty_requests_skip_prefix_hits():
 def test_too_few_blocks_is_an_error():
     with pytest.raises(ValueError, match="at least 2 blocks"):
         KVCacheManager(num_blocks=1, block_size=4, enable_prefix_caching=True)
+
+
+def sha256_chain(root: bytes, tokens: list[int], block_size: int, salt: str | None) -> list:
+    """The key scheme written out independently: sha256(parent || int64 tokens [|| salt])."""
+    keys, parent = [], root
+    for i in range(len(tokens) // block_size):
+        data = parent + b"".join(
+            t.to_bytes(8, "little", signed=True)
+            for t in tokens[i * block_size : (i + 1) * block_size]
+        )
+        if i == 0 and salt is not None:
+            data += b"cache_salt:" + salt.encode()
+        parent = hashlib.sha256(data).digest()
+        keys.append(parent)
+    return keys
+
+
+def test_block_keys_are_a_sha256_chain_from_the_process_root():
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    tokens = [5, 70000, 2**31 + 3, 9, 1, 2, 3, 4, 8]
+    for salt in (None, "tenant-a"):
+        r = Request("a", tokens, SamplingParams(), None, seed=0, cache_salt=salt)
+        kv.allocate_slots(r, len(tokens))
+        assert r.block_hashes == sha256_chain(kv_module.ROOT_KEY, tokens, 4, salt)
+        kv.free(r)
+
+
+def test_salted_requests_share_blocks_only_with_their_salt():
+    """The same tokens collide under a key of tokens alone (the old scheme): with salts,
+    different tenants never share a block, and one tenant still gets its hits."""
+    kv = KVCacheManager(num_blocks=32, block_size=4, enable_prefix_caching=True)
+    tokens = list(range(13))
+
+    def salted(rid, salt):
+        return Request(rid, tokens, SamplingParams(), None, seed=0, cache_salt=salt)
+
+    a = salted("a", "alice")
+    a_blocks = kv.allocate_slots(a, 13)
+    assert kv.get_computed_blocks(salted("b", "bob")) == ([], 0)
+    assert kv.get_computed_blocks(req("c", tokens)) == ([], 0)  # no salt is its own tenant
+    assert kv.get_computed_blocks(salted("a2", "alice")) == (a_blocks[:3], 12)
+    # Later blocks chain from the salted first block: no hit past it either.
+    b = salted("b", "bob")
+    b_blocks = kv.allocate_slots(b, 13)
+    assert not set(a_blocks) & set(b_blocks)
+
+
+def test_root_key_is_random_per_process_unless_pythonhashseed():
+    code = "from jllm.engine.kv_cache_manager import block_key; print(block_key(None, [1]).hex())"
+
+    def key(env):
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"} | env
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    assert key({}) != key({})  # keys cannot be computed offline by another party
+    assert key({"PYTHONHASHSEED": "7"}) == key({"PYTHONHASHSEED": "7"})

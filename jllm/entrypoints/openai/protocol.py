@@ -63,6 +63,8 @@ class SamplingFields(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    # Requests share prefix-cache blocks only with requests of the same salt.
+    cache_salt: str | None = None
     # Defined by OpenAI or vLLM, not supported by jllm yet (a 400 when set).
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None

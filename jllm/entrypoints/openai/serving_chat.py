@@ -85,7 +85,10 @@ class OpenAIServingChat(OpenAIServing):
             )
         except ValueError as e:
             raise OpenAIError(str(e), 400) from e
-        prepared = [self.prepare(request_id, {"prompt_token_ids": ids, "prompt": text}, params)]
+        prompt = {"prompt_token_ids": ids, "prompt": text}
+        if request.cache_salt is not None:
+            prompt["cache_salt"] = request.cache_salt
+        prepared = [self.prepare(request_id, prompt, params)]
         role = (
             self.response_role
             if request.add_generation_prompt

@@ -18,17 +18,18 @@ from jllm.entrypoints.openai.serving_engine import (
 from jllm.outputs import CompletionOutput
 
 
-def normalize_prompts(prompt) -> list:
-    """str | list[str] | list[int] | list[list[int]] -> engine prompts."""
+def normalize_prompts(prompt, cache_salt: str | None = None) -> list[dict]:
+    """str | list[str] | list[int] | list[list[int]] -> engine prompt dicts."""
+    salt = {} if cache_salt is None else {"cache_salt": cache_salt}
     if isinstance(prompt, str):
-        return [prompt]
+        return [{"prompt": prompt, **salt}]
     if not prompt:
         raise OpenAIError("prompt cannot be empty.", 400, "prompt")
     if all(isinstance(p, int) for p in prompt):
-        return [{"prompt_token_ids": prompt}]
+        return [{"prompt_token_ids": prompt, **salt}]
     if all(isinstance(p, str) for p in prompt):
-        return list(prompt)
-    return [{"prompt_token_ids": p} for p in prompt]
+        return [{"prompt": p, **salt} for p in prompt]
+    return [{"prompt_token_ids": p, **salt} for p in prompt]
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -51,7 +52,7 @@ class OpenAIServingCompletion(OpenAIServing):
             raise OpenAIError(str(e), 400) from e
         prepared = [
             self.prepare(f"{request_id}-{i}", p, params)
-            for i, p in enumerate(normalize_prompts(request.prompt))
+            for i, p in enumerate(normalize_prompts(request.prompt, request.cache_salt))
         ]
         if request.stream:
             return SSEResponse(self._stream(request, request_id, prepared))

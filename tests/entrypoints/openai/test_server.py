@@ -349,6 +349,7 @@ def post(server, path, body, **kw):
         ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
         ({"prompt": []}, "prompt"),
         ({}, "prompt"),
+        ({"prompt": "x", "cache_salt": ""}, None),
     ],
 )
 def test_bad_completion_requests_are_400(server, body, param):
@@ -496,3 +497,27 @@ def test_continuous_usage_stats(client):
         )
     )
     assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage is not None
+
+
+def test_cache_salt(client, server):
+    """vLLM's cache_salt field: requests share prefix-cache blocks only within one salt."""
+    kv = server.engine.engine.scheduler.kv_cache
+    prompt = list(range(100, 150))
+
+    def hits(**extra):
+        before = kv.prefix_hits
+        client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1, **extra)
+        return kv.prefix_hits - before
+
+    hits(extra_body={"cache_salt": "tenant-1"})
+    assert hits(extra_body={"cache_salt": "tenant-1"}) == 48
+    assert hits(extra_body={"cache_salt": "tenant-2"}) == 0
+    chat = [{"role": "user", "content": "a fairly long message " * 6}]
+    client.chat.completions.create(
+        model=MODEL_NAME, messages=chat, max_tokens=1, extra_body={"cache_salt": "t3"}
+    )
+    before = kv.prefix_hits
+    client.chat.completions.create(
+        model=MODEL_NAME, messages=chat, max_tokens=1, extra_body={"cache_salt": "t4"}
+    )
+    assert kv.prefix_hits == before
