@@ -90,12 +90,8 @@ class KVCacheManager:
             req.block_hashes.append(block_key(parent, block, req.cache_salt))
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
-        """The longest cached prefix of `req` in whole blocks, leaving one token to compute.
-
-        Requests with penalties always compute their prompt: the device's penalty state
-        learns the prompt's tokens from the tokens it computes.
-        """
-        if not self.enable_prefix_caching or req.sampling_params.has_penalties:
+        """The longest cached prefix of `req` in whole blocks, leaving one token to compute."""
+        if not self.enable_prefix_caching:
             return [], 0
         self._update_hashes(req, req.num_tokens - 1)
         blocks = []

@@ -28,6 +28,7 @@ class ScheduledRequest:
     num_computed_tokens: int  # before this step
     num_new_tokens: int
     block_ids: list[int]
+    new: bool = False  # admitted this step (first time, or resumed after preemption)
 
     @property
     def samples(self) -> bool:
@@ -146,7 +147,7 @@ class Scheduler:
                 req.first_scheduled_time = time.time()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, num_hit, num_new, blocks))
+            out.scheduled.append(ScheduledRequest(req, num_hit, num_new, blocks, new=True))
             budget -= self._cost(num_new)
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens

@@ -34,8 +34,6 @@ from jllm.sampling_params import MAX_SUPPRESS
         "positions",
         "logits_indices",
         "penalty_token_rows",
-        "penalty_is_output",
-        "penalty_reset_rows",
         "attn",
     ],
     meta_fields=[],
@@ -45,9 +43,9 @@ class StepInputs:
     token_ids: jax.Array  # [T]
     positions: jax.Array  # [T]
     logits_indices: jax.Array  # [Rs] flat index of each sampled row's last token
-    penalty_token_rows: jax.Array  # [T] penalty-state row of each token; out of range: none
-    penalty_is_output: jax.Array  # [T] token is a generated one (counts) vs prompt (mask)
-    penalty_reset_rows: jax.Array  # [Rs] rows to clear before counting; out of range: none
+    # [T] penalty-state row that counts each token (sampled since its sequence was
+    # admitted, see runner/penalty_state.py); out of range: none
+    penalty_token_rows: jax.Array
     attn: AttentionMetadata
 
 
@@ -116,11 +114,14 @@ def build_step_inputs(
     out: SchedulerOutput,
     layout: BatchLayout,
     penalty_rows: dict[str, int],
+    penalty_start: dict[str, int],
     num_rows: int,
     shape: tuple[int, int] | None = None,
 ):
     """Returns (StepInputs in numpy, scheduled requests in batch order, each one's sample
-    row or None, the number of sample rows). `shape` forces the (Rd, Tt) bucket (warm-up)."""
+    row or None, the number of sample rows). `penalty_rows` / `penalty_start`: each penalty
+    sequence's row and the position from which its tokens count. `shape` forces the
+    (Rd, Tt) bucket (warm-up)."""
     S, C = layout.block_size, layout.tile_size
     # Decode rows longest context first, so that the attention's bands group similar lengths
     # (prefill tiles are sorted on their own below).
@@ -144,8 +145,6 @@ def build_step_inputs(
     positions = np.zeros(T, np.int32)
     slot_mapping = np.full(T, pad_slot, np.int32)
     pen_rows = np.full(T, num_rows, np.int32)
-    pen_out = np.zeros(T, bool)
-    reset_rows = np.full(Rs, num_rows, np.int32)
     logits_indices = np.zeros(Rs, np.int32)
     query_start = np.zeros(R, np.int32)
     query_lens = np.zeros(R, np.int32)
@@ -157,7 +156,7 @@ def build_step_inputs(
 
     ordered: list[ScheduledRequest] = decodes + prefills
     sample_row: list[int | None] = []
-    n_reset = n_sampled = 0
+    n_sampled = 0
     start, tile = Rd, 0
     for i, s in enumerate(ordered):
         req, n, nc = s.request, s.num_new_tokens, s.num_computed_tokens
@@ -172,8 +171,8 @@ def build_step_inputs(
         query_start[row], query_lens[row], kv_lens[row] = begin, n, nc + n
         prow = penalty_rows.get(req.request_id)
         if prow is not None:
-            pen_rows[begin : begin + n] = prow
-            pen_out[begin : begin + n] = pos >= req.num_prompt_tokens
+            counted = pos >= penalty_start[req.request_id]
+            pen_rows[begin : begin + n] = np.where(counted, prow, num_rows)
         if i >= len(decodes):
             k = cdiv(n, C)
             tile_bt[tile : tile + k] = block_tables[row]
@@ -183,9 +182,6 @@ def build_step_inputs(
             tile_pos[tile : tile + k] = padded.reshape(k, C)
             tile += k
             start += k * C
-        if prow is not None and nc == 0:
-            reset_rows[n_reset] = prow
-            n_reset += 1
         if s.samples:
             logits_indices[n_sampled] = begin + n - 1
             sample_row.append(n_sampled)
@@ -223,8 +219,6 @@ def build_step_inputs(
         positions=positions,
         logits_indices=logits_indices,
         penalty_token_rows=pen_rows,
-        penalty_is_output=pen_out,
-        penalty_reset_rows=reset_rows,
         attn=attn,
     )
     return inputs, ordered, sample_row, Rs

@@ -27,6 +27,7 @@ from jllm.runner.inputs import (
     build_sampling_metadata,
     build_step_inputs,
 )
+from jllm.runner.penalty_state import PenaltyRows, write_step
 from jllm.runner.sampled import SampledToken
 from jllm.runner.sampler import sample
 from sharding import named_sharding, replicated
@@ -38,29 +39,21 @@ class CompileAfterWarmupError(RuntimeError):
     pass
 
 
-def _forward(
-    state, kv_cache, counts, prompt_mask, batch: StepInputs, *, graphdef, backend, logits_sharding
-):
+def _forward(state, kv_cache, counts, batch: StepInputs, *, graphdef, backend, logits_sharding):
     model = nnx.merge(graphdef, state)
     hidden, kv_cache = model(batch.token_ids, batch.positions, kv_cache, batch.attn, backend)
     logits = model.compute_logits(hidden[batch.logits_indices])  # [Rs, V]
     # One fixed layout for the sampler, whatever the bucket (vocab-split under TP).
     logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
-    # Penalty state: clear rows of sequences starting over, then learn this step's tokens.
-    counts = counts.at[batch.penalty_reset_rows].set(0, mode="drop")
-    prompt_mask = prompt_mask.at[batch.penalty_reset_rows].set(False, mode="drop")
-    is_out = batch.penalty_is_output
-    rows, toks = batch.penalty_token_rows, batch.token_ids
-    counts = counts.at[rows, toks].add(is_out.astype(jnp.int32), mode="drop")
-    prompt_rows = jnp.where(is_out, counts.shape[0], rows)
-    prompt_mask = prompt_mask.at[prompt_rows, toks].set(True, mode="drop")
-    return logits, kv_cache, counts, prompt_mask
+    # Penalty state: count the tokens sampled since each sequence's admission.
+    counts = counts.at[batch.penalty_token_rows, batch.token_ids].add(1, mode="drop")
+    return logits, kv_cache, counts
 
 
 forward_step = jax.jit(
     _forward,
     static_argnames=("graphdef", "backend", "logits_sharding"),
-    donate_argnames=("kv_cache", "counts", "prompt_mask"),
+    donate_argnames=("kv_cache", "counts"),
 )
 
 
@@ -89,15 +82,14 @@ class ModelRunner:
         self.backend = backend
         self.enforce_eager = enforce_eager
         self.max_logprobs = max_logprobs
-        # Penalty state: row 0 stays empty for sequences without penalties.
-        self.num_penalty_rows = max_num_seqs + 1
-        shape = (self.num_penalty_rows, vocab_size)
+        # Penalty state (runner/penalty_state.py): row 0 stays empty.
+        self.penalties = PenaltyRows(max_num_seqs, layout.max_pages * layout.block_size)
+        shape = (self.penalties.num_rows, vocab_size)
         self.counts = jax.device_put(np.zeros(shape, np.int32), self.replicated)
         self.prompt_mask = jax.device_put(np.zeros(shape, np.bool_), self.replicated)
-        self.penalty_rows: dict[str, int] = {}
-        self._free_rows = list(range(self.num_penalty_rows - 1, 0, -1))
         self._forward_exe: dict[tuple[int, int], object] = {}
         self._sample_exe: dict[int, object] = {}
+        self._write_exe: dict[int, object] = {}
         self.compile_guard = False
         self.channel = None  # process 0 of a multi-process engine: a StepChannel
 
@@ -105,7 +97,7 @@ class ModelRunner:
     def _abstract_inputs(self, rd: int, tt: int):
         """Zero inputs of the (Rd, Tt) bucket, built by the same code as real steps."""
         inputs, _, _, rs = build_step_inputs(
-            SchedulerOutput(), self.layout, {}, self.num_penalty_rows, shape=(rd, tt)
+            SchedulerOutput(), self.layout, {}, {}, self.penalties.num_rows, shape=(rd, tt)
         )
         md = build_sampling_metadata([], [], rs, {}, self.max_logprobs)
         return inputs, md, rs
@@ -120,7 +112,6 @@ class ModelRunner:
                     self.state,
                     self.kv_cache,
                     self.counts,
-                    self.prompt_mask,
                     inputs,
                     graphdef=self.graphdef,
                     backend=self.backend,
@@ -139,6 +130,17 @@ class ModelRunner:
                     logits, md, self.counts, self.prompt_mask, num_logprobs=self.max_logprobs
                 )
             exe = self._sample_exe[rs] = lowered.compile()
+        return exe
+
+    def _write_executable(self, w):
+        W = w.rows.shape[0]
+        exe = self._write_exe.get(W)
+        if exe is None:
+            if self.compile_guard:
+                raise CompileAfterWarmupError(f"penalty write bucket (W={W}) not compiled")
+            with jax.set_mesh(self.mesh):
+                lowered = write_step.lower(self.counts, self.prompt_mask, w)
+            exe = self._write_exe[W] = lowered.compile()
         return exe
 
     def compile_all(self) -> None:
@@ -173,6 +175,9 @@ class ModelRunner:
                 self._sample_executable(rs, logits, jax.device_put(md, self.replicated))
             if (i + 1) % 16 == 0 or i + 1 == len(shapes):
                 logger.info("Compiled %d/%d buckets.", i + 1, len(shapes))
+        for W in self.penalties.write_buckets:
+            w = self.penalties.empty_write(W)
+            self._write_executable(jax.device_put(w, self.replicated))
         logger.info("Graph compilation finished in %.1f secs.", time.perf_counter() - start)
         self.compile_guard = True
 
@@ -180,27 +185,23 @@ class ModelRunner:
         return self.counts.shape[1]
 
     # ---- requests ------------------------------------------------------------------------
-    def add_penalty_row(self, request_id: str) -> None:
-        if request_id not in self.penalty_rows:
-            self.penalty_rows[request_id] = self._free_rows.pop()
-
     def free_request(self, request_id: str) -> None:
-        row = self.penalty_rows.pop(request_id, None)
-        if row is not None:
-            self._free_rows.append(row)
+        self.penalties.free(request_id)
 
     # ---- the step ------------------------------------------------------------------------
-    def run_step(self, inputs: StepInputs, md):
+    def run_step(self, inputs: StepInputs, md, writes=()):
         """The device part of a step, from host inputs to host results. Every process of a
         multi-process engine runs it with the same inputs."""
+        for w in writes:
+            w = jax.device_put(w, self.replicated)
+            exe = self._write_executable(w)
+            self.counts, self.prompt_mask = exe(self.counts, self.prompt_mask, w)
         rd = inputs.attn.decode_kv_lens.shape[0]
         tt = inputs.attn.tile_q_pos.shape[0]
         rs = md.want_logprobs.shape[0]
         inputs, md = jax.device_put((inputs, md), self.replicated)
         fwd = self._forward_executable(rd, tt, inputs)
-        logits, self.kv_cache, self.counts, self.prompt_mask = fwd(
-            self.state, self.kv_cache, self.counts, self.prompt_mask, inputs
-        )
+        logits, self.kv_cache, self.counts = fwd(self.state, self.kv_cache, self.counts, inputs)
         smp = self._sample_executable(rs, logits, md)
         out = smp(logits, md, self.counts, self.prompt_mask)
         # Replicated results: this process's first shard is the whole array.
@@ -212,21 +213,24 @@ class ModelRunner:
             message = channel.recv()
             if message[0] == "stop":
                 return
-            _, inputs, md = message
-            self.run_step(inputs, md)
+            _, inputs, md, writes = message
+            self.run_step(inputs, md, writes)
 
     def execute(self, out: SchedulerOutput) -> list[SampledToken | None]:
         """Run one step; one entry per `out.scheduled` (None where nothing is sampled)."""
-        for s in out.scheduled:
-            if s.request.sampling_params.has_penalties:
-                self.add_penalty_row(s.request.request_id)
-        inputs, ordered, sample_row, rs = build_step_inputs(
-            out, self.layout, self.penalty_rows, self.num_penalty_rows
+        writes = self.penalties.admit(
+            (s.request.request_id, s.request.prompt_token_ids, s.request.output_token_ids)
+            for s in out.scheduled
+            if s.new and s.request.sampling_params.has_penalties
         )
-        md = build_sampling_metadata(ordered, sample_row, rs, self.penalty_rows, self.max_logprobs)
+        pen = self.penalties
+        inputs, ordered, sample_row, rs = build_step_inputs(
+            out, self.layout, pen.row, pen.start, pen.num_rows
+        )
+        md = build_sampling_metadata(ordered, sample_row, rs, pen.row, self.max_logprobs)
         if self.channel is not None:  # the other processes run the same step
-            self.channel.send(("step", inputs, md))
-        tokens, lp, rank, top_ids, top_lp = self.run_step(inputs, md)
+            self.channel.send(("step", inputs, md, writes))
+        tokens, lp, rank, top_ids, top_lp = self.run_step(inputs, md, writes)
         by_request = {}
         for s, r in zip(ordered, sample_row, strict=True):
             if r is not None:

@@ -77,11 +77,13 @@ def test_lru_eviction_reuses_oldest_free_blocks_first():
     assert kv.get_computed_blocks(req("y", [7, 8, 0]))[1] == 2
 
 
-def test_penalty_requests_skip_prefix_hits():
+def test_penalty_requests_take_prefix_hits():
+    """Penalty state is written at admission (runner/penalty_state.py), so a request with
+    penalties takes prefix-cache hits like any other."""
     kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
     kv.allocate_slots(req("a", list(range(9))), 9)
     assert kv.get_computed_blocks(req("b", list(range(9))))[1] == 8
-    assert kv.get_computed_blocks(req("c", list(range(9)), repetition_penalty=1.2))[1] == 0
+    assert kv.get_computed_blocks(req("c", list(range(9)), repetition_penalty=1.2))[1] == 8
 
 
 def test_too_few_blocks_is_an_error():

@@ -36,7 +36,7 @@ def test_rows_sorted_for_bands_and_trip_counts_cover_each_row():
         out.scheduled.append(scheduled(i, ctx - 1, 1, ctx))
     for i, (done, new) in enumerate([(0, 37), (40, 60), (0, 9), (100, 28)], start=20):
         out.scheduled.append(scheduled(i, done, new, done + new))
-    inputs, ordered, _, _ = build_step_inputs(out, LAYOUT, {}, 65)
+    inputs, ordered, _, _ = build_step_inputs(out, LAYOUT, {}, {}, 65)
     md = inputs.attn
 
     # Decode rows: longest context first; every band loops far enough for each of its rows.

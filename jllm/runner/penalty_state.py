@@ -1,0 +1,110 @@
+"""Penalty state: per-sequence token counts and prompt masks on device, written at admission.
+
+Each sequence with a penalty holds a row of `counts` [rows, V] (occurrences of each token in
+its output) and `prompt_mask` [rows, V] (tokens of its prompt); row 0 stays empty for the
+others. When a sequence is admitted (new, or resumed after preemption) its whole row is
+written from the host: the prompt into the mask, the output so far into the counts. After
+that the forward step counts only the tokens it computes at positions past the admission
+length (the tokens sampled since). So the state never depends on which tokens a step
+computed: a prefix-cache hit or a chunked prefill leaves it the same, and penalties work
+with prefix caching.
+
+The write is one small jitted scatter per length bucket (powers of two up to the context
+length), compiled with the other buckets at start-up.
+
+Glossary: W tokens written, A rows reset, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jllm.runner.inputs import bucket, pow2_buckets
+
+
+@partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["reset_rows", "rows", "tokens", "is_output"],
+    meta_fields=[],
+)
+@dataclasses.dataclass
+class PenaltyWrite:
+    reset_rows: jax.Array  # [A] rows to clear; out of range: none
+    rows: jax.Array  # [W] row of each written token; out of range: none
+    tokens: jax.Array  # [W]
+    is_output: jax.Array  # [W] an output token (counts) or a prompt token (mask)
+
+
+def _write(counts, prompt_mask, w: PenaltyWrite):
+    counts = counts.at[w.reset_rows].set(0, mode="drop")
+    prompt_mask = prompt_mask.at[w.reset_rows].set(False, mode="drop")
+    out_rows = jnp.where(w.is_output, w.rows, counts.shape[0])
+    counts = counts.at[out_rows, w.tokens].add(1, mode="drop")
+    prompt_rows = jnp.where(w.is_output, counts.shape[0], w.rows)
+    prompt_mask = prompt_mask.at[prompt_rows, w.tokens].set(True, mode="drop")
+    return counts, prompt_mask
+
+
+write_step = jax.jit(_write, donate_argnames=("counts", "prompt_mask"))
+
+
+class PenaltyRows:
+    """Host bookkeeping: which row each sequence holds and from which position the forward
+    step counts its tokens."""
+
+    def __init__(self, max_num_seqs: int, max_model_len: int) -> None:
+        self.num_rows = max_num_seqs + 1
+        self.row: dict[str, int] = {}
+        self.start: dict[str, int] = {}  # the admission length: count positions from here
+        self._free = list(range(self.num_rows - 1, 0, -1))
+        self.write_buckets = pow2_buckets(max(16, max_model_len), 16)
+        self.max_resets = max_num_seqs
+
+    def free(self, request_id: str) -> None:
+        row = self.row.pop(request_id, None)
+        self.start.pop(request_id, None)
+        if row is not None:
+            self._free.append(row)
+
+    def admit(self, admitted) -> list[PenaltyWrite]:
+        """Rows for the admitted sequences with penalties (`admitted`: (request_id, prompt
+        ids, output ids) triples), as writes of at most the largest bucket each."""
+        resets, rows, tokens, is_out = [], [], [], []
+        for rid, prompt, output in admitted:
+            if rid not in self.row:
+                self.row[rid] = self._free.pop()
+            row = self.row[rid]
+            self.start[rid] = len(prompt) + len(output)
+            resets.append(row)
+            rows.append(np.full(len(prompt) + len(output), row, np.int32))
+            tokens.append(np.asarray(list(prompt) + list(output), np.int32))
+            is_out.append(np.arange(len(prompt) + len(output)) >= len(prompt))
+        if not resets:
+            return []
+        rows, tokens, is_out = (np.concatenate(x) for x in (rows, tokens, is_out))
+        writes, biggest = [], self.write_buckets[-1]
+        for i, lo in enumerate(range(0, max(len(rows), 1), biggest)):
+            n = min(biggest, len(rows) - lo)
+            W = bucket(n, self.write_buckets)
+            w_rows = np.full(W, self.num_rows, np.int32)
+            w_tokens = np.zeros(W, np.int32)
+            w_out = np.zeros(W, bool)
+            w_rows[:n], w_tokens[:n], w_out[:n] = (x[lo : lo + n] for x in (rows, tokens, is_out))
+            reset = np.full(self.max_resets, self.num_rows, np.int32)
+            if i == 0:  # every reset before any token is written
+                reset[: len(resets)] = resets
+            writes.append(PenaltyWrite(reset, w_rows, w_tokens, w_out))
+        return writes
+
+    def empty_write(self, W: int) -> PenaltyWrite:
+        return PenaltyWrite(
+            np.full(self.max_resets, self.num_rows, np.int32),
+            np.full(W, self.num_rows, np.int32),
+            np.zeros(W, np.int32),
+            np.zeros(W, bool),
+        )
