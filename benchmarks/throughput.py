@@ -138,7 +138,7 @@ def roofline(llm, batch):
     from flax import nnx
 
     model = nnx.merge(llm.llm_engine.runner.graphdef, llm.llm_engine.runner.state)
-    embed = model.embed[...]
+    embed = model.embed_tokens[...]
     stacked = nnx.state(model.layers)
     layers = [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(model.cfg.num_layers)]
 
@@ -146,12 +146,14 @@ def roofline(llm, batch):
     def fwd(layers, x_ids):
         x = embed[x_ids]  # [T, D]
         for p in layers:
-            a, m = p["attn"], p["mlp"]
-            q = jnp.einsum("TD,DNH->TNH", x, a["wq"][...])
-            k = jnp.einsum("TD,DKH->TKH", x, a["wk"][...])
-            v = jnp.einsum("TD,DKH->TKH", x, a["wv"][...])
-            x = x + jnp.einsum("TNH,NHD->TD", q, a["wo"][...]) + k.sum() + v.sum()
-            x = x + (jax.nn.silu(x @ m["w_gate"][...]) * (x @ m["w_up"][...])) @ m["w_down"][...]
+            a, m = p["self_attn"], p["mlp"]
+            w = lambda mod, name: mod[name]["weight"][...]  # noqa: E731
+            q = jnp.einsum("TD,DNH->TNH", x, w(a, "q_proj"))
+            k = jnp.einsum("TD,DKH->TKH", x, w(a, "k_proj"))
+            v = jnp.einsum("TD,DKH->TKH", x, w(a, "v_proj"))
+            x = x + jnp.einsum("TNH,NHD->TD", q, w(a, "o_proj")) + k.sum() + v.sum()
+            h = jax.nn.silu(x @ w(m, "gate_proj")) * (x @ w(m, "up_proj"))
+            x = x + h @ w(m, "down_proj")
         return jnp.argmax(jnp.einsum("TD,VD->TV", x, embed), -1)
 
     # A 16-bit model on CPU runs at least 2 rows a step (min_dot_rows): so does its roofline.

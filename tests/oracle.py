@@ -39,6 +39,14 @@ ARCHS = {
             },
         },
     ),
+    # Per-head q/k norms, and a head dim (32) that is not hidden / heads (16).
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 32}),
+    # Biases on every projection (Llama's attention_bias and mlp_bias).
+    "llama-bias": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        {"attention_bias": True, "mlp_bias": True},
+    ),
     # Tensor-parallel shapes: 8 query heads over 2 or 8 kv heads.
     "llama-h8kv2": (
         transformers.LlamaConfig,

@@ -28,7 +28,7 @@ from jllm.engine.processor import Processor
 from jllm.engine.scheduler import Scheduler
 from jllm.metrics.stats import LoggingStatLogger
 from jllm.model_loader import resolve_model
-from jllm.models.llama import LlamaConfig
+from jllm.models import registry
 from jllm.models.loader import load_model
 from jllm.runner.compile_cache import enable_compilation_cache
 from jllm.runner.inputs import BatchLayout
@@ -228,7 +228,8 @@ class LLMEngine:
             download_dir=args.download_dir,
         )
         self.hf_config = source.hf_config
-        cfg = LlamaConfig.from_hf(source.hf_config)
+        arch = registry.resolve(source.hf_config)
+        cfg = arch.config(source.hf_config)
         self.model_config = cfg
         derived_len = cfg.max_position_embeddings
         max_model_len = args.max_model_len or derived_len
@@ -271,7 +272,14 @@ class LLMEngine:
             cfg = dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * replicas)
             self.model_config = cfg
         graphdef, state = load_model(
-            cfg, source, dtype, mesh, args.load_format, seed=args.seed or 0, kv_replicas=replicas
+            arch,
+            cfg,
+            source,
+            dtype,
+            mesh,
+            args.load_format,
+            seed=args.seed or 0,
+            kv_replicas=replicas,
         )
         sched_cfg = resolve_scheduler_config(args, max_model_len, PREFILL_TILE)
         # Sizes are per device: the cache is split over the devices on its kv-head axis.

@@ -16,34 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jllm.models.llama import LlamaConfig, LlamaForCausalLM
+from jllm.models.registry import IGNORED, Architecture
 from sharding import named_sharding
 
 logger = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-
-# Hugging Face name within a layer -> (path in our layer, conversion from the [out, in] layout)
-_LAYER_MAP = {
-    "self_attn.q_proj.weight": (("attn", "wq"), "qkv"),
-    "self_attn.k_proj.weight": (("attn", "wk"), "qkv"),
-    "self_attn.v_proj.weight": (("attn", "wv"), "qkv"),
-    "self_attn.o_proj.weight": (("attn", "wo"), "o"),
-    "self_attn.q_proj.bias": (("attn", "bq"), "bias"),
-    "self_attn.k_proj.bias": (("attn", "bk"), "bias"),
-    "self_attn.v_proj.bias": (("attn", "bv"), "bias"),
-    "mlp.gate_proj.weight": (("mlp", "w_gate"), "t"),
-    "mlp.up_proj.weight": (("mlp", "w_up"), "t"),
-    "mlp.down_proj.weight": (("mlp", "w_down"), "t"),
-    "input_layernorm.weight": (("input_norm", "weight"), None),
-    "post_attention_layernorm.weight": (("post_attn_norm", "weight"), None),
-}
-_KV_WEIGHTS = ("wk", "wv", "bk", "bv")
-_TOP_MAP = {
-    "model.embed_tokens.weight": (("embed",), None),
-    "model.norm.weight": (("norm", "weight"), None),
-    "lm_head.weight": (("lm_head",), "t"),
-}
+# Weights with a kv-head axis (repeated when there are fewer kv heads than devices).
+_KV_PROJ = ("k_proj", "v_proj")
 
 
 def _convert(w: np.ndarray, kind: str | None, shape: tuple[int, ...]) -> np.ndarray:
@@ -58,16 +38,18 @@ def _convert(w: np.ndarray, kind: str | None, shape: tuple[int, ...]) -> np.ndar
     return w
 
 
-def _map_name(name: str):
-    """-> (our parameter path, layer index or None, conversion kind), or None to skip."""
+def _map_name(name: str, layer_weights: dict, top_weights: dict):
+    """-> (our parameter path, layer index or None, conversion kind), or None when the
+    architecture does not name the tensor."""
     m = _LAYER.fullmatch(name)
     if m:
-        entry = _LAYER_MAP.get(m.group(2))
-        if entry is None:
+        if m.group(2) not in layer_weights:
             return None
-        return ("layers", *entry[0]), int(m.group(1)), entry[1]
-    entry = _TOP_MAP.get(name)
-    return None if entry is None else (entry[0], None, entry[1])
+        return ("layers", *m.group(2).split(".")), int(m.group(1)), layer_weights[m.group(2)]
+    if name not in top_weights:
+        return None
+    path, kind = top_weights[name]
+    return path, None, kind
 
 
 def _axes(var) -> tuple:
@@ -82,12 +64,13 @@ def _place(host: np.ndarray, sharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def abstract_model(cfg: LlamaConfig, dtype) -> LlamaForCausalLM:
-    return nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype, nnx.Rngs(0)))
+def abstract_model(arch: Architecture, cfg, dtype):
+    return nnx.eval_shape(lambda: arch.module(cfg, dtype, nnx.Rngs(0)))
 
 
 def load_model(
-    cfg: LlamaConfig,
+    arch: Architecture,
+    cfg,
     source,
     dtype,
     mesh,
@@ -101,7 +84,7 @@ def load_model(
     devices each checkpoint kv head is repeated (sharding.kv_head_replicas), so that query
     head h still reads kv head h // (num_heads // num_kv_heads)."""
     start = time.perf_counter()
-    model = abstract_model(cfg, dtype)
+    model = abstract_model(arch, cfg, dtype)
     graphdef, abstract_state = nnx.split(model)
     flat = dict(nnx.to_flat_state(abstract_state))
     shardings = {path: named_sharding(mesh, _axes(var), var.shape) for path, var in flat.items()}
@@ -109,24 +92,30 @@ def load_model(
     if load_format == "dummy":
         rng = np.random.default_rng(seed)
         for path, var in flat.items():
-            if path[-1] == "weight":  # norms
+            if len(path) > 1 and "norm" in path[-2]:  # norms
                 host = np.ones(var.shape, np.float32)
             else:
                 host = rng.normal(0.0, 0.02, var.shape).astype(np.float32)
             values[path] = _place(host.astype(dtype), shardings[path])
     else:
         layered: dict[tuple, dict[int, np.ndarray]] = {}
+        layer_weights = arch.layer_weights(cfg)
         for name, w in source.iter_weights():
-            mapped = _map_name(name)
-            if mapped is None:
+            if IGNORED.fullmatch(name):
                 continue
+            mapped = _map_name(name, layer_weights, arch.top_weights)
+            if mapped is None:
+                raise ValueError(
+                    f"Checkpoint tensor {name} is not used by jllm's {arch.name} with this "
+                    "config; refusing to load the model without it."
+                )
             path, layer, kind = mapped
             if path not in flat:
-                if path == ("lm_head",) and cfg.tie_word_embeddings:
+                if path == ("lm_head", "weight") and cfg.tie_word_embeddings:
                     continue
                 raise ValueError(f"Checkpoint tensor {name} has no place in the model.")
             shape = flat[path].shape[1:] if layer is not None else flat[path].shape
-            replicate = kv_replicas > 1 and path[-1] in _KV_WEIGHTS
+            replicate = kv_replicas > 1 and len(path) > 1 and path[-2] in _KV_PROJ
             if replicate:  # kv-head axis is the one before head_dim
                 shape = (*shape[:-2], shape[-2] // kv_replicas, shape[-1])
             host = _convert(np.asarray(w), kind, shape)

@@ -13,7 +13,7 @@ from jllm import LLM, SamplingParams
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3-untied"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3-untied", "qwen3", "llama-bias"])
 def test_greedy_matches_transformers(tiny_models, arch):
     prompts = prompt_ids(4, 5) + prompt_ids(1, 40, seed=1)
     llm = LLM(tiny_models[arch], **SMALL)
@@ -23,11 +23,14 @@ def test_greedy_matches_transformers(tiny_models, arch):
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
 
 
-def test_logprobs_match_transformers(llama_dir, llama_llm):
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_logprobs_match_transformers(tiny_models, llama_llm, arch):
+    """The full log-softmax of each step (top 5 and their values) against transformers."""
     prompt = prompt_ids(1, 21, seed=3)[0]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5)
-    out = llama_llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
-    model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+    llm = llama_llm if arch == "llama" else LLM(tiny_models[arch], **SMALL)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_models[arch]).eval()
     ref = teacher_forced_logprobs(model, prompt, out.token_ids)  # [6, V]
     cumulative = 0.0
     for step, entry in enumerate(out.logprobs):

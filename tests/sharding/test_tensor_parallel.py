@@ -101,3 +101,9 @@ def test_pallas_kernel_through_the_engine_with_tp(tiny_models, reference):
     args = {**SMALL, "attention_backend": "pallas_interpret"}
     llm = LLM(tiny_models["llama-h8kv2"], tensor_parallel_size=2, **args)
     assert greedy(llm) == reference["llama-h8kv2"]
+
+
+def test_qwen3_tp2_equals_tp1(tiny_models):
+    """Per-head q/k norms under a head-split mesh."""
+    tp1 = greedy(LLM(tiny_models["qwen3"], **SMALL))
+    assert greedy(LLM(tiny_models["qwen3"], tensor_parallel_size=2, **SMALL)) == tp1

@@ -1,0 +1,58 @@
+"""The building blocks every decoder family shares: `Linear` and `RMSNorm`.
+
+Every projection of every model is a `Linear`: one einsum with an optional bias, its weight
+annotated with logical axis names for sharding. It is the one place where quantized weights
+(int8/fp8/4-bit with scales) and LoRA deltas will plug in, so that no model writes its own
+matmuls on raw parameters.
+
+Glossary: T tokens, D model dim, N query heads, K kv heads, H head dim, F ffn, V vocab.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def param(rngs: nnx.Rngs, shape, axes, dtype, scale=0.02) -> nnx.Param:
+    return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * scale, logical_axes=axes)
+
+
+class Linear(nnx.Module):
+    """y = einsum(spec, x, weight) (+ bias), e.g. spec "TD,DNH->TNH" with weight [D, N, H] and
+    bias [N, H]. The weight's layout is ours; the loader converts checkpoints to it."""
+
+    def __init__(
+        self,
+        spec: str,
+        shape: tuple[int, ...],
+        axes: tuple[str, ...],
+        dtype,
+        rngs: nnx.Rngs,
+        bias_dims: int = 0,
+    ):
+        self.spec = spec
+        self.weight = param(rngs, shape, axes, dtype)
+        self.use_bias = bias_dims > 0
+        if self.use_bias:  # over the last `bias_dims` output axes
+            self.bias = nnx.Param(
+                jnp.zeros(shape[-bias_dims:], dtype), logical_axes=axes[-bias_dims:]
+            )
+
+    def __call__(self, x, out_dtype=None):
+        y = jnp.einsum(self.spec, x, self.weight[...], preferred_element_type=out_dtype)
+        return y + self.bias[...] if self.use_bias else y
+
+
+class RMSNorm(nnx.Module):
+    """Over the last axis, in float32 (x [..., dim])."""
+
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype), logical_axes=("norm",))
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+        return (x32 * jax.lax.rsqrt(var + self.eps)).astype(x.dtype) * self.weight[...]
