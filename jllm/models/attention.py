@@ -213,16 +213,18 @@ def paged_attention(q, k, v, kv_cache, layer, md: AttentionMetadata, backend: st
             out = ragged_paged_attention_cpu(q, kv_cache, *args, layer=layer, sm_scale=sm_scale)
         return out, kv_cache
     if backend != "xla":
+        # The whole stacked cache and the layer: the kernel reads the layer's pages in place
+        # (`kv_cache[layer]` here would copy the layer per layer per step).
         args = (
             q,
-            kv_cache[layer],
+            kv_cache,
             md.kv_lens,
             md.block_tables,
             md.query_start,
             md.query_lens,
             md.num_seqs,
         )
-        options = dict(sm_scale=sm_scale, interpret=backend == "pallas_interpret")
+        options = dict(layer=layer, sm_scale=sm_scale, interpret=backend == "pallas_interpret")
         # Under tensor parallelism (the runner traces inside `jax.set_mesh`), each device
         # runs the kernel on its own heads.
         if sharded:

@@ -4,7 +4,9 @@ Design. The grid is ``(R, cdiv(T, block_q))``: step ``(r, i)`` owns query rows
 ``query_start[r] + i * block_q ...`` of request ``r`` (at most ``block_q`` of them) and
 does nothing when ``r >= num_seqs`` or the request has fewer queries. All metadata
 (``kv_lens``, the flattened ``block_tables``, ``query_start``, ``query_lens``,
-``num_seqs``) is scalar-prefetched into SMEM, so the page table drives the KV DMAs.
+``num_seqs`` and the layer) is scalar-prefetched into SMEM, so the page table drives the KV
+DMAs. The cache is the model's whole stacked cache ``[L, B, S, 2K, H]``: pages are copied
+straight out of layer ``layer``, so a model scanning its layers never copies one out.
 
 q, the KV cache and the output stay in HBM (``pl.ANY``); each step moves fixed-size
 windows by hand. q is handed over head-major as ``[N, T, H]`` so that one kv head's
@@ -39,7 +41,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .validation import validate_inputs, validate_options
 
-_NUM_SCALAR_PREFETCH = 5
+_NUM_SCALAR_PREFETCH = 6
 
 
 def ragged_paged_attention(
@@ -51,6 +53,7 @@ def ragged_paged_attention(
     query_lens: jax.Array,
     num_seqs,
     *,
+    layer=None,
     sm_scale: float | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
@@ -60,18 +63,29 @@ def ragged_paged_attention(
 ) -> jax.Array:
     """Attention of a flat ragged batch of queries over a paged KV cache (Pallas TPU).
 
-    q [T, N, H]; kv_cache [B, S, 2K, H] (K at head 2k, V at head 2k+1); kv_lens,
-    query_start, query_lens [R] int32; block_tables [R, P] int32; num_seqs int32 scalar
-    or [1]. Returns [T, N, H] in q's dtype, zero on rows no valid request owns.
-    ``interpret=True`` runs the kernel in TPU interpret mode (CPU); an
+    q [T, N, H]; kv_cache [B, S, 2K, H] (K at head 2k, V at head 2k+1), or the stacked
+    cache [L, B, S, 2K, H] with ``layer`` (an int or an int32 scalar, traced or not) picking
+    the layer to read in place; kv_lens, query_start, query_lens [R] int32; block_tables
+    [R, P] int32; num_seqs int32 scalar or [1]. Returns [T, N, H] in q's dtype, zero on rows
+    no valid request owns. ``interpret=True`` runs the kernel in TPU interpret mode (CPU); an
     ``pltpu.InterpretParams`` is passed through as is.
     """
-    validate_inputs(q, kv_cache, kv_lens, block_tables, query_start, query_lens, num_seqs)
+    if kv_cache.ndim == 5:
+        if layer is None:
+            raise ValueError("a stacked kv_cache [L, B, S, 2K, H] needs layer=")
+        one_layer = jax.ShapeDtypeStruct(kv_cache.shape[1:], kv_cache.dtype)
+    else:
+        if layer is not None:
+            raise ValueError("layer= needs the stacked kv_cache [L, B, S, 2K, H]")
+        one_layer = kv_cache
+    validate_inputs(q, one_layer, kv_lens, block_tables, query_start, query_lens, num_seqs)
     validate_options(sm_scale, sliding_window, soft_cap)
+    if kv_cache.ndim == 4:
+        kv_cache, layer = kv_cache[None], 0
     if block_q < 1 or pages_per_chunk < 1:
         raise ValueError(f"block_q={block_q} and pages_per_chunk={pages_per_chunk} must be >= 1")
     t, n, h = q.shape
-    _, s, two_k, _ = kv_cache.shape
+    _, _, s, two_k, _ = kv_cache.shape
     r, p = block_tables.shape
     bq = min(block_q, t)
     ppc = min(pages_per_chunk, p)
@@ -117,6 +131,7 @@ def ragged_paged_attention(
         query_start,
         query_lens,
         jnp.asarray(num_seqs, jnp.int32).reshape(1),
+        jnp.asarray(layer, jnp.int32).reshape(1),
         jnp.swapaxes(q, 0, 1),  # [N, T, H]
         kv_cache,
         jnp.zeros((n, t, h), q.dtype),  # [N, T, H], aliased to the output
@@ -131,9 +146,10 @@ def _kernel(
     query_start_ref,
     query_lens_ref,
     num_seqs_ref,
+    layer_ref,
     # HBM
     q_hbm,  # [N, T, H]
-    kv_hbm,  # [B, S, 2K, H]
+    kv_hbm,  # [L, B, S, 2K, H]
     _out_init_hbm,  # aliased to out_hbm
     out_hbm,  # [N, T, H]
     # scratch
@@ -181,7 +197,8 @@ def _kernel(
         def page_copy(c, slot, j):
             page_idx = jnp.minimum(c * ppc + j, pages_per_seq - 1)
             page = block_tables_ref[req * pages_per_seq + page_idx]
-            return pltpu.make_async_copy(kv_hbm.at[page], kv_buf.at[slot, j], kv_sems.at[slot, j])
+            src = kv_hbm.at[layer_ref[0], page]
+            return pltpu.make_async_copy(src, kv_buf.at[slot, j], kv_sems.at[slot, j])
 
         def page_needed(c, j):
             first = (c * ppc + j) * s

@@ -4,6 +4,9 @@ matches the kernel kit's jnp reference, and `auto` falls back to XLA without a c
 
 from __future__ import annotations
 
+import re
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -115,3 +118,25 @@ def test_tile_attention_matches_reference(tile):
     for i, n in enumerate(n_valid):
         np.testing.assert_allclose(np.asarray(out)[i, :n], ref[i, :n], atol=2e-5)
         assert not np.asarray(out)[i, n:].any()
+
+
+def layer_sized(hlo: str, cache_shape) -> list[str]:
+    """Instructions of a compiled HLO module whose result is one layer of the cache
+    ([B, S, 2K, H], with or without a leading 1): a copy of a layer."""
+    dims = ",".join(map(str, cache_shape[1:]))
+    pattern = re.compile(rf"= \w+\[(1,)?{dims}\]")
+    return [line.strip() for line in hlo.splitlines() if pattern.search(line)]
+
+
+@pytest.mark.parametrize("backend", ["pallas_interpret", "cpu_kernel"])
+def test_step_reads_the_stacked_cache_in_place(llama_dir, backend):
+    """No backend slices a layer out of the stacked cache inside the layer scan (a copy of
+    each layer per layer per step); the detector itself fires on a step that does."""
+    llm = LLM(llama_dir, **{**SMALL, "attention_backend": backend})
+    runner = llm.llm_engine.runner
+    inputs, _, _ = runner._abstract_inputs(2, 1)
+    text = runner._forward_executable(2, 1, jax.device_put(inputs)).as_text()
+    shape = runner.kv_cache.shape
+    assert not layer_sized(text, shape)
+    sliced = jax.jit(lambda c, i: c[i] * 2).lower(runner.kv_cache, 1).compile().as_text()
+    assert layer_sized(sliced, shape)

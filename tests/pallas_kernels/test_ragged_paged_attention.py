@@ -308,6 +308,24 @@ def test_cpu_kernel_reads_one_layer_of_the_stacked_cache_under_jit():
     assert_matches(out, ragged_paged_attention_reference(*args), args, jnp.bfloat16)
 
 
+def test_kernel_reads_one_layer_of_the_stacked_cache_under_jit():
+    args, _ = make_batch(MIX, n=8, k=2, h=16, s=8, dtype=jnp.float32, seed=3)
+    q, cache, *meta = args
+    nan = jnp.full_like(cache, jnp.nan)
+    stacked = jnp.stack([nan, nan, cache])  # [L=3, B, S, 2K, H]: only layer 2 is real
+    run = jax.jit(
+        lambda q, c, layer, *m: ragged_paged_attention(
+            q, c, *m, layer=layer, block_q=8, pages_per_chunk=2, interpret=True
+        )
+    )
+    out = run(q, stacked, jnp.int32(2), *meta)
+    assert_matches(out, ragged_paged_attention_reference(*args), args, jnp.float32)
+    with pytest.raises(ValueError, match="needs layer="):
+        ragged_paged_attention(q, stacked, *meta, interpret=True)
+    with pytest.raises(ValueError, match="layer= needs the stacked"):
+        ragged_paged_attention(q, cache, *meta, layer=0, interpret=True)
+
+
 def test_cpu_kernel_num_seqs_and_errors():
     args, _ = make_batch(MIX[:2], n=4, k=2, h=8, s=8, dtype=jnp.float32)
     assert (np.asarray(ragged_paged_attention_cpu(*args[:6], jnp.int32(0))) == 0).all()
