@@ -59,6 +59,8 @@ class EngineCore:
         self.stat_loggers = list(stat_loggers or [])
         self.parents: dict[str, ParentRequest] = {}
         self._child_parent: dict[str, ParentRequest] = {}
+        # A token's text for logprobs, decoded once per token id for the engine's life.
+        self._token_text: dict[int, str] = {}
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(
@@ -220,7 +222,10 @@ class EngineCore:
     def _decode_one(self, token_id: int) -> str | None:
         if self.tokenizer is None:
             return None
-        return self.tokenizer.decode([token_id])
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def _make_output(self, parent: ParentRequest, now: float, touched: set[str]) -> RequestOutput:
         """CUMULATIVE and FINAL_ONLY: every sequence so far. DELTA: only the sequences that
@@ -234,17 +239,17 @@ class EngineCore:
             if delta and rid not in touched:
                 continue
             detok = parent.detokenizers.get(rid)
-            text = detok.visible_text(child.is_finished()) if detok is not None else ""
-            token_ids = list(child.output_token_ids)
-            logprobs = list(child.logprobs) if p.logprobs is not None else None
+            finished = child.is_finished()
+            visible = detok.visible_len(finished) if detok is not None else 0
+            # DELTA copies only what is new: a stream's outputs stay linear in its length.
+            sent_text = parent.sent_text.get(rid, 0) if delta else 0
+            sent = parent.sent_tokens.get(rid, 0) if delta else 0
+            text = detok.text[sent_text:visible] if detok is not None else ""
+            token_ids = child.output_token_ids[sent:]
+            logprobs = child.logprobs[sent:] if p.logprobs is not None else None
             if delta:
-                sent = parent.sent_text.get(rid, 0)
-                parent.sent_text[rid] = len(text)
-                text = text[sent:]
-                sent = parent.sent_tokens.get(rid, 0)
-                parent.sent_tokens[rid] = len(token_ids)
-                token_ids = token_ids[sent:]
-                logprobs = logprobs[sent:] if logprobs is not None else None
+                parent.sent_text[rid] = max(visible, sent_text)
+                parent.sent_tokens[rid] = len(child.output_token_ids)
             completions.append(
                 CompletionOutput(
                     index=i,

@@ -1,21 +1,45 @@
 """Incremental detokenization and stop-string matching for one sequence.
 
-Decoding the whole output every step is quadratic; instead each step decodes a short window
-(`prefix_offset`..end) and emits only the text past what the window already produced, holding
-back text that ends in an incomplete UTF-8 character. Host-side only: no JAX import.
+Decoding the whole output every step is quadratic. With a fast tokenizer each token goes
+through the `tokenizers` library's `DecodeStream` (one decode step in Rust, primed with the
+last prompt tokens), as vLLM's fast detokenizer does. Otherwise (a slow tokenizer, or one
+that cleans up tokenization spaces, which the stream does not) each step decodes a short
+window (`prefix_offset`..end) twice and emits only the text past what the window already
+produced, holding back text that ends in an incomplete UTF-8 character.
+Host-side only: no JAX import.
 """
 
 from __future__ import annotations
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 # Prompt tokens kept as left context, so that e.g. a leading space decodes as it would
 # in the middle of the text.
 _CONTEXT_TOKENS = 5
 
 
+def fast_backend(tokenizer) -> Tokenizer | None:
+    """The `tokenizers.Tokenizer` a transformers tokenizer decodes with, when a stream over it
+    decodes exactly as `tokenizer.decode` does."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if not isinstance(backend, Tokenizer) or getattr(
+        tokenizer, "clean_up_tokenization_spaces", False
+    ):
+        return None
+    return backend
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], params) -> None:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params, stream: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
+        self._backend = fast_backend(tokenizer) if stream else None
+        if self._backend is not None:
+            self._stream = DecodeStream(
+                ids=list(prompt_token_ids[-_CONTEXT_TOKENS:]),
+                skip_special_tokens=self.skip_special_tokens,
+            )
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
         self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
@@ -29,25 +53,32 @@ class IncrementalDetokenizer:
 
     def update(self, token_id: int) -> str | None:
         """Add one token; return the stop string it completed, if any."""
+        if self._backend is not None:
+            delta = self._stream.step(self._backend, token_id)
+            if not delta:
+                return None
+            return self._append(delta)
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return None
-        delta = full[len(prefix) :]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
+        return self._append(full[len(prefix) :])
+
+    def _append(self, delta: str) -> str | None:
         start = max(0, len(self.text) - self._max_stop_len + 1)
         self.text += delta
         return self._check_stop(start) if self.stop else None
 
-    def visible_text(self, finished: bool) -> str:
-        """The text a stream may show now. Until the sequence ends, the last
+    def visible_len(self, finished: bool) -> int:
+        """How much of the text a stream may show now. Until the sequence ends, the last
         `len(longest stop) - 1` characters are held back (as vLLM does), since they may be the
         start of a stop string that must not appear in the output."""
         if finished or self.include_stop or self._max_stop_len <= 1:
-            return self.text
-        return self.text[: max(0, len(self.text) - self._max_stop_len + 1)]
+            return len(self.text)
+        return max(0, len(self.text) - self._max_stop_len + 1)
 
     def _check_stop(self, search_from: int) -> str | None:
         for stop in self.stop:

@@ -21,8 +21,9 @@ def tok(tokenizer_dir):
     return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
-def feed(tok, prompt_ids, ids, **params):
-    d = IncrementalDetokenizer(tok, prompt_ids, SamplingParams(**params))
+def feed(tok, prompt_ids, ids, stream=True, **params):
+    d = IncrementalDetokenizer(tok, prompt_ids, SamplingParams(**params), stream=stream)
+    assert (d._backend is not None) == stream  # the embedded tokenizer is a fast one
     stop = None
     for t in ids:
         stop = d.update(t)
@@ -33,10 +34,11 @@ def feed(tok, prompt_ids, ids, **params):
 
 @pytest.mark.parametrize("text", TEXTS)
 @pytest.mark.parametrize("skip", [True, False])
-def test_incremental_equals_full_decode(tok, text, skip):
+@pytest.mark.parametrize("stream", [True, False], ids=["DecodeStream", "window"])
+def test_incremental_equals_full_decode(tok, text, skip, stream):
     ids = tok.encode(text)
     prompt = tok.encode("A prompt before it: ")
-    got, _ = feed(tok, prompt, ids, skip_special_tokens=skip)
+    got, _ = feed(tok, prompt, ids, stream=stream, skip_special_tokens=skip)
     assert got == tok.decode(ids, skip_special_tokens=skip)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -36,7 +37,7 @@ from jllm.entrypoints.openai.protocol import (
 )
 from jllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from jllm.entrypoints.openai.serving_engine import OpenAIError, error_response
+from jllm.entrypoints.openai.serving_engine import OpenAIError, error_response, off_loop
 from jllm.logger import setup_logging
 from jllm.metrics.prometheus import PrometheusStatLogger
 
@@ -190,9 +191,10 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM, metrics: PrometheusSta
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError("Give exactly one of prompt and messages.", 400, "prompt")
         if body.messages is not None:
-            _, ids = chat.render(body)
+            _, ids = await off_loop(chat.render, body)
         else:
-            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            encode = functools.partial(tokenizer.encode, add_special_tokens=body.add_special_tokens)
+            ids = await off_loop(encode, body.prompt)
         strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return {
             "count": len(ids),
@@ -207,7 +209,7 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM, metrics: PrometheusSta
         vocab = len(tokenizer)
         if any(not 0 <= t < vocab for t in body.tokens):
             raise OpenAIError(f"Token ids must be in [0, {vocab}).", 400, "tokens")
-        return {"prompt": tokenizer.decode(body.tokens)}
+        return {"prompt": await off_loop(tokenizer.decode, body.tokens)}
 
     return app
 

@@ -12,6 +12,7 @@ from jllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     SSEResponse,
     clamp,
+    off_loop,
     sse,
     usage,
     usage_options,
@@ -76,7 +77,7 @@ class OpenAIServingChat(OpenAIServing):
         if not request.messages:
             raise OpenAIError("messages cannot be empty.", 400, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        text, ids = self.render(request)
+        text, ids = await off_loop(self.render, request)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens or request.max_tokens
         try:
@@ -88,7 +89,7 @@ class OpenAIServingChat(OpenAIServing):
         prompt = {"prompt_token_ids": ids, "prompt": text}
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
-        prepared = [self.prepare(request_id, prompt, params)]
+        prepared = [await off_loop(self.prepare, request_id, prompt, params)]
         role = (
             self.response_role
             if request.add_generation_prompt

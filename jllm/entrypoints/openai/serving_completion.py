@@ -11,6 +11,7 @@ from jllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     SSEResponse,
     clamp,
+    off_loop,
     sse,
     usage,
     usage_options,
@@ -50,9 +51,10 @@ class OpenAIServingCompletion(OpenAIServing):
             )
         except ValueError as e:
             raise OpenAIError(str(e), 400) from e
+        prompts = normalize_prompts(request.prompt, request.cache_salt)
         prepared = [
-            self.prepare(f"{request_id}-{i}", p, params)
-            for i, p in enumerate(normalize_prompts(request.prompt, request.cache_salt))
+            await off_loop(self.prepare, f"{request_id}-{i}", p, params)
+            for i, p in enumerate(prompts)
         ]
         if request.stream:
             return SSEResponse(self._stream(request, request_id, prepared))

@@ -9,6 +9,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi.responses import JSONResponse
 from starlette.responses import StreamingResponse
@@ -104,6 +105,16 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+
+
+# Tokenization and chat templating run here, off the event loop, so a long prompt does not
+# stall the streams the loop is serving; one thread, as vLLM's tokenizer executor.
+_TOKENIZE_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jllm-tokenize")
+
+
+async def off_loop(fn, *args):
+    """fn(*args) on the tokenization thread; its exceptions propagate."""
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZE_POOL, fn, *args)
 
 
 class OpenAIServing:

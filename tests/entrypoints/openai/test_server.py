@@ -521,3 +521,28 @@ def test_cache_salt(client, server):
         model=MODEL_NAME, messages=chat, max_tokens=1, extra_body={"cache_salt": "t4"}
     )
     assert kv.prefix_hits == before
+
+
+def test_tokenization_runs_off_the_event_loop(client, server, monkeypatch):
+    """Prompts are tokenized and chat templates applied on the tokenization thread, never on
+    the event loop that serves every stream."""
+    import threading
+
+    tok = server.engine.get_tokenizer()
+    threads = []
+    encode, template = tok.encode, tok.apply_chat_template
+
+    def record(fn):
+        def wrapped(*args, **kwargs):
+            threads.append(threading.current_thread().name)
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(tok, "encode", record(encode))
+    monkeypatch.setattr(tok, "apply_chat_template", record(template))
+    client.completions.create(model=MODEL_NAME, prompt="Hello there", max_tokens=1)
+    client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=1)
+    httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello"})
+    assert len(threads) >= 4
+    assert all(name.startswith("jllm-tokenize") for name in threads), threads
