@@ -1,4 +1,4 @@
-"""How many KV blocks fit, and the per-layer cache arrays themselves.
+"""How many KV blocks fit, and the stacked cache array itself.
 
 On TPU/GPU the cache takes `gpu_memory_utilization` of device memory less what the weights
 and the largest step's activations use; on CPU (no memory stats) it takes an explicit size,
@@ -65,3 +65,43 @@ def allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim
     shape = (num_layers, *kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim))
     sharding = named_sharding(mesh, CACHE_AXES, shape)
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+
+def create_kv_cache(
+    cfg,
+    *,
+    block_size: int,
+    tp: int,
+    dtype,
+    mesh,
+    platform: str,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    override: int | None,
+    memory_bytes: int | None,
+    utilization: float,
+):
+    """Size the cache from memory (per device: it is split on its kv-head axis), log it as
+    vLLM does, and allocate it. Returns (kv_cache, num_blocks)."""
+    per_block = bytes_per_block(
+        cfg.num_layers, block_size, cfg.num_kv_heads // tp, cfg.head_dim, dtype
+    )
+    num_blocks = determine_num_blocks(
+        per_block,
+        override=override,
+        memory_bytes=memory_bytes,
+        utilization=utilization,
+        activation_bytes=max_num_batched_tokens * cfg.vocab_size * 4,
+    )
+    logger.info(
+        "# %s blocks: %d (%.2f GiB KV cache); maximum concurrency for %d tokens per request: %.2fx",
+        platform.upper(),
+        num_blocks,
+        num_blocks * per_block / 2**30,
+        max_model_len,
+        (num_blocks - 1) * block_size / max_model_len,
+    )
+    kv_cache = allocate_kv_cache(
+        cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, mesh
+    )
+    return kv_cache, num_blocks

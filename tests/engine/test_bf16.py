@@ -10,7 +10,7 @@ import transformers
 from oracle import SMALL, prompt_ids, save_tiny, worst_teacher_forced_gaps
 
 from jllm import LLM, SamplingParams
-from jllm.engine.llm_engine import cpu_has_amx, min_dot_rows, resolve_dtype
+from jllm.engine.platform import cpu_has_amx, min_dot_rows, resolve_dtype
 
 
 def test_auto_dtype():

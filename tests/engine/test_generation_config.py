@@ -12,7 +12,7 @@ from openai_server import MODEL_NAME, RunningServer, server_args
 from oracle import SMALL
 
 from jllm import LLM, SamplingParams
-from jllm.engine.llm_engine import generation_defaults, model_generation_config
+from jllm.engine.generation_config import generation_defaults, model_generation_config
 from jllm.entrypoints.openai.api_server import build_app, build_engine
 from jllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from jllm.model_loader import resolve_model

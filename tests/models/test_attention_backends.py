@@ -13,7 +13,7 @@ import pytest
 from oracle import SMALL, prompt_ids
 
 from jllm import LLM, SamplingParams
-from jllm.engine.llm_engine import resolve_backend
+from jllm.engine.platform import resolve_backend
 from jllm.models.attention import kv_chunk_pages, tile_attention
 from pallas_kernels.ragged_paged_attention import cpu as cpu_kernel
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference

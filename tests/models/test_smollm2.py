@@ -13,7 +13,7 @@ import transformers
 from oracle import worst_teacher_forced_gaps
 
 from jllm import LLM, SamplingParams
-from jllm.engine.llm_engine import cpu_has_amx
+from jllm.engine.platform import cpu_has_amx
 from jllm.model_loader import resolve_model
 
 QUESTIONS = [
