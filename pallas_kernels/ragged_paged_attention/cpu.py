@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from .validation import validate_inputs, validate_options
+from .validation import one_layer, validate_inputs, validate_options
 
 logger = logging.getLogger(__name__)
 
@@ -157,15 +157,8 @@ def load_cpu_kernel() -> str:
 def _checked_args(q, kv_cache, layer, kv_lens, block_tables, query_start, query_lens, num_seqs):
     """Validates the arguments and returns them as the FFI call takes them: the stacked cache
     and the layer and num_seqs as int32 [1]."""
-    if kv_cache.ndim == 5:
-        if layer is None:
-            raise ValueError("a stacked kv_cache [L, B, S, 2K, H] needs layer=")
-        one_layer = jax.ShapeDtypeStruct(kv_cache.shape[1:], kv_cache.dtype)
-    else:
-        if layer is not None:
-            raise ValueError("layer= needs the stacked kv_cache [L, B, S, 2K, H]")
-        one_layer = kv_cache
-    validate_inputs(q, one_layer, kv_lens, block_tables, query_start, query_lens, num_seqs)
+    layer_view = one_layer(kv_cache, layer)
+    validate_inputs(q, layer_view, kv_lens, block_tables, query_start, query_lens, num_seqs)
     if jnp.dtype(kv_cache.dtype) not in SUPPORTED_DTYPES or q.dtype != kv_cache.dtype:
         raise ValueError(
             f"the CPU kernel takes float32 or bfloat16 q and kv_cache of one dtype, got "

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .validation import validate_inputs, validate_options
+from .validation import one_layer, validate_inputs, validate_options
 
 _NUM_SCALAR_PREFETCH = 6
 
@@ -70,15 +70,8 @@ def ragged_paged_attention(
     no valid request owns. ``interpret=True`` runs the kernel in TPU interpret mode (CPU); an
     ``pltpu.InterpretParams`` is passed through as is.
     """
-    if kv_cache.ndim == 5:
-        if layer is None:
-            raise ValueError("a stacked kv_cache [L, B, S, 2K, H] needs layer=")
-        one_layer = jax.ShapeDtypeStruct(kv_cache.shape[1:], kv_cache.dtype)
-    else:
-        if layer is not None:
-            raise ValueError("layer= needs the stacked kv_cache [L, B, S, 2K, H]")
-        one_layer = kv_cache
-    validate_inputs(q, one_layer, kv_lens, block_tables, query_start, query_lens, num_seqs)
+    layer_view = one_layer(kv_cache, layer)
+    validate_inputs(q, layer_view, kv_lens, block_tables, query_start, query_lens, num_seqs)
     validate_options(sm_scale, sliding_window, soft_cap)
     if kv_cache.ndim == 4:
         kv_cache, layer = kv_cache[None], 0

@@ -5,6 +5,7 @@ on concrete arrays and on tracers under ``jax.jit``. Errors are ``ValueError`` w
 message that names the offending argument.
 """
 
+import jax
 import jax.numpy as jnp
 
 
@@ -71,6 +72,18 @@ def validate_inputs(q, kv_cache, kv_lens, block_tables, query_start, query_lens,
         raise ValueError(
             f"num_seqs must be an int32 scalar or [1] array, got {num_seqs.dtype}{list(ns_shape)}"
         )
+
+
+def one_layer(kv_cache, layer):
+    """The layer a kernel reads: kv_cache [B, S, 2K, H] itself, or (its shape and dtype) one
+    layer of the stacked cache [L, B, S, 2K, H], which needs ``layer``."""
+    if kv_cache.ndim == 5:
+        if layer is None:
+            raise ValueError("a stacked kv_cache [L, B, S, 2K, H] needs layer=")
+        return jax.ShapeDtypeStruct(kv_cache.shape[1:], kv_cache.dtype)
+    if layer is not None:
+        raise ValueError("layer= needs the stacked kv_cache [L, B, S, 2K, H]")
+    return kv_cache
 
 
 def validate_options(sm_scale, sliding_window, soft_cap) -> None:
