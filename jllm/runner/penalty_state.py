@@ -78,30 +78,29 @@ class PenaltyRows:
         for rid, prompt, output in admitted:
             if rid not in self.row:
                 self.row[rid] = self._free.pop()
-            row = self.row[rid]
-            self.start[rid] = len(prompt) + len(output)
+            row, ids = self.row[rid], [*prompt, *output]
+            self.start[rid] = len(ids)
             resets.append(row)
-            rows.append(np.full(len(prompt) + len(output), row, np.int32))
-            tokens.append(np.asarray(list(prompt) + list(output), np.int32))
-            is_out.append(np.arange(len(prompt) + len(output)) >= len(prompt))
+            rows.append(np.full(len(ids), row, np.int32))
+            tokens.append(np.asarray(ids, np.int32))
+            is_out.append(np.arange(len(ids)) >= len(prompt))
         if not resets:
             return []
         rows, tokens, is_out = (np.concatenate(x) for x in (rows, tokens, is_out))
         writes, biggest = [], self.write_buckets[-1]
-        for i, lo in enumerate(range(0, max(len(rows), 1), biggest)):
+        for lo in range(0, len(rows), biggest):
             n = min(biggest, len(rows) - lo)
-            W = bucket(n, self.write_buckets)
-            w_rows = np.full(W, self.num_rows, np.int32)
-            w_tokens = np.zeros(W, np.int32)
-            w_out = np.zeros(W, bool)
-            w_rows[:n], w_tokens[:n], w_out[:n] = (x[lo : lo + n] for x in (rows, tokens, is_out))
-            reset = np.full(self.max_resets, self.num_rows, np.int32)
-            if i == 0:  # every reset before any token is written
-                reset[: len(resets)] = resets
-            writes.append(PenaltyWrite(reset, w_rows, w_tokens, w_out))
+            w = self.empty_write(bucket(n, self.write_buckets))
+            w.rows[:n], w.tokens[:n], w.is_output[:n] = (
+                x[lo : lo + n] for x in (rows, tokens, is_out)
+            )
+            if not writes:  # every reset before any token is written
+                w.reset_rows[: len(resets)] = resets
+            writes.append(w)
         return writes
 
     def empty_write(self, W: int) -> PenaltyWrite:
+        """A write of bucket W that changes nothing (all rows out of range)."""
         return PenaltyWrite(
             np.full(self.max_resets, self.num_rows, np.int32),
             np.full(W, self.num_rows, np.int32),

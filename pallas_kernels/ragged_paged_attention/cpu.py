@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from .validation import one_layer, validate_inputs, validate_options
+from .validation import as_stacked, validate_inputs, validate_options
 
 logger = logging.getLogger(__name__)
 
@@ -157,15 +157,13 @@ def load_cpu_kernel() -> str:
 def _checked_args(q, kv_cache, layer, kv_lens, block_tables, query_start, query_lens, num_seqs):
     """Validates the arguments and returns them as the FFI call takes them: the stacked cache
     and the layer and num_seqs as int32 [1]."""
-    layer_view = one_layer(kv_cache, layer)
+    kv_cache, layer, layer_view = as_stacked(kv_cache, layer)
     validate_inputs(q, layer_view, kv_lens, block_tables, query_start, query_lens, num_seqs)
     if jnp.dtype(kv_cache.dtype) not in SUPPORTED_DTYPES or q.dtype != kv_cache.dtype:
         raise ValueError(
             f"the CPU kernel takes float32 or bfloat16 q and kv_cache of one dtype, got "
             f"q {q.dtype} and kv_cache {kv_cache.dtype}"
         )
-    if kv_cache.ndim == 4:
-        kv_cache, layer = kv_cache[None], 0
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(1)
     return q, kv_cache, layer, kv_lens, block_tables, query_start, query_lens, num_seqs

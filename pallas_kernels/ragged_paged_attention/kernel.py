@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .validation import one_layer, validate_inputs, validate_options
+from .validation import as_stacked, validate_inputs, validate_options
 
 _NUM_SCALAR_PREFETCH = 6
 
@@ -70,11 +70,9 @@ def ragged_paged_attention(
     no valid request owns. ``interpret=True`` runs the kernel in TPU interpret mode (CPU); an
     ``pltpu.InterpretParams`` is passed through as is.
     """
-    layer_view = one_layer(kv_cache, layer)
+    kv_cache, layer, layer_view = as_stacked(kv_cache, layer)
     validate_inputs(q, layer_view, kv_lens, block_tables, query_start, query_lens, num_seqs)
     validate_options(sm_scale, sliding_window, soft_cap)
-    if kv_cache.ndim == 4:
-        kv_cache, layer = kv_cache[None], 0
     if block_q < 1 or pages_per_chunk < 1:
         raise ValueError(f"block_q={block_q} and pages_per_chunk={pages_per_chunk} must be >= 1")
     t, n, h = q.shape

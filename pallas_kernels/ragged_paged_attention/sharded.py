@@ -10,13 +10,12 @@ groups stay intact as long as N and K divide by the axis size (what
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from .kernel import ragged_paged_attention
+from .validation import as_stacked
 
 
 def ragged_paged_attention_sharded(
@@ -33,16 +32,26 @@ def ragged_paged_attention_sharded(
     **kernel_options,
 ):
     """`ragged_paged_attention` with heads split over `mesh` axis `axis`; same arguments."""
+    kv_cache, layer, _ = as_stacked(kv_cache, layer)
     heads = P(None, axis, None)
-    cache = P(*[None] * (kv_cache.ndim - 2), axis, None)
-    args = (q, kv_cache, kv_lens, block_tables, query_start, query_lens, num_seqs)
-    if layer is None:
-        kernel = functools.partial(ragged_paged_attention, **kernel_options)
-    else:  # the layer travels as an argument: it is traced inside the model's scan
-        args = (*args, jnp.asarray(layer, jnp.int32))
+    cache = P(None, None, None, axis, None)
 
-        def kernel(*a):
-            return ragged_paged_attention(*a[:-1], layer=a[-1], **kernel_options)
+    def kernel(*args):  # the layer travels as an argument: it is traced in the model's scan
+        return ragged_paged_attention(*args[:-1], layer=args[-1], **kernel_options)
 
-    specs = (heads, cache, P(), P(), P(), P(), P()) + ((P(),) if layer is not None else ())
-    return jax.shard_map(kernel, mesh=mesh, in_specs=specs, out_specs=heads, check_vma=False)(*args)
+    return jax.shard_map(
+        kernel,
+        mesh=mesh,
+        in_specs=(heads, cache, P(), P(), P(), P(), P(), P()),
+        out_specs=heads,
+        check_vma=False,
+    )(
+        q,
+        kv_cache,
+        kv_lens,
+        block_tables,
+        query_start,
+        query_lens,
+        num_seqs,
+        jnp.asarray(layer, jnp.int32),
+    )

@@ -74,16 +74,18 @@ def validate_inputs(q, kv_cache, kv_lens, block_tables, query_start, query_lens,
         )
 
 
-def one_layer(kv_cache, layer):
-    """The layer a kernel reads: kv_cache [B, S, 2K, H] itself, or (its shape and dtype) one
-    layer of the stacked cache [L, B, S, 2K, H], which needs ``layer``."""
+def as_stacked(kv_cache, layer):
+    """A kernel's cache argument as (stacked cache [L, B, S, 2K, H], the layer to read, that
+    layer's shape and dtype for `validate_inputs`). A stacked cache needs ``layer``; a
+    one-layer cache [B, S, 2K, H] takes none and becomes layer 0 of a stack of one."""
     if kv_cache.ndim == 5:
         if layer is None:
             raise ValueError("a stacked kv_cache [L, B, S, 2K, H] needs layer=")
-        return jax.ShapeDtypeStruct(kv_cache.shape[1:], kv_cache.dtype)
-    if layer is not None:
+    elif layer is not None:
         raise ValueError("layer= needs the stacked kv_cache [L, B, S, 2K, H]")
-    return kv_cache
+    else:
+        kv_cache, layer = kv_cache[None], 0
+    return kv_cache, layer, jax.ShapeDtypeStruct(kv_cache.shape[1:], kv_cache.dtype)
 
 
 def validate_options(sm_scale, sliding_window, soft_cap) -> None:
