@@ -46,15 +46,19 @@ def metadata(R, temperature, top_k, top_p, min_p):
         penalty_rows=f(0, jnp.int32),
         suppress=jnp.full((R, 16), V, jnp.int32),
         want_logprobs=f(False, jnp.bool_),
+        draft=f(-1, jnp.int32),
+        group_first=jnp.arange(R, dtype=jnp.int32),
+        spec_prev=jnp.full((R, 1), V, jnp.int32),
     )
 
 
 def time_call(logits, md, counts, mask, repeats=20):
-    out = sample(logits, md, counts, mask, num_logprobs=20)
+    out, counts = sample(logits, md, counts, mask, num_logprobs=20)  # counts are donated
     jax.block_until_ready(out)
     t0 = time.perf_counter()
     for _ in range(repeats):
-        jax.block_until_ready(sample(logits, md, counts, mask, num_logprobs=20))
+        out, counts = sample(logits, md, counts, mask, num_logprobs=20)
+        jax.block_until_ready(out)
     return (time.perf_counter() - t0) / repeats * 1e3
 
 

@@ -3,6 +3,7 @@
 Workloads (SmolLM2-135M-Instruct from the embedded GGUF, the same weights and dtype in both:
 jllm's `dtype="auto"`, bf16 on an AMX CPU, or `--dtype float32`):
   W1  64 prompts x 128 input tokens x 128 output tokens, EOS ignored.
+  W2  256 prompts x 64 input tokens x 64 output tokens, EOS ignored (decode at batch 256).
   W3  256 chat-like requests: inputs 16-512 tokens, outputs 4-256 tokens with a long tail,
       each request its own max_tokens.
   S1  one 128-token prompt, 128 output tokens: decode tokens/s and time to first token.
@@ -27,11 +28,15 @@ import numpy as np
 
 from jllm import LLM, SamplingParams
 
-WORKLOADS = ("W1", "W3", "S1")
+WORKLOADS = ("W1", "W2", "W3", "S1")
 
 
 def w1(rng):
     return [(rng.integers(100, 40000, 128).tolist(), 128) for _ in range(64)]
+
+
+def w2(rng):
+    return [(rng.integers(100, 40000, 64).tolist(), 64) for _ in range(256)]
 
 
 def w3(rng):
@@ -48,25 +53,53 @@ def s1(rng):
 
 
 class StepTimer:
-    """Wraps the runner to time steps by kind: pure decode steps at a given batch size."""
+    """Wraps the runner to time steps: the whole step (`execute`), the device part inside it
+    (`run_step`: transfer, forward, sampler, fetch) and the device's idle time before it
+    (from the previous step's fetch to this step's transfer: host work the device waits
+    for). Host ms per step = step - device part."""
 
     def __init__(self, runner):
         self.runner = runner
-        self.inner = runner.execute
+        self.inner, self.inner_device = runner.execute, runner.run_step
         self.records = []
+        self._device = self._idle = 0.0
+        self._last_end = None
         runner.execute = self
+        runner.run_step = self.device
+
+    def device(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        if self._last_end is not None:
+            self._idle = t0 - self._last_end
+        result = self.inner_device(*args, **kwargs)
+        self._last_end = time.perf_counter()
+        self._device = self._last_end - t0
+        return result
 
     def __call__(self, out):
         t0 = time.perf_counter()
         result = self.inner(out)
         dt = time.perf_counter() - t0
-        decodes = sum(1 for s in out.scheduled if s.num_new_tokens == 1)
-        self.records.append((decodes, out.total_num_tokens, dt))
+        decodes = sum(1 for n in out.num_scheduled_tokens.values() if n == 1)
+        total = out.total_num_scheduled_tokens
+        self.records.append((decodes, total, dt, self._device, self._idle))
         return result
 
+    def decode_steps(self, batch):
+        return [r for r in self.records[1:] if r[0] == batch and r[1] == batch]
+
     def decode_rate(self, batch):
-        steps = [dt for d, t, dt in self.records if d == batch and t == batch]
+        steps = [r[2] for r in self.decode_steps(batch)]
         return batch * len(steps) / sum(steps) if steps else float("nan")
+
+    def host_profile(self, batch):
+        """(host ms per step, device idle ms between steps) over pure decode steps."""
+        steps = self.decode_steps(batch)
+        if not steps:
+            return float("nan"), float("nan")
+        host = np.median([(dt - dev) * 1e3 for _, _, dt, dev, _ in steps])
+        idle = np.median([idle * 1e3 for *_, idle in steps])
+        return host, idle
 
 
 def run_jllm(llm, reqs, name):
@@ -174,7 +207,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="jllm's dtype (transformers gets the same)")
     args = ap.parse_args()
     rng = np.random.default_rng(args.seed)
-    make = {"W1": w1, "W3": w3, "S1": s1}
+    make = {"W1": w1, "W2": w2, "W3": w3, "S1": s1}
     reqs = {w: make[w](rng) for w in args.workloads}
 
     print(f"host: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
@@ -188,6 +221,9 @@ def main() -> None:
         results[w] = {"jllm": run_jllm(llm, reqs[w], w)}
         if w == "W1":
             results[w]["decode64"] = timer.decode_rate(64)
+            results[w]["host64"] = timer.host_profile(64)
+        if w == "W2":
+            results[w]["host256"] = timer.host_profile(256)
         if w == "S1":
             results[w]["decode1"] = timer.decode_rate(1)
     roof = {64: roofline(llm, 64), 1: roofline(llm, 1)}
@@ -213,6 +249,13 @@ def main() -> None:
     if "W1" in results:
         d = results["W1"]["decode64"]
         print(f"jllm decode at batch 64: {d:.0f} tok/s = {d / roof[64]:.0%} of the roofline")
+    for w, batch in (("W1", 64), ("W2", 256)):
+        if w in results:
+            host, idle = results[w][f"host{batch}"]
+            print(
+                f"decode steps at batch {batch}: host {host:.2f} ms/step, "
+                f"device idle {idle:.2f} ms between steps (medians)"
+            )
     if "S1" in results:
         d = results["S1"]["decode1"]
         print(f"jllm decode at batch 1: {d:.1f} tok/s = {d / roof[1]:.0%} of the roofline")

@@ -65,6 +65,8 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     enable_chunked_prefill: bool = True
+    # Draft tokens a request may verify per step (vLLM's name; a speculative config sets it).
+    num_lookahead_slots: int = 0
     # Execution.
     enforce_eager: bool = False
     max_seq_len_to_capture: int = 8192
@@ -124,6 +126,10 @@ class EngineArgs:
                 f"node_rank must be in [0, nnodes); got node_rank={self.node_rank}, "
                 f"nnodes={self.nnodes}."
             )
+        if self.num_lookahead_slots < 0:
+            raise ValueError(
+                f"num_lookahead_slots must be at least 0, got {self.num_lookahead_slots}."
+            )
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -157,6 +163,7 @@ class SchedulerConfig:
     # Prefill chunks occupy whole tiles of this many token slots in the device batch, so
     # they are charged to the budget rounded up to it (decodes cost one token).
     tile_size: int = 1
+    num_lookahead_slots: int = 0  # at most this many drafts per request per step
 
 
 def resolve_scheduler_config(
@@ -172,5 +179,10 @@ def resolve_scheduler_config(
             f"max_num_batched_tokens ({budget}) must be at least max_num_seqs ({max_num_seqs})."
         )
     return SchedulerConfig(
-        max_num_seqs, budget, max_model_len, args.enable_chunked_prefill, tile_size
+        max_num_seqs,
+        budget,
+        max_model_len,
+        args.enable_chunked_prefill,
+        tile_size,
+        args.num_lookahead_slots,
     )

@@ -1,10 +1,15 @@
 """The engine core loop: schedule, execute, update, emit outputs.
 
 `EngineCore.step()` is the whole engine in four lines: the scheduler picks tokens, the runner
-computes them and samples, every sequence that got a token is checked for a stop and
-detokenized, and finished (or, when streaming, updated) requests come out as
-`RequestOutput`s. The runner is injected (anything with `execute`, `free_request`), so this
-module stays free of JAX and is tested with a mock runner.
+computes them and samples, every sequence that got tokens appends them one by one, checked
+for a stop after each (a verification row can bring several; what follows a stop is
+dropped), and finished (or, when streaming, updated) requests come out as `RequestOutput`s.
+Drafts the runner computed but did not accept are handed back to the scheduler.
+
+The runner is injected (anything with `execute(SchedulerOutput) -> ModelRunnerOutput`), so
+this module stays free of JAX and is tested with a mock runner. So is an optional proposer
+(anything with `propose(request) -> list[int]`), asked for draft tokens for every running
+request after each step.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class EngineCore:
         max_model_len: int,
         eos_token_id: int | None,
         stat_loggers: list | None = None,
+        proposer=None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
@@ -57,6 +63,7 @@ class EngineCore:
         self.eos_token_id = eos_token_id
         # Anything with `record(StepStats, SchedulerStats)` (see jllm.metrics).
         self.stat_loggers = list(stat_loggers or [])
+        self.proposer = proposer
         self.parents: dict[str, ParentRequest] = {}
         self._child_parent: dict[str, ParentRequest] = {}
         # A token's text for logprobs, decoded once per token id for the engine's life.
@@ -113,7 +120,6 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def _release(self, child: Request) -> None:
-        self.runner.free_request(child.request_id)
         self._child_parent.pop(child.request_id, None)
 
     # ---- the loop ------------------------------------------------------------------------
@@ -121,20 +127,31 @@ class EngineCore:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty():
             return []
-        sampled = self.runner.execute(sched_out)
+        result = self.runner.execute(sched_out)
         now = time.time()
-        stats = StepStats(num_computed_tokens=sched_out.total_num_tokens)
+        stats = StepStats(num_computed_tokens=sched_out.total_num_scheduled_tokens)
         touched: dict[str, tuple[ParentRequest, set[str]]] = {}
-        for s, tok in zip(sched_out.scheduled, sampled, strict=True):
-            req = s.request
-            if s.num_computed_tokens < req.num_prompt_tokens or not s.samples:
-                stats.num_prefill_tokens += s.num_new_tokens
-            if tok is None:
+        for rid, num_new in sched_out.num_scheduled_tokens.items():
+            req = self.scheduler.requests.get(rid)
+            if req is None:
                 continue
-            parent = self._child_parent[req.request_id]
-            self._append(req, parent, tok, now, stats)
-            touched.setdefault(parent.request_id, (parent, set()))[1].add(req.request_id)
+            tokens = result.sampled.get(rid, ())
+            drafts = sched_out.scheduled_spec_decode_tokens.get(rid, ())
+            if drafts:
+                self.scheduler.reject_drafts(req, len(drafts) + 1 - len(tokens))
+            elif req.num_computed_tokens - num_new < req.num_prompt_tokens or not tokens:
+                stats.num_prefill_tokens += num_new
+            if not tokens:
+                continue
+            parent = self._child_parent[rid]
+            for tok in tokens:
+                if self._append(req, parent, tok, now, stats):
+                    break
+            touched.setdefault(parent.request_id, (parent, set()))[1].add(rid)
         self._record(stats)
+        if self.proposer is not None:
+            for req in self.scheduler.running:
+                req.spec_token_ids = self.proposer.propose(req)
         outputs = []
         for parent, children in touched.values():
             kind = parent.params.output_kind
@@ -165,7 +182,8 @@ class EngineCore:
 
     def _append(
         self, req: Request, parent: ParentRequest, tok, now: float, stats: StepStats
-    ) -> None:
+    ) -> bool:
+        """Append one token; True when it finished the request."""
         req.append_output_token(tok.token_id)
         stats.num_generation_tokens += 1
         if req.first_token_time is None:
@@ -190,6 +208,7 @@ class EngineCore:
             self.scheduler.finish_request(req, status)
             self._release(req)
             stats.finished.append(self._finished_stats(req, now))
+        return status is not None
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
         p = req.sampling_params

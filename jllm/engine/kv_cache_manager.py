@@ -12,8 +12,10 @@ requests with different salts (tenants) must never share a block.
 
 A full block is registered under its key as soon as it is allocated (its KV is written in
 the same step that first reads it, and every layer writes before it attends), so even
-requests scheduled in the same step share it. Freed blocks keep their key and stay in an LRU
-free queue until the pool needs them back.
+requests scheduled in the same step share it. Only known tokens count: the slots a step
+computes for draft tokens are not a block's content until the drafts are accepted (and
+appended), so a rejected draft never enters the cache. Freed blocks keep their key and stay
+in an LRU free queue until the pool needs them back.
 Host-side only: no JAX import.
 """
 
@@ -135,7 +137,7 @@ class KVCacheManager:
             self.ref_cnt[b] = 1
             blocks.append(b)
         if self.enable_prefix_caching:
-            self._cache_full_blocks(req, blocks, total)
+            self._cache_full_blocks(req, blocks, min(total, req.num_tokens))
         return blocks
 
     def _cache_full_blocks(self, req: Request, blocks: list[int], num_tokens: int) -> None:

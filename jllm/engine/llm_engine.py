@@ -145,6 +145,7 @@ class LLMEngine:
             sched_cfg.max_num_batched_tokens,
             kv_token_bytes=2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize,
             min_rows=min_dot_rows(dtype, platform),
+            num_spec_tokens=sched_cfg.num_lookahead_slots,
         )
         self.runner = ModelRunner(
             graphdef,

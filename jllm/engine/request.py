@@ -59,6 +59,8 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit of the first schedule
         self.cache_salt = cache_salt  # only requests with the same salt share cached blocks
         self.block_hashes: list[bytes] = []
+        # Draft tokens a proposer wrote for the next step, to be verified there.
+        self.spec_token_ids: list[int] = []
         self.stop_reason: int | str | None = None
         self.logprobs: list = []  # per output token, filled when logprobs are requested
         self.cumulative_logprob = 0.0

@@ -5,6 +5,11 @@ Running requests go first (decodes, and the next chunks of chunked prefills), th
 requests in arrival order, their prompts chunked to fit what is left of the budget. When the
 block pool runs dry, the most recently admitted running request is preempted: its blocks are
 freed and it is recomputed later (vLLM's recompute mode).
+
+A running request with draft tokens (`Request.spec_token_ids`, written by a proposer after
+each step) is scheduled with them: 1 + k tokens whose row samples after each one. The step's
+`SchedulerOutput` carries each request's full data once and deltas after that (see
+`jllm/scheduler_output.py`).
 Host-side only: no JAX import.
 """
 
@@ -13,40 +18,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from jllm.config import SchedulerConfig
 from jllm.engine.kv_cache_manager import KVCacheManager
 from jllm.engine.request import Request, RequestStatus
+from jllm.scheduler_output import NewRequestData, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_computed_tokens: int  # before this step
-    num_new_tokens: int
-    block_ids: list[int]
-    new: bool = False  # admitted this step (first time, or resumed after preemption)
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the known tokens, so a token is sampled."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    num_preempted: int = 0
-
-    @property
-    def total_num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
@@ -57,6 +35,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # cumulative, as vLLM reports it
+        # Told to the runner with the next step: it drops these rows.
+        self._finished_ids: set[str] = set()
+        self._preempted_ids: set[str] = set()
+        self._sent_blocks: dict[str, int] = {}  # block ids the runner already has
 
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -69,9 +51,12 @@ class Scheduler:
         self.kv_cache.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+        if self._sent_blocks.pop(req.request_id, None) is not None:
+            self._preempted_ids.add(req.request_id)
         logger.warning(
             "Request %s is preempted by PreemptionMode.RECOMPUTE mode because there is not "
             "enough KV cache space. This can affect the end-to-end performance. Increase "
@@ -82,6 +67,8 @@ class Scheduler:
         )
 
     def _cost(self, n: int) -> int:
+        """Budget a row of n tokens takes: several tokens (a prefill chunk or a verification
+        row) occupy whole tiles of the device batch."""
         tile = self.config.tile_size
         return n if n == 1 else -(-n // tile) * tile
 
@@ -92,16 +79,28 @@ class Scheduler:
         n = budget // self.config.tile_size * self.config.tile_size
         return n if n > 1 else min(1, budget)
 
+    def _drafts(self, req: Request) -> list[int]:
+        """The drafts `req` can verify this step: only from a decode, and never past the
+        context length."""
+        if req.num_tokens - req.num_computed_tokens != 1:
+            return []
+        room = min(self.config.max_model_len - req.num_tokens, self.config.num_lookahead_slots)
+        return req.spec_token_ids[: max(0, room)]
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        scheduled_running: list[Request] = []
         preempted = False
+        scheduled: list[tuple[Request, int, list[int], bool]] = []
         # 1. Running requests, in admission order; preempt from the back when short.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = self._fit(req.num_tokens - req.num_computed_tokens, budget)
+            drafts = self._drafts(req)
+            known = req.num_tokens - req.num_computed_tokens
+            num_new = self._fit(known + len(drafts), budget)
+            if num_new < known + len(drafts):  # no room to verify: the known tokens only
+                drafts, num_new = [], self._fit(known, budget)
             if num_new == 0:
                 break
             while True:
@@ -116,8 +115,7 @@ class Scheduler:
                     break
             if blocks is None:
                 break
-            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new, blocks))
-            scheduled_running.append(req)
+            scheduled.append((req, num_new, drafts, False))
             budget -= self._cost(num_new)
             i += 1
         # 2. Waiting requests, first come first served, unless this step already preempted.
@@ -147,11 +145,42 @@ class Scheduler:
                 req.first_scheduled_time = time.time()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, num_hit, num_new, blocks, new=True))
+            scheduled.append((req, num_new, [], True))
             budget -= self._cost(num_new)
-        for s in out.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
+        self._fill_output(out, scheduled)
         return out
+
+    def _fill_output(self, out: SchedulerOutput, scheduled) -> None:
+        out.finished_req_ids, self._finished_ids = self._finished_ids, set()
+        out.preempted_req_ids, self._preempted_ids = self._preempted_ids, set()
+        cached = out.scheduled_cached_reqs
+        for req, num_new, drafts, new in scheduled:
+            rid = req.request_id
+            blocks = self.kv_cache.block_ids(rid)
+            if new:
+                out.scheduled_new_reqs.append(
+                    NewRequestData(
+                        rid,
+                        req.prompt_token_ids,
+                        list(req.output_token_ids),
+                        req.sampling_params,
+                        req.seed,
+                        req.eos_token_id,
+                        list(blocks),
+                        req.num_computed_tokens,
+                    )
+                )
+            else:
+                cached.req_ids.append(rid)
+                cached.new_block_ids.append(blocks[self._sent_blocks[rid] :])
+                cached.num_computed_tokens.append(req.num_computed_tokens)
+            self._sent_blocks[rid] = len(blocks)
+            out.num_scheduled_tokens[rid] = num_new
+            out.total_num_scheduled_tokens += num_new
+            if drafts:
+                out.scheduled_spec_decode_tokens[rid] = list(drafts)
+            req.spec_token_ids = []
+            req.num_computed_tokens += num_new
 
     def finish_request(self, req: Request, status: RequestStatus) -> None:
         """End `req` (stop, length or abort) and give its blocks back."""
@@ -164,6 +193,14 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv_cache.free(req)
         self.requests.pop(req.request_id, None)
+        if self._sent_blocks.pop(req.request_id, None) is not None:
+            self._finished_ids.add(req.request_id)
+
+    def reject_drafts(self, req: Request, num_rejected: int) -> None:
+        """A verification row accepted fewer drafts than it computed: their positions are
+        computed again later (their KV slots get overwritten; their blocks were never
+        cached, see `KVCacheManager.allocate_slots`)."""
+        req.num_computed_tokens -= num_rejected
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:

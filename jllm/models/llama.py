@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jllm.models.attention import AttentionMetadata, paged_attention
+from jllm.models.attention import paged_attention
 from jllm.models.layers import Linear, RMSNorm, param
 from jllm.models.rope import RopeConfig, apply_rope
 
@@ -80,7 +80,7 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(H, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(H, cfg.rms_norm_eps, dtype)
 
-    def __call__(self, x, positions, kv_cache, layer, md: AttentionMetadata, backend: str):
+    def __call__(self, x, positions, kv_cache, layer, md, backend: str):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, N|K, H]
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -134,7 +134,7 @@ class LlamaForCausalLM(nnx.Module):
             shape, axes = (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab")
             self.lm_head = Linear("RD,DV->RV", shape, axes, dtype, rngs)
 
-    def __call__(self, token_ids, positions, kv_cache, md: AttentionMetadata, backend: str):
+    def __call__(self, token_ids, positions, kv_cache, md, backend: str):
         """Hidden states [T, D] after the final norm, and the updated cache [L, B, S, 2K, H]."""
         x = self.embed_tokens[...][token_ids]  # [T, D]
         graphdef, layer_states = nnx.split(self.layers)

@@ -1,10 +1,14 @@
-"""Build one step's device inputs from a `SchedulerOutput`, in numpy, padded to buckets.
+"""Build one step's device inputs from the persistent input batch and a `SchedulerOutput`,
+in numpy, padded to buckets.
 
 Layout of the flat batch (see `jllm/models/attention.py`): Rd decode rows (one token per
-request), then the prefill chunks, each starting on a tile boundary. Requests are ordered
-the same way (decodes, then prefills) for the ragged kernel's metadata and for the rows
-that are sampled. Everything is padded: tokens write to the dropped slot B*S, requests have
-kv_len 0 and sample rows that the host ignores.
+request, gathered from the input batch without a Python loop), then the rows of several
+tokens (prefill chunks and verification rows: the decode token then its drafts), each
+starting on a tile boundary. Sample rows follow the same order: one per request whose row
+reaches its last known token, k+1 for a row verifying k drafts. Everything is padded: tokens
+write to the dropped slot B*S, request rows have kv_len 0, sample rows read the input batch's
+padding row and the host ignores them. The attention backend's builder
+(`models/attention_metadata.py`) keeps only what that backend reads.
 """
 
 from __future__ import annotations
@@ -15,16 +19,10 @@ from functools import partial
 import jax
 import numpy as np
 
-from jllm.engine.kv_cache_manager import cdiv
-from jllm.engine.scheduler import ScheduledRequest, SchedulerOutput
-from jllm.models.attention import (
-    AttentionMetadata,
-    kv_bands,
-    kv_chunk_pages,
-    max_kv_chunk_pages,
-)
+from jllm.models.attention_metadata import BUILDERS, FlatBatch, max_kv_chunk_pages
+from jllm.runner.input_batch import NO_TOKEN, InputBatch
 from jllm.runner.sampler import SamplingMetadata
-from jllm.sampling_params import MAX_SUPPRESS
+from jllm.scheduler_output import SchedulerOutput
 
 
 @partial(
@@ -33,7 +31,6 @@ from jllm.sampling_params import MAX_SUPPRESS
         "token_ids",
         "positions",
         "logits_indices",
-        "penalty_token_rows",
         "attn",
     ],
     meta_fields=[],
@@ -42,11 +39,12 @@ from jllm.sampling_params import MAX_SUPPRESS
 class StepInputs:
     token_ids: jax.Array  # [T]
     positions: jax.Array  # [T]
-    logits_indices: jax.Array  # [Rs] flat index of each sampled row's last token
-    # [T] penalty-state row that counts each token (sampled since its sequence was
-    # admitted, see runner/penalty_state.py); out of range: none
-    penalty_token_rows: jax.Array
-    attn: AttentionMetadata
+    logits_indices: jax.Array  # [Rs] flat index of the token each sample row follows
+    attn: object  # the backend's metadata (models/attention_metadata.py)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def bucket(n: int, buckets: list[int]) -> int:
@@ -76,6 +74,7 @@ class BatchLayout:
     decode_buckets: list[int]  # Rd
     tile_buckets: list[int]  # Tt
     sample_buckets: list[int]  # Rs
+    num_spec_tokens: int = 0  # K: drafts a row may verify
 
     @staticmethod
     def create(
@@ -87,6 +86,7 @@ class BatchLayout:
         budget,
         kv_token_bytes,
         min_rows=1,
+        num_spec_tokens=0,
     ):
         """`min_rows`: the smallest decode and sample bucket (see `min_dot_rows`)."""
         chunk_pages = max_kv_chunk_pages(block_size)
@@ -99,183 +99,164 @@ class BatchLayout:
             kv_token_bytes=kv_token_bytes,
             decode_buckets=[0] + pow2_buckets(max_num_seqs, min_rows),
             tile_buckets=[0] + pow2_buckets(cdiv(budget, tile_size)),
-            sample_buckets=pow2_buckets(max_num_seqs, min_rows),
+            sample_buckets=pow2_buckets(max_num_seqs * (1 + num_spec_tokens), min_rows),
+            num_spec_tokens=num_spec_tokens,
         )
 
     def sample_rows(self, rd: int, tt: int) -> int:
-        return bucket(min(rd + tt, self.sample_buckets[-1]), self.sample_buckets)
+        """Rs for an (Rd, Tt) bucket: a tile samples at most 1 + K rows."""
+        n = rd + tt * (1 + self.num_spec_tokens)
+        return bucket(min(n, self.sample_buckets[-1]), self.sample_buckets)
 
     def shapes(self):
         """Every (Rd, Tt) pair a step can have."""
         return [(d, t) for d in self.decode_buckets for t in self.tile_buckets if d or t]
 
 
-def build_step_inputs(
+@dataclasses.dataclass
+class SampleGroup:
+    """The sample rows of one request in a step: `first` .. `first + count - 1`."""
+
+    req_id: str
+    row: int  # its input-batch row
+    first: int
+    count: int  # 1, or 1 + k for a row verifying k drafts
+
+
+def build_step(
+    batch: InputBatch,
     out: SchedulerOutput,
     layout: BatchLayout,
-    penalty_rows: dict[str, int],
-    penalty_start: dict[str, int],
-    num_rows: int,
+    backend: str,
     shape: tuple[int, int] | None = None,
 ):
-    """Returns (StepInputs in numpy, scheduled requests in batch order, each one's sample
-    row or None, the number of sample rows). `penalty_rows` / `penalty_start`: each penalty
-    sequence's row and the position from which its tokens count. `shape` forces the
-    (Rd, Tt) bucket (warm-up)."""
+    """Returns (StepInputs and SamplingMetadata in numpy, the sample groups, the (Rd, Tt)
+    bucket). `shape` forces the bucket (warm-up)."""
     S, C = layout.block_size, layout.tile_size
-    # Decode rows longest context first, so that the attention's bands group similar lengths
-    # (prefill tiles are sorted on their own below).
-    decodes = sorted(
-        (s for s in out.scheduled if s.num_new_tokens == 1), key=lambda s: -s.num_computed_tokens
-    )
-    prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
-    n_tiles = sum(cdiv(s.num_new_tokens, C) for s in prefills)
+    ids = list(out.num_scheduled_tokens)
+    rows = np.array([batch.index[r] for r in ids], np.int32)
+    counts = np.array(list(out.num_scheduled_tokens.values()), np.int32)
+    single = counts == 1
+    # Decode rows longest context first, so that the xla backend's bands group similar
+    # lengths (its tiles are sorted on their own).
+    d_idx = np.flatnonzero(single)
+    d_idx = d_idx[np.argsort(-batch.num_computed[rows[d_idx]], kind="stable")]
+    m_idx = np.flatnonzero(~single)
+    n_tiles = int(sum(cdiv(int(counts[i]), C) for i in m_idx))
     if shape is None:
-        Rd = bucket(len(decodes), layout.decode_buckets)
+        Rd = bucket(len(d_idx), layout.decode_buckets)
         Tt = bucket(n_tiles, layout.tile_buckets)
     else:
         Rd, Tt = shape
     Rs = layout.sample_rows(Rd, Tt)
-    T = Rd + Tt * C
-    R = Rd + Tt
-    P = layout.max_pages
-    pad_slot = layout.num_blocks * S
+    T, R, P = Rd + Tt * C, Rd + Tt, layout.max_pages
 
     token_ids = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)
-    slot_mapping = np.full(T, pad_slot, np.int32)
-    pen_rows = np.full(T, num_rows, np.int32)
-    logits_indices = np.zeros(Rs, np.int32)
+    slot_mapping = np.full(T, layout.num_blocks * S, np.int32)
     query_start = np.zeros(R, np.int32)
     query_lens = np.zeros(R, np.int32)
     kv_lens = np.zeros(R, np.int32)
     block_tables = np.zeros((R, P), np.int32)
-    tile_bt = np.zeros((Tt, P), np.int32)
-    tile_kv = np.zeros(Tt, np.int32)
+    tile_row = np.zeros(Tt, np.int32)
     tile_pos = np.full((Tt, C), -1, np.int32)
+    sample_at: list[int] = []  # flat token each sample row follows
+    groups: list[SampleGroup] = []
+    drafts_of: list[list[int]] = []
 
-    ordered: list[ScheduledRequest] = decodes + prefills
-    sample_row: list[int | None] = []
-    n_sampled = 0
+    # Decodes: one token each, gathered from the input batch.
+    nd = len(d_idx)
+    d_rows = rows[d_idx]
+    pos = batch.num_computed[d_rows]
+    tables = batch.block_table[d_rows]
+    token_ids[:nd] = batch.token_ids[d_rows, pos]
+    positions[:nd] = pos
+    slot_mapping[:nd] = tables[np.arange(nd), pos // S] * S + pos % S
+    query_start[:nd] = np.arange(nd)
+    query_lens[:nd] = 1
+    kv_lens[:nd] = pos + 1
+    block_tables[:nd] = tables
+    for j in np.flatnonzero(pos + 1 == batch.num_tokens[d_rows]):
+        groups.append(SampleGroup(ids[d_idx[j]], int(d_rows[j]), len(sample_at), 1))
+        sample_at.append(int(j))
+        drafts_of.append([])
+
+    # Rows of several tokens: prefill chunks and verification rows, tile-aligned.
     start, tile = Rd, 0
-    for i, s in enumerate(ordered):
-        req, n, nc = s.request, s.num_new_tokens, s.num_computed_tokens
-        row = i if i < len(decodes) else Rd + (i - len(decodes))
-        blocks = np.asarray(s.block_ids, np.int32)
-        block_tables[row, : len(blocks)] = blocks
-        begin = i if i < len(decodes) else start
+    for j, i in enumerate(m_idx):
+        r, n, rid = int(rows[i]), int(counts[i]), ids[i]
+        nc = int(batch.num_computed[r])
+        drafts = out.scheduled_spec_decode_tokens.get(rid, [])
+        known = n - len(drafts)
+        row = Rd + j
         pos = np.arange(nc, nc + n, dtype=np.int32)
-        token_ids[begin : begin + n] = req.all_token_ids[nc : nc + n]
-        positions[begin : begin + n] = pos
-        slot_mapping[begin : begin + n] = blocks[pos // S] * S + pos % S
-        query_start[row], query_lens[row], kv_lens[row] = begin, n, nc + n
-        prow = penalty_rows.get(req.request_id)
-        if prow is not None:
-            counted = pos >= penalty_start[req.request_id]
-            pen_rows[begin : begin + n] = np.where(counted, prow, num_rows)
-        if i >= len(decodes):
-            k = cdiv(n, C)
-            tile_bt[tile : tile + k] = block_tables[row]
-            tile_kv[tile : tile + k] = nc + n
-            padded = np.full(k * C, -1, np.int32)
-            padded[:n] = pos
-            tile_pos[tile : tile + k] = padded.reshape(k, C)
-            tile += k
-            start += k * C
-        if s.samples:
-            logits_indices[n_sampled] = begin + n - 1
-            sample_row.append(n_sampled)
-            n_sampled += 1
-        else:
-            sample_row.append(None)
+        token_ids[start : start + known] = batch.token_ids[r, nc : nc + known]
+        token_ids[start + known : start + n] = drafts
+        positions[start : start + n] = pos
+        slot_mapping[start : start + n] = batch.block_table[r, pos // S] * S + pos % S
+        query_start[row], query_lens[row], kv_lens[row] = start, n, nc + n
+        block_tables[row] = batch.block_table[r]
+        k = cdiv(n, C)
+        tile_row[tile : tile + k] = row
+        padded = np.full(k * C, -1, np.int32)
+        padded[:n] = pos
+        tile_pos[tile : tile + k] = padded.reshape(k, C)
+        if nc + known == batch.num_tokens[r]:
+            groups.append(SampleGroup(rid, r, len(sample_at), len(drafts) + 1))
+            sample_at.extend(range(start + known - 1, start + n))
+            drafts_of.append(drafts)
+        tile += k
+        start += k * C
 
-    dec_kv = kv_lens[:Rd]
-    # A prefill tile needs the keys up to its last query (causal), not its request's whole
-    # context; the attention's bands take tiles in that order, longest first.
-    tile_need = tile_pos.max(axis=1, initial=-1) + 1
-    tile_order = np.argsort(-tile_need, kind="stable").astype(np.int32)
-    tile_inverse = np.empty_like(tile_order)
-    tile_inverse[tile_order] = np.arange(Tt, dtype=np.int32)
-    attn = AttentionMetadata(
+    flat = FlatBatch(
         slot_mapping=slot_mapping,
-        decode_block_table=block_tables[:Rd],
-        decode_kv_lens=dec_kv,
-        tile_block_table=tile_bt[tile_order],
-        tile_kv_lens=tile_kv[tile_order],
-        tile_q_pos=tile_pos[tile_order],
-        tile_order=tile_order,
-        tile_inverse=tile_inverse,
-        decode_chunks=band_chunks(dec_kv, S, layout.kv_token_bytes, 1),
-        tile_chunks=band_chunks(tile_need[tile_order], S, layout.kv_token_bytes, C),
         query_start=query_start,
         query_lens=query_lens,
         kv_lens=kv_lens,
         block_tables=block_tables,
-        num_seqs=np.array([R], np.int32),
-        tile_size=C,
+        tile_row=tile_row,
+        tile_q_pos=tile_pos,
+        num_decode_rows=Rd,
+        block_size=S,
+        kv_token_bytes=layout.kv_token_bytes,
     )
-    inputs = StepInputs(
-        token_ids=token_ids,
-        positions=positions,
-        logits_indices=logits_indices,
-        penalty_token_rows=pen_rows,
-        attn=attn,
-    )
-    return inputs, ordered, sample_row, Rs
+    logits_indices = np.zeros(Rs, np.int32)
+    logits_indices[: len(sample_at)] = sample_at
+    inputs = StepInputs(token_ids, positions, logits_indices, BUILDERS[backend](flat))
+    md = sampling_metadata(batch, groups, drafts_of, Rs, max(1, layout.num_spec_tokens))
+    return inputs, md, groups, (Rd, Tt)
 
 
-def band_chunks(kv_lens: np.ndarray, block_size: int, kv_token_bytes: int, queries: int):
-    """[bands] KV chunks each band of rows (sorted longest first) loops over."""
-    bands = kv_bands(len(kv_lens))
-    rows = len(kv_lens) // bands
-    chunk = kv_chunk_pages(block_size, rows, kv_token_bytes, queries) * block_size
-    longest = kv_lens.reshape(bands, rows).max(axis=1) if len(kv_lens) else np.zeros(1)
-    return (-(-longest // chunk)).astype(np.int32)
-
-
-def build_sampling_metadata(ordered, sample_row, Rs, penalty_rows, max_logprobs):
-    V_NONE = np.iinfo(np.int32).max
-    temperature = np.zeros(Rs, np.float32)
-    top_p = np.ones(Rs, np.float32)
-    top_k = np.zeros(Rs, np.int32)
-    min_p = np.zeros(Rs, np.float32)
-    seed_lo = np.zeros(Rs, np.uint32)
-    seed_hi = np.zeros(Rs, np.uint32)
-    counter = np.zeros(Rs, np.int32)
-    presence = np.zeros(Rs, np.float32)
-    frequency = np.zeros(Rs, np.float32)
-    repetition = np.ones(Rs, np.float32)
-    prows = np.zeros(Rs, np.int32)
-    suppress = np.full((Rs, MAX_SUPPRESS), V_NONE, np.int32)
-    want_logprobs = np.zeros(Rs, bool)
-    for s, r in zip(ordered, sample_row, strict=True):
-        if r is None:
-            continue
-        req = s.request
-        p = req.sampling_params
-        temperature[r], top_p[r], top_k[r], min_p[r] = p.temperature, p.top_p, p.top_k, p.min_p
-        seed_lo[r], seed_hi[r] = req.seed & 0xFFFFFFFF, (req.seed >> 32) & 0xFFFFFFFF
-        counter[r] = req.num_output_tokens
-        if p.has_penalties:
-            presence[r], frequency[r] = p.presence_penalty, p.frequency_penalty
-            repetition[r] = p.repetition_penalty
-            prows[r] = penalty_rows[req.request_id]
-        if req.num_output_tokens < p.min_tokens:
-            ids = sorted(p.all_stop_token_ids | {req.eos_token_id} - {None})
-            suppress[r, : len(ids)] = ids
-        want_logprobs[r] = p.logprobs is not None
+def sampling_metadata(batch: InputBatch, groups, drafts_of, Rs: int, K: int):
+    """Every sample row's parameters, gathered from the input batch by row."""
+    row = np.full(Rs, batch.pad, np.int32)
+    offset = np.zeros(Rs, np.int32)  # j: the group's j-th row samples output index + j
+    draft = np.full(Rs, -1, np.int32)
+    group_first = np.arange(Rs, dtype=np.int32)
+    spec_prev = np.full((Rs, K), NO_TOKEN, np.int32)
+    for g, drafts in zip(groups, drafts_of, strict=True):
+        sl = slice(g.first, g.first + g.count)
+        row[sl], offset[sl], group_first[sl] = g.row, np.arange(g.count), g.first
+        draft[g.first : g.first + len(drafts)] = drafts
+        for t in range(1, g.count):
+            spec_prev[g.first + t, :t] = drafts[:t]
+    counter = batch.num_tokens[row] - batch.num_prompt[row] + offset
+    under_min = (counter < batch.min_tokens[row])[:, None]
     return SamplingMetadata(
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
-        seed_lo=seed_lo,
-        seed_hi=seed_hi,
-        counter=counter,
-        presence=presence,
-        frequency=frequency,
-        repetition=repetition,
-        penalty_rows=prows,
-        suppress=suppress,
-        want_logprobs=want_logprobs,
+        temperature=batch.temperature[row],
+        top_p=batch.top_p[row],
+        top_k=batch.top_k[row],
+        min_p=batch.min_p[row],
+        seed_lo=batch.seed_lo[row],
+        seed_hi=batch.seed_hi[row],
+        counter=counter.astype(np.int32),
+        presence=batch.presence[row],
+        frequency=batch.frequency[row],
+        repetition=batch.repetition[row],
+        penalty_rows=batch.penalty_row[row],
+        suppress=np.where(under_min, batch.suppress[row], NO_TOKEN).astype(np.int32),
+        want_logprobs=batch.want_logprobs[row],
+        draft=draft,
+        group_first=group_first,
+        spec_prev=spec_prev,
     )

@@ -1,8 +1,12 @@
 """The model runner: the only owner of device arrays (weights, KV cache, penalty state).
 
-Each engine step it builds the padded flat batch in numpy, hands it to the device in one
-transfer, runs the compiled forward for the batch's (Rd, Tt) bucket and the compiled sampler
-for its row bucket, and brings back only the sampled ids and requested logprobs.
+It owns the persistent input batch (`runner/input_batch.py`): each engine step applies the
+scheduler's deltas to it, builds the padded flat batch from it in numpy, packs that into one
+buffer for one host-to-device transfer, runs the compiled forward for the batch's (Rd, Tt)
+bucket and the compiled sampler for its row bucket, and fetches one packed array back (the
+sampled ids, whether each was emitted, and logprobs when asked). It appends the tokens it
+emits to its own rows: the scheduler never sends them back. Nothing here imports
+`jllm.engine`.
 
 Every bucket is compiled ahead of time in `compile_all` (the equivalent of vLLM's CUDA-graph
 capture), the executables are kept in a table, and once `compile_guard` is set a step whose
@@ -16,20 +20,16 @@ import logging
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jllm.engine.scheduler import SchedulerOutput
-from jllm.runner.inputs import (
-    BatchLayout,
-    StepInputs,
-    build_sampling_metadata,
-    build_step_inputs,
-)
-from jllm.runner.penalty_state import PenaltyRows, write_step
+from jllm.runner.input_batch import InputBatch
+from jllm.runner.inputs import BatchLayout, build_step
+from jllm.runner.penalty_state import PenaltyWriter, write_step
 from jllm.runner.sampled import SampledToken
-from jllm.runner.sampler import sample
+from jllm.runner.sampler import sample, unpack_result
+from jllm.runner.transfer import Layout, pack, unpack
+from jllm.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from sharding import named_sharding, replicated
 
 logger = logging.getLogger(__name__)
@@ -39,21 +39,22 @@ class CompileAfterWarmupError(RuntimeError):
     pass
 
 
-def _forward(state, kv_cache, counts, batch: StepInputs, *, graphdef, backend, logits_sharding):
+def _forward(state, kv_cache, buf, *, layout, graphdef, backend, logits_sharding):
+    """One packed buffer in: the step's inputs and its sampling metadata, which is passed
+    on to the sampler as an output (no second transfer)."""
+    batch, md = unpack(buf, layout)
     model = nnx.merge(graphdef, state)
     hidden, kv_cache = model(batch.token_ids, batch.positions, kv_cache, batch.attn, backend)
     logits = model.compute_logits(hidden[batch.logits_indices])  # [Rs, V]
     # One fixed layout for the sampler, whatever the bucket (vocab-split under TP).
     logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
-    # Penalty state: count the tokens sampled since each sequence's admission.
-    counts = counts.at[batch.penalty_token_rows, batch.token_ids].add(1, mode="drop")
-    return logits, kv_cache, counts
+    return logits, kv_cache, md
 
 
 forward_step = jax.jit(
     _forward,
-    static_argnames=("graphdef", "backend", "logits_sharding"),
-    donate_argnames=("kv_cache", "counts"),
+    static_argnames=("layout", "graphdef", "backend", "logits_sharding"),
+    donate_argnames=("kv_cache",),
 )
 
 
@@ -82,8 +83,10 @@ class ModelRunner:
         self.backend = backend
         self.enforce_eager = enforce_eager
         self.max_logprobs = max_logprobs
+        max_len = layout.max_pages * layout.block_size
+        self.batch = InputBatch(max_num_seqs, max_len, layout.max_pages)
         # Penalty state (runner/penalty_state.py): row 0 stays empty.
-        self.penalties = PenaltyRows(max_num_seqs, layout.max_pages * layout.block_size)
+        self.penalties = PenaltyWriter(max_num_seqs, max_len)
         shape = (self.penalties.num_rows, vocab_size)
         self.counts = jax.device_put(np.zeros(shape, np.int32), self.replicated)
         self.prompt_mask = jax.device_put(np.zeros(shape, np.bool_), self.replicated)
@@ -94,30 +97,31 @@ class ModelRunner:
         self.channel = None  # process 0 of a multi-process engine: a StepChannel
 
     # ---- compilation ---------------------------------------------------------------------
-    def _abstract_inputs(self, rd: int, tt: int):
-        """Zero inputs of the (Rd, Tt) bucket, built by the same code as real steps."""
-        inputs, _, _, rs = build_step_inputs(
-            SchedulerOutput(), self.layout, {}, {}, self.penalties.num_rows, shape=(rd, tt)
-        )
-        md = build_sampling_metadata([], [], rs, {}, self.max_logprobs)
-        return inputs, md, rs
+    def _packed_inputs(self, rd: int, tt: int):
+        """The packed zero inputs of the (Rd, Tt) bucket, built by the same code as real
+        steps, and the sampler's row bucket."""
+        empty = InputBatch(0, 1, self.layout.max_pages)
+        inputs, md, _, _ = build_step(empty, SchedulerOutput(), self.layout, self.backend, (rd, tt))
+        buf, layout = pack((inputs, md))
+        return buf, layout, md.want_logprobs.shape[0]
 
-    def _forward_executable(self, rd: int, tt: int, inputs):
-        exe = self._forward_exe.get((rd, tt))
+    def _forward_executable(self, key: tuple[int, int], buf, layout: Layout):
+        exe = self._forward_exe.get(key)
         if exe is None:
             if self.compile_guard:
+                rd, tt = key
                 raise CompileAfterWarmupError(f"forward bucket (Rd={rd}, Tt={tt}) not compiled")
             with jax.set_mesh(self.mesh):
                 lowered = forward_step.lower(
                     self.state,
                     self.kv_cache,
-                    self.counts,
-                    inputs,
+                    buf,
+                    layout=layout,
                     graphdef=self.graphdef,
                     backend=self.backend,
                     logits_sharding=self.logits_sharding,
                 )
-            exe = self._forward_exe[(rd, tt)] = lowered.compile()
+            exe = self._forward_exe[key] = lowered.compile()
         return exe
 
     def _sample_executable(self, rs: int, logits, md):
@@ -164,15 +168,14 @@ class ModelRunner:
         )
         start = time.perf_counter()
         for i, (rd, tt) in enumerate(shapes):
-            inputs, md, rs = self._abstract_inputs(rd, tt)
+            buf, layout, rs = self._packed_inputs(rd, tt)
             t0 = time.perf_counter()
-            self._forward_executable(rd, tt, jax.device_put(inputs, self.replicated))
+            buf = jax.device_put(buf, self.replicated)
+            fwd = self._forward_executable((rd, tt), buf, layout)
             logger.debug("Compiled (Rd=%d, Tt=%d) in %.2fs", rd, tt, time.perf_counter() - t0)
             if rs not in self._sample_exe:
-                logits = jax.ShapeDtypeStruct(
-                    (rs, self._vocab()), jnp.float32, sharding=self.logits_sharding
-                )
-                self._sample_executable(rs, logits, jax.device_put(md, self.replicated))
+                logits, _, md = fwd.out_info  # shapes and shardings of its results
+                self._sample_executable(rs, logits, md)
             if (i + 1) % 16 == 0 or i + 1 == len(shapes):
                 logger.info("Compiled %d/%d buckets.", i + 1, len(shapes))
         for W in self.penalties.write_buckets:
@@ -181,31 +184,23 @@ class ModelRunner:
         logger.info("Graph compilation finished in %.1f secs.", time.perf_counter() - start)
         self.compile_guard = True
 
-    def _vocab(self) -> int:
-        return self.counts.shape[1]
-
-    # ---- requests ------------------------------------------------------------------------
-    def free_request(self, request_id: str) -> None:
-        self.penalties.free(request_id)
-
     # ---- the step ------------------------------------------------------------------------
-    def run_step(self, inputs: StepInputs, md, writes=()):
-        """The device part of a step, from host inputs to host results. Every process of a
-        multi-process engine runs it with the same inputs."""
+    def run_step(self, key, step, writes=()):
+        """The device part of a step, from the host inputs (StepInputs, SamplingMetadata) to
+        the packed host result. Every process of a multi-process engine runs it with the
+        same inputs."""
+        buf, layout = pack(step)
         for w in writes:
             w = jax.device_put(w, self.replicated)
             exe = self._write_executable(w)
             self.counts, self.prompt_mask = exe(self.counts, self.prompt_mask, w)
-        rd = inputs.attn.decode_kv_lens.shape[0]
-        tt = inputs.attn.tile_q_pos.shape[0]
-        rs = md.want_logprobs.shape[0]
-        inputs, md = jax.device_put((inputs, md), self.replicated)
-        fwd = self._forward_executable(rd, tt, inputs)
-        logits, self.kv_cache, self.counts = fwd(self.state, self.kv_cache, self.counts, inputs)
-        smp = self._sample_executable(rs, logits, md)
-        out = smp(logits, md, self.counts, self.prompt_mask)
-        # Replicated results: this process's first shard is the whole array.
-        return [np.asarray(x.addressable_shards[0].data) for x in out]
+        buf = jax.device_put(buf, self.replicated)
+        fwd = self._forward_executable(key, buf, layout)
+        logits, self.kv_cache, md = fwd(self.state, self.kv_cache, buf)
+        smp = self._sample_executable(logits.shape[0], logits, md)
+        packed, self.counts = smp(logits, md, self.counts, self.prompt_mask)
+        # Replicated result: this process's first shard is the whole array.
+        return np.asarray(packed.addressable_shards[0].data)
 
     def follow(self, channel) -> None:
         """Processes other than 0: run the steps process 0 sends until it stops."""
@@ -213,28 +208,38 @@ class ModelRunner:
             message = channel.recv()
             if message[0] == "stop":
                 return
-            _, inputs, md, writes = message
-            self.run_step(inputs, md, writes)
+            _, key, step, writes = message
+            self.run_step(key, step, writes)
 
-    def execute(self, out: SchedulerOutput) -> list[SampledToken | None]:
-        """Run one step; one entry per `out.scheduled` (None where nothing is sampled)."""
-        writes = self.penalties.admit(
-            (s.request.request_id, s.request.prompt_token_ids, s.request.output_token_ids)
-            for s in out.scheduled
-            if s.new and s.request.sampling_params.has_penalties
-        )
-        pen = self.penalties
-        inputs, ordered, sample_row, rs = build_step_inputs(
-            out, self.layout, pen.row, pen.start, pen.num_rows
-        )
-        md = build_sampling_metadata(ordered, sample_row, rs, pen.row, self.max_logprobs)
+    def _apply(self, out: SchedulerOutput) -> list:
+        """Bring the input batch up to date with the scheduler's output; returns the penalty
+        writes for the admitted rows."""
+        for rid in out.finished_req_ids | out.preempted_req_ids:
+            self.batch.remove(rid)
+        admitted = []
+        for new in out.scheduled_new_reqs:
+            row = self.batch.add(new)
+            if new.sampling_params.has_penalties:
+                admitted.append((row + 1, new.prompt_token_ids, new.output_token_ids))
+        self.batch.update(out.scheduled_cached_reqs)
+        return self.penalties.admit(admitted)
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step; the emitted tokens of every request that sampled."""
+        writes = self._apply(out)
+        inputs, md, groups, key = build_step(self.batch, out, self.layout, self.backend)
         if self.channel is not None:  # the other processes run the same step
-            self.channel.send(("step", inputs, md, writes))
-        tokens, lp, rank, top_ids, top_lp = self.run_step(inputs, md, writes)
-        by_request = {}
-        for s, r in zip(ordered, sample_row, strict=True):
-            if r is not None:
-                by_request[id(s)] = SampledToken(
-                    int(tokens[r]), float(lp[r]), int(rank[r]), top_ids[r], top_lp[r]
-                )
-        return [by_request.get(id(s)) for s in out.scheduled]
+            self.channel.send(("step", key, (inputs, md), writes))
+        packed = self.run_step(key, (inputs, md), writes)
+        tokens, lp, rank, emitted, top_ids, top_lp = unpack_result(packed, self.max_logprobs)
+        result = ModelRunnerOutput()
+        for g in groups:
+            rows = range(g.first, g.first + g.count)
+            n = int(emitted[g.first : g.first + g.count].sum())
+            ids = tokens[g.first : g.first + n]
+            self.batch.append_tokens(g.row, ids)
+            result.sampled[g.req_id] = [
+                SampledToken(int(tokens[r]), float(lp[r]), int(rank[r]), top_ids[r], top_lp[r])
+                for r in rows[:n]
+            ]
+        return result

@@ -1,13 +1,12 @@
 """Penalty state: per-sequence token counts and prompt masks on device, written at admission.
 
 Each sequence with a penalty holds a row of `counts` [rows, V] (occurrences of each token in
-its output) and `prompt_mask` [rows, V] (tokens of its prompt); row 0 stays empty for the
-others. When a sequence is admitted (new, or resumed after preemption) its whole row is
-written from the host: the prompt into the mask, the output so far into the counts. After
-that the forward step counts only the tokens it computes at positions past the admission
-length (the tokens sampled since). So the state never depends on which tokens a step
-computed: a prefix-cache hit or a chunked prefill leaves it the same, and penalties work
-with prefix caching.
+its output) and `prompt_mask` [rows, V] (tokens of its prompt): row `r + 1` for input-batch
+row r; row 0 stays empty for the others. When a sequence is admitted (new, or resumed after
+preemption) its whole row is written from the host: the prompt into the mask, the output so
+far into the counts. After that the sampler adds the tokens it emits (`runner/sampler.py`).
+So the state never depends on which tokens a step computed: a prefix-cache hit or a chunked
+prefill leaves it the same, and penalties work with prefix caching.
 
 The write is one small jitted scatter per length bucket (powers of two up to the context
 length), compiled with the other buckets at start-up.
@@ -53,33 +52,20 @@ def _write(counts, prompt_mask, w: PenaltyWrite):
 write_step = jax.jit(_write, donate_argnames=("counts", "prompt_mask"))
 
 
-class PenaltyRows:
-    """Host bookkeeping: which row each sequence holds and from which position the forward
-    step counts its tokens."""
+class PenaltyWriter:
+    """Builds the admission writes, in buckets of tokens."""
 
     def __init__(self, max_num_seqs: int, max_model_len: int) -> None:
         self.num_rows = max_num_seqs + 1
-        self.row: dict[str, int] = {}
-        self.start: dict[str, int] = {}  # the admission length: count positions from here
-        self._free = list(range(self.num_rows - 1, 0, -1))
         self.write_buckets = pow2_buckets(max(16, max_model_len), 16)
         self.max_resets = max_num_seqs
 
-    def free(self, request_id: str) -> None:
-        row = self.row.pop(request_id, None)
-        self.start.pop(request_id, None)
-        if row is not None:
-            self._free.append(row)
-
     def admit(self, admitted) -> list[PenaltyWrite]:
-        """Rows for the admitted sequences with penalties (`admitted`: (request_id, prompt
-        ids, output ids) triples), as writes of at most the largest bucket each."""
+        """Writes for the admitted sequences with penalties (`admitted`: (penalty row, prompt
+        ids, output ids) triples), of at most the largest bucket each."""
         resets, rows, tokens, is_out = [], [], [], []
-        for rid, prompt, output in admitted:
-            if rid not in self.row:
-                self.row[rid] = self._free.pop()
-            row, ids = self.row[rid], [*prompt, *output]
-            self.start[rid] = len(ids)
+        for row, prompt, output in admitted:
+            ids = [*prompt, *output]
             resets.append(row)
             rows.append(np.full(len(ids), row, np.int32))
             tokens.append(np.asarray(ids, np.int32))

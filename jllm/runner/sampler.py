@@ -8,7 +8,18 @@ its bucket, prefix-cache hits, chunking or preemption.
 
 One executable per row bucket: the passes a batch needs are chosen on device (lax.cond).
 
-Glossary: R requests, V vocab, M suppressed ids per request, J logprobs returned.
+A request verifying k draft tokens has k+1 consecutive sample rows (a group), row j sampled
+with output index `counter + j` after drafts 0..j-1 (which count for its penalties). A row's
+token is emitted when every earlier row of its group sampled exactly its draft: for a
+deterministic draft this is exact rejection sampling (accept with probability p(draft), else
+a token from p without the draft), and a seeded request draws the same tokens with and
+without drafts. The emitted tokens are added to the penalty counts here.
+
+The result comes back as one int32 array [R, 4 + 2J] (one device-to-host fetch): token,
+logprob (float32 bits), rank, emitted, J top ids, J top logprobs (float32 bits).
+
+Glossary: R sample rows, V vocab, M suppressed ids per row, K drafts per group, J logprobs
+returned.
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jllm.runner.draw import filtered_draw, first_argmax, row_keys
 from jllm.sampling_params import SAMPLING_EPS
@@ -39,6 +51,9 @@ from jllm.sampling_params import SAMPLING_EPS
         "penalty_rows",
         "suppress",
         "want_logprobs",
+        "draft",
+        "group_first",
+        "spec_prev",
     ],
     meta_fields=[],
 )
@@ -55,12 +70,17 @@ class SamplingMetadata:
     frequency: jax.Array  # [R] float32
     repetition: jax.Array  # [R] float32
     penalty_rows: jax.Array  # [R] int32, row in the penalty state (0: none)
-    suppress: jax.Array  # [R, M] int32 token ids to mask (min_tokens), V for none
+    suppress: jax.Array  # [R, M] int32 token ids to mask (min_tokens), >= V for none
     want_logprobs: jax.Array  # [R] bool
+    draft: jax.Array  # [R] int32, the draft this row verifies; -1: none (a group's last row)
+    group_first: jax.Array  # [R] int32, the first row of this row's group
+    spec_prev: jax.Array  # [R, K] int32, the group's drafts before this row; >= V for none
 
 
 def _apply_penalties(logits, md: SamplingMetadata, counts, prompt_mask):
     c = counts[md.penalty_rows]  # [R, V] int32 occurrences in the output
+    rows = jnp.arange(c.shape[0])[:, None]
+    c = c.at[rows, md.spec_prev].add(1, mode="drop")  # a group's earlier drafts
     seen = (c > 0) | prompt_mask[md.penalty_rows]  # [R, V]
     rep = md.repetition[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
@@ -68,9 +88,20 @@ def _apply_penalties(logits, md: SamplingMetadata, counts, prompt_mask):
     return logits - md.presence[:, None] * (c > 0).astype(jnp.float32)
 
 
-@partial(jax.jit, static_argnames=("num_logprobs",))
+def emitted_rows(tokens, md: SamplingMetadata):
+    """[R] bool: every earlier row of the row's group sampled its draft."""
+    mismatch = (tokens != md.draft).astype(jnp.int32)
+    before = jnp.cumsum(mismatch) - mismatch  # mismatches in the rows before, batch-wide
+    return before == before[md.group_first]
+
+
+def _as_int32(x):
+    return x if x.dtype == jnp.int32 else jax.lax.bitcast_convert_type(x, jnp.int32)
+
+
+@partial(jax.jit, static_argnames=("num_logprobs",), donate_argnames=("counts",))
 def sample(logits, md: SamplingMetadata, counts, prompt_mask, *, num_logprobs):
-    """logits [R, V] -> tokens [R], sampled logprob [R], rank [R], top ids/logprobs [R, J].
+    """logits [R, V] -> (packed result [R, 4 + 2J] int32, counts with the emitted tokens).
 
     Which passes run (penalties, sampling, top-k/top-p, logprobs) is decided on device from
     the batch with lax.cond, so one executable per row bucket serves every mix of requests.
@@ -112,9 +143,33 @@ def sample(logits, md: SamplingMetadata, counts, prompt_mask, *, num_logprobs):
             jnp.zeros((R, num_logprobs), jnp.float32),
         )
 
-    out = (tokens, *jax.lax.cond(jnp.any(md.want_logprobs), logprobs, no_logprobs))
+    token_lp, rank, top_ids, top_lp = jax.lax.cond(jnp.any(md.want_logprobs), logprobs, no_logprobs)
+    emitted = emitted_rows(tokens, md)
+    counted = jnp.where(emitted & (md.penalty_rows > 0), md.penalty_rows, counts.shape[0])
+    counts = counts.at[counted, tokens].add(1, mode="drop")
+    columns = [tokens[:, None], token_lp[:, None], rank[:, None], emitted[:, None], top_ids]
+    packed = jnp.concatenate(
+        [_as_int32(c.astype(jnp.int32) if c.dtype == jnp.bool_ else c) for c in columns]
+        + [_as_int32(top_lp)],
+        axis=1,
+    )
     # Under a mesh (the runner lowers inside `jax.set_mesh`) every process gets the whole
     # result, which process 0 reads back.
     if not jax.sharding.get_abstract_mesh().empty:
-        out = jax.lax.with_sharding_constraint(out, jax.sharding.PartitionSpec())
-    return out
+        replicated = jax.sharding.PartitionSpec()
+        packed = jax.lax.with_sharding_constraint(packed, replicated)
+        counts = jax.lax.with_sharding_constraint(counts, replicated)
+    return packed, counts
+
+
+def unpack_result(packed: np.ndarray, num_logprobs: int):
+    """Host side of the packed result: tokens, logprobs, ranks, emitted, top ids, top lps."""
+    J = num_logprobs
+    return (
+        packed[:, 0],
+        packed[:, 1].view(np.float32),
+        packed[:, 2],
+        packed[:, 3] != 0,
+        packed[:, 4 : 4 + J],
+        packed[:, 4 + J : 4 + 2 * J].view(np.float32),
+    )

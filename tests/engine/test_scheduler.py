@@ -5,33 +5,54 @@ from __future__ import annotations
 
 from jllm.config import SchedulerConfig
 from jllm.engine.core import EngineCore
-from jllm.engine.kv_cache_manager import KVCacheManager
+from jllm.engine.kv_cache_manager import KVCacheManager, block_key
 from jllm.engine.scheduler import Scheduler
 from jllm.runner.sampled import SampledToken
 from jllm.sampling_params import SamplingParams
+from jllm.scheduler_output import ModelRunnerOutput
 
 
 class MockRunner:
+    """Keeps its own copy of each request from the scheduler's deltas, as the real runner's
+    input batch does: it never sees a `Request`. A row verifying drafts accepts them while
+    they equal the rule's tokens, then emits the rule's next token."""
+
     def __init__(self):
         self.steps = []
+        self.tokens: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
 
     def execute(self, out):
-        self.steps.append([(s.request.request_id, s.num_new_tokens) for s in out.scheduled])
-        result = []
-        for s in out.scheduled:
-            if not s.samples:
-                result.append(None)
+        for rid in out.finished_req_ids | out.preempted_req_ids:
+            self.tokens.pop(rid)
+        for new in out.scheduled_new_reqs:
+            self.tokens[new.req_id] = [*new.prompt_token_ids, *new.output_token_ids]
+            self.computed[new.req_id] = new.num_computed_tokens
+        cached = out.scheduled_cached_reqs
+        for rid, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
+            self.computed[rid] = computed
+        self.steps.append(list(out.num_scheduled_tokens.items()))
+        result = ModelRunnerOutput()
+        for rid, n in out.num_scheduled_tokens.items():
+            tokens = self.tokens[rid]
+            drafts = out.scheduled_spec_decode_tokens.get(rid, [])
+            if self.computed[rid] + n - len(drafts) < len(tokens):
                 continue
-            last = s.request.all_token_ids[-1]
-            result.append(SampledToken((last + 1) % 1000, 0.0, 1, [], []))
+            emitted = []
+            for d in [*drafts, None]:
+                nxt = ((emitted or tokens)[-1] + 1) % 1000
+                emitted.append(nxt)
+                if d != nxt:
+                    break
+            tokens.extend(emitted)
+            result.sampled[rid] = [SampledToken(t, 0.0, 1, [], []) for t in emitted]
         return result
 
-    def free_request(self, request_id):
-        pass
 
-
-def make_core(num_blocks=64, block_size=4, budget=32, max_seqs=8, tile=1, caching=True):
-    config = SchedulerConfig(max_seqs, budget, 128, True, tile)
+def make_core(
+    num_blocks=64, block_size=4, budget=32, max_seqs=8, tile=1, caching=True, lookahead=0
+):
+    config = SchedulerConfig(max_seqs, budget, 128, True, tile, lookahead)
     sched = Scheduler(config, KVCacheManager(num_blocks, block_size, caching))
     runner = MockRunner()
     return EngineCore(sched, runner, None, 128, eos_token_id=999), sched, runner
@@ -137,6 +158,41 @@ def test_abort_frees_blocks():
     assert sched.kv_cache.num_free_blocks == 63
 
 
+class Proposer:
+    """Drafts the rule's next 3 tokens, or wrong ones."""
+
+    def __init__(self, wrong):
+        self.wrong = wrong
+
+    def propose(self, req):
+        last = req.all_token_ids[-1]
+        return [(last + i + (7 if self.wrong else 0)) % 1000 for i in (1, 2, 3)]
+
+
+def test_drafts_verified_and_rejected_positions_recomputed():
+    expected = {"a": list(range(13, 23)), "b": list(range(501, 505))}
+    for wrong, steps in ((False, 4), (True, 10)):
+        core, sched, runner = make_core(lookahead=3, block_size=4)
+        core.proposer = Proposer(wrong)
+        core.add_request("a", [10, 11, 12], params(10))
+        core.add_request("b", [500], params(4))
+        done = run(core)
+        assert {k: v.outputs[0].token_ids for k, v in done.items()} == expected
+        # a: the prefill gives 1 token, then each step verifies 3 drafts: 1 + 4 + 4 + 1
+        assert len(runner.steps) == steps
+        if not wrong:
+            assert runner.steps[1] == [("a", 4), ("b", 4)]
+        # every cached block is a block of a's or b's real tokens, never of a draft
+        kv = sched.kv_cache
+        keys = set()
+        for seq in ([10, 11, 12, *range(13, 23)], [500, *range(501, 505)]):
+            parent = None
+            for i in range(len(seq) // 4):
+                parent = block_key(parent, seq[i * 4 : (i + 1) * 4])
+                keys.add(parent)
+        assert kv.cached and set(kv.cached) <= keys
+
+
 def test_host_side_imports_no_jax():
     import subprocess
     import sys
@@ -152,6 +208,7 @@ def test_host_side_imports_no_jax():
         "jllm.metrics.stats",
         "jllm.engine.core",
         "jllm.runner.sampled",
+        "jllm.scheduler_output",
     ]
     code = f"import sys\nfor m in {modules!r}: __import__(m)\nprint('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -134,8 +134,8 @@ def test_step_reads_the_stacked_cache_in_place(llama_dir, backend):
     each layer per layer per step); the detector itself fires on a step that does."""
     llm = LLM(llama_dir, **{**SMALL, "attention_backend": backend})
     runner = llm.llm_engine.runner
-    inputs, _, _ = runner._abstract_inputs(2, 1)
-    text = runner._forward_executable(2, 1, jax.device_put(inputs)).as_text()
+    buf, layout, _ = runner._packed_inputs(2, 1)
+    text = runner._forward_executable((2, 1), jax.device_put(buf), layout).as_text()
     shape = runner.kv_cache.shape
     assert not layer_sized(text, shape)
     sliced = jax.jit(lambda c, i: c[i] * 2).lower(runner.kv_cache, 1).compile().as_text()

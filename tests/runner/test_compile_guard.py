@@ -46,6 +46,6 @@ def test_guard_refuses_unknown_bucket(llama_llm):
     runner.compile_guard = True
     try:
         with pytest.raises(CompileAfterWarmupError):
-            runner._forward_executable(3, 3, None)
+            runner._forward_executable((3, 3), None, None)
     finally:
         runner.compile_guard = False

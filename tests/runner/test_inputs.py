@@ -1,14 +1,15 @@
-"""The step-input builder's ordering for the attention bands (pure numpy, no device)."""
+"""The step-input builder over the persistent input batch: ordering for the attention bands,
+rows gathered from the batch, and a verification row's sample rows (pure numpy)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from jllm.engine.request import Request
-from jllm.engine.scheduler import ScheduledRequest, SchedulerOutput
-from jllm.models.attention import kv_bands, kv_chunk_pages
-from jllm.runner.inputs import BatchLayout, build_step_inputs
+from jllm.models.attention_metadata import build_ragged, build_xla, kv_bands, kv_chunk_pages
+from jllm.runner.input_batch import NO_TOKEN, InputBatch
+from jllm.runner.inputs import BatchLayout, build_step
 from jllm.sampling_params import SamplingParams
+from jllm.scheduler_output import NewRequestData, SchedulerOutput
 
 S, C = 4, 4  # block size, tile size
 LAYOUT = BatchLayout.create(
@@ -19,24 +20,31 @@ LAYOUT = BatchLayout.create(
     max_num_seqs=64,
     budget=512,
     kv_token_bytes=1 << 12,
+    num_spec_tokens=3,
 )
 
 
-def scheduled(i, computed, new, total):
-    req = Request(f"r{i}", list(range(1, total + 1)), SamplingParams(), None, seed=i)
+def schedule(out, batch, i, computed, new, total, params=None, drafts=()):
+    """Admit request i (prompt 1..total) to `batch` and schedule `new` tokens of it."""
     blocks = list(range(1 + 64 * i, 1 + 64 * i + -(-(computed + new) // S)))
-    return ScheduledRequest(req, computed, new, blocks)
+    rid = f"r{i}"
+    params = params or SamplingParams()
+    batch.add(NewRequestData(rid, list(range(1, total + 1)), [], params, i, None, blocks, computed))
+    out.num_scheduled_tokens[rid] = new
+    if drafts:
+        out.scheduled_spec_decode_tokens[rid] = list(drafts)
 
 
 def test_rows_sorted_for_bands_and_trip_counts_cover_each_row():
     rng = np.random.default_rng(0)
-    out = SchedulerOutput()
+    out, batch = SchedulerOutput(), InputBatch(64, 256, LAYOUT.max_pages)
     for i in range(20):  # decodes with contexts 5..200
         ctx = int(rng.integers(5, 200))
-        out.scheduled.append(scheduled(i, ctx - 1, 1, ctx))
-    for i, (done, new) in enumerate([(0, 37), (40, 60), (0, 9), (100, 28)], start=20):
-        out.scheduled.append(scheduled(i, done, new, done + new))
-    inputs, ordered, _, _ = build_step_inputs(out, LAYOUT, {}, {}, 65)
+        schedule(out, batch, i, ctx - 1, 1, ctx)
+    chunks = [(0, 37), (40, 60), (0, 9), (100, 28)]
+    for i, (done, new) in enumerate(chunks, start=20):
+        schedule(out, batch, i, done, new, done + new)
+    inputs, _, _, _ = build_step(batch, out, LAYOUT, "xla")
     md = inputs.attn
 
     # Decode rows: longest context first; every band loops far enough for each of its rows.
@@ -54,15 +62,55 @@ def test_rows_sorted_for_bands_and_trip_counts_cover_each_row():
     assert list(horizon) == sorted(horizon, reverse=True)
     flat_pos = md.tile_q_pos[md.tile_inverse]
     assert np.array_equal(md.tile_q_pos, flat_pos[md.tile_order])
-    prefills = [s for s in ordered if s.num_new_tokens > 1]
-    for j, s in enumerate(prefills):  # request rows: decodes (padded to rd), then prefills
-        first = (md.query_start[rd + j] - rd) // C
-        pos = flat_pos[first : first + -(-s.num_new_tokens // C)].reshape(-1)
-        expect = np.arange(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens)
-        assert np.array_equal(pos[: s.num_new_tokens], expect)
-        assert (pos[s.num_new_tokens :] == -1).all()
+    first = 0
+    for done, new in chunks:  # the flat batch's tiles, request by request
+        pos = flat_pos[first : first + -(-new // C)].reshape(-1)
+        assert np.array_equal(pos[:new], np.arange(done, done + new))
+        assert (pos[new:] == -1).all()
+        first += -(-new // C)
     tt = horizon.shape[0]
     tbands = kv_bands(tt)
     tchunk = kv_chunk_pages(S, tt // tbands, LAYOUT.kv_token_bytes, C) * S
     for b, rows in enumerate(horizon.reshape(tbands, -1)):
         assert md.tile_chunks[b] == -(-rows.max() // tchunk)
+
+
+def test_ragged_and_xla_metadata_describe_the_same_batch():
+    """Each backend's builder ships only its own fields; both place every token alike."""
+    out, batch = SchedulerOutput(), InputBatch(64, 256, LAYOUT.max_pages)
+    schedule(out, batch, 0, 30, 1, 31)
+    schedule(out, batch, 1, 0, 9, 9)
+    ragged, _, _, shape = build_step(batch, out, LAYOUT, "cpu_kernel")
+    xla, _, _, _ = build_step(batch, out, LAYOUT, "xla")
+    r, x = ragged.attn, xla.attn
+    assert not hasattr(r, "tile_q_pos") and not hasattr(x, "query_start")
+    np.testing.assert_array_equal(r.slot_mapping, x.slot_mapping)
+    rd, tt = shape
+    assert (rd, tt) == (1, 4)  # one decode row; 9 tokens in 3 tiles of 4, bucket 4
+    np.testing.assert_array_equal(r.kv_lens[:2], [31, 9])
+    np.testing.assert_array_equal(r.query_start[:2], [0, 1])
+    np.testing.assert_array_equal(x.decode_kv_lens, [31])
+    np.testing.assert_array_equal(r.block_tables[0], x.decode_block_table[0])
+    # the decode's token is gathered from the batch row: position 30 holds token 31
+    assert ragged.token_ids[0] == 31 and ragged.positions[0] == 30
+    assert build_ragged is not build_xla
+
+
+def test_verification_row_samples_after_each_draft():
+    out, batch = SchedulerOutput(), InputBatch(64, 256, LAYOUT.max_pages)
+    params = SamplingParams(temperature=1.0, seed=5, min_tokens=2, stop_token_ids=[7])
+    schedule(out, batch, 0, 11, 1, 12, SamplingParams(temperature=0))  # a greedy decode
+    schedule(out, batch, 1, 19, 4, 20, params, drafts=[50, 51, 52])  # verify 3 drafts
+    inputs, md, groups, _ = build_step(batch, out, LAYOUT, "cpu_kernel")
+    assert [(g.req_id, g.first, g.count) for g in groups] == [("r0", 0, 1), ("r1", 1, 4)]
+    start = inputs.attn.query_start[1]
+    np.testing.assert_array_equal(inputs.token_ids[start : start + 4], [20, 50, 51, 52])
+    np.testing.assert_array_equal(inputs.positions[start : start + 4], [19, 20, 21, 22])
+    np.testing.assert_array_equal(inputs.logits_indices[:5], [0, *range(start, start + 4)])
+    np.testing.assert_array_equal(md.draft[:5], [-1, 50, 51, 52, -1])
+    np.testing.assert_array_equal(md.group_first[:5], [0, 1, 1, 1, 1])
+    np.testing.assert_array_equal(md.counter[1:5], [0, 1, 2, 3])  # its output index + j
+    np.testing.assert_array_equal(md.spec_prev[3], [50, 51, NO_TOKEN])
+    # min_tokens=2: the stop id is suppressed for output indices 0 and 1 only
+    assert 7 in md.suppress[1] and 7 in md.suppress[2] and 7 not in md.suppress[3]
+    assert md.temperature[1] == 1.0 and md.temperature[0] == 0.0

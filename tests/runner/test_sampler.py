@@ -8,7 +8,7 @@ import pytest
 import scipy.stats
 
 from jllm.runner.draw import NUM_CANDIDATES
-from jllm.runner.sampler import SamplingMetadata, sample
+from jllm.runner.sampler import SamplingMetadata, sample, unpack_result
 
 
 def metadata(R, V, **over):
@@ -26,6 +26,9 @@ def metadata(R, V, **over):
         penalty_rows=np.zeros(R, np.int32),
         suppress=np.full((R, 16), V, np.int32),
         want_logprobs=np.zeros(R, bool),
+        draft=np.full(R, -1, np.int32),
+        group_first=np.arange(R, dtype=np.int32),
+        spec_prev=np.full((R, 1), V, np.int32),
     )
     for k, v in over.items():
         fields[k] = np.broadcast_to(np.asarray(v, fields[k].dtype), fields[k].shape).copy()
@@ -36,8 +39,9 @@ def run(logits, md, counts=None, prompt_mask=None, num_logprobs=5):
     R, V = logits.shape
     counts = np.zeros((R + 1, V), np.int32) if counts is None else counts
     prompt_mask = np.zeros((R + 1, V), bool) if prompt_mask is None else prompt_mask
-    out = sample(jnp.asarray(logits), md, counts, prompt_mask, num_logprobs=num_logprobs)
-    return [np.asarray(o) for o in out]
+    packed, _ = sample(jnp.asarray(logits), md, counts, prompt_mask, num_logprobs=num_logprobs)
+    tokens, lp, rank, _, top_ids, top_lp = unpack_result(np.asarray(packed), num_logprobs)
+    return [tokens, lp, rank, top_ids, top_lp]
 
 
 def test_penalties_follow_vllm_semantics():

@@ -1,0 +1,114 @@
+"""The persistent input batch (vLLM V1's `InputBatch`): one numpy row per running request.
+
+A request's row is written once, when the scheduler first sends it (`NewRequestData`): its
+tokens, block table and sampling parameters. After that the row changes only by deltas: new
+block ids and the computed length from the scheduler (`CachedRequestData`), and the tokens
+the runner samples, which it appends itself. Each step's inputs are then gathers over these
+arrays by row index (`runner/inputs.py`), with no per-token Python loop for decodes.
+
+Row `pad` (the last) is a padding row: greedy, no penalties, an empty block table. A row
+with penalties owns penalty-state row `row + 1` on the device (row 0 stays empty, see
+`runner/penalty_state.py`).
+
+Host-side numpy only: no JAX, nothing from `jllm.engine`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jllm.sampling_params import MAX_SUPPRESS
+from jllm.scheduler_output import CachedRequestData, NewRequestData
+
+NO_TOKEN = np.iinfo(np.int32).max  # an id past any vocabulary: scatters with it are dropped
+
+
+class InputBatch:
+    def __init__(self, max_num_seqs: int, max_model_len: int, max_pages: int) -> None:
+        M = max_num_seqs
+        self.pad = M
+        self.max_model_len = max_model_len
+        self.req_ids: list[str | None] = [None] * M
+        self.index: dict[str, int] = {}
+        self._free = list(range(M - 1, -1, -1))
+        rows = M + 1
+        self.token_ids = np.zeros((rows, max_model_len), np.int32)
+        self.num_tokens = np.zeros(rows, np.int32)  # known tokens: prompt + output
+        self.num_prompt = np.zeros(rows, np.int32)
+        self.num_computed = np.zeros(rows, np.int32)  # before the current step
+        self.block_table = np.zeros((rows, max_pages), np.int32)
+        self.num_blocks = np.zeros(rows, np.int32)
+        self.temperature = np.zeros(rows, np.float32)
+        self.top_p = np.ones(rows, np.float32)
+        self.top_k = np.zeros(rows, np.int32)
+        self.min_p = np.zeros(rows, np.float32)
+        self.seed_lo = np.zeros(rows, np.uint32)
+        self.seed_hi = np.zeros(rows, np.uint32)
+        self.presence = np.zeros(rows, np.float32)
+        self.frequency = np.zeros(rows, np.float32)
+        self.repetition = np.ones(rows, np.float32)
+        self.penalty_row = np.zeros(rows, np.int32)  # 0: no penalties
+        self.min_tokens = np.zeros(rows, np.int32)
+        self.suppress = np.full((rows, MAX_SUPPRESS), NO_TOKEN, np.int32)  # under min_tokens
+        self.want_logprobs = np.zeros(rows, bool)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def add(self, new: NewRequestData) -> int:
+        """Write a request's row; returns it."""
+        if new.req_id in self.index:  # resumed after a preemption: a fresh row
+            self.remove(new.req_id)
+        r = self._free.pop()
+        self.req_ids[r] = new.req_id
+        self.index[new.req_id] = r
+        tokens = [*new.prompt_token_ids, *new.output_token_ids]
+        self.token_ids[r, : len(tokens)] = tokens
+        self.num_tokens[r] = len(tokens)
+        self.num_prompt[r] = len(new.prompt_token_ids)
+        self.num_computed[r] = new.num_computed_tokens
+        self.block_table[r] = 0
+        self.num_blocks[r] = 0
+        self._append_blocks(r, new.block_ids)
+        p = new.sampling_params
+        self.temperature[r], self.top_p[r] = p.temperature, p.top_p
+        self.top_k[r], self.min_p[r] = p.top_k, p.min_p
+        self.seed_lo[r], self.seed_hi[r] = new.seed & 0xFFFFFFFF, (new.seed >> 32) & 0xFFFFFFFF
+        penalties = p.has_penalties
+        self.presence[r] = p.presence_penalty if penalties else 0.0
+        self.frequency[r] = p.frequency_penalty if penalties else 0.0
+        self.repetition[r] = p.repetition_penalty if penalties else 1.0
+        self.penalty_row[r] = r + 1 if penalties else 0
+        self.min_tokens[r] = p.min_tokens
+        ids = sorted(p.all_stop_token_ids | {new.eos_token_id} - {None})
+        self.suppress[r] = NO_TOKEN
+        if p.min_tokens:
+            self.suppress[r, : len(ids)] = ids
+        self.want_logprobs[r] = p.logprobs is not None
+        return r
+
+    def update(self, cached: CachedRequestData) -> None:
+        for rid, blocks, computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            r = self.index[rid]
+            self._append_blocks(r, blocks)
+            self.num_computed[r] = computed
+
+    def _append_blocks(self, r: int, blocks: list[int]) -> None:
+        n = self.num_blocks[r]
+        self.block_table[r, n : n + len(blocks)] = blocks
+        self.num_blocks[r] = n + len(blocks)
+
+    def append_tokens(self, r: int, tokens) -> None:
+        n = self.num_tokens[r]
+        k = min(len(tokens), self.max_model_len - n)  # a finished row may overshoot
+        self.token_ids[r, n : n + k] = tokens[:k]
+        self.num_tokens[r] = n + k
+
+    def remove(self, req_id: str) -> int | None:
+        r = self.index.pop(req_id, None)
+        if r is not None:
+            self.req_ids[r] = None
+            self._free.append(r)
+        return r

@@ -1,0 +1,63 @@
+"""What the scheduler hands the model runner each step (vLLM V1's `SchedulerOutput`).
+
+A request's full data crosses once, when it enters the running set (`NewRequestData`, again
+after a preemption, since jllm recomputes a preempted request from scratch); after that only
+deltas do (`CachedRequestData`: new block ids and how far the request is computed). The
+runner keeps the rest in its persistent input batch and appends the tokens it samples itself,
+so neither side holds the other's objects. Plain data: no JAX, no engine import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # tokens generated before a preemption (empty when new)
+    sampling_params: SamplingParams
+    seed: int
+    eos_token_id: int | None
+    block_ids: list[int]
+    num_computed_tokens: int  # before this step (the prefix-cache hit)
+
+
+@dataclass
+class CachedRequestData:
+    """Running requests scheduled again: parallel lists, one entry per request."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)  # appended to its table
+    num_computed_tokens: list[int] = field(default_factory=list)  # before this step
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # drafts included
+    total_num_scheduled_tokens: int = 0
+    # Draft tokens to verify, per request: its row carries 1 + len(drafts) tokens and
+    # samples after each of them.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Requests the runner drops from its batch before this step: finished or aborted since
+    # the last step, and preempted ones (they come back as new requests).
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+    num_preempted: int = 0
+
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass
+class ModelRunnerOutput:
+    """The tokens each scheduled request produced this step, in order: none for a prefill
+    chunk that does not reach its end, one for a decode, 1..k+1 for a row verifying k
+    drafts (the accepted drafts, then the token sampled after them)."""
+
+    sampled: dict[str, list] = field(default_factory=dict)  # req id -> [SampledToken]
