@@ -53,37 +53,70 @@ def s1(rng):
 
 
 class StepTimer:
-    """Wraps the runner to time steps: the whole step (`execute`), the device part inside it
-    (`run_step`: transfer, forward, sampler, fetch) and the device's idle time before it
-    (from the previous step's fetch to this step's transfer: host work the device waits
-    for). Host ms per step = step - device part."""
+    """Times the engine's steps: the whole step, and how long the host waited for the device
+    in it. Host ms per step = step - wait.
 
-    def __init__(self, runner):
-        self.runner = runner
-        self.inner, self.inner_device = runner.execute, runner.run_step
+    Synchronous steps (`execute`): the wait is the device part (`run_step`: transfer,
+    forward, sampler, fetch), and the device is idle from one step's fetch to the next
+    step's transfer: exactly the host's work, measured as such.
+    Async steps (`dispatch` of step N+1, then `fetch` of step N): the wait is the time
+    `fetch` blocks. When it blocks, step N was still running, and step N+1 was already
+    queued behind it, so the device had no gap before N+1; the share of steps that did
+    not block bounds how often the device could have waited for the host."""
+
+    def __init__(self, runner, async_mode: bool):
+        names = ("dispatch", "fetch") if async_mode else ("execute", "run_step")
+        self.inner = {n: getattr(runner, n) for n in names}
+        for n in names:
+            setattr(runner, n, getattr(self, n))
         self.records = []
-        self._device = self._idle = 0.0
+        self._wait = self._idle = 0.0
         self._last_end = None
-        runner.execute = self
-        runner.run_step = self.device
+        self._decodes = self._total = 0
 
-    def device(self, *args, **kwargs):
+    def run_step(self, *args, **kwargs):
         t0 = time.perf_counter()
         if self._last_end is not None:
             self._idle = t0 - self._last_end
-        result = self.inner_device(*args, **kwargs)
+        result = self.inner["run_step"](*args, **kwargs)
+        if hasattr(result, "block_until_ready"):
+            result.block_until_ready()  # synchronous: the device part ends here
         self._last_end = time.perf_counter()
-        self._device = self._last_end - t0
+        self._wait = self._last_end - t0
         return result
 
-    def __call__(self, out):
+    def _shape(self, out):
+        if hasattr(out, "num_scheduled_tokens"):
+            decodes = sum(1 for n in out.num_scheduled_tokens.values() if n == 1)
+            return decodes, out.total_num_scheduled_tokens
+        return sum(1 for s in out.scheduled if s.num_new_tokens == 1), out.total_num_tokens
+
+    def execute(self, out):
         t0 = time.perf_counter()
-        result = self.inner(out)
+        result = self.inner["execute"](out)
         dt = time.perf_counter() - t0
-        decodes = sum(1 for n in out.num_scheduled_tokens.values() if n == 1)
-        total = out.total_num_scheduled_tokens
-        self.records.append((decodes, total, dt, self._device, self._idle))
+        self.records.append((*self._shape(out), dt, self._wait, self._idle))
         return result
+
+    def dispatch(self, out):
+        # Async: a step record spans dispatch(N+1) .. the next dispatch; the wait is what
+        # fetch(N) blocked in between. Runs without run_step's synchronisation.
+        now = time.perf_counter()
+        if self._last_end is not None:
+            self.records.append(
+                (self._decodes, self._total, now - self._last_end, self._wait, float("nan"))
+            )
+        self._last_end = now
+        self._decodes, self._total = self._shape(out)
+        self._wait = 0.0
+        return self.inner["dispatch"](out)
+
+    def fetch(self, handle):
+        packed = handle[0]
+        t0 = time.perf_counter()
+        packed.block_until_ready()
+        self._wait += time.perf_counter() - t0
+        return self.inner["fetch"](handle)
 
     def decode_steps(self, batch):
         return [r for r in self.records[1:] if r[0] == batch and r[1] == batch]
@@ -93,13 +126,17 @@ class StepTimer:
         return batch * len(steps) / sum(steps) if steps else float("nan")
 
     def host_profile(self, batch):
-        """(host ms per step, device idle ms between steps) over pure decode steps."""
+        """Medians over pure decode steps: (step ms, host ms, device idle ms between steps
+        (sync) or the share of steps whose fetch did not block (async))."""
         steps = self.decode_steps(batch)
         if not steps:
-            return float("nan"), float("nan")
-        host = np.median([(dt - dev) * 1e3 for _, _, dt, dev, _ in steps])
-        idle = np.median([idle * 1e3 for *_, idle in steps])
-        return host, idle
+            return float("nan"), float("nan"), float("nan")
+        step = np.median([dt * 1e3 for _, _, dt, _, _ in steps])
+        host = np.median([(dt - wait) * 1e3 for _, _, dt, wait, _ in steps])
+        idles = [idle for *_, idle in steps]
+        if np.isnan(idles).all():  # async
+            return step, host, np.mean([wait < 1e-4 for _, _, _, wait, _ in steps])
+        return step, host, np.median(idles) * 1e3
 
 
 def run_jllm(llm, reqs, name):
@@ -205,15 +242,27 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true", help="only jllm")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="auto", help="jllm's dtype (transformers gets the same)")
+    ap.add_argument(
+        "--async-scheduling",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="jllm's async_scheduling (auto: the platform default)",
+    )
     args = ap.parse_args()
     rng = np.random.default_rng(args.seed)
     make = {"W1": w1, "W2": w2, "W3": w3, "S1": s1}
     reqs = {w: make[w](rng) for w in args.workloads}
 
     print(f"host: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
-    llm = LLM(dtype=args.dtype, disable_log_stats=True)
+    kwargs = {}
+    if args.async_scheduling != "auto":
+        kwargs["async_scheduling"] = args.async_scheduling == "on"
+    llm = LLM(dtype=args.dtype, disable_log_stats=True, **kwargs)
+    core = llm.llm_engine.core
+    mode_async = getattr(core, "async_scheduling", False)
+    print(f"async scheduling: {'on' if mode_async else 'off'}")
     print(f"dtype: {llm.llm_engine.dtype.name} (jllm and transformers)")
-    timer = StepTimer(llm.llm_engine.runner)
+    timer = StepTimer(llm.llm_engine.runner, mode_async)
     run_jllm(llm, w1(np.random.default_rng(99))[:8], "warm-up")
     results = {}
     for w in args.workloads:
@@ -251,10 +300,14 @@ def main() -> None:
         print(f"jllm decode at batch 64: {d:.0f} tok/s = {d / roof[64]:.0%} of the roofline")
     for w, batch in (("W1", 64), ("W2", 256)):
         if w in results:
-            host, idle = results[w][f"host{batch}"]
+            step, host, idle = results[w][f"host{batch}"]
+            if mode_async:
+                idle_text = f"fetch did not block in {idle:.0%} of steps"
+            else:
+                idle_text = f"device idle {idle:.2f} ms between steps"
             print(
-                f"decode steps at batch {batch}: host {host:.2f} ms/step, "
-                f"device idle {idle:.2f} ms between steps (medians)"
+                f"decode steps at batch {batch}: step {step:.1f} ms, host {host:.2f} ms, "
+                f"{idle_text} (medians)"
             )
     if "S1" in results:
         d = results["S1"]["decode1"]

@@ -67,6 +67,8 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     # Draft tokens a request may verify per step (vLLM's name; a speculative config sets it).
     num_lookahead_slots: int = 0
+    # Schedule step N+1 while step N runs. None: the platform's default (engine/platform.py).
+    async_scheduling: bool | None = None
     # Execution.
     enforce_eager: bool = False
     max_seq_len_to_capture: int = 8192

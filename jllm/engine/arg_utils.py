@@ -48,6 +48,8 @@ HELP = {
     "max_num_seqs": "Most sequences in one step (default 256).",
     "enable_chunked_prefill": "Split long prompts over several steps.",
     "num_lookahead_slots": "Draft tokens a request may verify per step (sizes the buckets).",
+    "async_scheduling": "Schedule and build the next step while the device runs this one "
+    "(default: on where measured to help, see the README).",
     "enforce_eager": "Compile each step shape on first use instead of all at start-up.",
     "max_seq_len_to_capture": "Accepted for compatibility; every bucket is compiled.",
     "attention_backend": "Attention implementation: 'auto' (Pallas on TPU, the C++ kernel on "

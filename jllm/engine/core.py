@@ -6,6 +6,12 @@ for a stop after each (a verification row can bring several; what follows a stop
 dropped), and finished (or, when streaming, updated) requests come out as `RequestOutput`s.
 Drafts the runner computed but did not accept are handed back to the scheduler.
 
+With `async_scheduling` the loop runs one step ahead: it schedules and dispatches step N+1,
+then waits for step N's results and processes them, so the host's work overlaps the
+device's. The runner then needs `dispatch(SchedulerOutput) -> handle` and
+`fetch(handle) -> ModelRunnerOutput`; a request finished by step N's tokens may have
+computed one more token in step N+1, which is dropped.
+
 The runner is injected (anything with `execute(SchedulerOutput) -> ModelRunnerOutput`), so
 this module stays free of JAX and is tested with a mock runner. So is an optional proposer
 (anything with `propose(request) -> list[int]`), asked for draft tokens for every running
@@ -55,6 +61,7 @@ class EngineCore:
         eos_token_id: int | None,
         stat_loggers: list | None = None,
         proposer=None,
+        async_scheduling: bool = False,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
@@ -64,6 +71,8 @@ class EngineCore:
         # Anything with `record(StepStats, SchedulerStats)` (see jllm.metrics).
         self.stat_loggers = list(stat_loggers or [])
         self.proposer = proposer
+        self.async_scheduling = async_scheduling
+        self._in_flight = None  # async: (SchedulerOutput, runner handle) of the last step
         self.parents: dict[str, ParentRequest] = {}
         self._child_parent: dict[str, ParentRequest] = {}
         # A token's text for logprobs, decoded once per token id for the engine's life.
@@ -117,17 +126,33 @@ class EngineCore:
             self._record(stats)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     def _release(self, child: Request) -> None:
         self._child_parent.pop(child.request_id, None)
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.async_scheduling:
+            return self._step_ahead()
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty():
             return []
-        result = self.runner.execute(sched_out)
+        return self._update(sched_out, self.runner.execute(sched_out))
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        if self.proposer is not None:
+            raise ValueError("Draft tokens need the step's results: async scheduling is off.")
+        sched_out = self.scheduler.schedule()
+        handle = None if sched_out.is_empty() else self.runner.dispatch(sched_out)
+        outputs = []
+        if self._in_flight is not None:
+            last_out, last_handle = self._in_flight
+            outputs = self._update(last_out, self.runner.fetch(last_handle))
+        self._in_flight = None if handle is None else (sched_out, handle)
+        return outputs
+
+    def _update(self, sched_out, result) -> list[RequestOutput]:
         now = time.time()
         stats = StepStats(num_computed_tokens=sched_out.total_num_scheduled_tokens)
         touched: dict[str, tuple[ParentRequest, set[str]]] = {}
@@ -136,6 +161,8 @@ class EngineCore:
             if req is None:
                 continue
             tokens = result.sampled.get(rid, ())
+            if tokens:
+                req.num_output_placeholders -= 1
             drafts = sched_out.scheduled_spec_decode_tokens.get(rid, ())
             if drafts:
                 self.scheduler.reject_drafts(req, len(drafts) + 1 - len(tokens))

@@ -29,7 +29,13 @@ from jllm.engine.generation_config import (
     model_generation_config,
 )
 from jllm.engine.kv_cache_manager import KVCacheManager
-from jllm.engine.platform import log_split, min_dot_rows, resolve_backend, resolve_dtype
+from jllm.engine.platform import (
+    log_split,
+    min_dot_rows,
+    resolve_async_scheduling,
+    resolve_backend,
+    resolve_dtype,
+)
 from jllm.engine.processor import Processor
 from jllm.engine.scheduler import Scheduler
 from jllm.metrics.stats import LoggingStatLogger
@@ -183,7 +189,13 @@ class LLMEngine:
         self.default_sampling_params = generation_defaults(args.generation_config, gen_config)
         self.stat_loggers = [] if args.disable_log_stats else [LoggingStatLogger()]
         self.core = EngineCore(
-            self.scheduler, self.runner, self.tokenizer, max_model_len, eos, self.stat_loggers
+            self.scheduler,
+            self.runner,
+            self.tokenizer,
+            max_model_len,
+            eos,
+            self.stat_loggers,
+            async_scheduling=resolve_async_scheduling(args.async_scheduling, platform),
         )
         self.processor = Processor(self.tokenizer, max_model_len, cfg.vocab_size, args.max_logprobs)
         self._rng = random.Random(args.seed)

@@ -117,3 +117,12 @@ def log_split(mesh, state, kv_cache, replicas: int) -> None:
         per_device_bytes(kv_cache) / 2**30,
         kv_cache.nbytes / 2**30,
     )
+
+
+def resolve_async_scheduling(requested: bool | None, platform: str) -> bool:
+    """Async scheduling overlaps the host's work for step N+1 with the device's step N. On
+    an accelerator the host is otherwise idle while the device runs; on the CPU the device
+    is the same cores, so the default follows what was measured there (README)."""
+    if requested is not None:
+        return requested
+    return platform != "cpu"

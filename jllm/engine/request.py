@@ -61,6 +61,9 @@ class Request:
         self.block_hashes: list[bytes] = []
         # Draft tokens a proposer wrote for the next step, to be verified there.
         self.spec_token_ids: list[int] = []
+        # Tokens being sampled by steps in flight whose results the engine has not seen yet
+        # (async scheduling): the scheduler counts them as known.
+        self.num_output_placeholders = 0
         self.stop_reason: int | str | None = None
         self.logprobs: list = []  # per output token, filled when logprobs are requested
         self.cumulative_logprob = 0.0

@@ -6,6 +6,11 @@ requests in arrival order, their prompts chunked to fit what is left of the budg
 block pool runs dry, the most recently admitted running request is preempted: its blocks are
 freed and it is recomputed later (vLLM's recompute mode).
 
+With async scheduling the next step is scheduled before the results of the one in flight
+are in: a request that samples in a step holds an output placeholder until its token is
+appended, and the scheduler counts placeholders as known tokens (the runner takes the
+token from the device).
+
 A running request with draft tokens (`Request.spec_token_ids`, written by a proposer after
 each step) is scheduled with them: 1 + k tokens whose row samples after each one. The step's
 `SchedulerOutput` carries each request's full data once and deltas after that (see
@@ -82,10 +87,20 @@ class Scheduler:
     def _drafts(self, req: Request) -> list[int]:
         """The drafts `req` can verify this step: only from a decode, and never past the
         context length."""
-        if req.num_tokens - req.num_computed_tokens != 1:
+        if req.num_output_placeholders or req.num_tokens - req.num_computed_tokens != 1:
             return []
         room = min(self.config.max_model_len - req.num_tokens, self.config.num_lookahead_slots)
         return req.spec_token_ids[: max(0, room)]
+
+    def _reached_length(self, req: Request) -> bool:
+        if not req.num_output_placeholders:
+            return False
+        max_tokens = req.sampling_params.max_tokens or self.config.max_model_len
+        total = req.num_tokens + req.num_output_placeholders
+        return (
+            req.num_output_tokens + req.num_output_placeholders >= max_tokens
+            or total >= self.config.max_model_len
+        )
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -96,8 +111,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if self._reached_length(req):  # its last token is in flight: nothing to add
+                i += 1
+                continue
             drafts = self._drafts(req)
-            known = req.num_tokens - req.num_computed_tokens
+            known = req.num_tokens + req.num_output_placeholders - req.num_computed_tokens
             num_new = self._fit(known + len(drafts), budget)
             if num_new < known + len(drafts):  # no room to verify: the known tokens only
                 drafts, num_new = [], self._fit(known, budget)
@@ -180,6 +198,9 @@ class Scheduler:
             if drafts:
                 out.scheduled_spec_decode_tokens[rid] = list(drafts)
             req.spec_token_ids = []
+            known = req.num_tokens + req.num_output_placeholders
+            if req.num_computed_tokens + num_new - len(drafts) == known:
+                req.num_output_placeholders += 1  # this step samples its next token
             req.num_computed_tokens += num_new
 
     def finish_request(self, req: Request, status: RequestStatus) -> None:

@@ -34,6 +34,10 @@ class InputBatch:
         rows = M + 1
         self.token_ids = np.zeros((rows, max_model_len), np.int32)
         self.num_tokens = np.zeros(rows, np.int32)  # known tokens: prompt + output
+        # Tokens sampled by steps in flight, not yet fetched (async scheduling): they sit on
+        # the device, and the next step reads them there.
+        self.num_pending = np.zeros(rows, np.int32)
+        self.generation = np.zeros(rows, np.int64)  # bumped when a row changes hands
         self.num_prompt = np.zeros(rows, np.int32)
         self.num_computed = np.zeros(rows, np.int32)  # before the current step
         self.block_table = np.zeros((rows, max_pages), np.int32)
@@ -65,6 +69,8 @@ class InputBatch:
         tokens = [*new.prompt_token_ids, *new.output_token_ids]
         self.token_ids[r, : len(tokens)] = tokens
         self.num_tokens[r] = len(tokens)
+        self.num_pending[r] = 0
+        self.generation[r] += 1
         self.num_prompt[r] = len(new.prompt_token_ids)
         self.num_computed[r] = new.num_computed_tokens
         self.block_table[r] = 0
@@ -110,5 +116,6 @@ class InputBatch:
         r = self.index.pop(req_id, None)
         if r is not None:
             self.req_ids[r] = None
+            self.generation[r] += 1
             self._free.append(r)
         return r

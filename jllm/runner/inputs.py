@@ -31,6 +31,7 @@ from jllm.scheduler_output import SchedulerOutput
         "token_ids",
         "positions",
         "logits_indices",
+        "from_device",
         "attn",
     ],
     meta_fields=[],
@@ -40,6 +41,9 @@ class StepInputs:
     token_ids: jax.Array  # [T]
     positions: jax.Array  # [T]
     logits_indices: jax.Array  # [Rs] flat index of the token each sample row follows
+    # [T] the input-batch row whose last sampled token, still on the device (async
+    # scheduling), this token is; -1: the token is in token_ids
+    from_device: jax.Array
     attn: object  # the backend's metadata (models/attention_metadata.py)
 
 
@@ -121,6 +125,7 @@ class SampleGroup:
     row: int  # its input-batch row
     first: int
     count: int  # 1, or 1 + k for a row verifying k drafts
+    generation: int = 0  # the row's generation: a row that changed hands is not appended to
 
 
 def build_step(
@@ -152,6 +157,7 @@ def build_step(
     T, R, P = Rd + Tt * C, Rd + Tt, layout.max_pages
 
     token_ids = np.zeros(T, np.int32)
+    from_device = np.full(T, -1, np.int32)
     positions = np.zeros(T, np.int32)
     slot_mapping = np.full(T, layout.num_blocks * S, np.int32)
     query_start = np.zeros(R, np.int32)
@@ -164,20 +170,27 @@ def build_step(
     groups: list[SampleGroup] = []
     drafts_of: list[list[int]] = []
 
-    # Decodes: one token each, gathered from the input batch.
+    # Decodes: one token each, gathered from the input batch, or from the device when it
+    # was sampled by the step still in flight.
     nd = len(d_idx)
     d_rows = rows[d_idx]
     pos = batch.num_computed[d_rows]
     tables = batch.block_table[d_rows]
-    token_ids[:nd] = batch.token_ids[d_rows, pos]
+    on_host = pos < batch.num_tokens[d_rows]
+    token_ids[:nd] = np.where(
+        on_host, batch.token_ids[d_rows, np.minimum(pos, batch.max_model_len - 1)], 0
+    )
+    from_device[:nd] = np.where(on_host, -1, d_rows)
     positions[:nd] = pos
     slot_mapping[:nd] = tables[np.arange(nd), pos // S] * S + pos % S
     query_start[:nd] = np.arange(nd)
     query_lens[:nd] = 1
     kv_lens[:nd] = pos + 1
     block_tables[:nd] = tables
-    for j in np.flatnonzero(pos + 1 == batch.num_tokens[d_rows]):
-        groups.append(SampleGroup(ids[d_idx[j]], int(d_rows[j]), len(sample_at), 1))
+    known = batch.num_tokens + batch.num_pending
+    for j in np.flatnonzero(pos + 1 == known[d_rows]):
+        r = int(d_rows[j])
+        groups.append(SampleGroup(ids[d_idx[j]], r, len(sample_at), 1, int(batch.generation[r])))
         sample_at.append(int(j))
         drafts_of.append([])
 
@@ -187,11 +200,13 @@ def build_step(
         r, n, rid = int(rows[i]), int(counts[i]), ids[i]
         nc = int(batch.num_computed[r])
         drafts = out.scheduled_spec_decode_tokens.get(rid, [])
-        known = n - len(drafts)
+        k_known = n - len(drafts)
+        if nc + k_known > batch.num_tokens[r]:
+            raise RuntimeError(f"{rid}: a row of several tokens needs its tokens on the host")
         row = Rd + j
         pos = np.arange(nc, nc + n, dtype=np.int32)
-        token_ids[start : start + known] = batch.token_ids[r, nc : nc + known]
-        token_ids[start + known : start + n] = drafts
+        token_ids[start : start + k_known] = batch.token_ids[r, nc : nc + k_known]
+        token_ids[start + k_known : start + n] = drafts
         positions[start : start + n] = pos
         slot_mapping[start : start + n] = batch.block_table[r, pos // S] * S + pos % S
         query_start[row], query_lens[row], kv_lens[row] = start, n, nc + n
@@ -201,9 +216,11 @@ def build_step(
         padded = np.full(k * C, -1, np.int32)
         padded[:n] = pos
         tile_pos[tile : tile + k] = padded.reshape(k, C)
-        if nc + known == batch.num_tokens[r]:
-            groups.append(SampleGroup(rid, r, len(sample_at), len(drafts) + 1))
-            sample_at.extend(range(start + known - 1, start + n))
+        if nc + k_known == known[r]:
+            groups.append(
+                SampleGroup(rid, r, len(sample_at), len(drafts) + 1, int(batch.generation[r]))
+            )
+            sample_at.extend(range(start + k_known - 1, start + n))
             drafts_of.append(drafts)
         tile += k
         start += k * C
@@ -222,7 +239,7 @@ def build_step(
     )
     logits_indices = np.zeros(Rs, np.int32)
     logits_indices[: len(sample_at)] = sample_at
-    inputs = StepInputs(token_ids, positions, logits_indices, BUILDERS[backend](flat))
+    inputs = StepInputs(token_ids, positions, logits_indices, from_device, BUILDERS[backend](flat))
     md = sampling_metadata(batch, groups, drafts_of, Rs, max(1, layout.num_spec_tokens))
     return inputs, md, groups, (Rd, Tt)
 
@@ -240,7 +257,7 @@ def sampling_metadata(batch: InputBatch, groups, drafts_of, Rs: int, K: int):
         draft[g.first : g.first + len(drafts)] = drafts
         for t in range(1, g.count):
             spec_prev[g.first + t, :t] = drafts[:t]
-    counter = batch.num_tokens[row] - batch.num_prompt[row] + offset
+    counter = batch.num_tokens[row] + batch.num_pending[row] - batch.num_prompt[row] + offset
     under_min = (counter < batch.min_tokens[row])[:, None]
     return SamplingMetadata(
         temperature=batch.temperature[row],
@@ -256,6 +273,7 @@ def sampling_metadata(batch: InputBatch, groups, drafts_of, Rs: int, K: int):
         penalty_rows=batch.penalty_row[row],
         suppress=np.where(under_min, batch.suppress[row], NO_TOKEN).astype(np.int32),
         want_logprobs=batch.want_logprobs[row],
+        batch_row=row,
         draft=draft,
         group_first=group_first,
         spec_prev=spec_prev,

@@ -20,6 +20,7 @@ import logging
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -39,12 +40,15 @@ class CompileAfterWarmupError(RuntimeError):
     pass
 
 
-def _forward(state, kv_cache, buf, *, layout, graphdef, backend, logits_sharding):
+def _forward(state, kv_cache, last_tokens, buf, *, layout, graphdef, backend, logits_sharding):
     """One packed buffer in: the step's inputs and its sampling metadata, which is passed
-    on to the sampler as an output (no second transfer)."""
+    on to the sampler as an output (no second transfer). Tokens sampled by the previous
+    step are read from `last_tokens` on the device."""
     batch, md = unpack(buf, layout)
+    on_device = last_tokens[jnp.maximum(batch.from_device, 0)]
+    token_ids = jnp.where(batch.from_device >= 0, on_device, batch.token_ids)
     model = nnx.merge(graphdef, state)
-    hidden, kv_cache = model(batch.token_ids, batch.positions, kv_cache, batch.attn, backend)
+    hidden, kv_cache = model(token_ids, batch.positions, kv_cache, batch.attn, backend)
     logits = model.compute_logits(hidden[batch.logits_indices])  # [Rs, V]
     # One fixed layout for the sampler, whatever the bucket (vocab-split under TP).
     logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
@@ -90,6 +94,9 @@ class ModelRunner:
         shape = (self.penalties.num_rows, vocab_size)
         self.counts = jax.device_put(np.zeros(shape, np.int32), self.replicated)
         self.prompt_mask = jax.device_put(np.zeros(shape, np.bool_), self.replicated)
+        # The last token each input-batch row sampled, where the next step reads it.
+        last = np.zeros(max_num_seqs + 1, np.int32)
+        self.last_tokens = jax.device_put(last, self.replicated)
         self._forward_exe: dict[tuple[int, int], object] = {}
         self._sample_exe: dict[int, object] = {}
         self._write_exe: dict[int, object] = {}
@@ -115,6 +122,7 @@ class ModelRunner:
                 lowered = forward_step.lower(
                     self.state,
                     self.kv_cache,
+                    self.last_tokens,
                     buf,
                     layout=layout,
                     graphdef=self.graphdef,
@@ -131,7 +139,12 @@ class ModelRunner:
                 raise CompileAfterWarmupError(f"sampler bucket (R={rs}) not compiled")
             with jax.set_mesh(self.mesh):
                 lowered = sample.lower(
-                    logits, md, self.counts, self.prompt_mask, num_logprobs=self.max_logprobs
+                    logits,
+                    md,
+                    self.counts,
+                    self.prompt_mask,
+                    self.last_tokens,
+                    num_logprobs=self.max_logprobs,
                 )
             exe = self._sample_exe[rs] = lowered.compile()
         return exe
@@ -187,8 +200,8 @@ class ModelRunner:
     # ---- the step ------------------------------------------------------------------------
     def run_step(self, key, step, writes=()):
         """The device part of a step, from the host inputs (StepInputs, SamplingMetadata) to
-        the packed host result. Every process of a multi-process engine runs it with the
-        same inputs."""
+        the packed result, still on the device (JAX dispatches asynchronously). Every
+        process of a multi-process engine runs it with the same inputs."""
         buf, layout = pack(step)
         for w in writes:
             w = jax.device_put(w, self.replicated)
@@ -196,11 +209,12 @@ class ModelRunner:
             self.counts, self.prompt_mask = exe(self.counts, self.prompt_mask, w)
         buf = jax.device_put(buf, self.replicated)
         fwd = self._forward_executable(key, buf, layout)
-        logits, self.kv_cache, md = fwd(self.state, self.kv_cache, buf)
+        logits, self.kv_cache, md = fwd(self.state, self.kv_cache, self.last_tokens, buf)
         smp = self._sample_executable(logits.shape[0], logits, md)
-        packed, self.counts = smp(logits, md, self.counts, self.prompt_mask)
-        # Replicated result: this process's first shard is the whole array.
-        return np.asarray(packed.addressable_shards[0].data)
+        packed, self.counts, self.last_tokens = smp(
+            logits, md, self.counts, self.prompt_mask, self.last_tokens
+        )
+        return packed
 
     def follow(self, channel) -> None:
         """Processes other than 0: run the steps process 0 sends until it stops."""
@@ -209,7 +223,7 @@ class ModelRunner:
             if message[0] == "stop":
                 return
             _, key, step, writes = message
-            self.run_step(key, step, writes)
+            jax.block_until_ready(self.run_step(key, step, writes))
 
     def _apply(self, out: SchedulerOutput) -> list:
         """Bring the input batch up to date with the scheduler's output; returns the penalty
@@ -224,22 +238,38 @@ class ModelRunner:
         self.batch.update(out.scheduled_cached_reqs)
         return self.penalties.admit(admitted)
 
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step; the emitted tokens of every request that sampled."""
+    def dispatch(self, out: SchedulerOutput):
+        """Start one step on the device and return without waiting for it: a handle for
+        `fetch`. The rows that sample hold a pending token until then."""
         writes = self._apply(out)
         inputs, md, groups, key = build_step(self.batch, out, self.layout, self.backend)
         if self.channel is not None:  # the other processes run the same step
             self.channel.send(("step", key, (inputs, md), writes))
         packed = self.run_step(key, (inputs, md), writes)
+        for g in groups:
+            self.batch.num_pending[g.row] += 1
+        return packed, groups
+
+    def fetch(self, handle) -> ModelRunnerOutput:
+        """Wait for a dispatched step: the emitted tokens of every request that sampled,
+        appended to their rows (unless a row changed hands since)."""
+        packed, groups = handle
+        packed = np.asarray(packed.addressable_shards[0].data)  # replicated: the whole array
         tokens, lp, rank, emitted, top_ids, top_lp = unpack_result(packed, self.max_logprobs)
         result = ModelRunnerOutput()
+        batch = self.batch
         for g in groups:
             rows = range(g.first, g.first + g.count)
             n = int(emitted[g.first : g.first + g.count].sum())
-            ids = tokens[g.first : g.first + n]
-            self.batch.append_tokens(g.row, ids)
+            if batch.generation[g.row] == g.generation:
+                batch.num_pending[g.row] -= 1
+                batch.append_tokens(g.row, tokens[g.first : g.first + n])
             result.sampled[g.req_id] = [
                 SampledToken(int(tokens[r]), float(lp[r]), int(rank[r]), top_ids[r], top_lp[r])
                 for r in rows[:n]
             ]
         return result
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for it."""
+        return self.fetch(self.dispatch(out))

@@ -51,6 +51,7 @@ from jllm.sampling_params import SAMPLING_EPS
         "penalty_rows",
         "suppress",
         "want_logprobs",
+        "batch_row",
         "draft",
         "group_first",
         "spec_prev",
@@ -72,6 +73,7 @@ class SamplingMetadata:
     penalty_rows: jax.Array  # [R] int32, row in the penalty state (0: none)
     suppress: jax.Array  # [R, M] int32 token ids to mask (min_tokens), >= V for none
     want_logprobs: jax.Array  # [R] bool
+    batch_row: jax.Array  # [R] int32, the input-batch row the sample row belongs to
     draft: jax.Array  # [R] int32, the draft this row verifies; -1: none (a group's last row)
     group_first: jax.Array  # [R] int32, the first row of this row's group
     spec_prev: jax.Array  # [R, K] int32, the group's drafts before this row; >= V for none
@@ -99,9 +101,11 @@ def _as_int32(x):
     return x if x.dtype == jnp.int32 else jax.lax.bitcast_convert_type(x, jnp.int32)
 
 
-@partial(jax.jit, static_argnames=("num_logprobs",), donate_argnames=("counts",))
-def sample(logits, md: SamplingMetadata, counts, prompt_mask, *, num_logprobs):
-    """logits [R, V] -> (packed result [R, 4 + 2J] int32, counts with the emitted tokens).
+@partial(jax.jit, static_argnames=("num_logprobs",), donate_argnames=("counts", "last_tokens"))
+def sample(logits, md: SamplingMetadata, counts, prompt_mask, last_tokens, *, num_logprobs):
+    """logits [R, V] -> (packed result [R, 4 + 2J] int32, counts with the emitted tokens,
+    last_tokens [batch rows] with each row's last emitted token, for the next step to read
+    on the device).
 
     Which passes run (penalties, sampling, top-k/top-p, logprobs) is decided on device from
     the batch with lax.cond, so one executable per row bucket serves every mix of requests.
@@ -147,6 +151,11 @@ def sample(logits, md: SamplingMetadata, counts, prompt_mask, *, num_logprobs):
     emitted = emitted_rows(tokens, md)
     counted = jnp.where(emitted & (md.penalty_rows > 0), md.penalty_rows, counts.shape[0])
     counts = counts.at[counted, tokens].add(1, mode="drop")
+    # The group's last emitted row: emitted, and the next row is not an emitted row of it.
+    next_same = jnp.concatenate([md.group_first[1:] == md.group_first[:-1], jnp.zeros(1, bool)])
+    next_emitted = jnp.concatenate([emitted[1:], jnp.zeros(1, bool)]) & next_same
+    last_rows = jnp.where(emitted & ~next_emitted, md.batch_row, last_tokens.shape[0])
+    last_tokens = last_tokens.at[last_rows].set(tokens, mode="drop")
     columns = [tokens[:, None], token_lp[:, None], rank[:, None], emitted[:, None], top_ids]
     packed = jnp.concatenate(
         [_as_int32(c.astype(jnp.int32) if c.dtype == jnp.bool_ else c) for c in columns]
@@ -159,7 +168,8 @@ def sample(logits, md: SamplingMetadata, counts, prompt_mask, *, num_logprobs):
         replicated = jax.sharding.PartitionSpec()
         packed = jax.lax.with_sharding_constraint(packed, replicated)
         counts = jax.lax.with_sharding_constraint(counts, replicated)
-    return packed, counts
+        last_tokens = jax.lax.with_sharding_constraint(last_tokens, replicated)
+    return packed, counts, last_tokens
 
 
 def unpack_result(packed: np.ndarray, num_logprobs: int):

@@ -72,7 +72,7 @@ def plain(llama_llm, prompts):
 
 @pytest.fixture(scope="module")
 def spec_llm(llama_dir):
-    return LLM(llama_dir, **SMALL, num_lookahead_slots=K)
+    return LLM(llama_dir, **SMALL, num_lookahead_slots=K, async_scheduling=False)
 
 
 def expected_of(prompts, plain):

@@ -26,6 +26,7 @@ def metadata(R, V, **over):
         penalty_rows=np.zeros(R, np.int32),
         suppress=np.full((R, 16), V, np.int32),
         want_logprobs=np.zeros(R, bool),
+        batch_row=np.arange(R, dtype=np.int32),
         draft=np.full(R, -1, np.int32),
         group_first=np.arange(R, dtype=np.int32),
         spec_prev=np.full((R, 1), V, np.int32),
@@ -39,7 +40,10 @@ def run(logits, md, counts=None, prompt_mask=None, num_logprobs=5):
     R, V = logits.shape
     counts = np.zeros((R + 1, V), np.int32) if counts is None else counts
     prompt_mask = np.zeros((R + 1, V), bool) if prompt_mask is None else prompt_mask
-    packed, _ = sample(jnp.asarray(logits), md, counts, prompt_mask, num_logprobs=num_logprobs)
+    last = np.zeros(R + 1, np.int32)
+    packed, _, _ = sample(
+        jnp.asarray(logits), md, counts, prompt_mask, last, num_logprobs=num_logprobs
+    )
     tokens, lp, rank, _, top_ids, top_lp = unpack_result(np.asarray(packed), num_logprobs)
     return [tokens, lp, rank, top_ids, top_lp]
 
