@@ -7,6 +7,12 @@ compiled step with the same inputs, as multi-controller JAX requires.
 """
 
 from jllm.distributed.channel import ProcessLostError, StepChannel
-from jllm.distributed.init import initialize_distributed, leader_address
+from jllm.distributed.init import initialize_distributed, leader_address, open_step_channel
 
-__all__ = ["ProcessLostError", "StepChannel", "initialize_distributed", "leader_address"]
+__all__ = [
+    "ProcessLostError",
+    "StepChannel",
+    "initialize_distributed",
+    "leader_address",
+    "open_step_channel",
+]

@@ -4,7 +4,8 @@ nnodes -> num_processes, node_rank -> process_id, master_addr:master_port -> the
 coordinator (process 0 hosts it). Without `master_addr`, JAX finds the cluster itself: on
 Cloud TPU from the TPU metadata and environment (TPU_WORKER_ID, TPU_WORKER_HOSTNAMES, ...),
 under Slurm or Open MPI from theirs, or from JAX_COORDINATOR_ADDRESS. On CPU the
-cross-process collectives use gloo.
+cross-process collectives use gloo. `open_step_channel` then connects the processes'
+step channel.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import socket
 
 import jax
 import numpy as np
+
+from jllm.distributed.channel import StepChannel
 
 logger = logging.getLogger("jllm")
 
@@ -71,3 +74,15 @@ def leader_address(master_addr: str | None) -> str:
     buf[: len(mine)] = np.frombuffer(mine, np.uint8)
     buf = np.asarray(multihost_utils.broadcast_one_to_all(buf))
     return bytes(buf[buf != 0]).decode()
+
+
+def open_step_channel(args, rank: int):
+    """The step channel of a multi-process engine (None with one process): process 0 serves
+    it on master_port + 1, the others connect."""
+    if args.nnodes == 1:
+        return None
+    port = args.master_port + 1
+    host = leader_address(args.master_addr)  # a collective: every process takes part
+    if rank == 0:
+        return StepChannel.serve("0.0.0.0", port, args.nnodes - 1)
+    return StepChannel.connect(host, port, rank)

@@ -71,3 +71,12 @@ def extra_eos_ids(model_config, primary: int | None) -> set[int]:
     ids = model_config.eos_token_id if model_config is not None else None
     ids = {ids} if isinstance(ids, int) else set(ids or [])
     return ids - {primary}
+
+
+def eos_token_id(tokenizer, hf_config) -> int | None:
+    """The tokenizer's EOS id, else the model config's (its first when a list)."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+        eos = eos[0] if isinstance(eos, list) else eos
+    return eos

@@ -1,53 +1,45 @@
 """`LLMEngine`: builds every part from `EngineArgs` and wires them together.
 
-resolve the model -> configs -> tokenizer -> weights onto the mesh -> KV cache sized from
-memory -> model runner (every bucket compiled) -> block manager + scheduler -> engine core.
+model on its mesh (engine/model_setup.py) -> model runner -> KV cache sized from memory
+after profiling the largest step -> every bucket compiled -> block manager + scheduler ->
+engine core. Policies live elsewhere: platform.py (dtype, backend, async scheduling),
+generation_config.py, runner/kv_cache.py.
 """
 
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import random
 import time
 
 import jax
-import jax.numpy as jnp
 
 from jllm.config import EngineArgs, resolve_scheduler_config
-from jllm.distributed import (
-    ProcessLostError,
-    StepChannel,
-    initialize_distributed,
-    leader_address,
-)
+from jllm.distributed import ProcessLostError, initialize_distributed, open_step_channel
 from jllm.engine.core import EngineCore
 from jllm.engine.generation_config import (
+    eos_token_id,
     extra_eos_ids,
     generation_defaults,
     model_generation_config,
 )
 from jllm.engine.kv_cache_manager import KVCacheManager
+from jllm.engine.model_setup import load_engine_model
 from jllm.engine.platform import (
     log_split,
     min_dot_rows,
     resolve_async_scheduling,
     resolve_backend,
-    resolve_dtype,
 )
 from jllm.engine.processor import Processor
 from jllm.engine.scheduler import Scheduler
 from jllm.metrics.stats import LoggingStatLogger
-from jllm.model_loader import resolve_model
-from jllm.models import registry
-from jllm.models.loader import load_model
 from jllm.runner.compile_cache import enable_compilation_cache
 from jllm.runner.inputs import BatchLayout
 from jllm.runner.kv_cache import create_kv_cache
 from jllm.runner.model_runner import ModelRunner
 from jllm.sampling_params import SamplingParams
-from sharding import kv_head_replicas, make_mesh
 
 logger = logging.getLogger("jllm")
 
@@ -65,126 +57,58 @@ class LLMEngine:
         )
         enable_compilation_cache()
         platform = jax.devices()[0].platform
-        source = resolve_model(
-            args.model,
-            revision=args.revision,
-            tokenizer=args.tokenizer,
-            trust_remote_code=args.trust_remote_code,
-            download_dir=args.download_dir,
-        )
-        self.hf_config = source.hf_config
-        arch = registry.resolve(source.hf_config)
-        cfg = arch.config(source.hf_config)
-        self.model_config = cfg
-        derived_len = cfg.max_position_embeddings
-        max_model_len = args.max_model_len or derived_len
-        if max_model_len > derived_len:
-            raise ValueError(
-                f"User-specified max_model_len ({max_model_len}) is greater than the derived "
-                f"max_model_len (max_position_embeddings={derived_len} in the model's config)."
-            )
-        self.max_model_len = max_model_len
-        dtype = resolve_dtype(args.dtype, source.checkpoint_dtype, platform)
-        self.dtype = jnp.dtype(dtype)
-        logger.info(
-            "Initializing jllm engine with config: model=%r, dtype=%s, max_model_len=%d, "
-            "block_size=%d, enable_prefix_caching=%s, enable_chunked_prefill=%s, "
-            "enforce_eager=%s, platform=%s, seed=%s",
-            source.path,
-            jnp.dtype(dtype).name,
-            max_model_len,
-            args.block_size,
-            args.enable_prefix_caching,
-            args.enable_chunked_prefill,
-            args.enforce_eager,
-            platform,
-            args.seed,
-        )
-        self.tokenizer = None
-        if not args.skip_tokenizer_init:
-            self.tokenizer = source.load_tokenizer(
-                args.tokenizer_mode, args.trust_remote_code, args.tokenizer_revision
-            )
-        tp = args.tensor_parallel_size
-        if args.nnodes > 1 and tp != jax.device_count():
-            raise ValueError(
-                f"With {args.nnodes} nodes the model must span all {jax.device_count()} devices "
-                f"of the cluster; got tensor_parallel_size={tp}."
-            )
-        mesh = make_mesh(tp)
-        replicas = kv_head_replicas(cfg.num_heads, cfg.num_kv_heads, tp)
-        if replicas > 1:
-            cfg = dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * replicas)
-            self.model_config = cfg
-        graphdef, state = load_model(
-            arch,
-            cfg,
-            source,
-            dtype,
-            mesh,
-            args.load_format,
-            seed=args.seed or 0,
-            kv_replicas=replicas,
-        )
-        sched_cfg = resolve_scheduler_config(args, max_model_len, PREFILL_TILE)
-        kv_cache, num_blocks = create_kv_cache(
-            cfg,
-            block_size=args.block_size,
-            tp=tp,
-            dtype=dtype,
-            mesh=mesh,
-            platform=platform,
-            max_model_len=max_model_len,
-            max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
-            override=args.num_gpu_blocks_override,
-            memory_bytes=args.kv_cache_memory_bytes,
-            utilization=args.gpu_memory_utilization,
-        )
-        if tp > 1:
-            log_split(mesh, state, kv_cache, replicas)
+        m = load_engine_model(args, platform)
+        cfg, dtype, self.max_model_len = m.config, m.dtype, m.max_model_len
+        self.model_config, self.dtype, self.tokenizer = cfg, dtype, m.tokenizer
+        sched_cfg = resolve_scheduler_config(args, self.max_model_len, PREFILL_TILE)
         layout = BatchLayout.create(
             args.block_size,
-            num_blocks,
+            0,  # blocks: set once the cache is sized
             PREFILL_TILE,
-            max_model_len,
+            self.max_model_len,
             sched_cfg.max_num_seqs,
             sched_cfg.max_num_batched_tokens,
-            kv_token_bytes=2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize,
+            kv_token_bytes=2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize,
             min_rows=min_dot_rows(dtype, platform),
             num_spec_tokens=sched_cfg.num_lookahead_slots,
         )
+        backend = resolve_backend(args.attention_backend, platform, dtype)
         self.runner = ModelRunner(
-            graphdef,
-            state,
-            kv_cache,
+            m.graphdef,
+            m.state,
             layout,
             cfg.vocab_size,
             sched_cfg.max_num_seqs,
             args.max_logprobs,
-            resolve_backend(args.attention_backend, platform, dtype),
+            backend,
             args.enforce_eager,
-            mesh,
+            m.mesh,
         )
+        kv_cache, num_blocks = create_kv_cache(
+            cfg,
+            block_size=args.block_size,
+            tp=args.tensor_parallel_size,
+            dtype=dtype,
+            mesh=m.mesh,
+            platform=platform,
+            max_model_len=self.max_model_len,
+            override=args.num_gpu_blocks_override,
+            memory_bytes=args.kv_cache_memory_bytes,
+            utilization=args.gpu_memory_utilization,
+            profile=self.runner.profile_step_bytes,
+        )
+        if args.tensor_parallel_size > 1:
+            log_split(m.mesh, m.state, kv_cache, m.kv_replicas)
+        self.runner.attach_kv_cache(kv_cache, num_blocks)
         self.runner.compile_all()
-        self.channel = None
-        if args.nnodes > 1:
-            port = args.master_port + 1
-            host = leader_address(args.master_addr)
-            if self.rank == 0:
-                self.channel = StepChannel.serve("0.0.0.0", port, args.nnodes - 1)
-                self.runner.channel = self.channel
-                atexit.register(self.shutdown)
-            else:
-                self.channel = StepChannel.connect(host, port, self.rank)
-        self.scheduler = Scheduler(
-            sched_cfg, KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
-        )
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        if eos is None:
-            eos = getattr(source.hf_config, "eos_token_id", None)
-            eos = eos[0] if isinstance(eos, list) else eos
-        self.eos_token_id = eos
-        gen_config = model_generation_config(source)
+        self.channel = open_step_channel(args, self.rank)
+        if self.channel is not None and self.rank == 0:
+            self.runner.channel = self.channel
+            atexit.register(self.shutdown)
+        kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(sched_cfg, kv)
+        self.eos_token_id = eos = eos_token_id(self.tokenizer, m.source.hf_config)
+        gen_config = model_generation_config(m.source)
         self.extra_stop_ids = extra_eos_ids(gen_config, eos)
         self.default_sampling_params = generation_defaults(args.generation_config, gen_config)
         self.stat_loggers = [] if args.disable_log_stats else [LoggingStatLogger()]
@@ -192,12 +116,14 @@ class LLMEngine:
             self.scheduler,
             self.runner,
             self.tokenizer,
-            max_model_len,
+            self.max_model_len,
             eos,
             self.stat_loggers,
             async_scheduling=resolve_async_scheduling(args.async_scheduling, platform),
         )
-        self.processor = Processor(self.tokenizer, max_model_len, cfg.vocab_size, args.max_logprobs)
+        self.processor = Processor(
+            self.tokenizer, self.max_model_len, cfg.vocab_size, args.max_logprobs
+        )
         self._rng = random.Random(args.seed)
         logger.info("Engine ready in %.1f seconds.", time.perf_counter() - start)
 

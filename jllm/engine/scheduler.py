@@ -169,6 +169,8 @@ class Scheduler:
         return out
 
     def _fill_output(self, out: SchedulerOutput, scheduled) -> None:
+        if not scheduled:  # no step runs: the runner hears of these with the next one
+            return
         out.finished_req_ids, self._finished_ids = self._finished_ids, set()
         out.preempted_req_ids, self._preempted_ids = self._preempted_ids, set()
         cached = out.scheduled_cached_reqs

@@ -251,9 +251,13 @@ def sampling_metadata(batch: InputBatch, groups, drafts_of, Rs: int, K: int):
     draft = np.full(Rs, -1, np.int32)
     group_first = np.arange(Rs, dtype=np.int32)
     spec_prev = np.full((Rs, K), NO_TOKEN, np.int32)
+    n = sum(g.count for g in groups)
+    row[:n] = np.repeat([g.row for g in groups], [g.count for g in groups])
     for g, drafts in zip(groups, drafts_of, strict=True):
+        if g.count == 1:  # a decode or a prefill's last chunk: the defaults hold
+            continue
         sl = slice(g.first, g.first + g.count)
-        row[sl], offset[sl], group_first[sl] = g.row, np.arange(g.count), g.first
+        offset[sl], group_first[sl] = np.arange(g.count), g.first
         draft[g.first : g.first + len(drafts)] = drafts
         for t in range(1, g.count):
             spec_prev[g.first + t, :t] = drafts[:t]

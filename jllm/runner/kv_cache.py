@@ -1,8 +1,10 @@
 """How many KV blocks fit, and the stacked cache array itself.
 
 On TPU/GPU the cache takes `gpu_memory_utilization` of device memory less what the weights
-and the largest step's activations use; on CPU (no memory stats) it takes an explicit size,
-`kv_cache_memory_bytes` (vLLM's CPU backend reads VLLM_CPU_KVCACHE_SPACE; default 4 GiB).
+use and what the largest step needs on top (the runner's `profile_step_bytes`: XLA's
+memory analysis of the largest bucket, compiled against a stand-in cache); on CPU (no
+memory stats) it takes an explicit size, `kv_cache_memory_bytes` (vLLM's CPU backend reads
+VLLM_CPU_KVCACHE_SPACE; default 4 GiB).
 `num_gpu_blocks_override` wins over both.
 """
 
@@ -32,15 +34,24 @@ def determine_num_blocks(
     override: int | None,
     memory_bytes: int | None,
     utilization: float,
-    activation_bytes: int,
+    step_bytes,
+    stats: dict | None = None,
 ) -> int:
+    """`step_bytes()`: what the largest step needs, only asked when sizing from device
+    memory. `stats`: the device's memory stats (default: the first device's)."""
     if override is not None:
         return override
     if memory_bytes is None:
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = (jax.devices()[0].memory_stats() or {}) if stats is None else stats
         limit = stats.get("bytes_limit")
         if limit:
             used = stats.get("bytes_in_use", 0)
+            activation_bytes = step_bytes()
+            logger.info(
+                "Memory profile: %.2f GiB in use (weights), the largest step needs %.2f GiB.",
+                used / 2**30,
+                activation_bytes / 2**30,
+            )
             memory_bytes = int(limit * utilization) - used - activation_bytes
             if memory_bytes <= 0:
                 raise ValueError(
@@ -67,6 +78,17 @@ def allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
 
 
+def abstract_kv_cache(cfg, num_blocks, block_size, dtype, mesh) -> jax.ShapeDtypeStruct:
+    """A stand-in for the cache, of `num_blocks` blocks, for lowering without allocating."""
+    shape = (
+        cfg.num_layers,
+        *kv_cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim),
+    )
+    return jax.ShapeDtypeStruct(
+        shape, jnp.dtype(dtype), sharding=named_sharding(mesh, CACHE_AXES, shape)
+    )
+
+
 def create_kv_cache(
     cfg,
     *,
@@ -76,13 +98,14 @@ def create_kv_cache(
     mesh,
     platform: str,
     max_model_len: int,
-    max_num_batched_tokens: int,
     override: int | None,
     memory_bytes: int | None,
     utilization: float,
+    profile=None,
 ):
     """Size the cache from memory (per device: it is split on its kv-head axis), log it as
-    vLLM does, and allocate it. Returns (kv_cache, num_blocks)."""
+    vLLM does, and allocate it. `profile(abstract_cache) -> bytes`: what the largest step
+    needs (`ModelRunner.profile_step_bytes`). Returns (kv_cache, num_blocks)."""
     per_block = bytes_per_block(
         cfg.num_layers, block_size, cfg.num_kv_heads // tp, cfg.head_dim, dtype
     )
@@ -91,7 +114,7 @@ def create_kv_cache(
         override=override,
         memory_bytes=memory_bytes,
         utilization=utilization,
-        activation_bytes=max_num_batched_tokens * cfg.vocab_size * 4,
+        step_bytes=lambda: profile(abstract_kv_cache(cfg, 4, block_size, dtype, mesh)),
     )
     logger.info(
         "# %s blocks: %d (%.2f GiB KV cache); maximum concurrency for %d tokens per request: %.2fx",

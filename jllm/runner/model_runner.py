@@ -67,7 +67,6 @@ class ModelRunner:
         self,
         graphdef,
         state,
-        kv_cache: jax.Array,
         layout: BatchLayout,
         vocab_size: int,
         max_num_seqs: int,
@@ -82,7 +81,7 @@ class ModelRunner:
         self.replicated = replicated(mesh)
         self.logits_sharding = named_sharding(mesh, (None, "vocab"), (1, vocab_size))
         self.state = state
-        self.kv_cache = kv_cache
+        self.kv_cache = None  # attach_kv_cache, once sized
         self.layout = layout
         self.backend = backend
         self.enforce_eager = enforce_eager
@@ -102,6 +101,44 @@ class ModelRunner:
         self._write_exe: dict[int, object] = {}
         self.compile_guard = False
         self.channel = None  # process 0 of a multi-process engine: a StepChannel
+
+    # ---- the KV cache --------------------------------------------------------------------
+    def profile_step_bytes(self, abstract_cache: jax.ShapeDtypeStruct) -> int:
+        """Device memory the largest step needs besides weights and cache: the working
+        memory XLA assigns to the largest forward bucket and the largest sampler, compiled
+        against a stand-in cache of a few blocks (the cache's size does not change it)."""
+        rd, tt = self.layout.decode_buckets[-1], self.layout.tile_buckets[-1]
+        buf, layout, _ = self._packed_inputs(rd, tt)
+        buf = jax.ShapeDtypeStruct(buf.shape, buf.dtype, sharding=self.replicated)
+        with jax.set_mesh(self.mesh):
+            fwd = forward_step.lower(
+                self.state,
+                abstract_cache,
+                self.last_tokens,
+                buf,
+                layout=layout,
+                graphdef=self.graphdef,
+                backend=self.backend,
+                logits_sharding=self.logits_sharding,
+            ).compile()
+            logits, _, md = fwd.out_info
+            smp = sample.lower(
+                logits,
+                md,
+                self.counts,
+                self.prompt_mask,
+                self.last_tokens,
+                num_logprobs=self.max_logprobs,
+            ).compile()
+        # The logits live from one executable to the other; the rest of their outputs are
+        # the cache and state they update in place.
+        logits_bytes = logits.size * logits.dtype.itemsize
+        temp = sum(exe.memory_analysis().temp_size_in_bytes for exe in (fwd, smp))
+        return int(temp + logits_bytes)
+
+    def attach_kv_cache(self, kv_cache: jax.Array, num_blocks: int) -> None:
+        self.kv_cache = kv_cache
+        self.layout.num_blocks = num_blocks
 
     # ---- compilation ---------------------------------------------------------------------
     def _packed_inputs(self, rd: int, tt: int):

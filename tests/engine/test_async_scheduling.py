@@ -54,8 +54,11 @@ def test_outputs_identical_on_and_off(llama_dir, prompts, sync, extra):
                 assert [lp.keys() for lp in glp] == [lp.keys() for lp in slp]
     if "num_gpu_blocks_override" in extra:
         assert llm.llm_engine.scheduler.num_preemptions > 0
-    # Nothing is left behind: every block back in the pool, no step in flight.
+    # Nothing is left behind: every block back in the pool, no step in flight, and the
+    # runner holds rows only for requests whose end it will hear of with the next step.
     assert not llm.llm_engine.has_unfinished_requests()
+    held = set(llm.llm_engine.runner.batch.index)
+    assert held == llm.llm_engine.scheduler._finished_ids
     kv = llm.llm_engine.scheduler.kv_cache
     assert kv.num_free_blocks == kv.num_blocks - 1
 
@@ -79,3 +82,15 @@ def test_abort_while_a_step_is_in_flight(llama_dir, prompts):
     alone = LLM(llama_dir, **SMALL, async_scheduling=False)
     ref = alone.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
     assert finished["0"] == ref[0].outputs[0].token_ids
+
+
+def test_rows_freed_when_a_step_schedules_nothing(llama_dir, prompts):
+    """One request ends while another's last token is in flight, so the next schedule has
+    nothing to run: the runner must still hear of the ended one (its row would leak, and a
+    full batch would then have no row for a new request)."""
+    llm = LLM(llama_dir, **{**SMALL, "max_num_seqs": 2}, async_scheduling=True)
+    for _ in range(3):
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (4, 5)]
+        llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)
+        held = set(llm.llm_engine.runner.batch.index)
+        assert held == llm.llm_engine.scheduler._finished_ids

@@ -1,0 +1,59 @@
+"""KV-cache sizing: on a device with memory stats the cache gets `gpu_memory_utilization` of
+the memory less what is in use and what the largest step needs, as XLA's memory analysis of
+the largest bucket reports it (the profiling run); explicit sizes never profile."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from jllm.runner.kv_cache import abstract_kv_cache, determine_num_blocks
+
+GiB = 1 << 30
+
+
+def test_sizing_from_memory_stats_subtracts_the_profiled_step():
+    per_block = 1 << 20
+    asked = []
+
+    def step_bytes():
+        asked.append(True)
+        return 3 * GiB
+
+    stats = {"bytes_limit": 80 * GiB, "bytes_in_use": 16 * GiB}
+    n = determine_num_blocks(
+        per_block,
+        override=None,
+        memory_bytes=None,
+        utilization=0.9,
+        step_bytes=step_bytes,
+        stats=stats,
+    )
+    assert asked and n == (int(80 * GiB * 0.9) - 16 * GiB - 3 * GiB) // per_block
+    # An explicit size or block count never profiles.
+    for kw in ({"override": 7, "memory_bytes": None}, {"override": None, "memory_bytes": GiB}):
+        asked.clear()
+        determine_num_blocks(per_block, utilization=0.9, step_bytes=step_bytes, stats=stats, **kw)
+        assert not asked
+    with pytest.raises(ValueError, match="No device memory is left"):
+        determine_num_blocks(
+            per_block,
+            override=None,
+            memory_bytes=None,
+            utilization=0.2,
+            step_bytes=step_bytes,
+            stats=stats,
+        )
+
+
+def test_profile_of_the_largest_bucket(llama_llm):
+    """The profile compiles the largest bucket against a 4-block stand-in cache (nothing is
+    allocated) and counts at least the logits of the largest sampler bucket."""
+    engine = llama_llm.llm_engine
+    runner, cfg = engine.runner, engine.model_config
+    cache = abstract_kv_cache(cfg, 4, runner.layout.block_size, engine.dtype, runner.mesh)
+    assert isinstance(cache, jax.ShapeDtypeStruct) and cache.shape[1] == 4
+    largest_rs = runner.layout.sample_rows(
+        runner.layout.decode_buckets[-1], runner.layout.tile_buckets[-1]
+    )
+    assert runner.profile_step_bytes(cache) >= largest_rs * cfg.vocab_size * 4
