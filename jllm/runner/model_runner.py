@@ -110,26 +110,9 @@ class ModelRunner:
         rd, tt = self.layout.decode_buckets[-1], self.layout.tile_buckets[-1]
         buf, layout, _ = self._packed_inputs(rd, tt)
         buf = jax.ShapeDtypeStruct(buf.shape, buf.dtype, sharding=self.replicated)
-        with jax.set_mesh(self.mesh):
-            fwd = forward_step.lower(
-                self.state,
-                abstract_cache,
-                self.last_tokens,
-                buf,
-                layout=layout,
-                graphdef=self.graphdef,
-                backend=self.backend,
-                logits_sharding=self.logits_sharding,
-            ).compile()
-            logits, _, md = fwd.out_info
-            smp = sample.lower(
-                logits,
-                md,
-                self.counts,
-                self.prompt_mask,
-                self.last_tokens,
-                num_logprobs=self.max_logprobs,
-            ).compile()
+        fwd = self._compile_forward(abstract_cache, buf, layout)
+        logits, _, md = fwd.out_info
+        smp = self._compile_sampler(logits, md)
         # The logits live from one executable to the other; the rest of their outputs are
         # the cache and state they update in place.
         logits_bytes = logits.size * logits.dtype.itemsize
@@ -149,24 +132,37 @@ class ModelRunner:
         buf, layout = pack((inputs, md))
         return buf, layout, md.want_logprobs.shape[0]
 
+    def _compile_forward(self, kv_cache, buf, layout: Layout):
+        with jax.set_mesh(self.mesh):
+            return forward_step.lower(
+                self.state,
+                kv_cache,
+                self.last_tokens,
+                buf,
+                layout=layout,
+                graphdef=self.graphdef,
+                backend=self.backend,
+                logits_sharding=self.logits_sharding,
+            ).compile()
+
+    def _compile_sampler(self, logits, md):
+        with jax.set_mesh(self.mesh):
+            return sample.lower(
+                logits,
+                md,
+                self.counts,
+                self.prompt_mask,
+                self.last_tokens,
+                num_logprobs=self.max_logprobs,
+            ).compile()
+
     def _forward_executable(self, key: tuple[int, int], buf, layout: Layout):
         exe = self._forward_exe.get(key)
         if exe is None:
             if self.compile_guard:
                 rd, tt = key
                 raise CompileAfterWarmupError(f"forward bucket (Rd={rd}, Tt={tt}) not compiled")
-            with jax.set_mesh(self.mesh):
-                lowered = forward_step.lower(
-                    self.state,
-                    self.kv_cache,
-                    self.last_tokens,
-                    buf,
-                    layout=layout,
-                    graphdef=self.graphdef,
-                    backend=self.backend,
-                    logits_sharding=self.logits_sharding,
-                )
-            exe = self._forward_exe[key] = lowered.compile()
+            exe = self._forward_exe[key] = self._compile_forward(self.kv_cache, buf, layout)
         return exe
 
     def _sample_executable(self, rs: int, logits, md):
@@ -174,16 +170,7 @@ class ModelRunner:
         if exe is None:
             if self.compile_guard:
                 raise CompileAfterWarmupError(f"sampler bucket (R={rs}) not compiled")
-            with jax.set_mesh(self.mesh):
-                lowered = sample.lower(
-                    logits,
-                    md,
-                    self.counts,
-                    self.prompt_mask,
-                    self.last_tokens,
-                    num_logprobs=self.max_logprobs,
-                )
-            exe = self._sample_exe[rs] = lowered.compile()
+            exe = self._sample_exe[rs] = self._compile_sampler(logits, md)
         return exe
 
     def _write_executable(self, w):
