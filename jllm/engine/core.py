@@ -239,8 +239,7 @@ class EngineCore:
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
         p = req.sampling_params
-        max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len
-        if req.num_tokens >= self.max_model_len or req.num_output_tokens >= max_tokens:
+        if req.reached_length(self.max_model_len):
             return RequestStatus.FINISHED_LENGTH_CAPPED
         if req.num_output_tokens < p.min_tokens:
             return None

@@ -28,6 +28,7 @@ from collections import OrderedDict
 import numpy as np
 
 from jllm.engine.request import Request
+from jllm.utils import cdiv
 
 NULL_BLOCK = 0
 
@@ -48,10 +49,6 @@ def block_key(parent: bytes | None, tokens, cache_salt: str | None = None) -> by
     if parent is None and cache_salt is not None:
         h.update(b"cache_salt:" + cache_salt.encode())
     return h.digest()
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:

@@ -84,6 +84,16 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
+    def reached_length(self, max_model_len: int, pending: int = 0) -> bool:
+        """Whether the sequence is at its length limit (`max_tokens`, else the context),
+        counting `pending` tokens not appended yet."""
+        p = self.sampling_params
+        max_tokens = p.max_tokens if p.max_tokens is not None else max_model_len
+        return (
+            self.num_tokens + pending >= max_model_len
+            or self.num_output_tokens + pending >= max_tokens
+        )
+
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

@@ -28,6 +28,7 @@ from jllm.config import SchedulerConfig
 from jllm.engine.kv_cache_manager import KVCacheManager
 from jllm.engine.request import Request, RequestStatus
 from jllm.scheduler_output import NewRequestData, SchedulerOutput
+from jllm.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class Scheduler:
         """Budget a row of n tokens takes: several tokens (a prefill chunk or a verification
         row) occupy whole tiles of the device batch."""
         tile = self.config.tile_size
-        return n if n == 1 else -(-n // tile) * tile
+        return n if n == 1 else cdiv(n, tile) * tile
 
     def _fit(self, remaining: int, budget: int) -> int:
         """How many of `remaining` tokens fit in `budget` (0 if none)."""
@@ -92,16 +93,6 @@ class Scheduler:
         room = min(self.config.max_model_len - req.num_tokens, self.config.num_lookahead_slots)
         return req.spec_token_ids[: max(0, room)]
 
-    def _reached_length(self, req: Request) -> bool:
-        if not req.num_output_placeholders:
-            return False
-        max_tokens = req.sampling_params.max_tokens or self.config.max_model_len
-        total = req.num_tokens + req.num_output_placeholders
-        return (
-            req.num_output_tokens + req.num_output_placeholders >= max_tokens
-            or total >= self.config.max_model_len
-        )
-
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
@@ -111,7 +102,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if self._reached_length(req):  # its last token is in flight: nothing to add
+            pending = req.num_output_placeholders
+            if pending and req.reached_length(self.config.max_model_len, pending):
+                # its last token is in flight: nothing to add
                 i += 1
                 continue
             drafts = self._drafts(req)

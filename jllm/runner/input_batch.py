@@ -28,7 +28,6 @@ class InputBatch:
         M = max_num_seqs
         self.pad = M
         self.max_model_len = max_model_len
-        self.req_ids: list[str | None] = [None] * M
         self.index: dict[str, int] = {}
         self._free = list(range(M - 1, -1, -1))
         rows = M + 1
@@ -56,15 +55,11 @@ class InputBatch:
         self.suppress = np.full((rows, MAX_SUPPRESS), NO_TOKEN, np.int32)  # under min_tokens
         self.want_logprobs = np.zeros(rows, bool)
 
-    def __len__(self) -> int:
-        return len(self.index)
-
     def add(self, new: NewRequestData) -> int:
         """Write a request's row; returns it."""
         if new.req_id in self.index:  # resumed after a preemption: a fresh row
             self.remove(new.req_id)
         r = self._free.pop()
-        self.req_ids[r] = new.req_id
         self.index[new.req_id] = r
         tokens = [*new.prompt_token_ids, *new.output_token_ids]
         self.token_ids[r, : len(tokens)] = tokens
@@ -115,7 +110,6 @@ class InputBatch:
     def remove(self, req_id: str) -> int | None:
         r = self.index.pop(req_id, None)
         if r is not None:
-            self.req_ids[r] = None
             self.generation[r] += 1
             self._free.append(r)
         return r

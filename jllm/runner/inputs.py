@@ -23,6 +23,7 @@ from jllm.models.attention_metadata import BUILDERS, FlatBatch, max_kv_chunk_pag
 from jllm.runner.input_batch import NO_TOKEN, InputBatch
 from jllm.runner.sampler import SamplingMetadata
 from jllm.scheduler_output import SchedulerOutput
+from jllm.utils import cdiv
 
 
 @partial(
@@ -45,10 +46,6 @@ class StepInputs:
     # scheduling), this token is; -1: the token is in token_ids
     from_device: jax.Array
     attn: object  # the backend's metadata (models/attention_metadata.py)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def bucket(n: int, buckets: list[int]) -> int:
@@ -125,7 +122,8 @@ class SampleGroup:
     row: int  # its input-batch row
     first: int
     count: int  # 1, or 1 + k for a row verifying k drafts
-    generation: int = 0  # the row's generation: a row that changed hands is not appended to
+    generation: int  # the row's generation: a row that changed hands is not appended to
+    drafts: list[int] = dataclasses.field(default_factory=list)  # the k drafts verified
 
 
 def build_step(
@@ -168,7 +166,6 @@ def build_step(
     tile_pos = np.full((Tt, C), -1, np.int32)
     sample_at: list[int] = []  # flat token each sample row follows
     groups: list[SampleGroup] = []
-    drafts_of: list[list[int]] = []
 
     # Decodes: one token each, gathered from the input batch, or from the device when it
     # was sampled by the step still in flight.
@@ -192,7 +189,6 @@ def build_step(
         r = int(d_rows[j])
         groups.append(SampleGroup(ids[d_idx[j]], r, len(sample_at), 1, int(batch.generation[r])))
         sample_at.append(int(j))
-        drafts_of.append([])
 
     # Rows of several tokens: prefill chunks and verification rows, tile-aligned.
     start, tile = Rd, 0
@@ -218,10 +214,11 @@ def build_step(
         tile_pos[tile : tile + k] = padded.reshape(k, C)
         if nc + k_known == known[r]:
             groups.append(
-                SampleGroup(rid, r, len(sample_at), len(drafts) + 1, int(batch.generation[r]))
+                SampleGroup(
+                    rid, r, len(sample_at), len(drafts) + 1, int(batch.generation[r]), drafts
+                )
             )
             sample_at.extend(range(start + k_known - 1, start + n))
-            drafts_of.append(drafts)
         tile += k
         start += k * C
 
@@ -240,11 +237,11 @@ def build_step(
     logits_indices = np.zeros(Rs, np.int32)
     logits_indices[: len(sample_at)] = sample_at
     inputs = StepInputs(token_ids, positions, logits_indices, from_device, BUILDERS[backend](flat))
-    md = sampling_metadata(batch, groups, drafts_of, Rs, max(1, layout.num_spec_tokens))
+    md = sampling_metadata(batch, groups, Rs, max(1, layout.num_spec_tokens))
     return inputs, md, groups, (Rd, Tt)
 
 
-def sampling_metadata(batch: InputBatch, groups, drafts_of, Rs: int, K: int):
+def sampling_metadata(batch: InputBatch, groups: list[SampleGroup], Rs: int, K: int):
     """Every sample row's parameters, gathered from the input batch by row."""
     row = np.full(Rs, batch.pad, np.int32)
     offset = np.zeros(Rs, np.int32)  # j: the group's j-th row samples output index + j
@@ -253,14 +250,14 @@ def sampling_metadata(batch: InputBatch, groups, drafts_of, Rs: int, K: int):
     spec_prev = np.full((Rs, K), NO_TOKEN, np.int32)
     n = sum(g.count for g in groups)
     row[:n] = np.repeat([g.row for g in groups], [g.count for g in groups])
-    for g, drafts in zip(groups, drafts_of, strict=True):
+    for g in groups:
         if g.count == 1:  # a decode or a prefill's last chunk: the defaults hold
             continue
         sl = slice(g.first, g.first + g.count)
         offset[sl], group_first[sl] = np.arange(g.count), g.first
-        draft[g.first : g.first + len(drafts)] = drafts
+        draft[g.first : g.first + len(g.drafts)] = g.drafts
         for t in range(1, g.count):
-            spec_prev[g.first + t, :t] = drafts[:t]
+            spec_prev[g.first + t, :t] = g.drafts[:t]
     counter = batch.num_tokens[row] + batch.num_pending[row] - batch.num_prompt[row] + offset
     under_min = (counter < batch.min_tokens[row])[:, None]
     return SamplingMetadata(

@@ -70,16 +70,10 @@ def determine_num_blocks(
     return int(num_blocks)
 
 
-def allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, mesh):
-    """The zeroed cache [L, B, S, 2K, H]: each layer's slice is the kernel's [B, S, 2K, H]
-    page-major layout; sharded on the kv-head axis."""
-    shape = (num_layers, *kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim))
-    sharding = named_sharding(mesh, CACHE_AXES, shape)
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
-
-
 def abstract_kv_cache(cfg, num_blocks, block_size, dtype, mesh) -> jax.ShapeDtypeStruct:
-    """A stand-in for the cache, of `num_blocks` blocks, for lowering without allocating."""
+    """The cache's shape, dtype and sharding: [L, B, S, 2K, H], each layer's slice the
+    kernel's [B, S, 2K, H] page-major layout, sharded on the kv-head axis. Lowering against
+    it allocates nothing (the profile); `allocate_kv_cache` makes it real."""
     shape = (
         cfg.num_layers,
         *kv_cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim),
@@ -87,6 +81,11 @@ def abstract_kv_cache(cfg, num_blocks, block_size, dtype, mesh) -> jax.ShapeDtyp
     return jax.ShapeDtypeStruct(
         shape, jnp.dtype(dtype), sharding=named_sharding(mesh, CACHE_AXES, shape)
     )
+
+
+def allocate_kv_cache(spec: jax.ShapeDtypeStruct) -> jax.Array:
+    """The zeroed cache described by `spec` (from `abstract_kv_cache`)."""
+    return jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype), out_shardings=spec.sharding)()
 
 
 def create_kv_cache(
@@ -124,7 +123,5 @@ def create_kv_cache(
         max_model_len,
         (num_blocks - 1) * block_size / max_model_len,
     )
-    kv_cache = allocate_kv_cache(
-        cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, mesh
-    )
+    kv_cache = allocate_kv_cache(abstract_kv_cache(cfg, num_blocks, block_size, dtype, mesh))
     return kv_cache, num_blocks
