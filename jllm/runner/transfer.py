@@ -20,10 +20,6 @@ class Layout(NamedTuple):
     treedef: object
     leaves: tuple[tuple[tuple[int, ...], str], ...]  # (shape, dtype name) per leaf
 
-    @property
-    def size(self) -> int:
-        return sum(math.prod(shape) for shape, _ in self.leaves)
-
 
 def _as_int32(x: np.ndarray) -> np.ndarray:
     if x.dtype == np.bool_:
