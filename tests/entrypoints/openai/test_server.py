@@ -4,6 +4,7 @@ streaming equals non-streaming, and every error case has its status code and bod
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import httpx
@@ -261,8 +262,48 @@ def wait_idle(server, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def test_disconnect_mid_stream_frees_blocks(server):
-    scheduler = server.engine.engine.scheduler
+class HeldEngine:
+    """Holds the engine thread once a running request has `after` output tokens, until the
+    server aborts a request, so a disconnect always meets an unfinished request whatever the
+    machine's speed. (Outputs of the holding step are delivered after the hold.)"""
+
+    def __init__(self, server, after: int):
+        self.llm_engine = server.engine.engine
+        self.scheduler = self.llm_engine.scheduler
+        self.after = after
+        self.aborted: list[str] = []
+        self.abort_seen = threading.Event()
+        self.timed_out = False
+        self._step = self.llm_engine.step
+        self._abort = server.engine.abort
+
+    def step(self):
+        outputs = self._step()
+        if any(r.num_output_tokens >= self.after for r in self.scheduler.running):
+            # The abort command is queued before this returns; the engine loop takes queued
+            # commands before its next step, so the request is aborted mid-generation.
+            self.timed_out = not self.abort_seen.wait(timeout=60)
+        return outputs
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        self._abort(request_id)
+        self.abort_seen.set()
+
+
+@pytest.fixture
+def held(server, monkeypatch):
+    def hold(after: int) -> HeldEngine:
+        h = HeldEngine(server, after)
+        monkeypatch.setattr(h.llm_engine, "step", h.step)
+        monkeypatch.setattr(server.engine, "abort", h.abort)
+        return h
+
+    return hold
+
+
+def test_disconnect_mid_stream_frees_blocks(server, held):
+    hold = held(after=8)
     body = {
         "model": MODEL_NAME,
         "prompt": "Once upon a time",
@@ -272,24 +313,29 @@ def test_disconnect_mid_stream_frees_blocks(server):
     }
     with httpx.Client(base_url=server.url) as http:
         with http.stream("POST", "/v1/completions", json=body) as response:
-            for i, _ in enumerate(response.iter_lines()):
-                if i == 6:
-                    break
-            assert scheduler.running, "the request should still be generating"
+            events = (line for line in response.iter_lines() if line.startswith("data: "))
+            assert all(next(events) for _ in range(3))
+            # Leaving the iterator early closes the connection: the disconnect.
     wait_idle(server)
+    assert not hold.timed_out, "the server never aborted the disconnected stream"
+    assert len(hold.aborted) == 1 and hold.aborted[0].startswith("cmpl-")
     assert server.engine.engine.core.parents == {}
 
 
-def test_disconnect_non_streaming_aborts(server):
+def test_disconnect_non_streaming_aborts(server, held):
+    hold = held(after=1)
     body = {
         "model": MODEL_NAME,
         "prompt": "Once upon a time",
         "max_tokens": 400,
         "ignore_eos": True,
     }
+    # The engine is held after the first token, so the reply cannot come before the timeout.
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
     wait_idle(server)
+    assert not hold.timed_out, "the server never aborted the abandoned request"
+    assert len(hold.aborted) == 1
 
 
 def test_metrics(client, server):
