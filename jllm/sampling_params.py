@@ -5,6 +5,7 @@ Host-side only (no JAX). The device sampler reads these through `runner/sampling
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -50,12 +51,24 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     # Filled by the engine: the tokenizer's EOS id and ids that end generation.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # Filled by the engine from `bad_words` and the tokenizer (vLLM's `bad_words_token_ids`).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            # JSON object keys arrive as strings; vLLM converts them the same way.
+            try:
+                self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+            except (TypeError, ValueError, AttributeError) as e:
+                raise ValueError(
+                    f"logit_bias must map token ids to numbers, got {self.logit_bias!r}."
+                ) from e
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         if self.top_k is None or self.top_k == -1:
             self.top_k = 0
         self._verify()
@@ -96,17 +109,22 @@ class SamplingParams:
                 f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
                 f"got {self.min_tokens}."
             )
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}.")
+        if self.logprobs is not None and self.logprobs < -1:
+            raise ValueError(f"logprobs must be non-negative or -1, got {self.logprobs}.")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed}.")
         if any(not s for s in self.stop):
             raise ValueError("stop cannot contain an empty string.")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings are only supported when detokenize is True.")
-        for name in ("prompt_logprobs", "logit_bias", "allowed_token_ids", "bad_words"):
-            if getattr(self, name):
-                raise ValueError(f"{name} is not supported by jllm yet.")
+        if self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported by jllm yet.")
+        if self.logit_bias and not all(math.isfinite(b) for b in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be finite numbers.")
+        if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
+            raise ValueError("allowed_token_ids is not None and empty!")
+        if self.bad_words is not None and not all(isinstance(w, str) for w in self.bad_words):
+            raise ValueError("bad_words must be a list of strings.")
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
             raise ValueError(
                 f"truncate_prompt_tokens must be >= 1, got {self.truncate_prompt_tokens}."
@@ -115,6 +133,19 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+    @property
+    def has_bias(self) -> bool:
+        """Whether the request has a fixed per-token bias or mask (`runner/logit_bias.py`)."""
+        return bool(
+            self.logit_bias
+            or self.allowed_token_ids is not None
+            or any(len(w) == 1 for w in self.bad_words_token_ids)
+        )
+
+    @property
+    def multi_token_bad_words(self) -> list[list[int]]:
+        return [w for w in self.bad_words_token_ids if len(w) > 1]
 
     @property
     def has_penalties(self) -> bool:

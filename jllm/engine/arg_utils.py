@@ -55,7 +55,8 @@ HELP = {
     "attention_backend": "Attention implementation: 'auto' (Pallas on TPU, the C++ kernel on "
     "CPU, XLA elsewhere), 'cpu_kernel', 'xla', 'pallas', or 'pallas_interpret' (the Pallas "
     "kernel interpreted, for testing).",
-    "max_logprobs": "Largest logprobs / top_logprobs a request may ask for.",
+    "max_logprobs": "Largest logprobs / top_logprobs a request may ask for; -1: the whole "
+    "vocabulary (then every step returns it).",
     "disable_log_stats": "Do not log throughput and cache statistics.",
     "tensor_parallel_size": "Devices of this host to split the model over (heads, MLP and "
     "vocabulary on the mesh's 'model' axis). With several nodes: all devices of all nodes.",

@@ -253,6 +253,8 @@ class EngineCore:
 
     def _record_logprobs(self, req: Request, tok) -> None:
         k = req.sampling_params.logprobs
+        if k == -1:  # the whole vocabulary (the runner returns it when max_logprobs is -1)
+            k = len(tok.top_ids)
         entry = {}
         entry[tok.token_id] = Logprob(tok.logprob, tok.rank, self._decode_one(tok.token_id))
         for rank, (tid, lp) in enumerate(

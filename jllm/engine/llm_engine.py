@@ -163,7 +163,14 @@ class LLMEngine:
         params = params.clone()
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.extra_stop_ids
-        return self.processor.process_prompt(prompt, params), params
+        processed = self.processor.process_prompt(prompt, params)
+        if self.core.async_scheduling and params.multi_token_bad_words:
+            # The mask of such a word depends on the token the step in flight samples.
+            raise ValueError(
+                "bad_words of several tokens are not supported with async_scheduling yet "
+                f"({params.bad_words!r}); start the engine with async_scheduling=False."
+            )
+        return processed, params
 
     def add_request(self, request_id: str, processed, params: SamplingParams) -> None:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)

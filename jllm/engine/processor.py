@@ -15,6 +15,8 @@ from jllm.sampling_params import MAX_SUPPRESS, SamplingParams
 # Prompt-dict keys vLLM defines that jllm cannot honour yet: refused by name, never ignored.
 UNSUPPORTED_PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids")
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+# vLLM's cap on the token sequences `bad_words` may tokenize to.
+MAX_BAD_WORDS = 128
 
 
 @dataclass
@@ -83,15 +85,67 @@ class Processor:
                 f"length of {self.max_model_len}. Make sure that `max_model_len` is no "
                 "smaller than the number of text tokens plus the tokens to generate."
             )
-        if params.logprobs is not None and params.logprobs > self.max_logprobs:
-            raise ValueError(
-                f"Requested sample logprobs of {params.logprobs}, which is greater than "
-                f"max allowed: {self.max_logprobs}"
-            )
+        # -1 asks for the whole vocabulary, and max_logprobs=-1 allows it (vLLM's rule).
+        limit = self.vocab_size if self.max_logprobs == -1 else self.max_logprobs
+        if params.logprobs is not None:
+            wanted = self.vocab_size if params.logprobs == -1 else params.logprobs
+            if wanted > limit:
+                raise ValueError(
+                    f"Requested sample logprobs of {wanted}, which is greater than "
+                    f"max allowed: {limit}"
+                )
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids {bad} are outside the vocabulary.")
-        if params.min_tokens and len(params.all_stop_token_ids) + 1 > MAX_SUPPRESS:
+        if params.logit_bias:
+            bad = sorted(t for t in params.logit_bias if not 0 <= t < self.vocab_size)
+            if bad:
+                raise ValueError(
+                    f"token_id(s) {bad} in logit_bias contain out-of-vocab token ids. "
+                    f"Vocabulary size: {self.vocab_size}"
+                )
+        if params.allowed_token_ids is not None:
+            if not all(0 <= t < self.vocab_size for t in params.allowed_token_ids):
+                raise ValueError("allowed_token_ids contains out-of-vocab token id!")
+        if params.bad_words:
+            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
+        # Ids the sampler masks per step: EOS and stop ids under min_tokens, and the last
+        # token of each bad word of several tokens whose beginning was just generated.
+        suppressed = len(params.multi_token_bad_words)
+        if params.min_tokens:
+            suppressed += len(params.all_stop_token_ids) + 1
+        if suppressed > MAX_SUPPRESS:
             raise ValueError(
-                f"min_tokens with more than {MAX_SUPPRESS - 1} stop_token_ids is not supported."
+                f"At most {MAX_SUPPRESS} token ids can be masked per step: min_tokens with "
+                f"{len(params.all_stop_token_ids)} stop token ids and "
+                f"{len(params.multi_token_bad_words)} bad-word token sequences of several "
+                "tokens is too many."
             )
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's tokenization of `bad_words`: each word as it would start the text, and with a
+        leading space (as it would follow another word) when that is a different token
+        sequence of the same length."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer; skip_tokenizer_init is set.")
+        out: list[list[int]] = []
+        for word in dict.fromkeys(words):  # duplicates once
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if not plain:
+                raise ValueError("bad_words entries must tokenize to at least one token.")
+            out.append(plain)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(spaced)
+        if len(out) > MAX_BAD_WORDS:
+            raise ValueError(
+                f"Too many bad words after tokenization: {len(out)}. "
+                f"The max number is {MAX_BAD_WORDS}."
+            )
+        bad = [t for ids in out for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"The model vocabulary size is {self.vocab_size}, but the following tokens "
+                f"were specified as bad: {bad}."
+            )
+        return out

@@ -8,7 +8,8 @@ arrays by row index (`runner/inputs.py`), with no per-token Python loop for deco
 
 Row `pad` (the last) is a padding row: greedy, no penalties, an empty block table. A row
 with penalties owns penalty-state row `row + 1` on the device (row 0 stays empty, see
-`runner/penalty_state.py`).
+`runner/penalty_state.py`), and likewise a row with a fixed logits bias
+(`runner/logit_bias.py`).
 
 Host-side numpy only: no JAX, nothing from `jllm.engine`.
 """
@@ -54,6 +55,10 @@ class InputBatch:
         self.min_tokens = np.zeros(rows, np.int32)
         self.suppress = np.full((rows, MAX_SUPPRESS), NO_TOKEN, np.int32)  # under min_tokens
         self.want_logprobs = np.zeros(rows, bool)
+        self.bias_row = np.zeros(rows, np.int32)  # row in the logit-bias table (0: none)
+        # Bad words of several tokens by row: their last token is masked per step when the
+        # output ends with the rest.
+        self.bad_words: dict[int, list[list[int]]] = {}
 
     def add(self, new: NewRequestData) -> int:
         """Write a request's row; returns it."""
@@ -86,6 +91,10 @@ class InputBatch:
         if p.min_tokens:
             self.suppress[r, : len(ids)] = ids
         self.want_logprobs[r] = p.logprobs is not None
+        self.bias_row[r] = r + 1 if p.has_bias else 0
+        self.bad_words.pop(r, None)
+        if p.multi_token_bad_words:
+            self.bad_words[r] = p.multi_token_bad_words
         return r
 
     def update(self, cached: CachedRequestData) -> None:

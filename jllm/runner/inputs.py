@@ -260,6 +260,10 @@ def sampling_metadata(batch: InputBatch, groups: list[SampleGroup], Rs: int, K: 
             spec_prev[g.first + t, :t] = g.drafts[:t]
     counter = batch.num_tokens[row] + batch.num_pending[row] - batch.num_prompt[row] + offset
     under_min = (counter < batch.min_tokens[row])[:, None]
+    suppress = np.where(under_min, batch.suppress[row], NO_TOKEN).astype(np.int32)
+    for g in groups:
+        if g.row in batch.bad_words:
+            _mask_bad_words(batch, g, suppress)
     return SamplingMetadata(
         temperature=batch.temperature[row],
         top_p=batch.top_p[row],
@@ -272,10 +276,30 @@ def sampling_metadata(batch: InputBatch, groups: list[SampleGroup], Rs: int, K: 
         frequency=batch.frequency[row],
         repetition=batch.repetition[row],
         penalty_rows=batch.penalty_row[row],
-        suppress=np.where(under_min, batch.suppress[row], NO_TOKEN).astype(np.int32),
+        suppress=suppress,
         want_logprobs=batch.want_logprobs[row],
+        bias_rows=batch.bias_row[row],
         batch_row=row,
         draft=draft,
         group_first=group_first,
         spec_prev=spec_prev,
     )
+
+
+def _mask_bad_words(batch: InputBatch, g: SampleGroup, suppress: np.ndarray) -> None:
+    """vLLM's bad words of several tokens: a word's last token is masked where the output so
+    far (with the drafts before the sample row) ends with the rest of the word. The masked
+    ids fill the row's `suppress` slots from the end (min_tokens ids fill them from the
+    start; the processor keeps both within the width)."""
+    r = g.row
+    if batch.num_pending[r]:
+        raise RuntimeError("bad words of several tokens need the output on the host")
+    words = batch.bad_words[r]
+    longest = max(len(w) for w in words) - 1
+    start = max(int(batch.num_prompt[r]), int(batch.num_tokens[r]) - longest)
+    recent = batch.token_ids[r, start : batch.num_tokens[r]].tolist()
+    for j in range(g.count):
+        tail = recent + g.drafts[:j]
+        banned = [w[-1] for w in words if tail[len(tail) - len(w) + 1 :] == w[:-1]]
+        if banned:
+            suppress[g.first + j, suppress.shape[1] - len(banned) :] = banned

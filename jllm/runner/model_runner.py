@@ -26,6 +26,7 @@ from flax import nnx
 
 from jllm.runner.input_batch import InputBatch
 from jllm.runner.inputs import BatchLayout, build_step
+from jllm.runner.logit_bias import bias_vector, write_bias
 from jllm.runner.penalty_state import PenaltyWriter, write_step
 from jllm.runner.sampled import SampledToken
 from jllm.runner.sampler import sample, unpack_result
@@ -85,7 +86,8 @@ class ModelRunner:
         self.layout = layout
         self.backend = backend
         self.enforce_eager = enforce_eager
-        self.max_logprobs = max_logprobs
+        # Top logprobs every sample row returns: max_logprobs=-1 is the whole vocabulary.
+        self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
         max_len = layout.max_pages * layout.block_size
         self.batch = InputBatch(max_num_seqs, max_len, layout.max_pages)
         # Penalty state (runner/penalty_state.py): row 0 stays empty.
@@ -93,6 +95,10 @@ class ModelRunner:
         shape = (self.penalties.num_rows, vocab_size)
         self.counts = jax.device_put(np.zeros(shape, np.int32), self.replicated)
         self.prompt_mask = jax.device_put(np.zeros(shape, np.bool_), self.replicated)
+        # The logit-bias table (runner/logit_bias.py), row 0 zero like the penalty state.
+        self.vocab_size = vocab_size
+        self.bias = jax.device_put(np.zeros(shape, np.float32), self.replicated)
+        self._bias_exe = None
         # The last token each input-batch row sampled, where the next step reads it.
         last = np.zeros(max_num_seqs + 1, np.int32)
         self.last_tokens = jax.device_put(last, self.replicated)
@@ -152,6 +158,7 @@ class ModelRunner:
                 md,
                 self.counts,
                 self.prompt_mask,
+                self.bias,
                 self.last_tokens,
                 num_logprobs=self.max_logprobs,
             ).compile()
@@ -183,6 +190,14 @@ class ModelRunner:
                 lowered = write_step.lower(self.counts, self.prompt_mask, w)
             exe = self._write_exe[W] = lowered.compile()
         return exe
+
+    def _bias_executable(self, row, vector):
+        if self._bias_exe is None:
+            if self.compile_guard:
+                raise CompileAfterWarmupError("logit-bias write not compiled")
+            with jax.set_mesh(self.mesh):
+                self._bias_exe = write_bias.lower(self.bias, row, vector).compile()
+        return self._bias_exe
 
     def compile_all(self) -> None:
         """Compile every forward and sampler bucket before serving (skipped when eager).
@@ -218,25 +233,36 @@ class ModelRunner:
         for W in self.penalties.write_buckets:
             w = self.penalties.empty_write(W)
             self._write_executable(jax.device_put(w, self.replicated))
+        self._bias_executable(*self._put_bias_write(0, np.zeros(self.vocab_size, np.float32)))
         logger.info("Graph compilation finished in %.1f secs.", time.perf_counter() - start)
         self.compile_guard = True
 
     # ---- the step ------------------------------------------------------------------------
-    def run_step(self, key, step, writes=()):
+    def _put_bias_write(self, row: int, vector: np.ndarray):
+        return (
+            jax.device_put(np.int32(row), self.replicated),
+            jax.device_put(vector, self.replicated),
+        )
+
+    def run_step(self, key, step, writes=(), bias_writes=()):
         """The device part of a step, from the host inputs (StepInputs, SamplingMetadata) to
-        the packed result, still on the device (JAX dispatches asynchronously). Every
-        process of a multi-process engine runs it with the same inputs."""
+        the packed result, still on the device (JAX dispatches asynchronously), after the
+        admitted rows' penalty and logit-bias writes. Every process of a multi-process
+        engine runs it with the same inputs."""
         buf, layout = pack(step)
         for w in writes:
             w = jax.device_put(w, self.replicated)
             exe = self._write_executable(w)
             self.counts, self.prompt_mask = exe(self.counts, self.prompt_mask, w)
+        for row, vector in bias_writes:
+            row, vector = self._put_bias_write(row, vector)
+            self.bias = self._bias_executable(row, vector)(self.bias, row, vector)
         buf = jax.device_put(buf, self.replicated)
         fwd = self._forward_executable(key, buf, layout)
         logits, self.kv_cache, md = fwd(self.state, self.kv_cache, self.last_tokens, buf)
         smp = self._sample_executable(logits.shape[0], logits, md)
         packed, self.counts, self.last_tokens = smp(
-            logits, md, self.counts, self.prompt_mask, self.last_tokens
+            logits, md, self.counts, self.prompt_mask, self.bias, self.last_tokens
         )
         return packed
 
@@ -246,30 +272,33 @@ class ModelRunner:
             message = channel.recv()
             if message[0] == "stop":
                 return
-            _, key, step, writes = message
-            jax.block_until_ready(self.run_step(key, step, writes))
+            _, key, step, writes, bias_writes = message
+            jax.block_until_ready(self.run_step(key, step, writes, bias_writes))
 
-    def _apply(self, out: SchedulerOutput) -> list:
+    def _apply(self, out: SchedulerOutput):
         """Bring the input batch up to date with the scheduler's output; returns the penalty
-        writes for the admitted rows."""
+        writes and the logit-bias writes for the admitted rows."""
         for rid in out.finished_req_ids | out.preempted_req_ids:
             self.batch.remove(rid)
-        admitted = []
+        admitted, bias_writes = [], []
         for new in out.scheduled_new_reqs:
             row = self.batch.add(new)
-            if new.sampling_params.has_penalties:
+            p = new.sampling_params
+            if p.has_penalties:
                 admitted.append((row + 1, new.prompt_token_ids, new.output_token_ids))
+            if p.has_bias:
+                bias_writes.append((row + 1, bias_vector(p, self.vocab_size)))
         self.batch.update(out.scheduled_cached_reqs)
-        return self.penalties.admit(admitted)
+        return self.penalties.admit(admitted), bias_writes
 
     def dispatch(self, out: SchedulerOutput):
         """Start one step on the device and return without waiting for it: a handle for
         `fetch`. The rows that sample hold a pending token until then."""
-        writes = self._apply(out)
+        writes, bias_writes = self._apply(out)
         inputs, md, groups, key = build_step(self.batch, out, self.layout, self.backend)
         if self.channel is not None:  # the other processes run the same step
-            self.channel.send(("step", key, (inputs, md), writes))
-        packed = self.run_step(key, (inputs, md), writes)
+            self.channel.send(("step", key, (inputs, md), writes, bias_writes))
+        packed = self.run_step(key, (inputs, md), writes, bias_writes)
         for g in groups:
             self.batch.num_pending[g.row] += 1
         return packed, groups

@@ -1,7 +1,9 @@
 """On-device sampling, in vLLM's order and with vLLM's semantics.
 
-raw logprobs (returned when asked) -> min_tokens suppression -> repetition / frequency /
-presence penalties -> greedy argmax, or temperature -> min_p -> top_k -> top_p -> draw.
+raw logprobs (returned when asked) -> masks and bias: min_tokens suppression and bad words
+of several tokens (per-step ids), allowed_token_ids, bad words of one token and logit_bias
+(the request's fixed bias row, `runner/logit_bias.py`) -> repetition / frequency / presence
+penalties -> greedy argmax, or temperature -> min_p -> top_k -> top_p -> draw.
 The draw (`runner/draw.py`) is an exponential race keyed by the sequence's seed and output
 index, so a seeded request produces the same text whatever else shares its batch, whatever
 its bucket, prefix-cache hits, chunking or preemption.
@@ -51,6 +53,7 @@ from jllm.sampling_params import SAMPLING_EPS
         "penalty_rows",
         "suppress",
         "want_logprobs",
+        "bias_rows",
         "batch_row",
         "draft",
         "group_first",
@@ -73,6 +76,7 @@ class SamplingMetadata:
     penalty_rows: jax.Array  # [R] int32, row in the penalty state (0: none)
     suppress: jax.Array  # [R, M] int32 token ids to mask (min_tokens), >= V for none
     want_logprobs: jax.Array  # [R] bool
+    bias_rows: jax.Array  # [R] int32, row in the logit-bias table (0: none)
     batch_row: jax.Array  # [R] int32, the input-batch row the sample row belongs to
     draft: jax.Array  # [R] int32, the draft this row verifies; -1: none (a group's last row)
     group_first: jax.Array  # [R] int32, the first row of this row's group
@@ -102,8 +106,9 @@ def _as_int32(x):
 
 
 @partial(jax.jit, static_argnames=("num_logprobs",), donate_argnames=("counts", "last_tokens"))
-def sample(logits, md: SamplingMetadata, counts, prompt_mask, last_tokens, *, num_logprobs):
-    """logits [R, V] -> (packed result [R, 4 + 2J] int32, counts with the emitted tokens,
+def sample(logits, md: SamplingMetadata, counts, prompt_mask, bias, last_tokens, *, num_logprobs):
+    """logits [R, V], the penalty state (counts, prompt_mask [P, V]), the logit-bias table
+    (bias [P, V]) -> (packed result [R, 4 + 2J] int32, counts with the emitted tokens,
     last_tokens [batch rows] with each row's last emitted token, for the next step to read
     on the device).
 
@@ -114,6 +119,9 @@ def sample(logits, md: SamplingMetadata, counts, prompt_mask, last_tokens, *, nu
     R, V = logits.shape
     rows = jnp.arange(R)[:, None]
     processed = logits.at[rows, md.suppress].set(-jnp.inf, mode="drop")
+    processed = jax.lax.cond(
+        jnp.any(md.bias_rows > 0), lambda x: x + bias[md.bias_rows], lambda x: x, processed
+    )
     processed = jax.lax.cond(
         jnp.any(md.penalty_rows > 0),
         lambda x: _apply_penalties(x, md, counts, prompt_mask),

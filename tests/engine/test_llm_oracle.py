@@ -43,3 +43,24 @@ def test_logprobs_match_transformers(tiny_models, llama_llm, arch):
         assert [entry[t].rank for t in top_ids.tolist()] == [1, 2, 3, 4, 5]
         cumulative += entry[token].logprob
     assert out.cumulative_logprob == pytest.approx(cumulative, abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def all_logprobs_llm(llama_dir):
+    return LLM(llama_dir, max_logprobs=-1, **SMALL)
+
+
+def test_logprobs_minus_one_is_the_whole_vocabulary(llama_dir, llama_llm, all_logprobs_llm):
+    """vLLM's rule: -1 asks for every token, allowed only when max_logprobs is -1."""
+    prompt = {"prompt_token_ids": prompt_ids(1, 10, seed=5)[0]}
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=-1)
+    with pytest.raises(ValueError, match="which is greater than max allowed: 20"):
+        llama_llm.generate(prompt, params, use_tqdm=False)
+    out = all_logprobs_llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+    ref = teacher_forced_logprobs(model, prompt["prompt_token_ids"], out.token_ids)
+    for step, entry in enumerate(out.logprobs):
+        assert len(entry) == ref.shape[1]
+        got = np.array([entry[t].logprob for t in range(ref.shape[1])])
+        np.testing.assert_allclose(got, ref[step].numpy(), atol=2e-4)
+        assert entry[out.token_ids[step]].rank == 1

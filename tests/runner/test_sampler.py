@@ -26,6 +26,7 @@ def metadata(R, V, **over):
         penalty_rows=np.zeros(R, np.int32),
         suppress=np.full((R, 16), V, np.int32),
         want_logprobs=np.zeros(R, bool),
+        bias_rows=np.zeros(R, np.int32),
         batch_row=np.arange(R, dtype=np.int32),
         draft=np.full(R, -1, np.int32),
         group_first=np.arange(R, dtype=np.int32),
@@ -36,13 +37,14 @@ def metadata(R, V, **over):
     return SamplingMetadata(**{k: jnp.asarray(v) for k, v in fields.items()})
 
 
-def run(logits, md, counts=None, prompt_mask=None, num_logprobs=5):
+def run(logits, md, counts=None, prompt_mask=None, num_logprobs=5, bias=None):
     R, V = logits.shape
     counts = np.zeros((R + 1, V), np.int32) if counts is None else counts
     prompt_mask = np.zeros((R + 1, V), bool) if prompt_mask is None else prompt_mask
+    bias = np.zeros((R + 1, V), np.float32) if bias is None else bias
     last = np.zeros(R + 1, np.int32)
     packed, _, _ = sample(
-        jnp.asarray(logits), md, counts, prompt_mask, last, num_logprobs=num_logprobs
+        jnp.asarray(logits), md, counts, prompt_mask, bias, last, num_logprobs=num_logprobs
     )
     tokens, lp, rank, _, top_ids, top_lp = unpack_result(np.asarray(packed), num_logprobs)
     return [tokens, lp, rank, top_ids, top_lp]

@@ -2,7 +2,7 @@
 and their translation to `SamplingParams`.
 
 Unknown fields are accepted and logged, as vLLM does. Fields that OpenAI or vLLM define but
-jllm cannot honour yet (`logit_bias`, `tools`, `response_format`, guided decoding, ...) are
+jllm cannot honour yet (`tools`, `response_format`, guided decoding, ...) are
 rejected with a 400 that names the field when they are set, never silently ignored.
 """
 
@@ -16,9 +16,6 @@ from jllm.sampling_params import RequestOutputKind, SamplingParams
 
 # Defined by OpenAI or vLLM, not honoured by jllm yet: a 400 naming the field when set.
 UNSUPPORTED_FIELDS = (
-    "logit_bias",
-    "allowed_token_ids",
-    "bad_words",
     "prompt_logprobs",
     "guided_json",
     "guided_regex",
@@ -27,6 +24,14 @@ UNSUPPORTED_FIELDS = (
     "structured_outputs",
     "lora_request",
 )
+
+
+class FieldError(ValueError):
+    """A request field's value is invalid: a 400 whose `param` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
 
 
 class OpenAIBaseModel(BaseModel):
@@ -65,11 +70,12 @@ class SamplingFields(OpenAIBaseModel):
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     # Requests share prefix-cache blocks only with requests of the same salt.
     cache_salt: str | None = None
-    # Defined by OpenAI or vLLM, not supported by jllm yet (a 400 when set).
+    # Token id (as a string, JSON's keys) -> a bias in [-100, 100], OpenAI's range.
     logit_bias: dict[str, float] | None = None
-    best_of: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # Defined by OpenAI or vLLM, not supported by jllm yet (a 400 when set).
+    best_of: int | None = None
     prompt_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
     guided_json: Any = None
@@ -92,6 +98,23 @@ class SamplingFields(OpenAIBaseModel):
         if self.priority:
             return "priority"
         return None
+
+    def checked_logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's rules: keys are token ids, values within [-100, 100]."""
+        if self.logit_bias is None:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise FieldError("logit_bias", f"key {key!r} is not a token id.") from None
+            if not -100.0 <= bias <= 100.0:
+                raise FieldError(
+                    "logit_bias", f"the bias of token {token} must be in [-100, 100], got {bias}."
+                )
+            out[token] = bias
+        return out
 
     def sampling_params(
         self,
@@ -132,6 +155,9 @@ class SamplingFields(OpenAIBaseModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            logit_bias=self.checked_logit_bias(),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
 

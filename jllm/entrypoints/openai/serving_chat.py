@@ -85,7 +85,7 @@ class OpenAIServingChat(OpenAIServing):
                 max_tokens, logprobs, self.engine.default_sampling_params
             )
         except ValueError as e:
-            raise OpenAIError(str(e), 400) from e
+            raise OpenAIError(str(e), 400, getattr(e, "param", None)) from e
         prompt = {"prompt_token_ids": ids, "prompt": text}
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt

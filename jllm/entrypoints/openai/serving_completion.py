@@ -50,7 +50,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 request.max_tokens, request.logprobs, self.engine.default_sampling_params
             )
         except ValueError as e:
-            raise OpenAIError(str(e), 400) from e
+            raise OpenAIError(str(e), 400, getattr(e, "param", None)) from e
         prompts = normalize_prompts(request.prompt, request.cache_salt)
         prepared = [
             await off_loop(self.prepare, f"{request_id}-{i}", p, params)

@@ -390,7 +390,11 @@ def post(server, path, body, **kw):
         ({"prompt": "x", "top_p": 0}, None),
         ({"prompt": "x", "n": 0}, None),
         ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
-        ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"five": 1.0}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"999999": 1}}, None),
+        ({"prompt": "x", "allowed_token_ids": []}, None),
+        ({"prompt": "x", "logprobs": -2}, None),
         ({"prompt": "x", "logprobs": 50}, None),
         ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
         ({"prompt": []}, "prompt"),
@@ -405,6 +409,32 @@ def test_bad_completion_requests_are_400(server, body, param):
     assert error["type"] == "BadRequestError" and error["code"] == 400 and error["message"]
     if param is not None:
         assert error["param"] == param
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words(client, llama_llm):
+    """The server's fields reach the sampler as the offline API's do."""
+    fields = [
+        {"logit_bias": {"1234": 100}},
+        {"allowed_token_ids": [11, 12, 13]},
+        {"bad_words": ["the", "hello world"], "logit_bias": {"88": -100.0}},
+    ]
+    for extra in fields:
+        params = {k: v for k, v in extra.items() if k != "logit_bias"}
+        if "logit_bias" in extra:
+            params["logit_bias"] = {int(k): v for k, v in extra["logit_bias"].items()}
+        want = offline(llama_llm, PROMPTS[:1], temperature=0, max_tokens=6, **params)
+        got = client.completions.create(
+            model=MODEL_NAME,
+            prompt=PROMPTS[0],
+            temperature=0,
+            max_tokens=6,
+            logit_bias=extra.get("logit_bias"),
+            extra_body={k: v for k, v in extra.items() if k != "logit_bias"},
+        )
+        assert got.choices[0].text == want[0].outputs[0].text
+    assert want[0].outputs[0].token_ids  # sanity: something was generated
+    forced = offline(llama_llm, PROMPTS[:1], temperature=0, max_tokens=3, logit_bias={1234: 100})
+    assert forced[0].outputs[0].token_ids == [1234] * 3
 
 
 def test_prompt_over_context_is_400(client):
