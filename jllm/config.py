@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 # vLLM arguments jllm recognises but cannot honour yet: setting them to anything but the
 # default raises instead of being silently ignored.
+SCHEDULING_POLICIES = ("fcfs", "priority")
 UNSUPPORTED_ARGS = {
     "quantization": None,
     "speculative_config": None,
@@ -65,6 +66,8 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     enable_chunked_prefill: bool = True
+    # vLLM's "fcfs" (arrival order) or "priority" (lower `priority` first, then arrival).
+    scheduling_policy: str = "fcfs"
     # Draft tokens a request may verify per step (vLLM's name; a speculative config sets it).
     num_lookahead_slots: int = 0
     # Schedule step N+1 while step N runs. None: the platform's default (engine/platform.py).
@@ -95,6 +98,11 @@ class EngineArgs:
         return cls(**{k: v for k, v in kwargs.items() if k in names})
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling_policy!r}."
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}.")
         if self.load_format not in LOAD_FORMATS:
@@ -166,6 +174,7 @@ class SchedulerConfig:
     # they are charged to the budget rounded up to it (decodes cost one token).
     tile_size: int = 1
     num_lookahead_slots: int = 0  # at most this many drafts per request per step
+    policy: str = "fcfs"  # or "priority" (engine/request_queue.py)
 
 
 def resolve_scheduler_config(
@@ -187,4 +196,5 @@ def resolve_scheduler_config(
         args.enable_chunked_prefill,
         tile_size,
         args.num_lookahead_slots,
+        args.scheduling_policy,
     )

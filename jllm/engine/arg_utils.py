@@ -13,6 +13,7 @@ from jllm.config import (
     ATTENTION_BACKENDS,
     DTYPES,
     LOAD_FORMATS,
+    SCHEDULING_POLICIES,
     TOKENIZER_MODES,
     UNSUPPORTED_ARGS,
     EngineArgs,
@@ -55,6 +56,8 @@ HELP = {
     "attention_backend": "Attention implementation: 'auto' (Pallas on TPU, the C++ kernel on "
     "CPU, XLA elsewhere), 'cpu_kernel', 'xla', 'pallas', or 'pallas_interpret' (the Pallas "
     "kernel interpreted, for testing).",
+    "scheduling_policy": "'fcfs' (arrival order) or 'priority' (a request's lower priority "
+    "value first, then arrival; preemption takes the lowest priority first).",
     "max_logprobs": "Largest logprobs / top_logprobs a request may ask for; -1: the whole "
     "vocabulary (then every step returns it).",
     "disable_log_stats": "Do not log throughput and cache statistics.",
@@ -73,6 +76,7 @@ CHOICES = {
     "load_format": LOAD_FORMATS,
     "tokenizer_mode": TOKENIZER_MODES,
     "attention_backend": ATTENTION_BACKENDS,
+    "scheduling_policy": SCHEDULING_POLICIES,
 }
 
 

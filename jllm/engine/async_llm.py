@@ -51,7 +51,12 @@ class AsyncLLM:
         return self.engine.prepare(prompt, params)
 
     async def generate(
-        self, prompt, sampling_params: SamplingParams, request_id: str, prepared=None
+        self,
+        prompt,
+        sampling_params: SamplingParams,
+        request_id: str,
+        prepared=None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as the engine produces them, the last one finished.
 
@@ -61,7 +66,7 @@ class AsyncLLM:
             raise ValueError(f"Request id {request_id!r} is already running.")
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), outputs)
-        self._commands.put(("add", request_id, processed, params))
+        self._commands.put(("add", request_id, processed, params, priority))
         finished = False
         try:
             while True:
@@ -119,9 +124,9 @@ class AsyncLLM:
         if kind == "abort":
             self.engine.abort_request([command[1]])
         else:
-            _, request_id, processed, params = command
+            _, request_id, processed, params, priority = command
             try:
-                self.engine.add_request(request_id, processed, params)
+                self.engine.add_request(request_id, processed, params, priority)
             except ValueError as e:
                 self._deliver(request_id, e)
         return True

@@ -87,9 +87,10 @@ class EngineCore:
         prompt: str | None = None,
         seed: int = 0,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         """Admit a validated request; its `n` sequences get seeds `seed`, `seed + 1`, ...
-        and share its `cache_salt`."""
+        and share its `cache_salt` and `priority`."""
         if request_id in self.parents:
             raise ValueError(f"Request id {request_id!r} is already running.")
         now = time.time()
@@ -97,7 +98,14 @@ class EngineCore:
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             child = Request(
-                child_id, prompt_token_ids, params, self.eos_token_id, seed + i, now, cache_salt
+                child_id,
+                prompt_token_ids,
+                params,
+                self.eos_token_id,
+                seed + i,
+                now,
+                cache_salt,
+                priority,
             )
             parent.children.append(child)
             if params.detokenize and self.tokenizer is not None:

@@ -172,7 +172,9 @@ class LLMEngine:
             )
         return processed, params
 
-    def add_request(self, request_id: str, processed, params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, processed, params: SamplingParams, priority: int = 0
+    ) -> None:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self.core.add_request(
             request_id,
@@ -181,6 +183,7 @@ class LLMEngine:
             processed.prompt,
             seed=seed,
             cache_salt=processed.cache_salt,
+            priority=priority,
         )
 
     def abort_request(self, request_ids: list[str]) -> None:

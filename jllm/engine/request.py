@@ -45,8 +45,10 @@ class Request:
         seed: int,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        self.priority = priority  # lower first, under scheduling_policy="priority"
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

@@ -3,8 +3,10 @@
 Each step has a token budget (`max_num_batched_tokens`) and a request cap (`max_num_seqs`).
 Running requests go first (decodes, and the next chunks of chunked prefills), then waiting
 requests in arrival order, their prompts chunked to fit what is left of the budget. When the
-block pool runs dry, the most recently admitted running request is preempted: its blocks are
-freed and it is recomputed later (vLLM's recompute mode).
+block pool runs dry, the most recently admitted running request is preempted: its blocks
+are freed and it is recomputed later (vLLM's recompute mode). Under
+`scheduling_policy="priority"` the waiting queue is in priority order and the lowest
+priority is preempted first (`engine/request_queue.py`).
 
 With async scheduling the next step is scheduled before the results of the one in flight
 are in: a request that samples in a step holds an output placeholder until its token is
@@ -22,11 +24,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 
 from jllm.config import SchedulerConfig
 from jllm.engine.kv_cache_manager import KVCacheManager
 from jllm.engine.request import Request, RequestStatus
+from jllm.engine.request_queue import create_request_queue, priority_key
 from jllm.scheduler_output import NewRequestData, SchedulerOutput
 from jllm.utils import cdiv
 
@@ -37,7 +39,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
         self.config = config
         self.kv_cache = kv_cache
-        self.waiting: deque[Request] = deque()
+        self.waiting = create_request_queue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # cumulative, as vLLM reports it
@@ -48,7 +50,7 @@ class Scheduler:
 
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        self.waiting.add(req)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -60,7 +62,7 @@ class Scheduler:
         req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.prepend(req)
         if self._sent_blocks.pop(req.request_id, None) is not None:
             self._preempted_ids.add(req.request_id)
         logger.warning(
@@ -71,6 +73,13 @@ class Scheduler:
             req.request_id,
             self.num_preemptions,
         )
+
+    def _victim(self) -> Request:
+        """The running request to preempt: the last admitted (fcfs), or the lowest priority,
+        the latest arrival among equals (priority), as vLLM."""
+        if self.config.policy == "priority":
+            return max(self.running, key=priority_key)
+        return self.running[-1]
 
     def _cost(self, n: int) -> int:
         """Budget a row of n tokens takes: several tokens (a prefill chunk or a verification
@@ -118,7 +127,13 @@ class Scheduler:
                 blocks = self.kv_cache.allocate_slots(req, num_new)
                 if blocks is not None:
                     break
-                victim = self.running.pop()
+                victim = self._victim()
+                j = self.running.index(victim)
+                self.running.pop(j)
+                if j < i:  # scheduled earlier in this step: take it back
+                    k = next(n for n, s in enumerate(scheduled) if s[0] is victim)
+                    budget += self._cost(scheduled.pop(k)[1])
+                    i -= 1
                 self._preempt(victim)
                 out.num_preempted += 1
                 preempted = True
@@ -136,7 +151,7 @@ class Scheduler:
             and not preempted
             and len(self.running) < self.config.max_num_seqs
         ):
-            req = self.waiting[0]
+            req = self.waiting.peek()
             hit_blocks, num_hit = self.kv_cache.get_computed_blocks(req)
             num_new = self._fit(req.num_tokens - num_hit, budget)
             if num_new == 0 or (
@@ -147,7 +162,7 @@ class Scheduler:
             blocks = self.kv_cache.allocate_slots(req, num_new, hit_blocks)
             if blocks is None:
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             self.kv_cache.record_prefix_lookup(req.num_tokens, num_hit)
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:

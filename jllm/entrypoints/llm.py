@@ -52,11 +52,18 @@ class LLM:
     ) -> list[RequestOutput]:
         if lora_request is not None:
             raise ValueError("lora_request is not supported by jllm yet.")
-        if priority is not None:
-            raise ValueError("priority scheduling is not supported by jllm yet.")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
+        if priority is None:
+            priority = [0] * len(prompts)
+        elif isinstance(priority, int):
+            priority = [priority] * len(prompts)
+        elif len(priority) != len(prompts):
+            raise ValueError(
+                f"The lengths of prompts ({len(prompts)}) and priority ({len(priority)}) "
+                "must be the same."
+            )
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -72,7 +79,7 @@ class LLM:
         prepared = [
             self.llm_engine.prepare(p, sp) for p, sp in zip(prompts, params_list, strict=True)
         ]
-        return self._run(prepared, use_tqdm)
+        return self._run(prepared, use_tqdm, priority)
 
     def chat(
         self,
@@ -104,13 +111,13 @@ class LLM:
             prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run(self, prepared, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prepared, use_tqdm: bool, priority: list[int]) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = []
-        for processed, params in prepared:
+        for (processed, params), prio in zip(prepared, priority, strict=True):
             params.output_kind = RequestOutputKind.FINAL_ONLY
             rid = str(next(self._counter))
-            engine.add_request(rid, processed, params)
+            engine.add_request(rid, processed, params, int(prio))
             ids.append(rid)
         results: dict[str, RequestOutput] = {}
         bar = (

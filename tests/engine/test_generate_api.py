@@ -204,3 +204,22 @@ def test_cache_salt_separates_prefix_cache_hits(llama_llm):
 def test_bad_prompt_dicts_are_refused(llama_llm, prompt, match):
     with pytest.raises(ValueError, match=match):
         llama_llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_priority_scheduling(llama_dir, llama_llm):
+    """One sequence at a time: requests start in priority order (ties by arrival), and
+    their outputs are what they are alone."""
+    from oracle import SMALL
+
+    llm = LLM(llama_dir, **{**SMALL, "max_num_seqs": 1, "scheduling_policy": "priority"})
+    prompts = [{"prompt_token_ids": p} for p in prompt_ids(4, 6, seed=40)]
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    outs = llm.generate(prompts, greedy, use_tqdm=False, priority=[3, 0, 7, 0])
+    starts = [o.metrics.first_scheduled_time for o in outs]
+    assert sorted(range(4), key=lambda i: starts[i]) == [1, 3, 0, 2]
+    alone = llama_llm.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in alone]
+    with pytest.raises(ValueError, match="lengths of prompts"):
+        llm.generate(prompts, greedy, priority=[1])
+    with pytest.raises(ValueError, match="scheduling_policy must be one of"):
+        LLM(llama_dir, scheduling_policy="lifo", **SMALL)

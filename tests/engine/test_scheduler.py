@@ -50,9 +50,16 @@ class MockRunner:
 
 
 def make_core(
-    num_blocks=64, block_size=4, budget=32, max_seqs=8, tile=1, caching=True, lookahead=0
+    num_blocks=64,
+    block_size=4,
+    budget=32,
+    max_seqs=8,
+    tile=1,
+    caching=True,
+    lookahead=0,
+    policy="fcfs",
 ):
-    config = SchedulerConfig(max_seqs, budget, 128, True, tile, lookahead)
+    config = SchedulerConfig(max_seqs, budget, 128, True, tile, lookahead, policy)
     sched = Scheduler(config, KVCacheManager(num_blocks, block_size, caching))
     runner = MockRunner()
     return EngineCore(sched, runner, None, 128, eos_token_id=999), sched, runner
@@ -213,3 +220,41 @@ def test_host_side_imports_no_jax():
     code = f"import sys\nfor m in {modules!r}: __import__(m)\nprint('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def first_scheduled(runner) -> list[str]:
+    order = []
+    for step in runner.steps:
+        order += [rid for rid, _ in step if rid not in order]
+    return order
+
+
+def test_priority_orders_the_waiting_queue():
+    """Lower priority value first, ties by arrival; fcfs ignores priority (as vLLM)."""
+    for policy, want in (("fcfs", ["a", "b", "c", "d"]), ("priority", ["b", "d", "c", "a"])):
+        core, _, runner = make_core(max_seqs=1, policy=policy)
+        for rid, prio in (("a", 5), ("b", -1), ("c", 2), ("d", -1)):
+            core.add_request(rid, [1, 2], params(2), priority=prio)
+        done = run(core)
+        assert first_scheduled(runner) == want, policy
+        assert all(done[r].outputs[0].token_ids == [3, 4] for r in "abcd")
+
+
+def test_priority_preempts_the_lowest_priority_first():
+    """Four usable blocks of 4 tokens; "low" is admitted a step before "high". In the fifth
+    step "high" needs a block: fcfs preempts the last admitted ("high" itself), priority
+    preempts "low", which was already scheduled in that step and is taken back out of it."""
+    for policy, victim in (("fcfs", "high"), ("priority", "low")):
+        core, sched, runner = make_core(num_blocks=5, caching=False, policy=policy)
+        victims = []
+        preempt = sched._preempt
+        sched._preempt = lambda req, v=victims, p=preempt: (v.append(req.request_id), p(req))
+        core.add_request("low", [1, 2, 3, 4], params(6), priority=1)
+        core.step()
+        core.add_request("high", [11, 12, 13, 14, 15, 16], params(6), priority=0)
+        done = run(core)
+        assert victims == [victim], policy
+        if policy == "priority":
+            assert runner.steps[4] == [("high", 1)]  # "low" taken back out of the step
+        assert done["low"].outputs[0].token_ids == [5, 6, 7, 8, 9, 10]
+        assert done["high"].outputs[0].token_ids == [17, 18, 19, 20, 21, 22]

@@ -74,6 +74,8 @@ class SamplingFields(OpenAIBaseModel):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # Lower first under --scheduling-policy priority (ignored under fcfs, as in vLLM).
+    priority: int = 0
     # Defined by OpenAI or vLLM, not supported by jllm yet (a 400 when set).
     best_of: int | None = None
     prompt_logprobs: int | None = None
@@ -83,7 +85,6 @@ class SamplingFields(OpenAIBaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
-    priority: int = 0
     lora_request: Any = None
 
     def unsupported_field(self) -> str | None:
@@ -95,8 +96,6 @@ class SamplingFields(OpenAIBaseModel):
             return "best_of"
         if self.response_format and self.response_format.get("type", "text") != "text":
             return "response_format"
-        if self.priority:
-            return "priority"
         return None
 
     def checked_logit_bias(self) -> dict[int, float] | None:

@@ -127,7 +127,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _full(self, request, request_id, prepared, role) -> dict:
         final = None
-        async for _, out in self.run_all(request_id, prepared):
+        async for _, out in self.run_all(request_id, prepared, request.priority):
             final = out
         prefix = self._echo(request, role)
         choices = []
@@ -183,7 +183,7 @@ class OpenAIServingChat(OpenAIServing):
         for i in range(request.n):
             delta = {"role": role, "content": prefix}
             yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
-        async for _, out in self.run_all(request_id, prepared):
+        async for _, out in self.run_all(request_id, prepared, request.priority):
             for c in out.outputs:
                 generated[c.index] += len(c.token_ids)
                 if not (c.text or c.token_ids or c.finish_reason):

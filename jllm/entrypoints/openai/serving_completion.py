@@ -94,7 +94,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _full(self, request, request_id, prepared) -> dict:
         n = request.n
         finals = {}
-        async for i, out in self.run_all(request_id, prepared):
+        async for i, out in self.run_all(request_id, prepared, request.priority):
             finals[i] = out
         choices = []
         num_generated = 0
@@ -131,7 +131,7 @@ class OpenAIServingCompletion(OpenAIServing):
         echoed: set[int] = set()
         offsets: dict[int, int] = {}
         generated: dict[int, int] = {}  # tokens so far, per choice
-        async for i, out in self.run_all(request_id, prepared):
+        async for i, out in self.run_all(request_id, prepared, request.priority):
             for c in out.outputs:
                 index = i * n + c.index
                 text = c.text

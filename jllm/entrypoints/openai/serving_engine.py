@@ -170,7 +170,7 @@ class OpenAIServing:
         return prepared
 
     async def run_all(
-        self, request_id: str, prepared: list
+        self, request_id: str, prepared: list, priority: int = 0
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run one engine request per prompt and yield `(prompt index, output)` as they
         come. Leaving early (a disconnect, an error) aborts every unfinished one."""
@@ -179,7 +179,9 @@ class OpenAIServing:
 
         async def pump(i: int, item) -> None:
             try:
-                async for out in self.engine.generate(None, None, f"{request_id}-{i}", item):
+                async for out in self.engine.generate(
+                    None, None, f"{request_id}-{i}", item, priority
+                ):
                     await merged.put((i, out))
             except Exception as e:  # noqa: BLE001 - re-raised by the consumer below
                 await merged.put((i, e))
