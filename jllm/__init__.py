@@ -6,7 +6,7 @@ block manager, engine core) stay importable without JAX.
 
 from jllm.config import EngineArgs
 from jllm.outputs import CompletionOutput, Logprob, RequestOutput
-from jllm.sampling_params import RequestOutputKind, SamplingParams
+from jllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
@@ -18,6 +18,7 @@ __all__ = [
     "Logprob",
     "EngineArgs",
     "RequestOutputKind",
+    "BeamSearchParams",
 ]
 
 

@@ -14,6 +14,8 @@ class Logprob:
 
 # One dict per generated token: token id -> Logprob (the sampled token plus the top-k).
 SampleLogprobs = list[dict[int, Logprob]]
+# One per prompt token: None for the first, then the prompt token plus the top-k.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -43,7 +45,7 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    prompt_logprobs: None
+    prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None

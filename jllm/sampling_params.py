@@ -117,8 +117,10 @@ class SamplingParams:
             raise ValueError("stop cannot contain an empty string.")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings are only supported when detokenize is True.")
-        if self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported by jllm yet.")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
+            raise ValueError(
+                f"prompt_logprobs must be non-negative or -1, got {self.prompt_logprobs}."
+            )
         if self.logit_bias and not all(math.isfinite(b) for b in self.logit_bias.values()):
             raise ValueError("logit_bias values must be finite numbers.")
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
@@ -159,3 +161,23 @@ class SamplingParams:
         import copy
 
         return copy.deepcopy(self)
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's parameters of `LLM.beam_search` (`jllm/beam_search.py`)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise ValueError(f"beam_width must be a positive integer, got {self.beam_width!r}.")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")

@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 
 from jllm.sampling_params import SamplingParams
 
+# Prompt tokens per step whose prompt logprobs are computed: the runner gathers their hidden
+# states into a fixed-size array (`runner/prompt_logprobs.py`), and the scheduler caps the
+# chunks of requests that asked for prompt logprobs to fit it.
+PROMPT_LOGPROB_ROWS = 256
+
 
 @dataclass
 class NewRequestData:
@@ -61,3 +66,6 @@ class ModelRunnerOutput:
     drafts (the accepted drafts, then the token sampled after them)."""
 
     sampled: dict[str, list] = field(default_factory=dict)  # req id -> [SampledToken]
+    # req id -> (prompt position of the first target, target logprobs [n], ranks [n],
+    # top ids [n, J], top logprobs [n, J]) for requests that asked for prompt logprobs
+    prompt_logprobs: dict[str, tuple] = field(default_factory=dict)

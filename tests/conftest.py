@@ -39,3 +39,11 @@ def llama_llm(llama_dir):
     from jllm import LLM
 
     return LLM(llama_dir, **SMALL)
+
+
+@pytest.fixture(scope="session")
+def all_logprobs_llm(llama_dir):
+    """An engine that may return the whole vocabulary's logprobs (max_logprobs=-1)."""
+    from jllm import LLM
+
+    return LLM(llama_dir, max_logprobs=-1, **SMALL)

@@ -94,6 +94,11 @@ class AsyncLLM:
         return self.engine.get_tokenizer()
 
     @property
+    def eos_token_ids(self) -> set[int]:
+        """The ids that end a sequence (the tokenizer's EOS and the generation config's)."""
+        return set(self.engine.extra_stop_ids) | {self.engine.eos_token_id} - {None}
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 

@@ -45,6 +45,7 @@ class ParentRequest:
     # DELTA outputs: how much text and how many tokens of each sequence were already sent.
     sent_text: dict[str, int] = field(default_factory=dict)
     sent_tokens: dict[str, int] = field(default_factory=dict)
+    sent_prompt_logprobs: bool = False
 
     @property
     def finished(self) -> bool:
@@ -168,6 +169,8 @@ class EngineCore:
             req = self.scheduler.requests.get(rid)
             if req is None:
                 continue
+            if rid in result.prompt_logprobs:
+                self._record_prompt_logprobs(req, *result.prompt_logprobs[rid])
             tokens = result.sampled.get(rid, ())
             if tokens:
                 req.num_output_placeholders -= 1
@@ -274,6 +277,34 @@ class EngineCore:
         req.logprobs.append(entry)
         req.cumulative_logprob += tok.logprob
 
+    def _record_prompt_logprobs(self, req: Request, first: int, lps, ranks, top_ids, top_lps):
+        """Entries for prompt positions first .. first + n - 1 (a recomputed position after
+        a preemption is written again, with the same values)."""
+        k = req.sampling_params.prompt_logprobs
+        if k == -1:
+            k = top_ids.shape[1]
+        for i in range(len(lps)):
+            pos = first + i
+            target = req.prompt_token_ids[pos]
+            entry = {target: Logprob(float(lps[i]), int(ranks[i]), self._decode_one(target))}
+            for rank, (tid, lp) in enumerate(zip(top_ids[i, :k], top_lps[i, :k], strict=True), 1):
+                tid = int(tid)
+                if tid not in entry:
+                    entry[tid] = Logprob(float(lp), rank, self._decode_one(tid))
+            if req.prompt_logprobs[pos] is None:
+                req.num_prompt_logprobs += 1
+            req.prompt_logprobs[pos] = entry
+
+    def _prompt_logprobs(self, parent: ParentRequest, delta: bool):
+        """The prompt logprobs once computed (any sequence's: they share the prompt); a
+        DELTA stream gets them once, in its first output after that."""
+        if parent.params.prompt_logprobs is None or (delta and parent.sent_prompt_logprobs):
+            return None
+        done = next((c.prompt_logprobs for c in parent.children if c.prompt_logprobs_done), None)
+        if done is not None:
+            parent.sent_prompt_logprobs = True
+        return done
+
     def _decode_one(self, token_id: int) -> str | None:
         if self.tokenizer is None:
             return None
@@ -327,7 +358,7 @@ class EngineCore:
             request_id=parent.request_id,
             prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids,
-            prompt_logprobs=None,
+            prompt_logprobs=self._prompt_logprobs(parent, delta),
             outputs=completions,
             finished=parent.finished,
             metrics=metrics,

@@ -89,8 +89,10 @@ class KVCacheManager:
             req.block_hashes.append(block_key(parent, block, req.cache_salt))
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
-        """The longest cached prefix of `req` in whole blocks, leaving one token to compute."""
-        if not self.enable_prefix_caching:
+        """The longest cached prefix of `req` in whole blocks, leaving one token to compute.
+        A request asking for prompt logprobs reads none (vLLM's rule: they are computed for
+        the whole prompt); its blocks are still cached for others."""
+        if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
             return [], 0
         self._update_hashes(req, req.num_tokens - 1)
         blocks = []

@@ -40,6 +40,7 @@ from jllm.runner.inputs import BatchLayout
 from jllm.runner.kv_cache import create_kv_cache
 from jllm.runner.model_runner import ModelRunner
 from jllm.sampling_params import SamplingParams
+from jllm.scheduler_output import PROMPT_LOGPROB_ROWS
 
 logger = logging.getLogger("jllm")
 
@@ -164,6 +165,15 @@ class LLMEngine:
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.extra_stop_ids
         processed = self.processor.process_prompt(prompt, params)
+        if (
+            params.prompt_logprobs is not None
+            and not self.scheduler.config.enable_chunked_prefill
+            and len(processed.prompt_token_ids) - 1 > PROMPT_LOGPROB_ROWS
+        ):
+            raise ValueError(
+                f"prompt_logprobs of prompts longer than {PROMPT_LOGPROB_ROWS + 1} tokens need "
+                "chunked prefill (enable_chunked_prefill=True)."
+            )
         if self.core.async_scheduling and params.multi_token_bad_words:
             # The mask of such a word depends on the token the step in flight samples.
             raise ValueError(

@@ -87,11 +87,11 @@ class Processor:
             )
         # -1 asks for the whole vocabulary, and max_logprobs=-1 allows it (vLLM's rule).
         limit = self.vocab_size if self.max_logprobs == -1 else self.max_logprobs
-        if params.logprobs is not None:
-            wanted = self.vocab_size if params.logprobs == -1 else params.logprobs
-            if wanted > limit:
+        for kind, value in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
+            wanted = self.vocab_size if value == -1 else value
+            if wanted is not None and wanted > limit:
                 raise ValueError(
-                    f"Requested sample logprobs of {wanted}, which is greater than "
+                    f"Requested {kind} logprobs of {wanted}, which is greater than "
                     f"max allowed: {limit}"
                 )
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]

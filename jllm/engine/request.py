@@ -49,6 +49,12 @@ class Request:
     ) -> None:
         self.request_id = request_id
         self.priority = priority  # lower first, under scheduling_policy="priority"
+        # vLLM's format: None for the first prompt token, then {token id: Logprob} per
+        # position, filled as the prompt's chunks are computed.
+        self.prompt_logprobs: list | None = None
+        self.num_prompt_logprobs = 0  # positions filled
+        if sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(prompt_token_ids)
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -81,6 +87,10 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def prompt_logprobs_done(self) -> bool:
+        return self.num_prompt_logprobs == len(self.prompt_token_ids) - 1
 
     @property
     def num_output_tokens(self) -> int:

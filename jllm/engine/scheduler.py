@@ -29,7 +29,7 @@ from jllm.config import SchedulerConfig
 from jllm.engine.kv_cache_manager import KVCacheManager
 from jllm.engine.request import Request, RequestStatus
 from jllm.engine.request_queue import create_request_queue, priority_key
-from jllm.scheduler_output import NewRequestData, SchedulerOutput
+from jllm.scheduler_output import PROMPT_LOGPROB_ROWS, NewRequestData, SchedulerOutput
 from jllm.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -81,6 +81,21 @@ class Scheduler:
             return max(self.running, key=priority_key)
         return self.running[-1]
 
+    @staticmethod
+    def _listed(req: Request, num_new: int) -> int:
+        """Prompt tokens of the next `num_new` whose prompt logprobs the step computes."""
+        if req.sampling_params.prompt_logprobs is None:
+            return 0
+        start = req.num_computed_tokens
+        return max(0, min(start + num_new, req.num_prompt_tokens - 1) - start)
+
+    def _cap_prompt_logprobs(self, req: Request, num_new: int, room: int, budget: int) -> int:
+        """`num_new` cut so that the step's prompt-logprob tokens fit `room` (the runner's
+        fixed PROMPT_LOGPROB_ROWS); 0 when none fit."""
+        if self._listed(req, num_new) <= room:
+            return num_new
+        return self._fit(room, budget) if room > 0 else 0
+
     def _cost(self, n: int) -> int:
         """Budget a row of n tokens takes: several tokens (a prefill chunk or a verification
         row) occupy whole tiles of the device batch."""
@@ -106,6 +121,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         preempted = False
+        lp_room = PROMPT_LOGPROB_ROWS  # prompt tokens with prompt logprobs this step
         scheduled: list[tuple[Request, int, list[int], bool]] = []
         # 1. Running requests, in admission order; preempt from the back when short.
         i = 0
@@ -123,6 +139,10 @@ class Scheduler:
                 drafts, num_new = [], self._fit(known, budget)
             if num_new == 0:
                 break
+            num_new = self._cap_prompt_logprobs(req, num_new, lp_room, budget)
+            if num_new == 0:  # its prompt logprobs wait for the next step
+                i += 1
+                continue
             while True:
                 blocks = self.kv_cache.allocate_slots(req, num_new)
                 if blocks is not None:
@@ -132,7 +152,9 @@ class Scheduler:
                 self.running.pop(j)
                 if j < i:  # scheduled earlier in this step: take it back
                     k = next(n for n, s in enumerate(scheduled) if s[0] is victim)
-                    budget += self._cost(scheduled.pop(k)[1])
+                    num_back = scheduled.pop(k)[1]
+                    budget += self._cost(num_back)
+                    lp_room += self._listed(victim, num_back)
                     i -= 1
                 self._preempt(victim)
                 out.num_preempted += 1
@@ -143,6 +165,7 @@ class Scheduler:
                 break
             scheduled.append((req, num_new, drafts, False))
             budget -= self._cost(num_new)
+            lp_room -= self._listed(req, num_new)
             i += 1
         # 2. Waiting requests, first come first served, unless this step already preempted.
         while (
@@ -154,11 +177,13 @@ class Scheduler:
             req = self.waiting.peek()
             hit_blocks, num_hit = self.kv_cache.get_computed_blocks(req)
             num_new = self._fit(req.num_tokens - num_hit, budget)
+            req.num_computed_tokens = num_hit
+            num_new = self._cap_prompt_logprobs(req, num_new, lp_room, budget)
+            req.num_computed_tokens = 0
             if num_new == 0 or (
                 num_new < req.num_tokens - num_hit and not self.config.enable_chunked_prefill
             ):
                 break
-            req.num_computed_tokens = 0
             blocks = self.kv_cache.allocate_slots(req, num_new, hit_blocks)
             if blocks is None:
                 break
@@ -173,6 +198,7 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, num_new, [], True))
             budget -= self._cost(num_new)
+            lp_room -= self._listed(req, num_new)
         self._fill_output(out, scheduled)
         return out
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from jllm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from jllm.config import EngineArgs
 from jllm.engine.llm_engine import LLMEngine
 from jllm.logger import setup_logging
@@ -80,6 +81,63 @@ class LLM:
             self.llm_engine.prepare(p, sp) for p, sp in zip(prompts, params_list, strict=True)
         ]
         return self._run(prepared, use_tqdm, priority)
+
+    def beam_search(
+        self,
+        prompts,
+        params: BeamSearchParams,
+        lora_request=None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+        priority=None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search (`jllm/beam_search.py`): per step, one single-token request per
+        live beam of every prompt, all in one batch; beams share KV blocks through prefix
+        caching. Returns the best `beam_width` sequences per prompt, best first."""
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported by jllm yet.")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        engine = self.llm_engine
+        eos = set(engine.extra_stop_ids) | {engine.eos_token_id} - {None}
+        searches = []
+        for p in prompts:
+            processed, _ = engine.prepare(p, SamplingParams(max_tokens=1))
+            ids = processed.prompt_token_ids
+            if len(ids) + params.max_tokens > engine.max_model_len:
+                raise ValueError(
+                    f"The prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) "
+                    f"exceeds the maximum model length of {engine.max_model_len}."
+                )
+            orig = p if isinstance(p, (str, dict)) else {"prompt_token_ids": ids}
+            searches.append(BeamSearch(orig, ids, params, eos))
+        if priority is None or isinstance(priority, int):
+            priority = [priority or 0] * len(searches)
+        limit = concurrency_limit or len(searches)
+        for lo in range(0, len(searches), limit):
+            group = list(zip(searches[lo : lo + limit], priority[lo : lo + limit], strict=True))
+            while any(not s.done for s, _ in group):
+                live = [(s, prio) for s, prio in group if not s.done]
+                sizes = [len(s.beams) for s, _ in live]
+                step_prompts = [q for s, _ in live for q in s.prompts()]
+                step_params = live[0][0].step_params()
+                step_prio = [
+                    prio for (_, prio), n in zip(live, sizes, strict=True) for _ in range(n)
+                ]
+                outs = self.generate(step_prompts, step_params, use_tqdm=False, priority=step_prio)
+                at = 0
+                for (s, _), n in zip(live, sizes, strict=True):
+                    s.advance(outs[at : at + n])
+                    at += n
+        tokenizer = self.get_tokenizer()
+        results = []
+        for s in searches:
+            best = s.best()
+            for beam in best:
+                beam.text = tokenizer.decode(beam.tokens) if tokenizer is not None else None
+            results.append(BeamSearchOutput(best))
+        return results
 
     def chat(
         self,

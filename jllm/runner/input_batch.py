@@ -55,6 +55,7 @@ class InputBatch:
         self.min_tokens = np.zeros(rows, np.int32)
         self.suppress = np.full((rows, MAX_SUPPRESS), NO_TOKEN, np.int32)  # under min_tokens
         self.want_logprobs = np.zeros(rows, bool)
+        self.prompt_logprobs = np.zeros(rows, bool)  # the request asked for them
         self.bias_row = np.zeros(rows, np.int32)  # row in the logit-bias table (0: none)
         # Bad words of several tokens by row: their last token is masked per step when the
         # output ends with the rest.
@@ -91,6 +92,8 @@ class InputBatch:
         if p.min_tokens:
             self.suppress[r, : len(ids)] = ids
         self.want_logprobs[r] = p.logprobs is not None
+        # A request resumed with outputs already has its prompt logprobs.
+        self.prompt_logprobs[r] = p.prompt_logprobs is not None and not new.output_token_ids
         self.bias_row[r] = r + 1 if p.has_bias else 0
         self.bad_words.pop(r, None)
         if p.multi_token_bad_words:

@@ -22,7 +22,7 @@ import numpy as np
 from jllm.models.attention_metadata import BUILDERS, FlatBatch, max_kv_chunk_pages
 from jllm.runner.input_batch import NO_TOKEN, InputBatch
 from jllm.runner.sampler import SamplingMetadata
-from jllm.scheduler_output import SchedulerOutput
+from jllm.scheduler_output import PROMPT_LOGPROB_ROWS, SchedulerOutput
 from jllm.utils import cdiv
 
 
@@ -33,6 +33,7 @@ from jllm.utils import cdiv
         "positions",
         "logits_indices",
         "from_device",
+        "prompt_lp_indices",
         "attn",
     ],
     meta_fields=[],
@@ -45,6 +46,9 @@ class StepInputs:
     # [T] the input-batch row whose last sampled token, still on the device (async
     # scheduling), this token is; -1: the token is in token_ids
     from_device: jax.Array
+    # [PROMPT_LOGPROB_ROWS] flat tokens whose hidden states the forward hands on for prompt
+    # logprobs (runner/prompt_logprobs.py); padding: 0
+    prompt_lp_indices: jax.Array
     attn: object  # the backend's metadata (models/attention_metadata.py)
 
 
@@ -115,6 +119,17 @@ class BatchLayout:
 
 
 @dataclasses.dataclass
+class PromptLogprobRows:
+    """The prompt tokens of this step whose next prompt token's logprob a request asked for
+    (`runner/prompt_logprobs.py`): flat indices and the ids they predict, and per request
+    the prompt position of its first target and how many follow."""
+
+    indices: np.ndarray  # [N] int32 flat token index
+    targets: np.ndarray  # [N] int32 the prompt token at the next position
+    spans: list[tuple[str, int, int]]  # (req id, position of the first target, count)
+
+
+@dataclasses.dataclass
 class SampleGroup:
     """The sample rows of one request in a step: `first` .. `first + count - 1`."""
 
@@ -134,7 +149,7 @@ def build_step(
     shape: tuple[int, int] | None = None,
 ):
     """Returns (StepInputs and SamplingMetadata in numpy, the sample groups, the (Rd, Tt)
-    bucket). `shape` forces the bucket (warm-up)."""
+    bucket, the prompt-logprob rows or None). `shape` forces the bucket (warm-up)."""
     S, C = layout.block_size, layout.tile_size
     ids = list(out.num_scheduled_tokens)
     rows = np.array([batch.index[r] for r in ids], np.int32)
@@ -190,6 +205,9 @@ def build_step(
         groups.append(SampleGroup(ids[d_idx[j]], r, len(sample_at), 1, int(batch.generation[r])))
         sample_at.append(int(j))
 
+    # Where each request's tokens start in the flat batch, for prompt logprobs.
+    flat_start = {ids[d_idx[j]]: j for j in range(nd)}
+
     # Rows of several tokens: prefill chunks and verification rows, tile-aligned.
     start, tile = Rd, 0
     for j, i in enumerate(m_idx):
@@ -207,6 +225,7 @@ def build_step(
         slot_mapping[start : start + n] = batch.block_table[r, pos // S] * S + pos % S
         query_start[row], query_lens[row], kv_lens[row] = start, n, nc + n
         block_tables[row] = batch.block_table[r]
+        flat_start[rid] = start
         k = cdiv(n, C)
         tile_row[tile : tile + k] = row
         padded = np.full(k * C, -1, np.int32)
@@ -236,9 +255,42 @@ def build_step(
     )
     logits_indices = np.zeros(Rs, np.int32)
     logits_indices[: len(sample_at)] = sample_at
-    inputs = StepInputs(token_ids, positions, logits_indices, from_device, BUILDERS[backend](flat))
     md = sampling_metadata(batch, groups, Rs, max(1, layout.num_spec_tokens))
-    return inputs, md, groups, (Rd, Tt)
+    prompt_rows = None
+    prompt_lp_indices = np.zeros(PROMPT_LOGPROB_ROWS, np.int32)
+    if batch.prompt_logprobs[rows].any():
+        prompt_rows = _prompt_logprob_rows(batch, ids, rows, counts, flat_start)
+    if prompt_rows is not None:
+        prompt_lp_indices[: len(prompt_rows.indices)] = prompt_rows.indices
+    inputs = StepInputs(
+        token_ids,
+        positions,
+        logits_indices,
+        from_device,
+        prompt_lp_indices,
+        BUILDERS[backend](flat),
+    )
+    return inputs, md, groups, (Rd, Tt), prompt_rows
+
+
+def _prompt_logprob_rows(batch: InputBatch, ids, rows, counts, flat_start):
+    """Every computed prompt token but the last predicts the next prompt token."""
+    indices, targets, spans = [], [], []
+    for rid, r, n in zip(ids, rows, counts, strict=True):
+        if not batch.prompt_logprobs[r]:
+            continue
+        nc = int(batch.num_computed[r])
+        end = min(nc + int(n), int(batch.num_prompt[r]) - 1)  # positions nc .. end - 1
+        if end <= nc:
+            continue
+        indices.append(flat_start[rid] + np.arange(end - nc, dtype=np.int32))
+        targets.append(batch.token_ids[r, nc + 1 : end + 1])
+        spans.append((rid, nc + 1, end - nc))
+    if not spans:
+        return None
+    if sum(n for _, _, n in spans) > PROMPT_LOGPROB_ROWS:
+        raise RuntimeError("the scheduler let more prompt-logprob tokens into a step than fit")
+    return PromptLogprobRows(np.concatenate(indices), np.concatenate(targets), spans)
 
 
 def sampling_metadata(batch: InputBatch, groups: list[SampleGroup], Rs: int, K: int):

@@ -28,10 +28,12 @@ from jllm.runner.input_batch import InputBatch
 from jllm.runner.inputs import BatchLayout, build_step
 from jllm.runner.logit_bias import bias_vector, write_bias
 from jllm.runner.penalty_state import PenaltyWriter, write_step
+from jllm.runner.prompt_logprobs import prompt_logprobs_step
+from jllm.runner.prompt_logprobs import unpack as unpack_prompt_logprobs
 from jllm.runner.sampled import SampledToken
 from jllm.runner.sampler import sample, unpack_result
 from jllm.runner.transfer import Layout, pack, unpack
-from jllm.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from jllm.scheduler_output import PROMPT_LOGPROB_ROWS, ModelRunnerOutput, SchedulerOutput
 from sharding import named_sharding, replicated
 
 logger = logging.getLogger(__name__)
@@ -44,7 +46,8 @@ class CompileAfterWarmupError(RuntimeError):
 def _forward(state, kv_cache, last_tokens, buf, *, layout, graphdef, backend, logits_sharding):
     """One packed buffer in: the step's inputs and its sampling metadata, which is passed
     on to the sampler as an output (no second transfer). Tokens sampled by the previous
-    step are read from `last_tokens` on the device."""
+    step are read from `last_tokens` on the device. Also hands on the hidden states of the
+    tokens listed for prompt logprobs ([PROMPT_LOGPROB_ROWS, D], runner/prompt_logprobs.py)."""
     batch, md = unpack(buf, layout)
     on_device = last_tokens[jnp.maximum(batch.from_device, 0)]
     token_ids = jnp.where(batch.from_device >= 0, on_device, batch.token_ids)
@@ -53,7 +56,7 @@ def _forward(state, kv_cache, last_tokens, buf, *, layout, graphdef, backend, lo
     logits = model.compute_logits(hidden[batch.logits_indices])  # [Rs, V]
     # One fixed layout for the sampler, whatever the bucket (vocab-split under TP).
     logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
-    return logits, kv_cache, md
+    return logits, kv_cache, md, hidden[batch.prompt_lp_indices]
 
 
 forward_step = jax.jit(
@@ -99,6 +102,7 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.bias = jax.device_put(np.zeros(shape, np.float32), self.replicated)
         self._bias_exe = None
+        self._prompt_lp_exe = None
         # The last token each input-batch row sampled, where the next step reads it.
         last = np.zeros(max_num_seqs + 1, np.int32)
         self.last_tokens = jax.device_put(last, self.replicated)
@@ -111,18 +115,20 @@ class ModelRunner:
     # ---- the KV cache --------------------------------------------------------------------
     def profile_step_bytes(self, abstract_cache: jax.ShapeDtypeStruct) -> int:
         """Device memory the largest step needs besides weights and cache: the working
-        memory XLA assigns to the largest forward bucket and the largest sampler, compiled
+        memory XLA assigns to the largest forward bucket, the largest sampler and the
+        prompt-logprob step, compiled
         against a stand-in cache of a few blocks (the cache's size does not change it)."""
         rd, tt = self.layout.decode_buckets[-1], self.layout.tile_buckets[-1]
         buf, layout, _ = self._packed_inputs(rd, tt)
         buf = jax.ShapeDtypeStruct(buf.shape, buf.dtype, sharding=self.replicated)
         fwd = self._compile_forward(abstract_cache, buf, layout)
-        logits, _, md = fwd.out_info
+        logits, _, md, hidden = fwd.out_info
         smp = self._compile_sampler(logits, md)
+        prompt_lp = self._prompt_lp_executable(hidden)
         # The logits live from one executable to the other; the rest of their outputs are
         # the cache and state they update in place.
         logits_bytes = logits.size * logits.dtype.itemsize
-        temp = sum(exe.memory_analysis().temp_size_in_bytes for exe in (fwd, smp))
+        temp = sum(exe.memory_analysis().temp_size_in_bytes for exe in (fwd, smp, prompt_lp))
         return int(temp + logits_bytes)
 
     def attach_kv_cache(self, kv_cache: jax.Array, num_blocks: int) -> None:
@@ -134,7 +140,9 @@ class ModelRunner:
         """The packed zero inputs of the (Rd, Tt) bucket, built by the same code as real
         steps, and the sampler's row bucket."""
         empty = InputBatch(0, 1, self.layout.max_pages)
-        inputs, md, _, _ = build_step(empty, SchedulerOutput(), self.layout, self.backend, (rd, tt))
+        inputs, md, _, _, _ = build_step(
+            empty, SchedulerOutput(), self.layout, self.backend, (rd, tt)
+        )
         buf, layout = pack((inputs, md))
         return buf, layout, md.want_logprobs.shape[0]
 
@@ -199,6 +207,24 @@ class ModelRunner:
                 self._bias_exe = write_bias.lower(self.bias, row, vector).compile()
         return self._bias_exe
 
+    def _prompt_lp_executable(self, hidden):
+        if self._prompt_lp_exe is None:
+            if self.compile_guard:
+                raise CompileAfterWarmupError("prompt-logprob step not compiled")
+            targets = jax.ShapeDtypeStruct(
+                (PROMPT_LOGPROB_ROWS,), jnp.int32, sharding=self.replicated
+            )
+            with jax.set_mesh(self.mesh):
+                self._prompt_lp_exe = prompt_logprobs_step.lower(
+                    self.state,
+                    hidden,
+                    targets,
+                    graphdef=self.graphdef,
+                    num_logprobs=self.max_logprobs,
+                    logits_sharding=self.logits_sharding,
+                ).compile()
+        return self._prompt_lp_exe
+
     def compile_all(self) -> None:
         """Compile every forward and sampler bucket before serving (skipped when eager).
 
@@ -226,8 +252,10 @@ class ModelRunner:
             fwd = self._forward_executable((rd, tt), buf, layout)
             logger.debug("Compiled (Rd=%d, Tt=%d) in %.2fs", rd, tt, time.perf_counter() - t0)
             if rs not in self._sample_exe:
-                logits, _, md = fwd.out_info  # shapes and shardings of its results
+                logits, _, md, prompt_hidden = fwd.out_info  # shapes and shardings
                 self._sample_executable(rs, logits, md)
+                if self._prompt_lp_exe is None:
+                    self._prompt_lp_executable(prompt_hidden)
             if (i + 1) % 16 == 0 or i + 1 == len(shapes):
                 logger.info("Compiled %d/%d buckets.", i + 1, len(shapes))
         for W in self.penalties.write_buckets:
@@ -244,11 +272,12 @@ class ModelRunner:
             jax.device_put(vector, self.replicated),
         )
 
-    def run_step(self, key, step, writes=(), bias_writes=()):
+    def run_step(self, key, step, writes=(), bias_writes=(), prompt_targets=None):
         """The device part of a step, from the host inputs (StepInputs, SamplingMetadata) to
         the packed result, still on the device (JAX dispatches asynchronously), after the
-        admitted rows' penalty and logit-bias writes. Every process of a multi-process
-        engine runs it with the same inputs."""
+        admitted rows' penalty and logit-bias writes; with `prompt_targets`, also the packed
+        prompt logprobs (else None). Every process of a multi-process engine runs it with
+        the same inputs."""
         buf, layout = pack(step)
         for w in writes:
             w = jax.device_put(w, self.replicated)
@@ -259,12 +288,16 @@ class ModelRunner:
             self.bias = self._bias_executable(row, vector)(self.bias, row, vector)
         buf = jax.device_put(buf, self.replicated)
         fwd = self._forward_executable(key, buf, layout)
-        logits, self.kv_cache, md = fwd(self.state, self.kv_cache, self.last_tokens, buf)
+        logits, self.kv_cache, md, hidden = fwd(self.state, self.kv_cache, self.last_tokens, buf)
         smp = self._sample_executable(logits.shape[0], logits, md)
         packed, self.counts, self.last_tokens = smp(
             logits, md, self.counts, self.prompt_mask, self.bias, self.last_tokens
         )
-        return packed
+        prompt_packed = None
+        if prompt_targets is not None:
+            targets = jax.device_put(prompt_targets, self.replicated)
+            prompt_packed = self._prompt_lp_executable(hidden)(self.state, hidden, targets)
+        return packed, prompt_packed
 
     def follow(self, channel) -> None:
         """Processes other than 0: run the steps process 0 sends until it stops."""
@@ -272,8 +305,8 @@ class ModelRunner:
             message = channel.recv()
             if message[0] == "stop":
                 return
-            _, key, step, writes, bias_writes = message
-            jax.block_until_ready(self.run_step(key, step, writes, bias_writes))
+            _, key, step, writes, bias_writes, prompt_targets = message
+            jax.block_until_ready(self.run_step(key, step, writes, bias_writes, prompt_targets))
 
     def _apply(self, out: SchedulerOutput):
         """Bring the input batch up to date with the scheduler's output; returns the penalty
@@ -295,18 +328,25 @@ class ModelRunner:
         """Start one step on the device and return without waiting for it: a handle for
         `fetch`. The rows that sample hold a pending token until then."""
         writes, bias_writes = self._apply(out)
-        inputs, md, groups, key = build_step(self.batch, out, self.layout, self.backend)
+        inputs, md, groups, key, prompt_rows = build_step(
+            self.batch, out, self.layout, self.backend
+        )
+        targets = None
+        if prompt_rows is not None:
+            targets = np.zeros(PROMPT_LOGPROB_ROWS, np.int32)
+            targets[: len(prompt_rows.targets)] = prompt_rows.targets
+        step = (inputs, md)
         if self.channel is not None:  # the other processes run the same step
-            self.channel.send(("step", key, (inputs, md), writes, bias_writes))
-        packed = self.run_step(key, (inputs, md), writes, bias_writes)
+            self.channel.send(("step", key, step, writes, bias_writes, targets))
+        packed, prompt_packed = self.run_step(key, step, writes, bias_writes, targets)
         for g in groups:
             self.batch.num_pending[g.row] += 1
-        return packed, groups
+        return packed, groups, prompt_packed, prompt_rows
 
     def fetch(self, handle) -> ModelRunnerOutput:
         """Wait for a dispatched step: the emitted tokens of every request that sampled,
         appended to their rows (unless a row changed hands since)."""
-        packed, groups = handle
+        packed, groups, prompt_packed, prompt_rows = handle
         packed = np.asarray(packed.addressable_shards[0].data)  # replicated: the whole array
         tokens, lp, rank, emitted, top_ids, top_lp = unpack_result(packed, self.max_logprobs)
         result = ModelRunnerOutput()
@@ -321,6 +361,14 @@ class ModelRunner:
                 SampledToken(int(tokens[r]), float(lp[r]), int(rank[r]), top_ids[r], top_lp[r])
                 for r in rows[:n]
             ]
+        if prompt_rows is not None:
+            fields = unpack_prompt_logprobs(
+                np.asarray(prompt_packed.addressable_shards[0].data), self.max_logprobs
+            )
+            at = 0
+            for rid, first, n in prompt_rows.spans:
+                result.prompt_logprobs[rid] = (first, *(f[at : at + n] for f in fields))
+                at += n
         return result
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:

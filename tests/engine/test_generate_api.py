@@ -127,7 +127,9 @@ def test_eos_stops_unless_ignored(llama_llm):
         ({"presence_penalty": 3.0}, "presence_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-        ({"logit_bias": {1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {1: float("inf")}}, "logit_bias"),
+        ({"prompt_logprobs": -3}, "prompt_logprobs"),
+        ({"logprobs": -2}, "logprobs"),
     ],
 )
 def test_invalid_sampling_params(kwargs, name):

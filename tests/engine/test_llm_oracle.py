@@ -45,11 +45,6 @@ def test_logprobs_match_transformers(tiny_models, llama_llm, arch):
     assert out.cumulative_logprob == pytest.approx(cumulative, abs=1e-5)
 
 
-@pytest.fixture(scope="module")
-def all_logprobs_llm(llama_dir):
-    return LLM(llama_dir, max_logprobs=-1, **SMALL)
-
-
 def test_logprobs_minus_one_is_the_whole_vocabulary(llama_dir, llama_llm, all_logprobs_llm):
     """vLLM's rule: -1 asks for every token, allowed only when max_logprobs is -1."""
     prompt = {"prompt_token_ids": prompt_ids(1, 10, seed=5)[0]}

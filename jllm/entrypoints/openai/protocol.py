@@ -16,7 +16,6 @@ from jllm.sampling_params import RequestOutputKind, SamplingParams
 
 # Defined by OpenAI or vLLM, not honoured by jllm yet: a 400 naming the field when set.
 UNSUPPORTED_FIELDS = (
-    "prompt_logprobs",
     "guided_json",
     "guided_regex",
     "guided_choice",
@@ -74,11 +73,15 @@ class SamplingFields(OpenAIBaseModel):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # vLLM's beam search (completions only; not with stream): the best `n` beams.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # Lower first under --scheduling-policy priority (ignored under fcfs, as in vLLM).
     priority: int = 0
+    # vLLM's: the prompt's logprobs in the response (not with stream, as vLLM).
+    prompt_logprobs: int | None = None
     # Defined by OpenAI or vLLM, not supported by jllm yet (a 400 when set).
     best_of: int | None = None
-    prompt_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: str | None = None
@@ -156,6 +159,7 @@ class SamplingFields(OpenAIBaseModel):
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             logit_bias=self.checked_logit_bias(),
             allowed_token_ids=self.allowed_token_ids,
+            prompt_logprobs=self.prompt_logprobs,
             bad_words=self.bad_words,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )

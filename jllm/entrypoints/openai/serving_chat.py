@@ -13,6 +13,7 @@ from jllm.entrypoints.openai.serving_engine import (
     SSEResponse,
     clamp,
     off_loop,
+    prompt_logprobs_json,
     sse,
     usage,
     usage_options,
@@ -76,6 +77,13 @@ class OpenAIServingChat(OpenAIServing):
             )
         if not request.messages:
             raise OpenAIError("messages cannot be empty.", 400, "messages")
+        if request.use_beam_search:
+            raise OpenAIError(
+                "use_beam_search is not supported in chat completions by jllm yet; "
+                "use /v1/completions.",
+                400,
+                "use_beam_search",
+            )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         text, ids = await off_loop(self.render, request)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -152,6 +160,7 @@ class OpenAIServingChat(OpenAIServing):
             "usage": usage(
                 len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs)
             ),
+            "prompt_logprobs": prompt_logprobs_json(final.prompt_logprobs),
         }
 
     async def _stream(self, request, request_id, prepared, role):

@@ -12,11 +12,13 @@ from jllm.entrypoints.openai.serving_engine import (
     SSEResponse,
     clamp,
     off_loop,
+    prompt_logprobs_json,
     sse,
     usage,
     usage_options,
 )
 from jllm.outputs import CompletionOutput
+from jllm.sampling_params import BeamSearchParams
 
 
 def normalize_prompts(prompt, cache_salt: str | None = None) -> list[dict]:
@@ -38,17 +40,13 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_request(request)
         if request.suffix is not None:
             raise OpenAIError("suffix is not supported by jllm yet.", 400, "suffix")
-        if request.echo and request.logprobs is not None:
-            raise OpenAIError(
-                "echo with logprobs needs prompt logprobs, which jllm does not support yet.",
-                400,
-                "echo",
-            )
         request_id = f"cmpl-{uuid.uuid4().hex}"
         try:
             params = request.sampling_params(
                 request.max_tokens, request.logprobs, self.engine.default_sampling_params
             )
+            if request.echo and request.logprobs is not None and params.prompt_logprobs is None:
+                params.prompt_logprobs = request.logprobs  # the echoed tokens' logprobs
         except ValueError as e:
             raise OpenAIError(str(e), 400, getattr(e, "param", None)) from e
         prompts = normalize_prompts(request.prompt, request.cache_salt)
@@ -56,9 +54,62 @@ class OpenAIServingCompletion(OpenAIServing):
             await off_loop(self.prepare, f"{request_id}-{i}", p, params)
             for i, p in enumerate(prompts)
         ]
+        if request.use_beam_search:
+            return await self._beam_search(request, request_id, prepared, params)
         if request.stream:
             return SSEResponse(self._stream(request, request_id, prepared))
         return await self._full(request, request_id, prepared)
+
+    async def _beam_search(self, request, request_id, prepared, params) -> dict:
+        """`use_beam_search`: the best `n` beams per prompt, as vLLM's server returns them
+        (the generated text, without a final EOS unless include_stop_str_in_output)."""
+        if request.stream:
+            raise OpenAIError(
+                "Streaming is not currently supported with beam search.", 400, "stream"
+            )
+        if request.echo:
+            raise OpenAIError("echo is not supported with beam search.", 400, "echo")
+        try:
+            beam_params = BeamSearchParams(
+                beam_width=request.n,
+                max_tokens=params.max_tokens,
+                ignore_eos=request.ignore_eos,
+                temperature=params.temperature,
+                length_penalty=request.length_penalty,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+            )
+        except ValueError as e:
+            raise OpenAIError(str(e), 400) from e
+        choices, num_generated = [], 0
+        for i, item in enumerate(prepared):
+            num_prompt = len(item[0].prompt_token_ids)
+            best = await self.beam_search(f"{request_id}-{i}", item, beam_params, request.priority)
+            for j, beam in enumerate(best):
+                tokens = beam.tokens[num_prompt:]
+                shown = tokens
+                if beam.finish_reason == "stop" and not request.include_stop_str_in_output:
+                    shown = tokens[:-1]
+                num_generated += len(tokens)
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = self._logprobs(tokens, beam.logprobs, request.logprobs, 0)
+                choices.append(
+                    {
+                        "index": i * request.n + j,
+                        "text": self.tokenizer.decode(shown, skip_special_tokens=True),
+                        "logprobs": logprobs,
+                        "finish_reason": beam.finish_reason,
+                        "stop_reason": beam.stop_reason,
+                    }
+                )
+        return {
+            "id": request_id,
+            "object": "text_completion",
+            "created": self.created(),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": usage(sum(len(p[0].prompt_token_ids) for p in prepared), num_generated),
+        }
 
     def _echo(self, prepared) -> str:
         processed = prepared[0]
@@ -66,10 +117,19 @@ class OpenAIServingCompletion(OpenAIServing):
             return processed.prompt
         return self.tokenizer.decode(processed.prompt_token_ids) if self.tokenizer else ""
 
-    def _logprobs(self, c: CompletionOutput, k: int, offset: int) -> dict:
-        """OpenAI's legacy completion logprobs for the tokens of `c`."""
+    def _logprobs(self, token_ids, entries, k: int, offset: int) -> dict:
+        """OpenAI's legacy completion logprobs for `token_ids` with their logprob entries
+        (None for the prompt's first token: null logprob and top_logprobs, as vLLM)."""
         tokens, token_logprobs, top, offsets = [], [], [], []
-        for tid, entry in zip(c.token_ids, c.logprobs, strict=True):
+        for tid, entry in zip(token_ids, entries, strict=True):
+            if entry is None:
+                text = self.tokenizer.decode([tid]) if self.tokenizer else ""
+                tokens.append(text)
+                token_logprobs.append(None)
+                top.append(None)
+                offsets.append(offset)
+                offset += len(text)
+                continue
             sampled = entry[tid]
             text = sampled.decoded_token or ""
             tokens.append(text)
@@ -91,6 +151,15 @@ class OpenAIServingCompletion(OpenAIServing):
             "top_logprobs": top,
         }
 
+    def _choice_logprobs(self, request, out, c: CompletionOutput, offset: int) -> dict:
+        """The output's logprobs; with echo, the prompt's first (from its prompt logprobs)."""
+        got = self._logprobs(c.token_ids, c.logprobs, request.logprobs, offset)
+        if not request.echo or out.prompt_logprobs is None:
+            return got
+        echoed = self._logprobs(out.prompt_token_ids, out.prompt_logprobs, request.logprobs, 0)
+        # The output's offsets follow the echoed prompt text.
+        return {key: echoed[key] + got[key] for key in got}
+
     async def _full(self, request, request_id, prepared) -> dict:
         n = request.n
         finals = {}
@@ -99,12 +168,13 @@ class OpenAIServingCompletion(OpenAIServing):
         choices = []
         num_generated = 0
         for i in range(len(prepared)):
+            out = finals[i]
             prefix = self._echo(prepared[i]) if request.echo else ""
-            for c in finals[i].outputs:
+            for c in out.outputs:
                 num_generated += len(c.token_ids)
                 logprobs = None
                 if request.logprobs is not None:
-                    logprobs = self._logprobs(c, request.logprobs, len(prefix))
+                    logprobs = self._choice_logprobs(request, out, c, len(prefix))
                 choices.append(
                     {
                         "index": i * n + c.index,
@@ -112,6 +182,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         "logprobs": logprobs,
                         "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason,
+                        "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs),
                     }
                 )
         num_prompt = sum(len(p[0].prompt_token_ids) for p in prepared)
@@ -135,7 +206,8 @@ class OpenAIServingCompletion(OpenAIServing):
             for c in out.outputs:
                 index = i * n + c.index
                 text = c.text
-                if request.echo and index not in echoed:
+                first = request.echo and index not in echoed
+                if first:
                     echoed.add(index)
                     text = self._echo(prepared[i]) + text
                 generated[index] = generated.get(index, 0) + len(c.token_ids)
@@ -144,8 +216,15 @@ class OpenAIServingCompletion(OpenAIServing):
                 logprobs = None
                 if request.logprobs is not None:
                     start = offsets.get(index, 0)
-                    logprobs = self._logprobs(c, request.logprobs, start)
-                    offsets[index] = start + sum(len(t) for t in logprobs["tokens"])
+                    if first:
+                        logprobs = self._choice_logprobs(
+                            request, out, c, len(self._echo(prepared[i]))
+                        )
+                    else:
+                        logprobs = self._logprobs(c.token_ids, c.logprobs, request.logprobs, start)
+                    offsets[index] = logprobs["text_offset"][-1] if logprobs["tokens"] else start
+                    if logprobs["tokens"]:
+                        offsets[index] += len(logprobs["tokens"][-1])
                 chunk = {
                     "id": request_id,
                     "object": "text_completion",

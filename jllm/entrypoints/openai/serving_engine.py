@@ -14,9 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 from fastapi.responses import JSONResponse
 from starlette.responses import StreamingResponse
 
+from jllm.beam_search import BeamSearch, BeamSearchSequence
 from jllm.engine.async_llm import AsyncLLM
 from jllm.outputs import RequestOutput
-from jllm.sampling_params import SamplingParams
+from jllm.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger("jllm.entrypoints.openai")
 
@@ -91,6 +92,26 @@ def clamp(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB)
 
 
+def prompt_logprobs_json(prompt_logprobs) -> list | None:
+    """vLLM's `prompt_logprobs` in responses: per prompt token null (the first) or
+    {token id: {logprob, rank, decoded_token}}."""
+    if prompt_logprobs is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            str(t): {
+                "logprob": clamp(lp.logprob),
+                "rank": lp.rank,
+                "decoded_token": lp.decoded_token,
+            }
+            for t, lp in entry.items()
+        }
+        for entry in prompt_logprobs
+    ]
+
+
 def usage_options(request) -> tuple[bool, bool]:
     """(a final usage chunk, usage in every chunk) from `stream_options`, as vLLM reads them:
     `continuous_usage_stats` counts only together with `include_usage`."""
@@ -138,6 +159,10 @@ class OpenAIServing:
         field = request.unsupported_field()
         if field is not None:
             raise OpenAIError(f"{field} is not supported by jllm yet.", 400, field)
+        if request.stream and request.prompt_logprobs is not None:
+            raise OpenAIError(
+                "prompt_logprobs are not available when stream is enabled.", 400, "prompt_logprobs"
+            )
 
     def prepare(self, request_id: str, prompt, params: SamplingParams):
         try:
@@ -168,6 +193,29 @@ class OpenAIServing:
                 ids,
             )
         return prepared
+
+    async def beam_search(
+        self, request_id: str, prepared, params: BeamSearchParams, priority: int = 0
+    ) -> list[BeamSearchSequence]:
+        """vLLM's beam search for one prepared prompt (`jllm/beam_search.py`): each step runs
+        every live beam as a single-token request, concurrently, through the engine."""
+        processed, _ = prepared
+        search = BeamSearch(None, processed.prompt_token_ids, params, self.engine.eos_token_ids)
+        step_params = search.step_params()
+
+        async def final(rid: str, item):
+            last = None
+            async for out in self.engine.generate(None, None, rid, item, priority):
+                last = out
+            return last
+
+        while not search.done:
+            items = [self.engine.prepare(q, step_params) for q in search.prompts()]
+            outs = await asyncio.gather(
+                *(final(f"{request_id}-{search.steps}-{j}", it) for j, it in enumerate(items))
+            )
+            search.advance(list(outs))
+        return search.best()
 
     async def run_all(
         self, request_id: str, prepared: list, priority: int = 0

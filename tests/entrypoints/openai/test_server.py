@@ -443,6 +443,72 @@ def test_logit_bias_allowed_token_ids_and_bad_words(client, llama_llm):
     assert got.choices[0].text == want[0].outputs[0].text
 
 
+def test_prompt_logprobs_and_echo_with_logprobs(client, server, llama_llm):
+    """prompt_logprobs (vLLM's extra field) and OpenAI's echo + logprobs equal the offline
+    API's prompt logprobs; the first prompt token has none."""
+    prompt = PROMPTS[1]
+    want = offline(llama_llm, [prompt], temperature=0, max_tokens=3, prompt_logprobs=2)[0]
+    ids = want.prompt_token_ids
+    body = {"model": MODEL_NAME, "prompt": prompt, "temperature": 0, "max_tokens": 3}
+    got = post(server, "/v1/completions", {**body, "prompt_logprobs": 2}).json()["choices"][0]
+    assert got["prompt_logprobs"][0] is None
+    for pos in range(1, len(ids)):
+        entry = got["prompt_logprobs"][pos]
+        assert {int(t) for t in entry} == set(want.prompt_logprobs[pos])
+        for t, lp in want.prompt_logprobs[pos].items():
+            assert entry[str(t)]["logprob"] == pytest.approx(lp.logprob, abs=1e-5)
+            assert entry[str(t)]["rank"] == lp.rank
+    r = post(server, "/v1/completions", {**body, "prompt_logprobs": 2, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+    for stream in (False, True):
+        res = client.completions.create(
+            model=MODEL_NAME,
+            prompt=prompt,
+            temperature=0,
+            max_tokens=3,
+            echo=True,
+            logprobs=1,
+            stream=stream,
+        )
+        chunks = list(res) if stream else [res]
+        text = "".join(c.choices[0].text for c in chunks)
+        token_logprobs = sum((c.choices[0].logprobs.token_logprobs for c in chunks), [])
+        assert text == prompt + want.outputs[0].text
+        assert len(token_logprobs) == len(ids) + 3 and token_logprobs[0] is None
+        for pos in range(1, len(ids)):
+            assert token_logprobs[pos] == pytest.approx(
+                want.prompt_logprobs[pos][ids[pos]].logprob, abs=1e-5
+            )
+
+
+def test_use_beam_search(client, server, llama_llm):
+    """The server's beam search returns the offline API's best beams, generated text only."""
+    from jllm import BeamSearchParams
+
+    tok = llama_llm.get_tokenizer()
+    params = BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True, temperature=0.0)
+    want = llama_llm.beam_search(PROMPTS[0], params)[0].sequences
+    n_prompt = len(tok.encode(PROMPTS[0]))
+    got = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPTS[0],
+        n=3,
+        max_tokens=5,
+        temperature=0,
+        extra_body={"use_beam_search": True, "ignore_eos": True, "length_penalty": 1.0},
+    )
+    assert [c.text for c in got.choices] == [
+        tok.decode(s.tokens[n_prompt:], skip_special_tokens=True) for s in want
+    ]
+    assert all(c.finish_reason == "length" for c in got.choices)
+    body = {"model": MODEL_NAME, "prompt": "x", "use_beam_search": True, "stream": True}
+    assert post(server, "/v1/completions", body).status_code == 400
+    chat = {"model": MODEL_NAME, "messages": CHAT, "use_beam_search": True}
+    assert post(server, "/v1/chat/completions", chat).json()["error"]["param"] == "use_beam_search"
+    wait_idle(server)
+
+
 def test_prompt_over_context_is_400(client):
     with pytest.raises(openai.BadRequestError, match="maximum model length"):
         client.completions.create(model=MODEL_NAME, prompt="word " * 600, max_tokens=4)
