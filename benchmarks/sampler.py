@@ -47,6 +47,7 @@ def metadata(R, temperature, top_k, top_p, min_p):
         suppress=jnp.full((R, 16), V, jnp.int32),
         want_logprobs=f(False, jnp.bool_),
         bias_rows=f(0, jnp.int32),
+        processors=(),
         batch_row=jnp.arange(R, dtype=jnp.int32),
         draft=f(-1, jnp.int32),
         group_first=jnp.arange(R, dtype=jnp.int32),

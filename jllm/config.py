@@ -77,6 +77,9 @@ class EngineArgs:
     max_seq_len_to_capture: int = 8192
     attention_backend: str = "auto"
     max_logprobs: int = 20
+    # Custom logits processors: jllm.logits_process.LogitsProcessor classes or
+    # "module:Class" names, compiled into the sampler (vLLM's engine-level form).
+    logits_processors: list | None = None
     disable_log_stats: bool = False
     tensor_parallel_size: int = 1
     # Several processes (hosts) serving one model: vLLM's multi-node names, mapped onto

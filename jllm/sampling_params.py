@@ -49,6 +49,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    # Arguments for custom logits processors (vLLM's `extra_args`; the server's vllm_xargs).
+    extra_args: dict | None = None
     # Filled by the engine: the tokenizer's EOS id and ids that end generation.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     # Filled by the engine from `bad_words` and the tokenizer (vLLM's `bad_words_token_ids`).

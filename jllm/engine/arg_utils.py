@@ -58,6 +58,8 @@ HELP = {
     "kernel interpreted, for testing).",
     "scheduling_policy": "'fcfs' (arrival order) or 'priority' (a request's lower priority "
     "value first, then arrival; preemption takes the lowest priority first).",
+    "logits_processors": "Custom logits processors as 'module:Class' names (subclasses of "
+    "jllm.logits_process.LogitsProcessor), compiled into the sampler.",
     "max_logprobs": "Largest logprobs / top_logprobs a request may ask for; -1: the whole "
     "vocabulary (then every step returns it).",
     "disable_log_stats": "Do not log throughput and cache statistics.",
@@ -82,7 +84,7 @@ CHOICES = {
 
 def _base_type(annotation: str):
     """`int | None` -> int (EngineArgs uses `from __future__ import annotations`)."""
-    names = {"int": int, "float": float, "str": str, "bool": bool}
+    names = {"int": int, "float": float, "str": str, "bool": bool, "list": list}
     parts = [p.strip() for p in annotation.split("|") if p.strip() != "None"]
     return names[parts[0]]
 
@@ -98,6 +100,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if isinstance(kind, types.UnionType):
             kind = kind.__args__[0]
         help_text = HELP[f.name]
+        if f.name == "logits_processors":
+            group.add_argument(flag(f.name), nargs="*", default=None, help=help_text)
+            continue
         if kind is bool:
             group.add_argument(
                 flag(f.name),

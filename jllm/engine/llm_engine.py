@@ -34,6 +34,7 @@ from jllm.engine.platform import (
 )
 from jllm.engine.processor import Processor
 from jllm.engine.scheduler import Scheduler
+from jllm.logits_process import LogitsProcessorConfig, load_logits_processors
 from jllm.metrics.stats import LoggingStatLogger
 from jllm.runner.compile_cache import enable_compilation_cache
 from jllm.runner.inputs import BatchLayout
@@ -74,6 +75,9 @@ class LLMEngine:
             num_spec_tokens=sched_cfg.num_lookahead_slots,
         )
         backend = resolve_backend(args.attention_backend, platform, dtype)
+        self.logits_processors = load_logits_processors(
+            args.logits_processors, LogitsProcessorConfig(cfg.vocab_size, sched_cfg.max_num_seqs)
+        )
         self.runner = ModelRunner(
             m.graphdef,
             m.state,
@@ -84,6 +88,7 @@ class LLMEngine:
             backend,
             args.enforce_eager,
             m.mesh,
+            self.logits_processors,
         )
         kv_cache, num_blocks = create_kv_cache(
             cfg,
@@ -165,6 +170,8 @@ class LLMEngine:
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.extra_stop_ids
         processed = self.processor.process_prompt(prompt, params)
+        for proc in self.logits_processors:
+            proc.validate_params(params)
         if (
             params.prompt_logprobs is not None
             and not self.scheduler.config.enable_chunked_prefill

@@ -25,7 +25,9 @@ NO_TOKEN = np.iinfo(np.int32).max  # an id past any vocabulary: scatters with it
 
 
 class InputBatch:
-    def __init__(self, max_num_seqs: int, max_model_len: int, max_pages: int) -> None:
+    def __init__(
+        self, max_num_seqs: int, max_model_len: int, max_pages: int, logits_processors=()
+    ) -> None:
         M = max_num_seqs
         self.pad = M
         self.max_model_len = max_model_len
@@ -60,6 +62,13 @@ class InputBatch:
         # Bad words of several tokens by row: their last token is masked per step when the
         # output ends with the rest.
         self.bad_words: dict[int, list[list[int]]] = {}
+        # Custom logits processors (jllm/logits_process.py): per processor, whether a row
+        # uses it and the row's state.
+        self.logits_processors = tuple(logits_processors)
+        self.proc_active = [np.zeros(rows, bool) for _ in self.logits_processors]
+        self.proc_state = [
+            np.zeros((rows, *p.state_shape), p.state_dtype) for p in self.logits_processors
+        ]
 
     def add(self, new: NewRequestData) -> int:
         """Write a request's row; returns it."""
@@ -96,6 +105,12 @@ class InputBatch:
         self.prompt_logprobs[r] = p.prompt_logprobs is not None and not new.output_token_ids
         self.bias_row[r] = r + 1 if p.has_bias else 0
         self.bad_words.pop(r, None)
+        for proc, active, state in zip(
+            self.logits_processors, self.proc_active, self.proc_state, strict=True
+        ):
+            row_state = proc.row_state(p)
+            active[r] = row_state is not None
+            state[r] = 0 if row_state is None else row_state
         if p.multi_token_bad_words:
             self.bad_words[r] = p.multi_token_bad_words
         return r

@@ -331,6 +331,10 @@ def sampling_metadata(batch: InputBatch, groups: list[SampleGroup], Rs: int, K: 
         suppress=suppress,
         want_logprobs=batch.want_logprobs[row],
         bias_rows=batch.bias_row[row],
+        processors=tuple(
+            (active[row], state[row])
+            for active, state in zip(batch.proc_active, batch.proc_state, strict=True)
+        ),
         batch_row=row,
         draft=draft,
         group_first=group_first,

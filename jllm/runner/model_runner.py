@@ -78,6 +78,7 @@ class ModelRunner:
         backend: str,
         enforce_eager: bool,
         mesh,
+        logits_processors: tuple = (),
     ) -> None:
         self.graphdef = graphdef
         self.mesh = mesh
@@ -92,7 +93,8 @@ class ModelRunner:
         # Top logprobs every sample row returns: max_logprobs=-1 is the whole vocabulary.
         self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
         max_len = layout.max_pages * layout.block_size
-        self.batch = InputBatch(max_num_seqs, max_len, layout.max_pages)
+        self.logits_processors = tuple(logits_processors)  # traced into the sampler
+        self.batch = InputBatch(max_num_seqs, max_len, layout.max_pages, self.logits_processors)
         # Penalty state (runner/penalty_state.py): row 0 stays empty.
         self.penalties = PenaltyWriter(max_num_seqs, max_len)
         shape = (self.penalties.num_rows, vocab_size)
@@ -139,7 +141,7 @@ class ModelRunner:
     def _packed_inputs(self, rd: int, tt: int):
         """The packed zero inputs of the (Rd, Tt) bucket, built by the same code as real
         steps, and the sampler's row bucket."""
-        empty = InputBatch(0, 1, self.layout.max_pages)
+        empty = InputBatch(0, 1, self.layout.max_pages, self.logits_processors)
         inputs, md, _, _, _ = build_step(
             empty, SchedulerOutput(), self.layout, self.backend, (rd, tt)
         )
@@ -169,6 +171,7 @@ class ModelRunner:
                 self.bias,
                 self.last_tokens,
                 num_logprobs=self.max_logprobs,
+                logits_processors=self.logits_processors,
             ).compile()
 
     def _forward_executable(self, key: tuple[int, int], buf, layout: Layout):

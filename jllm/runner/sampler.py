@@ -2,8 +2,9 @@
 
 raw logprobs (returned when asked) -> masks and bias: min_tokens suppression and bad words
 of several tokens (per-step ids), allowed_token_ids, bad words of one token and logit_bias
-(the request's fixed bias row, `runner/logit_bias.py`) -> repetition / frequency / presence
-penalties -> greedy argmax, or temperature -> min_p -> top_k -> top_p -> draw.
+(the request's fixed bias row, `runner/logit_bias.py`) -> custom logits processors
+(`jllm/logits_process.py`) -> repetition / frequency / presence penalties -> greedy argmax,
+or temperature -> argmax-invariant custom processors -> min_p -> top_k -> top_p -> draw.
 The draw (`runner/draw.py`) is an exponential race keyed by the sequence's seed and output
 index, so a seeded request produces the same text whatever else shares its batch, whatever
 its bucket, prefix-cache hits, chunking or preemption.
@@ -54,6 +55,7 @@ from jllm.sampling_params import SAMPLING_EPS
         "suppress",
         "want_logprobs",
         "bias_rows",
+        "processors",
         "batch_row",
         "draft",
         "group_first",
@@ -77,6 +79,8 @@ class SamplingMetadata:
     suppress: jax.Array  # [R, M] int32 token ids to mask (min_tokens), >= V for none
     want_logprobs: jax.Array  # [R] bool
     bias_rows: jax.Array  # [R] int32, row in the logit-bias table (0: none)
+    # per custom logits processor: (active [R] bool, state [R, ...]) (jllm/logits_process.py)
+    processors: tuple
     batch_row: jax.Array  # [R] int32, the input-batch row the sample row belongs to
     draft: jax.Array  # [R] int32, the draft this row verifies; -1: none (a group's last row)
     group_first: jax.Array  # [R] int32, the first row of this row's group
@@ -105,8 +109,36 @@ def _as_int32(x):
     return x if x.dtype == jnp.int32 else jax.lax.bitcast_convert_type(x, jnp.int32)
 
 
-@partial(jax.jit, static_argnames=("num_logprobs",), donate_argnames=("counts", "last_tokens"))
-def sample(logits, md: SamplingMetadata, counts, prompt_mask, bias, last_tokens, *, num_logprobs):
+def _apply_processors(logits, md: SamplingMetadata, processors, argmax_invariant: bool):
+    for proc, (active, state) in zip(processors, md.processors, strict=True):
+        if proc.is_argmax_invariant() == argmax_invariant:
+            logits = jax.lax.cond(
+                jnp.any(active),
+                lambda x, st, act, p=proc: p.apply(x, st, act),
+                lambda x, st, act: x,
+                logits,
+                state,
+                active,
+            )
+    return logits
+
+
+@partial(
+    jax.jit,
+    static_argnames=("num_logprobs", "logits_processors"),
+    donate_argnames=("counts", "last_tokens"),
+)
+def sample(
+    logits,
+    md: SamplingMetadata,
+    counts,
+    prompt_mask,
+    bias,
+    last_tokens,
+    *,
+    num_logprobs,
+    logits_processors=(),
+):
     """logits [R, V], the penalty state (counts, prompt_mask [P, V]), the logit-bias table
     (bias [P, V]) -> (packed result [R, 4 + 2J] int32, counts with the emitted tokens,
     last_tokens [batch rows] with each row's last emitted token, for the next step to read
@@ -122,6 +154,7 @@ def sample(logits, md: SamplingMetadata, counts, prompt_mask, bias, last_tokens,
     processed = jax.lax.cond(
         jnp.any(md.bias_rows > 0), lambda x: x + bias[md.bias_rows], lambda x: x, processed
     )
+    processed = _apply_processors(processed, md, logits_processors, argmax_invariant=False)
     processed = jax.lax.cond(
         jnp.any(md.penalty_rows > 0),
         lambda x: _apply_penalties(x, md, counts, prompt_mask),
@@ -133,7 +166,9 @@ def sample(logits, md: SamplingMetadata, counts, prompt_mask, bias, last_tokens,
 
     def sampled():
         temp = jnp.where(greedy_row, 1.0, md.temperature)
-        probs = jax.nn.softmax(processed / temp[:, None], axis=-1)
+        scaled = processed / temp[:, None]
+        scaled = _apply_processors(scaled, md, logits_processors, argmax_invariant=True)
+        probs = jax.nn.softmax(scaled, axis=-1)
         keys = row_keys(md.seed_lo, md.seed_hi, md.counter)
         drawn = filtered_draw(probs, md.top_k, md.top_p, md.min_p, ~greedy_row, keys)
         return jnp.where(greedy_row, greedy, drawn)

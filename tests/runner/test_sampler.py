@@ -27,6 +27,7 @@ def metadata(R, V, **over):
         suppress=np.full((R, 16), V, np.int32),
         want_logprobs=np.zeros(R, bool),
         bias_rows=np.zeros(R, np.int32),
+        processors=(),
         batch_row=np.arange(R, dtype=np.int32),
         draft=np.full(R, -1, np.int32),
         group_first=np.arange(R, dtype=np.int32),
@@ -34,7 +35,8 @@ def metadata(R, V, **over):
     )
     for k, v in over.items():
         fields[k] = np.broadcast_to(np.asarray(v, fields[k].dtype), fields[k].shape).copy()
-    return SamplingMetadata(**{k: jnp.asarray(v) for k, v in fields.items()})
+    arrays = {k: jnp.asarray(v) for k, v in fields.items() if k != "processors"}
+    return SamplingMetadata(**arrays, processors=fields["processors"])
 
 
 def run(logits, md, counts=None, prompt_mask=None, num_logprobs=5, bias=None):

@@ -73,6 +73,8 @@ class SamplingFields(OpenAIBaseModel):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # Arguments for custom logits processors (SamplingParams.extra_args), as vLLM's field.
+    vllm_xargs: dict[str, Any] | None = None
     # vLLM's beam search (completions only; not with stream): the best `n` beams.
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -160,6 +162,7 @@ class SamplingFields(OpenAIBaseModel):
             logit_bias=self.checked_logit_bias(),
             allowed_token_ids=self.allowed_token_ids,
             prompt_logprobs=self.prompt_logprobs,
+            extra_args=self.vllm_xargs,
             bad_words=self.bad_words,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
