@@ -75,7 +75,7 @@ class SamplingFields(OpenAIBaseModel):
     bad_words: list[str] | None = None
     # Arguments for custom logits processors (SamplingParams.extra_args), as vLLM's field.
     vllm_xargs: dict[str, Any] | None = None
-    # vLLM's beam search (completions only; not with stream): the best `n` beams.
+    # vLLM's beam search (not with stream): the best `n` beams.
     use_beam_search: bool = False
     length_penalty: float = 1.0
     # Lower first under --scheduling-policy priority (ignored under fcfs, as in vLLM).

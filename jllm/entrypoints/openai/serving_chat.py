@@ -77,13 +77,6 @@ class OpenAIServingChat(OpenAIServing):
             )
         if not request.messages:
             raise OpenAIError("messages cannot be empty.", 400, "messages")
-        if request.use_beam_search:
-            raise OpenAIError(
-                "use_beam_search is not supported in chat completions by jllm yet; "
-                "use /v1/completions.",
-                400,
-                "use_beam_search",
-            )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         text, ids = await off_loop(self.render, request)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -103,9 +96,34 @@ class OpenAIServingChat(OpenAIServing):
             if request.add_generation_prompt
             else request.messages[-1].get("role", self.response_role)
         )
+        if request.use_beam_search:
+            return await self._beam_search(request, request_id, prepared[0], params, role)
         if request.stream:
             return SSEResponse(self._stream(request, request_id, prepared, role))
         return await self._full(request, request_id, prepared, role)
+
+    async def _beam_search(self, request, request_id, item, params, role) -> dict:
+        """`use_beam_search`: the best `n` beams as choices, as vLLM's server returns them."""
+        beams = await self.beam_search(request_id, item, request, params)
+        choices = [
+            {
+                "index": j,
+                "message": {"role": role, "content": text, "tool_calls": []},
+                "logprobs": None,
+                "finish_reason": beam.finish_reason,
+                "stop_reason": beam.stop_reason,
+            }
+            for j, (beam, _, text) in enumerate(beams)
+        ]
+        num_prompt = len(item[0].prompt_token_ids)
+        return {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": self.created(),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": usage(num_prompt, sum(len(tokens) for _, tokens, _ in beams)),
+        }
 
     def _echo(self, request, role: str) -> str:
         last = request.messages[-1]

@@ -18,7 +18,6 @@ from jllm.entrypoints.openai.serving_engine import (
     usage_options,
 )
 from jllm.outputs import CompletionOutput
-from jllm.sampling_params import BeamSearchParams
 
 
 def normalize_prompts(prompt, cache_salt: str | None = None) -> list[dict]:
@@ -61,34 +60,13 @@ class OpenAIServingCompletion(OpenAIServing):
         return await self._full(request, request_id, prepared)
 
     async def _beam_search(self, request, request_id, prepared, params) -> dict:
-        """`use_beam_search`: the best `n` beams per prompt, as vLLM's server returns them
-        (the generated text, without a final EOS unless include_stop_str_in_output)."""
-        if request.stream:
-            raise OpenAIError(
-                "Streaming is not currently supported with beam search.", 400, "stream"
-            )
+        """`use_beam_search`: the best `n` beams per prompt, as vLLM's server returns them."""
         if request.echo:
             raise OpenAIError("echo is not supported with beam search.", 400, "echo")
-        try:
-            beam_params = BeamSearchParams(
-                beam_width=request.n,
-                max_tokens=params.max_tokens,
-                ignore_eos=request.ignore_eos,
-                temperature=params.temperature,
-                length_penalty=request.length_penalty,
-                include_stop_str_in_output=request.include_stop_str_in_output,
-            )
-        except ValueError as e:
-            raise OpenAIError(str(e), 400) from e
         choices, num_generated = [], 0
         for i, item in enumerate(prepared):
-            num_prompt = len(item[0].prompt_token_ids)
-            best = await self.beam_search(f"{request_id}-{i}", item, beam_params, request.priority)
-            for j, beam in enumerate(best):
-                tokens = beam.tokens[num_prompt:]
-                shown = tokens
-                if beam.finish_reason == "stop" and not request.include_stop_str_in_output:
-                    shown = tokens[:-1]
+            beams = await self.beam_search(f"{request_id}-{i}", item, request, params)
+            for j, (beam, tokens, text) in enumerate(beams):
                 num_generated += len(tokens)
                 logprobs = None
                 if request.logprobs is not None:
@@ -96,20 +74,13 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices.append(
                     {
                         "index": i * request.n + j,
-                        "text": self.tokenizer.decode(shown, skip_special_tokens=True),
+                        "text": text,
                         "logprobs": logprobs,
                         "finish_reason": beam.finish_reason,
                         "stop_reason": beam.stop_reason,
                     }
                 )
-        return {
-            "id": request_id,
-            "object": "text_completion",
-            "created": self.created(),
-            "model": self.model_name,
-            "choices": choices,
-            "usage": usage(sum(len(p[0].prompt_token_ids) for p in prepared), num_generated),
-        }
+        return self._response(request_id, prepared, choices, num_generated)
 
     def _echo(self, prepared) -> str:
         processed = prepared[0]
@@ -185,14 +156,16 @@ class OpenAIServingCompletion(OpenAIServing):
                         "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs),
                     }
                 )
-        num_prompt = sum(len(p[0].prompt_token_ids) for p in prepared)
+        return self._response(request_id, prepared, choices, num_generated)
+
+    def _response(self, request_id, prepared, choices, num_generated: int) -> dict:
         return {
             "id": request_id,
             "object": "text_completion",
             "created": self.created(),
             "model": self.model_name,
             "choices": choices,
-            "usage": usage(num_prompt, num_generated),
+            "usage": usage(sum(len(p[0].prompt_token_ids) for p in prepared), num_generated),
         }
 
     async def _stream(self, request, request_id, prepared):

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from fastapi.responses import JSONResponse
 from starlette.responses import StreamingResponse
 
-from jllm.beam_search import BeamSearch, BeamSearchSequence
+from jllm.beam_search import BeamSearch
 from jllm.engine.async_llm import AsyncLLM
 from jllm.outputs import RequestOutput
 from jllm.sampling_params import BeamSearchParams, SamplingParams
@@ -194,18 +194,36 @@ class OpenAIServing:
             )
         return prepared
 
-    async def beam_search(
-        self, request_id: str, prepared, params: BeamSearchParams, priority: int = 0
-    ) -> list[BeamSearchSequence]:
-        """vLLM's beam search for one prepared prompt (`jllm/beam_search.py`): each step runs
-        every live beam as a single-token request, concurrently, through the engine."""
+    async def beam_search(self, request_id: str, prepared, request, params: SamplingParams):
+        """vLLM's beam search for one prepared prompt (`jllm/beam_search.py`), each step's
+        beams run concurrently as single-token requests: the best `n` beams as (beam, its
+        generated tokens, their text without a final EOS unless include_stop_str_in_output).
+        Not streamed, as in vLLM."""
+        if request.stream:
+            raise OpenAIError(
+                "Streaming is not currently supported with beam search.", 400, "stream"
+            )
         processed, _ = prepared
-        search = BeamSearch(None, processed.prompt_token_ids, params, self.engine.eos_token_ids)
+        num_prompt = len(processed.prompt_token_ids)
+        try:
+            beam_params = BeamSearchParams(
+                beam_width=request.n,
+                max_tokens=params.max_tokens or self.engine.max_model_len - num_prompt,
+                ignore_eos=request.ignore_eos,
+                temperature=params.temperature,
+                length_penalty=request.length_penalty,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+            )
+        except ValueError as e:
+            raise OpenAIError(str(e), 400) from e
+        search = BeamSearch(
+            None, processed.prompt_token_ids, beam_params, self.engine.eos_token_ids
+        )
         step_params = search.step_params()
 
         async def final(rid: str, item):
             last = None
-            async for out in self.engine.generate(None, None, rid, item, priority):
+            async for out in self.engine.generate(None, None, rid, item, request.priority):
                 last = out
             return last
 
@@ -215,7 +233,14 @@ class OpenAIServing:
                 *(final(f"{request_id}-{search.steps}-{j}", it) for j, it in enumerate(items))
             )
             search.advance(list(outs))
-        return search.best()
+        results = []
+        for beam in search.best():
+            tokens = beam.tokens[num_prompt:]
+            shown = tokens
+            if beam.finish_reason == "stop" and not request.include_stop_str_in_output:
+                shown = tokens[:-1]
+            results.append((beam, tokens, self.tokenizer.decode(shown, skip_special_tokens=True)))
+        return results
 
     async def run_all(
         self, request_id: str, prepared: list, priority: int = 0

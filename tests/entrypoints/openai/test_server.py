@@ -504,8 +504,21 @@ def test_use_beam_search(client, server, llama_llm):
     assert all(c.finish_reason == "length" for c in got.choices)
     body = {"model": MODEL_NAME, "prompt": "x", "use_beam_search": True, "stream": True}
     assert post(server, "/v1/completions", body).status_code == 400
-    chat = {"model": MODEL_NAME, "messages": CHAT, "use_beam_search": True}
-    assert post(server, "/v1/chat/completions", chat).json()["error"]["param"] == "use_beam_search"
+    # Chat: the same search over the rendered conversation.
+    prompt = llama_llm.chat(CHAT, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    want = llama_llm.beam_search({"prompt_token_ids": prompt.prompt_token_ids}, params)[0]
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=CHAT,
+        n=3,
+        max_tokens=5,
+        temperature=0,
+        extra_body={"use_beam_search": True, "ignore_eos": True},
+    )
+    n_chat = len(prompt.prompt_token_ids)
+    assert [c.message.content for c in chat.choices] == [
+        tok.decode(s.tokens[n_chat:], skip_special_tokens=True) for s in want.sequences
+    ]
     wait_idle(server)
 
 
