@@ -24,6 +24,7 @@ import os
 import platform
 import time
 
+import jax
 import numpy as np
 
 from jllm import LLM, SamplingParams
@@ -79,8 +80,7 @@ class StepTimer:
         if self._last_end is not None:
             self._idle = t0 - self._last_end
         result = self.inner["run_step"](*args, **kwargs)
-        if hasattr(result, "block_until_ready"):
-            result.block_until_ready()  # synchronous: the device part ends here
+        jax.block_until_ready(result)  # synchronous: the device part ends here
         self._last_end = time.perf_counter()
         self._wait = self._last_end - t0
         return result
