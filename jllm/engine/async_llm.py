@@ -95,8 +95,7 @@ class AsyncLLM:
 
     @property
     def eos_token_ids(self) -> set[int]:
-        """The ids that end a sequence (the tokenizer's EOS and the generation config's)."""
-        return set(self.engine.extra_stop_ids) | {self.engine.eos_token_id} - {None}
+        return self.engine.eos_token_ids
 
     @property
     def max_model_len(self) -> int:

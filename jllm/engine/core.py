@@ -262,35 +262,39 @@ class EngineCore:
             return RequestStatus.FINISHED_STOPPED
         return None
 
-    def _record_logprobs(self, req: Request, tok) -> None:
-        k = req.sampling_params.logprobs
+    def _logprob_entry(self, token: int, logprob, rank, top_ids, top_lps, k: int) -> dict:
+        """vLLM's logprob dict of one position: the token first (its own rank), then the
+        k most likely (-1: all the runner returned), ranks 1..k."""
         if k == -1:  # the whole vocabulary (the runner returns it when max_logprobs is -1)
-            k = len(tok.top_ids)
-        entry = {}
-        entry[tok.token_id] = Logprob(tok.logprob, tok.rank, self._decode_one(tok.token_id))
-        for rank, (tid, lp) in enumerate(
-            zip(tok.top_ids[:k], tok.top_logprobs[:k], strict=True), 1
-        ):
+            k = len(top_ids)
+        entry = {token: Logprob(float(logprob), int(rank), self._decode_one(token))}
+        for r, (tid, lp) in enumerate(zip(top_ids[:k], top_lps[:k], strict=True), 1):
             tid = int(tid)
             if tid not in entry:
-                entry[tid] = Logprob(float(lp), rank, self._decode_one(tid))
-        req.logprobs.append(entry)
+                entry[tid] = Logprob(float(lp), r, self._decode_one(tid))
+        return entry
+
+    def _record_logprobs(self, req: Request, tok) -> None:
+        req.logprobs.append(
+            self._logprob_entry(
+                tok.token_id,
+                tok.logprob,
+                tok.rank,
+                tok.top_ids,
+                tok.top_logprobs,
+                req.sampling_params.logprobs,
+            )
+        )
         req.cumulative_logprob += tok.logprob
 
     def _record_prompt_logprobs(self, req: Request, first: int, lps, ranks, top_ids, top_lps):
         """Entries for prompt positions first .. first + n - 1 (a recomputed position after
         a preemption is written again, with the same values)."""
         k = req.sampling_params.prompt_logprobs
-        if k == -1:
-            k = top_ids.shape[1]
         for i in range(len(lps)):
             pos = first + i
             target = req.prompt_token_ids[pos]
-            entry = {target: Logprob(float(lps[i]), int(ranks[i]), self._decode_one(target))}
-            for rank, (tid, lp) in enumerate(zip(top_ids[i, :k], top_lps[i, :k], strict=True), 1):
-                tid = int(tid)
-                if tid not in entry:
-                    entry[tid] = Logprob(float(lp), rank, self._decode_one(tid))
+            entry = self._logprob_entry(target, lps[i], ranks[i], top_ids[i], top_lps[i], k)
             if req.prompt_logprobs[pos] is None:
                 req.num_prompt_logprobs += 1
             req.prompt_logprobs[pos] = entry

@@ -214,3 +214,8 @@ class LLMEngine:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """The ids that end a sequence: the tokenizer's EOS and the generation config's."""
+        return set(self.extra_stop_ids) | {self.eos_token_id} - {None}

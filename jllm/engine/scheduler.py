@@ -82,17 +82,19 @@ class Scheduler:
         return self.running[-1]
 
     @staticmethod
-    def _listed(req: Request, num_new: int) -> int:
-        """Prompt tokens of the next `num_new` whose prompt logprobs the step computes."""
+    def _listed(req: Request, start: int, num_new: int) -> int:
+        """Prompt tokens among positions start .. start + num_new - 1 whose prompt logprobs
+        the step computes (every prompt token but the last, when the request asks)."""
         if req.sampling_params.prompt_logprobs is None:
             return 0
-        start = req.num_computed_tokens
         return max(0, min(start + num_new, req.num_prompt_tokens - 1) - start)
 
-    def _cap_prompt_logprobs(self, req: Request, num_new: int, room: int, budget: int) -> int:
+    def _cap_prompt_logprobs(
+        self, req: Request, start: int, num_new: int, room: int, budget: int
+    ) -> int:
         """`num_new` cut so that the step's prompt-logprob tokens fit `room` (the runner's
         fixed PROMPT_LOGPROB_ROWS); 0 when none fit."""
-        if self._listed(req, num_new) <= room:
+        if self._listed(req, start, num_new) <= room:
             return num_new
         return self._fit(room, budget) if room > 0 else 0
 
@@ -139,7 +141,9 @@ class Scheduler:
                 drafts, num_new = [], self._fit(known, budget)
             if num_new == 0:
                 break
-            num_new = self._cap_prompt_logprobs(req, num_new, lp_room, budget)
+            num_new = self._cap_prompt_logprobs(
+                req, req.num_computed_tokens, num_new, lp_room, budget
+            )
             if num_new == 0:  # its prompt logprobs wait for the next step
                 i += 1
                 continue
@@ -154,7 +158,7 @@ class Scheduler:
                     k = next(n for n, s in enumerate(scheduled) if s[0] is victim)
                     num_back = scheduled.pop(k)[1]
                     budget += self._cost(num_back)
-                    lp_room += self._listed(victim, num_back)
+                    lp_room += self._listed(victim, victim.num_computed_tokens, num_back)
                     i -= 1
                 self._preempt(victim)
                 out.num_preempted += 1
@@ -165,7 +169,7 @@ class Scheduler:
                 break
             scheduled.append((req, num_new, drafts, False))
             budget -= self._cost(num_new)
-            lp_room -= self._listed(req, num_new)
+            lp_room -= self._listed(req, req.num_computed_tokens, num_new)
             i += 1
         # 2. Waiting requests, first come first served, unless this step already preempted.
         while (
@@ -177,13 +181,12 @@ class Scheduler:
             req = self.waiting.peek()
             hit_blocks, num_hit = self.kv_cache.get_computed_blocks(req)
             num_new = self._fit(req.num_tokens - num_hit, budget)
-            req.num_computed_tokens = num_hit
-            num_new = self._cap_prompt_logprobs(req, num_new, lp_room, budget)
-            req.num_computed_tokens = 0
+            num_new = self._cap_prompt_logprobs(req, num_hit, num_new, lp_room, budget)
             if num_new == 0 or (
                 num_new < req.num_tokens - num_hit and not self.config.enable_chunked_prefill
             ):
                 break
+            req.num_computed_tokens = 0
             blocks = self.kv_cache.allocate_slots(req, num_new, hit_blocks)
             if blocks is None:
                 break
@@ -198,7 +201,7 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, num_new, [], True))
             budget -= self._cost(num_new)
-            lp_room -= self._listed(req, num_new)
+            lp_room -= self._listed(req, num_hit, num_new)
         self._fill_output(out, scheduled)
         return out
 

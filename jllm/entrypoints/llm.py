@@ -100,7 +100,6 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         engine = self.llm_engine
-        eos = set(engine.extra_stop_ids) | {engine.eos_token_id} - {None}
         searches = []
         for p in prompts:
             processed, _ = engine.prepare(p, SamplingParams(max_tokens=1))
@@ -111,7 +110,7 @@ class LLM:
                     f"exceeds the maximum model length of {engine.max_model_len}."
                 )
             orig = p if isinstance(p, (str, dict)) else {"prompt_token_ids": ids}
-            searches.append(BeamSearch(orig, ids, params, eos))
+            searches.append(BeamSearch(orig, ids, params, engine.eos_token_ids))
         if priority is None or isinstance(priority, int):
             priority = [priority or 0] * len(searches)
         limit = concurrency_limit or len(searches)

@@ -121,11 +121,12 @@ class BatchLayout:
 @dataclasses.dataclass
 class PromptLogprobRows:
     """The prompt tokens of this step whose next prompt token's logprob a request asked for
-    (`runner/prompt_logprobs.py`): flat indices and the ids they predict, and per request
-    the prompt position of its first target and how many follow."""
+    (`runner/prompt_logprobs.py`): flat indices and the ids they predict, padded to
+    PROMPT_LOGPROB_ROWS with 0, and per request the prompt position of its first target and
+    how many follow."""
 
-    indices: np.ndarray  # [N] int32 flat token index
-    targets: np.ndarray  # [N] int32 the prompt token at the next position
+    indices: np.ndarray  # [PROMPT_LOGPROB_ROWS] int32 flat token index
+    targets: np.ndarray  # [PROMPT_LOGPROB_ROWS] int32 the prompt token at the next position
     spans: list[tuple[str, int, int]]  # (req id, position of the first target, count)
 
 
@@ -257,11 +258,11 @@ def build_step(
     logits_indices[: len(sample_at)] = sample_at
     md = sampling_metadata(batch, groups, Rs, max(1, layout.num_spec_tokens))
     prompt_rows = None
-    prompt_lp_indices = np.zeros(PROMPT_LOGPROB_ROWS, np.int32)
     if batch.prompt_logprobs[rows].any():
         prompt_rows = _prompt_logprob_rows(batch, ids, rows, counts, flat_start)
-    if prompt_rows is not None:
-        prompt_lp_indices[: len(prompt_rows.indices)] = prompt_rows.indices
+    prompt_lp_indices = (
+        np.zeros(PROMPT_LOGPROB_ROWS, np.int32) if prompt_rows is None else prompt_rows.indices
+    )
     inputs = StepInputs(
         token_ids,
         positions,
@@ -288,9 +289,12 @@ def _prompt_logprob_rows(batch: InputBatch, ids, rows, counts, flat_start):
         spans.append((rid, nc + 1, end - nc))
     if not spans:
         return None
-    if sum(n for _, _, n in spans) > PROMPT_LOGPROB_ROWS:
+    n = sum(n for _, _, n in spans)
+    if n > PROMPT_LOGPROB_ROWS:
         raise RuntimeError("the scheduler let more prompt-logprob tokens into a step than fit")
-    return PromptLogprobRows(np.concatenate(indices), np.concatenate(targets), spans)
+    padded = np.zeros((2, PROMPT_LOGPROB_ROWS), np.int32)
+    padded[0, :n], padded[1, :n] = np.concatenate(indices), np.concatenate(targets)
+    return PromptLogprobRows(padded[0], padded[1], spans)
 
 
 def sampling_metadata(batch: InputBatch, groups: list[SampleGroup], Rs: int, K: int):

@@ -334,10 +334,7 @@ class ModelRunner:
         inputs, md, groups, key, prompt_rows = build_step(
             self.batch, out, self.layout, self.backend
         )
-        targets = None
-        if prompt_rows is not None:
-            targets = np.zeros(PROMPT_LOGPROB_ROWS, np.int32)
-            targets[: len(prompt_rows.targets)] = prompt_rows.targets
+        targets = None if prompt_rows is None else prompt_rows.targets
         step = (inputs, md)
         if self.channel is not None:  # the other processes run the same step
             self.channel.send(("step", key, step, writes, bias_writes, targets))

@@ -115,15 +115,8 @@ class OpenAIServingChat(OpenAIServing):
             }
             for j, (beam, _, text) in enumerate(beams)
         ]
-        num_prompt = len(item[0].prompt_token_ids)
-        return {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": self.created(),
-            "model": self.model_name,
-            "choices": choices,
-            "usage": usage(num_prompt, sum(len(tokens) for _, tokens, _ in beams)),
-        }
+        num_generated = sum(len(tokens) for _, tokens, _ in beams)
+        return self._response(request_id, choices, item[0].prompt_token_ids, num_generated)
 
     def _echo(self, request, role: str) -> str:
         last = request.messages[-1]
@@ -169,16 +162,19 @@ class OpenAIServingChat(OpenAIServing):
                     "stop_reason": c.stop_reason,
                 }
             )
+        num_generated = sum(len(c.token_ids) for c in final.outputs)
+        response = self._response(request_id, choices, final.prompt_token_ids, num_generated)
+        response["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
+        return response
+
+    def _response(self, request_id, choices, prompt_token_ids, num_generated: int) -> dict:
         return {
             "id": request_id,
             "object": "chat.completion",
             "created": self.created(),
             "model": self.model_name,
             "choices": choices,
-            "usage": usage(
-                len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs)
-            ),
-            "prompt_logprobs": prompt_logprobs_json(final.prompt_logprobs),
+            "usage": usage(len(prompt_token_ids), num_generated),
         }
 
     async def _stream(self, request, request_id, prepared, role):
