@@ -24,6 +24,17 @@ from jllm.sampling_params import RequestOutputKind, SamplingParams
 logger = logging.getLogger("jllm")
 
 
+def _priorities(priority, n: int) -> list[int]:
+    """vLLM's `priority` argument (None, one int, or one per prompt) as one per prompt."""
+    if priority is None or isinstance(priority, int):
+        return [priority or 0] * n
+    if len(priority) != n:
+        raise ValueError(
+            f"The lengths of prompts ({n}) and priority ({len(priority)}) must be the same."
+        )
+    return list(priority)
+
+
 class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
         setup_logging()
@@ -56,15 +67,7 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
-        if priority is None:
-            priority = [0] * len(prompts)
-        elif isinstance(priority, int):
-            priority = [priority] * len(prompts)
-        elif len(priority) != len(prompts):
-            raise ValueError(
-                f"The lengths of prompts ({len(prompts)}) and priority ({len(priority)}) "
-                "must be the same."
-            )
+        priority = _priorities(priority, len(prompts))
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -111,8 +114,7 @@ class LLM:
                 )
             orig = p if isinstance(p, (str, dict)) else {"prompt_token_ids": ids}
             searches.append(BeamSearch(orig, ids, params, engine.eos_token_ids))
-        if priority is None or isinstance(priority, int):
-            priority = [priority or 0] * len(searches)
+        priority = _priorities(priority, len(searches))
         limit = concurrency_limit or len(searches)
         for lo in range(0, len(searches), limit):
             group = list(zip(searches[lo : lo + limit], priority[lo : lo + limit], strict=True))

@@ -257,8 +257,7 @@ class ModelRunner:
             if rs not in self._sample_exe:
                 logits, _, md, prompt_hidden = fwd.out_info  # shapes and shardings
                 self._sample_executable(rs, logits, md)
-                if self._prompt_lp_exe is None:
-                    self._prompt_lp_executable(prompt_hidden)
+                self._prompt_lp_executable(prompt_hidden)  # one shape: compiled once
             if (i + 1) % 16 == 0 or i + 1 == len(shapes):
                 logger.info("Compiled %d/%d buckets.", i + 1, len(shapes))
         for W in self.penalties.write_buckets:
