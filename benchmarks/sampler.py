@@ -47,6 +47,7 @@ def metadata(R, temperature, top_k, top_p, min_p):
         suppress=jnp.full((R, 16), V, jnp.int32),
         want_logprobs=f(False, jnp.bool_),
         bias_rows=f(0, jnp.int32),
+        masked=f(False, jnp.bool_),
         processors=(),
         batch_row=jnp.arange(R, dtype=jnp.int32),
         draft=f(-1, jnp.int32),
@@ -58,11 +59,13 @@ def metadata(R, temperature, top_k, top_p, min_p):
 def time_call(logits, md, counts, mask, repeats=20):
     last = jnp.zeros(logits.shape[0] + 1, jnp.int32)
     bias = jnp.zeros(counts.shape, jnp.float32)
-    out, counts, last = sample(logits, md, counts, mask, bias, last, num_logprobs=20)  # donated
+    bitmask = jnp.zeros((logits.shape[0], (logits.shape[1] + 31) // 32), jnp.int32)
+    args = (bias, last, bitmask)
+    out, counts, last = sample(logits, md, counts, mask, *args, num_logprobs=20)  # donated
     jax.block_until_ready(out)
     t0 = time.perf_counter()
     for _ in range(repeats):
-        out, counts, last = sample(logits, md, counts, mask, bias, last, num_logprobs=20)
+        out, counts, last = sample(logits, md, counts, mask, bias, last, bitmask, num_logprobs=20)
         jax.block_until_ready(out)
     return (time.perf_counter() - t0) / repeats * 1e3
 

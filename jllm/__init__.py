@@ -6,7 +6,13 @@ block manager, engine core) stay importable without JAX.
 
 from jllm.config import EngineArgs
 from jllm.outputs import CompletionOutput, Logprob, RequestOutput
-from jllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from jllm.sampling_params import (
+    BeamSearchParams,
+    GuidedDecodingParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 __version__ = "0.1.0"
 
@@ -19,6 +25,8 @@ __all__ = [
     "EngineArgs",
     "RequestOutputKind",
     "BeamSearchParams",
+    "StructuredOutputsParams",
+    "GuidedDecodingParams",
 ]
 
 

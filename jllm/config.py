@@ -24,8 +24,6 @@ UNSUPPORTED_ARGS = {
     "swap_space": None,
     "pipeline_parallel_size": 1,
     "data_parallel_size": 1,
-    "guided_decoding_backend": None,
-    "structured_outputs_config": None,
     "hf_overrides": None,
     "mm_processor_kwargs": None,
     "limit_mm_per_prompt": None,
@@ -80,6 +78,11 @@ class EngineArgs:
     # Custom logits processors: jllm.logits_process.LogitsProcessor classes or
     # "module:Class" names, compiled into the sampler (vLLM's engine-level form).
     logits_processors: list | None = None
+    # Structured outputs: vLLM's `structured_outputs_config` ({"backend": "auto" | "xgrammar"
+    # | "guidance", "disable_fallback", "disable_any_whitespace",
+    # "disable_additional_properties"}) and its older `guided_decoding_backend`.
+    structured_outputs_config: dict | None = None
+    guided_decoding_backend: str | None = None
     disable_log_stats: bool = False
     tensor_parallel_size: int = 1
     # Several processes (hosts) serving one model: vLLM's multi-node names, mapped onto
@@ -101,6 +104,11 @@ class EngineArgs:
         return cls(**{k: v for k, v in kwargs.items() if k in names})
 
     def __post_init__(self) -> None:
+        from jllm.structured_output import StructuredOutputsConfig
+
+        self.structured_outputs_config = StructuredOutputsConfig.create(
+            self.structured_outputs_config, self.guided_decoding_backend
+        )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "

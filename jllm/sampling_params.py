@@ -15,6 +15,66 @@ SAMPLING_EPS = 1e-5
 MAX_SUPPRESS = 16
 
 
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's structured-output constraint of one request: exactly one of `json` (a JSON
+    schema, as a dict or a string), `regex`, `choice`, `grammar` (EBNF/GBNF; Lark with the
+    guidance backend), `json_object` (any JSON object) or `structural_tag` (xgrammar's
+    structural-tag JSON). The grammar backend is the engine's (`structured_outputs_config`)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+    # The backend the engine chose for this request (set when it is validated).
+    _backend: str | None = field(default=None, init=False, repr=False, compare=False)
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+    def __post_init__(self) -> None:
+        given = [k for k in self.KINDS if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(
+                "You can only use one kind of structured outputs constraint but multiple are "
+                f"specified: {given}."
+            )
+        if not given:
+            raise ValueError(
+                "You must use one kind of structured outputs constraint but none are "
+                f"specified (one of {list(self.KINDS)})."
+            )
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise ValueError("choice must be a non-empty list of strings.")
+        if self.json_object is False:
+            raise ValueError("json_object must be true when given.")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) is not None)
+
+    @property
+    def spec(self):
+        """The constraint itself (a JSON schema as a canonical string)."""
+        value = getattr(self, self.kind)
+        if self.kind == "json" and not isinstance(value, str):
+            import json
+
+            return json.dumps(value, sort_keys=True)
+        return value
+
+
+# vLLM's older name for the same parameters.
+GuidedDecodingParams = StructuredOutputsParams
+
+
 class RequestOutputKind(Enum):
     CUMULATIVE = 0
     DELTA = 1
@@ -51,6 +111,10 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     # Arguments for custom logits processors (vLLM's `extra_args`; the server's vllm_xargs).
     extra_args: dict | None = None
+    # A grammar the output must follow (vLLM's `structured_outputs`; `guided_decoding` is
+    # its older name). A dict is read as the parameters' fields.
+    structured_outputs: StructuredOutputsParams | dict | None = None
+    guided_decoding: StructuredOutputsParams | dict | None = None
     # Filled by the engine: the tokenizer's EOS id and ids that end generation.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     # Filled by the engine from `bad_words` and the tokenizer (vLLM's `bad_words_token_ids`).
@@ -71,6 +135,12 @@ class SamplingParams:
                 ) from e
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("Give structured_outputs or guided_decoding, not both.")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.top_k is None or self.top_k == -1:
             self.top_k = 0
         self._verify()

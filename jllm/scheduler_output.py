@@ -54,6 +54,10 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
     num_preempted: int = 0
+    # Requests with a grammar that sample in this step, and (filled by the engine core from
+    # their matchers) each one's bitmask rows [1 + drafts, ceil(V / 32)] int32.
+    structured_output_request_ids: set[str] = field(default_factory=set)
+    grammar_bitmask: dict = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return not self.num_scheduled_tokens

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 
 from jllm.config import (
@@ -62,6 +63,10 @@ HELP = {
     "jllm.logits_process.LogitsProcessor), compiled into the sampler.",
     "max_logprobs": "Largest logprobs / top_logprobs a request may ask for; -1: the whole "
     "vocabulary (then every step returns it).",
+    "structured_outputs_config": 'Structured outputs as JSON, e.g. \'{"backend": '
+    "\"xgrammar\"}': backend 'auto' (xgrammar, else guidance), 'xgrammar' or 'guidance'; "
+    "disable_fallback, disable_any_whitespace, disable_additional_properties.",
+    "guided_decoding_backend": "vLLM's older name for the structured outputs backend.",
     "disable_log_stats": "Do not log throughput and cache statistics.",
     "tensor_parallel_size": "Devices of this host to split the model over (heads, MLP and "
     "vocabulary on the mesh's 'model' axis). With several nodes: all devices of all nodes.",
@@ -84,7 +89,7 @@ CHOICES = {
 
 def _base_type(annotation: str):
     """`int | None` -> int (EngineArgs uses `from __future__ import annotations`)."""
-    names = {"int": int, "float": float, "str": str, "bool": bool, "list": list}
+    names = {"int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": dict}
     parts = [p.strip() for p in annotation.split("|") if p.strip() != "None"]
     return names[parts[0]]
 
@@ -102,6 +107,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help_text = HELP[f.name]
         if f.name == "logits_processors":
             group.add_argument(flag(f.name), nargs="*", default=None, help=help_text)
+            continue
+        if f.name == "structured_outputs_config":
+            group.add_argument(flag(f.name), type=json.loads, default=None, help=help_text)
             continue
         if kind is bool:
             group.add_argument(

@@ -16,11 +16,20 @@ The runner is injected (anything with `execute(SchedulerOutput) -> ModelRunnerOu
 this module stays free of JAX and is tested with a mock runner. So is an optional proposer
 (anything with `propose(request) -> list[int]`), asked for draft tokens for every running
 request after each step.
+
+Structured outputs (`jllm/structured_output`): a request with a grammar waits here, outside
+the scheduler, until its grammar is compiled on the manager's worker thread, so nothing
+else waits for it. Each step the core fills the bitmask rows of the grammar sequences that
+sample (from their matchers) into the `SchedulerOutput`, and each appended token advances
+the sequence's matcher. A mask depends on the tokens before it, so while a grammar sequence
+is running the async loop runs its steps one at a time.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
 from jllm.engine.detokenizer import IncrementalDetokenizer
@@ -29,6 +38,11 @@ from jllm.engine.scheduler import Scheduler
 from jllm.metrics.stats import FinishedRequestStats, SchedulerStats, StepStats
 from jllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jllm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# How long an idle engine waits for a grammar being compiled before it returns from a step.
+GRAMMAR_WAIT_S = 0.05
 
 
 @dataclass
@@ -63,6 +77,7 @@ class EngineCore:
         stat_loggers: list | None = None,
         proposer=None,
         async_scheduling: bool = False,
+        structured=None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
@@ -74,6 +89,9 @@ class EngineCore:
         self.proposer = proposer
         self.async_scheduling = async_scheduling
         self._in_flight = None  # async: (SchedulerOutput, runner handle) of the last step
+        self.structured = structured  # a StructuredOutputManager, or None
+        # Requests whose grammar is being compiled: (parent, future of the grammar).
+        self._compiling: list[tuple[ParentRequest, Future]] = []
         self.parents: dict[str, ParentRequest] = {}
         self._child_parent: dict[str, ParentRequest] = {}
         # A token's text for logprobs, decoded once per token id for the engine's life.
@@ -115,6 +133,16 @@ class EngineCore:
                 )
             self._child_parent[child_id] = parent
         self.parents[request_id] = parent
+        so = params.structured_outputs
+        if so is not None:
+            if self.structured is None:
+                raise ValueError("This engine cannot run structured outputs (no tokenizer).")
+            if so._backend is None:  # not validated by the front end
+                backend, params.structured_outputs = self.structured.validate(so)
+                so = params.structured_outputs
+                so._backend = backend
+            self._compiling.append((parent, self.structured.compile(so._backend, so)))
+            return
         for child in parent.children:
             self.scheduler.add_request(child)
 
@@ -135,19 +163,72 @@ class EngineCore:
             self._record(stats)
 
     def has_unfinished_requests(self) -> bool:
-        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
+        return (
+            self._in_flight is not None
+            or bool(self._compiling)
+            or self.scheduler.has_unfinished_requests()
+        )
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Hand the requests whose grammar is ready to the scheduler, each sequence with its
+        own matcher; a grammar that failed ends its request (finish reason "abort")."""
+        if not self._compiling:
+            return []
+        if self._in_flight is None and not self.scheduler.has_unfinished_requests():
+            wait([f for _, f in self._compiling], GRAMMAR_WAIT_S, FIRST_COMPLETED)
+        outputs, still = [], []
+        for parent, future in self._compiling:
+            if parent.request_id not in self.parents:  # aborted meanwhile
+                continue
+            if not future.done():
+                still.append((parent, future))
+                continue
+            so = parent.params.structured_outputs
+            try:
+                compiled = future.result()
+                matchers = [self.structured.matcher(so._backend, compiled) for _ in parent.children]
+            except Exception as e:
+                logger.error("Request %s: its grammar failed to compile: %s", parent.request_id, e)
+                for child in parent.children:
+                    child.status = RequestStatus.FINISHED_ABORTED
+                    self._release(child)
+                self.parents.pop(parent.request_id)
+                ids = {c.request_id for c in parent.children}
+                outputs.append(self._make_output(parent, time.time(), ids))
+                continue
+            for child, matcher in zip(parent.children, matchers, strict=True):
+                child.grammar = matcher
+                self.scheduler.add_request(child)
+        self._compiling = still
+        return outputs
+
+    def _grammar_running(self) -> bool:
+        return any(r.grammar is not None for r in self.scheduler.requests.values())
+
+    def _fill_bitmasks(self, sched_out) -> None:
+        """The bitmask rows of every grammar sequence that samples in this step."""
+        for rid in sched_out.structured_output_request_ids:
+            req = self.scheduler.requests[rid]
+            drafts = sched_out.scheduled_spec_decode_tokens.get(rid, [])
+            sched_out.grammar_bitmask[rid] = self.structured.bitmask(req.grammar, drafts)
 
     def _release(self, child: Request) -> None:
         self._child_parent.pop(child.request_id, None)
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self.async_scheduling:
-            return self._step_ahead()
+        outputs = self._admit_compiled()
+        if self.async_scheduling and not self._grammar_running():
+            return outputs + self._step_ahead()
+        if self._in_flight is not None:  # async, and a grammar arrived: finish the last step
+            (last_out, last_handle), self._in_flight = self._in_flight, None
+            outputs += self._update(last_out, self.runner.fetch(last_handle))
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty():
-            return []
-        return self._update(sched_out, self.runner.execute(sched_out))
+            return outputs
+        if sched_out.structured_output_request_ids:
+            self._fill_bitmasks(sched_out)
+        return outputs + self._update(sched_out, self.runner.execute(sched_out))
 
     def _step_ahead(self) -> list[RequestOutput]:
         if self.proposer is not None:
@@ -223,6 +304,13 @@ class EngineCore:
     ) -> bool:
         """Append one token; True when it finished the request."""
         req.append_output_token(tok.token_id)
+        if req.grammar is not None and not req.grammar.is_terminated():
+            if not req.grammar.accept(tok.token_id):
+                logger.error(
+                    "Request %s: token %d does not follow its grammar.",
+                    req.request_id,
+                    tok.token_id,
+                )
         stats.num_generation_tokens += 1
         if req.first_token_time is None:
             req.first_token_time = now

@@ -42,6 +42,7 @@ from jllm.runner.kv_cache import create_kv_cache
 from jllm.runner.model_runner import ModelRunner
 from jllm.sampling_params import SamplingParams
 from jllm.scheduler_output import PROMPT_LOGPROB_ROWS
+from jllm.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("jllm")
 
@@ -118,6 +119,14 @@ class LLMEngine:
         self.extra_stop_ids = extra_eos_ids(gen_config, eos)
         self.default_sampling_params = generation_defaults(args.generation_config, gen_config)
         self.stat_loggers = [] if args.disable_log_stats else [LoggingStatLogger()]
+        self.structured = None
+        if self.tokenizer is not None:
+            self.structured = StructuredOutputManager(
+                self.tokenizer,
+                cfg.vocab_size,
+                self.eos_token_ids,
+                args.structured_outputs_config,
+            )
         self.core = EngineCore(
             self.scheduler,
             self.runner,
@@ -126,6 +135,7 @@ class LLMEngine:
             eos,
             self.stat_loggers,
             async_scheduling=resolve_async_scheduling(args.async_scheduling, platform),
+            structured=self.structured,
         )
         self.processor = Processor(
             self.tokenizer, self.max_model_len, cfg.vocab_size, args.max_logprobs
@@ -172,6 +182,12 @@ class LLMEngine:
         processed = self.processor.process_prompt(prompt, params)
         for proc in self.logits_processors:
             proc.validate_params(params)
+        so = params.structured_outputs
+        if so is not None:
+            if self.structured is None:
+                raise ValueError("Structured outputs need a tokenizer (skip_tokenizer_init).")
+            backend, params.structured_outputs = self.structured.validate(so)
+            params.structured_outputs._backend = backend
         if (
             params.prompt_logprobs is not None
             and not self.scheduler.config.enable_chunked_prefill

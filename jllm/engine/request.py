@@ -72,6 +72,9 @@ class Request:
         # Tokens being sampled by steps in flight whose results the engine has not seen yet
         # (async scheduling): the scheduler counts them as known.
         self.num_output_placeholders = 0
+        # Structured outputs: the sequence's grammar matcher (jllm/structured_output), set
+        # when its grammar is compiled; it accepts every appended token.
+        self.grammar = None
         self.stop_reason: int | str | None = None
         self.logprobs: list = []  # per output token, filled when logprobs are requested
         self.cumulative_logprob = 0.0

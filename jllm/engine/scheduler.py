@@ -240,6 +240,8 @@ class Scheduler:
             known = req.num_tokens + req.num_output_placeholders
             if req.num_computed_tokens + num_new - len(drafts) == known:
                 req.num_output_placeholders += 1  # this step samples its next token
+                if req.sampling_params.structured_outputs is not None:
+                    out.structured_output_request_ids.add(rid)
             req.num_computed_tokens += num_new
 
     def finish_request(self, req: Request, status: RequestStatus) -> None:

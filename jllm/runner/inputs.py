@@ -257,6 +257,9 @@ def build_step(
     logits_indices = np.zeros(Rs, np.int32)
     logits_indices[: len(sample_at)] = sample_at
     md = sampling_metadata(batch, groups, Rs, max(1, layout.num_spec_tokens))
+    for g in groups:
+        if g.req_id in out.grammar_bitmask:
+            md.masked[g.first : g.first + g.count] = True
     prompt_rows = None
     if batch.prompt_logprobs[rows].any():
         prompt_rows = _prompt_logprob_rows(batch, ids, rows, counts, flat_start)
@@ -272,6 +275,19 @@ def build_step(
         BUILDERS[backend](flat),
     )
     return inputs, md, groups, (Rd, Tt), prompt_rows
+
+
+def grammar_rows(groups: list[SampleGroup], bitmasks: dict, Rs: int, width: int):
+    """The step's grammar bitmask [Rs, width] (all ones where a row has no grammar) from the
+    rows the engine filled per request, or None when no request has a grammar."""
+    if not bitmasks:
+        return None
+    out = np.full((Rs, width), -1, np.int32)
+    for g in groups:
+        rows = bitmasks.get(g.req_id)
+        if rows is not None:
+            out[g.first : g.first + g.count] = rows[: g.count]
+    return out
 
 
 def _prompt_logprob_rows(batch: InputBatch, ids, rows, counts, flat_start):
@@ -335,6 +351,7 @@ def sampling_metadata(batch: InputBatch, groups: list[SampleGroup], Rs: int, K: 
         suppress=suppress,
         want_logprobs=batch.want_logprobs[row],
         bias_rows=batch.bias_row[row],
+        masked=np.zeros(Rs, bool),
         processors=tuple(
             (active[row], state[row])
             for active, state in zip(batch.proc_active, batch.proc_state, strict=True)

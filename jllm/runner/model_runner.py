@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jllm.runner.input_batch import InputBatch
-from jllm.runner.inputs import BatchLayout, build_step
+from jllm.runner.inputs import BatchLayout, build_step, grammar_rows
 from jllm.runner.logit_bias import bias_vector, write_bias
 from jllm.runner.penalty_state import PenaltyWriter, write_step
 from jllm.runner.prompt_logprobs import prompt_logprobs_step
@@ -103,6 +103,10 @@ class ModelRunner:
         # The logit-bias table (runner/logit_bias.py), row 0 zero like the penalty state.
         self.vocab_size = vocab_size
         self.bias = jax.device_put(np.zeros(shape, np.float32), self.replicated)
+        # Grammar bitmasks (structured outputs): a step without any passes a zero array of
+        # its row bucket, kept on the device, so only steps with a grammar transfer one.
+        self.bitmask_width = (vocab_size + 31) // 32
+        self._no_bitmask: dict[int, jax.Array] = {}
         self._bias_exe = None
         self._prompt_lp_exe = None
         # The last token each input-batch row sampled, where the next step reads it.
@@ -161,6 +165,9 @@ class ModelRunner:
                 logits_sharding=self.logits_sharding,
             ).compile()
 
+    def _bitmask_spec(self, rows: int):
+        return jax.ShapeDtypeStruct((rows, self.bitmask_width), jnp.int32, sharding=self.replicated)
+
     def _compile_sampler(self, logits, md):
         with jax.set_mesh(self.mesh):
             return sample.lower(
@@ -170,6 +177,7 @@ class ModelRunner:
                 self.prompt_mask,
                 self.bias,
                 self.last_tokens,
+                self._bitmask_spec(logits.shape[0]),
                 num_logprobs=self.max_logprobs,
                 logits_processors=self.logits_processors,
             ).compile()
@@ -274,12 +282,21 @@ class ModelRunner:
             jax.device_put(vector, self.replicated),
         )
 
-    def run_step(self, key, step, writes=(), bias_writes=(), prompt_targets=None):
+    def _bitmask(self, rows: int, bitmask):
+        if bitmask is not None:
+            return jax.device_put(bitmask, self.replicated)
+        zeros = self._no_bitmask.get(rows)
+        if zeros is None:
+            zeros = np.zeros((rows, self.bitmask_width), np.int32)
+            zeros = self._no_bitmask[rows] = jax.device_put(zeros, self.replicated)
+        return zeros
+
+    def run_step(self, key, step, writes=(), bias_writes=(), prompt_targets=None, bitmask=None):
         """The device part of a step, from the host inputs (StepInputs, SamplingMetadata) to
         the packed result, still on the device (JAX dispatches asynchronously), after the
         admitted rows' penalty and logit-bias writes; with `prompt_targets`, also the packed
-        prompt logprobs (else None). Every process of a multi-process engine runs it with
-        the same inputs."""
+        prompt logprobs (else None); `bitmask`: the step's grammar bitmask [Rs, W], or None.
+        Every process of a multi-process engine runs it with the same inputs."""
         buf, layout = pack(step)
         for w in writes:
             w = jax.device_put(w, self.replicated)
@@ -293,7 +310,13 @@ class ModelRunner:
         logits, self.kv_cache, md, hidden = fwd(self.state, self.kv_cache, self.last_tokens, buf)
         smp = self._sample_executable(logits.shape[0], logits, md)
         packed, self.counts, self.last_tokens = smp(
-            logits, md, self.counts, self.prompt_mask, self.bias, self.last_tokens
+            logits,
+            md,
+            self.counts,
+            self.prompt_mask,
+            self.bias,
+            self.last_tokens,
+            self._bitmask(logits.shape[0], bitmask),
         )
         prompt_packed = None
         if prompt_targets is not None:
@@ -307,8 +330,10 @@ class ModelRunner:
             message = channel.recv()
             if message[0] == "stop":
                 return
-            _, key, step, writes, bias_writes, prompt_targets = message
-            jax.block_until_ready(self.run_step(key, step, writes, bias_writes, prompt_targets))
+            _, key, step, writes, bias_writes, prompt_targets, bitmask = message
+            jax.block_until_ready(
+                self.run_step(key, step, writes, bias_writes, prompt_targets, bitmask)
+            )
 
     def _apply(self, out: SchedulerOutput):
         """Bring the input batch up to date with the scheduler's output; returns the penalty
@@ -334,10 +359,11 @@ class ModelRunner:
             self.batch, out, self.layout, self.backend
         )
         targets = None if prompt_rows is None else prompt_rows.targets
+        bitmask = grammar_rows(groups, out.grammar_bitmask, len(md.masked), self.bitmask_width)
         step = (inputs, md)
         if self.channel is not None:  # the other processes run the same step
-            self.channel.send(("step", key, step, writes, bias_writes, targets))
-        packed, prompt_packed = self.run_step(key, step, writes, bias_writes, targets)
+            self.channel.send(("step", key, step, writes, bias_writes, targets, bitmask))
+        packed, prompt_packed = self.run_step(key, step, writes, bias_writes, targets, bitmask)
         for g in groups:
             self.batch.num_pending[g.row] += 1
         return packed, groups, prompt_packed, prompt_rows

@@ -1,6 +1,6 @@
 """On-device sampling, in vLLM's order and with vLLM's semantics.
 
-raw logprobs (returned when asked) -> masks and bias: min_tokens suppression and bad words
+grammar bitmask (structured outputs) -> raw logprobs (returned when asked) -> masks and bias: min_tokens suppression and bad words
 of several tokens (per-step ids), allowed_token_ids, bad words of one token and logit_bias
 (the request's fixed bias row, `runner/logit_bias.py`) -> custom logits processors
 (`jllm/logits_process.py`) -> repetition / frequency / presence penalties -> greedy argmax,
@@ -55,6 +55,7 @@ from jllm.sampling_params import SAMPLING_EPS
         "suppress",
         "want_logprobs",
         "bias_rows",
+        "masked",
         "processors",
         "batch_row",
         "draft",
@@ -79,6 +80,7 @@ class SamplingMetadata:
     suppress: jax.Array  # [R, M] int32 token ids to mask (min_tokens), >= V for none
     want_logprobs: jax.Array  # [R] bool
     bias_rows: jax.Array  # [R] int32, row in the logit-bias table (0: none)
+    masked: jax.Array  # [R] bool, the row has a grammar bitmask (structured outputs)
     # per custom logits processor: (active [R] bool, state [R, ...]) (jllm/logits_process.py)
     processors: tuple
     batch_row: jax.Array  # [R] int32, the input-batch row the sample row belongs to
@@ -96,6 +98,15 @@ def _apply_penalties(logits, md: SamplingMetadata, counts, prompt_mask):
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - md.frequency[:, None] * c.astype(jnp.float32)
     return logits - md.presence[:, None] * (c > 0).astype(jnp.float32)
+
+
+def _apply_bitmask(logits, bitmask):
+    """Structured outputs: tokens whose bit is clear in the row's packed bitmask
+    [R, ceil(V / 32)] (bit j of word i: token 32 i + j) get -inf."""
+    R, V = logits.shape
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [R, W, 32]
+    allowed = bits.reshape(R, -1)[:, :V] != 0
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def emitted_rows(tokens, md: SamplingMetadata):
@@ -135,12 +146,14 @@ def sample(
     prompt_mask,
     bias,
     last_tokens,
+    bitmask,
     *,
     num_logprobs,
     logits_processors=(),
 ):
     """logits [R, V], the penalty state (counts, prompt_mask [P, V]), the logit-bias table
-    (bias [P, V]) -> (packed result [R, 4 + 2J] int32, counts with the emitted tokens,
+    (bias [P, V]), the grammar bitmask [R, ceil(V / 32)] (read for `md.masked` rows) ->
+    (packed result [R, 4 + 2J] int32, counts with the emitted tokens,
     last_tokens [batch rows] with each row's last emitted token, for the next step to read
     on the device).
 
@@ -149,6 +162,10 @@ def sample(
     """
     logits = logits.astype(jnp.float32)
     R, V = logits.shape
+    # The grammar mask comes first: logprobs are those of the masked logits, as in vLLM.
+    logits = jax.lax.cond(
+        jnp.any(md.masked), lambda x: _apply_bitmask(x, bitmask), lambda x: x, logits
+    )
     rows = jnp.arange(R)[:, None]
     processed = logits.at[rows, md.suppress].set(-jnp.inf, mode="drop")
     processed = jax.lax.cond(

@@ -27,6 +27,7 @@ def metadata(R, V, **over):
         suppress=np.full((R, 16), V, np.int32),
         want_logprobs=np.zeros(R, bool),
         bias_rows=np.zeros(R, np.int32),
+        masked=np.zeros(R, bool),
         processors=(),
         batch_row=np.arange(R, dtype=np.int32),
         draft=np.full(R, -1, np.int32),
@@ -39,14 +40,22 @@ def metadata(R, V, **over):
     return SamplingMetadata(**arrays, processors=fields["processors"])
 
 
-def run(logits, md, counts=None, prompt_mask=None, num_logprobs=5, bias=None):
+def run(logits, md, counts=None, prompt_mask=None, num_logprobs=5, bias=None, bitmask=None):
     R, V = logits.shape
     counts = np.zeros((R + 1, V), np.int32) if counts is None else counts
     prompt_mask = np.zeros((R + 1, V), bool) if prompt_mask is None else prompt_mask
     bias = np.zeros((R + 1, V), np.float32) if bias is None else bias
     last = np.zeros(R + 1, np.int32)
+    bitmask = np.zeros((R, (V + 31) // 32), np.int32) if bitmask is None else bitmask
     packed, _, _ = sample(
-        jnp.asarray(logits), md, counts, prompt_mask, bias, last, num_logprobs=num_logprobs
+        jnp.asarray(logits),
+        md,
+        counts,
+        prompt_mask,
+        bias,
+        last,
+        bitmask,
+        num_logprobs=num_logprobs,
     )
     tokens, lp, rank, _, top_ids, top_lp = unpack_result(np.asarray(packed), num_logprobs)
     return [tokens, lp, rank, top_ids, top_lp]
@@ -177,3 +186,32 @@ def test_greedy_rows_in_a_sampled_batch_and_logprobs():
         assert rank[r] == (ref[r] > ref[r, tokens[r]]).sum() + 1
         np.testing.assert_array_equal(top_ids[r], np.argsort(-ref[r])[:5])
         np.testing.assert_allclose(top_lp[r], np.sort(ref[r])[::-1][:5], atol=1e-5)
+
+
+def test_grammar_bitmask_masks_only_its_rows():
+    """Bit j of word i allows token 32 i + j; rows not marked `masked` ignore the mask."""
+    rng = np.random.default_rng(7)
+    R, V = 6, 70  # a partial last word
+    logits = rng.normal(0, 2, (R, V)).astype(np.float32)
+    allowed = rng.random((R, V)) < 0.3
+    allowed[:, 0] = True
+    padded = np.zeros((R, 96), bool)
+    padded[:, :V] = allowed
+    bitmask = (padded.reshape(R, 3, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)).sum(
+        axis=-1
+    )
+    bitmask = bitmask.astype(np.uint32).view(np.int32)
+    masked = np.array([1, 1, 1, 0, 1, 0], bool)
+    greedy = metadata(R, V, masked=masked, want_logprobs=True)
+    tokens, lp, _, _, top_lp = run(logits, greedy, bitmask=bitmask, num_logprobs=V)
+    for r in range(R):
+        row = np.where(allowed[r] | ~masked[r], logits[r], -np.inf)
+        assert tokens[r] == np.argmax(row)
+    # Logprobs are those of the masked distribution (vLLM applies the mask to the logits).
+    assert np.isneginf(top_lp[0]).sum() == V - allowed[0].sum()
+    for counter in range(20):
+        md = metadata(
+            R, V, masked=masked, temperature=1.0, seed_lo=np.arange(R) + 11, counter=counter
+        )
+        tokens = run(logits, md, bitmask=bitmask)[0]
+        assert all(allowed[r, tokens[r]] for r in range(R) if masked[r])

@@ -1,0 +1,184 @@
+"""Structured outputs (vLLM's `structured_outputs` / guided decoding), host side.
+
+`StructuredOutputManager` is the engine's part: it picks a request's grammar backend
+(`backends.py`), validates its constraint for the front end, compiles grammars on a worker
+thread with a cache (a request waits for its grammar outside the scheduler, so nothing else
+waits for it), gives each sequence its own matcher, and fills the bitmask rows of the
+sequences that sample in a step: one row per sample row, so a verification row's drafts
+each get the mask of the state after the drafts before them. The runner applies the rows
+on the device inside the sampler (`runner/sampler.py`). Host-side only: no JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from jllm.sampling_params import StructuredOutputsParams
+from jllm.structured_output.backends import (
+    BACKEND_CLASSES,
+    BACKENDS,
+    OTHER_VLLM_BACKENDS,
+    bitmask_width,
+    installed,
+)
+
+logger = logging.getLogger(__name__)
+
+# Compiled grammars kept for reuse, by constraint.
+GRAMMAR_CACHE_SIZE = 256
+
+
+@dataclasses.dataclass
+class StructuredOutputsConfig:
+    """vLLM's `structured_outputs_config` (engine level). `backend`: "auto" (xgrammar when
+    it is installed, falling back per request to guidance for a constraint xgrammar cannot
+    take, unless `disable_fallback`), "xgrammar" or "guidance". The `disable_*` options
+    apply to every request."""
+
+    backend: str = "auto"
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend in OTHER_VLLM_BACKENDS:
+            raise ValueError(
+                f"The {self.backend!r} structured outputs backend is not supported by jllm; "
+                f"use one of {list(BACKENDS)}."
+            )
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"structured outputs backend must be one of {list(BACKENDS)}, got {self.backend!r}."
+            )
+
+    @classmethod
+    def create(cls, config, guided_decoding_backend: str | None = None):
+        """From the engine arguments: a dict or a config, and vLLM's older
+        `guided_decoding_backend` name for the backend."""
+        if isinstance(config, cls):
+            out = config
+        else:
+            names = {f.name for f in dataclasses.fields(cls)}
+            unknown = set(config or {}) - names
+            if unknown:
+                raise ValueError(
+                    f"Unknown structured_outputs_config keys {sorted(unknown)}; jllm takes "
+                    f"{sorted(names)}."
+                )
+            out = cls(**(config or {}))
+        if guided_decoding_backend is not None:
+            out = dataclasses.replace(out, backend=guided_decoding_backend)
+        return out
+
+
+class StructuredOutputManager:
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        stop_ids,
+        config: StructuredOutputsConfig,
+    ) -> None:
+        self.config = config
+        self.width = bitmask_width(vocab_size)
+        self._args = (tokenizer, vocab_size, set(stop_ids))
+        self._backends: dict[str, object] = {}
+        self._lock = threading.Lock()  # the front end's thread and the engine's
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jllm-grammar")
+
+    def _backend(self, name: str):
+        with self._lock:
+            backend = self._backends.get(name)
+            if backend is None:
+                if not installed(name):
+                    package = {"xgrammar": "xgrammar", "guidance": "llguidance"}[name]
+                    raise ValueError(
+                        f"The {name!r} structured outputs backend needs the {package!r} "
+                        f"package: pip install {package}"
+                    )
+                backend = self._backends[name] = BACKEND_CLASSES[name](*self._args)
+            return backend
+
+    def _with_engine_options(self, p: StructuredOutputsParams) -> StructuredOutputsParams:
+        c = self.config
+        return dataclasses.replace(
+            p,
+            disable_fallback=p.disable_fallback or c.disable_fallback,
+            disable_any_whitespace=p.disable_any_whitespace or c.disable_any_whitespace,
+            disable_additional_properties=(
+                p.disable_additional_properties or c.disable_additional_properties
+            ),
+        )
+
+    def validate(self, p: StructuredOutputsParams) -> tuple[str, StructuredOutputsParams]:
+        """The backend a request's constraint goes to, and the constraint with the engine's
+        options; raises ValueError naming the problem."""
+        p = self._with_engine_options(p)
+        name = self.config.backend
+        if name != "auto":
+            self._backend(name).validate(p)
+            return name, p
+        if not installed("xgrammar"):
+            self._backend("guidance").validate(p)
+            return "guidance", p
+        try:
+            self._backend("xgrammar").validate(p)
+            return "xgrammar", p
+        except ValueError as first:
+            if p.disable_fallback or not installed("guidance"):
+                raise
+            try:
+                self._backend("guidance").validate(p)
+            except ValueError:
+                raise first from None
+            return "guidance", p
+
+    def compile(self, backend: str, p: StructuredOutputsParams) -> Future:
+        """The compiled grammar, on the worker thread (cached by constraint)."""
+        key = (backend, p.kind, str(p.spec), p.disable_any_whitespace)
+        key += (p.disable_additional_properties, p.whitespace_pattern)
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                return future
+            future = self._executor.submit(self._backends_compile, backend, p)
+            self._cache[key] = future
+            if len(self._cache) > GRAMMAR_CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return future
+
+    def _backends_compile(self, backend: str, p: StructuredOutputsParams):
+        return self._backend(backend).compile(p)
+
+    def matcher(self, backend: str, compiled):
+        return self._backend(backend).matcher(compiled)
+
+    def bitmask(self, matcher, drafts: list[int]) -> np.ndarray:
+        """[1 + len(drafts), W] int32: the mask now, then after each draft the grammar
+        accepts (rows after a draft it refuses stay all-ones: they are never emitted, since
+        that draft's row cannot sample it). The matcher is left as it was."""
+        rows = np.full((1 + len(drafts), self.width), -1, np.int32)
+        if matcher.is_terminated():
+            return rows
+        matcher.fill(rows, 0)
+        accepted = 0
+        for j, token in enumerate(drafts):
+            if not matcher.accept(token):
+                break
+            accepted += 1
+            if matcher.is_terminated():
+                break
+            matcher.fill(rows, j + 1)
+        matcher.rollback(accepted)
+        return rows
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
