@@ -1,7 +1,8 @@
 """On-device sampling, in vLLM's order and with vLLM's semantics.
 
-grammar bitmask (structured outputs) -> raw logprobs (returned when asked) -> masks and bias: min_tokens suppression and bad words
-of several tokens (per-step ids), allowed_token_ids, bad words of one token and logit_bias
+grammar bitmask (structured outputs) -> raw logprobs (returned when asked) -> masks and
+bias: min_tokens suppression and bad words of several tokens (per-step ids),
+allowed_token_ids, bad words of one token and logit_bias
 (the request's fixed bias row, `runner/logit_bias.py`) -> custom logits processors
 (`jllm/logits_process.py`) -> repetition / frequency / presence penalties -> greedy argmax,
 or temperature -> argmax-invariant custom processors -> min_p -> top_k -> top_p -> draw.

@@ -64,11 +64,37 @@ def json_schema_text(p: StructuredOutputsParams) -> str:
             ) from e
     if not isinstance(schema, dict | bool):
         raise ValueError(
-            f"Invalid json for structured outputs: a schema is an object, not {type(schema).__name__}."
+            "Invalid json for structured outputs: a schema is an object, not "
+            f"{type(schema).__name__}."
         )
     if p.disable_additional_properties:
         schema = _no_additional_properties(schema)
     return json.dumps(schema)
+
+
+def _structural_tag_args(xgr, text: str) -> tuple:
+    """xgrammar's arguments for a structural tag: its JSON (`{"type": "structural_tag",
+    "format": ...}`), or, for vLLM's older form `{"structures": [{"begin", "schema", "end"}],
+    "triggers": [...]}`, the tag items and triggers, as vLLM passes them."""
+    try:
+        tag = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"Invalid structural_tag for structured outputs: not JSON ({e}).") from e
+    if isinstance(tag, dict) and "structures" in tag:
+        try:
+            items = [
+                xgr.StructuralTagItem(
+                    begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"]
+                )
+                for s in tag["structures"]
+            ]
+            return items, list(tag["triggers"])
+        except (KeyError, TypeError) as e:
+            raise ValueError(
+                "Invalid structural_tag for structured outputs: structures need begin, "
+                f"schema and end, and triggers a list ({e!r})."
+            ) from e
+    return (text,)
 
 
 class XgrammarMatcher:
@@ -127,9 +153,13 @@ class XgrammarBackend:
             elif kind == "grammar":
                 xgr.Grammar.from_ebnf(text)
             elif kind == "structural_tag":
-                xgr.Grammar.from_structural_tag(text)
+                xgr.Grammar.from_structural_tag(*_structural_tag_args(xgr, text))
         except Exception as e:  # the library raises RuntimeError / its own types
-            raise ValueError(f"Invalid {p.kind} for structured outputs: {_message(e)}") from e
+            prefix = f"Invalid {p.kind} for structured outputs"
+            message = _message(e)
+            if message.startswith(prefix):  # ours, from reading the constraint
+                raise
+            raise ValueError(f"{prefix}: {message}") from e
 
     def compile(self, p: StructuredOutputsParams):
         kind, text = self._grammar_source(p)
@@ -140,7 +170,7 @@ class XgrammarBackend:
             return c.compile_regex(text)
         if kind == "grammar":
             return c.compile_grammar(text)
-        return c.compile_structural_tag(text)
+        return c.compile_structural_tag(*_structural_tag_args(self._xgr, text))
 
     def matcher(self, compiled) -> XgrammarMatcher:
         return XgrammarMatcher(self._xgr.GrammarMatcher(compiled))

@@ -84,6 +84,8 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM, metrics: PrometheusSta
         engine,
         chat_template=load_chat_template(args.chat_template),
         response_role=args.response_role,
+        enable_auto_tools=args.enable_auto_tool_choice,
+        tool_parser=args.tool_call_parser,
         **common,
     )
     tokenizer = engine.get_tokenizer()
@@ -230,6 +232,12 @@ def _terminate(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def check_tool_args(args: argparse.Namespace) -> None:
+    """vLLM's start-up check of the tool flags (before the engine loads)."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+
+
 def run_server(args: argparse.Namespace) -> None:
     setup_logging()
     logger.info("jllm API server version %s", jllm.__version__)
@@ -237,6 +245,7 @@ def run_server(args: argparse.Namespace) -> None:
     # A bad --chat-template fails before the engine loads (build_engine checks the engine
     # flags first thing).
     load_chat_template(args.chat_template)
+    check_tool_args(args)
     engine, metrics = build_engine(args)
     app = build_app(args, engine, metrics)
     host = args.host or "0.0.0.0"

@@ -7,6 +7,7 @@ import argparse
 import json
 
 from jllm.engine.arg_utils import add_engine_args
+from jllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 
 def _json_list(value: str) -> list[str]:
@@ -46,6 +47,19 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
         "--response-role",
         default="assistant",
         help="Role of generated messages when add_generation_prompt is true.",
+    )
+    server.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='Let the model call tools on its own (tool_choice "auto", the default when a '
+        "request has tools); needs --tool-call-parser.",
+    )
+    server.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="How tool calls are read from the model's text: 'hermes' (Qwen2.5/Qwen3, Hermes) "
+        "or 'llama3_json' (Llama 3.1+).",
     )
     server.add_argument("--allowed-origins", type=_json_list, default=["*"], help="CORS origins.")
     server.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods.")

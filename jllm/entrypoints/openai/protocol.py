@@ -2,27 +2,32 @@
 and their translation to `SamplingParams`.
 
 Unknown fields are accepted and logged, as vLLM does. Fields that OpenAI or vLLM define but
-jllm cannot honour yet (`tools`, `response_format`, guided decoding, ...) are
-rejected with a 400 that names the field when they are set, never silently ignored.
+jllm cannot honour yet (`lora_request`, `best_of`) are rejected with a 400 that names the
+field when they are set, never silently ignored.
+
+Structured outputs come from `response_format` (OpenAI's `json_object` and `json_schema`,
+and vLLM's `structural_tag`), vLLM's `structured_outputs` object, or vLLM's older
+`guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` fields; giving two
+constraints is a 400.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jllm.sampling_params import RequestOutputKind, SamplingParams
+from jllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 # Defined by OpenAI or vLLM, not honoured by jllm yet: a 400 naming the field when set.
-UNSUPPORTED_FIELDS = (
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
-    "lora_request",
-)
+UNSUPPORTED_FIELDS = ("lora_request",)
+GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 
 
 class FieldError(ValueError):
@@ -82,14 +87,17 @@ class SamplingFields(OpenAIBaseModel):
     priority: int = 0
     # vLLM's: the prompt's logprobs in the response (not with stream, as vLLM).
     prompt_logprobs: int | None = None
-    # Defined by OpenAI or vLLM, not supported by jllm yet (a 400 when set).
-    best_of: int | None = None
+    # Structured outputs (see the module's docstring).
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    structured_outputs: dict[str, Any] | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
+    # Defined by OpenAI or vLLM, not supported by jllm yet (a 400 when set).
+    best_of: int | None = None
     lora_request: Any = None
 
     def unsupported_field(self) -> str | None:
@@ -99,9 +107,61 @@ class SamplingFields(OpenAIBaseModel):
                 return name
         if self.best_of is not None and self.best_of != self.n:
             return "best_of"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format"
         return None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The request's grammar constraint, if any (FieldError naming the field)."""
+        given = {}
+        if self.structured_outputs is not None:
+            given["structured_outputs"] = dict(self.structured_outputs)
+        for name, kind in GUIDED_FIELDS.items():
+            if getattr(self, name) is not None:
+                given[name] = {kind: getattr(self, name)}
+        fmt = self.response_format
+        if fmt is not None:
+            if not isinstance(fmt, dict) or fmt.get("type") not in (
+                "text",
+                "json_object",
+                "json_schema",
+                "structural_tag",
+            ):
+                raise FieldError(
+                    "response_format",
+                    "type must be one of 'text', 'json_object', 'json_schema' or "
+                    f"'structural_tag', got {fmt!r}.",
+                )
+            kind = fmt["type"]
+            if kind == "json_object":
+                given["response_format"] = {"json_object": True}
+            elif kind == "json_schema":
+                spec = fmt.get("json_schema")
+                if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                    raise FieldError(
+                        "response_format",
+                        'json_schema needs {"name": ..., "schema": {...}} with the schema '
+                        "as an object.",
+                    )
+                given["response_format"] = {"json": spec["schema"]}
+            elif kind == "structural_tag":
+                given["response_format"] = {"structural_tag": json.dumps(fmt)}
+        if len(given) > 1:
+            names = sorted(given)
+            raise FieldError(
+                names[0], f"Give one structured outputs constraint, not several: {names}."
+            )
+        if not given:
+            if self.guided_whitespace_pattern is not None:
+                raise FieldError(
+                    "guided_whitespace_pattern", "applies only with a JSON constraint."
+                )
+            return None
+        ((param, fields),) = given.items()
+        if self.guided_whitespace_pattern is not None:
+            fields["whitespace_pattern"] = self.guided_whitespace_pattern
+        try:
+            return StructuredOutputsParams(**fields)
+        except (TypeError, ValueError) as e:
+            raise FieldError(param, str(e)) from None
 
     def checked_logit_bias(self) -> dict[int, float] | None:
         """OpenAI's rules: keys are token ids, values within [-100, 100]."""
@@ -164,6 +224,7 @@ class SamplingFields(OpenAIBaseModel):
             prompt_logprobs=self.prompt_logprobs,
             extra_args=self.vllm_xargs,
             bad_words=self.bad_words,
+            structured_outputs=self.structured_outputs_params(),
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
 
@@ -201,6 +262,7 @@ class TokenizeRequest(OpenAIBaseModel):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # passed to the chat template, as in chat
     return_token_strs: bool = False
 
 

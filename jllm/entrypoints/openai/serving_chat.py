@@ -1,9 +1,17 @@
 """`POST /v1/chat/completions`: messages through the chat template (the model's, the
 server's `--chat-template`, or the request's), `n` choices, streamed (the role first, then
-content deltas, then `[DONE]`) or not, with OpenAI's chat logprobs."""
+content deltas, then `[DONE]`) or not, with OpenAI's chat logprobs.
+
+Tools (`jllm/entrypoints/openai/tool_parsers.py`): the request's tools go to the chat
+template; `tool_choice="required"` and a named function are enforced by a JSON-schema
+grammar, so their arguments always parse; `"auto"` (the default with tools) needs the
+server's `--enable-auto-tool-choice --tool-call-parser NAME` and reads the calls from the
+text with that parser. Streamed, a named function's arguments arrive as they are generated;
+the other calls arrive whole, once the output has ended."""
 
 from __future__ import annotations
 
+import json
 import uuid
 
 from jllm.entrypoints.openai.protocol import ChatCompletionRequest
@@ -18,7 +26,17 @@ from jllm.entrypoints.openai.serving_engine import (
     usage,
     usage_options,
 )
+from jllm.entrypoints.openai.tool_parsers import (
+    TOOL_PARSERS,
+    ToolCall,
+    check_tools,
+    make_tool_call_id,
+    named_schema,
+    parse_required,
+    required_schema,
+)
 from jllm.outputs import CompletionOutput
+from jllm.sampling_params import StructuredOutputsParams
 
 
 def message_text(content) -> str:
@@ -37,13 +55,138 @@ def message_text(content) -> str:
     return "\n".join(texts)
 
 
+def _template_message(m: dict) -> dict:
+    """A message as chat templates expect it: text content, and tool-call arguments as
+    objects (OpenAI sends them as JSON strings), as vLLM passes them."""
+    out = {**m, "content": message_text(m.get("content"))}
+    calls = m.get("tool_calls")
+    if isinstance(calls, list):
+        out["tool_calls"] = []
+        for call in calls:
+            fn = dict(call.get("function") or {}) if isinstance(call, dict) else {}
+            if isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"])
+                except ValueError:
+                    raise OpenAIError(
+                        "A tool call's arguments are not JSON.", 400, "messages"
+                    ) from None
+            out["tool_calls"].append({**call, "function": fn})
+    return out
+
+
+class ToolMode:
+    """How one request's output becomes a message: plain content, or tool calls by
+    `choice` ("auto" with a parser, "required", or a function's name)."""
+
+    def __init__(self, choice: str, tools, parser, parallel: bool = True) -> None:
+        self.choice, self.tools, self.parser = choice, tools, parser
+        self.parallel = parallel  # parallel_tool_calls: false keeps one call
+
+    @property
+    def plain(self) -> bool:
+        return self.choice == "none" or not self.tools
+
+    def schema(self) -> dict | None:
+        if self.plain or self.choice == "auto":
+            return None
+        if self.choice == "required":
+            return required_schema(self.tools, single=not self.parallel)
+        return named_schema(self.tools, self.choice)
+
+    def message(self, text: str, finish_reason):
+        """(content, tool calls, finish reason) of a finished output."""
+        if self.plain or finish_reason == "length":
+            return text, [], finish_reason
+        if self.choice == "auto":
+            content, calls = self.parser.parse(text)
+            calls = calls if self.parallel else calls[:1]
+            return content, calls, "tool_calls" if calls else finish_reason
+        if self.choice == "required":
+            return "", parse_required(text), "tool_calls"
+        return "", [ToolCall(self.choice, text)], finish_reason
+
+
+class ChoiceStream:
+    """One choice's stream: the delta of each output update and of its end."""
+
+    def __init__(self, mode: ToolMode) -> None:
+        self.mode = mode
+        self.text = ""
+        self.sent = 0  # content characters sent (auto mode)
+        self.call_id = None  # a named function's call, once started
+
+    def update(self, text: str) -> dict | None:
+        mode = self.mode
+        if mode.plain:
+            return {"content": text}
+        self.text += text
+        if mode.choice == "auto":
+            start = mode.parser.stream_start(self.text)
+            end = len(self.text) if start is None else start
+            if end <= self.sent:
+                return None
+            delta, self.sent = {"content": self.text[self.sent : end]}, end
+            return delta
+        if mode.choice == "required" or not text:
+            return None
+        call = {"index": 0, "function": {"arguments": text}}
+        if self.call_id is None:
+            self.call_id = make_tool_call_id()
+            call.update(id=self.call_id, type="function")
+            call["function"] = {"name": mode.choice, "arguments": text}
+        return {"tool_calls": [call]}
+
+    def finish(self, finish_reason) -> tuple[dict | None, str | None]:
+        mode = self.mode
+        if mode.plain:
+            return None, finish_reason
+        if mode.choice not in ("auto", "required"):
+            if self.call_id is None:  # nothing generated: an empty call
+                return self.update("") or None, finish_reason
+            return None, finish_reason
+        content, calls, reason = mode.message(self.text, finish_reason)
+        delta = {}
+        if mode.choice == "auto" and content and len(content) > self.sent:
+            delta["content"] = content[self.sent :]
+        elif not calls and len(self.text) > self.sent:
+            delta["content"] = self.text[self.sent :]
+        if calls:
+            delta["tool_calls"] = [{"index": j, **c.json()} for j, c in enumerate(calls)]
+        return delta or None, reason
+
+
+def merge_deltas(first: dict | None, second: dict | None) -> dict | None:
+    """Two deltas of one chunk as one: their content joined."""
+    if not first or not second:
+        return first or second
+    out = {**first, **second}
+    if "content" in first and "content" in second:
+        out["content"] = first["content"] + second["content"]
+    return out
+
+
 class OpenAIServingChat(OpenAIServing):
     def __init__(
-        self, *args, chat_template: str | None = None, response_role: str = "assistant", **kwargs
+        self,
+        *args,
+        chat_template: str | None = None,
+        response_role: str = "assistant",
+        enable_auto_tools: bool = False,
+        tool_parser: str | None = None,
+        **kwargs,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.chat_template = chat_template
         self.response_role = response_role
+        self.tool_parser = None
+        if enable_auto_tools:
+            if tool_parser not in TOOL_PARSERS:
+                raise ValueError(
+                    f"--enable-auto-tool-choice needs --tool-call-parser, one of "
+                    f"{sorted(TOOL_PARSERS)}; got {tool_parser!r}."
+                )
+            self.tool_parser = TOOL_PARSERS[tool_parser]()
 
     def render(self, request) -> tuple[str, list[int]]:
         """Apply the chat template; returns the prompt text and its token ids."""
@@ -53,10 +196,12 @@ class OpenAIServingChat(OpenAIServing):
         for m in request.messages:
             if not isinstance(m, dict) or "role" not in m:
                 raise OpenAIError("Each message needs a 'role'.", 400, "messages")
-            messages.append({**m, "content": message_text(m.get("content"))})
+            messages.append(_template_message(m))
+        tools = request.tools if request.tools else None
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
+                tools=tools,
                 tokenize=False,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
@@ -69,8 +214,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, request: ChatCompletionRequest):
         self.check_request(request)
-        if request.tools and request.tool_choice != "none":
-            raise OpenAIError("tools are not supported by jllm yet.", 400, "tools")
+        mode = self.tool_mode(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError(
                 "top_logprobs can only be used when logprobs is true.", 400, "top_logprobs"
@@ -87,6 +231,18 @@ class OpenAIServingChat(OpenAIServing):
             )
         except ValueError as e:
             raise OpenAIError(str(e), 400, getattr(e, "param", None)) from e
+        schema = mode.schema()
+        if schema is not None:
+            if params.structured_outputs is not None:
+                raise OpenAIError(
+                    f"tool_choice {request.tool_choice!r} cannot be combined with another "
+                    "structured outputs constraint.",
+                    400,
+                    "tool_choice",
+                )
+            params.structured_outputs = StructuredOutputsParams(json=schema)
+        if mode.choice == "auto" and not mode.plain and not self.tool_parser.skip_special_tokens:
+            params.skip_special_tokens = False
         prompt = {"prompt_token_ids": ids, "prompt": text}
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
@@ -99,8 +255,20 @@ class OpenAIServingChat(OpenAIServing):
         if request.use_beam_search:
             return await self._beam_search(request, request_id, prepared[0], params, role)
         if request.stream:
-            return SSEResponse(self._stream(request, request_id, prepared, role))
-        return await self._full(request, request_id, prepared, role)
+            return SSEResponse(self._stream(request, request_id, prepared, role, mode))
+        return await self._full(request, request_id, prepared, role, mode)
+
+    def tool_mode(self, request) -> ToolMode:
+        choice = check_tools(request.tools, request.tool_choice)
+        if choice == "auto" and self.tool_parser is None:
+            raise OpenAIError(
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                "to be set",
+                400,
+                "tool_choice",
+            )
+        parallel = request.parallel_tool_calls is not False
+        return ToolMode(choice, request.tools, self.tool_parser, parallel)
 
     async def _beam_search(self, request, request_id, item, params, role) -> dict:
         """`use_beam_search`: the best `n` beams as choices, as vLLM's server returns them."""
@@ -144,21 +312,25 @@ class OpenAIServingChat(OpenAIServing):
             content.append({**item(sampled), "top_logprobs": [item(lp) for lp in top]})
         return {"content": content}
 
-    async def _full(self, request, request_id, prepared, role) -> dict:
+    async def _full(self, request, request_id, prepared, role, mode: ToolMode) -> dict:
         final = None
         async for _, out in self.run_all(request_id, prepared, request.priority):
             final = out
         prefix = self._echo(request, role)
         choices = []
         for c in final.outputs:
+            content, calls, reason = mode.message(c.text, c.finish_reason)
+            if content is not None:
+                content = prefix + content
+            message = {"role": role, "content": content, "tool_calls": [t.json() for t in calls]}
             choices.append(
                 {
                     "index": c.index,
-                    "message": {"role": role, "content": prefix + c.text, "tool_calls": []},
+                    "message": message,
                     "logprobs": (
                         self._logprobs(c, request.top_logprobs or 0) if request.logprobs else None
                     ),
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": reason,
                     "stop_reason": c.stop_reason,
                 }
             )
@@ -177,7 +349,7 @@ class OpenAIServingChat(OpenAIServing):
             "usage": usage(len(prompt_token_ids), num_generated),
         }
 
-    async def _stream(self, request, request_id, prepared, role):
+    async def _stream(self, request, request_id, prepared, role, mode: ToolMode):
         created = self.created()
         include_usage, continuous = usage_options(request)
         num_prompt = len(prepared[0][0].prompt_token_ids)
@@ -203,6 +375,7 @@ class OpenAIServingChat(OpenAIServing):
             return sse(body)
 
         prefix = self._echo(request, role)
+        streams = [ChoiceStream(mode) for _ in range(request.n)]
         for i in range(request.n):
             delta = {"role": role, "content": prefix}
             yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
@@ -211,16 +384,24 @@ class OpenAIServingChat(OpenAIServing):
                 generated[c.index] += len(c.token_ids)
                 if not (c.text or c.token_ids or c.finish_reason):
                     continue
+                stream = streams[c.index]
+                delta = stream.update(c.text)
+                reason = c.finish_reason
+                if reason is not None:
+                    last, reason = stream.finish(reason)
+                    delta = merge_deltas(delta, last)
                 logprobs = None
                 if request.logprobs:
                     logprobs = self._logprobs(c, request.top_logprobs or 0)
+                if delta is None and reason is None and logprobs is None:
+                    continue
                 choice = {
                     "index": c.index,
-                    "delta": {"content": c.text},
+                    "delta": delta or {},
                     "logprobs": logprobs,
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": reason,
                 }
-                if c.finish_reason is not None:
+                if reason is not None:
                     choice["stop_reason"] = c.stop_reason
                 yield chunk([choice])
         if include_usage:

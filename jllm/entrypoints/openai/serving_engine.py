@@ -159,6 +159,17 @@ class OpenAIServing:
         field = request.unsupported_field()
         if field is not None:
             raise OpenAIError(f"{field} is not supported by jllm yet.", 400, field)
+        backend = request.guided_decoding_backend
+        if backend is not None:
+            config = self.engine.engine.args.structured_outputs_config
+            if backend != config.backend:
+                raise OpenAIError(
+                    "Request-level structured output backend selection is not supported; "
+                    f"this server's backend is {config.backend!r} "
+                    "(--structured-outputs-config).",
+                    400,
+                    "guided_decoding_backend",
+                )
         if request.stream and request.prompt_logprobs is not None:
             raise OpenAIError(
                 "prompt_logprobs are not available when stream is enabled.", 400, "prompt_logprobs"

@@ -396,7 +396,7 @@ def post(server, path, body, **kw):
         ({"prompt": "x", "allowed_token_ids": []}, None),
         ({"prompt": "x", "logprobs": -2}, None),
         ({"prompt": "x", "logprobs": 50}, None),
-        ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+        ({"prompt": "x", "response_format": {"type": "json_schema"}}, "response_format"),
         ({"prompt": []}, "prompt"),
         ({}, "prompt"),
         ({"prompt": "x", "cache_salt": ""}, None),
