@@ -126,3 +126,54 @@ def test_seeded_chat_same_text_alone_cached_and_batched(smollm):
     batched = smollm.chat([others[0], conv, others[1]], params, use_tqdm=False)[1]
     texts = {o.outputs[0].text for o in runs} | {batched.outputs[0].text}
     assert len(texts) == 1, texts
+
+
+@pytest.mark.slow
+def test_smollm2_structured_outputs_validate(smollm):
+    """The real model at temperature 1.0 under a JSON schema, a regex and a choice: every
+    output of every seed validates (jsonschema, re.fullmatch, membership)."""
+    import json
+    import re
+
+    import jsonschema
+
+    from jllm import StructuredOutputsParams
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "country": {"type": "string", "maxLength": 20},
+            "capital": {"type": "string", "maxLength": 20},
+            "population_millions": {"type": "integer", "minimum": 0, "maximum": 2000},
+        },
+        "required": ["country", "capital", "population_millions"],
+        "additionalProperties": False,
+    }
+    cases = [
+        # Compact JSON: at temperature 1.0 free whitespace between tokens can run to
+        # max_tokens.
+        (
+            "Describe France as JSON.",
+            StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+        ),
+        ("What is 12 times 12?", StructuredOutputsParams(regex=r"[0-9]{1,4}")),
+        ("Is the sky green?", StructuredOutputsParams(choice=["Yes", "No"])),
+    ]
+    convs, params = [], []
+    for question, so in cases:
+        for seed in range(6):
+            convs.append([{"role": "user", "content": question}])
+            params.append(
+                SamplingParams(temperature=1.0, seed=seed, max_tokens=100, structured_outputs=so)
+            )
+    outs = smollm.chat(convs, params, use_tqdm=False)
+    for i, out in enumerate(outs):
+        o = out.outputs[0]
+        assert o.finish_reason == "stop", o.text
+        if i < 6:
+            # strict=False: xgrammar lets bounded strings hold raw control characters.
+            jsonschema.validate(json.loads(o.text, strict=False), schema)
+        elif i < 12:
+            assert re.fullmatch(r"[0-9]{1,4}", o.text)
+        else:
+            assert o.text in ("Yes", "No")
