@@ -50,9 +50,22 @@ class StructuredOutputsParams:
                 f"specified (one of {list(self.KINDS)})."
             )
         if self.choice is not None and (
-            not self.choice or not all(isinstance(c, str) for c in self.choice)
+            not isinstance(self.choice, list)
+            or not self.choice
+            or not all(isinstance(c, str) for c in self.choice)
         ):
             raise ValueError("choice must be a non-empty list of strings.")
+        for name in ("regex", "grammar", "structural_tag", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} must be a string, got {type(value).__name__}.")
+        if self.grammar == "":
+            raise ValueError("grammar cannot be an empty string.")
+        if self.json is not None and not isinstance(self.json, str | dict):
+            raise ValueError(
+                "json must be a JSON schema (an object or its text), got "
+                f"{type(self.json).__name__}."
+            )
         if self.json_object is False:
             raise ValueError("json_object must be true when given.")
 

@@ -112,6 +112,13 @@ class EngineCore:
         and share its `cache_salt` and `priority`."""
         if request_id in self.parents:
             raise ValueError(f"Request id {request_id!r} is already running.")
+        so = params.structured_outputs
+        if so is not None:
+            if self.structured is None:
+                raise ValueError("This engine cannot run structured outputs (no tokenizer).")
+            if so._backend is None:  # not validated by the front end
+                backend, params.structured_outputs = self.structured.validate(so)
+                params.structured_outputs._backend = backend
         now = time.time()
         parent = ParentRequest(request_id, prompt, prompt_token_ids, params, [], now)
         for i in range(params.n):
@@ -135,12 +142,6 @@ class EngineCore:
         self.parents[request_id] = parent
         so = params.structured_outputs
         if so is not None:
-            if self.structured is None:
-                raise ValueError("This engine cannot run structured outputs (no tokenizer).")
-            if so._backend is None:  # not validated by the front end
-                backend, params.structured_outputs = self.structured.validate(so)
-                so = params.structured_outputs
-                so._backend = backend
             self._compiling.append((parent, self.structured.compile(so._backend, so)))
             return
         for child in parent.children:
@@ -178,7 +179,7 @@ class EngineCore:
             wait([f for _, f in self._compiling], GRAMMAR_WAIT_S, FIRST_COMPLETED)
         outputs, still = [], []
         for parent, future in self._compiling:
-            if parent.request_id not in self.parents:  # aborted meanwhile
+            if self.parents.get(parent.request_id) is not parent:  # aborted meanwhile
                 continue
             if not future.done():
                 still.append((parent, future))

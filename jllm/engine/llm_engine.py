@@ -153,7 +153,10 @@ class LLMEngine:
         return self.rank != 0
 
     def shutdown(self) -> None:
-        """Process 0 of a multi-process engine: stop the other processes (also at exit)."""
+        """Stop the grammar worker; process 0 of a multi-process engine: stop the other
+        processes (also at exit)."""
+        if self.structured is not None:
+            self.structured.shutdown()
         if self.channel is not None and not self.is_follower:
             self.channel.close()
 

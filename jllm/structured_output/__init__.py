@@ -94,17 +94,20 @@ class StructuredOutputManager:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jllm-grammar")
 
     def _backend(self, name: str):
-        with self._lock:
-            backend = self._backends.get(name)
-            if backend is None:
-                if not installed(name):
-                    package = {"xgrammar": "xgrammar", "guidance": "llguidance"}[name]
-                    raise ValueError(
-                        f"The {name!r} structured outputs backend needs the {package!r} "
-                        f"package: pip install {package}"
-                    )
-                backend = self._backends[name] = BACKEND_CLASSES[name](*self._args)
+        backend = self._backends.get(name)
+        if backend is not None:
             return backend
+        if not installed(name):
+            package = {"xgrammar": "xgrammar", "guidance": "llguidance"}[name]
+            raise ValueError(
+                f"The {name!r} structured outputs backend needs the {package!r} "
+                f"package: pip install {package}"
+            )
+        # Built outside the lock (reading the vocabulary takes about a second), so the
+        # engine thread never waits for the front end's first use of a backend.
+        backend = BACKEND_CLASSES[name](*self._args)
+        with self._lock:
+            return self._backends.setdefault(name, backend)
 
     def _with_engine_options(self, p: StructuredOutputsParams) -> StructuredOutputsParams:
         c = self.config

@@ -177,28 +177,41 @@ class XgrammarBackend:
 
 
 class GuidanceMatcher:
-    """Terminated, as an xgrammar matcher, once it accepted a stop token (llguidance's own
-    `is_stopped` is true as soon as only a stop token may follow)."""
+    """llguidance's matcher behind the xgrammar-like interface: terminated once it accepted a
+    stop token (llguidance's own `is_stopped` is true as soon as only a stop token may
+    follow). A token is checked before it is consumed (a refused token would leave
+    llguidance in an error state that rollback does not clear), and a stop token accepted
+    after the grammar has stopped, which llguidance does not record, is rolled back here."""
 
     def __init__(self, matcher, fill, stop_ids) -> None:
         self._m, self._fill, self._stop_ids = matcher, fill, stop_ids
-        self._terminated = False
+        self._accepted: list[tuple[bool, bool]] = []  # per token: (a stop token, recorded)
 
     def accept(self, token: int) -> bool:
-        ok = self._m.consume_token(token)
-        self._terminated = ok and token in self._stop_ids
-        return ok
+        stop = token in self._stop_ids
+        if self._m.is_stopped():
+            if stop:
+                self._accepted.append((True, False))
+            return stop
+        if self._m.validate_tokens([token]) < 1 or not self._m.consume_token(token):
+            return False
+        self._accepted.append((stop, True))
+        return True
 
     def fill(self, bitmask: np.ndarray, index: int) -> None:
         self._fill(self._m, bitmask, index)
 
     def rollback(self, n: int) -> None:
-        if n:
-            self._m.rollback(n)
-            self._terminated = False
+        if not n:
+            return
+        undone = self._accepted[-n:]
+        del self._accepted[-n:]
+        recorded = sum(1 for _, rec in undone if rec)
+        if recorded:
+            self._m.rollback(recorded)
 
     def is_terminated(self) -> bool:
-        return self._terminated
+        return bool(self._accepted) and self._accepted[-1][0]
 
 
 class GuidanceBackend:
@@ -233,22 +246,28 @@ class GuidanceBackend:
         raise ValueError("structural_tag is supported by the xgrammar backend only.")
 
     def validate(self, p: StructuredOutputsParams) -> None:
+        prefix = f"Invalid {p.kind} for structured outputs"
         try:
             grammar = self._grammar(p)
-        except ValueError as e:
-            raise ValueError(f"Invalid {p.kind} for structured outputs: {_message(e)}") from e
-        error = self._ll.LLMatcher.validate_grammar(grammar, self._tokenizer)
+            error = self._ll.LLMatcher.validate_grammar(grammar, self._tokenizer)
+        except Exception as e:  # the library raises ValueError, TypeError, ...
+            message = _message(e)
+            if message.startswith(prefix):
+                raise
+            raise ValueError(f"{prefix}: {message}") from e
         if error:
-            raise ValueError(f"Invalid {p.kind} for structured outputs: {error}")
+            raise ValueError(f"{prefix}: {error}")
 
-    def compile(self, p: StructuredOutputsParams) -> str:
-        return self._grammar(p)
-
-    def matcher(self, grammar: str) -> GuidanceMatcher:
-        m = self._ll.LLMatcher(self._tokenizer, grammar)
+    def compile(self, p: StructuredOutputsParams):
+        """A matcher in the grammar's start state (llguidance compiles when it is built);
+        each sequence gets a copy."""
+        m = self._ll.LLMatcher(self._tokenizer, self._grammar(p))
         if m.is_error():
             raise ValueError(f"Invalid grammar: {m.get_error()}")
-        return GuidanceMatcher(m, self._fill, self._stop_ids)
+        return m
+
+    def matcher(self, compiled) -> GuidanceMatcher:
+        return GuidanceMatcher(compiled.deep_copy(), self._fill, self._stop_ids)
 
 
 BACKEND_CLASSES = {"xgrammar": XgrammarBackend, "guidance": GuidanceBackend}

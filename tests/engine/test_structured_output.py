@@ -140,6 +140,8 @@ def test_bad_constraints_are_refused_and_the_engine_runs_on(llama_llm):
     for so, kind in bad:
         with pytest.raises(ValueError, match=f"Invalid {kind} for structured outputs"):
             llama_llm.generate("Hi", params(so, 0), use_tqdm=False)
+    with pytest.raises(ValueError, match="regex must be a string"):
+        StructuredOutputsParams(regex=5)
     with pytest.raises(ValueError, match="only use one kind"):
         StructuredOutputsParams(regex="a", choice=["a"])
     with pytest.raises(ValueError, match="must use one kind"):
@@ -155,10 +157,13 @@ def test_engine_options(llama_dir):
         LLM(llama_dir, **SMALL, structured_outputs_config={"bakend": "xgrammar"})
 
 
-def test_drafts_under_a_grammar_change_nothing(llama_llm, llama_dir):
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_drafts_under_a_grammar_change_nothing(backend, llama_llm, guidance_llm, llama_dir):
     """Verification rows get one bitmask row per draft, each from the matcher advanced over
-    the drafts before it: drafts that are the true continuation are all accepted, wrong
-    ones never are, and the output is the same as without drafts."""
+    the drafts before it and rolled back: drafts that are the true continuation are all
+    accepted, wrong ones (which the grammar mostly refuses) never are, and the output is the
+    same as without drafts."""
+    plain_llm = llama_llm if backend == "xgrammar" else guidance_llm
     K = 3
 
     class Oracle:
@@ -178,9 +183,15 @@ def test_drafts_under_a_grammar_change_nothing(llama_llm, llama_dir):
     all_params = [params(so[k], s) for s, k in enumerate(["json", "regex", "grammar"] * 2)]
     all_params[1] = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=so["json"])
     inputs = [{"prompt_token_ids": p} for p in prompts]
-    plain = [o.outputs[0] for o in llama_llm.generate(inputs, all_params, use_tqdm=False)]
+    plain = [o.outputs[0] for o in plain_llm.generate(inputs, all_params, use_tqdm=False)]
     expected = {tuple(p): list(o.token_ids) for p, o in zip(prompts, plain, strict=True)}
-    spec = LLM(llama_dir, **SMALL, num_lookahead_slots=K, async_scheduling=False)
+    spec = LLM(
+        llama_dir,
+        **SMALL,
+        num_lookahead_slots=K,
+        async_scheduling=False,
+        structured_outputs_config={"backend": backend},
+    )
     for wrong in (False, True):
         proposer = Oracle(expected, wrong=wrong)
         spec.llm_engine.core.proposer = proposer
@@ -188,6 +199,8 @@ def test_drafts_under_a_grammar_change_nothing(llama_llm, llama_dir):
         assert proposer.proposed > 0
         for p, o in zip(plain, outs, strict=True):
             assert o.outputs[0].token_ids == p.token_ids
+    for p, kind in zip(plain, ["json", "json", "grammar", "json", "regex", "grammar"], strict=True):
+        check(kind, p.text)
 
 
 def test_async_scheduling_gives_the_same_outputs(llama_dir, llama_llm):

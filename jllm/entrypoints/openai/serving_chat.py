@@ -19,6 +19,7 @@ from jllm.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
     SSEResponse,
+    check_beam_search,
     clamp,
     off_loop,
     prompt_logprobs_json,
@@ -63,7 +64,9 @@ def _template_message(m: dict) -> dict:
     if isinstance(calls, list):
         out["tool_calls"] = []
         for call in calls:
-            fn = dict(call.get("function") or {}) if isinstance(call, dict) else {}
+            if not isinstance(call, dict):
+                raise OpenAIError("Each tool call in a message must be an object.", 400, "messages")
+            fn = dict(call.get("function") or {})
             if isinstance(fn.get("arguments"), str):
                 try:
                     fn["arguments"] = json.loads(fn["arguments"])
@@ -95,15 +98,20 @@ class ToolMode:
         return named_schema(self.tools, self.choice)
 
     def message(self, text: str, finish_reason):
-        """(content, tool calls, finish reason) of a finished output."""
-        if self.plain or finish_reason == "length":
+        """(content, tool calls, finish reason) of a finished output. A named function's
+        output is its arguments whatever ended it (as streamed); a required call's array
+        only when it is complete, else the text is content with the engine's reason."""
+        if self.plain:
             return text, [], finish_reason
         if self.choice == "auto":
+            if finish_reason == "length":
+                return text, [], finish_reason
             content, calls = self.parser.parse(text)
             calls = calls if self.parallel else calls[:1]
             return content, calls, "tool_calls" if calls else finish_reason
         if self.choice == "required":
-            return "", parse_required(text), "tool_calls"
+            calls = parse_required(text) if finish_reason == "stop" else []
+            return ("", calls, "tool_calls") if calls else (text, [], finish_reason)
         return "", [ToolCall(self.choice, text)], finish_reason
 
 
@@ -130,11 +138,14 @@ class ChoiceStream:
             return delta
         if mode.choice == "required" or not text:
             return None
+        return self._named_delta(text)
+
+    def _named_delta(self, text: str) -> dict:
         call = {"index": 0, "function": {"arguments": text}}
         if self.call_id is None:
             self.call_id = make_tool_call_id()
             call.update(id=self.call_id, type="function")
-            call["function"] = {"name": mode.choice, "arguments": text}
+            call["function"] = {"name": self.mode.choice, "arguments": text}
         return {"tool_calls": [call]}
 
     def finish(self, finish_reason) -> tuple[dict | None, str | None]:
@@ -143,7 +154,7 @@ class ChoiceStream:
             return None, finish_reason
         if mode.choice not in ("auto", "required"):
             if self.call_id is None:  # nothing generated: an empty call
-                return self.update("") or None, finish_reason
+                return self._named_delta(""), finish_reason
             return None, finish_reason
         content, calls, reason = mode.message(self.text, finish_reason)
         delta = {}
@@ -253,6 +264,7 @@ class OpenAIServingChat(OpenAIServing):
             else request.messages[-1].get("role", self.response_role)
         )
         if request.use_beam_search:
+            check_beam_search(params)
             return await self._beam_search(request, request_id, prepared[0], params, role)
         if request.stream:
             return SSEResponse(self._stream(request, request_id, prepared, role, mode))

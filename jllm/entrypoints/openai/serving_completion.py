@@ -10,6 +10,7 @@ from jllm.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
     SSEResponse,
+    check_beam_search,
     clamp,
     off_loop,
     prompt_logprobs_json,
@@ -48,6 +49,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 params.prompt_logprobs = request.logprobs  # the echoed tokens' logprobs
         except ValueError as e:
             raise OpenAIError(str(e), 400, getattr(e, "param", None)) from e
+        if request.use_beam_search:
+            check_beam_search(params)
         prompts = normalize_prompts(request.prompt, request.cache_salt)
         prepared = [
             await off_loop(self.prepare, f"{request_id}-{i}", p, params)

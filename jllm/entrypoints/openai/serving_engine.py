@@ -138,6 +138,18 @@ async def off_loop(fn, *args):
     return await asyncio.get_running_loop().run_in_executor(_TOKENIZE_POOL, fn, *args)
 
 
+def check_beam_search(params: SamplingParams) -> None:
+    """Beam search scores plain continuations: it cannot honour a grammar (a tool_choice
+    "required" or named function is one)."""
+    if params.structured_outputs is not None:
+        raise OpenAIError(
+            "use_beam_search cannot be combined with structured outputs or tool_choice "
+            '"required" or a named function.',
+            400,
+            "use_beam_search",
+        )
+
+
 class OpenAIServing:
     def __init__(
         self,

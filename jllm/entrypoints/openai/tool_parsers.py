@@ -77,7 +77,12 @@ class Llama3JsonToolParser:
     skip_special_tokens = True
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        body = text.replace(self.python_tag, "")
+        """Calls only when the text starts with them (`<|python_tag|>` or `{`), as vLLM's
+        parser; anything else is content."""
+        stripped = text.lstrip()
+        if not stripped.startswith((self.python_tag, "{")):
+            return text, []
+        body = stripped.replace(self.python_tag, "")
         decoder = json.JSONDecoder()
         calls, i = [], body.find("{")
         if i < 0:
@@ -189,9 +194,10 @@ def named_schema(tools, name: str) -> dict:
 
 
 def parse_required(text: str) -> list[ToolCall]:
-    """The calls of a tool_choice="required" output (an array its grammar enforced)."""
+    """The calls of a tool_choice="required" output (an array its grammar enforced); none
+    when the text is not one (cut by a stop string, say)."""
     try:
         items = json.loads(text)
         return [ToolCall(item["name"], _arguments(item["parameters"])) for item in items]
-    except (ValueError, KeyError, TypeError) as e:
-        raise OpenAIError(f"The model's tool calls did not parse: {e}", 400, "tool_choice") from e
+    except (ValueError, KeyError, TypeError):
+        return []

@@ -191,6 +191,17 @@ def test_tool_choice_required(tclient, parallel):
     assert max(counts) > 1 if parallel else counts == {1}
 
 
+def test_required_cut_by_a_stop_string_is_content(tclient):
+    """An array the grammar did not get to close (a stop string cut it) is no tool call:
+    the text comes back as content with the engine's finish reason."""
+    kw = {"tools": [WEATHER], "tool_choice": "required", "stop": ["name"]}
+    choice = chat(tclient, 0, **kw).choices[0]
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls
+    assert choice.message.content.startswith("[")
+    content, calls, reason = streamed(tclient, 0, **kw)
+    assert (content, calls, reason) == (choice.message.content, {}, "stop")
+
+
 def test_named_tool_choice(tclient):
     named = {"type": "function", "function": {"name": "get_weather"}}
     for seed in range(5):
@@ -249,6 +260,21 @@ def test_auto_tool_choice_reads_hermes_calls(tclient):
             "/v1/completions",
             {"prompt": "x", "structured_outputs": {"regex": "a", "json": {}}},
             "structured_outputs",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "x", "structured_outputs": {"regex": 5}},
+            "structured_outputs",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "x", "guided_regex": "a", "use_beam_search": True, "n": 2},
+            "use_beam_search",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "assistant", "content": "", "tool_calls": ["f"]}]},
+            "messages",
         ),
         (
             "/v1/completions",
@@ -333,5 +359,8 @@ def test_llama3_json_parser():
         ("g", {}),
     ]
     assert p.parse('{"x": 1}') == ('{"x": 1}', [])
+    # Calls only at the start, as vLLM's parser: otherwise it is all content.
+    later = 'Sure: {"name": "f", "parameters": {}}'
+    assert p.parse(later) == (later, [])
     assert p.parse("Hello") == ("Hello", [])
     assert p.stream_start("  {") == 0 and p.stream_start("Hello") is None
