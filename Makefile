@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-fast lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 12), "jllm needs Python >= 3.12 (pyenv: see .python-version)"'
@@ -29,6 +29,10 @@ lint: $(VENV)/.installed-test
 
 test: lint
 	$(PY) -m pytest -q tests
+
+# The development loop: everything but the tests marked slow (the real SmolLM2, every bucket).
+test-fast: lint
+	$(PY) -m pytest -q -m "not slow" tests
 
 bench: $(VENV)/.installed-test
 	$(PY) benchmarks/throughput.py

@@ -4,9 +4,25 @@
 block manager, engine core) stay importable without JAX.
 """
 
-from jllm.config import EngineArgs
-from jllm.outputs import CompletionOutput, Logprob, RequestOutput
-from jllm.sampling_params import (
+import importlib.util
+import os
+
+
+def _torch_missing() -> bool:
+    try:
+        return importlib.util.find_spec("torch") is None
+    except (ImportError, ValueError):
+        return True
+
+
+# transformers announces "PyTorch was not found..." when it is imported without torch; jllm
+# uses transformers for configs and tokenizers only and never needs torch.
+if _torch_missing():
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+from jllm.config import EngineArgs  # noqa: E402
+from jllm.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
+from jllm.sampling_params import (  # noqa: E402
     BeamSearchParams,
     GuidedDecodingParams,
     RequestOutputKind,

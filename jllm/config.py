@@ -2,8 +2,8 @@
 
 `EngineArgs` is the flat set of vLLM argument names that `LLM(...)` (and later the server
 flags) accept. `EngineArgs.from_kwargs` rejects unknown names and vLLM arguments jllm does not
-support yet with a clear error instead of ignoring them. `create_engine_config` groups them as
-vLLM users know them (model, cache, scheduler, parallel) once the model's config is known.
+support yet with a clear error instead of ignoring them. `resolve_scheduler_config` gives the
+scheduler's typed config once the model's context length is known.
 Host-side only: no JAX import.
 """
 
@@ -155,24 +155,6 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}.")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    model: str | None
-    dtype: str  # numpy dtype name the weights and activations use
-    max_model_len: int
-    seed: int
-    skip_tokenizer_init: bool
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    block_size: int
-    num_blocks: int | None  # None: size from memory
-    kv_cache_memory_bytes: int | None
-    gpu_memory_utilization: float
-    enable_prefix_caching: bool
 
 
 @dataclass(frozen=True)

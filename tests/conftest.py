@@ -18,6 +18,8 @@ from jllm.model_loader import resolve_model  # noqa: E402
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> str:
+    """A Hugging Face tokenizer directory made offline from the embedded GGUF's tokenizer
+    (the one fixture for every test; no skip: `make test` installs the model)."""
     path = str(tmp_path_factory.mktemp("smollm2-tokenizer"))
     resolve_model(None).load_tokenizer().save_pretrained(path)
     return path

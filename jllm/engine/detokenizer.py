@@ -5,7 +5,9 @@ through the `tokenizers` library's `DecodeStream` (one decode step in Rust, prim
 last prompt tokens), as vLLM's fast detokenizer does. Otherwise (a slow tokenizer, or one
 that cleans up tokenization spaces, which the stream does not) each step decodes a short
 window (`prefix_offset`..end) twice and emits only the text past what the window already
-produced, holding back text that ends in an incomplete UTF-8 character.
+produced, holding back text that ends in an incomplete UTF-8 character. A slow tokenizer's
+window is decoded by vLLM's rule for slow tokenizers, which is where
+`spaces_between_special_tokens` applies (vLLM's fast path ignores it, and so does jllm's).
 Host-side only: no JAX import.
 """
 
@@ -34,6 +36,13 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params, stream: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
+        self.spaces_between_special_tokens = params.spaces_between_special_tokens
+        # A slow tokenizer decodes by vLLM's rule for them (`_decode`), which is where
+        # `spaces_between_special_tokens` applies; fast ones ignore it, as in vLLM.
+        self._added = None
+        if not getattr(tokenizer, "is_fast", True):
+            self._added = set(tokenizer.get_added_vocab())
+            self._special = set(tokenizer.all_special_tokens)
         self._backend = fast_backend(tokenizer) if stream else None
         if self._backend is not None:
             self._stream = DecodeStream(
@@ -49,7 +58,26 @@ class IncrementalDetokenizer:
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        if self._added is None:
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        # vLLM's rule for slow tokenizers: the text between added tokens is decoded in runs,
+        # the added tokens are kept as they are (special ones dropped when skipped), and the
+        # pieces are joined by a space when `spaces_between_special_tokens`.
+        tok = self.tokenizer
+        pieces, run = [], []
+        for token in tok.convert_ids_to_tokens(ids):
+            if self.skip_special_tokens and token in self._special:
+                continue
+            if token in self._added:
+                if run:
+                    pieces.append(tok.convert_tokens_to_string(run))
+                    run = []
+                pieces.append(token)
+            else:
+                run.append(token)
+        if run:
+            pieces.append(tok.convert_tokens_to_string(run))
+        return (" " if self.spaces_between_special_tokens else "").join(pieces)
 
     def update(self, token_id: int) -> str | None:
         """Add one token; return the stop string it completed, if any."""

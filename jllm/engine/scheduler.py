@@ -263,9 +263,3 @@ class Scheduler:
         computed again later (their KV slots get overwritten; their blocks were never
         cached, see `KVCacheManager.allocate_slots`)."""
         req.num_computed_tokens -= num_rejected
-
-    def abort_requests(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            req = self.requests.get(rid)
-            if req is not None:
-                self.finish_request(req, RequestStatus.FINISHED_ABORTED)

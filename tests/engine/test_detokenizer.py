@@ -48,3 +48,44 @@ def test_stop_string_across_tokens(tok):
     assert stop == "forty-two" and text == "The answer is "
     text, stop = feed(tok, [], ids, stop=["nothing", "two."], include_stop_str_in_output=True)
     assert stop == "two." and text == "The answer is forty-two."
+
+
+class SlowTokenizer:
+    """A slow (Python) tokenizer's decoding surface: one character per token, two added
+    tokens, one of them special."""
+
+    is_fast = False
+    vocab = ["a", "b", " ", "<s>", "<tool>"]
+
+    def convert_ids_to_tokens(self, ids):
+        return [self.vocab[i] for i in ids]
+
+    def convert_tokens_to_string(self, tokens):
+        return "".join(tokens)
+
+    def get_added_vocab(self):
+        return {"<s>": 3, "<tool>": 4}
+
+    @property
+    def all_special_tokens(self):
+        return ["<s>"]
+
+
+@pytest.mark.parametrize(
+    "spaces, skip, want",
+    [
+        (True, False, "<s> ab <tool> b a"),
+        (False, False, "<s>ab<tool>b a"),
+        (True, True, "ab <tool> b a"),
+        (False, True, "ab<tool>b a"),
+    ],
+)
+def test_spaces_between_special_tokens_with_a_slow_tokenizer(spaces, skip, want):
+    """vLLM's rule for slow tokenizers: runs between added tokens decoded apart, special
+    tokens dropped when skipped, the pieces joined by a space when
+    spaces_between_special_tokens (fast tokenizers ignore it, in vLLM too)."""
+    params = SamplingParams(skip_special_tokens=skip, spaces_between_special_tokens=spaces)
+    d = IncrementalDetokenizer(SlowTokenizer(), [], params, stream=False)
+    for t in [3, 0, 1, 4, 1, 2, 0]:
+        d.update(t)
+    assert d.text == want

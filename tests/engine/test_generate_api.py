@@ -225,3 +225,24 @@ def test_priority_scheduling(llama_dir, llama_llm):
         llm.generate(prompts, greedy, priority=[1])
     with pytest.raises(ValueError, match="scheduling_policy must be one of"):
         LLM(llama_dir, scheduling_policy="lifo", **SMALL)
+
+
+def test_reset_prefix_cache(llama_llm):
+    """vLLM's `LLM.reset_prefix_cache()`: the next run of a prompt hits nothing; refused
+    (False, nothing forgotten) while a request holds blocks."""
+    prompt = {"prompt_token_ids": prompt_ids(1, 40, seed=77)[0]}
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    first = llama_llm.generate(prompt, greedy, use_tqdm=False)[0]
+    hit = llama_llm.generate(prompt, greedy, use_tqdm=False)[0]
+    assert hit.num_cached_tokens >= 32
+    assert llama_llm.reset_prefix_cache()
+    cold = llama_llm.generate(prompt, greedy, use_tqdm=False)[0]
+    assert cold.num_cached_tokens == 0
+    assert cold.outputs[0].token_ids == first.outputs[0].token_ids
+    engine = llama_llm.llm_engine
+    engine.add_request("held", *engine.prepare(prompt, greedy))
+    engine.step()  # admitted: it holds blocks now
+    assert not llama_llm.reset_prefix_cache()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert llama_llm.reset_prefix_cache()

@@ -119,7 +119,7 @@ def test_seeded_chat_same_text_alone_cached_and_batched(smollm):
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=MAX_TOKENS)
     story = "Tell me a story about a dragon who learns to fly over mountains and rivers."
     conv = [{"role": "user", "content": story}]
-    assert smollm.llm_engine.scheduler.kv_cache.reset_prefix_cache()
+    assert smollm.reset_prefix_cache()
     runs = [smollm.chat(conv, params, use_tqdm=False)[0] for _ in range(3)]
     assert runs[0].num_cached_tokens == 0 and runs[1].num_cached_tokens > 0
     others = [[{"role": "user", "content": q}] for q in QUESTIONS[:2]]

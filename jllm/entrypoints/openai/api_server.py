@@ -24,11 +24,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jllm
 from jllm.engine.arg_utils import engine_args_from_namespace
 from jllm.engine.async_llm import AsyncLLM, EngineDeadError
 from jllm.entrypoints.openai.cli_args import load_chat_template, make_arg_parser
+from jllm.entrypoints.openai.openapi import build_openapi
 from jllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -118,7 +120,16 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM, metrics: PrometheusSta
             return ".".join(str(p) for p in e.get("loc", ())[1:])
 
         message = "; ".join(f"{where(e) or 'body'}: {e.get('msg')}" for e in errors)
-        return error_response(message or "Invalid request.", 400, where(errors[0]) or None)
+        field = errors[0].get("loc", ())[1:2] if errors else ()
+        return error_response(message or "Invalid request.", 400, str(field[0]) if field else None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, exc: StarletteHTTPException):
+        # Starlette's own errors (a body that is not UTF-8, a wrong method, ...) in OpenAI's
+        # error body, like every other error.
+        response = error_response(str(exc.detail), exc.status_code)
+        response.headers.update(exc.headers or {})  # e.g. a 405's Allow
+        return response
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_, exc: OpenAIError):
@@ -140,7 +151,7 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM, metrics: PrometheusSta
     @app.get("/health")
     async def health():
         engine.check_health()
-        return Response(status_code=200)
+        return Response(status_code=200, media_type="text/plain")
 
     @app.get("/version")
     async def version():
@@ -213,6 +224,21 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM, metrics: PrometheusSta
             raise OpenAIError(f"Token ids must be in [0, {vocab}).", 400, "tokens")
         return {"prompt": await off_loop(tokenizer.decode, body.tokens)}
 
+    limits = {
+        "model_names": names,
+        "vocab_size": engine.engine.model_config.vocab_size,
+        "max_model_len": engine.max_model_len,
+        "max_logprobs": engine.engine.args.max_logprobs,
+    }
+    doc = None
+
+    def openapi() -> dict:
+        nonlocal doc
+        if doc is None:
+            doc = build_openapi(app, api_key=bool(api_key), limits=limits)
+        return doc
+
+    app.openapi = openapi
     return app
 
 

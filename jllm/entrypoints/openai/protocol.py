@@ -14,11 +14,14 @@ constraints is a 400.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from jllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+NonEmpty = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]  # the server's /openapi.json adds the vocabulary's top
 
 # Defined by OpenAI or vLLM, not honoured by jllm yet: a 400 naming the field when set.
 UNSUPPORTED_FIELDS = ("lora_request",)
@@ -39,7 +42,9 @@ class FieldError(ValueError):
 
 
 class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # Strict: a value of the wrong JSON type is a 400, as the published schema says (no
+    # "5" for 5, no "true" for true).
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -51,23 +56,23 @@ class SamplingFields(OpenAIBaseModel):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    n: int = Field(default=1, ge=1)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    presence_penalty: float | None = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=0.0, ge=-2, le=2)
+    stop: str | list[NonEmpty] | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extra sampling fields.
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -230,19 +235,24 @@ class SamplingFields(OpenAIBaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: (
+        NonEmpty
+        | Annotated[list[NonEmpty], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
     suffix: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[dict[str, Any]]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[dict[str, Any]], Field(min_length=1)]
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -256,7 +266,7 @@ class ChatCompletionRequest(SamplingFields):
 class TokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: Annotated[list[dict[str, Any]], Field(min_length=1)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -268,4 +278,4 @@ class TokenizeRequest(OpenAIBaseModel):
 
 class DetokenizeRequest(OpenAIBaseModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]

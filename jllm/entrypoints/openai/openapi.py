@@ -1,0 +1,110 @@
+"""The server's published OpenAPI document (`/openapi.json`), made to say what the server does.
+
+FastAPI's generated document lists 422 for invalid bodies; the server answers them, as vLLM
+does, with 400 and OpenAI's error body. This module replaces the 422 entries by the statuses
+each route can answer (400 bad input, 401 without the API key on `/v1` routes when one is
+set, 404 an unknown model, 500, and 503 once the engine has stopped), all with OpenAI's error
+schema; gives the streaming routes their `text/event-stream` and `/health` and `/metrics`
+their real content types; and writes the limits only the running engine knows (largest
+token id, context length, `max_logprobs`) into the request schemas, so that a request valid
+under the document is one the server accepts.
+"""
+
+from __future__ import annotations
+
+from fastapi.openapi.utils import get_openapi
+
+ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                "code": {"type": "integer"},
+            },
+        }
+    },
+}
+ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
+DESCRIPTIONS = {
+    "400": "Invalid request (OpenAI's error body).",
+    "401": "Missing or wrong API key.",
+    "404": "Unknown model.",
+    "500": "Internal error.",
+    "503": "The engine has stopped.",
+}
+STREAMING = ("/v1/completions", "/v1/chat/completions")
+PLAIN = {"/health": "text/plain", "/metrics": "text/plain"}
+
+
+def _error(status: str) -> dict:
+    return {
+        "description": DESCRIPTIONS[status],
+        "content": {"application/json": {"schema": ERROR_REF}},
+    }
+
+
+def _set_max(schema: dict, maximum: int) -> None:
+    """`maximum` on an integer schema, or on each integer branch of an anyOf."""
+    if schema.get("type") == "integer":
+        schema["maximum"] = maximum
+    for branch in schema.get("anyOf", []):
+        _set_max(branch, maximum)
+    if "items" in schema:
+        _set_max(schema["items"], maximum)
+
+
+def build_openapi(app, *, api_key: bool, limits: dict) -> dict:
+    """`limits`: {"model_names", "vocab_size", "max_model_len", "max_logprobs" (-1: the
+    vocabulary)}."""
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    for path, operations in doc["paths"].items():
+        for op in operations.values():
+            responses = op.setdefault("responses", {})
+            responses.pop("422", None)
+            statuses = ["500", "503"]
+            if "requestBody" in op or path.startswith("/v1"):
+                statuses += ["400", "404"]
+            if api_key and path.startswith("/v1"):
+                statuses.append("401")
+            for status in statuses:
+                responses[status] = _error(status)
+            ok = responses.setdefault("200", {"description": "OK"})
+            if path in STREAMING:
+                ok["content"] = {"application/json": {"schema": {}}, "text/event-stream": {}}
+            elif path in PLAIN:
+                ok["content"] = {PLAIN[path]: {"schema": {"type": "string"}}}
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    schemas.pop("HTTPValidationError", None)
+    schemas.pop("ValidationError", None)
+    schemas["ErrorResponse"] = ERROR_SCHEMA
+    top_token = limits["vocab_size"] - 1
+    max_logprobs = limits["max_logprobs"]
+    max_logprobs = limits["vocab_size"] if max_logprobs == -1 else max_logprobs
+    for name, fields in {
+        "CompletionRequest": {"prompt": top_token, "logprobs": max_logprobs},
+        "ChatCompletionRequest": {"top_logprobs": max_logprobs},
+        "DetokenizeRequest": {"tokens": top_token},
+    }.items():
+        props = schemas.get(name, {}).get("properties", {})
+        for field, maximum in fields.items():
+            if field in props:
+                _set_max(props[field], maximum)
+    for schema in schemas.values():  # the served names: any other is a 404
+        model = schema.get("properties", {}).get("model")
+        if model is not None:
+            model["anyOf"] = [{"type": "string", "enum": list(limits["model_names"])}]
+            model["anyOf"].append({"type": "null"})
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        props = schemas.get(name, {}).get("properties", {})
+        for field in ("max_tokens", "max_completion_tokens", "prompt_logprobs"):
+            if field in props and field != "prompt_logprobs":
+                _set_max(props[field], limits["max_model_len"] - 1)
+            elif field in props:
+                _set_max(props[field], max_logprobs)
+    return doc
