@@ -61,7 +61,7 @@ class SamplingFields(OpenAIBaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1)
     presence_penalty: float | None = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=0.0, ge=-2, le=2)
-    stop: str | list[NonEmpty] | None = None
+    stop: NonEmpty | list[NonEmpty] | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stream: bool = False
     stream_options: StreamOptions | None = None
