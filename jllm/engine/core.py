@@ -112,13 +112,10 @@ class EngineCore:
         and share its `cache_salt` and `priority`."""
         if request_id in self.parents:
             raise ValueError(f"Request id {request_id!r} is already running.")
-        so = params.structured_outputs
-        if so is not None:
+        if params.structured_outputs is not None:
             if self.structured is None:
-                raise ValueError("This engine cannot run structured outputs (no tokenizer).")
-            if so._backend is None:  # not validated by the front end
-                backend, params.structured_outputs = self.structured.validate(so)
-                params.structured_outputs._backend = backend
+                raise ValueError("Structured outputs need a tokenizer (skip_tokenizer_init).")
+            self.structured.resolve(params)
         now = time.time()
         parent = ParentRequest(request_id, prompt, prompt_token_ids, params, [], now)
         for i in range(params.n):
@@ -140,9 +137,8 @@ class EngineCore:
                 )
             self._child_parent[child_id] = parent
         self.parents[request_id] = parent
-        so = params.structured_outputs
-        if so is not None:
-            self._compiling.append((parent, self.structured.compile(so._backend, so)))
+        if params.structured_outputs is not None:
+            self._compiling.append((parent, self.structured.compile(params.structured_outputs)))
             return
         for child in parent.children:
             self.scheduler.add_request(child)
@@ -187,7 +183,7 @@ class EngineCore:
             so = parent.params.structured_outputs
             try:
                 compiled = future.result()
-                matchers = [self.structured.matcher(so._backend, compiled) for _ in parent.children]
+                matchers = [self.structured.matcher(so, compiled) for _ in parent.children]
             except Exception as e:
                 logger.error("Request %s: its grammar failed to compile: %s", parent.request_id, e)
                 for child in parent.children:
@@ -227,8 +223,7 @@ class EngineCore:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty():
             return outputs
-        if sched_out.structured_output_request_ids:
-            self._fill_bitmasks(sched_out)
+        self._fill_bitmasks(sched_out)
         return outputs + self._update(sched_out, self.runner.execute(sched_out))
 
     def _step_ahead(self) -> list[RequestOutput]:

@@ -185,12 +185,10 @@ class LLMEngine:
         processed = self.processor.process_prompt(prompt, params)
         for proc in self.logits_processors:
             proc.validate_params(params)
-        so = params.structured_outputs
-        if so is not None:
+        if params.structured_outputs is not None:
             if self.structured is None:
                 raise ValueError("Structured outputs need a tokenizer (skip_tokenizer_init).")
-            backend, params.structured_outputs = self.structured.validate(so)
-            params.structured_outputs._backend = backend
+            self.structured.resolve(params)
         if (
             params.prompt_logprobs is not None
             and not self.scheduler.config.enable_chunked_prefill

@@ -34,6 +34,7 @@ from jllm.runner.sampled import SampledToken
 from jllm.runner.sampler import sample, unpack_result
 from jllm.runner.transfer import Layout, pack, unpack
 from jllm.scheduler_output import PROMPT_LOGPROB_ROWS, ModelRunnerOutput, SchedulerOutput
+from jllm.structured_output.backends import bitmask_width
 from sharding import named_sharding, replicated
 
 logger = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ class ModelRunner:
         self.bias = jax.device_put(np.zeros(shape, np.float32), self.replicated)
         # Grammar bitmasks (structured outputs): a step without any passes a zero array of
         # its row bucket, kept on the device, so only steps with a grammar transfer one.
-        self.bitmask_width = (vocab_size + 31) // 32
+        self.bitmask_width = bitmask_width(vocab_size)
         self._no_bitmask: dict[int, jax.Array] = {}
         self._bias_exe = None
         self._prompt_lp_exe = None
@@ -165,19 +166,20 @@ class ModelRunner:
                 logits_sharding=self.logits_sharding,
             ).compile()
 
-    def _bitmask_spec(self, rows: int):
-        return jax.ShapeDtypeStruct((rows, self.bitmask_width), jnp.int32, sharding=self.replicated)
+    def _sampler_state(self, bitmask) -> tuple:
+        """The sampler's arguments after the logits and metadata: the penalty state, the
+        logit-bias table, the last tokens and the grammar bitmask."""
+        return self.counts, self.prompt_mask, self.bias, self.last_tokens, bitmask
 
     def _compile_sampler(self, logits, md):
+        bitmask = jax.ShapeDtypeStruct(
+            (logits.shape[0], self.bitmask_width), jnp.int32, sharding=self.replicated
+        )
         with jax.set_mesh(self.mesh):
             return sample.lower(
                 logits,
                 md,
-                self.counts,
-                self.prompt_mask,
-                self.bias,
-                self.last_tokens,
-                self._bitmask_spec(logits.shape[0]),
+                *self._sampler_state(bitmask),
                 num_logprobs=self.max_logprobs,
                 logits_processors=self.logits_processors,
             ).compile()
@@ -310,13 +312,7 @@ class ModelRunner:
         logits, self.kv_cache, md, hidden = fwd(self.state, self.kv_cache, self.last_tokens, buf)
         smp = self._sample_executable(logits.shape[0], logits, md)
         packed, self.counts, self.last_tokens = smp(
-            logits,
-            md,
-            self.counts,
-            self.prompt_mask,
-            self.bias,
-            self.last_tokens,
-            self._bitmask(logits.shape[0], bitmask),
+            logits, md, *self._sampler_state(self._bitmask(logits.shape[0], bitmask))
         )
         prompt_packed = None
         if prompt_targets is not None:

@@ -24,6 +24,7 @@ from jllm.structured_output.backends import (
     BACKEND_CLASSES,
     BACKENDS,
     OTHER_VLLM_BACKENDS,
+    PACKAGES,
     bitmask_width,
     installed,
 )
@@ -98,7 +99,7 @@ class StructuredOutputManager:
         if backend is not None:
             return backend
         if not installed(name):
-            package = {"xgrammar": "xgrammar", "guidance": "llguidance"}[name]
+            package = PACKAGES[name]
             raise ValueError(
                 f"The {name!r} structured outputs backend needs the {package!r} "
                 f"package: pip install {package}"
@@ -120,20 +121,24 @@ class StructuredOutputManager:
             ),
         )
 
-    def validate(self, p: StructuredOutputsParams) -> tuple[str, StructuredOutputsParams]:
-        """The backend a request's constraint goes to, and the constraint with the engine's
-        options; raises ValueError naming the problem."""
+    def validate(self, p: StructuredOutputsParams) -> StructuredOutputsParams:
+        """The constraint with the engine's options and the backend it goes to (its
+        `_backend`); raises ValueError naming the problem."""
         p = self._with_engine_options(p)
+        p._backend = self._choose(p)
+        return p
+
+    def _choose(self, p: StructuredOutputsParams) -> str:
         name = self.config.backend
         if name != "auto":
             self._backend(name).validate(p)
-            return name, p
+            return name
         if not installed("xgrammar"):
             self._backend("guidance").validate(p)
-            return "guidance", p
+            return "guidance"
         try:
             self._backend("xgrammar").validate(p)
-            return "xgrammar", p
+            return "xgrammar"
         except ValueError as first:
             if p.disable_fallback or not installed("guidance"):
                 raise
@@ -141,10 +146,18 @@ class StructuredOutputManager:
                 self._backend("guidance").validate(p)
             except ValueError:
                 raise first from None
-            return "guidance", p
+            return "guidance"
 
-    def compile(self, backend: str, p: StructuredOutputsParams) -> Future:
+    def resolve(self, params) -> None:
+        """Validate a request's constraint once (the front end does it, so a bad one is a 400
+        before anything is queued): `params.structured_outputs` gets the engine's options
+        and its backend."""
+        if params.structured_outputs._backend is None:
+            params.structured_outputs = self.validate(params.structured_outputs)
+
+    def compile(self, p: StructuredOutputsParams) -> Future:
         """The compiled grammar, on the worker thread (cached by constraint)."""
+        backend = p._backend
         key = (backend, p.kind, str(p.spec), p.disable_any_whitespace)
         key += (p.disable_additional_properties, p.whitespace_pattern)
         with self._lock:
@@ -161,8 +174,8 @@ class StructuredOutputManager:
     def _backends_compile(self, backend: str, p: StructuredOutputsParams):
         return self._backend(backend).compile(p)
 
-    def matcher(self, backend: str, compiled):
-        return self._backend(backend).matcher(compiled)
+    def matcher(self, p: StructuredOutputsParams, compiled):
+        return self._backend(p._backend).matcher(compiled)
 
     def bitmask(self, matcher, drafts: list[int]) -> np.ndarray:
         """[1 + len(drafts), W] int32: the mask now, then after each draft the grammar

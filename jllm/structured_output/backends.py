@@ -20,14 +20,19 @@ import re
 import numpy as np
 
 from jllm.sampling_params import StructuredOutputsParams
+from jllm.utils import cdiv
 
 BACKENDS = ("auto", "xgrammar", "guidance")
 # vLLM names of backends jllm does not ship.
 OTHER_VLLM_BACKENDS = ("outlines", "lm-format-enforcer")
 
 
+# The PyPI package behind each backend.
+PACKAGES = {"xgrammar": "xgrammar", "guidance": "llguidance"}
+
+
 def bitmask_width(vocab_size: int) -> int:
-    return (vocab_size + 31) // 32
+    return cdiv(vocab_size, 32)
 
 
 def _message(e: Exception) -> str:
@@ -35,6 +40,16 @@ def _message(e: Exception) -> str:
     text = str(e).strip()
     text = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text)
     return text.replace("Check failed: (error.empty()) is false: ", "").strip()
+
+
+def _invalid(p: StructuredOutputsParams, e: Exception) -> ValueError:
+    """A library's error about a request's constraint as the ValueError the front end turns
+    into a 400 (our own such errors, from reading the constraint, pass as they are)."""
+    prefix = f"Invalid {p.kind} for structured outputs"
+    message = _message(e)
+    if isinstance(e, ValueError) and message.startswith(prefix):
+        return e
+    return ValueError(f"{prefix}: {message}")
 
 
 def _no_additional_properties(schema):
@@ -155,11 +170,8 @@ class XgrammarBackend:
             elif kind == "structural_tag":
                 xgr.Grammar.from_structural_tag(*_structural_tag_args(xgr, text))
         except Exception as e:  # the library raises RuntimeError / its own types
-            prefix = f"Invalid {p.kind} for structured outputs"
-            message = _message(e)
-            if message.startswith(prefix):  # ours, from reading the constraint
-                raise
-            raise ValueError(f"{prefix}: {message}") from e
+            error = _invalid(p, e)
+            raise error from (None if error is e else e)
 
     def compile(self, p: StructuredOutputsParams):
         kind, text = self._grammar_source(p)
@@ -246,17 +258,14 @@ class GuidanceBackend:
         raise ValueError("structural_tag is supported by the xgrammar backend only.")
 
     def validate(self, p: StructuredOutputsParams) -> None:
-        prefix = f"Invalid {p.kind} for structured outputs"
         try:
             grammar = self._grammar(p)
             error = self._ll.LLMatcher.validate_grammar(grammar, self._tokenizer)
         except Exception as e:  # the library raises ValueError, TypeError, ...
-            message = _message(e)
-            if message.startswith(prefix):
-                raise
-            raise ValueError(f"{prefix}: {message}") from e
+            error = _invalid(p, e)
+            raise error from (None if error is e else e)
         if error:
-            raise ValueError(f"{prefix}: {error}")
+            raise ValueError(f"Invalid {p.kind} for structured outputs: {error}")
 
     def compile(self, p: StructuredOutputsParams):
         """A matcher in the grammar's start state (llguidance compiles when it is built);
@@ -276,5 +285,4 @@ BACKEND_CLASSES = {"xgrammar": XgrammarBackend, "guidance": GuidanceBackend}
 def installed(name: str) -> bool:
     import importlib.util
 
-    module = {"xgrammar": "xgrammar", "guidance": "llguidance"}[name]
-    return importlib.util.find_spec(module) is not None
+    return importlib.util.find_spec(PACKAGES[name]) is not None

@@ -260,14 +260,14 @@ def test_bitmask_rows_follow_the_drafts(llama_llm):
     engine = llama_llm.llm_engine
     manager = engine.structured
     so = StructuredOutputsParams(regex=REGEX)
-    backend, so = manager.validate(so)
-    compiled = manager.compile(backend, so).result()
+    so = manager.validate(so)
+    compiled = manager.compile(so).result()
     tok = engine.tokenizer
     drafts = tok.encode("ab-12", add_special_tokens=False)
-    m = manager.matcher(backend, compiled)
+    m = manager.matcher(so, compiled)
     rows = manager.bitmask(m, drafts)
     for j in range(len(drafts) + 1):
-        fresh = manager.matcher(backend, compiled)
+        fresh = manager.matcher(so, compiled)
         for t in drafts[:j]:
             assert fresh.accept(t)
         want = np.full((1, manager.width), -1, np.int32)

@@ -86,8 +86,7 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM, metrics: PrometheusSta
         engine,
         chat_template=load_chat_template(args.chat_template),
         response_role=args.response_role,
-        enable_auto_tools=args.enable_auto_tool_choice,
-        tool_parser=args.tool_call_parser,
+        tool_parser=check_tool_args(args),
         **common,
     )
     tokenizer = engine.get_tokenizer()
@@ -258,10 +257,12 @@ def _terminate(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def check_tool_args(args: argparse.Namespace) -> None:
-    """vLLM's start-up check of the tool flags (before the engine loads)."""
+def check_tool_args(args: argparse.Namespace) -> str | None:
+    """vLLM's start-up check of the tool flags (run_server runs it before the engine
+    loads); the parser of tool_choice "auto", or None when it is not enabled."""
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    return args.tool_call_parser if args.enable_auto_tool_choice else None
 
 
 def run_server(args: argparse.Namespace) -> None:

@@ -86,11 +86,23 @@ def build_openapi(app, *, api_key: bool, limits: dict) -> dict:
     top_token = limits["vocab_size"] - 1
     max_logprobs = limits["max_logprobs"]
     max_logprobs = limits["vocab_size"] if max_logprobs == -1 else max_logprobs
-    for name, fields in {
-        "CompletionRequest": {"prompt": top_token, "logprobs": max_logprobs},
-        "ChatCompletionRequest": {"top_logprobs": max_logprobs},
+    context = limits["max_model_len"] - 1
+    maxima = {
+        "CompletionRequest": {
+            "prompt": top_token,
+            "logprobs": max_logprobs,
+            "prompt_logprobs": max_logprobs,
+            "max_tokens": context,
+        },
+        "ChatCompletionRequest": {
+            "top_logprobs": max_logprobs,
+            "prompt_logprobs": max_logprobs,
+            "max_tokens": context,
+            "max_completion_tokens": context,
+        },
         "DetokenizeRequest": {"tokens": top_token},
-    }.items():
+    }
+    for name, fields in maxima.items():
         props = schemas.get(name, {}).get("properties", {})
         for field, maximum in fields.items():
             if field in props:
@@ -100,11 +112,4 @@ def build_openapi(app, *, api_key: bool, limits: dict) -> dict:
         if model is not None:
             model["anyOf"] = [{"type": "string", "enum": list(limits["model_names"])}]
             model["anyOf"].append({"type": "null"})
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
-        props = schemas.get(name, {}).get("properties", {})
-        for field in ("max_tokens", "max_completion_tokens", "prompt_logprobs"):
-            if field in props and field != "prompt_logprobs":
-                _set_max(props[field], limits["max_model_len"] - 1)
-            elif field in props:
-                _set_max(props[field], max_logprobs)
     return doc

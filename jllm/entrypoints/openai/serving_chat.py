@@ -88,7 +88,7 @@ class ToolMode:
 
     @property
     def plain(self) -> bool:
-        return self.choice == "none" or not self.tools
+        return self.choice == "none"  # check_tools gives "none" to a request without tools
 
     def schema(self) -> dict | None:
         if self.plain or self.choice == "auto":
@@ -183,21 +183,15 @@ class OpenAIServingChat(OpenAIServing):
         *args,
         chat_template: str | None = None,
         response_role: str = "assistant",
-        enable_auto_tools: bool = False,
         tool_parser: str | None = None,
         **kwargs,
     ) -> None:
+        """`tool_parser`: the parser of tool_choice "auto" (the server's
+        `--tool-call-parser` under `--enable-auto-tool-choice`); None: "auto" is refused."""
         super().__init__(*args, **kwargs)
         self.chat_template = chat_template
         self.response_role = response_role
-        self.tool_parser = None
-        if enable_auto_tools:
-            if tool_parser not in TOOL_PARSERS:
-                raise ValueError(
-                    f"--enable-auto-tool-choice needs --tool-call-parser, one of "
-                    f"{sorted(TOOL_PARSERS)}; got {tool_parser!r}."
-                )
-            self.tool_parser = TOOL_PARSERS[tool_parser]()
+        self.tool_parser = None if tool_parser is None else TOOL_PARSERS[tool_parser]()
 
     def render(self, request) -> tuple[str, list[int]]:
         """Apply the chat template; returns the prompt text and its token ids."""
