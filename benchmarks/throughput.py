@@ -170,6 +170,20 @@ def hf_model(dtype: str):
     return model.to(getattr(torch, dtype)).eval()
 
 
+def left_padded(chunk):
+    """A static batch of (prompt ids, max_tokens) requests as transformers takes it: ids and
+    attention mask [B, longest], prompts padded on the left."""
+    import torch
+
+    longest = max(len(p) for p, _ in chunk)
+    ids = torch.zeros((len(chunk), longest), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for j, (p, _) in enumerate(chunk):
+        ids[j, longest - len(p) :] = torch.tensor(p)
+        mask[j, longest - len(p) :] = 1
+    return ids, mask
+
+
 def run_hf(model, reqs, name, batch_size=64):
     import torch
 
@@ -178,12 +192,7 @@ def run_hf(model, reqs, name, batch_size=64):
     ttft = None
     for i in range(0, len(reqs), batch_size):
         chunk = reqs[i : i + batch_size]
-        longest = max(len(p) for p, _ in chunk)
-        ids = torch.zeros((len(chunk), longest), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for j, (p, _) in enumerate(chunk):
-            ids[j, longest - len(p) :] = torch.tensor(p)
-            mask[j, longest - len(p) :] = 1
+        ids, mask = left_padded(chunk)
         max_new = max(n for _, n in chunk)
         with torch.no_grad():
             if len(reqs) == 1:

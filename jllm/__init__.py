@@ -20,6 +20,20 @@ def _torch_missing() -> bool:
 if _torch_missing():
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
+# JAX's GPU client takes 75% of the device by default, while vLLM's gpu_memory_utilization
+# (0.9) is a share of the whole device. Unless the user chose how JAX allocates, its
+# allocator may hold 95% (the rest is for the CUDA context and libraries outside it); the
+# KV cache then takes gpu_memory_utilization of the device (jllm/runner/kv_cache.py). It
+# takes effect if JAX's GPU backend starts after this import; CPU and TPU ignore it.
+_ALLOCATOR_VARIABLES = (
+    "XLA_CLIENT_MEM_FRACTION",
+    "XLA_PYTHON_CLIENT_MEM_FRACTION",
+    "XLA_PYTHON_CLIENT_PREALLOCATE",
+    "XLA_PYTHON_CLIENT_ALLOCATOR",
+)
+if not any(name in os.environ for name in _ALLOCATOR_VARIABLES):
+    os.environ["XLA_CLIENT_MEM_FRACTION"] = "0.95"
+
 from jllm.config import EngineArgs  # noqa: E402
 from jllm.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from jllm.sampling_params import (  # noqa: E402

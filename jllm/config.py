@@ -33,7 +33,15 @@ UNSUPPORTED_ARGS = {
 DTYPES = {"auto", "half", "float16", "bfloat16", "float", "float32"}
 LOAD_FORMATS = {"auto", "safetensors", "gguf", "dummy"}
 TOKENIZER_MODES = {"auto", "slow"}
-ATTENTION_BACKENDS = {"auto", "cpu_kernel", "xla", "pallas", "pallas_interpret"}
+ATTENTION_BACKENDS = {
+    "auto",
+    "cpu_kernel",
+    "xla",
+    "pallas",
+    "pallas_interpret",
+    "pallas_gpu",
+    "pallas_gpu_interpret",
+}
 
 # vLLM's CPU backend sizes its cache from VLLM_CPU_KVCACHE_SPACE (default 4 GiB).
 DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30

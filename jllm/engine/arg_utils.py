@@ -54,9 +54,10 @@ HELP = {
     "(default: on where measured to help, see the README).",
     "enforce_eager": "Compile each step shape on first use instead of all at start-up.",
     "max_seq_len_to_capture": "Accepted for compatibility; every bucket is compiled.",
-    "attention_backend": "Attention implementation: 'auto' (Pallas on TPU, the C++ kernel on "
-    "CPU, XLA elsewhere), 'cpu_kernel', 'xla', 'pallas', or 'pallas_interpret' (the Pallas "
-    "kernel interpreted, for testing).",
+    "attention_backend": "Attention implementation: 'auto' (the Pallas TPU kernel on TPU, the "
+    "Pallas GPU kernel on GPU, the C++ kernel on CPU, XLA otherwise), 'cpu_kernel', 'xla', "
+    "'pallas', 'pallas_gpu', or 'pallas_interpret' / 'pallas_gpu_interpret' (the Pallas "
+    "kernels interpreted on the CPU, for testing).",
     "scheduling_policy": "'fcfs' (arrival order) or 'priority' (a request's lower priority "
     "value first, then arrival; preemption takes the lowest priority first).",
     "logits_processors": "Custom logits processors as 'module:Class' names (subclasses of "

@@ -75,7 +75,9 @@ class LLMEngine:
             min_rows=min_dot_rows(dtype, platform),
             num_spec_tokens=sched_cfg.num_lookahead_slots,
         )
-        backend = resolve_backend(args.attention_backend, platform, dtype)
+        backend = resolve_backend(
+            args.attention_backend, platform, dtype, cfg.head_dim, args.block_size
+        )
         self.logits_processors = load_logits_processors(
             args.logits_processors, LogitsProcessorConfig(cfg.vocab_size, sched_cfg.max_num_seqs)
         )

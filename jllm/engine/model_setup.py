@@ -39,6 +39,7 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
         tokenizer=args.tokenizer,
         trust_remote_code=args.trust_remote_code,
         download_dir=args.download_dir,
+        load_format=args.load_format,
     )
     arch = registry.resolve(source.hf_config)
     cfg = arch.config(source.hf_config)

@@ -15,6 +15,7 @@ from pallas_kernels.ragged_paged_attention import (
     SUPPORTED_DTYPES,
     CpuKernelUnavailable,
     load_cpu_kernel,
+    unsupported_shape,
 )
 
 logger = logging.getLogger("jllm")
@@ -62,10 +63,20 @@ def min_dot_rows(dtype, platform: str) -> int:
     return 2 if platform == "cpu" and jnp.dtype(dtype).itemsize == 2 else 1
 
 
-def resolve_backend(requested: str, platform: str, dtype) -> str:
-    """auto: the Pallas kernel on TPU (its TPU flavour is the one written so far), the C++
-    kernel on CPU (float32 and bfloat16, where a C++ compiler can build it), the XLA attention
-    elsewhere (GPU until the kernel has a GPU variant, and CPU otherwise)."""
+def resolve_backend(
+    requested: str, platform: str, dtype, head_dim: int = 64, block_size: int = 16
+) -> str:
+    """auto: the Pallas TPU kernel on TPU; the Pallas GPU kernel on GPU where Triton's tile
+    rules take the head dim and block size (powers of two, head dim >= 16); the C++ kernel
+    on CPU (float32 and bfloat16, where a C++ compiler can build it); the XLA attention
+    otherwise."""
+    if requested.startswith("pallas_gpu"):
+        if requested == "pallas_gpu" and platform != "gpu":
+            raise ValueError(f"attention_backend='pallas_gpu' runs on GPU, not {platform}")
+        reason = unsupported_shape(head_dim, block_size)
+        if reason:
+            raise ValueError(f"attention_backend={requested!r}: {reason}")
+        return requested
     if requested == "cpu_kernel":
         if platform != "cpu":
             raise ValueError(f"attention_backend='cpu_kernel' runs on CPU, not {platform}")
@@ -79,6 +90,11 @@ def resolve_backend(requested: str, platform: str, dtype) -> str:
         return requested
     if platform == "tpu":
         return "pallas"
+    if platform == "gpu":
+        reason = unsupported_shape(head_dim, block_size)
+        if not reason:
+            return "pallas_gpu"
+        logger.warning("Using the XLA attention: %s", reason)
     if platform == "cpu" and jnp.dtype(dtype) in SUPPORTED_DTYPES:
         try:
             load_cpu_kernel()

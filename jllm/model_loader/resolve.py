@@ -23,6 +23,7 @@ def resolve_model(
     tokenizer: str | None = None,
     trust_remote_code: bool = False,
     download_dir: str | None = None,
+    load_format: str = "auto",
 ) -> ModelSource:
     """Find a model on local disk and read its config.
 
@@ -33,6 +34,7 @@ def resolve_model(
     tokenizer: load the tokenizer from this path or hub id instead of the model's own.
     trust_remote_code: allow a model directory's custom config code.
     download_dir: the Hugging Face cache directory to look hub ids up in.
+    load_format: "dummy" (random weights) needs only the directory's config.json, as in vLLM.
     """
     path = (
         locate.default_model_path()
@@ -47,7 +49,7 @@ def resolve_model(
         return ModelSource("gguf", path, config, gf.checkpoint_dtype(), gguf_file=gf, **common)
 
     files = checkpoint_files(path)
-    if not files:
+    if not files and load_format != "dummy":
         found = ", ".join(sorted(os.listdir(path)))
         raise ValueError(
             f"{path} has no *.safetensors weights (it holds: {found}). jllm loads only "

@@ -13,6 +13,8 @@ to tiles [Tt, C] that each belong to one request. Each backend reads its own met
   (`pallas_kernels/ragged_paged_attention/cpu.py`), reading the stacked cache in place.
 - `pallas` / `pallas_interpret`: the ragged paged attention kernel from `pallas_kernels/`
   over the same flat batch, described by query_start / query_lens / kv_lens / block_tables.
+- `pallas_gpu` / `pallas_gpu_interpret`: the kit's GPU flavour (Pallas on Triton), the same
+  contract and metadata.
 
 Both write the new K/V into the cache first (padding tokens write to an out-of-range slot
 that is dropped), so every query sees its own chunk and any block shared in the same step.
@@ -31,6 +33,7 @@ from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_cpu,
     ragged_paged_attention_cpu_sharded,
+    ragged_paged_attention_gpu,
     ragged_paged_attention_sharded,
 )
 from sharding import MODEL_AXIS
@@ -140,13 +143,15 @@ def paged_attention(q, k, v, kv_cache, layer, md, backend: str):
             md.query_lens,
             md.num_seqs,
         )
-        options = dict(layer=layer, sm_scale=sm_scale, interpret=backend == "pallas_interpret")
+        gpu = backend.startswith("pallas_gpu")
+        kernel = ragged_paged_attention_gpu if gpu else ragged_paged_attention
+        options = dict(layer=layer, sm_scale=sm_scale, interpret=backend.endswith("_interpret"))
         # Under tensor parallelism (the runner traces inside `jax.set_mesh`), each device
         # runs the kernel on its own heads.
         if sharded:
-            out = ragged_paged_attention_sharded(mesh, MODEL_AXIS, *args, **options)
+            out = ragged_paged_attention_sharded(mesh, MODEL_AXIS, *args, kernel=kernel, **options)
         else:
-            out = ragged_paged_attention(*args, **options)
+            out = kernel(*args, **options)
         return out, kv_cache
     assert isinstance(md, XlaMetadata), type(md)
     Rd = md.decode_kv_lens.shape[0]

@@ -4,7 +4,7 @@ The step builder (`runner/inputs.py`) describes the flat batch once (`FlatBatch`
 row's tokens sit, its context length and its block table); each backend's builder turns that
 into only the arrays its kernel reads, so the step ships nothing a backend ignores.
 
-- `RaggedMetadata` (`cpu_kernel`, `pallas`, `pallas_interpret`): the ragged paged attention
+- `RaggedMetadata` (`cpu_kernel` and the `pallas*` backends): the ragged paged attention
   kit's view: per request row its query start and length, context length and block table.
 - `XlaMetadata` (`xla`): decode rows and prefill tiles, sorted longest first into bands, each
   band with its own KV-chunk trip count (see the constants below).
@@ -188,4 +188,6 @@ BUILDERS = {
     "cpu_kernel": build_ragged,
     "pallas": build_ragged,
     "pallas_interpret": build_ragged,
+    "pallas_gpu": build_ragged,
+    "pallas_gpu_interpret": build_ragged,
 }

@@ -64,6 +64,18 @@ def _place(host: np.ndarray, sharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
+def _dummy(key, shape, dtype, norm: bool, sharding) -> jax.Array:
+    """A random weight N(0, 0.02) (ones for a norm), drawn on its devices: an 8B model's
+    weights take seconds there, minutes drawn on the host."""
+
+    def draw(key):
+        if norm:
+            return jnp.ones(shape, dtype)
+        return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+    return jax.jit(draw, out_shardings=sharding)(key)
+
+
 def abstract_model(arch: Architecture, cfg, dtype):
     return nnx.eval_shape(lambda: arch.module(cfg, dtype, nnx.Rngs(0)))
 
@@ -90,13 +102,12 @@ def load_model(
     shardings = {path: named_sharding(mesh, _axes(var), var.shape) for path, var in flat.items()}
     values: dict[tuple, jax.Array] = {}
     if load_format == "dummy":
-        rng = np.random.default_rng(seed)
-        for path, var in flat.items():
-            if len(path) > 1 and "norm" in path[-2]:  # norms
-                host = np.ones(var.shape, np.float32)
-            else:
-                host = rng.normal(0.0, 0.02, var.shape).astype(np.float32)
-            values[path] = _place(host.astype(dtype), shardings[path])
+        key = jax.random.key(seed)
+        for i, (path, var) in enumerate(flat.items()):
+            norm = len(path) > 1 and "norm" in path[-2]
+            values[path] = _dummy(
+                jax.random.fold_in(key, i), var.shape, dtype, norm, shardings[path]
+            )
     else:
         layered: dict[tuple, dict[int, np.ndarray]] = {}
         layer_weights = arch.layer_weights(cfg)

@@ -109,10 +109,13 @@ def candidate_draw(p, total, top_k, top_p, keys):
     where every token the row keeps is a candidate, so the token is the row's true draw."""
     V = p.shape[-1]
     C = min(NUM_CANDIDATES, V)
-    # The barrier keeps XLA's CPU TopK: without it, slices of the outputs fold into the
+    # The barriers keep XLA's CPU TopK: without them, slices of the outputs fold into the
     # sort that top_k lowers to, the TopK rewrite no longer matches, and a full sort of
-    # [64, 49152] runs instead (~250 ms against ~12 ms, 2-core CPU).
-    cand_p, cand_ids = jax.lax.optimization_barrier(jax.lax.top_k(p, C))  # [R, C] descending
+    # [64, 49152] runs instead (~200 ms against ~11 ms, 2-core CPU). One barrier per output:
+    # XLA 0.11's TopK decomposer aborts when a barrier takes TopK's tuple whole.
+    cand_p, cand_ids = jax.lax.top_k(p, C)  # [R, C] descending
+    cand_p = jax.lax.optimization_barrier(cand_p)
+    cand_ids = jax.lax.optimization_barrier(cand_ids)
     t_k = jnp.take_along_axis(cand_p, jnp.clip(top_k - 1, 0, C - 1), axis=-1)  # [R, 1]
     t_k = jnp.where(top_k >= V, 0.0, t_k)
     kept_k = jnp.where(cand_p >= t_k, cand_p, 0.0)

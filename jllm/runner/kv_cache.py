@@ -2,7 +2,10 @@
 
 On TPU/GPU the cache takes `gpu_memory_utilization` of device memory less what the weights
 use and what the largest step needs on top (the runner's `profile_step_bytes`: XLA's
-memory analysis of the largest bucket, compiled against a stand-in cache); on CPU (no
+memory analysis of the largest bucket, compiled against a stand-in cache). As in vLLM, the
+utilization is a share of the whole device: on GPU, JAX's allocator holds only
+`allocator_fraction()` of it (jllm raises JAX's default 0.75 to 0.95 at import, see
+`jllm/__init__.py`), and the cache never asks for more than that limit. On CPU (no
 memory stats) it takes an explicit size, `kv_cache_memory_bytes` (vLLM's CPU backend reads
 VLLM_CPU_KVCACHE_SPACE; default 4 GiB).
 `num_gpu_blocks_override` wins over both.
@@ -11,6 +14,7 @@ VLLM_CPU_KVCACHE_SPACE; default 4 GiB).
 from __future__ import annotations
 
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +32,18 @@ def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> in
     return num_layers * block_size * 2 * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
 
 
+def allocator_fraction(platform: str) -> float:
+    """The share of a device's memory that JAX's allocator may use (its `bytes_limit`): on
+    GPU, XLA_CLIENT_MEM_FRACTION (or the older XLA_PYTHON_CLIENT_MEM_FRACTION), else XLA's
+    default 0.75; elsewhere the whole device."""
+    if platform != "gpu":
+        return 1.0
+    value = os.environ.get("XLA_CLIENT_MEM_FRACTION") or os.environ.get(
+        "XLA_PYTHON_CLIENT_MEM_FRACTION"
+    )
+    return float(value) if value else 0.75
+
+
 def determine_num_blocks(
     per_block: int,
     *,
@@ -36,9 +52,11 @@ def determine_num_blocks(
     utilization: float,
     step_bytes,
     stats: dict | None = None,
+    fraction: float = 1.0,
 ) -> int:
     """`step_bytes()`: what the largest step needs, only asked when sizing from device
-    memory. `stats`: the device's memory stats (default: the first device's)."""
+    memory. `stats`: the device's memory stats (default: the first device's). `fraction`:
+    the share of the device the stats' `bytes_limit` is (`allocator_fraction`)."""
     if override is not None:
         return override
     if memory_bytes is None:
@@ -52,7 +70,16 @@ def determine_num_blocks(
                 used / 2**30,
                 activation_bytes / 2**30,
             )
-            memory_bytes = int(limit * utilization) - used - activation_bytes
+            budget = min(int(limit / fraction * utilization), limit)
+            if utilization > fraction:
+                logger.warning(
+                    "JAX's allocator may use %.2f of the device, less than "
+                    "gpu_memory_utilization=%.2f: the KV cache is sized to the allocator's "
+                    "limit (XLA_CLIENT_MEM_FRACTION raises it).",
+                    fraction,
+                    utilization,
+                )
+            memory_bytes = budget - used - activation_bytes
             if memory_bytes <= 0:
                 raise ValueError(
                     "No device memory is left for the KV cache: the weights and activations "
@@ -114,6 +141,7 @@ def create_kv_cache(
         memory_bytes=memory_bytes,
         utilization=utilization,
         step_bytes=lambda: profile(abstract_kv_cache(cfg, 4, block_size, dtype, mesh)),
+        fraction=allocator_fraction(platform),
     )
     logger.info(
         "# %s blocks: %d (%.2f GiB KV cache); maximum concurrency for %d tokens per request: %.2fx",

@@ -16,8 +16,11 @@ buckets compile on first use.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -91,6 +94,10 @@ class ModelRunner:
         self.layout = layout
         self.backend = backend
         self.enforce_eager = enforce_eager
+        # Forward buckets compiled at once in `compile_all`: one on the CPU (its compiler
+        # already uses the cores), several where the host's cores are otherwise idle.
+        on_cpu = mesh.devices.flat[0].platform == "cpu"
+        self.compile_workers = 1 if on_cpu else min(8, os.cpu_count() or 1)
         # Top logprobs every sample row returns: max_logprobs=-1 is the whole vocabulary.
         self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
         max_len = layout.max_pages * layout.block_size
@@ -241,9 +248,11 @@ class ModelRunner:
     def compile_all(self) -> None:
         """Compile every forward and sampler bucket before serving (skipped when eager).
 
-        One after another: compiling on a thread per core (XLA releases the GIL) was slower
-        on the 2-core CPU, 100 s against 92 s for the 89 SmolLM2 buckets, since XLA's CPU
-        compiler already uses the cores."""
+        Forward buckets compile on `compile_workers` threads (XLA releases the GIL while it
+        compiles; each compile sets the mesh itself). On the CPU one at a time: a thread per
+        core was slower on the 2-core CPU, 100 s against 92 s for the 89 SmolLM2 buckets,
+        since XLA's CPU compiler already uses the cores. On a GPU host the cores wait for
+        LLVM and ptxas of one module at a time, so several compile at once."""
         if self.enforce_eager:
             logger.info("enforce_eager=True: buckets compile on first use.")
             return
@@ -258,18 +267,29 @@ class ModelRunner:
             len(self.layout.sample_buckets),
         )
         start = time.perf_counter()
-        for i, (rd, tt) in enumerate(shapes):
-            buf, layout, rs = self._packed_inputs(rd, tt)
+        progress = itertools.count(1)  # next() is atomic: the threads share it
+
+        def forward(shape):
+            buf, layout, rs = self._packed_inputs(*shape)
             t0 = time.perf_counter()
             buf = jax.device_put(buf, self.replicated)
-            fwd = self._forward_executable((rd, tt), buf, layout)
-            logger.debug("Compiled (Rd=%d, Tt=%d) in %.2fs", rd, tt, time.perf_counter() - t0)
+            fwd = self._forward_executable(shape, buf, layout)
+            logger.debug("Compiled (Rd=%d, Tt=%d) in %.2fs", *shape, time.perf_counter() - t0)
+            done = next(progress)
+            if done % 16 == 0 or done == len(shapes):
+                logger.info("Compiled %d/%d buckets.", done, len(shapes))
+            return fwd, rs
+
+        if self.compile_workers > 1:
+            with ThreadPoolExecutor(self.compile_workers, "jllm-compile") as pool:
+                compiled = list(pool.map(forward, shapes))
+        else:
+            compiled = [forward(shape) for shape in shapes]
+        for fwd, rs in compiled:
             if rs not in self._sample_exe:
                 logits, _, md, prompt_hidden = fwd.out_info  # shapes and shardings
                 self._sample_executable(rs, logits, md)
                 self._prompt_lp_executable(prompt_hidden)  # one shape: compiled once
-            if (i + 1) % 16 == 0 or i + 1 == len(shapes):
-                logger.info("Compiled %d/%d buckets.", i + 1, len(shapes))
         for W in self.penalties.write_buckets:
             w = self.penalties.empty_write(W)
             self._write_executable(jax.device_put(w, self.replicated))

@@ -1,6 +1,7 @@
 """Ragged paged attention kit: one kernel for mixed prefill + decode over a flat batch.
 
 ``ragged_paged_attention`` is the Pallas TPU kernel (``interpret=True`` runs it on CPU),
+``ragged_paged_attention_gpu`` the same contract in Pallas on Triton for GPUs (likewise),
 ``ragged_paged_attention_reference`` the pure-jnp oracle it is tested against,
 ``validate_inputs`` the shared static checks, ``kv_cache_shape`` the cache layout
 ``[B, S, 2K, H]`` (K and V interleaved on the head axis) and
@@ -17,6 +18,7 @@ from .cpu import (
     ragged_paged_attention_cpu,
     ragged_paged_attention_cpu_sharded,
 )
+from .gpu import ragged_paged_attention_gpu, unsupported_shape
 from .kernel import ragged_paged_attention
 from .reference import ragged_paged_attention_reference
 from .sharded import ragged_paged_attention_sharded
@@ -31,8 +33,10 @@ __all__ = [
     "kv_cache_bytes",
     "kv_cache_shape",
     "ragged_paged_attention",
+    "ragged_paged_attention_gpu",
     "ragged_paged_attention_reference",
     "ragged_paged_attention_sharded",
+    "unsupported_shape",
     "validate_inputs",
     "validate_options",
 ]

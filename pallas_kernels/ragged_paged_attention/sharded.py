@@ -5,7 +5,8 @@ Each device runs the kernel on its own query heads and the kv heads they read: q
 (K/V interleaved, so a device's slice holds whole kv heads), with the ragged metadata
 replicated. Heads never talk to each other in attention, so no collective is needed; GQA
 groups stay intact as long as N and K divide by the axis size (what
-`sharding.kv_head_replicas` enforces).
+`sharding.kv_head_replicas` enforces). ``kernel`` picks the flavour: the TPU kernel by
+default, or `ragged_paged_attention_gpu`.
 """
 
 from __future__ import annotations
@@ -29,18 +30,20 @@ def ragged_paged_attention_sharded(
     query_lens,
     num_seqs,
     layer=None,
+    kernel=ragged_paged_attention,
     **kernel_options,
 ):
-    """`ragged_paged_attention` with heads split over `mesh` axis `axis`; same arguments."""
+    """`kernel` (a ragged paged attention flavour) with heads split over `mesh` axis `axis`;
+    same arguments."""
     kv_cache, layer, _ = as_stacked(kv_cache, layer)
     heads = P(None, axis, None)
     cache = P(None, None, None, axis, None)
 
-    def kernel(*args):  # the layer travels as an argument: it is traced in the model's scan
-        return ragged_paged_attention(*args[:-1], layer=args[-1], **kernel_options)
+    def per_device(*args):  # the layer travels as an argument: it is traced in the model's scan
+        return kernel(*args[:-1], layer=args[-1], **kernel_options)
 
     return jax.shard_map(
-        kernel,
+        per_device,
         mesh=mesh,
         in_specs=(heads, cache, P(), P(), P(), P(), P(), P()),
         out_specs=heads,

@@ -1,6 +1,7 @@
 """The whole engine gives the same tokens on every attention backend (the C++ CPU kernel, the
-default here; the XLA attention; the Pallas kernel in interpret mode), the XLA tile attention
-matches the kernel kit's jnp reference, and `auto` falls back to XLA without a compiler."""
+default here; the XLA attention; the Pallas TPU and GPU kernels in interpret mode, and the GPU
+kernel compiled where a GPU is present), the XLA tile attention matches the kernel kit's jnp
+reference, and `auto` picks each platform's kernel or falls back to XLA with the reason."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from oracle import SMALL, prompt_ids
 from jllm import LLM, SamplingParams
 from jllm.engine.platform import resolve_backend
 from jllm.models.attention import kv_chunk_pages, tile_attention
+from jllm.runner.compile_guard import count_compiles
 from pallas_kernels.ragged_paged_attention import cpu as cpu_kernel
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
@@ -23,16 +25,26 @@ def test_llama_llm_runs_the_cpu_kernel(llama_llm):
     assert llama_llm.llm_engine.runner.backend == "cpu_kernel"
 
 
-def test_engine_on_xla_matches_cpu_kernel(llama_dir, llama_llm):
-    # Decodes beside chunked prefills: a 32-token budget splits the 40-token prompt.
+def greedy_tokens(llm, max_tokens):
+    """Decodes beside chunked prefills (a 32-token budget splits the 40-token prompt)."""
     prompts = [{"prompt_token_ids": p} for p in prompt_ids(3, 6, seed=8)]
     prompts.append({"prompt_token_ids": prompt_ids(1, 40, seed=9)[0]})
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in llama_llm.generate(prompts, params, False)]
-    llm = LLM(llama_dir, **{**SMALL, "attention_backend": "xla", "max_num_batched_tokens": 32})
-    assert llm.llm_engine.runner.backend == "xla"
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert got == expected
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize(
+    "backend,max_tokens",
+    [
+        ("xla", 12),
+        ("pallas_gpu_interpret", 5),
+        pytest.param("pallas_interpret", 5, marks=pytest.mark.slow),
+    ],
+)
+def test_engine_on_each_backend_matches_cpu_kernel(llama_dir, llama_llm, backend, max_tokens):
+    llm = LLM(llama_dir, **{**SMALL, "attention_backend": backend, "max_num_batched_tokens": 32})
+    assert llm.llm_engine.runner.backend == backend
+    assert greedy_tokens(llm, max_tokens) == greedy_tokens(llama_llm, max_tokens)
 
 
 def test_auto_backend_falls_back_when_the_kernel_cannot_be_built(monkeypatch, tmp_path):
@@ -64,17 +76,46 @@ def test_auto_backend_without_a_compiler(monkeypatch, caplog):
         resolve_backend("cpu_kernel", "gpu", jnp.float32)
 
 
-@pytest.mark.slow
-def test_engine_on_pallas_interpret_matches_xla(llama_dir, llama_llm):
-    prompts = [{"prompt_token_ids": p} for p in prompt_ids(3, 6, seed=8)]
-    prompts.append({"prompt_token_ids": prompt_ids(1, 40, seed=9)[0]})
-    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in llama_llm.generate(prompts, params, False)]
-    llm = LLM(
-        llama_dir,
-        **{**SMALL, "attention_backend": "pallas_interpret", "max_num_batched_tokens": 32},
+def test_auto_backend_on_gpu_and_shapes_the_gpu_kernel_refuses(caplog):
+    assert resolve_backend("auto", "gpu", jnp.bfloat16, 128, 16) == "pallas_gpu"
+    with caplog.at_level("WARNING"):
+        assert resolve_backend("auto", "gpu", jnp.bfloat16, 80, 16) == "xla"
+    assert "power-of-two head dim" in caplog.text
+    assert resolve_backend("pallas_gpu", "gpu", jnp.bfloat16, 64, 32) == "pallas_gpu"
+    assert resolve_backend("pallas_gpu_interpret", "cpu", jnp.float32, 16, 8) == (
+        "pallas_gpu_interpret"
     )
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with pytest.raises(ValueError, match="runs on GPU, not cpu"):
+        resolve_backend("pallas_gpu", "cpu", jnp.float32, 64, 16)
+    with pytest.raises(ValueError, match="head dim of at least 16"):
+        resolve_backend("pallas_gpu_interpret", "cpu", jnp.float32, 8, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    jax.devices()[0].platform != "gpu", reason="needs a CUDA GPU (benchmarks/gpu/run.sh)"
+)
+def test_engine_on_gpu_kernel_matches_xla_and_compiles_nothing_after_start(llama_dir):
+    """On a GPU, float32: `auto` picks the Pallas GPU kernel, every bucket is compiled at
+    start-up (nothing after), and greedy tokens equal the XLA attention's."""
+    prompts = [{"prompt_token_ids": p} for p in prompt_ids(6, 9, seed=8)]
+    prompts.append({"prompt_token_ids": prompt_ids(1, 150, seed=9)[0]})  # chunked
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    settings = dict(
+        dtype="float32",
+        kv_cache_memory_bytes=64 << 20,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        disable_log_stats=True,
+    )
+    llm = LLM(llama_dir, **settings)
+    assert llm.llm_engine.runner.backend == "pallas_gpu"
+    with count_compiles() as events:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert events == []
+    llm.llm_engine.shutdown()
+    xla = LLM(llama_dir, attention_backend="xla", **settings)
+    expected = [o.outputs[0].token_ids for o in xla.generate(prompts, params, use_tqdm=False)]
     assert got == expected
 
 
@@ -128,7 +169,7 @@ def layer_sized(hlo: str, cache_shape) -> list[str]:
     return [line.strip() for line in hlo.splitlines() if pattern.search(line)]
 
 
-@pytest.mark.parametrize("backend", ["pallas_interpret", "cpu_kernel"])
+@pytest.mark.parametrize("backend", ["pallas_interpret", "pallas_gpu_interpret", "cpu_kernel"])
 def test_step_reads_the_stacked_cache_in_place(llama_dir, backend):
     """No backend slices a layer out of the stacked cache inside the layer scan (a copy of
     each layer per layer per step); the detector itself fires on a step that does."""

@@ -41,6 +41,32 @@ def test_no_compile_after_warmup(llama_dir):
     assert events == []
 
 
+@pytest.mark.slow
+def test_buckets_compiled_on_threads(llama_dir):
+    """The accelerator path of `compile_all` (several buckets compiling at once, as on a GPU
+    host) compiles every bucket: a workload afterwards compiles nothing."""
+    llm = LLM(
+        llama_dir,
+        kv_cache_memory_bytes=16 << 20,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        disable_log_stats=True,
+        enforce_eager=True,
+    )
+    runner = llm.llm_engine.runner
+    runner.enforce_eager, runner.compile_workers = False, 2
+    runner.compile_all()
+    assert set(runner._forward_exe) == set(runner.layout.shapes())
+    prompts = [{"prompt_token_ids": p} for p in prompt_ids(5, 3, seed=1)]
+    prompts.append({"prompt_token_ids": prompt_ids(1, 70, seed=2)[0]})  # chunked
+    with count_compiles() as events:
+        outs = llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), False
+        )
+    assert [len(o.outputs[0].token_ids) for o in outs] == [6] * 6
+    assert events == []
+
+
 def test_guard_refuses_unknown_bucket(llama_llm):
     runner = llama_llm.llm_engine.runner
     runner.compile_guard = True

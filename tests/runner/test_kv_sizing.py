@@ -46,6 +46,20 @@ def test_sizing_from_memory_stats_subtracts_the_profiled_step():
         )
 
 
+def test_utilization_is_a_share_of_the_whole_device(caplog):
+    """JAX's allocator limit is `fraction` of the device: 0.9 of an 80 GiB device is 72 GiB,
+    and a utilization above the allocator's share is capped at its limit, with a warning."""
+    per_block = 1 << 20
+    stats = {"bytes_limit": 76 * GiB, "bytes_in_use": 16 * GiB}  # 0.95 of 80 GiB
+    kw = dict(override=None, memory_bytes=None, step_bytes=lambda: 3 * GiB, stats=stats)
+    n = determine_num_blocks(per_block, utilization=0.9, fraction=0.95, **kw)
+    assert n == (int(80 * GiB * 0.9) - 16 * GiB - 3 * GiB) // per_block
+    with caplog.at_level("WARNING"):
+        n = determine_num_blocks(per_block, utilization=0.9, fraction=0.75, **kw)
+    assert n == (76 * GiB - 16 * GiB - 3 * GiB) // per_block
+    assert "XLA_CLIENT_MEM_FRACTION" in caplog.text
+
+
 def test_profile_of_the_largest_bucket(llama_llm):
     """The profile compiles the largest bucket against a 4-block stand-in cache (nothing is
     allocated) and counts at least the logits of the largest sampler bucket."""

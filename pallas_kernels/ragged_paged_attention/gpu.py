@@ -1,0 +1,330 @@
+"""Ragged paged attention for GPUs: the kit's contract as a Pallas kernel on Triton.
+
+Design. A query tile is ``block_m`` rows of one kv head's query group: the wrapper lays q
+out as ``[K, T * G, H]`` (row ``t * G + g`` is token t's head ``k * G + g``), so a tile of
+``block_m // G`` consecutive tokens of one request, with all G heads that share kv head
+k, is one contiguous ``[block_m, H]`` load and one matrix product per KV tile: GQA reads
+each K/V page once per query group, not once per head. Rows past ``(block_m // G) * G``
+(G need not be a power of two) and past the request's last token are masked.
+
+The grid is ``(query tiles, K, kv splits)``. Query tiles are counted per request
+(``ceil(query_len / tokens_per_tile)``); the wrapper turns the ragged metadata into a
+``tile -> (request, first token)`` table of static length ``ceil(T / tokens_per_tile) + R``
+(an upper bound on the tiles any batch of T tokens over R requests needs), and tiles past
+the batch's own count return at once. Each program walks its request's KV in tiles of
+``pages_per_tile`` pages: the page ids come from the block table and the pages are
+gathered straight out of layer ``layer`` of the stacked cache ``[L, B, S, 2K, H]``, so a
+model scanning its layers never copies one out. Only tiles holding positions the rows can
+attend to (causal limit, sliding window) are read. Scores, the running max and normaliser
+and the accumulator are float32 (online softmax); positions the rows cannot see are masked
+out of the scores and zeroed in V, so NaN or stale data in unused slots cannot leak.
+
+Split KV (flash decoding). With few query tiles (a small decode batch), ``K`` programs
+would leave most of the GPU idle while each walks a long context. ``num_kv_splits`` > 1
+cuts each request's KV range into that many contiguous parts, one program each; every
+part writes its normalised output and log-sum-exp, and a small jnp epilogue merges them.
+
+Output. Rows no valid request owns stay zero (the output aliases a zero array). Each
+program writes only its own rows, so programs never race.
+
+Triton needs power-of-two tile shapes: the head dim, the block size and the tiles are
+checked before lowering. The Triton lowering runs on any CUDA GPU and, with
+``interpret=True``, on the CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .validation import as_stacked, validate_inputs, validate_options
+
+
+def _pow2(x: int) -> bool:
+    return x >= 1 and x & (x - 1) == 0
+
+
+def unsupported_shape(head_dim: int, block_size: int) -> str | None:
+    """Why the GPU kernel cannot take a model's head dim and KV block size, or None."""
+    if not _pow2(head_dim) or head_dim < 16:
+        return f"the GPU kernel needs a power-of-two head dim of at least 16, got {head_dim}"
+    if not _pow2(block_size):
+        return f"the GPU kernel needs a power-of-two block size, got {block_size}"
+    return None
+
+
+def default_tiling(t: int, r: int, n: int, k: int, s: int) -> tuple[int, int, int]:
+    """(block_m, pages_per_tile, num_kv_splits) for a batch of T tokens over R requests.
+
+    Decode-shaped batches (T <= 2R) get the smallest tile Triton's matrix units take (16
+    rows, or G rounded up) so padded rows cost little; prefill-shaped ones 64 rows. KV
+    tiles hold 64 positions. Splits give a small batch about 256 programs, at most 16.
+    """
+    group = n // k
+    block_m = max(16 if t <= 2 * r else 64, pl.next_power_of_2(group))
+    pages_per_tile = max(1, 64 // s)
+    tiles = pl.cdiv(t, block_m // group) + r
+    splits = 1
+    while splits < 16 and tiles * k * splits * 2 <= 256:
+        splits *= 2
+    return block_m, pages_per_tile, splits
+
+
+def ragged_paged_attention_gpu(
+    q: jax.Array,
+    kv_cache: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    query_start: jax.Array,
+    query_lens: jax.Array,
+    num_seqs,
+    *,
+    layer=None,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    block_m: int | None = None,
+    pages_per_tile: int | None = None,
+    num_kv_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> jax.Array:
+    """Attention of a flat ragged batch of queries over a paged KV cache (Pallas GPU).
+
+    Arguments as `ragged_paged_attention`: q [T, N, H]; kv_cache [B, S, 2K, H], or the
+    stacked [L, B, S, 2K, H] with ``layer``; kv_lens, query_start, query_lens [R] int32;
+    block_tables [R, P] int32; num_seqs an int32 scalar or [1]. Tiling left as None follows
+    `default_tiling`. Returns [T, N, H] in q's dtype, zero on rows no valid request owns.
+    """
+    kv_cache, layer, layer_view = as_stacked(kv_cache, layer)
+    validate_inputs(q, layer_view, kv_lens, block_tables, query_start, query_lens, num_seqs)
+    validate_options(sm_scale, sliding_window, soft_cap)
+    t, n, h = q.shape
+    _, _, s, two_k, _ = kv_cache.shape
+    k = two_k // 2
+    group = n // k
+    r, p = block_tables.shape
+    auto = default_tiling(t, r, n, k, s)
+    block_m = auto[0] if block_m is None else block_m
+    pages_per_tile = auto[1] if pages_per_tile is None else pages_per_tile
+    num_kv_splits = auto[2] if num_kv_splits is None else num_kv_splits
+    reason = unsupported_shape(h, s)
+    if reason:
+        raise ValueError(reason)
+    for name, value in (("block_m", block_m), ("pages_per_tile", pages_per_tile)):
+        if not _pow2(value):
+            raise ValueError(f"the GPU kernel needs a power-of-two {name}, got {value}")
+    if block_m < max(16, group):
+        raise ValueError(f"block_m={block_m} must be >= 16 and >= the query group G={group}")
+    if pages_per_tile * s < 16:
+        raise ValueError(f"pages_per_tile * block size must be >= 16, got {pages_per_tile * s}")
+    if num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(h)
+
+    tokens_per_tile = block_m // group
+    num_tiles = pl.cdiv(t, tokens_per_tile) + r
+    tile_req, tile_tok = _tile_table(query_lens, num_seqs, tokens_per_tile, num_tiles)
+
+    # [K, T*G, H] with block_m rows of padding, so every tile's window is in bounds.
+    qg = jnp.swapaxes(q.reshape(t, k, group, h), 0, 1).reshape(k, t * group, h)
+    rows = t * group + block_m
+    qg = jnp.pad(qg, ((0, 0), (0, block_m), (0, 0)))
+    split = num_kv_splits > 1
+    out_dtype = jnp.float32 if split else q.dtype
+    out_shape = [jax.ShapeDtypeStruct((num_kv_splits, k, rows, h), out_dtype)]
+    inits = [jnp.zeros((num_kv_splits, k, rows, h), out_dtype)]
+    if split:
+        out_shape.append(jax.ShapeDtypeStruct((num_kv_splits, k, rows), jnp.float32))
+        inits.append(jnp.full((num_kv_splits, k, rows), -jnp.inf, jnp.float32))
+
+    kernel = functools.partial(
+        _kernel,
+        sm_scale=float(sm_scale),
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        group=group,
+        block_m=block_m,
+        pages_per_seq=p,
+        pages_per_tile=pages_per_tile,
+        num_requests=r,
+        split=split,
+    )
+    inputs = (
+        tile_req,
+        tile_tok,
+        kv_lens,
+        block_tables.reshape(-1),
+        query_start,
+        query_lens,
+        jnp.asarray(layer, jnp.int32).reshape(1),
+        qg,
+        kv_cache,
+    )
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(num_tiles, k, num_kv_splits),
+        input_output_aliases={len(inputs) + i: i for i in range(len(inits))},
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention_gpu",
+    )(*inputs, *inits)
+    if split:
+        o, lse = outs  # [splits, K, rows, H], [splits, K, rows]
+        top = jnp.max(lse, axis=0)
+        weight = jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0))  # [splits, K, rows]
+        total = weight.sum(axis=0)
+        out = (weight[..., None] * o).sum(axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
+    else:
+        out = outs[0][0]
+    out = out[:, : t * group].astype(q.dtype).reshape(k, t, group, h)
+    return jnp.swapaxes(out, 0, 1).reshape(t, n, h)
+
+
+def _tile_table(query_lens, num_seqs, tokens_per_tile, num_tiles):
+    """For each of ``num_tiles`` query tiles: the request it belongs to (R when the batch
+    needs fewer tiles) and the request's first token in it, both int32 [num_tiles]."""
+    r = query_lens.shape[0]
+    valid = jnp.arange(r) < jnp.asarray(num_seqs, jnp.int32).reshape(-1)[0]
+    per_req = jnp.where(valid, pl.cdiv(query_lens, tokens_per_tile), 0)
+    ends = jnp.cumsum(per_req)  # [R]
+    tiles = jnp.arange(num_tiles, dtype=jnp.int32)
+    req = jnp.searchsorted(ends, tiles, side="right").astype(jnp.int32)  # R past the end
+    first_tile = (ends - per_req)[jnp.minimum(req, r - 1)]
+    return req, ((tiles - first_tile) * tokens_per_tile).astype(jnp.int32)
+
+
+def _kernel(
+    tile_req_ref,  # [num_tiles]
+    tile_tok_ref,  # [num_tiles]
+    kv_lens_ref,  # [R]
+    block_tables_ref,  # [R * P]
+    query_start_ref,  # [R]
+    query_lens_ref,  # [R]
+    layer_ref,  # [1]
+    q_ref,  # [K, rows, H]
+    kv_ref,  # [L, B, S, 2K, H]
+    _o_init,  # aliased to o_ref
+    *refs,  # (o_ref [splits, K, rows, H], lse_ref [splits, K, rows]) or with lse init
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    group: int,
+    block_m: int,
+    pages_per_seq: int,
+    pages_per_tile: int,
+    num_requests: int,
+    split: bool,
+):
+    if split:
+        _lse_init, o_ref, lse_ref = refs
+    else:
+        (o_ref,) = refs
+    tile, kh, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_parts = pl.num_programs(2)
+    h = q_ref.shape[2]
+    s = kv_ref.shape[2]
+    tile_kv = pages_per_tile * s
+    req = tile_req_ref[tile]
+
+    @pl.when(req < num_requests)
+    def _tile():
+        tok0 = tile_tok_ref[tile]  # the request's first token in this tile
+        q_len = query_lens_ref[req]
+        kv_len = kv_lens_ref[req]
+        row0 = (query_start_ref[req] + tok0) * group
+        n_tok = jnp.minimum(block_m // group, q_len - tok0)
+        m = jax.lax.broadcasted_iota(jnp.int32, (block_m,), 0)
+        row_ok = m < n_tok * group  # [M]
+        q_pos = kv_len - q_len + tok0 + m // group  # [M]
+        last_pos = kv_len - q_len + tok0 + n_tok - 1
+        first_pos = 0
+        if sliding_window is not None:
+            first_pos = jnp.maximum(kv_len - q_len + tok0 - sliding_window + 1, 0)
+
+        tile_lo = first_pos // tile_kv
+        tile_hi = last_pos // tile_kv + 1
+        per_part = pl.cdiv(tile_hi - tile_lo, num_parts)
+        lo = tile_lo + part * per_part
+        hi = jnp.minimum(lo + per_part, tile_hi)
+
+        q = plgpu.load(q_ref.at[kh, pl.ds(row0, block_m), :], mask=row_ok[:, None], other=0.0)
+        precision = jax.lax.Precision.HIGHEST if kv_ref.dtype == jnp.float32 else None
+
+        def body(c, carry):
+            acc, m_i, l_i = carry
+            page_idx = c * pages_per_tile + jax.lax.broadcasted_iota(
+                jnp.int32, (pages_per_tile,), 0
+            )
+            page_ok = page_idx * s <= last_pos
+            pages = plgpu.load(
+                block_tables_ref.at[
+                    pl.ds(req * pages_per_seq + c * pages_per_tile, pages_per_tile)
+                ],
+                mask=page_ok,
+                other=0,
+            )
+            pages = jnp.where(page_ok, pages, 0)
+            # Each of the tile's positions as (page, slot), gathered with one index per
+            # element: [TK, 1] pages and slots against [1, H] lanes.
+            tok_page = jnp.broadcast_to(pages[:, None], (pages_per_tile, s)).reshape(tile_kv)
+            tok_slot = jax.lax.broadcasted_iota(jnp.int32, (tile_kv,), 0) % s
+            lanes = jax.lax.broadcasted_iota(jnp.int32, (1, h), 1)
+            at = (layer_ref[0], tok_page[:, None], tok_slot[:, None])
+            keys = plgpu.load(kv_ref.at[(*at, 2 * kh, lanes)])  # [TK, H]
+            values = plgpu.load(kv_ref.at[(*at, 2 * kh + 1, lanes)])  # [TK, H]
+            kv_pos = c * tile_kv + jax.lax.broadcasted_iota(jnp.int32, (tile_kv,), 0)
+            seen = (kv_pos >= first_pos) & (kv_pos <= last_pos)  # [TK]
+            values = jnp.where(seen[:, None], values, jnp.zeros_like(values))
+
+            scores = jax.lax.dot_general(
+                q.astype(keys.dtype),
+                keys,
+                (((1,), (1,)), ((), ())),
+                precision=precision,
+                preferred_element_type=jnp.float32,
+            )  # [M, TK]
+            scores = scores * sm_scale
+            if soft_cap is not None:
+                scores = soft_cap * jnp.tanh(scores / soft_cap)
+            mask = seen[None, :] & (kv_pos[None, :] <= q_pos[:, None])
+            if sliding_window is not None:
+                mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
+            scores = jnp.where(mask, scores, -jnp.inf)
+            m_new = jnp.maximum(m_i, scores.max(axis=1))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            probs = jnp.exp(scores - m_safe[:, None])
+            alpha = jnp.exp(m_i - m_safe)
+            l_new = alpha * l_i + probs.sum(axis=1)
+            pv = jax.lax.dot_general(
+                probs.astype(values.dtype),
+                values,
+                (((1,), (0,)), ((), ())),
+                precision=precision,
+                preferred_element_type=jnp.float32,
+            )  # [M, H]
+            return alpha[:, None] * acc + pv, m_new, l_new
+
+        init = (
+            jnp.zeros((block_m, h), jnp.float32),
+            jnp.full((block_m,), -jnp.inf, jnp.float32),
+            jnp.zeros((block_m,), jnp.float32),
+        )
+        acc, m_i, l_i = jax.lax.fori_loop(lo, hi, body, init)
+        out = acc / jnp.where(l_i == 0.0, 1.0, l_i)[:, None]
+        plgpu.store(
+            o_ref.at[part, kh, pl.ds(row0, block_m), :],
+            out.astype(o_ref.dtype),
+            mask=row_ok[:, None],
+        )
+        if split:
+            lse = jnp.where(l_i == 0.0, -jnp.inf, m_i + jnp.log(jnp.where(l_i == 0.0, 1.0, l_i)))
+            plgpu.store(lse_ref.at[part, kh, pl.ds(row0, block_m)], lse, mask=row_ok)

@@ -1,0 +1,196 @@
+"""The GPU flavour of ragged paged attention (Pallas on Triton) against the kit's jnp
+reference: in interpret mode on the CPU across the kit's cases (and under `shard_map`, in
+the TPU kernel's tests), lowered to Triton for an
+H100 without one (every operation has a Triton lowering and a power-of-two shape), and on a
+real GPU where one is present (the `gpu` marker).
+
+The batches come from the TPU kernel's tests: permuted block tables, NaN query rows between
+requests, padding requests whose metadata points at real rows, NaN in every unowned slot.
+"""
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from ragged_batches import MIX, assert_matches, make_batch
+
+from pallas_kernels.ragged_paged_attention import (
+    ragged_paged_attention_gpu,
+    ragged_paged_attention_reference,
+    unsupported_shape,
+)
+from pallas_kernels.ragged_paged_attention.gpu import _tile_table, default_tiling
+
+interpret = functools.partial(ragged_paged_attention_gpu, interpret=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("s", [8, 16])
+@pytest.mark.parametrize("n,k", [(4, 4), (8, 2), (6, 1), (9, 3)])
+def test_matches_reference(dtype, s, n, k):
+    # G = 1, 4, 6 and 3: groups that do and do not divide the 16-row tile.
+    args, _ = make_batch(MIX, n=n, k=k, h=16, s=s, dtype=dtype, seed=s + n)
+    ref = ragged_paged_attention_reference(*args)
+    out = interpret(*args)
+    assert out.dtype == dtype
+    assert_matches(out, ref, args, dtype)
+
+
+@pytest.mark.parametrize(
+    "block_m,pages_per_tile,splits",
+    [(16, 2, 1), (16, 2, 3), (32, 4, 1), (64, 8, 2), (16, 16, 8)],
+)
+def test_tilings(block_m, pages_per_tile, splits):
+    # pages_per_tile=16 exceeds P (masked pages); 8 splits exceed most requests' KV tiles.
+    args, _ = make_batch(MIX, n=8, k=2, h=32, s=8, dtype=jnp.float32, seed=block_m + splits)
+    ref = ragged_paged_attention_reference(*args)
+    out = interpret(*args, block_m=block_m, pages_per_tile=pages_per_tile, num_kv_splits=splits)
+    assert_matches(out, ref, args, jnp.float32)
+
+
+@pytest.mark.parametrize("sliding_window,soft_cap", [(5, None), (None, 1.0), (12, 2.0), (1, None)])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_window_and_soft_cap(sliding_window, soft_cap, splits):
+    args, _ = make_batch(MIX, n=4, k=2, h=16, s=8, dtype=jnp.float32, seed=7)
+    options = dict(sliding_window=sliding_window, soft_cap=soft_cap)
+    ref = ragged_paged_attention_reference(*args, **options)
+    out = interpret(*args, **options, num_kv_splits=splits, pages_per_tile=2)
+    assert_matches(out, ref, args, jnp.float32)
+
+
+def test_long_contexts_split_over_the_kv():
+    # Decodes at 300-700 positions beside a chunked prefill: many KV tiles per split.
+    seqs = [(700, 1), (300, 1), (513, 1), (400, 24)]
+    args, _ = make_batch(seqs, n=8, k=2, h=64, s=16, dtype=jnp.bfloat16, seed=3)
+    ref = ragged_paged_attention_reference(*args)
+    for splits in (1, 4, 16):
+        out = interpret(*args, num_kv_splits=splits)
+        assert_matches(out, ref, args, jnp.bfloat16)
+
+
+def test_reads_one_layer_of_the_stacked_cache_under_jit():
+    args, _ = make_batch(MIX, n=8, k=2, h=16, s=8, dtype=jnp.float32, seed=5)
+    q, cache, *meta = args
+    stacked = jnp.stack([jnp.full_like(cache, 7.0), cache, jnp.full_like(cache, -3.0)])
+    ref = ragged_paged_attention_reference(*args)
+    run = jax.jit(lambda stacked, layer, *a: interpret(a[0], stacked, *a[1:], layer=layer))
+    out = run(stacked, jnp.int32(1), q, *meta)
+    assert_matches(out, ref, args, jnp.float32)
+
+
+def test_num_seqs_zero_and_scalar():
+    args, _ = make_batch(MIX, n=4, k=2, h=16, s=8, dtype=jnp.float32, seed=2)
+    out = interpret(*args[:-1], jnp.int32(0))
+    assert (np.asarray(out) == 0).all()
+    ref = ragged_paged_attention_reference(*args)
+    assert_matches(interpret(*args[:-1], jnp.int32(len(MIX))), ref, args, jnp.float32)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 40), min_size=1, max_size=8),
+    tokens_per_tile=st.integers(1, 16),
+    num_valid=st.integers(0, 8),
+)
+def test_tile_table_covers_every_query_once(lens, tokens_per_tile, num_valid):
+    num_valid = min(num_valid, len(lens))
+    t = sum(lens)
+    num_tiles = -(-t // tokens_per_tile) + len(lens)
+    req, tok = _tile_table(
+        jnp.asarray(lens, jnp.int32), jnp.int32(num_valid), tokens_per_tile, num_tiles
+    )
+    covered = []
+    for r, first in zip(np.asarray(req), np.asarray(tok), strict=True):
+        if r < len(lens):
+            assert r < num_valid and 0 <= first < lens[r] and first % tokens_per_tile == 0
+            covered += [(r, j) for j in range(first, min(first + tokens_per_tile, lens[r]))]
+        else:
+            assert r == len(lens)  # unused tiles point past the last request
+    expected = [(r, j) for r in range(num_valid) for j in range(lens[r])]
+    assert sorted(covered) == expected
+
+
+def test_default_tiling():
+    # Decode-shaped: 16-row tiles (G=4 -> 4 tokens each); a lone decode splits its KV 16 ways.
+    assert default_tiling(1, 1, 32, 8, 16) == (16, 4, 16)
+    assert default_tiling(256, 256, 32, 8, 16)[::2] == (16, 1)
+    # Prefill-shaped: 64-row tiles; G=7 rounds the tile's floor up to 8.
+    assert default_tiling(8192, 64, 28, 4, 16)[0] == 64
+    assert default_tiling(1, 1, 64, 2, 16)[0] == 32  # G=32 needs 32 rows
+
+
+def test_shapes_triton_cannot_tile_are_refused():
+    assert unsupported_shape(64, 16) is None
+    assert "head dim" in unsupported_shape(80, 16)
+    assert "head dim" in unsupported_shape(8, 16)
+    assert "block size" in unsupported_shape(64, 12)
+    args, _ = make_batch(MIX, n=4, k=2, h=16, s=8, dtype=jnp.float32)
+    with pytest.raises(ValueError, match="head dim of at least 16"):
+        interpret(args[0][..., :8], args[1][..., :8], *args[2:])
+    with pytest.raises(ValueError, match="block_m"):
+        interpret(*args, block_m=24)
+    with pytest.raises(ValueError, match="num_kv_splits"):
+        interpret(*args, num_kv_splits=0)
+
+
+# Shapes of the models the GPU benchmark runs: (N, K, H, T, R).
+MODEL_SHAPES = {
+    "llama-3.1-8b decode 256": (32, 8, 128, 256, 256),
+    "llama-3.1-8b prefill 8192": (32, 8, 128, 8192, 64),
+    "qwen2.5-7b (G=7)": (28, 4, 128, 2048, 8),
+    "smollm2 single decode (G=3)": (9, 3, 64, 1, 1),
+}
+
+
+@pytest.mark.parametrize("name", list(MODEL_SHAPES))
+def test_lowers_to_triton_for_an_h100(name):
+    """Lowering (no GPU needed) for an abstract H100: every operation of the kernel has a
+    Triton lowering with the shapes Triton takes, and the result is one Triton call."""
+    n, k, h, t, r = MODEL_SHAPES[name]
+    mesh = jax.sharding.AbstractMesh(
+        (1,),
+        ("x",),
+        abstract_device=jax.sharding.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu"),
+    )
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    shapes = (
+        jax.ShapeDtypeStruct((t, n, h), jnp.bfloat16),
+        jax.ShapeDtypeStruct((32, 1024, 16, 2 * k, h), jnp.bfloat16),
+        i32((r,)),
+        i32((r, 64)),
+        i32((r,)),
+        i32((r,)),
+        i32((1,)),
+        i32(()),
+    )
+
+    def run(q, cache, *meta):
+        return ragged_paged_attention_gpu(q, cache, *meta[:-1], layer=meta[-1])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the Triton backend's notice
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = jax.jit(run).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+def _on_gpu() -> bool:
+    return jax.devices()[0].platform == "gpu"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_gpu(), reason="needs a CUDA GPU (benchmarks/gpu/run.sh runs it)")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("n,k,h", [(32, 8, 128), (28, 4, 128), (9, 3, 64), (8, 8, 64)])
+def test_on_gpu_matches_reference(dtype, n, k, h):
+    seqs = MIX + [(700, 1), (2000, 1), (600, 300), (64, 64)]
+    args, _ = make_batch(seqs, n=n, k=k, h=h, s=16, dtype=dtype, seed=n + h)
+    ref = ragged_paged_attention_reference(*args)
+    for splits in (None, 1, 4):
+        out = jax.jit(functools.partial(ragged_paged_attention_gpu, num_kv_splits=splits))(*args)
+        assert_matches(out, ref, args, dtype)

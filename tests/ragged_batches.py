@@ -1,0 +1,78 @@
+"""Ragged paged attention batches for the kernel tests, built to catch indexing mistakes:
+randomly permuted block tables, gaps of NaN query rows between requests and at the end,
+padding requests (r >= num_seqs) whose metadata points at real rows, and NaN in every cache
+slot no valid request owns."""
+
+import jax.numpy as jnp
+import numpy as np
+
+# (kv_len, query_len): decodes, a fresh prefill, chunked-prefill continuations.
+MIX = [(5, 1), (13, 13), (30, 7), (17, 1), (9, 9), (21, 3)]
+
+
+def make_batch(seqs, *, n, k, h, s, dtype, seed=0, num_pad_requests=2, extra_pages=2):
+    """Builds kernel arguments plus the contiguous numpy K/V each request sees."""
+    rng = np.random.default_rng(seed)
+    num_pages = [-(-kv_len // s) for kv_len, _ in seqs]
+    p = max(num_pages) + extra_pages
+    b = 1 + sum(num_pages) + 3  # block 0 is the null block; a few blocks stay unused
+    cache = np.full((b, s, 2 * k, h), np.nan, np.float32)
+    free = list(rng.permutation(np.arange(1, b)))
+
+    r = len(seqs) + num_pad_requests
+    block_tables = np.zeros((r, p), np.int32)  # unused entries point at the NaN null block
+    kv_lens = np.zeros(r, np.int32)
+    query_start = np.zeros(r, np.int32)
+    query_lens = np.zeros(r, np.int32)
+    contiguous = []
+    row = int(rng.integers(0, 3))
+    for i, (kv_len, q_len) in enumerate(seqs):
+        kv = rng.standard_normal((kv_len, 2 * k, h)).astype(np.float32)
+        kv = kv.astype(dtype).astype(np.float32)  # exactly representable in dtype
+        for j in range(num_pages[i]):
+            page = free.pop()
+            block_tables[i, j] = page
+            chunk = kv[j * s : (j + 1) * s]
+            cache[page, : len(chunk)] = chunk
+        kv_lens[i], query_lens[i], query_start[i] = kv_len, q_len, row
+        contiguous.append(kv)
+        row += q_len + int(rng.integers(0, 4))  # gap of 0-3 padding rows
+    t = row + 5  # trailing padding rows
+
+    for i in range(len(seqs), r):  # padding requests overlapping real rows
+        kv_lens[i], query_lens[i], query_start[i] = p * s, 4, 1
+        block_tables[i] = rng.integers(0, b, p)
+
+    q = np.full((t, n, h), np.nan, np.float32)
+    for i, (_, q_len) in enumerate(seqs):
+        q0 = query_start[i]
+        q[q0 : q0 + q_len] = rng.standard_normal((q_len, n, h))
+    args = (
+        jnp.asarray(q, dtype),
+        jnp.asarray(cache, dtype),
+        jnp.asarray(kv_lens),
+        jnp.asarray(block_tables),
+        jnp.asarray(query_start),
+        jnp.asarray(query_lens),
+        jnp.asarray([len(seqs)], jnp.int32),
+    )
+    return args, contiguous
+
+
+def owned_rows(args):
+    """Boolean [T] mask of the rows that some valid request owns."""
+    q, _, _, _, query_start, query_lens, num_seqs = args
+    mask = np.zeros(q.shape[0], bool)
+    for r in range(int(num_seqs[0])):
+        mask[int(query_start[r]) : int(query_start[r] + query_lens[r])] = True
+    return mask
+
+
+def assert_matches(out, ref, args, dtype):
+    out = np.asarray(out.astype(jnp.float32))
+    ref = np.asarray(ref.astype(jnp.float32))
+    assert out.shape == args[0].shape
+    assert not np.isnan(out).any()
+    assert (out[~owned_rows(args)] == 0).all()
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(out, ref, atol=tol, rtol=tol)
