@@ -17,7 +17,10 @@ Like `vllm bench throughput`: temperature 1.0, EOS ignored, every request its ow
 The peer is transformers (torch, bf16, SDPA, the same config with its own random weights)
 running `generate` on static batches of 64 as a user without an engine would; it runs the
 first `--hf-requests` requests of a workload (each batch runs to its longest output, only
-the tokens each request asked for count).
+the tokens each request asked for count). It runs first, in a child process that never
+starts JAX: JAX keeps the device memory it reserves until its process exits. jllm warms up
+on other prompts of the same shapes and then forgets its prefix cache, so no measured
+prompt finds cached blocks.
 
     python benchmarks/gpu/bench.py --model llama-3.1-8b        # on a GPU
     python benchmarks/gpu/bench.py --dry-run                   # a tiny config, on any device
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -65,6 +69,7 @@ def fixed(rng, n, n_in, n_out, vocab):
 
 
 def workload(name, rng, vocab, dry):
+    """One workload's (prompt ids, max_tokens) requests."""
     if name == "sharegpt":
         return sharegpt(rng, 16 if dry else 1000, vocab, 8 if dry else 1)
     if name == "random":
@@ -72,6 +77,40 @@ def workload(name, rng, vocab, dry):
     if name == "single":
         return fixed(rng, 1, 16 if dry else 128, 32 if dry else 512, vocab)
     return fixed(rng, 1, 128 if dry else 2048, 1, vocab)
+
+
+def requests(args, vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    return {name: workload(name, rng, vocab, args.dry_run) for name in args.workloads}
+
+
+def read_only_weight_bytes(state) -> int:
+    """Bytes a decode step reads: every weight, less the input embedding table (one row is
+    read) unless it doubles as the output projection (tied)."""
+    from flax import nnx
+
+    sizes = {path: v.nbytes for path, v in nnx.to_flat_state(state)}
+    embed = sum(n for path, n in sizes.items() if "embed_tokens" in map(str, path))
+    tied = not any("lm_head" in map(str, path) for path in sizes)
+    return sum(sizes.values()) - (0 if tied else embed)
+
+
+def run_peer(args, model_dir) -> dict:
+    """The transformers runs (`--hf-only`): their results by workload."""
+    import torch
+    import transformers
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
+    reqs = requests(args, vocab)
+    model = hf_model(model_dir, device)
+    results = {}
+    for name in args.workloads:
+        sub = reqs[name][: args.hf_requests]
+        run_hf(model, sub[:1], device)  # warm-up
+        results[name] = run_hf(model, sub, device)
+        print(name, "transformers", json.dumps(results[name]), flush=True)
+    return results
 
 
 def copy_bandwidth(jax, jnp) -> float:
@@ -193,7 +232,28 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--dry-run", action="store_true", help="a tiny config and few requests")
     ap.add_argument("--out", default=None, help="folder for results.json")
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)  # the child's model folder
+    ap.add_argument("--hf-only", metavar="JSON", help=argparse.SUPPRESS)  # the child's output
     args = ap.parse_args()
+    model_dir = args.model_dir or (
+        tiny_config(tempfile.mkdtemp())
+        if args.dry_run
+        else os.path.join(HERE, "configs", args.model)
+    )
+    if args.hf_only:
+        with open(args.hf_only, "w") as f:
+            json.dump(run_peer(args, model_dir), f)
+        return
+    peer = {}
+    if not args.skip_hf:
+        out = os.path.join(tempfile.mkdtemp(), "hf.json")
+        argv = [a for a in sys.argv[1:] if a not in ("--skip-hf",)]
+        subprocess.run(
+            [sys.executable, __file__, *argv, "--model-dir", model_dir, "--hf-only", out],
+            check=True,
+        )
+        with open(out) as f:
+            peer = json.load(f)
 
     import jax
     import jax.numpy as jnp
@@ -201,12 +261,7 @@ def main() -> None:
     from jllm import LLM, SamplingParams
 
     platform = jax.devices()[0].platform
-    device = "cuda" if platform == "gpu" else "cpu"
-    model_dir = (
-        tiny_config(tempfile.mkdtemp())
-        if args.dry_run
-        else os.path.join(HERE, "configs", args.model)
-    )
+    bandwidth = copy_bandwidth(jax, jnp)  # before the KV cache takes the memory
     engine_args = dict(
         load_format="dummy",
         skip_tokenizer_init=True,
@@ -222,8 +277,7 @@ def main() -> None:
     llm = LLM(model_dir, **engine_args)
     startup = time.perf_counter() - t0
     runner = llm.llm_engine.runner
-    weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(runner.state))
-    bandwidth = copy_bandwidth(jax, jnp)
+    weight_bytes = read_only_weight_bytes(runner.state)
     vocab = llm.llm_engine.model_config.vocab_size
     info = {
         "device": jax.devices()[0].device_kind,
@@ -231,34 +285,22 @@ def main() -> None:
         "model": os.path.basename(model_dir),
         "attention_backend": runner.backend,
         "startup_s": startup,
-        "weight_gib": weight_bytes / 2**30,
+        "weight_gib": weight_bytes / 2**30,  # read per decode step
         "copy_gb_s": bandwidth / 1e9,
         "roofline_tok_s": bandwidth / weight_bytes,
     }
     print(json.dumps(info), flush=True)
 
-    rng = np.random.default_rng(0)
-    reqs = {name: workload(name, rng, vocab, args.dry_run) for name in args.workloads}
+    reqs, warm = requests(args, vocab), requests(args, vocab, seed=1)
     results = {}
     for name in args.workloads:
-        run_jllm(llm, reqs[name][:2], SamplingParams)  # warm the host paths
+        run_jllm(llm, warm[name][:2], SamplingParams)  # the host paths, on other prompts
+        assert llm.reset_prefix_cache()  # nothing measured may hit a cached block
         results[name] = {"jllm": run_jllm(llm, reqs[name], SamplingParams)}
         print(name, "jllm", json.dumps(results[name]["jllm"]), flush=True)
+        if name in peer:
+            results[name]["hf"] = peer[name]
     llm.llm_engine.shutdown()
-    del llm, runner
-
-    if not args.skip_hf:
-        import torch
-
-        model = hf_model(model_dir, device)
-        for name in args.workloads:
-            sub = reqs[name][: args.hf_requests]
-            run_hf(model, sub[:1], device)  # warm-up
-            results[name]["hf"] = run_hf(model, sub, device)
-            print(name, "transformers", json.dumps(results[name]["hf"]), flush=True)
-        del model
-        if device == "cuda":
-            torch.cuda.empty_cache()
 
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -97,7 +97,7 @@ class ModelRunner:
         # Forward buckets compiled at once in `compile_all`: one on the CPU (its compiler
         # already uses the cores), several where the host's cores are otherwise idle.
         on_cpu = mesh.devices.flat[0].platform == "cpu"
-        self.compile_workers = 1 if on_cpu else min(8, os.cpu_count() or 1)
+        self.compile_workers = 1 if on_cpu else min(8, len(os.sched_getaffinity(0)))
         # Top logprobs every sample row returns: max_logprobs=-1 is the whole vocabulary.
         self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
         max_len = layout.max_pages * layout.block_size

@@ -229,6 +229,7 @@ def _kernel(
     else:
         (o_ref,) = refs
     tile, kh, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_blocks = kv_ref.shape[1]
     num_parts = pl.num_programs(2)
     h = q_ref.shape[2]
     s = kv_ref.shape[2]
@@ -272,7 +273,9 @@ def _kernel(
                 mask=page_ok,
                 other=0,
             )
-            pages = jnp.where(page_ok, pages, 0)
+            # Pages past the context read block 0; ids are clipped so no table entry can
+            # point the gather outside the cache.
+            pages = jnp.clip(jnp.where(page_ok, pages, 0), 0, num_blocks - 1)
             # Each of the tile's positions as (page, slot), gathered with one index per
             # element: [TK, 1] pages and slots against [1, H] lanes.
             tok_page = jnp.broadcast_to(pages[:, None], (pages_per_tile, s)).reshape(tile_kv)

@@ -97,7 +97,8 @@ def test_auto_backend_on_gpu_and_shapes_the_gpu_kernel_refuses(caplog):
 )
 def test_engine_on_gpu_kernel_matches_xla_and_compiles_nothing_after_start(llama_dir):
     """On a GPU, float32: `auto` picks the Pallas GPU kernel, every bucket is compiled at
-    start-up (nothing after), and greedy tokens equal the XLA attention's."""
+    start-up (nothing after), and greedy tokens equal the XLA attention's (both with full
+    float32 products: a GPU's default float32 dot is TF32)."""
     prompts = [{"prompt_token_ids": p} for p in prompt_ids(6, 9, seed=8)]
     prompts.append({"prompt_token_ids": prompt_ids(1, 150, seed=9)[0]})  # chunked
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -108,14 +109,15 @@ def test_engine_on_gpu_kernel_matches_xla_and_compiles_nothing_after_start(llama
         max_num_batched_tokens=64,
         disable_log_stats=True,
     )
-    llm = LLM(llama_dir, **settings)
-    assert llm.llm_engine.runner.backend == "pallas_gpu"
-    with count_compiles() as events:
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert events == []
-    llm.llm_engine.shutdown()
-    xla = LLM(llama_dir, attention_backend="xla", **settings)
-    expected = [o.outputs[0].token_ids for o in xla.generate(prompts, params, use_tqdm=False)]
+    with jax.default_matmul_precision("highest"):
+        llm = LLM(llama_dir, **settings)
+        assert llm.llm_engine.runner.backend == "pallas_gpu"
+        with count_compiles() as events:
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, False)]
+        assert events == []
+        llm.llm_engine.shutdown()
+        xla = LLM(llama_dir, attention_backend="xla", **settings)
+        expected = [o.outputs[0].token_ids for o in xla.generate(prompts, params, False)]
     assert got == expected
 
 
