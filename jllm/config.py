@@ -17,7 +17,6 @@ from dataclasses import dataclass
 SCHEDULING_POLICIES = ("fcfs", "priority")
 UNSUPPORTED_ARGS = {
     "quantization": None,
-    "speculative_config": None,
     "enable_lora": False,
     "kv_cache_dtype": "auto",
     "cpu_offload_gb": 0,
@@ -76,6 +75,10 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     # Draft tokens a request may verify per step (vLLM's name; a speculative config sets it).
     num_lookahead_slots: int = 0
+    # Speculative decoding: vLLM's `speculative_config`, e.g. {"method": "ngram",
+    # "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    # (jllm/spec_decode); parsed into a SpeculativeConfig.
+    speculative_config: dict | None = None
     # Schedule step N+1 while step N runs. None: the platform's default (engine/platform.py).
     async_scheduling: bool | None = None
     # Execution.
@@ -112,7 +115,11 @@ class EngineArgs:
         return cls(**{k: v for k, v in kwargs.items() if k in names})
 
     def __post_init__(self) -> None:
+        from jllm.spec_decode import SpeculativeConfig
         from jllm.structured_output import StructuredOutputsConfig
+
+        if not isinstance(self.speculative_config, SpeculativeConfig):
+            self.speculative_config = SpeculativeConfig.create(self.speculative_config)
 
         self.structured_outputs_config = StructuredOutputsConfig.create(
             self.structured_outputs_config, self.guided_decoding_backend
@@ -190,12 +197,15 @@ def resolve_scheduler_config(
         raise ValueError(
             f"max_num_batched_tokens ({budget}) must be at least max_num_seqs ({max_num_seqs})."
         )
+    slots = args.num_lookahead_slots
+    if args.speculative_config is not None:
+        slots = max(slots, args.speculative_config.num_speculative_tokens)
     return SchedulerConfig(
         max_num_seqs,
         budget,
         max_model_len,
         args.enable_chunked_prefill,
         tile_size,
-        args.num_lookahead_slots,
+        slots,
         args.scheduling_policy,
     )

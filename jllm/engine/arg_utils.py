@@ -64,6 +64,9 @@ HELP = {
     "jllm.logits_process.LogitsProcessor), compiled into the sampler.",
     "max_logprobs": "Largest logprobs / top_logprobs a request may ask for; -1: the whole "
     "vocabulary (then every step returns it).",
+    "speculative_config": 'Speculative decoding as JSON, e.g. \'{"method": "ngram", '
+    '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\' '
+    "(n-gram prompt lookup; optional disable_by_batch_size).",
     "structured_outputs_config": 'Structured outputs as JSON, e.g. \'{"backend": '
     "\"xgrammar\"}': backend 'auto' (xgrammar, else guidance), 'xgrammar' or 'guidance'; "
     "disable_fallback, disable_any_whitespace, disable_additional_properties.",
@@ -109,7 +112,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if f.name == "logits_processors":
             group.add_argument(flag(f.name), nargs="*", default=None, help=help_text)
             continue
-        if f.name == "structured_outputs_config":
+        if f.name in ("structured_outputs_config", "speculative_config"):
             group.add_argument(flag(f.name), type=json.loads, default=None, help=help_text)
             continue
         if kind is bool:

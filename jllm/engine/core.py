@@ -14,8 +14,9 @@ computed one more token in step N+1, which is dropped.
 
 The runner is injected (anything with `execute(SchedulerOutput) -> ModelRunnerOutput`), so
 this module stays free of JAX and is tested with a mock runner. So is an optional proposer
-(anything with `propose(request) -> list[int]`), asked for draft tokens for every running
-request after each step.
+(anything with `propose(request, num_requests) -> list[int]`, `num_requests` being the
+running and waiting count), asked for draft tokens for every running request after each
+step.
 
 Structured outputs (`jllm/structured_output`): a request with a grammar waits here, outside
 the scheduler, until its grammar is compiled on the manager's worker thread, so nothing
@@ -254,6 +255,8 @@ class EngineCore:
             drafts = sched_out.scheduled_spec_decode_tokens.get(rid, ())
             if drafts:
                 self.scheduler.reject_drafts(req, len(drafts) + 1 - len(tokens))
+                if tokens:
+                    stats.spec_decoding.observe(len(drafts), len(tokens) - 1)
             elif req.num_computed_tokens - num_new < req.num_prompt_tokens or not tokens:
                 stats.num_prefill_tokens += num_new
             if not tokens:
@@ -265,8 +268,9 @@ class EngineCore:
             touched.setdefault(parent.request_id, (parent, set()))[1].add(rid)
         self._record(stats)
         if self.proposer is not None:
+            num_requests = len(self.scheduler.running) + len(self.scheduler.waiting)
             for req in self.scheduler.running:
-                req.spec_token_ids = self.proposer.propose(req)
+                req.spec_token_ids = self.proposer.propose(req, num_requests)
         outputs = []
         for parent, children in touched.values():
             kind = parent.params.output_kind

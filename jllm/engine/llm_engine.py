@@ -42,6 +42,7 @@ from jllm.runner.kv_cache import create_kv_cache
 from jllm.runner.model_runner import ModelRunner
 from jllm.sampling_params import SamplingParams
 from jllm.scheduler_output import PROMPT_LOGPROB_ROWS
+from jllm.spec_decode import make_proposer
 from jllm.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("jllm")
@@ -136,8 +137,11 @@ class LLMEngine:
             self.max_model_len,
             eos,
             self.stat_loggers,
-            async_scheduling=resolve_async_scheduling(args.async_scheduling, platform),
+            async_scheduling=resolve_async_scheduling(
+                args.async_scheduling, platform, args.speculative_config is not None
+            ),
             structured=self.structured,
+            proposer=make_proposer(args.speculative_config, self.max_model_len),
         )
         self.processor = Processor(
             self.tokenizer, self.max_model_len, cfg.vocab_size, args.max_logprobs

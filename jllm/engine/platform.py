@@ -135,10 +135,20 @@ def log_split(mesh, state, kv_cache, replicas: int) -> None:
     )
 
 
-def resolve_async_scheduling(requested: bool | None, platform: str) -> bool:
+def resolve_async_scheduling(
+    requested: bool | None, platform: str, speculative: bool = False
+) -> bool:
     """Async scheduling overlaps the host's work for step N+1 with the device's step N. On
     an accelerator the host is otherwise idle while the device runs; on the CPU the device
-    is the same cores, so the default follows what was measured there (README)."""
+    is the same cores, so the default follows what was measured there (README). Drafts are
+    proposed from a step's results, so speculative decoding runs synchronously."""
+    if speculative:
+        if requested:
+            raise ValueError(
+                "async_scheduling=True cannot be combined with speculative decoding yet: "
+                "drafts are proposed from the previous step's tokens."
+            )
+        return False
     if requested is not None:
         return requested
     return platform != "cpu"

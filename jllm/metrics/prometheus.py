@@ -125,6 +125,20 @@ class PrometheusStatLogger:
             "Time spent in WAITING phase for request.",
             LATENCY_BUCKETS,
         )
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = counter(
+            "vllm:spec_decode_num_draft_tokens", "Number of draft tokens."
+        )
+        self.spec_accepted_tokens = counter(
+            "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."
+        )
+        per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            [*names, "position"],
+            registry=reg,
+        )
+        self.spec_accepted_per_pos = lambda pos: per_pos.labels(**labels, position=str(pos))
         self._seen = SchedulerStats(0, 0, 0.0, 0, 0, 0)
 
     def record(self, step: StepStats, sched: SchedulerStats) -> None:
@@ -140,6 +154,13 @@ class PrometheusStatLogger:
         self.generation_tokens.inc(step.num_generation_tokens)
         if step.num_computed_tokens:
             self.iteration_tokens.observe(step.num_computed_tokens)
+        spec = step.spec_decoding
+        if spec.num_drafts:
+            self.spec_drafts.inc(spec.num_drafts)
+            self.spec_draft_tokens.inc(spec.num_draft_tokens)
+            self.spec_accepted_tokens.inc(spec.num_accepted_tokens)
+            for pos, n in enumerate(spec.accepted_per_pos):
+                self.spec_accepted_per_pos(pos).inc(n)
         for t in step.time_to_first_tokens:
             self.ttft.observe(t)
         for t in step.inter_token_latencies:

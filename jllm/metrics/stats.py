@@ -28,6 +28,34 @@ class FinishedRequestStats:
 
 
 @dataclass
+class SpecDecodingStats:
+    """vLLM's spec-decode counts: a draft is one request's drafts in one step."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        grow = num_draft_tokens - len(self.accepted_per_pos)
+        self.accepted_per_pos += [0] * max(0, grow)
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+    def add(self, other: SpecDecodingStats) -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        grow = len(other.accepted_per_pos) - len(self.accepted_per_pos)
+        self.accepted_per_pos += [0] * max(0, grow)
+        for i, n in enumerate(other.accepted_per_pos):
+            self.accepted_per_pos[i] += n
+
+
+@dataclass
 class StepStats:
     num_computed_tokens: int = 0  # prefill chunks + decodes computed this step
     num_prefill_tokens: int = 0  # of which prompt (or recomputed) tokens
@@ -38,6 +66,7 @@ class StepStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
+    spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)
 
 
 @dataclass
@@ -70,10 +99,12 @@ class LoggingStatLogger:
         self._last = time.monotonic()
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        self._spec = SpecDecodingStats()
 
     def record(self, step: StepStats, sched: SchedulerStats) -> None:
         self._prompt_tokens += step.num_prefill_tokens
         self._generation_tokens += step.num_generation_tokens
+        self._spec.add(step.spec_decoding)
         now = time.monotonic()
         if now - self._last >= self.interval:
             self.log(sched, now)
@@ -95,5 +126,21 @@ class LoggingStatLogger:
             hit_rate * 100,
             sched.num_preemptions,
         )
+        spec = self._spec
+        if spec.num_drafts:
+            logger.info(
+                "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: "
+                "%.2f tokens/s, Drafted throughput: %.2f tokens/s, Accepted: %d tokens, "
+                "Drafted: %d tokens, Per-position acceptance rate: %s, Avg Draft acceptance "
+                "rate: %.1f%%",
+                1 + spec.num_accepted_tokens / spec.num_drafts,
+                spec.num_accepted_tokens / elapsed,
+                spec.num_draft_tokens / elapsed,
+                spec.num_accepted_tokens,
+                spec.num_draft_tokens,
+                ", ".join(f"{n / spec.num_drafts:.3f}" for n in spec.accepted_per_pos),
+                100 * spec.num_accepted_tokens / spec.num_draft_tokens,
+            )
+        self._spec = SpecDecodingStats()
         self._prompt_tokens = self._generation_tokens = 0
         self._last = now

@@ -1,6 +1,6 @@
 """Several tokens per request per step: a request's row may verify draft tokens, the step
 returns up to k+1 tokens for it, and only accepted tokens enter the output and the prefix
-cache. Drafts come from test proposers (speculative decoding proper is a later step):
+cache. Drafts come from test proposers (the n-gram proposer: test_spec_decode.py):
 `Oracle` proposes the true continuation (every draft accepted), `Wrong` a wrong one (none).
 The oracle is the plain engine's own output."""
 
@@ -36,7 +36,7 @@ class Oracle:
         self.expected, self.wrong, self.vocab = expected, wrong, vocab
         self.proposed = 0
 
-    def propose(self, req):
+    def propose(self, req, num_requests=1):
         out = self.expected[tuple(req.prompt_token_ids)]
         drafts = out[req.num_output_tokens : req.num_output_tokens + K]
         if self.wrong:

@@ -171,7 +171,7 @@ class Proposer:
     def __init__(self, wrong):
         self.wrong = wrong
 
-    def propose(self, req):
+    def propose(self, req, num_requests=1):
         last = req.all_token_ids[-1]
         return [(last + i + (7 if self.wrong else 0)) % 1000 for i in (1, 2, 3)]
 

@@ -177,3 +177,39 @@ def test_smollm2_structured_outputs_validate(smollm):
             assert re.fullmatch(r"[0-9]{1,4}", o.text)
         else:
             assert o.text in ("Yes", "No")
+
+
+@pytest.mark.slow
+def test_smollm2_ngram_speculation_copies_and_changes_nothing(smollm):
+    """A request to repeat a text: n-gram drafts from the prompt are mostly accepted, and the
+    greedy chat and a seeded sampled chat equal the engine's without speculation."""
+    text = (
+        "The engine keeps a paged KV cache, batches requests continuously, splits long "
+        "prompts into chunks and caches shared prefixes. Each step runs one compiled "
+        "program over a flat batch of prefill and decode rows."
+    )
+    chat = [{"role": "user", "content": f"Repeat this text exactly:\n\n{text}"}]
+    params = [
+        SamplingParams(temperature=0, max_tokens=48),
+        SamplingParams(temperature=0.8, top_p=0.95, seed=5, max_tokens=48),
+    ]
+    expected = [smollm.chat(chat, p, use_tqdm=False)[0].outputs[0] for p in params]
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+    llm = LLM(**ARGS, speculative_config={**spec, "prompt_lookup_min": 2})
+    stats = llm.llm_engine.core
+    got = [llm.chat(chat, p, use_tqdm=False)[0].outputs[0] for p in params]
+    for g, e in zip(got, expected, strict=True):
+        assert g.token_ids == e.token_ids and g.text == e.text
+    assert text[:40] in got[0].text  # it did copy
+    from jllm.metrics.prometheus import PrometheusStatLogger
+
+    prom = PrometheusStatLogger("smollm2", llm.llm_engine.max_model_len)
+    stats.stat_loggers.append(prom)
+    llm.chat(chat, params[0], use_tqdm=False)
+    lines = prom.exposition().decode().splitlines()
+
+    def value(name):
+        return next(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith(name + "{"))
+
+    drafted = value("vllm:spec_decode_num_draft_tokens_total")
+    assert value("vllm:spec_decode_num_accepted_tokens_total") > 0.5 * drafted > 0

@@ -1,0 +1,148 @@
+"""Speculative decoding: vLLM's `speculative_config` and the n-gram (prompt lookup) proposer.
+
+The engine verifies drafts in its ordinary step (`runner/sampler.py`): a request with k
+drafts is a (k+1)-row group, every row sampled from the target model, and a row's token
+counts while the rows before it sampled exactly their drafts. For a draft that is a function
+of the context (n-gram lookup) this is rejection sampling with a one-hot q: the draft is
+accepted with probability p(draft), and a rejected position yields a token from p without
+the draft, so the output distribution is the target model's and greedy output is unchanged.
+
+Host-side; no JAX.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+logger = logging.getLogger("jllm")
+
+# vLLM's method names that jllm does not build yet, refused by name.
+NOT_YET = ("draft_model", "eagle", "eagle3", "mtp", "suffix", "ngram_gpu", "medusa")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config` (a dict offline, JSON for `--speculative-config`)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def create(cls, spec: dict | None) -> SpeculativeConfig | None:
+        if spec is None:
+            return None
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
+        spec = {k.replace("-", "_"): v for k, v in spec.items()}
+        known = {
+            "method",
+            "model",
+            "num_speculative_tokens",
+            "prompt_lookup_min",
+            "prompt_lookup_max",
+            "disable_by_batch_size",
+        }
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {', '.join(unknown)}")
+        model = spec.get("model")
+        method = spec.get("method")
+        if method is None:
+            if model in ("ngram", "[ngram]"):
+                method = "ngram"
+            elif model is not None:
+                method = "draft_model"
+            else:
+                raise ValueError(
+                    "speculative_config needs a method ('ngram') or a draft model, e.g. "
+                    '{"method": "ngram", "num_speculative_tokens": 4}.'
+                )
+        if method in NOT_YET:
+            raise ValueError(
+                f"Speculative method {method!r} is not supported by jllm yet; use method='ngram'."
+            )
+        if method != "ngram":
+            raise ValueError(f"Unsupported speculative method: {method!r}.")
+        k = spec.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be an integer greater than zero, got {k!r}."
+            )
+        lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+        lo, hi = (5, 5) if lo is None and hi is None else (lo or hi, hi or lo)  # vLLM's
+        for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+        if lo > hi:
+            raise ValueError(f"prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
+        off = spec.get("disable_by_batch_size")
+        if off is not None and (not isinstance(off, int) or isinstance(off, bool) or off < 2):
+            raise ValueError(
+                "Expect the batch size threshold of disabling speculative decoding is > 1, "
+                f"but got {off!r}"
+            )
+        return cls(method, k, lo, hi, off)
+
+
+def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
+    """vLLM's prompt lookup: the longest suffix of `tokens` (of min_n..max_n tokens) that
+    also occurs earlier (the earlier occurrence may overlap the suffix), at its earliest
+    occurrence; the up to k tokens that followed it there. [] when none matches."""
+    n = len(tokens)
+    if n < min_n + 1 or k < 1:
+        return []
+    best = None
+    for length in range(min_n, min(max_n, n - 1) + 1):
+        # Windows ending at index <= n - 2, so that at least one token follows each.
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: n - 1], length)
+        hits = np.flatnonzero((windows == tokens[n - length :]).all(axis=1))
+        if hits.size == 0:
+            break  # no longer suffix can match either
+        best = (int(hits[0]), length)
+    if best is None:
+        return []
+    start = best[0] + best[1]
+    return tokens[start : start + k].tolist()
+
+
+class NgramProposer:
+    """Drafts for every running request from its own prompt and output (`EngineCore`'s
+    proposer: `propose(request) -> list[int]`)."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+
+    def propose(self, req, num_requests: int = 1) -> list[int]:
+        """`num_requests`: running and waiting; above `disable_by_batch_size`, no drafts."""
+        c = self.config
+        if c.disable_by_batch_size is not None and num_requests > c.disable_by_batch_size:
+            return []
+        if req.num_computed_tokens < req.num_tokens - 1:
+            return []  # still in prefill: no token sampled yet
+        k = min(c.num_speculative_tokens, self.max_model_len - req.num_tokens)
+        tokens = np.asarray(req.all_token_ids, np.int64)
+        return ngram_lookup(tokens, c.prompt_lookup_min, c.prompt_lookup_max, k)
+
+
+def make_proposer(config: SpeculativeConfig | None, max_model_len: int):
+    """The engine's proposer for `config` (None without speculative decoding)."""
+    if config is None:
+        return None
+    logger.info(
+        "Speculative decoding: %s, %d tokens, prompt lookup %d-%d%s.",
+        config.method,
+        config.num_speculative_tokens,
+        config.prompt_lookup_min,
+        config.prompt_lookup_max,
+        ""
+        if config.disable_by_batch_size is None
+        else f", off above {config.disable_by_batch_size} requests",
+    )
+    return NgramProposer(config, max_model_len)
