@@ -14,9 +14,8 @@ computed one more token in step N+1, which is dropped.
 
 The runner is injected (anything with `execute(SchedulerOutput) -> ModelRunnerOutput`), so
 this module stays free of JAX and is tested with a mock runner. So is an optional proposer
-(anything with `propose(request, num_requests) -> list[int]`, `num_requests` being the
-running and waiting count), asked for draft tokens for every running request after each
-step.
+(anything with `propose(request, num_running) -> list[int]`), asked for draft tokens for
+every running request that sampled in the step (the others, mid-prompt, get none).
 
 Structured outputs (`jllm/structured_output`): a request with a grammar waits here, outside
 the scheduler, until its grammar is compiled on the manager's worker thread, so nothing
@@ -243,6 +242,7 @@ class EngineCore:
         now = time.time()
         stats = StepStats(num_computed_tokens=sched_out.total_num_scheduled_tokens)
         touched: dict[str, tuple[ParentRequest, set[str]]] = {}
+        sampled: set[str] = set()
         for rid, num_new in sched_out.num_scheduled_tokens.items():
             req = self.scheduler.requests.get(rid)
             if req is None:
@@ -261,6 +261,7 @@ class EngineCore:
                 stats.num_prefill_tokens += num_new
             if not tokens:
                 continue
+            sampled.add(rid)
             parent = self._child_parent[rid]
             for tok in tokens:
                 if self._append(req, parent, tok, now, stats):
@@ -268,9 +269,12 @@ class EngineCore:
             touched.setdefault(parent.request_id, (parent, set()))[1].add(rid)
         self._record(stats)
         if self.proposer is not None:
-            num_requests = len(self.scheduler.running) + len(self.scheduler.waiting)
+            num_running = len(self.scheduler.running)
             for req in self.scheduler.running:
-                req.spec_token_ids = self.proposer.propose(req, num_requests)
+                if req.request_id in sampled:
+                    req.spec_token_ids = self.proposer.propose(req, num_running)
+                else:
+                    req.spec_token_ids = []
         outputs = []
         for parent, children in touched.values():
             kind = parent.params.output_kind

@@ -112,11 +112,16 @@ class Scheduler:
         return n if n > 1 else min(1, budget)
 
     def _drafts(self, req: Request) -> list[int]:
-        """The drafts `req` can verify this step: only from a decode, and never past the
-        context length."""
+        """The drafts `req` can verify this step: only from a decode, and only as many as
+        could still be emitted (k drafts bring up to k + 1 tokens; vLLM's bound): within
+        max_tokens and the context length."""
         if req.num_output_placeholders or req.num_tokens - req.num_computed_tokens != 1:
             return []
-        room = min(self.config.max_model_len - req.num_tokens, self.config.num_lookahead_slots)
+        p = req.sampling_params
+        limit = self.config.max_model_len
+        if p.max_tokens is not None:
+            limit = min(limit, req.num_prompt_tokens + p.max_tokens)
+        room = min(limit - req.num_tokens - 1, self.config.num_lookahead_slots)
         return req.spec_token_ids[: max(0, room)]
 
     def schedule(self) -> SchedulerOutput:

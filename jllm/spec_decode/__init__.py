@@ -75,7 +75,10 @@ class SpeculativeConfig:
                 f"num_speculative_tokens must be an integer greater than zero, got {k!r}."
             )
         lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
-        lo, hi = (5, 5) if lo is None and hi is None else (lo or hi, hi or lo)  # vLLM's
+        if lo is None and hi is None:
+            lo = hi = 5  # vLLM's defaults
+        elif lo is None or hi is None:
+            lo = hi = hi if lo is None else lo  # one given: both
         for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
@@ -119,13 +122,12 @@ class NgramProposer:
         self.config = config
         self.max_model_len = max_model_len
 
-    def propose(self, req, num_requests: int = 1) -> list[int]:
-        """`num_requests`: running and waiting; above `disable_by_batch_size`, no drafts."""
+    def propose(self, req, num_running: int = 1) -> list[int]:
+        """Drafts for `req`, which sampled a token this step. `num_running`: the running
+        batch; from `disable_by_batch_size` requests on, no drafts (vLLM V0's rule)."""
         c = self.config
-        if c.disable_by_batch_size is not None and num_requests > c.disable_by_batch_size:
+        if c.disable_by_batch_size is not None and num_running >= c.disable_by_batch_size:
             return []
-        if req.num_computed_tokens < req.num_tokens - 1:
-            return []  # still in prefill: no token sampled yet
         k = min(c.num_speculative_tokens, self.max_model_len - req.num_tokens)
         tokens = np.asarray(req.all_token_ids, np.int64)
         return ngram_lookup(tokens, c.prompt_lookup_min, c.prompt_lookup_max, k)

@@ -36,7 +36,7 @@ class Oracle:
         self.expected, self.wrong, self.vocab = expected, wrong, vocab
         self.proposed = 0
 
-    def propose(self, req, num_requests=1):
+    def propose(self, req, num_running=1):
         out = self.expected[tuple(req.prompt_token_ids)]
         drafts = out[req.num_output_tokens : req.num_output_tokens + K]
         if self.wrong:

@@ -171,7 +171,7 @@ class Proposer:
     def __init__(self, wrong):
         self.wrong = wrong
 
-    def propose(self, req, num_requests=1):
+    def propose(self, req, num_running=1):
         last = req.all_token_ids[-1]
         return [(last + i + (7 if self.wrong else 0)) % 1000 for i in (1, 2, 3)]
 
@@ -187,8 +187,8 @@ def test_drafts_verified_and_rejected_positions_recomputed():
         assert {k: v.outputs[0].token_ids for k, v in done.items()} == expected
         # a: the prefill gives 1 token, then each step verifies 3 drafts: 1 + 4 + 4 + 1
         assert len(runner.steps) == steps
-        if not wrong:
-            assert runner.steps[1] == [("a", 4), ("b", 4)]
+        if not wrong:  # b has 3 tokens left: 2 drafts, whose 3 tokens end it
+            assert runner.steps[1] == [("a", 4), ("b", 3)]
         # every cached block is a block of a's or b's real tokens, never of a draft
         kv = sched.kv_cache
         keys = set()

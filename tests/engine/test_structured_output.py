@@ -172,7 +172,7 @@ def test_drafts_under_a_grammar_change_nothing(backend, llama_llm, guidance_llm,
         def __init__(self, expected, wrong):
             self.expected, self.wrong, self.proposed = expected, wrong, 0
 
-        def propose(self, req, num_requests=1):
+        def propose(self, req, num_running=1):
             out = self.expected[tuple(req.prompt_token_ids)]
             drafts = out[req.num_output_tokens : req.num_output_tokens + K]
             self.proposed += len(drafts)

@@ -196,7 +196,6 @@ def test_smollm2_ngram_speculation_copies_and_changes_nothing(smollm):
     expected = [smollm.chat(chat, p, use_tqdm=False)[0].outputs[0] for p in params]
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
     llm = LLM(**ARGS, speculative_config={**spec, "prompt_lookup_min": 2})
-    stats = llm.llm_engine.core
     got = [llm.chat(chat, p, use_tqdm=False)[0].outputs[0] for p in params]
     for g, e in zip(got, expected, strict=True):
         assert g.token_ids == e.token_ids and g.text == e.text
@@ -204,7 +203,7 @@ def test_smollm2_ngram_speculation_copies_and_changes_nothing(smollm):
     from jllm.metrics.prometheus import PrometheusStatLogger
 
     prom = PrometheusStatLogger("smollm2", llm.llm_engine.max_model_len)
-    stats.stat_loggers.append(prom)
+    llm.llm_engine.core.stat_loggers.append(prom)
     llm.chat(chat, params[0], use_tqdm=False)
     lines = prom.exposition().decode().splitlines()
 
