@@ -261,3 +261,48 @@ def test_no_compile_after_warmup_with_speculation(copier_dir):
         llm.generate(prompts, PARAMS[:5], use_tqdm=False)
     assert events == []
     assert metric(prom, "vllm:spec_decode_num_accepted_tokens_total") > 0  # rows verified
+
+
+def test_sampled_distribution_is_the_targets(copier_dir):
+    """Chi-square: the second sampled token's distribution with speculation equals the target
+    model's (its logprobs from the engine without speculation). The copier repeats its last
+    token while the prompt's n-gram drafts another, so the draft mostly disagrees with the
+    target: most draws go through rejection and resampling."""
+    import scipy.stats
+
+    prompt = repetitive_prompts()[0]
+    llm = LLM(copier_dir, **{**SMALL, "speculative_config": NGRAM})
+    n = 600
+    outs = llm.generate(
+        [{"prompt_token_ids": prompt}] * n,
+        [SamplingParams(temperature=1.0, seed=s, max_tokens=2, ignore_eos=True) for s in range(n)],
+        use_tqdm=False,
+    )
+    pairs = [tuple(o.outputs[0].token_ids) for o in outs]
+    first = max(set(p[0] for p in pairs), key=[p[0] for p in pairs].count)
+    second = [p[1] for p in pairs if p[0] == first]
+    context = np.array(prompt + [first])
+    draft = ngram_lookup(context, 1, 3, 3)[0]  # what the proposer drafts at that step
+    assert draft != first  # the draft disagrees with the copier's favourite
+
+    plain = LLM(copier_dir, **SMALL)
+    top = (
+        plain.generate(
+            {"prompt_token_ids": prompt + [first]},
+            SamplingParams(temperature=1.0, max_tokens=1, logprobs=20),
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+        .logprobs[0]
+    )
+    p_first, p_draft = (float(np.exp(top[t].logprob)) if t in top else 0.0 for t in (first, draft))
+    expected = np.array([p_first, p_draft, 1 - p_first - p_draft]) * len(second)
+    observed = np.array(
+        [second.count(first), second.count(draft), sum(t not in (first, draft) for t in second)]
+    )
+    assert observed[0] > 0.3 * len(second)  # the repeat is common: the test has power
+    if expected[1] < 5:  # a rare draft joins "other": its draws must still be rare
+        observed = np.array([observed[0], observed[1] + observed[2]])
+        expected = np.array([expected[0], expected[1] + expected[2]])
+    _, p_value = scipy.stats.chisquare(observed, expected)
+    assert p_value > 1e-4, (observed, expected)
