@@ -271,10 +271,12 @@ class EngineCore:
         if self.proposer is not None:
             num_running = len(self.scheduler.running)
             for req in self.scheduler.running:
+                drafts = []
                 if req.request_id in sampled:
-                    req.spec_token_ids = self.proposer.propose(req, num_running)
-                else:
-                    req.spec_token_ids = []
+                    drafts = self.proposer.propose(req, num_running)
+                if drafts and req.grammar is not None:
+                    drafts = self.structured.valid_drafts(req.grammar, drafts)
+                req.spec_token_ids = drafts
         outputs = []
         for parent, children in touched.values():
             kind = parent.params.output_kind

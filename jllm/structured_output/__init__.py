@@ -177,6 +177,22 @@ class StructuredOutputManager:
     def matcher(self, p: StructuredOutputsParams, compiled):
         return self._backend(p._backend).matcher(compiled)
 
+    def valid_drafts(self, matcher, drafts: list[int]) -> list[int]:
+        """The longest prefix of `drafts` the grammar accepts, up to its end (vLLM trims a
+        grammar request's drafts so; a refused draft could never be emitted). The matcher is
+        left as it was."""
+        if matcher.is_terminated():
+            return []
+        accepted = 0
+        for token in drafts:
+            if not matcher.accept(token):
+                break
+            accepted += 1
+            if matcher.is_terminated():
+                break
+        matcher.rollback(accepted)
+        return drafts[:accepted]
+
     def bitmask(self, matcher, drafts: list[int]) -> np.ndarray:
         """[1 + len(drafts), W] int32: the mask now, then after each draft the grammar
         accepts (rows after a draft it refuses stay all-ones: they are never emitted, since

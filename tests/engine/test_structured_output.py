@@ -276,8 +276,14 @@ def test_bitmask_rows_follow_the_drafts(llama_llm):
     after = np.full((1, manager.width), -1, np.int32)
     m.fill(after, 0)
     assert (after[0] == rows[0]).all()
-    # A draft the grammar refuses: its own row masks it, later rows stay all ones.
+    # The drafts the engine keeps: the prefix the grammar accepts, matcher unchanged.
     bad = tok.encode("zz", add_special_tokens=False)
+    assert manager.valid_drafts(m, drafts + bad) == drafts
+    assert manager.valid_drafts(m, bad + drafts) == []
+    again = np.full((1, manager.width), -1, np.int32)
+    m.fill(again, 0)
+    assert (again[0] == rows[0]).all()
+    # A draft the grammar refuses: its own row masks it, later rows stay all ones.
     rows = manager.bitmask(m, bad)
     bit = (rows[0, bad[0] // 32] >> (bad[0] % 32)) & 1
     assert bit == 0 and (rows[1:] == -1).all()
