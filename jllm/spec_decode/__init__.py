@@ -13,6 +13,7 @@ Host-side; no JAX.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,21 +97,30 @@ class SpeculativeConfig:
 def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     """vLLM's prompt lookup: the longest suffix of `tokens` (of min_n..max_n tokens) that
     also occurs earlier (the earlier occurrence may overlap the suffix), at its earliest
-    occurrence; the up to k tokens that followed it there. [] when none matches."""
+    occurrence; the up to k tokens that followed it there. [] when none matches.
+
+    Vectorised over the ends of earlier occurrences: the ends where the last min_n tokens
+    match, then, one token further back at a time, the ends where the longer suffix still
+    does (a longer match contains the shorter one)."""
     n = len(tokens)
     if n < min_n + 1 or k < 1:
         return []
-    best = None
-    for length in range(min_n, min(max_n, n - 1) + 1):
-        # Windows ending at index <= n - 2, so that at least one token follows each.
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: n - 1], length)
-        hits = np.flatnonzero((windows == tokens[n - length :]).all(axis=1))
-        if hits.size == 0:
-            break  # no longer suffix can match either
-        best = (int(hits[0]), length)
-    if best is None:
+    count = n - min_n  # candidate ends e = min_n - 1 .. n - 2: a token follows each
+    match = tokens[min_n - 1 : min_n - 1 + count] == tokens[n - 1]
+    for j in range(1, min_n):
+        match &= tokens[min_n - 1 - j : min_n - 1 - j + count] == tokens[n - 1 - j]
+    ends = np.flatnonzero(match) + (min_n - 1)
+    if ends.size == 0:
         return []
-    start = best[0] + best[1]
+    length = min_n
+    while length < min(max_n, n - 1):
+        back = ends - length  # the token before each occurrence
+        keep = back >= 0
+        longer = ends[keep][tokens[back[keep]] == tokens[n - 1 - length]]
+        if longer.size == 0:
+            break
+        ends, length = longer, length + 1
+    start = int(ends[0]) + 1
     return tokens[start : start + k].tolist()
 
 
@@ -121,6 +131,21 @@ class NgramProposer:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
+        # Each request's tokens as a growing int64 buffer, extended by the tokens appended
+        # since the last step (a request's tokens are append-only), dropped with the request.
+        self._buffers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def _tokens(self, req) -> np.ndarray:
+        n = req.num_tokens
+        buf, have = self._buffers.get(req, (None, 0))
+        if buf is None or len(buf) < n:
+            grown = np.empty(max(64, 2 * n), np.int64)
+            if have:
+                grown[:have] = buf[:have]
+            buf = grown
+        buf[have:n] = req.all_token_ids[have:n]
+        self._buffers[req] = (buf, n)
+        return buf[:n]
 
     def propose(self, req, num_running: int = 1) -> list[int]:
         """Drafts for `req`, which sampled a token this step. `num_running`: the running
@@ -129,8 +154,7 @@ class NgramProposer:
         if c.disable_by_batch_size is not None and num_running >= c.disable_by_batch_size:
             return []
         k = min(c.num_speculative_tokens, self.max_model_len - req.num_tokens)
-        tokens = np.asarray(req.all_token_ids, np.int64)
-        return ngram_lookup(tokens, c.prompt_lookup_min, c.prompt_lookup_max, k)
+        return ngram_lookup(self._tokens(req), c.prompt_lookup_min, c.prompt_lookup_max, k)
 
 
 def make_proposer(config: SpeculativeConfig | None, max_model_len: int):

@@ -306,3 +306,27 @@ def test_sampled_distribution_is_the_targets(copier_dir):
         expected = np.array([expected[0], expected[1] + expected[2]])
     _, p_value = scipy.stats.chisquare(observed, expected)
     assert p_value > 1e-4, (observed, expected)
+
+
+def test_proposer_buffers_follow_the_growing_sequence():
+    """The proposer keeps each request's tokens in a buffer extended step by step; its
+    drafts equal a fresh lookup over the whole sequence at every length."""
+    from jllm.spec_decode import NgramProposer
+
+    class Req:
+        def __init__(self, tokens):
+            self.all_token_ids = list(tokens)
+
+        @property
+        def num_tokens(self):
+            return len(self.all_token_ids)
+
+    config = SpeculativeConfig.create(NGRAM)
+    proposer = NgramProposer(config, max_model_len=10_000)
+    rng = np.random.default_rng(0)
+    req = Req(rng.integers(0, 4, 10))
+    for _ in range(200):  # past the buffer's first capacities
+        got = proposer.propose(req)
+        tokens = np.array(req.all_token_ids)
+        assert got == ngram_lookup(tokens, 1, 3, 3) == reference_lookup(list(tokens), 1, 3, 3)
+        req.all_token_ids += rng.integers(0, 4, int(rng.integers(1, 4))).tolist()
