@@ -29,28 +29,47 @@ _DTYPES = {
 }
 
 
-def cpu_has_amx() -> bool:
-    """Whether this x86 CPU has AMX-BF16 tile units (Linux reports them in /proc/cpuinfo)."""
+# The x86 bf16 instructions XLA's CPU matmuls use, as /proc/cpuinfo names them, and what
+# bf16 measured against float32 there (SmolLM2, benchmarks/throughput.py, one run each).
+CPU_BF16_ISAS = {
+    "amx_bf16": "AMX-BF16: bf16 matmuls ran 4x fp32 at 2048 rows and 2.6x at 64 (2-core Xeon)",
+    "avx512_bf16": "AVX512-BF16: bf16 ran W1 1.58x and S1 1.49x fp32 (2-core Zen 4)",
+}
+
+
+def cpu_bf16_isa() -> str | None:
+    """This x86 CPU's best bf16 matrix instructions (a key of CPU_BF16_ISAS), or None."""
     try:
         with open("/proc/cpuinfo") as f:
-            return "amx_bf16" in f.read()
+            flags = f.read()
     except OSError:
-        return False
+        return None
+    return next((isa for isa in CPU_BF16_ISAS if isa in flags), None)
 
 
-def resolve_dtype(dtype: str, checkpoint_dtype: str, platform: str, amx: bool | None = None):
+def resolve_dtype(dtype: str, checkpoint_dtype: str, platform: str, isa: str | None | bool = True):
     """vLLM's `dtype` values. "auto" on accelerators: the checkpoint's dtype (bfloat16 for
     float32 checkpoints). On CPU: bfloat16 for a 16-bit checkpoint (float16, bfloat16, or a
-    quantized GGUF) when the CPU has AMX, whose bf16 tiles XLA uses, else float32. On the
-    2-core AMX CPU (SmolLM2) bf16 matmuls ran 4x faster than fp32 at 2048 rows and 2.6x at
-    64; without AMX, XLA's CPU bf16 matmuls are slower than fp32."""
+    quantized GGUF) when the CPU has bf16 matrix instructions that XLA uses (AMX or
+    AVX512-BF16, measured in CPU_BF16_ISAS), else float32 (without them XLA's CPU bf16
+    matmuls convert to fp32 and ran slower than fp32). `isa`: the CPU's (`cpu_bf16_isa`),
+    read from the CPU when left True. The choice and its reason are logged."""
     if dtype != "auto":
         return _DTYPES[dtype]
     if platform == "cpu":
-        if amx is None:
-            amx = cpu_has_amx()
+        if isa is True:
+            isa = cpu_bf16_isa()
         sixteen_bit = checkpoint_dtype in ("bfloat16", "float16", "half")
-        return jnp.bfloat16 if sixteen_bit and amx else jnp.float32
+        if sixteen_bit and isa:
+            logger.info("dtype auto: bfloat16 on this CPU, which has %s.", CPU_BF16_ISAS[isa])
+            return jnp.bfloat16
+        logger.info(
+            "dtype auto: float32 (%s).",
+            "a float32 checkpoint"
+            if not sixteen_bit
+            else "this CPU has neither AMX nor AVX512-BF16 for bf16 matmuls",
+        )
+        return jnp.float32
     if checkpoint_dtype in ("float32", "float"):
         return jnp.bfloat16
     return _DTYPES.get(checkpoint_dtype, jnp.bfloat16)

@@ -10,21 +10,26 @@ import transformers
 from oracle import SMALL, prompt_ids, save_tiny, worst_teacher_forced_gaps
 
 from jllm import LLM, SamplingParams
-from jllm.engine.platform import cpu_has_amx, min_dot_rows, resolve_dtype
+from jllm.engine.platform import cpu_bf16_isa, min_dot_rows, resolve_dtype
 
 
-def test_auto_dtype():
-    # CPU: bf16 for 16-bit checkpoints when the CPU has AMX, else float32.
-    assert resolve_dtype("auto", "bfloat16", "cpu", amx=True) == jnp.bfloat16
-    assert resolve_dtype("auto", "float16", "cpu", amx=True) == jnp.bfloat16
-    assert resolve_dtype("auto", "bfloat16", "cpu", amx=False) == jnp.float32
-    assert resolve_dtype("auto", "float32", "cpu", amx=True) == jnp.float32
+def test_auto_dtype(caplog):
+    # CPU: bf16 for 16-bit checkpoints when the CPU has AMX or AVX512-BF16, else float32,
+    # with the reason in the log.
+    with caplog.at_level("INFO", logger="jllm"):
+        assert resolve_dtype("auto", "bfloat16", "cpu", isa="amx_bf16") == jnp.bfloat16
+        assert "AMX-BF16" in caplog.text
+        assert resolve_dtype("auto", "float16", "cpu", isa="avx512_bf16") == jnp.bfloat16
+        assert "AVX512-BF16: bf16 ran W1" in caplog.text
+        assert resolve_dtype("auto", "bfloat16", "cpu", isa=None) == jnp.float32
+        assert "neither AMX nor AVX512-BF16" in caplog.text
+    assert resolve_dtype("auto", "float32", "cpu", isa="amx_bf16") == jnp.float32
     # Accelerators: the checkpoint's dtype, bf16 for float32 checkpoints.
     assert resolve_dtype("auto", "float32", "tpu") == jnp.bfloat16
     assert resolve_dtype("auto", "float16", "gpu") == jnp.float16
     # An explicit dtype is what you get.
-    assert resolve_dtype("float32", "bfloat16", "cpu", amx=True) == jnp.float32
-    assert resolve_dtype("bfloat16", "float32", "cpu", amx=False) == jnp.bfloat16
+    assert resolve_dtype("float32", "bfloat16", "cpu", isa="amx_bf16") == jnp.float32
+    assert resolve_dtype("bfloat16", "float32", "cpu", isa=None) == jnp.bfloat16
     # 16-bit models on CPU never run a one-row step (XLA's 1-row bf16 products are slow).
     assert min_dot_rows(jnp.bfloat16, "cpu") == 2
     assert min_dot_rows(jnp.float32, "cpu") == 1
@@ -38,7 +43,7 @@ def bf16_llama(tmp_path_factory, tokenizer_dir):
 
 def test_auto_dtype_of_a_bf16_checkpoint(bf16_llama):
     llm = LLM(bf16_llama, **SMALL)
-    assert llm.llm_engine.dtype == (jnp.bfloat16 if cpu_has_amx() else jnp.float32)
+    assert llm.llm_engine.dtype == (jnp.bfloat16 if cpu_bf16_isa() else jnp.float32)
 
 
 def test_bf16_engine_against_fp32_oracle(bf16_llama):

@@ -13,7 +13,7 @@ import transformers
 from oracle import worst_teacher_forced_gaps
 
 from jllm import LLM, SamplingParams
-from jllm.engine.platform import cpu_has_amx
+from jllm.engine.platform import cpu_bf16_isa
 from jllm.model_loader import resolve_model
 
 QUESTIONS = [
@@ -100,7 +100,7 @@ def test_smollm2_default_dtype_against_fp32_oracle():
     """`LLM()` as a user starts it: bf16 on an AMX CPU (Q4_1 weights count as 16-bit). Its
     greedy tokens stay the float32 oracle's argmax or within bf16's error of it."""
     llm = LLM(**{**ARGS, "dtype": "auto"})
-    assert llm.llm_engine.dtype == (jnp.bfloat16 if cpu_has_amx() else jnp.float32)
+    assert llm.llm_engine.dtype == (jnp.bfloat16 if cpu_bf16_isa() else jnp.float32)
     convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     outs = llm.chat(convs, params, use_tqdm=False)
