@@ -149,19 +149,25 @@ class StepTimer:
         return step, host, np.median(idles) * 1e3
 
 
-def run_jllm(llm, reqs, name):
+def run_jllm(llm, reqs, name, temperature=0.0):
+    """jllm on (prompt ids, max_tokens) requests, EOS ignored; for one request also its time
+    to first token and decode rate (from the request's metrics, whose clock is time.time)."""
     prompts = [{"prompt_token_ids": p} for p, _ in reqs]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True) for _, n in reqs
+    ]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t0
     gen = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert gen == sum(n for _, n in reqs)
-    ttft = None
+    assert gen == sum(n for _, n in reqs), "a request stopped short"
+    result = {"name": name, "seconds": dt, "tokens": gen, "tok_s": gen / dt, "ttft": None}
     if len(outs) == 1:
         m = outs[0].metrics
-        ttft = m.first_token_time - m.arrival_time
-    return {"name": name, "seconds": dt, "tokens": gen, "tok_s": gen / dt, "ttft": ttft}
+        result["ttft"] = m.first_token_time - m.arrival_time
+        if gen > 1:
+            result["decode_tok_s"] = (gen - 1) / (m.finished_time - m.first_token_time)
+    return result
 
 
 def hf_model(dtype: str):

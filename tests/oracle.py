@@ -127,3 +127,12 @@ def worst_teacher_forced_gaps(model, runs) -> tuple[float, float]:
 def prompt_ids(n: int, length: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 49152, (length + 7 * i,), generator=g).tolist() for i in range(n)]
+
+
+def prometheus_value(prom, name: str, label: str = "") -> float:
+    """A metric's value from a PrometheusStatLogger's exposition (the first sample of `name`
+    whose labels contain `label`)."""
+    for line in prom.exposition().decode().splitlines():
+        if line.startswith(name + "{") and label in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} {label} not exported")

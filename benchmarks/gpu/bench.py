@@ -39,8 +39,8 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.append(os.path.dirname(HERE))  # benchmarks/: the transformers batching helper
-from throughput import left_padded  # noqa: E402
+sys.path.append(os.path.dirname(HERE))  # benchmarks/: the helpers shared with throughput.py
+from throughput import left_padded, run_jllm  # noqa: E402
 
 WORKLOADS = ("sharegpt", "random", "single", "ttft")
 SHAREGPT_INPUT, SHAREGPT_OUTPUT = 229_711, 203_068  # tokens in 1000 ShareGPT prompts
@@ -124,24 +124,6 @@ def copy_bandwidth(jax, jnp) -> float:
         x = step(x)
     x.block_until_ready()
     return 10 * 2 * x.nbytes / (time.perf_counter() - t0)
-
-
-def run_jllm(llm, reqs, SamplingParams):
-    prompts = [{"prompt_token_ids": p} for p, _ in reqs]
-    params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for _, n in reqs]
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - t0
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert tokens == sum(n for _, n in reqs), "a request stopped short"
-    result = {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds}
-    if len(outs) == 1:
-        m = outs[0].metrics
-        result["ttft"] = m.first_token_time - m.arrival_time
-        n_out = len(outs[0].outputs[0].token_ids)
-        if n_out > 1:  # the metrics' clock is time.time()
-            result["decode_tok_s"] = (n_out - 1) / (m.finished_time - m.first_token_time)
-    return result
 
 
 def hf_model(config_dir, device):
@@ -258,7 +240,7 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
-    from jllm import LLM, SamplingParams
+    from jllm import LLM
 
     platform = jax.devices()[0].platform
     bandwidth = copy_bandwidth(jax, jnp)  # before the KV cache takes the memory
@@ -294,9 +276,9 @@ def main() -> None:
     reqs, warm = requests(args, vocab), requests(args, vocab, seed=1)
     results = {}
     for name in args.workloads:
-        run_jllm(llm, warm[name][:2], SamplingParams)  # the host paths, on other prompts
+        run_jllm(llm, warm[name][:2], "warm-up", 1.0)  # the host paths, on other prompts
         assert llm.reset_prefix_cache()  # nothing measured may hit a cached block
-        results[name] = {"jllm": run_jllm(llm, reqs[name], SamplingParams)}
+        results[name] = {"jllm": run_jllm(llm, reqs[name], name, temperature=1.0)}
         print(name, "jllm", json.dumps(results[name]["jllm"]), flush=True)
         if name in peer:
             results[name]["hf"] = peer[name]

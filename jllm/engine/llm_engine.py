@@ -141,7 +141,7 @@ class LLMEngine:
                 args.async_scheduling, platform, args.speculative_config is not None
             ),
             structured=self.structured,
-            proposer=make_proposer(args.speculative_config, self.max_model_len),
+            proposer=make_proposer(args.speculative_config),
         )
         self.processor = Processor(
             self.tokenizer, self.max_model_len, cfg.vocab_size, args.max_logprobs

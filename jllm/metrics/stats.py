@@ -37,13 +37,9 @@ class SpecDecodingStats:
     accepted_per_pos: list[int] = field(default_factory=list)
 
     def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted
-        grow = num_draft_tokens - len(self.accepted_per_pos)
-        self.accepted_per_pos += [0] * max(0, grow)
-        for i in range(num_accepted):
-            self.accepted_per_pos[i] += 1
+        """One request's drafts in a step: the first `num_accepted` were accepted."""
+        per_pos = [1] * num_accepted + [0] * (num_draft_tokens - num_accepted)
+        self.add(SpecDecodingStats(1, num_draft_tokens, num_accepted, per_pos))
 
     def add(self, other: SpecDecodingStats) -> None:
         self.num_drafts += other.num_drafts

@@ -24,6 +24,10 @@ logger = logging.getLogger("jllm")
 NOT_YET = ("draft_model", "eagle", "eagle3", "mtp", "suffix", "ngram_gpu", "medusa")
 
 
+def _int_at_least(value, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's `speculative_config` (a dict offline, JSON for `--speculative-config`)."""
@@ -71,7 +75,7 @@ class SpeculativeConfig:
         if method != "ngram":
             raise ValueError(f"Unsupported speculative method: {method!r}.")
         k = spec.get("num_speculative_tokens")
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        if not _int_at_least(k, 1):
             raise ValueError(
                 f"num_speculative_tokens must be an integer greater than zero, got {k!r}."
             )
@@ -81,12 +85,12 @@ class SpeculativeConfig:
         elif lo is None or hi is None:
             lo = hi = hi if lo is None else lo  # one given: both
         for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not _int_at_least(value, 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
         if lo > hi:
             raise ValueError(f"prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
         off = spec.get("disable_by_batch_size")
-        if off is not None and (not isinstance(off, int) or isinstance(off, bool) or off < 2):
+        if off is not None and not _int_at_least(off, 2):
             raise ValueError(
                 "Expect the batch size threshold of disabling speculative decoding is > 1, "
                 f"but got {off!r}"
@@ -126,11 +130,11 @@ def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int
 
 class NgramProposer:
     """Drafts for every running request from its own prompt and output (`EngineCore`'s
-    proposer: `propose(request) -> list[int]`)."""
+    proposer: `propose(request, num_running) -> list[int]`). It proposes up to k tokens;
+    the scheduler verifies only as many as fit within max_tokens and the context."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
-        self.max_model_len = max_model_len
         # Each request's tokens as a growing int64 buffer, extended by the tokens appended
         # since the last step (a request's tokens are append-only), dropped with the request.
         self._buffers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -153,11 +157,12 @@ class NgramProposer:
         c = self.config
         if c.disable_by_batch_size is not None and num_running >= c.disable_by_batch_size:
             return []
-        k = min(c.num_speculative_tokens, self.max_model_len - req.num_tokens)
-        return ngram_lookup(self._tokens(req), c.prompt_lookup_min, c.prompt_lookup_max, k)
+        return ngram_lookup(
+            self._tokens(req), c.prompt_lookup_min, c.prompt_lookup_max, c.num_speculative_tokens
+        )
 
 
-def make_proposer(config: SpeculativeConfig | None, max_model_len: int):
+def make_proposer(config: SpeculativeConfig | None):
     """The engine's proposer for `config` (None without speculative decoding)."""
     if config is None:
         return None
@@ -169,6 +174,6 @@ def make_proposer(config: SpeculativeConfig | None, max_model_len: int):
         config.prompt_lookup_max,
         ""
         if config.disable_by_batch_size is None
-        else f", off above {config.disable_by_batch_size} requests",
+        else f", off from {config.disable_by_batch_size} running requests",
     )
-    return NgramProposer(config, max_model_len)
+    return NgramProposer(config)

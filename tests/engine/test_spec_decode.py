@@ -21,7 +21,7 @@ import torch
 import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracle import SMALL, prompt_ids
+from oracle import SMALL, prometheus_value, prompt_ids
 
 from jllm import LLM, SamplingParams
 from jllm.engine.platform import resolve_async_scheduling
@@ -139,14 +139,6 @@ PARAMS = [
 ]
 
 
-def metric(prom, name, label=""):
-    """A counter's value from the Prometheus exposition."""
-    for line in prom.exposition().decode().splitlines():
-        if line.startswith(name + "{") and label in line:
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} {label} not exported")
-
-
 def run(llm, prompts):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
     return [o.outputs[0] for o in outs]
@@ -204,13 +196,15 @@ def test_outputs_equal_the_engine_without_speculation(model, settings):
     prom = PrometheusStatLogger("tiny", llm.llm_engine.max_model_len)
     llm.llm_engine.core.stat_loggers.append(prom)
     same(run(llm, repetitive_prompts()), expected)
-    drafts = metric(prom, "vllm:spec_decode_num_drafts_total")
-    drafted = metric(prom, "vllm:spec_decode_num_draft_tokens_total")
-    accepted = metric(prom, "vllm:spec_decode_num_accepted_tokens_total")
+    drafts = prometheus_value(prom, "vllm:spec_decode_num_drafts_total")
+    drafted = prometheus_value(prom, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = prometheus_value(prom, "vllm:spec_decode_num_accepted_tokens_total")
     assert drafts > 0 and drafted >= drafts and accepted <= drafted
     if name == "copier":  # most drafts accepted, not all (the sampled rows)
         assert 0.3 * drafted < accepted < drafted
-        first = metric(prom, "vllm:spec_decode_num_accepted_tokens_per_pos_total", 'position="0"')
+        first = prometheus_value(
+            prom, "vllm:spec_decode_num_accepted_tokens_per_pos_total", 'position="0"'
+        )
         assert 0 < first <= drafts
     if settings.get("num_gpu_blocks_override"):
         assert llm.llm_engine.scheduler.num_preemptions > 0
@@ -239,9 +233,9 @@ def test_log_line_and_disable_by_batch_size(llama_dir, caplog):
     prom = PrometheusStatLogger("tiny", off.llm_engine.max_model_len)
     off.llm_engine.core.stat_loggers.append(prom)
     off.generate([prompt] * 3, PARAMS[0], use_tqdm=False)  # 3 requests > 2: no drafts
-    assert metric(prom, "vllm:spec_decode_num_drafts_total") == 0
+    assert prometheus_value(prom, "vllm:spec_decode_num_drafts_total") == 0
     off.generate(prompt, PARAMS[0], use_tqdm=False)  # alone: drafts
-    assert metric(prom, "vllm:spec_decode_num_drafts_total") > 0
+    assert prometheus_value(prom, "vllm:spec_decode_num_drafts_total") > 0
 
 
 @pytest.mark.slow
@@ -260,7 +254,7 @@ def test_no_compile_after_warmup_with_speculation(copier_dir):
     with count_compiles() as events:
         llm.generate(prompts, PARAMS[:5], use_tqdm=False)
     assert events == []
-    assert metric(prom, "vllm:spec_decode_num_accepted_tokens_total") > 0  # rows verified
+    assert prometheus_value(prom, "vllm:spec_decode_num_accepted_tokens_total") > 0  # rows verified
 
 
 def test_sampled_distribution_is_the_targets(copier_dir):
@@ -322,7 +316,7 @@ def test_proposer_buffers_follow_the_growing_sequence():
             return len(self.all_token_ids)
 
     config = SpeculativeConfig.create(NGRAM)
-    proposer = NgramProposer(config, max_model_len=10_000)
+    proposer = NgramProposer(config)
     rng = np.random.default_rng(0)
     req = Req(rng.integers(0, 4, 10))
     for _ in range(200):  # past the buffer's first capacities
