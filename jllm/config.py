@@ -16,7 +16,6 @@ from dataclasses import dataclass
 # default raises instead of being silently ignored.
 SCHEDULING_POLICIES = ("fcfs", "priority")
 UNSUPPORTED_ARGS = {
-    "quantization": None,
     "enable_lora": False,
     "kv_cache_dtype": "auto",
     "cpu_offload_gb": 0,
@@ -59,6 +58,8 @@ class EngineArgs:
     load_format: str = "auto"
     generation_config: str = "auto"
     dtype: str = "auto"
+    # vLLM's names: "fp8" / "tpu_int8" (quantize on load), "gguf" (keep a GGUF file's blocks).
+    quantization: str | None = None
     seed: int | None = 0
     max_model_len: int | None = None
     # Cache.
@@ -115,6 +116,7 @@ class EngineArgs:
         return cls(**{k: v for k, v in kwargs.items() if k in names})
 
     def __post_init__(self) -> None:
+        from jllm.quantization import check_method
         from jllm.spec_decode import SpeculativeConfig
         from jllm.structured_output import StructuredOutputsConfig
 
@@ -129,6 +131,7 @@ class EngineArgs:
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                 f"got {self.scheduling_policy!r}."
             )
+        check_method(self.quantization)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}.")
         if self.load_format not in LOAD_FORMATS:

@@ -37,6 +37,9 @@ HELP = {
     "dtype": "Weights and activations dtype. 'auto' on CPU: bfloat16 for a 16-bit checkpoint "
     "when the CPU has AMX, else float32; on TPU/GPU the checkpoint's dtype (bfloat16 for "
     "float32 checkpoints).",
+    "quantization": "Weight quantization: 'fp8' or 'tpu_int8' (float8_e4m3 or int8 codes "
+    "with per-channel scales, made on load), 'gguf' (a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K "
+    "tensors kept quantized instead of dequantized on load).",
     "seed": "Random seed for requests without their own seed.",
     "max_model_len": "Context length (prompt + output); default: the model's.",
     "block_size": "Tokens per KV-cache block (a power of two).",

@@ -14,6 +14,7 @@ from jllm.engine.platform import resolve_dtype
 from jllm.model_loader import resolve_model
 from jllm.models import registry
 from jllm.models.loader import load_model
+from jllm.quantization import resolve_quantization
 from sharding import kv_head_replicas, make_mesh
 
 logger = logging.getLogger("jllm")
@@ -50,13 +51,16 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
             f"User-specified max_model_len ({max_model_len}) is greater than the derived "
             f"max_model_len (max_position_embeddings={derived_len} in the model's config)."
         )
+    quantization = resolve_quantization(args.quantization, source)
     dtype = resolve_dtype(args.dtype, source.checkpoint_dtype, platform)
     logger.info(
-        "Initializing jllm engine with config: model=%r, dtype=%s, max_model_len=%d, "
+        "Initializing jllm engine with config: model=%r, dtype=%s, quantization=%s, "
+        "max_model_len=%d, "
         "block_size=%d, enable_prefix_caching=%s, enable_chunked_prefill=%s, "
         "enforce_eager=%s, platform=%s, seed=%s",
         source.path,
         jnp.dtype(dtype).name,
+        quantization,
         max_model_len,
         args.block_size,
         args.enable_prefix_caching,
@@ -89,6 +93,7 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
         args.load_format,
         seed=args.seed or 0,
         kv_replicas=replicas,
+        quantization=quantization,
     )
     return EngineModel(
         source, cfg, jnp.dtype(dtype), max_model_len, mesh, replicas, graphdef, state, tokenizer

@@ -21,8 +21,12 @@ import re
 from collections.abc import Iterator
 
 import gguf
+import jax
 import numpy as np
 from gguf.quants import dequantize
+
+from jllm.quantization.formats import GGUF_KEPT, gguf_weight
+from jllm.quantization.weights import QuantizedWeight
 
 # llama.cpp architectures we can load, and whether its converter permuted q/k rows for them.
 ARCHITECTURES: dict[str, bool] = {"llama": True, "qwen2": False, "qwen3": False}
@@ -98,14 +102,22 @@ class GgufFile:
         """GGUF names of the tensors `iter_weights` yields, in file order."""
         return [name for name in self.tensors if name not in CONFIG_TENSORS]
 
-    def iter_weights(self) -> Iterator[tuple[str, np.ndarray]]:
-        """Yield `(hf_name, float32 array)` in transformers' layout ([out, in] for linears)."""
+    def iter_weights(self, keep_quantized: bool = False) -> Iterator[tuple[str, object]]:
+        """Yield `(hf_name, float32 array)` in transformers' layout ([out, in] for linears).
+
+        keep_quantized: yield the matrices of the types `formats.GGUF_KEPT` lists as
+        `QuantizedWeight`s (numpy arrays, rows are output channels) instead of dequantizing
+        them (quantization="gguf")."""
         permute = ARCHITECTURES[self.architecture]
         num_heads = self.arch_key("attention.head_count")
         num_kv_heads = self.arch_key("attention.head_count_kv", num_heads)
         for gguf_name in self.weight_names():
             hf_name = self.hf_name(gguf_name)
-            array = self.tensor(gguf_name)
+            t = self.tensors[gguf_name]
+            if keep_quantized and t.tensor_type.name in GGUF_KEPT and len(t.shape) == 2:
+                array = gguf_weight(np.asarray(t.data), t.tensor_type.name)
+            else:
+                array = self.tensor(gguf_name)
             if permute and ".attn_q." in gguf_name:
                 array = unpermute_rope_rows(array, num_heads)
             elif permute and ".attn_k." in gguf_name:
@@ -138,6 +150,8 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
     `weight` is `[num_heads * H, ...]` (a projection weight `[N*H, D]` or its bias `[N*H]`).
     """
+    if isinstance(weight, QuantizedWeight):  # rows are output channels in every array
+        return jax.tree.map(lambda a: unpermute_rope_rows(a, num_heads), weight)
     rows = weight.shape[0]
     if rows % (2 * num_heads):
         raise ValueError(

@@ -48,16 +48,18 @@ class ModelSource:
         """The files holding the weights: the safetensors shards, or the GGUF file."""
         return [self.path] if self.kind == "gguf" else checkpoint_files(self.path)
 
-    def iter_weights(self) -> Iterator[tuple[str, np.ndarray]]:
+    def iter_weights(self, keep_quantized: bool = False) -> Iterator[tuple[str, np.ndarray]]:
         """Yield `(hf_name, array)` for every weight, one tensor in memory at a time.
 
         Names are transformers' (`model.layers.0.self_attn.q_proj.weight`); arrays are float32 in
         transformers' layout (`[out, in]` for linear weights). `lm_head.weight` is absent when the
         checkpoint ties it to the embedding (`hf_config.tie_word_embeddings`). Arrays may be
         read-only views of a memory-mapped file: copy before writing to them.
+
+        keep_quantized (GGUF only): quantized matrices come as `QuantizedWeight`s instead.
         """
         if self.kind == "gguf":
-            yield from self._gguf().iter_weights()
+            yield from self._gguf().iter_weights(keep_quantized)
         else:
             yield from iter_safetensors(self.weight_files)
 

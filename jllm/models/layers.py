@@ -14,14 +14,21 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jllm.quantization.weights import QuantizedWeight, matmul
 
-def param(rngs: nnx.Rngs, shape, axes, dtype, scale=0.02) -> nnx.Param:
-    return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * scale, logical_axes=axes)
+
+def param(rngs: nnx.Rngs, shape, axes, dtype, scale=0.02, **metadata) -> nnx.Param:
+    value = jax.random.normal(rngs.params(), shape, dtype) * scale
+    return nnx.Param(value, logical_axes=axes, **metadata)
 
 
 class Linear(nnx.Module):
     """y = einsum(spec, x, weight) (+ bias), e.g. spec "TD,DNH->TNH" with weight [D, N, H] and
-    bias [N, H]. The weight's layout is ours; the loader converts checkpoints to it."""
+    bias [N, H]. The weight's layout is ours; the loader converts checkpoints to it.
+
+    The weight's leading `contract` axes are the ones the einsum sums over. A quantized
+    weight (the loader's, `quantization=`) is a `QuantizedWeight` [Out, In] over the
+    flattened output and input axes instead: x's contracted axes are flattened into In."""
 
     def __init__(
         self,
@@ -33,7 +40,10 @@ class Linear(nnx.Module):
         bias_dims: int = 0,
     ):
         self.spec = spec
-        self.weight = param(rngs, shape, axes, dtype)
+        inputs, output = spec.replace(" ", "").split("->")
+        self.contract = len(set(inputs.split(",")[1]) - set(output))
+        self.out_shape = tuple(shape[self.contract :])
+        self.weight = param(rngs, shape, axes, dtype, contract=self.contract)
         self.use_bias = bias_dims > 0
         if self.use_bias:  # over the last `bias_dims` output axes
             self.bias = nnx.Param(
@@ -41,7 +51,13 @@ class Linear(nnx.Module):
             )
 
     def __call__(self, x, out_dtype=None):
-        y = jnp.einsum(self.spec, x, self.weight[...], preferred_element_type=out_dtype)
+        w = self.weight.get_value()
+        if isinstance(w, QuantizedWeight):
+            lead = x.shape[: x.ndim - self.contract]
+            y = matmul(x.reshape(*lead, -1).reshape(-1, w.shape[-1]), w, out_dtype)
+            y = y.reshape(*lead, *self.out_shape)
+        else:
+            y = jnp.einsum(self.spec, x, w, preferred_element_type=out_dtype)
         return y + self.bias[...] if self.use_bias else y
 
 

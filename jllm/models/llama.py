@@ -25,6 +25,7 @@ from flax import nnx
 from jllm.models.attention import paged_attention
 from jllm.models.layers import Linear, RMSNorm, param
 from jllm.models.rope import RopeConfig, apply_rope
+from jllm.quantization.weights import QuantizedWeight, matmul, take_rows
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,7 @@ class DecoderLayer(nnx.Module):
 class LlamaForCausalLM(nnx.Module):
     def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
+        self.dtype = jnp.dtype(dtype)  # activations' dtype, whatever the weights are stored in
         self.embed_tokens = param(
             rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype
         )
@@ -136,7 +138,11 @@ class LlamaForCausalLM(nnx.Module):
 
     def __call__(self, token_ids, positions, kv_cache, md, backend: str):
         """Hidden states [T, D] after the final norm, and the updated cache [L, B, S, 2K, H]."""
-        x = self.embed_tokens[...][token_ids]  # [T, D]
+        table = self.embed_tokens.get_value()
+        if isinstance(table, QuantizedWeight):  # a GGUF file's quantized embedding
+            x = take_rows(table, token_ids, self.dtype)
+        else:
+            x = table[token_ids]  # [T, D]
         graphdef, layer_states = nnx.split(self.layers)
 
         def body(carry, inputs):
@@ -154,6 +160,8 @@ class LlamaForCausalLM(nnx.Module):
     def compute_logits(self, hidden):  # [R, D] -> [R, V] float32, whatever the model's dtype
         f32 = jnp.float32
         if self.cfg.tie_word_embeddings:
-            table = self.embed_tokens[...]
+            table = self.embed_tokens.get_value()
+            if isinstance(table, QuantizedWeight):  # [V, D]: the [Out, In] layout
+                return matmul(hidden, table, f32)
             return jnp.einsum("RD,VD->RV", hidden, table, preferred_element_type=f32)
         return self.lm_head(hidden, out_dtype=f32)

@@ -3,6 +3,11 @@
 The model is created with `nnx.eval_shape` (no memory), then every Hugging Face tensor is
 converted to our layout on the host and placed with `jax.device_put` on the sharding its
 logical axes map to; nothing is materialised twice on a device.
+
+With `quantization=` a projection's weight becomes a `QuantizedWeight` [Out, In] (transformers'
+own row layout) instead: quantized on the host as it is read ("fp8", "tpu_int8"), or kept as
+the GGUF file stores it ("gguf"); each of its arrays is placed on the sharding of the axes it
+carries (the output axis, then the input axis).
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ import numpy as np
 from flax import nnx
 
 from jllm.models.registry import IGNORED, Architecture
+from jllm.quantization import ONLINE_METHODS
+from jllm.quantization.formats import quantize_channels, quantize_online
+from jllm.quantization.weights import QuantizedWeight
 from sharding import named_sharding
 
 logger = logging.getLogger(__name__)
@@ -64,6 +72,49 @@ def _place(host: np.ndarray, sharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
+def _quantized_axes(var) -> tuple:
+    """Logical axes of a QuantizedWeight's arrays: (["layers",] output axis, input axis). A
+    Linear's float weight is [in..., out...] with `contract` input axes; the embedding table
+    [vocab, embed] is already [Out, In]."""
+    meta = var.get_metadata()
+    axes, contract = tuple(meta["logical_axes"]), meta.get("contract", 1)
+    if "contract" not in meta:
+        pair = axes
+    else:
+        pair = (axes[contract], axes[0])
+    return ("layers", *pair) if len(axes) < len(var.shape) else pair
+
+
+def _quantized_in_out(var, layered: bool) -> tuple[int, int]:
+    """(Out, In) of the float parameter `var` viewed as a QuantizedWeight."""
+    shape = var.shape[1:] if layered else var.shape
+    meta = var.get_metadata()
+    contract = meta.get("contract")
+    if contract is None:  # the embedding table [V, D]
+        return shape[0], int(np.prod(shape[1:]))
+    return int(np.prod(shape[contract:])), int(np.prod(shape[:contract]))
+
+
+def _place_quantized(w: QuantizedWeight, mesh, axes) -> QuantizedWeight:
+    return jax.tree.map(lambda a: _place(a, named_sharding(mesh, axes, a.shape)), w)
+
+
+def _stack(weights: list) -> np.ndarray | QuantizedWeight:
+    if isinstance(weights[0], QuantizedWeight):
+        return jax.tree.map(lambda *a: np.stack(a), *weights)
+    return np.stack(weights)
+
+
+def _repeat_rows(w: QuantizedWeight, kv_replicas: int, heads: int) -> QuantizedWeight:
+    """Repeat each kv head's rows (a QuantizedWeight's output channels) kv_replicas times."""
+
+    def repeat(a):
+        per_head = a.reshape(heads, -1, a.shape[-1])
+        return np.repeat(per_head, kv_replicas, axis=0).reshape(-1, a.shape[-1])
+
+    return jax.tree.map(repeat, w)
+
+
 def _dummy(key, shape, dtype, norm: bool, sharding) -> jax.Array:
     """A random weight N(0, 0.02) (ones for a norm), drawn on its devices: an 8B model's
     weights take seconds there, minutes drawn on the host."""
@@ -80,6 +131,22 @@ def abstract_model(arch: Architecture, cfg, dtype):
     return nnx.eval_shape(lambda: arch.module(cfg, dtype, nnx.Rngs(0)))
 
 
+def _dummy_quantized(key, var, method: str, dtype, mesh, layered: bool) -> QuantizedWeight:
+    """Random N(0, 0.02) weights quantized per output channel, drawn and quantized on the
+    devices."""
+    out, width = _quantized_in_out(var, layered)
+    shape = (var.shape[0], out, width) if layered else (out, width)
+    axes = _quantized_axes(var)
+    codes_sharding = named_sharding(mesh, axes, shape)
+    scale_sharding = named_sharding(mesh, axes, (*shape[:-1], 1))
+
+    def draw(key):
+        return quantize_channels(0.02 * jax.random.normal(key, shape, jnp.float32), method)
+
+    codes, scale = jax.jit(draw, out_shardings=(codes_sharding, scale_sharding))(key)
+    return QuantizedWeight(codes, scale, None, "fp8" if method == "fp8" else "int8")
+
+
 def load_model(
     arch: Architecture,
     cfg,
@@ -89,29 +156,44 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     kv_replicas: int = 1,
+    quantization: str | None = None,
 ):
     """Returns (graphdef, state) with every parameter on its target sharding.
 
     `cfg.num_kv_heads` is the model's count times `kv_replicas`: with fewer kv heads than
     devices each checkpoint kv head is repeated (sharding.kv_head_replicas), so that query
-    head h still reads kv head h // (num_heads // num_kv_heads)."""
+    head h still reads kv head h // (num_heads // num_kv_heads).
+
+    `quantization`: a method resolved by `jllm.quantization.resolve_quantization`; "gguf"
+    places the QuantizedWeights the source yields, the online methods quantize every Linear
+    weight (parameters with a `contract` axis count), never the embedding."""
     start = time.perf_counter()
     model = abstract_model(arch, cfg, dtype)
     graphdef, abstract_state = nnx.split(model)
     flat = dict(nnx.to_flat_state(abstract_state))
     shardings = {path: named_sharding(mesh, _axes(var), var.shape) for path, var in flat.items()}
-    values: dict[tuple, jax.Array] = {}
+    values: dict[tuple, jax.Array | QuantizedWeight] = {}
+
+    def online(path) -> bool:
+        return quantization in ONLINE_METHODS and "contract" in flat[path].get_metadata()
+
     if load_format == "dummy":
         key = jax.random.key(seed)
         for i, (path, var) in enumerate(flat.items()):
             norm = len(path) > 1 and "norm" in path[-2]
+            layered = path[0] == "layers"
+            if online(path):
+                values[path] = _dummy_quantized(
+                    jax.random.fold_in(key, i), var, quantization, dtype, mesh, layered
+                )
+                continue
             values[path] = _dummy(
                 jax.random.fold_in(key, i), var.shape, dtype, norm, shardings[path]
             )
     else:
         layered: dict[tuple, dict[int, np.ndarray]] = {}
         layer_weights = arch.layer_weights(cfg)
-        for name, w in source.iter_weights():
+        for name, w in source.iter_weights(keep_quantized=quantization == "gguf"):
             if IGNORED.fullmatch(name):
                 continue
             mapped = _map_name(name, layer_weights, arch.top_weights)
@@ -125,25 +207,38 @@ def load_model(
                 if path == ("lm_head", "weight") and cfg.tie_word_embeddings:
                     continue
                 raise ValueError(f"Checkpoint tensor {name} has no place in the model.")
-            shape = flat[path].shape[1:] if layer is not None else flat[path].shape
+            var = flat[path]
+            shape = var.shape[1:] if layer is not None else var.shape
             replicate = kv_replicas > 1 and len(path) > 1 and path[-2] in _KV_PROJ
             if replicate:  # kv-head axis is the one before head_dim
                 shape = (*shape[:-2], shape[-2] // kv_replicas, shape[-1])
-            host = _convert(np.asarray(w), kind, shape)
-            if host.shape != shape:
-                raise ValueError(
-                    f"Checkpoint tensor {name} has shape {w.shape}, expected one that maps "
-                    f"to {shape}."
-                )
-            if replicate:
-                host = np.repeat(host, kv_replicas, axis=-2)
-            if layer is None:
-                values[path] = _place(host.astype(dtype), shardings[path])
+            if isinstance(w, QuantizedWeight) or online(path):
+                if not isinstance(w, QuantizedWeight):  # transformers' [out, in] as it is
+                    w = quantize_online(np.asarray(w, np.float32), quantization)
+                out, width = _quantized_in_out(var, layer is not None)
+                out //= kv_replicas if replicate else 1
+                if w.shape != (out, width):
+                    raise ValueError(
+                        f"Checkpoint tensor {name} has shape {w.shape}, expected {(out, width)}."
+                    )
+                host = _repeat_rows(w, kv_replicas, shape[-2]) if replicate else w
             else:
-                layered.setdefault(path, {})[layer] = host.astype(dtype)
+                host = _convert(np.asarray(w), kind, shape)
+                if host.shape != shape:
+                    raise ValueError(
+                        f"Checkpoint tensor {name} has shape {w.shape}, expected one that "
+                        f"maps to {shape}."
+                    )
+                if replicate:
+                    host = np.repeat(host, kv_replicas, axis=-2)
+                host = host.astype(dtype)
+            if layer is None:
+                values[path] = _put(host, var, shardings[path], mesh)
+            else:
+                layered.setdefault(path, {})[layer] = host
                 if len(layered[path]) == cfg.num_layers:
-                    stacked = np.stack([layered[path][i] for i in range(cfg.num_layers)])
-                    values[path] = _place(stacked, shardings[path])
+                    stacked = _stack([layered[path][i] for i in range(cfg.num_layers)])
+                    values[path] = _put(stacked, var, shardings[path], mesh)
                     del layered[path]
         missing = [".".join(map(str, p)) for p in flat if p not in values]
         if missing:
@@ -151,11 +246,19 @@ def load_model(
     for path, var in flat.items():
         var.set_value(values[path])
     state = nnx.from_flat_state(flat)
-    nbytes = sum(v.size * v.dtype.itemsize for v in values.values())
+    nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(values))
+    quantized = sum(isinstance(v, QuantizedWeight) for v in values.values())
     logger.info(
-        "Loading weights took %.2f seconds; %.3f GiB in %s.",
+        "Loading weights took %.2f seconds; %.3f GiB as stored (%s%s).",
         time.perf_counter() - start,
         nbytes / 2**30,
         jnp.dtype(dtype).name,
+        f"; {quantized} weight tensors {quantization}" if quantized else "",
     )
     return graphdef, state
+
+
+def _put(host, var, sharding, mesh):
+    if isinstance(host, QuantizedWeight):
+        return _place_quantized(host, mesh, _quantized_axes(var))
+    return _place(host, sharding)

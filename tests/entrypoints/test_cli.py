@@ -33,9 +33,13 @@ def test_serve_help_lists_vllm_flags():
 
 def test_unsupported_flag_is_a_clear_error(tmp_path):
     out = subprocess.run(
+        [*JLLM, "serve", str(tmp_path), "--enable-lora", "true"], capture_output=True, text=True
+    )
+    assert out.returncode != 0 and "--enable-lora is not supported" in out.stderr
+    out = subprocess.run(
         [*JLLM, "serve", str(tmp_path), "--quantization", "awq"], capture_output=True, text=True
     )
-    assert out.returncode != 0 and "--quantization is not supported" in out.stderr
+    assert out.returncode != 0 and "quantization='awq' is not supported" in out.stderr
 
 
 def test_api_server_module_serves(llama_dir):

@@ -88,11 +88,20 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return per_head.swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_gguf(path: str, model, arch: str, *, rope_freqs: np.ndarray | None = None) -> dict:
+def write_gguf(
+    path: str,
+    model,
+    arch: str,
+    *,
+    rope_freqs: np.ndarray | None = None,
+    matrix_type: str = "Q8_0",
+    embedding_type: str = "F16",
+) -> dict:
     """Write `model` as llama.cpp would; return `{hf_name: values the file holds, in HF order}`.
 
-    2-D projection weights are stored as Q8_0, the embedding as F16 and the rest as F32, so the
-    loader's dequantization is exercised; the returned values are what the file really holds.
+    2-D projection weights are stored as `matrix_type` (Q8_0), the embedding as
+    `embedding_type` (F16) and the rest as F32, so the loader's dequantization is exercised;
+    the returned values are what the file really holds.
     """
     config = model.config
     name_map = gguf.get_tensor_name_map(_GGUF_ARCHS[arch], config.num_hidden_layers)
@@ -123,12 +132,10 @@ def write_gguf(path: str, model, arch: str, *, rope_freqs: np.ndarray | None = N
         stem, suffix = hf_name.rsplit(".", 1)
         name = f"{name_map.get_name(stem)}.{suffix}"
         values = tensor.float().numpy()
-        if name == "token_embd.weight":
-            qtype = gguf.GGMLQuantizationType.F16
-            stored[hf_name] = values.astype(np.float16).astype(np.float32)
-        elif values.ndim == 2:
-            qtype = gguf.GGMLQuantizationType.Q8_0
-            # Q8_0 blocks run along rows, so quantizing commutes with the row permutation below
+        if values.ndim == 2:
+            kind = embedding_type if name == "token_embd.weight" else matrix_type
+            qtype = gguf.GGMLQuantizationType[kind]
+            # blocks run along rows, so quantizing commutes with the row permutation below
             stored[hf_name] = gguf.quants.dequantize(gguf.quants.quantize(values, qtype), qtype)
         else:
             qtype = gguf.GGMLQuantizationType.F32

@@ -6,6 +6,7 @@ run the engine in float32; the default dtype (bf16 on an AMX CPU) is checked tea
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import pytest
 import torch
@@ -208,3 +209,21 @@ def test_smollm2_ngram_speculation_copies_and_changes_nothing(smollm):
     drafted = prometheus_value(prom, "vllm:spec_decode_num_draft_tokens_total")
     accepted = prometheus_value(prom, "vllm:spec_decode_num_accepted_tokens_total")
     assert accepted > 0.5 * drafted > 0
+
+
+@pytest.mark.slow
+def test_smollm2_from_its_4bit_weights():
+    """The embedded SmolLM2 kept as Q4_1 (its Q8_0 embedding also the tied lm_head): in
+    float32 its greedy chat is transformers' on gguf-py's dequantized weights and its
+    logprobs within 1e-3 of them; the weights take about a third of the dequantized bf16."""
+    llm = LLM(quantization="gguf", **ARGS)
+    convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    outs = llm.chat(convs, params, use_tqdm=False)
+    runs = [(out.prompt_token_ids, out.outputs[0]) for out in outs]
+    gap, error = worst_teacher_forced_gaps(hf_model(), runs)
+    print(f"worst choice gap {gap:.2e}, worst logprob error {error:.2e}")
+    assert gap == 0.0 and error < 1e-3, (gap, error)
+    assert "Paris" in outs[0].outputs[0].text
+    stored = sum(a.nbytes for a in jax.tree.leaves(llm.llm_engine.runner.state))
+    assert stored < 0.4 * 2 * resolve_model(None).num_params  # bf16 would take 2 bytes each

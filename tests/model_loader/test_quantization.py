@@ -1,0 +1,187 @@
+"""quantization= ("fp8", "tpu_int8", "gguf"): each format against a float reference computed
+from the same quantized values by the test's own code (numpy, ml_dtypes) or gguf-py's
+dequantizers, then the engine end to end against transformers or the dequantized engine."""
+
+from __future__ import annotations
+
+import gguf
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf.quants import dequantize as gguf_dequantize
+from oracle import SMALL, worst_teacher_forced_gaps
+
+from jllm import LLM, SamplingParams
+from jllm.model_loader import resolve_model
+from jllm.quantization import resolve_quantization
+from jllm.quantization.formats import gguf_weight, quantize_online
+from jllm.quantization.weights import QuantizedWeight, dequantize, fp8_values, matmul
+from jllm.runner.compile_guard import count_compiles
+
+Q = gguf.GGMLQuantizationType
+# A channel's absmax maps to 127 (vLLM's tpu_int8) or 448 (float8_e4m3fn's largest).
+# The tiny GGUF files carry no tokenizer: token ids in, token ids out.
+GGUF_ARGS = {**SMALL, "skip_tokenizer_init": True}
+BOUND = {"tpu_int8": 127.0, "fp8": 448.0}
+# Byte offsets of each block's float16 scales (given sane values; the rest is random bytes).
+F16_AT = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q4_K: [0, 2], Q.Q6_K: [208]}
+
+
+def random_blocks(qtype, rows: int, blocks: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    data = rng.integers(0, 256, (rows, blocks * size), dtype=np.uint8)
+    view = data.reshape(rows, blocks, size)
+    for at in F16_AT[qtype]:
+        d = rng.normal(0, 0.01, (rows, blocks)).astype(np.float16)
+        view[..., at : at + 2] = d.view(np.uint8).reshape(rows, blocks, 2)
+    return data
+
+
+@pytest.mark.parametrize("qtype", list(F16_AT), ids=lambda q: q.name)
+def test_gguf_blocks_kept_quantized_match_gguf_py(qtype):
+    data = random_blocks(qtype, rows=6, blocks=2)
+    w = gguf_weight(data, qtype.name)
+    ref = gguf_dequantize(data, qtype).reshape(6, -1)
+    assert w.shape == ref.shape
+    np.testing.assert_array_equal(np.asarray(dequantize(w, jnp.float32)), ref)
+    assert w.nbytes < ref.size * 2  # below bf16: the codes stay packed
+    x = np.random.default_rng(1).normal(size=(3, ref.shape[1])).astype(np.float32)
+    got = np.asarray(jax.jit(matmul)(jnp.asarray(x), jax.tree.map(jnp.asarray, w)))
+    np.testing.assert_allclose(got, x @ ref.T, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_fp8_values_are_exact_for_every_code():
+    codes = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
+    want = codes.astype(np.float32)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        got = np.asarray(jax.jit(fp8_values, static_argnums=1)(codes, dtype), np.float32)
+        finite = ~np.isnan(want)  # 0x7F/0xFF: NaN, never produced by quantization
+        np.testing.assert_array_equal(got[finite], want[finite])
+
+
+@pytest.mark.parametrize("method", ["tpu_int8", "fp8"])
+def test_online_quantization_is_per_channel_absmax(method):
+    w = np.random.default_rng(0).normal(0, 0.05, (48, 80)).astype(np.float32)
+    w[3] = 0.0  # an all-zero channel keeps a usable scale
+    q = quantize_online(w, method)
+    absmax = np.abs(w).max(axis=1, keepdims=True)
+    if method == "tpu_int8":
+        scale = (np.maximum(absmax, 1e-5) / 127).astype(np.float32)
+    else:
+        scale = np.where(absmax > 0, absmax / 448, 1.0).astype(np.float32)
+    np.testing.assert_allclose(q.scale, scale, rtol=1e-6)
+    codes = reference_codes(w, scale, method)
+    np.testing.assert_array_equal(q.codes.astype(np.float32), codes)
+    values = q.codes.astype(np.float32) * q.scale
+    x = np.random.default_rng(1).normal(size=(5, 80)).astype(np.float32)
+    got = np.asarray(matmul(jnp.asarray(x), jax.tree.map(jnp.asarray, q)))
+    np.testing.assert_allclose(got, x @ values.T, rtol=1e-5, atol=1e-6)
+
+
+def reference_codes(w: np.ndarray, scale: np.ndarray, method: str) -> np.ndarray:
+    """The quantization rule, in numpy."""
+    ratio = w / scale
+    if method == "fp8":
+        return ratio.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return np.clip(np.round(ratio), -128, 127)
+
+
+def prompt_ids(n: int, length: int, seed: int) -> list[list[int]]:
+    """Prompts for the 256-token tiny models."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 256, length + 3 * i).tolist() for i in range(n)]
+
+
+def dequantized_copy(model_dir: str, method: str, dest) -> str:
+    """The checkpoint with every projection replaced by its per-channel quantized values,
+    computed here with numpy and ml_dtypes: the float reference for quantization=method."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim != 2 or "embed_tokens" in name:
+                continue
+            w = param.numpy()
+            absmax = np.abs(w).max(axis=1, keepdims=True)
+            scale = (np.maximum(absmax, 1e-5) / BOUND[method]).astype(np.float32)
+            codes = reference_codes(w, scale, method)
+            param.copy_(torch.from_numpy((codes * scale).astype(np.float32)))
+    model.save_pretrained(dest)
+    transformers.AutoTokenizer.from_pretrained(model_dir).save_pretrained(dest)
+    return str(dest)
+
+
+@pytest.mark.parametrize("method", ["tpu_int8", "fp8"])
+def test_online_methods_match_transformers_on_the_quantized_values(method, save_tiny, tmp_path):
+    path, _ = save_tiny("llama", tie=False)  # an untied lm_head is quantized too
+    reference = dequantized_copy(path, method, tmp_path / "reference")
+    llm = LLM(path, quantization=method, dtype="float32", **SMALL)
+    prompts = prompt_ids(4, 5, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(reference).eval()
+    runs = [(p, o.outputs[0]) for p, o in zip(prompts, outs, strict=True)]
+    gap, error = worst_teacher_forced_gaps(model, runs)
+    assert gap == 0.0 and error < 1e-4, (gap, error)  # greedy = transformers' argmax
+    state = llm.llm_engine.runner.state
+    assert isinstance(state["layers"]["mlp"]["up_proj"]["weight"].get_value(), QuantizedWeight)
+    assert not isinstance(state["embed_tokens"].get_value(), QuantizedWeight)
+
+
+@pytest.mark.parametrize(
+    "arch,tie,matrix,embedding",
+    [("llama", True, "Q4_1", "Q8_0"), ("qwen2", False, "Q4_0", "F16")],
+)
+def test_gguf_kept_quantized_matches_dequantized_on_load(
+    arch, tie, matrix, embedding, tmp_path, make_tiny, gguf_writer
+):
+    """The same file twice: kept quantized (Q4 codes, a Q8_0 embedding read by the tied
+    lm_head) and dequantized on load by gguf-py (checked against transformers elsewhere)."""
+    path = str(tmp_path / f"{arch}.gguf")
+    gguf_writer(path, make_tiny(arch, tie=tie), arch, matrix_type=matrix, embedding_type=embedding)
+    prompts = [{"prompt_token_ids": p} for p in prompt_ids(4, 6, seed=5)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    float_run = LLM(path, dtype="float32", **GGUF_ARGS).generate(prompts, params, use_tqdm=False)
+    kept = LLM(path, quantization="gguf", dtype="float32", **GGUF_ARGS)
+    runs = [kept.generate(prompts, params, use_tqdm=False)]
+    runs.append(  # and over two devices (heads, the MLP and the vocabulary split)
+        LLM(
+            path, quantization="gguf", dtype="float32", tensor_parallel_size=2, **GGUF_ARGS
+        ).generate(prompts, params, use_tqdm=False)
+    )
+    for run in runs:
+        for want, got in zip(float_run, run, strict=True):
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids
+            for a, b in zip(want.outputs[0].logprobs, got.outputs[0].logprobs, strict=True):
+                for token, lp in a.items():
+                    assert abs(b[token].logprob - lp.logprob) < 1e-4
+    state = kept.llm_engine.runner.state
+    up = state["layers"]["mlp"]["up_proj"]["weight"].get_value()
+    assert isinstance(up, QuantizedWeight) and up.kind == "uint4"
+    assert isinstance(state["embed_tokens"].get_value(), QuantizedWeight) == (embedding == "Q8_0")
+
+
+def test_no_compile_after_warmup_with_quantized_weights(tmp_path, make_tiny, gguf_writer):
+    path = str(tmp_path / "llama.gguf")
+    gguf_writer(path, make_tiny("llama", tie=True), "llama", matrix_type="Q4_1")
+    llm = LLM(path, quantization="gguf", **{**GGUF_ARGS, "enforce_eager": False})
+    prompts = [{"prompt_token_ids": p} for p in prompt_ids(5, 4, seed=2)]
+    params = [SamplingParams(temperature=t, max_tokens=6, seed=1) for t in (0, 0.8, 1, 0, 0.5)]
+    with count_compiles() as events:
+        llm.generate(prompts, params, use_tqdm=False)
+    assert events == []
+
+
+def test_quantization_the_checkpoint_contradicts_is_refused(llama_dir, smollm_path):
+    with pytest.raises(ValueError, match="needs a .gguf model file"):
+        resolve_quantization("gguf", resolve_model(llama_dir))
+    with pytest.raises(ValueError, match="already quantized"):
+        resolve_quantization("fp8", resolve_model(smollm_path))
+    with pytest.raises(ValueError, match="quantization='awq' is not supported by jllm yet"):
+        LLM(llama_dir, quantization="awq")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        LLM(llama_dir, quantization="int3")
