@@ -107,14 +107,15 @@ class GgufFile:
 
         keep_quantized: yield the matrices of the types `formats.GGUF_KEPT` lists as
         `QuantizedWeight`s (numpy arrays, rows are output channels) instead of dequantizing
-        them (quantization="gguf")."""
+        them (quantization="gguf"); see `_kept_tensors` for which."""
         permute = ARCHITECTURES[self.architecture]
         num_heads = self.arch_key("attention.head_count")
         num_kv_heads = self.arch_key("attention.head_count_kv", num_heads)
+        kept = self._kept_tensors() if keep_quantized else set()
         for gguf_name in self.weight_names():
             hf_name = self.hf_name(gguf_name)
             t = self.tensors[gguf_name]
-            if keep_quantized and t.tensor_type.name in GGUF_KEPT and len(t.shape) == 2:
+            if gguf_name in kept:
                 array = gguf_weight(np.asarray(t.data), t.tensor_type.name)
             else:
                 array = self.tensor(gguf_name)
@@ -123,6 +124,23 @@ class GgufFile:
             elif permute and ".attn_k." in gguf_name:
                 array = unpermute_rope_rows(array, num_kv_heads)
             yield hf_name, array
+
+    def _kept_tensors(self) -> set[str]:
+        """The matrices kept quantized: those of a kept type, where every layer's tensor of
+        the same part (`ffn_down`, ...) is of a kept type too. The layers of a part are
+        stacked into one array, and llama.cpp's mixes (Q4_K_M stores some layers' ffn_down
+        as Q6_K, Q5_K_M some as Q5_K) must give them one form: a part with any layer of a
+        type not kept is dequantized in every layer."""
+        parts: dict[str, list[str]] = {}
+        for name in self.weight_names():
+            match = _LAYER_NAME.fullmatch(name)
+            parts.setdefault(match.group(2) if match else name, []).append(name)
+        kept = set()
+        for names in parts.values():
+            tensors = [self.tensors[n] for n in names]
+            if all(t.tensor_type.name in GGUF_KEPT and len(t.shape) == 2 for t in tensors):
+                kept.update(names)
+        return kept
 
     def checkpoint_dtype(self) -> str:
         """The precision the weight matrices are stored in: "float32" when they are all F32,

@@ -23,7 +23,7 @@ from flax import nnx
 
 from jllm.models.registry import IGNORED, Architecture
 from jllm.quantization import ONLINE_METHODS
-from jllm.quantization.formats import quantize_channels, quantize_online
+from jllm.quantization.formats import quantize_channels, quantize_online, stack_layers
 from jllm.quantization.weights import QuantizedWeight
 from sharding import named_sharding
 
@@ -101,7 +101,7 @@ def _place_quantized(w: QuantizedWeight, mesh, axes) -> QuantizedWeight:
 
 def _stack(weights: list) -> np.ndarray | QuantizedWeight:
     if isinstance(weights[0], QuantizedWeight):
-        return jax.tree.map(lambda *a: np.stack(a), *weights)
+        return stack_layers(weights)
     return np.stack(weights)
 
 
@@ -131,7 +131,7 @@ def abstract_model(arch: Architecture, cfg, dtype):
     return nnx.eval_shape(lambda: arch.module(cfg, dtype, nnx.Rngs(0)))
 
 
-def _dummy_quantized(key, var, method: str, dtype, mesh, layered: bool) -> QuantizedWeight:
+def _dummy_quantized(key, var, method: str, mesh, layered: bool) -> QuantizedWeight:
     """Random N(0, 0.02) weights quantized per output channel, drawn and quantized on the
     devices."""
     out, width = _quantized_in_out(var, layered)
@@ -184,7 +184,7 @@ def load_model(
             layered = path[0] == "layers"
             if online(path):
                 values[path] = _dummy_quantized(
-                    jax.random.fold_in(key, i), var, quantization, dtype, mesh, layered
+                    jax.random.fold_in(key, i), var, quantization, mesh, layered
                 )
                 continue
             values[path] = _dummy(

@@ -120,3 +120,41 @@ def gguf_weight(data: np.ndarray, type_name: str) -> QuantizedWeight:
         scale = (d[..., None] * sc).reshape(rows, -1)
         return QuantizedWeight(codes.reshape(rows, -1), scale, None, "int8")
     raise ValueError(f"GGUF type {type_name} is not kept quantized (kept: {GGUF_KEPT}).")
+
+
+def host_codes(w: QuantizedWeight) -> np.ndarray:
+    """The integer codes [..., Out, In] of an int8 or uint4 QuantizedWeight (numpy)."""
+    if w.kind == "int8":
+        return np.asarray(w.codes)
+    runs = np.asarray(w.codes).reshape(*w.codes.shape[:-1], -1, w.pack // 2)
+    return np.concatenate([runs & 15, runs >> 4], axis=-1).reshape(w.shape).astype(np.int8)
+
+
+def as_int8(w: QuantizedWeight, group: int) -> QuantizedWeight:
+    """The same values as int8 codes with float32 scales and offsets per `group` inputs (a
+    divisor of w's group): the one form that layers of different GGUF types (Q4_K and Q6_K
+    in llama.cpp's Q4_K_M files) share once stacked."""
+    repeat = w.group // group
+    scale = np.repeat(np.asarray(w.scale, np.float32), repeat, axis=-1)
+    if w.offset is None:
+        offset = np.zeros_like(scale)
+    else:
+        offset = np.repeat(np.asarray(w.offset, np.float32), repeat, axis=-1)
+    return QuantizedWeight(host_codes(w), scale, offset, "int8")
+
+
+def stack_layers(weights: list[QuantizedWeight]) -> QuantizedWeight:
+    """One parameter's layers stacked ([layers, Out, In] codes). Layers of one form stack as
+    they are; layers of different forms become int8 at the smallest group (`as_int8`)."""
+    forms = {(w.kind, w.pack, w.scale.shape, w.scale.dtype, w.offset is None) for w in weights}
+    if len(forms) > 1:
+        group = min(w.group for w in weights)
+        weights = [as_int8(w, group) for w in weights]
+    leaves = zip(*(_arrays(w) for w in weights), strict=True)
+    codes, scale, *offset = (np.stack(a) for a in leaves)
+    first = weights[0]
+    return QuantizedWeight(codes, scale, offset[0] if offset else None, first.kind, first.pack)
+
+
+def _arrays(w: QuantizedWeight) -> list[np.ndarray]:
+    return [w.codes, w.scale] + ([] if w.offset is None else [w.offset])

@@ -73,7 +73,8 @@ def fp8_values(codes: jax.Array, dtype) -> jax.Array:
     e, m = (bits >> 3) & 15, bits & 7
     magnitude = (m + jnp.minimum(e, 1) * 8) << jnp.maximum(e - 1, 0)
     sign = 1 - ((bits >> 6) & 2)  # bits is sign-extended: -1 when the sign bit is set
-    return (magnitude * sign).astype(dtype) * jnp.asarray(2.0**-9, dtype)
+    # |magnitude| reaches 14 << 14, past float16's range: scale in float32 first.
+    return ((magnitude * sign).astype(jnp.float32) * 2.0**-9).astype(dtype)
 
 
 def code_values(w: QuantizedWeight, dtype) -> jax.Array:
@@ -104,8 +105,11 @@ def matmul(x: jax.Array, w: QuantizedWeight, out_dtype=None) -> jax.Array:
     """x [T, In] @ w.T -> [T, Out] in `out_dtype` (default x's dtype)."""
     out_dtype = out_dtype or x.dtype
     if w.scale.shape[-1] == 1 and w.offset is None:  # per channel: scale the output
-        y = jnp.einsum("TI,OI->TO", x, code_values(w, x.dtype), preferred_element_type=out_dtype)
-        return (y * w.scale[:, 0].astype(y.dtype)).astype(out_dtype)
+        # Accumulated in float32: before its scale the product is 1 / scale times too large,
+        # past float16's range for a weight of absmax 1e-3 and an output of 1.
+        f32 = jnp.float32
+        y = jnp.einsum("TI,OI->TO", x, code_values(w, x.dtype), preferred_element_type=f32)
+        return (y * w.scale[:, 0].astype(f32)).astype(out_dtype)
     # The barrier keeps XLA from fusing the dequantization into the dot's operand, which it
     # then recomputes per output tile (5x slower on the CPU).
     weight = jax.lax.optimization_barrier(dequantize(w, x.dtype))

@@ -12,6 +12,7 @@ import torch
 import transformers
 
 from jllm.model_loader import ModelSource, resolve_model
+from jllm.model_loader.gguf_io import unpermute_rope_rows
 from jllm.model_loader.locate import default_model_path
 
 _CONFIGS = {
@@ -88,6 +89,22 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return per_head.swapaxes(1, 2).reshape(weight.shape)
 
 
+# Byte offsets of each block's float16 scales (given sane values; the rest is random bytes).
+F16_AT = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q6_K": [208]}
+
+
+def random_blocks(qtype, rows: int, blocks: int, seed: int = 0, scale: float = 0.01):
+    """Random bytes [rows, blocks * block_bytes] of a GGUF type, its f16 scales N(0, scale)."""
+    rng = np.random.default_rng(seed)
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    data = rng.integers(0, 256, (rows, blocks * size), dtype=np.uint8)
+    view = data.reshape(rows, blocks, size)
+    for at in F16_AT[qtype.name]:
+        d = rng.normal(0, scale, (rows, blocks)).astype(np.float16)
+        view[..., at : at + 2] = d.view(np.uint8).reshape(rows, blocks, 2)
+    return data
+
+
 def write_gguf(
     path: str,
     model,
@@ -96,12 +113,15 @@ def write_gguf(
     rope_freqs: np.ndarray | None = None,
     matrix_type: str = "Q8_0",
     embedding_type: str = "F16",
+    types: dict[str, str] | None = None,
 ) -> dict:
     """Write `model` as llama.cpp would; return `{hf_name: values the file holds, in HF order}`.
 
     2-D projection weights are stored as `matrix_type` (Q8_0), the embedding as
     `embedding_type` (F16) and the rest as F32, so the loader's dequantization is exercised;
-    the returned values are what the file really holds.
+    the returned values are what the file really holds. `types` overrides the type of single
+    tensors by GGUF name; K-quant types (which gguf-py cannot quantize) are written as random
+    blocks (`random_blocks`) instead of the model's values.
     """
     config = model.config
     name_map = gguf.get_tensor_name_map(_GGUF_ARCHS[arch], config.num_hidden_layers)
@@ -134,7 +154,18 @@ def write_gguf(
         values = tensor.float().numpy()
         if values.ndim == 2:
             kind = embedding_type if name == "token_embd.weight" else matrix_type
+            kind = (types or {}).get(name, kind)
             qtype = gguf.GGMLQuantizationType[kind]
+            if kind in ("Q4_K", "Q6_K"):
+                blocks = values.shape[1] // 256
+                data = random_blocks(qtype, values.shape[0], blocks, seed=len(stored))
+                stored[hf_name] = gguf.quants.dequantize(data, qtype)
+                if arch == "llama" and name.split(".")[2] in ("attn_q", "attn_k"):
+                    heads = config.num_attention_heads if ".attn_q." in name else None
+                    heads = heads or config.num_key_value_heads
+                    stored[hf_name] = unpermute_rope_rows(stored[hf_name], heads)
+                writer.add_tensor(name, data, raw_dtype=qtype)
+                continue
             # blocks run along rows, so quantizing commutes with the row permutation below
             stored[hf_name] = gguf.quants.dequantize(gguf.quants.quantize(values, qtype), qtype)
         else:
@@ -157,6 +188,12 @@ def write_gguf(
 def gguf_writer():
     """`write_gguf` as a fixture, for test modules."""
     return write_gguf
+
+
+@pytest.fixture
+def gguf_blocks():
+    """`random_blocks` as a fixture, for test modules."""
+    return random_blocks
 
 
 @pytest.fixture

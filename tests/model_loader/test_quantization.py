@@ -27,24 +27,11 @@ Q = gguf.GGMLQuantizationType
 # The tiny GGUF files carry no tokenizer: token ids in, token ids out.
 GGUF_ARGS = {**SMALL, "skip_tokenizer_init": True}
 BOUND = {"tpu_int8": 127.0, "fp8": 448.0}
-# Byte offsets of each block's float16 scales (given sane values; the rest is random bytes).
-F16_AT = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q4_K: [0, 2], Q.Q6_K: [208]}
 
 
-def random_blocks(qtype, rows: int, blocks: int, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    size = gguf.GGML_QUANT_SIZES[qtype][1]
-    data = rng.integers(0, 256, (rows, blocks * size), dtype=np.uint8)
-    view = data.reshape(rows, blocks, size)
-    for at in F16_AT[qtype]:
-        d = rng.normal(0, 0.01, (rows, blocks)).astype(np.float16)
-        view[..., at : at + 2] = d.view(np.uint8).reshape(rows, blocks, 2)
-    return data
-
-
-@pytest.mark.parametrize("qtype", list(F16_AT), ids=lambda q: q.name)
-def test_gguf_blocks_kept_quantized_match_gguf_py(qtype):
-    data = random_blocks(qtype, rows=6, blocks=2)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_gguf_blocks_kept_quantized_match_gguf_py(qtype, gguf_blocks):
+    data = gguf_blocks(qtype, rows=6, blocks=2)
     w = gguf_weight(data, qtype.name)
     ref = gguf_dequantize(data, qtype).reshape(6, -1)
     assert w.shape == ref.shape
@@ -127,6 +114,13 @@ def test_online_methods_match_transformers_on_the_quantized_values(method, save_
     runs = [(p, o.outputs[0]) for p, o in zip(prompts, outs, strict=True)]
     gap, error = worst_teacher_forced_gaps(model, runs)
     assert gap == 0.0 and error < 1e-4, (gap, error)  # greedy = transformers' argmax
+    # float16 activations: the codes' values (fp8's reach 448) and the unscaled products
+    # stay in range (float32 accumulation), so the tokens are the same
+    half = LLM(path, quantization=method, dtype="float16", **SMALL)
+    again = half.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for a, b in zip(outs, again, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert all(np.isfinite(next(iter(lp.values())).logprob) for lp in b.outputs[0].logprobs)
     state = llm.llm_engine.runner.state
     assert isinstance(state["layers"]["mlp"]["up_proj"]["weight"].get_value(), QuantizedWeight)
     assert not isinstance(state["embed_tokens"].get_value(), QuantizedWeight)
@@ -163,6 +157,34 @@ def test_gguf_kept_quantized_matches_dequantized_on_load(
     up = state["layers"]["mlp"]["up_proj"]["weight"].get_value()
     assert isinstance(up, QuantizedWeight) and up.kind == "uint4"
     assert isinstance(state["embed_tokens"].get_value(), QuantizedWeight) == (embedding == "Q8_0")
+
+
+def test_gguf_mixed_types_per_layer(tmp_path, make_tiny, gguf_writer):
+    """llama.cpp's K_M mixes: one part's layers in different kept types (Q6_K and Q4_K) are
+    stacked as int8 codes with 16-input scales; a part with a layer of a type not kept (Q5_0)
+    is dequantized in every layer; both run as the dequantized-on-load engine does."""
+    path = str(tmp_path / "mixed.gguf")
+    types = {
+        "blk.0.ffn_down.weight": "Q6_K",
+        "blk.1.ffn_down.weight": "Q4_K",
+        "blk.1.attn_v.weight": "Q5_0",
+    }
+    model = make_tiny("llama", tie=True, intermediate_size=256)
+    gguf_writer(path, model, "llama", matrix_type="Q4_1", types=types)
+    prompts = [{"prompt_token_ids": p} for p in prompt_ids(3, 6, seed=7)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    want = LLM(path, dtype="float32", **GGUF_ARGS).generate(prompts, params, use_tqdm=False)
+    kept = LLM(path, quantization="gguf", dtype="float32", **GGUF_ARGS)
+    got = kept.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(want, got, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert all(abs(y[t].logprob - lp.logprob) < 1e-4 for t, lp in x.items())
+    layers = kept.llm_engine.runner.state["layers"]
+    down = layers["mlp"]["down_proj"]["weight"].get_value()
+    assert isinstance(down, QuantizedWeight) and (down.kind, down.group) == ("int8", 16)
+    assert not isinstance(layers["self_attn"]["v_proj"]["weight"].get_value(), QuantizedWeight)
+    assert layers["mlp"]["up_proj"]["weight"].get_value().kind == "uint4"
 
 
 def test_no_compile_after_warmup_with_quantized_weights(tmp_path, make_tiny, gguf_writer):

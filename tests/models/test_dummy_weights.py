@@ -45,3 +45,23 @@ def test_dummy_weights_generate_from_token_ids(config_only):
     again = LLM(config_only, load_format="dummy", skip_tokenizer_init=True, **SMALL)
     same = again.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in same] == [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("method", ["tpu_int8", "fp8"])
+def test_dummy_weights_quantized_on_the_device(config_only, method):
+    """A big model's quantized speed is measured from a config-only folder: the projections
+    are drawn and quantized on the device, per output channel, and the engine generates."""
+    from jllm.quantization.weights import QuantizedWeight, dequantize
+
+    llm = LLM(
+        config_only, load_format="dummy", quantization=method, skip_tokenizer_init=True, **SMALL
+    )
+    state = llm.llm_engine.runner.state
+    up = state["layers"]["mlp"]["up_proj"]["weight"].get_value()
+    assert isinstance(up, QuantizedWeight) and up.scale.shape[-1] == 1
+    values = np.asarray(dequantize(up, np.float32))
+    assert abs(values.std() - 0.02) < 0.002
+    assert not isinstance(state["embed_tokens"].get_value(), QuantizedWeight)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids(2, 5)], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6]
