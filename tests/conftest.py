@@ -16,6 +16,22 @@ from oracle import ARCHS, SMALL, save_tiny  # noqa: E402
 from jllm.model_loader import resolve_model  # noqa: E402
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_executables():
+    """After each test module, drop the compiled programs of the engines it made. Each
+    executable XLA's CPU backend loads keeps memory mappings, and one process running the
+    whole suite otherwise reached 61520 of the kernel's limit of 65530 (vm.max_map_count;
+    17525 at most with this): past it compiling fails with "LLVM compilation error: Cannot
+    allocate memory"."""
+    yield
+    import gc
+
+    import jax
+
+    gc.collect()
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> str:
     """A Hugging Face tokenizer directory made offline from the embedded GGUF's tokenizer

@@ -32,11 +32,13 @@ GGUF_KEPT = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 
 
 def quantize_channels(weight, method: str):
-    """(codes, float32 scales [..., Out, 1]) of a float weight [..., Out, In] (jnp, traceable).
+    """(codes, float32 scales [..., Out, 1]) of a float weight [..., Out, In] (jnp, traceable);
+    fp8 codes come as their uint8 bit patterns.
 
     "tpu_int8": vLLM's rule, scale = max(absmax, 1e-5) / 127 and codes
     clip(round(w / scale), -128, 127). "fp8": qwix's float8_e4m3fn quantization, scale =
     absmax / 448 (1 for an all-zero channel), codes rounded to nearest."""
+    import jax
     import jax.numpy as jnp
     import qwix
 
@@ -47,7 +49,9 @@ def quantize_channels(weight, method: str):
         codes = jnp.clip(jnp.round(weight * (1.0 / scale)), -128, 127).astype(jnp.int8)
         return codes, scale
     q = qwix.quantize(weight, jnp.float8_e4m3fn, channelwise_axes=list(range(weight.ndim - 1)))
-    return q.qvalue, q.scale.astype(jnp.float32)
+    # Held as their bytes: XLA's CPU backend slices and copies float8 arrays element by
+    # element (a scan's per-layer slice of the codes cost 25 ms a step for SmolLM2).
+    return jax.lax.bitcast_convert_type(q.qvalue, jnp.uint8), q.scale.astype(jnp.float32)
 
 
 def quantize_online(weight: np.ndarray, method: str) -> QuantizedWeight:

@@ -9,20 +9,22 @@ in the layout `[Out, In]` (transformers' and GGUF's row order), with a leading l
 the model stacks its layers. Every format maps onto it (jllm/quantization/formats.py):
 
 - kind "int8": int8 codes (tpu_int8, GGUF Q8_0, Q6_K's 6-bit codes held in a byte);
-- kind "fp8": float8_e4m3fn codes (vLLM's dynamic fp8);
+- kind "fp8": float8_e4m3fn codes held as their uint8 bit patterns (vLLM's dynamic fp8;
+  XLA's CPU backend slices and copies float8 arrays element by element);
 - kind "uint4": codes 0..15 packed two to a byte: within each run of `pack` consecutive inputs,
   the low nibbles hold the run's first half and the high nibbles its second half (GGUF's own
   Q4_0/Q4_1/Q4_K order, so their bytes are used as they are).
 
-The weights are never dequantized in memory as a whole. `matmul` with per-channel scales
-converts the codes to the activations' dtype inside the product (XLA fuses an integer convert
-into the dot) and scales the product's output; with group scales it dequantizes the one
-weight it multiplies, a transient the size of one layer's matrix. Measured on the 2-core
-Zen 4 (bf16, 30 stacked [1536, 576] matrices, 2-8 rows): int8 codes either way run at the
-speed of bf16 weights (3.9-4.9 ms against 3.9-4.0 ms), while unpacking 4-bit codes costs XLA
-about 3x (11-14 ms: nibble shuffles along the minor axis are not vectorised). Multiplying
-per-group partial products by their scales instead ([T, G, Out], a batched dot) was slower
-still (18-27 ms), and is not used.
+The weights are never dequantized in memory as a whole. On the CPU a step of at most 16 rows
+(decode) goes to a C++ kernel that reads the codes in place (cpu_kernel.py, cpu_matmul.cc).
+Otherwise XLA multiplies: with per-channel scales it converts the codes to the activations'
+dtype inside the product (XLA fuses an integer convert into the dot) and scales the output;
+with group scales it dequantizes the one weight it multiplies, a transient the size of one
+layer's matrix. Measured on the 2-core Zen 4 (bf16, 30 stacked [1536, 576] matrices, 2-8
+rows): XLA runs int8 codes at the speed of bf16 weights (3.9-4.9 ms against 3.9-4.0 ms),
+unpacks 4-bit codes about 3x slower (11-14 ms: nibble shuffles along the minor axis are not
+vectorised) and converts fp8 with scalar code (72 ms). Multiplying per-group partial
+products by their scales instead ([T, G, Out], a batched dot) was slower still (18-27 ms).
 
 Glossary: T rows, In input channels, Out output channels, G groups per row, g = In // G.
 """
@@ -33,12 +35,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from jllm.quantization import cpu_kernel
+
 KINDS = ("int8", "fp8", "uint4")
 
 
 @struct.dataclass
 class QuantizedWeight:
-    codes: jax.Array  # int8 | float8_e4m3fn [..., Out, In], or uint8 [..., Out, In // 2]
+    codes: jax.Array  # int8 | uint8 (fp8 bits) [..., Out, In], or uint8 [..., Out, In // 2]
     scale: jax.Array  # [..., Out, G]
     offset: jax.Array | None  # [..., Out, G] or None (symmetric formats)
     kind: str = struct.field(pytree_node=False)
@@ -64,11 +68,12 @@ nnx.register_data_type(QuantizedWeight)
 
 
 def fp8_values(codes: jax.Array, dtype) -> jax.Array:
-    """float8_e4m3fn codes as `dtype`, exactly. On CPU, XLA's own fp8 convert is scalar code
-    (about 17x slower than the product it feeds), so there the value is built with integer
-    operations: |v| * 2^9 = (8 * [e > 0] + m) << max(e - 1, 0) for exponent e and mantissa m."""
+    """float8_e4m3fn codes (their uint8 bits) as `dtype`, exactly. On CPU, XLA's own fp8
+    convert is scalar code (about 17x slower than the product it feeds), so there the value
+    is built with integer operations: |v| * 2^9 = (8 * [e > 0] + m) << max(e - 1, 0) for
+    exponent e and mantissa m."""
     if jax.default_backend() != "cpu":
-        return codes.astype(dtype)
+        return jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(dtype)
     bits = jax.lax.bitcast_convert_type(codes, jnp.int8).astype(jnp.int32)
     e, m = (bits >> 3) & 15, bits & 7
     magnitude = (m + jnp.minimum(e, 1) * 8) << jnp.maximum(e - 1, 0)
@@ -104,6 +109,8 @@ def dequantize(w: QuantizedWeight, dtype) -> jax.Array:
 def matmul(x: jax.Array, w: QuantizedWeight, out_dtype=None) -> jax.Array:
     """x [T, In] @ w.T -> [T, Out] in `out_dtype` (default x's dtype)."""
     out_dtype = out_dtype or x.dtype
+    if cpu_kernel.applies(x, w):
+        return cpu_kernel.cpu_matmul(x, w, out_dtype)
     if w.scale.shape[-1] == 1 and w.offset is None:  # per channel: scale the output
         # Accumulated in float32: before its scale the product is 1 / scale times too large,
         # past float16's range for a weight of absmax 1e-3 and an output of 1.

@@ -76,11 +76,11 @@ def _cpu_fingerprint() -> str:
     return platform.processor()
 
 
-def _library_path(compiler: str) -> str:
+def _library_path(compiler: str, source_path: str, stem: str) -> str:
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True
     ).stdout
-    with open(SOURCE) as f:
+    with open(source_path) as f:
         source = f.read()
     key = hashlib.sha256()
     for part in (
@@ -95,29 +95,45 @@ def _library_path(compiler: str) -> str:
     ):
         key.update(part.encode())
     root = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
-    return os.path.join(
-        root, "jllm", "kernels", f"ragged_paged_attention_{key.hexdigest()[:16]}.so"
-    )
+    return os.path.join(root, "jllm", "kernels", f"{stem}_{key.hexdigest()[:16]}.so")
 
 
-def _build(compiler: str, path: str) -> None:
+def _build(compiler: str, path: str, source: str, what: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     # Build to a temporary name and rename: processes starting together (one per host or
     # device) may all build, and none may load a half-written library.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
-    cmd = [compiler, *FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp]
-    logger.info("Building the CPU attention kernel: %s", " ".join(cmd))
+    cmd = [compiler, *FLAGS, "-I", jax.ffi.include_dir(), source, "-o", tmp]
+    logger.info("Building the %s: %s", what, " ".join(cmd))
     try:
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             raise CpuKernelUnavailable(
-                f"building {SOURCE} failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}"
+                f"building {source} failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}"
             )
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def build_library(source: str, stem: str, what: str) -> ctypes.CDLL:
+    """Builds a C++ FFI source once per machine (GCC flags `FLAGS`, jaxlib's FFI headers)
+    into the kernel cache and loads it. Raises CpuKernelUnavailable when there is no C++
+    compiler (`$CXX`, default g++) or the build fails."""
+    compiler = os.environ.get("CXX", "g++")
+    if shutil.which(compiler) is None:
+        raise CpuKernelUnavailable(
+            f"no C++ compiler {compiler!r} on PATH (set CXX, or install g++)"
+        )
+    try:
+        path = _library_path(compiler, source, stem)
+        if not os.path.exists(path):
+            _build(compiler, path, source, what)
+        return ctypes.cdll.LoadLibrary(path)
+    except (OSError, subprocess.CalledProcessError) as e:  # unwritable cache, noexec
+        raise CpuKernelUnavailable(f"cannot build or load the {what}: {e}") from e
 
 
 def load_cpu_kernel() -> str:
@@ -131,19 +147,8 @@ def load_cpu_kernel() -> str:
             return _registered
         if _failure is not None:
             raise _failure
-        compiler = os.environ.get("CXX", "g++")
         try:
-            if shutil.which(compiler) is None:
-                raise CpuKernelUnavailable(
-                    f"no C++ compiler {compiler!r} on PATH (set CXX, or install g++)"
-                )
-            try:
-                path = _library_path(compiler)
-                if not os.path.exists(path):
-                    _build(compiler, path)
-                library = ctypes.cdll.LoadLibrary(path)
-            except (OSError, subprocess.CalledProcessError) as e:  # unwritable cache, noexec
-                raise CpuKernelUnavailable(f"cannot build or load the kernel: {e}") from e
+            library = build_library(SOURCE, "ragged_paged_attention", "CPU attention kernel")
         except CpuKernelUnavailable as e:
             _failure = e
             raise

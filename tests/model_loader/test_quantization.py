@@ -17,7 +17,7 @@ from oracle import SMALL, worst_teacher_forced_gaps
 
 from jllm import LLM, SamplingParams
 from jllm.model_loader import resolve_model
-from jllm.quantization import resolve_quantization
+from jllm.quantization import cpu_kernel, resolve_quantization
 from jllm.quantization.formats import gguf_weight, quantize_online
 from jllm.quantization.weights import QuantizedWeight, dequantize, fp8_values, matmul
 from jllm.runner.compile_guard import count_compiles
@@ -31,20 +31,24 @@ BOUND = {"tpu_int8": 127.0, "fp8": 448.0}
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
 def test_gguf_blocks_kept_quantized_match_gguf_py(qtype, gguf_blocks):
-    data = gguf_blocks(qtype, rows=6, blocks=2)
+    data = gguf_blocks(qtype, rows=8, blocks=2)
     w = gguf_weight(data, qtype.name)
-    ref = gguf_dequantize(data, qtype).reshape(6, -1)
+    ref = gguf_dequantize(data, qtype).reshape(8, -1)
     assert w.shape == ref.shape
     np.testing.assert_array_equal(np.asarray(dequantize(w, jnp.float32)), ref)
     assert w.nbytes < ref.size * 2  # below bf16: the codes stay packed
-    x = np.random.default_rng(1).normal(size=(3, ref.shape[1])).astype(np.float32)
-    got = np.asarray(jax.jit(matmul)(jnp.asarray(x), jax.tree.map(jnp.asarray, w)))
-    np.testing.assert_allclose(got, x @ ref.T, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    # 0 and 3 rows take the CPU kernel (cpu_matmul.cc), 20 rows XLA's product
+    for rows, kernel in ((0, True), (3, True), (20, False)):
+        x = np.random.default_rng(rows).normal(size=(rows, ref.shape[1])).astype(np.float32)
+        args = (jnp.asarray(x), jax.tree.map(jnp.asarray, w))
+        assert (cpu_kernel.TARGET in jax.jit(matmul).lower(*args).as_text()) == kernel
+        got = np.asarray(jax.jit(matmul)(*args))
+        np.testing.assert_allclose(got, x @ ref.T, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
 def test_fp8_values_are_exact_for_every_code():
-    codes = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
-    want = codes.astype(np.float32)
+    codes = np.arange(256, dtype=np.uint8)  # float8_e4m3fn bit patterns, as held
+    want = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     for dtype in (jnp.float32, jnp.bfloat16):
         got = np.asarray(jax.jit(fp8_values, static_argnums=1)(codes, dtype), np.float32)
         finite = ~np.isnan(want)  # 0x7F/0xFF: NaN, never produced by quantization
@@ -63,11 +67,13 @@ def test_online_quantization_is_per_channel_absmax(method):
         scale = np.where(absmax > 0, absmax / 448, 1.0).astype(np.float32)
     np.testing.assert_allclose(q.scale, scale, rtol=1e-6)
     codes = reference_codes(w, scale, method)
-    np.testing.assert_array_equal(q.codes.astype(np.float32), codes)
-    values = q.codes.astype(np.float32) * q.scale
-    x = np.random.default_rng(1).normal(size=(5, 80)).astype(np.float32)
-    got = np.asarray(matmul(jnp.asarray(x), jax.tree.map(jnp.asarray, q)))
-    np.testing.assert_allclose(got, x @ values.T, rtol=1e-5, atol=1e-6)
+    held = q.codes.view(ml_dtypes.float8_e4m3fn) if method == "fp8" else q.codes
+    np.testing.assert_array_equal(held.astype(np.float32), codes)
+    values = held.astype(np.float32) * q.scale
+    for rows in (5, 40):  # the CPU kernel, XLA's product
+        x = np.random.default_rng(rows).normal(size=(rows, 80)).astype(np.float32)
+        got = np.asarray(matmul(jnp.asarray(x), jax.tree.map(jnp.asarray, q)))
+        np.testing.assert_allclose(got, x @ values.T, rtol=1e-5, atol=1e-6)
 
 
 def reference_codes(w: np.ndarray, scale: np.ndarray, method: str) -> np.ndarray:
@@ -190,7 +196,8 @@ def test_gguf_mixed_types_per_layer(tmp_path, make_tiny, gguf_writer):
 def test_no_compile_after_warmup_with_quantized_weights(tmp_path, make_tiny, gguf_writer):
     path = str(tmp_path / "llama.gguf")
     gguf_writer(path, make_tiny("llama", tie=True), "llama", matrix_type="Q4_1")
-    llm = LLM(path, quantization="gguf", **{**GGUF_ARGS, "enforce_eager": False})
+    small = dict(max_num_seqs=4, max_num_batched_tokens=32, enforce_eager=False)
+    llm = LLM(path, quantization="gguf", **{**GGUF_ARGS, **small})
     prompts = [{"prompt_token_ids": p} for p in prompt_ids(5, 4, seed=2)]
     params = [SamplingParams(temperature=t, max_tokens=6, seed=1) for t in (0, 0.8, 1, 0, 0.5)]
     with count_compiles() as events:

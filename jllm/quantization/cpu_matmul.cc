@@ -1,0 +1,271 @@
+// A few rows times a quantized weight, for the CPU, as an XLA FFI custom call.
+//
+// y[t, o] = sum_i x[t, i] * (code[o, i] * scale[o, i / g] + offset[o, i / g])
+//
+// x [T, In] float32 or bfloat16; codes [Out, In] int8 (kind 0) or float8_e4m3fn (kind 2), or
+// [Out, In / 2] bytes of two 4-bit codes 0..15 (kind 1: within each run of `pack` inputs the
+// low nibbles hold the run's first half, the high nibbles its second half); scale and
+// offset [Out, G] float32 (offset [1, 1] and unused when has_offset is 0); y [T, Out]
+// float32. The contract of jllm/quantization/weights.py's `matmul`.
+//
+// Decode multiplies a few rows by every weight once per step, so the product is bound by
+// reading the weights: this reads the codes once, in place, turns 16 of them at a time into
+// floats in registers (scale and offset applied), and accumulates each row's 16-lane sums,
+// reduced once per output. Blocks of output rows are shared out over XLA's intra-op pool.
+//
+// Built at run time with GCC (g++ -O3 -march=native; GCC's vector extension), like the CPU
+// attention kernel (pallas_kernels/ragged_paged_attention/cpu.py builds both).
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int8_t v16b __attribute__((vector_size(16)));
+typedef uint8_t v16u __attribute__((vector_size(16)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+constexpr int64_t kRowsPerItem = 32;
+constexpr int kMaxRows = 16;
+
+struct Problem {
+  const float* x;  // [T, In] float32 (converted once per call)
+  const uint8_t* codes;
+  const float* scale;
+  const float* offset;  // nullptr: none
+  float* out;           // [T, Out]
+  int64_t T, In, Out, G, pack;
+  int kind;
+};
+
+// 16 bytes as floats, signed or not. GCC lowers __builtin_convertvector from bytes to
+// floats element by element, so AVX-512 gets its widening instructions; other targets the
+// generic (slower) conversion.
+inline v16 bytes_to_floats(v16b b) {
+#ifdef __AVX512F__
+  __m128i raw;
+  std::memcpy(&raw, &b, 16);
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+  v16 v;
+  std::memcpy(&v, &f, 64);
+  return v;
+#else
+  return __builtin_convertvector(__builtin_convertvector(b, v16i), v16);
+#endif
+}
+
+inline v16i widen(v16u b) {
+#ifdef __AVX512F__
+  __m128i raw;
+  std::memcpy(&raw, &b, 16);
+  const __m512i w = _mm512_cvtepu8_epi32(raw);
+  v16i v;
+  std::memcpy(&v, &w, 64);
+  return v;
+#else
+  return __builtin_convertvector(b, v16i);
+#endif
+}
+
+inline v16 bytes_to_floats(v16u b) { return __builtin_convertvector(widen(b), v16); }
+
+// float8_e4m3fn codes as floats: |v| * 2^9 = (8 * [e > 0] + m) << max(e - 1, 0) for exponent
+// e and mantissa m, all in integer lanes (0x7F, NaN, comes out 480: never produced).
+inline v16 fp8_to_floats(v16u b) {
+  const v16i u = widen(b);
+  const v16i e = (u >> 3) & 15, m = u & 7;
+  const v16i normal = e > 0;  // -1 where true
+  const v16i magnitude = (m + (normal & 8)) << ((e - 1) & normal);
+  const v16i sign = -((u >> 7) & 1);
+  return __builtin_convertvector((magnitude ^ sign) - sign, v16) * (1.0f / 512.0f);
+}
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// 16 codes starting at input i of one output row, as floats (before scale and offset).
+template <int kKind, int kPack>
+inline v16 codes16(const Problem& pb, const uint8_t* row, int64_t i) {
+  if constexpr (kKind == 0) {
+    v16b b;
+    std::memcpy(&b, row + i, 16);
+    return bytes_to_floats(b);
+  } else if constexpr (kKind == 1) {
+    constexpr int64_t half = kPack / 2;
+    const int64_t j = i % kPack;
+    v16u b;
+    std::memcpy(&b, row + (i / kPack) * half + (j < half ? j : j - half), 16);
+    b = j < half ? (b & 15) : (b >> 4);
+    return bytes_to_floats(b);
+  } else {
+    v16u b;
+    std::memcpy(&b, row + i, 16);
+    return fp8_to_floats(b);
+  }
+}
+
+// kR output rows at a time share each load of x's rows; kR * kT accumulators and kT rows of
+// x stay in registers (at most 32 with AVX-512).
+template <int kT, int kKind, int kPack>
+void run_rows(const Problem& pb, int64_t first, int64_t last) {
+  constexpr int kR = kT <= 4 ? 4 : (kT <= 8 ? 2 : 1);
+  const int64_t In = pb.In, G = pb.G, g = In / G;
+  const int64_t row_bytes = kKind == 1 ? In / 2 : In;
+  for (int64_t o = first; o < last; o += kR) {
+    const uint8_t* rows[kR];
+    for (int r = 0; r < kR; ++r) rows[r] = pb.codes + (o + r) * row_bytes;
+    v16 acc[kR][kT];
+    for (int r = 0; r < kR; ++r)
+      for (int t = 0; t < kT; ++t) acc[r][t] = v16{};
+    for (int64_t gi = 0; gi < G; ++gi) {
+      float s[kR], m[kR];
+      for (int r = 0; r < kR; ++r) {
+        s[r] = pb.scale[(o + r) * G + gi];
+        m[r] = pb.offset ? pb.offset[(o + r) * G + gi] : 0.0f;
+      }
+      for (int64_t i = gi * g; i < (gi + 1) * g; i += 16) {
+        v16 xv[kT];
+        for (int t = 0; t < kT; ++t) xv[t] = load16(pb.x + t * In + i);
+        for (int r = 0; r < kR; ++r) {
+          const v16 w = codes16<kKind, kPack>(pb, rows[r], i) * s[r] + m[r];
+          for (int t = 0; t < kT; ++t) acc[r][t] += xv[t] * w;
+        }
+      }
+    }
+    for (int r = 0; r < kR; ++r)
+      for (int t = 0; t < kT; ++t) {
+        float sum = 0.0f;
+        for (int k = 0; k < 16; ++k) sum += acc[r][t][k];
+        pb.out[t * pb.Out + o + r] = sum;
+      }
+  }
+}
+
+template <int kT>
+void run_kind(const Problem& pb, int64_t first, int64_t last) {
+  if (pb.kind == 0) return run_rows<kT, 0, 0>(pb, first, last);
+  if (pb.kind == 2) return run_rows<kT, 2, 0>(pb, first, last);
+  if (pb.pack == 32) return run_rows<kT, 1, 32>(pb, first, last);
+  return run_rows<kT, 1, 64>(pb, first, last);
+}
+
+// x is padded to a whole number of rows kT (1, 2, 4, 8 or 16) by the caller.
+void run(const Problem& pb, int64_t first, int64_t last) {
+  switch (pb.T) {
+    case 1: return run_kind<1>(pb, first, last);
+    case 2: return run_kind<2>(pb, first, last);
+    case 4: return run_kind<4>(pb, first, last);
+    case 8: return run_kind<8>(pb, first, last);
+    default: return run_kind<16>(pb, first, last);
+  }
+}
+
+struct Progress {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mu;
+  std::condition_variable cv;
+};
+
+ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer codes,
+                           ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
+                           ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t kind, int64_t pack,
+                           int64_t has_offset) {
+  const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions();
+  if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2)
+    return ffi::Error::InvalidArgument("x, codes and scale must be 2-D");
+  auto pb = std::make_shared<Problem>();
+  pb->T = xd[0];
+  pb->In = xd[1];
+  pb->Out = cd[0];
+  pb->G = sd[1];
+  pb->pack = pack;
+  pb->kind = int(kind);
+  const int64_t width = kind == 1 ? pb->In / 2 : pb->In;
+  if (kind < 0 || kind > 2 || cd[1] != width || sd[0] != pb->Out || pb->T > kMaxRows ||
+      pb->Out % 4 || pb->In % pb->G || (pb->In / pb->G) % 16 ||
+      (kind == 1 && ((pack != 32 && pack != 64) || pb->In % pack)))
+    return ffi::Error::InvalidArgument("inconsistent quantized matmul shapes");
+  const int64_t rows = pb->T;
+  if (rows == 0 || pb->Out == 0) return ffi::Error::Success();  // nothing to write
+  pb->T = rows <= 2 ? rows : (rows <= 4 ? 4 : (rows <= 8 ? 8 : 16));  // padded with zeros
+  const auto od = offset.dimensions();
+  if (has_offset && (od.size() != 2 || od[0] != sd[0] || od[1] != sd[1]))
+    return ffi::Error::InvalidArgument("offset must have scale's shape");
+  std::vector<float> xf(pb->T * pb->In, 0.0f);
+  std::vector<float> padded_out;
+  const int64_t n = rows * pb->In;
+  if (x.element_type() == ffi::DataType::F32) {
+    std::memcpy(xf.data(), x.untyped_data(), n * 4);
+  } else if (x.element_type() == ffi::DataType::BF16) {
+    const uint16_t* src = static_cast<const uint16_t*>(x.untyped_data());
+    for (int64_t k = 0; k < n; ++k) {
+      const uint32_t bits = uint32_t(src[k]) << 16;
+      std::memcpy(&xf[k], &bits, 4);
+    }
+  } else {
+    return ffi::Error::InvalidArgument("x must be float32 or bfloat16");
+  }
+  pb->x = xf.data();
+  pb->codes = static_cast<const uint8_t*>(codes.untyped_data());
+  pb->scale = scale.typed_data();
+  pb->offset = has_offset ? offset.typed_data() : nullptr;
+  pb->out = out->typed_data();
+  if (pb->T != rows) {  // the padding rows' results go to scratch
+    padded_out.resize(pb->T * pb->Out);
+    pb->out = padded_out.data();
+  }
+
+  const int64_t total = (pb->Out + kRowsPerItem - 1) / kRowsPerItem;
+  auto progress = std::make_shared<Progress>();
+  auto work = [progress, pb, total]() {
+    for (;;) {
+      const int64_t i = progress->next.fetch_add(1);
+      if (i >= total) return;
+      run(*pb, i * kRowsPerItem, std::min(pb->Out, (i + 1) * kRowsPerItem));
+      if (progress->done.fetch_add(1) + 1 == total) {
+        std::lock_guard<std::mutex> lock(progress->mu);
+        progress->cv.notify_all();
+      }
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work]() { work(); });
+  work();
+  std::unique_lock<std::mutex> lock(progress->mu);
+  progress->cv.wait(lock, [&] { return progress->done.load() >= total; });
+  if (pb->T != rows) std::memcpy(out->typed_data(), pb->out, rows * pb->Out * 4);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmQuantizedMatmul, QuantizedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()         // x [T, In]
+                                  .Arg<ffi::AnyBuffer>()         // codes [Out, In or In / 2]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale [Out, G]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // offset [Out, G] or [1, 1]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [T, Out]
+                                  .Attr<int64_t>("kind")
+                                  .Attr<int64_t>("pack")
+                                  .Attr<int64_t>("has_offset"));
