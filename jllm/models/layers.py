@@ -54,7 +54,7 @@ class Linear(nnx.Module):
         w = self.weight.get_value()
         if isinstance(w, QuantizedWeight):
             lead = x.shape[: x.ndim - self.contract]
-            y = matmul(x.reshape(*lead, -1).reshape(-1, w.shape[-1]), w, out_dtype)
+            y = matmul(x.reshape(-1, w.shape[-1]), w, out_dtype)
             y = y.reshape(*lead, *self.out_shape)
         else:
             y = jnp.einsum(self.spec, x, w, preferred_element_type=out_dtype)

@@ -23,7 +23,12 @@ from flax import nnx
 
 from jllm.models.registry import IGNORED, Architecture
 from jllm.quantization import ONLINE_METHODS
-from jllm.quantization.formats import quantize_channels, quantize_online, stack_layers
+from jllm.quantization.formats import (
+    ONLINE_KINDS,
+    quantize_channels,
+    quantize_online,
+    stack_layers,
+)
 from jllm.quantization.weights import QuantizedWeight
 from sharding import named_sharding
 
@@ -77,11 +82,8 @@ def _quantized_axes(var) -> tuple:
     Linear's float weight is [in..., out...] with `contract` input axes; the embedding table
     [vocab, embed] is already [Out, In]."""
     meta = var.get_metadata()
-    axes, contract = tuple(meta["logical_axes"]), meta.get("contract", 1)
-    if "contract" not in meta:
-        pair = axes
-    else:
-        pair = (axes[contract], axes[0])
+    axes, contract = tuple(meta["logical_axes"]), meta.get("contract")
+    pair = axes if contract is None else (axes[contract], axes[0])
     return ("layers", *pair) if len(axes) < len(var.shape) else pair
 
 
@@ -144,7 +146,7 @@ def _dummy_quantized(key, var, method: str, mesh, layered: bool) -> QuantizedWei
         return quantize_channels(0.02 * jax.random.normal(key, shape, jnp.float32), method)
 
     codes, scale = jax.jit(draw, out_shardings=(codes_sharding, scale_sharding))(key)
-    return QuantizedWeight(codes, scale, None, "fp8" if method == "fp8" else "int8")
+    return QuantizedWeight(codes, scale, None, ONLINE_KINDS[method])
 
 
 def load_model(

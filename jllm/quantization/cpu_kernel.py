@@ -10,44 +10,27 @@ and keep XLA's product.
 
 from __future__ import annotations
 
-import logging
 import os
-import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.ragged_paged_attention.cpu import CpuKernelUnavailable, build_library
-
-logger = logging.getLogger(__name__)
+from pallas_kernels.ragged_paged_attention.cpu import CpuKernelUnavailable, FfiKernel
 
 TARGET = "jllm_quantized_matmul_cpu"
 SOURCE = os.path.join(os.path.dirname(__file__), "cpu_matmul.cc")
 MAX_ROWS = 16
 KINDS = {"int8": 0, "uint4": 1, "fp8": 2}
 
-_lock = threading.Lock()
-_state: dict[str, object] = {}  # "target", or "failure" (not retried in this process)
-
-
-def load_kernel() -> str:
-    """Builds (once per machine) and registers the kernel; returns its FFI target name."""
-    with _lock:
-        if "target" in _state:
-            return _state["target"]
-        if "failure" in _state:
-            raise _state["failure"]
-        try:
-            library = build_library(SOURCE, "quantized_matmul", "CPU quantized matmul kernel")
-        except CpuKernelUnavailable as e:
-            _state["failure"] = e
-            logger.warning("Quantized weights use XLA's slower CPU product: %s", e)
-            raise
-        capsule = jax.ffi.pycapsule(library.JllmQuantizedMatmul)
-        jax.ffi.register_ffi_target(TARGET, capsule, platform="cpu")
-        _state["target"] = TARGET
-        return TARGET
+KERNEL = FfiKernel(
+    SOURCE,
+    "quantized_matmul",
+    "CPU quantized matmul kernel",
+    "JllmQuantizedMatmul",
+    TARGET,
+    warn=True,
+)
 
 
 def applies(x: jax.Array, w) -> bool:
@@ -63,7 +46,7 @@ def applies(x: jax.Array, w) -> bool:
     if not mesh.empty and mesh.size > 1:
         return False
     try:
-        load_kernel()
+        KERNEL.load()
     except CpuKernelUnavailable:
         return False
     return True
@@ -75,7 +58,7 @@ def cpu_matmul(x: jax.Array, w, out_dtype) -> jax.Array:
     codes = w.codes  # read as bytes whatever their dtype (a bitcast here is an XLA loop)
     scale = w.scale.astype(jnp.float32)
     offset = jnp.zeros((1, 1), jnp.float32) if w.offset is None else w.offset.astype(jnp.float32)
-    call = jax.ffi.ffi_call(load_kernel(), jax.ShapeDtypeStruct((t, out), jnp.float32))
+    call = jax.ffi.ffi_call(KERNEL.load(), jax.ShapeDtypeStruct((t, out), jnp.float32))
     y = call(
         x,
         codes,

@@ -17,18 +17,15 @@
 // attention kernel (pallas_kernels/ragged_paged_attention/cpu.py builds both).
 
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <mutex>
 #include <vector>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 
+#include "cpu_pool.h"  // pallas_kernels/: share_items
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -178,13 +175,6 @@ void run(const Problem& pb, int64_t first, int64_t last) {
   }
 }
 
-struct Progress {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::mutex mu;
-  std::condition_variable cv;
-};
-
 ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer codes,
                            ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
                            ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t kind, int64_t pack,
@@ -192,27 +182,27 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
   const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions();
   if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2)
     return ffi::Error::InvalidArgument("x, codes and scale must be 2-D");
-  auto pb = std::make_shared<Problem>();
-  pb->T = xd[0];
-  pb->In = xd[1];
-  pb->Out = cd[0];
-  pb->G = sd[1];
-  pb->pack = pack;
-  pb->kind = int(kind);
-  const int64_t width = kind == 1 ? pb->In / 2 : pb->In;
-  if (kind < 0 || kind > 2 || cd[1] != width || sd[0] != pb->Out || pb->T > kMaxRows ||
-      pb->Out % 4 || pb->In % pb->G || (pb->In / pb->G) % 16 ||
-      (kind == 1 && ((pack != 32 && pack != 64) || pb->In % pack)))
+  Problem pb;
+  pb.T = xd[0];
+  pb.In = xd[1];
+  pb.Out = cd[0];
+  pb.G = sd[1];
+  pb.pack = pack;
+  pb.kind = int(kind);
+  const int64_t width = kind == 1 ? pb.In / 2 : pb.In;
+  if (kind < 0 || kind > 2 || cd[1] != width || sd[0] != pb.Out || pb.T > kMaxRows ||
+      pb.Out % 4 || pb.In % pb.G || (pb.In / pb.G) % 16 ||
+      (kind == 1 && ((pack != 32 && pack != 64) || pb.In % pack)))
     return ffi::Error::InvalidArgument("inconsistent quantized matmul shapes");
-  const int64_t rows = pb->T;
-  if (rows == 0 || pb->Out == 0) return ffi::Error::Success();  // nothing to write
-  pb->T = rows <= 2 ? rows : (rows <= 4 ? 4 : (rows <= 8 ? 8 : 16));  // padded with zeros
+  const int64_t rows = pb.T;
+  if (rows == 0 || pb.Out == 0) return ffi::Error::Success();  // nothing to write
+  pb.T = rows <= 2 ? rows : (rows <= 4 ? 4 : (rows <= 8 ? 8 : 16));  // padded with zeros
   const auto od = offset.dimensions();
   if (has_offset && (od.size() != 2 || od[0] != sd[0] || od[1] != sd[1]))
     return ffi::Error::InvalidArgument("offset must have scale's shape");
-  std::vector<float> xf(pb->T * pb->In, 0.0f);
+  std::vector<float> xf(pb.T * pb.In, 0.0f);
   std::vector<float> padded_out;
-  const int64_t n = rows * pb->In;
+  const int64_t n = rows * pb.In;
   if (x.element_type() == ffi::DataType::F32) {
     std::memcpy(xf.data(), x.untyped_data(), n * 4);
   } else if (x.element_type() == ffi::DataType::BF16) {
@@ -224,35 +214,21 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
   } else {
     return ffi::Error::InvalidArgument("x must be float32 or bfloat16");
   }
-  pb->x = xf.data();
-  pb->codes = static_cast<const uint8_t*>(codes.untyped_data());
-  pb->scale = scale.typed_data();
-  pb->offset = has_offset ? offset.typed_data() : nullptr;
-  pb->out = out->typed_data();
-  if (pb->T != rows) {  // the padding rows' results go to scratch
-    padded_out.resize(pb->T * pb->Out);
-    pb->out = padded_out.data();
+  pb.x = xf.data();
+  pb.codes = static_cast<const uint8_t*>(codes.untyped_data());
+  pb.scale = scale.typed_data();
+  pb.offset = has_offset ? offset.typed_data() : nullptr;
+  pb.out = out->typed_data();
+  if (pb.T != rows) {  // the padding rows' results go to scratch
+    padded_out.resize(pb.T * pb.Out);
+    pb.out = padded_out.data();
   }
 
-  const int64_t total = (pb->Out + kRowsPerItem - 1) / kRowsPerItem;
-  auto progress = std::make_shared<Progress>();
-  auto work = [progress, pb, total]() {
-    for (;;) {
-      const int64_t i = progress->next.fetch_add(1);
-      if (i >= total) return;
-      run(*pb, i * kRowsPerItem, std::min(pb->Out, (i + 1) * kRowsPerItem));
-      if (progress->done.fetch_add(1) + 1 == total) {
-        std::lock_guard<std::mutex> lock(progress->mu);
-        progress->cv.notify_all();
-      }
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work]() { work(); });
-  work();
-  std::unique_lock<std::mutex> lock(progress->mu);
-  progress->cv.wait(lock, [&] { return progress->done.load() >= total; });
-  if (pb->T != rows) std::memcpy(out->typed_data(), pb->out, rows * pb->Out * 4);
+  const int64_t total = (pb.Out + kRowsPerItem - 1) / kRowsPerItem;
+  jllm_cpu::share_items(pool, total, [&pb](int64_t i) {
+    run(pb, i * kRowsPerItem, std::min(pb.Out, (i + 1) * kRowsPerItem));
+  });
+  if (pb.T != rows) std::memcpy(out->typed_data(), pb.out, rows * pb.Out * 4);
   return ffi::Error::Success();
 }
 

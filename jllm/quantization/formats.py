@@ -24,11 +24,14 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jllm.quantization.weights import QuantizedWeight
 
 GGUF_KEPT = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+ONLINE_KINDS = {"tpu_int8": "int8", "fp8": "fp8"}  # method -> QuantizedWeight.kind
 
 
 def quantize_channels(weight, method: str):
@@ -38,8 +41,6 @@ def quantize_channels(weight, method: str):
     "tpu_int8": vLLM's rule, scale = max(absmax, 1e-5) / 127 and codes
     clip(round(w / scale), -128, 127). "fp8": qwix's float8_e4m3fn quantization, scale =
     absmax / 448 (1 for an all-zero channel), codes rounded to nearest."""
-    import jax
-    import jax.numpy as jnp
     import qwix
 
     weight = weight.astype(jnp.float32)
@@ -57,12 +58,9 @@ def quantize_channels(weight, method: str):
 def quantize_online(weight: np.ndarray, method: str) -> QuantizedWeight:
     """A float weight [Out, In] as per-output-channel int8 ("tpu_int8") or fp8 ("fp8"),
     quantized on the host's CPU device."""
-    import jax
-
     with jax.default_device(jax.devices("cpu")[0]):
         codes, scale = jax.jit(quantize_channels, static_argnums=1)(weight, method)
-    kind = "fp8" if method == "fp8" else "int8"
-    return QuantizedWeight(np.asarray(codes), np.asarray(scale), None, kind)
+    return QuantizedWeight(np.asarray(codes), np.asarray(scale), None, ONLINE_KINDS[method])
 
 
 def _blocks(data: np.ndarray, block_bytes: int) -> np.ndarray:
@@ -154,11 +152,4 @@ def stack_layers(weights: list[QuantizedWeight]) -> QuantizedWeight:
     if len(forms) > 1:
         group = min(w.group for w in weights)
         weights = [as_int8(w, group) for w in weights]
-    leaves = zip(*(_arrays(w) for w in weights), strict=True)
-    codes, scale, *offset = (np.stack(a) for a in leaves)
-    first = weights[0]
-    return QuantizedWeight(codes, scale, offset[0] if offset else None, first.kind, first.pack)
-
-
-def _arrays(w: QuantizedWeight) -> list[np.ndarray]:
-    return [w.codes, w.scale] + ([] if w.offset is None else [w.offset])
+    return jax.tree.map(lambda *arrays: np.stack(arrays), *weights)

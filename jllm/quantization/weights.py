@@ -37,8 +37,6 @@ from flax import nnx, struct
 
 from jllm.quantization import cpu_kernel
 
-KINDS = ("int8", "fp8", "uint4")
-
 
 @struct.dataclass
 class QuantizedWeight:

@@ -59,9 +59,9 @@ class CpuKernelUnavailable(RuntimeError):
     """The kernel could not be built here (no C++ compiler, or it failed)."""
 
 
-_lock = threading.Lock()
-_registered: str | None = None
-_failure: CpuKernelUnavailable | None = None  # a failed build is not retried in this process
+# Headers the kernels share (cpu_pool.h): on the include path, and part of the cache key.
+INCLUDE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HEADERS = (os.path.join(INCLUDE, "cpu_pool.h"),)
 
 
 def _cpu_fingerprint() -> str:
@@ -80,11 +80,13 @@ def _library_path(compiler: str, source_path: str, stem: str) -> str:
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True
     ).stdout
-    with open(source_path) as f:
-        source = f.read()
+    sources = []
+    for path in (source_path, *HEADERS):
+        with open(path) as f:
+            sources.append(f.read())
     key = hashlib.sha256()
     for part in (
-        source,
+        *sources,
         " ".join(FLAGS),
         version,
         jax.__version__,
@@ -104,7 +106,7 @@ def _build(compiler: str, path: str, source: str, what: str) -> None:
     # device) may all build, and none may load a half-written library.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
-    cmd = [compiler, *FLAGS, "-I", jax.ffi.include_dir(), source, "-o", tmp]
+    cmd = [compiler, *FLAGS, "-I", jax.ffi.include_dir(), "-I", INCLUDE, source, "-o", tmp]
     logger.info("Building the %s: %s", what, " ".join(cmd))
     try:
         done = subprocess.run(cmd, capture_output=True, text=True)
@@ -136,27 +138,50 @@ def build_library(source: str, stem: str, what: str) -> ctypes.CDLL:
         raise CpuKernelUnavailable(f"cannot build or load the {what}: {e}") from e
 
 
+class FfiKernel:
+    """A C++ FFI source built once per machine (`build_library`) and registered once per
+    process under `target`; a failed build is not retried in this process.
+
+    warn: log the reason at the first failure (for a caller that falls back silently)."""
+
+    def __init__(self, source: str, stem: str, what: str, symbol: str, target: str, warn=False):
+        self.source, self.stem, self.what = source, stem, what
+        self.symbol, self.target, self.warn = symbol, target, warn
+        self._lock = threading.Lock()
+        self._state: dict[str, object] = {}  # "target" once registered, or "failure"
+
+    def load(self) -> str:
+        """Builds and registers the kernel; returns its FFI target name. Raises
+        CpuKernelUnavailable when there is no C++ compiler or the build fails."""
+        with self._lock:
+            if "target" in self._state:
+                return self._state["target"]
+            if "failure" in self._state:
+                raise self._state["failure"]
+            try:
+                library = build_library(self.source, self.stem, self.what)
+            except CpuKernelUnavailable as e:
+                self._state["failure"] = e
+                if self.warn:
+                    logger.warning("The %s is unavailable: %s", self.what, e)
+                raise
+            capsule = jax.ffi.pycapsule(getattr(library, self.symbol))
+            jax.ffi.register_ffi_target(self.target, capsule, platform="cpu")
+            self._state["target"] = self.target
+            return self.target
+
+
+ATTENTION = FfiKernel(
+    SOURCE, "ragged_paged_attention", "CPU attention kernel", "JllmRaggedPagedAttention", TARGET
+)
+
+
 def load_cpu_kernel() -> str:
     """Builds (once per machine) and registers the kernel; returns the FFI target name.
 
     Raises CpuKernelUnavailable when there is no C++ compiler or the build fails.
     """
-    global _registered, _failure
-    with _lock:
-        if _registered:
-            return _registered
-        if _failure is not None:
-            raise _failure
-        try:
-            library = build_library(SOURCE, "ragged_paged_attention", "CPU attention kernel")
-        except CpuKernelUnavailable as e:
-            _failure = e
-            raise
-        jax.ffi.register_ffi_target(
-            TARGET, jax.ffi.pycapsule(library.JllmRaggedPagedAttention), platform="cpu"
-        )
-        _registered = TARGET
-        return TARGET
+    return ATTENTION.load()
 
 
 def _checked_args(q, kv_cache, layer, kv_lens, block_tables, query_start, query_lens, num_seqs):

@@ -17,15 +17,13 @@
 // extension and __builtin_shuffle).
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <vector>
 
+#include "cpu_pool.h"  // pallas_kernels/: share_items
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -306,17 +304,6 @@ void run(const Problem& pb, const Item& it, std::vector<float>& scratch) {
   return run_item<D, 0, 0>(pb, it, scratch);
 }
 
-// Work shared between the calling thread and pool tasks. The caller waits only for items
-// that some thread has claimed, so a task the pool starts late finds nothing to do and
-// never blocks the call.
-struct Progress {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::atomic<bool> failed{false};
-  std::mutex mu;
-  std::condition_variable cv;
-};
-
 ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> kv_lens,
                      ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> query_start,
@@ -372,34 +359,16 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_c
       items.push_back({r, first, std::min(kQueryBlock, q_len - first)});
   }
 
-  const int64_t total = int64_t(items.size());
-  auto progress = std::make_shared<Progress>();
   const bool bf16 = dtype == ffi::DataType::BF16;
-  auto work = [progress, &items, &pb, total, bf16]() {
-    thread_local std::vector<float> scratch;
-    for (;;) {
-      const int64_t i = progress->next.fetch_add(1);
-      if (i >= total) return;
-      try {
-        if (bf16)
-          run<Bf16>(pb, items[i], scratch);
-        else
-          run<F32>(pb, items[i], scratch);
-      } catch (...) {  // scratch allocation; reported once every item is accounted for
-        progress->failed.store(true);
-      }
-      if (progress->done.fetch_add(1) + 1 == total) {
-        std::lock_guard<std::mutex> lock(progress->mu);
-        progress->cv.notify_all();
-      }
-    }
+  auto item = [&items, &pb, bf16](int64_t i) {
+    thread_local std::vector<float> scratch;  // its allocation may throw
+    if (bf16)
+      run<Bf16>(pb, items[i], scratch);
+    else
+      run<F32>(pb, items[i], scratch);
   };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work]() { work(); });
-  work();
-  std::unique_lock<std::mutex> lock(progress->mu);
-  progress->cv.wait(lock, [&] { return progress->done.load() >= total; });
-  if (progress->failed.load()) return ffi::Error::Internal("out of memory for kernel scratch");
+  const bool done = jllm_cpu::share_items(pool, int64_t(items.size()), item);
+  if (!done) return ffi::Error::Internal("out of memory for kernel scratch");
   return ffi::Error::Success();
 }
 

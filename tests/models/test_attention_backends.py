@@ -49,8 +49,7 @@ def test_engine_on_each_backend_matches_cpu_kernel(llama_dir, llama_llm, backend
 
 def test_auto_backend_falls_back_when_the_kernel_cannot_be_built(monkeypatch, tmp_path):
     # A cache directory that cannot be created (an OSError, not a compiler error).
-    monkeypatch.setattr(cpu_kernel, "_registered", None)
-    monkeypatch.setattr(cpu_kernel, "_failure", None)
+    monkeypatch.setattr(cpu_kernel.ATTENTION, "_state", {})
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker / "cache"))
@@ -60,8 +59,7 @@ def test_auto_backend_falls_back_when_the_kernel_cannot_be_built(monkeypatch, tm
 
 
 def test_auto_backend_without_a_compiler(monkeypatch, caplog):
-    monkeypatch.setattr(cpu_kernel, "_registered", None)
-    monkeypatch.setattr(cpu_kernel, "_failure", None)
+    monkeypatch.setattr(cpu_kernel.ATTENTION, "_state", {})
     monkeypatch.setenv("CXX", "no-such-compiler")
     with caplog.at_level("WARNING"):
         assert resolve_backend("auto", "cpu", jnp.float32) == "xla"
