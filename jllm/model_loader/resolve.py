@@ -2,7 +2,7 @@
 
 Everything that can be wrong with a model argument is found here, before any weight is read:
 a path that does not exist, a hub id that is not cached, a directory without safetensors, a
-quantized or unsupported checkpoint.
+checkpoint quantized in a format jllm does not read.
 """
 
 import os
@@ -14,6 +14,7 @@ from jllm.model_loader.gguf_config import gguf_hf_config
 from jllm.model_loader.gguf_io import GgufFile
 from jllm.model_loader.safetensors_io import checkpoint_files, dtype_name, read_header
 from jllm.model_loader.source import ModelSource
+from jllm.quantization.checkpoints import parse_config
 
 
 def resolve_model(
@@ -57,14 +58,11 @@ def resolve_model(
             "`model.save_pretrained(dir, safe_serialization=True)` in transformers)."
         )
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    if getattr(config, "quantization_config", None):
-        method = config.quantization_config
-        method = method.get("quant_method", method) if isinstance(method, dict) else method
-        raise ValueError(
-            f"{path} is a quantized checkpoint ({method}); jllm loads unquantized safetensors "
-            "checkpoints and GGUF files."
-        )
-    return ModelSource("hf", path, config, _checkpoint_dtype(config, files), **common)
+    quantized = None
+    if getattr(config, "quantization_config", None):  # AWQ / GPTQ, or a clear refusal
+        quantized = parse_config(config.quantization_config, path)
+    dtype = _checkpoint_dtype(config, files)
+    return ModelSource("hf", path, config, dtype, checkpoint_quantization=quantized, **common)
 
 
 def _checkpoint_dtype(config: PretrainedConfig, files: list[str]) -> str:

@@ -27,6 +27,9 @@ _DTYPES: dict[str, np.dtype] = {
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
 }
 
+# Integer tensors: the packed codes of AWQ/GPTQ checkpoints, read only for them.
+_INT_DTYPES: dict[str, np.dtype] = {"I32": np.dtype(np.int32)}
+
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -89,8 +92,11 @@ def checkpoint_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, n) for n in names]
 
 
-def iter_safetensors(files: list[str]) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield `(name, float32 array)` for every tensor of every file, in file order."""
+def iter_safetensors(files: list[str], integers: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield `(name, float32 array)` for every tensor of every file, in file order.
+
+    integers: int32 tensors (AWQ/GPTQ packed codes) come as they are stored instead of being
+    refused."""
     for path in files:
         entries = read_header(path)
         if not entries:
@@ -98,6 +104,8 @@ def iter_safetensors(files: list[str]) -> Iterator[tuple[str, np.ndarray]]:
         blob = np.memmap(path, mode="r", dtype=np.uint8)
         for entry in entries:
             dtype = _DTYPES.get(entry.dtype)
+            if integers and entry.dtype in _INT_DTYPES:
+                dtype = _INT_DTYPES[entry.dtype]
             if dtype is None:
                 raise ValueError(
                     f"{path}: tensor {entry.name!r} has dtype {entry.dtype}; only floating point "
@@ -109,6 +117,9 @@ def iter_safetensors(files: list[str]) -> Iterator[tuple[str, np.ndarray]]:
                     f"shape {entry.shape} and dtype {entry.dtype}; the file is corrupt."
                 )
             raw = blob[entry.start : entry.end].view(dtype).reshape(entry.shape)
+            if dtype.kind == "i":
+                yield entry.name, np.asarray(raw)
+                continue
             # float32 stays a read-only view of the map; everything else is converted (one copy).
             yield entry.name, np.asarray(raw).astype(np.float32, copy=False)
 

@@ -19,6 +19,7 @@ from jllm.model_loader import locate
 from jllm.model_loader.gguf_io import GgufFile
 from jllm.model_loader.gguf_tokenizer import gguf_tokenizer
 from jllm.model_loader.safetensors_io import checkpoint_files, count_params, iter_safetensors
+from jllm.quantization.checkpoints import CheckpointQuantization, iter_quantized
 
 
 @dataclass
@@ -33,6 +34,7 @@ class ModelSource:
     tokenizer: the tokenizer to load, as the user gave it (a path or hub id); None means the
         model's own.
     download_dir: the Hugging Face cache directory to resolve a hub-id tokenizer in.
+    checkpoint_quantization: an AWQ/GPTQ checkpoint's `quantization_config`, checked.
     """
 
     kind: Literal["hf", "gguf"]
@@ -42,6 +44,7 @@ class ModelSource:
     tokenizer: str | None = None
     download_dir: str | None = None
     gguf_file: GgufFile | None = field(default=None, repr=False, compare=False)
+    checkpoint_quantization: CheckpointQuantization | None = None
 
     @property
     def weight_files(self) -> list[str]:
@@ -57,9 +60,14 @@ class ModelSource:
         read-only views of a memory-mapped file: copy before writing to them.
 
         keep_quantized (GGUF only): quantized matrices come as `QuantizedWeight`s instead.
+        An AWQ/GPTQ checkpoint's projections always come as `QuantizedWeight`s
+        (`P.weight`, from `P.qweight`, `P.qzeros`, `P.scales`, `P.g_idx`).
         """
         if self.kind == "gguf":
             yield from self._gguf().iter_weights(keep_quantized)
+        elif self.checkpoint_quantization is not None:
+            tensors = iter_safetensors(self.weight_files, integers=True)
+            yield from iter_quantized(tensors, self.checkpoint_quantization)
         else:
             yield from iter_safetensors(self.weight_files)
 

@@ -101,8 +101,14 @@ def _place_quantized(w: QuantizedWeight, mesh, axes) -> QuantizedWeight:
     return jax.tree.map(lambda a: _place(a, named_sharding(mesh, axes, a.shape)), w)
 
 
-def _stack(weights: list) -> np.ndarray | QuantizedWeight:
-    if isinstance(weights[0], QuantizedWeight):
+def _stack(weights: list, name: str) -> np.ndarray | QuantizedWeight:
+    quantized = sum(isinstance(w, QuantizedWeight) for w in weights)
+    if 0 < quantized < len(weights):
+        raise ValueError(
+            f"{name} is quantized in {quantized} of {len(weights)} layers; jllm needs every "
+            "layer's weight in one form (all quantized or none)."
+        )
+    if quantized:
         return stack_layers(weights)
     return np.stack(weights)
 
@@ -131,6 +137,44 @@ def _dummy(key, shape, dtype, norm: bool, sharding) -> jax.Array:
 
 def abstract_model(arch: Architecture, cfg, dtype):
     return nnx.eval_shape(lambda: arch.module(cfg, dtype, nnx.Rngs(0)))
+
+
+def _dummy_packed(key, var, spec, mesh) -> QuantizedWeight:
+    """Random codes in an AWQ/GPTQ checkpoint's form (`spec`: bits and group size), with
+    scales that give weights of about N(0, 0.02)'s spread, drawn on the devices: a stacked
+    layer weight as `checkpoints.iter_quantized` would give it."""
+    out, width = _quantized_in_out(var, True)
+    group = width if spec.group_size == -1 else spec.group_size
+    if width % group:
+        raise ValueError(f"group_size {group} does not divide a weight's {width} inputs.")
+    layers, groups = var.shape[0], width // group
+    axes = _quantized_axes(var)
+    four_bit = spec.bits == 4 and width % 32 == 0
+    codes_shape = (layers, out, width // 2 if four_bit else width)
+    levels = 1 << spec.bits
+    step = 0.02 * np.sqrt(12.0) / levels  # uniform codes: the spread of N(0, 0.02)
+    scale_shape = (layers, out, groups)
+    shardings = (
+        named_sharding(mesh, axes, codes_shape),
+        named_sharding(mesh, axes, scale_shape),
+        named_sharding(mesh, axes, scale_shape),
+    )
+
+    def draw(key):
+        if four_bit:
+            codes = jax.random.bits(key, codes_shape, jnp.uint8)
+        else:
+            high = levels // 2 if spec.bits == 8 else levels
+            low = -levels // 2 if spec.bits == 8 else 0
+            codes = jax.random.randint(key, codes_shape, low, high, jnp.int8)
+        scale = jnp.full(scale_shape, step, jnp.float32)
+        centre = 0.0 if spec.bits == 8 else (levels - 1) / 2
+        return codes, scale, jnp.full(scale_shape, -centre * step, jnp.float32)
+
+    codes, scale, offset = jax.jit(draw, out_shardings=shardings)(key)
+    if four_bit:
+        return QuantizedWeight(codes, scale, offset, "uint4", pack=32)
+    return QuantizedWeight(codes, scale, offset, "int8")
 
 
 def _dummy_quantized(key, var, method: str, mesh, layered: bool) -> QuantizedWeight:
@@ -179,11 +223,19 @@ def load_model(
     def online(path) -> bool:
         return quantization in ONLINE_METHODS and "contract" in flat[path].get_metadata()
 
+    def packed(path) -> bool:  # an AWQ/GPTQ checkpoint's projections (never lm_head)
+        spec = getattr(source, "checkpoint_quantization", None)
+        return spec is not None and path[0] == "layers" and "contract" in flat[path].get_metadata()
+
     if load_format == "dummy":
         key = jax.random.key(seed)
         for i, (path, var) in enumerate(flat.items()):
             norm = len(path) > 1 and "norm" in path[-2]
             layered = path[0] == "layers"
+            if packed(path):
+                spec = source.checkpoint_quantization
+                values[path] = _dummy_packed(jax.random.fold_in(key, i), var, spec, mesh)
+                continue
             if online(path):
                 values[path] = _dummy_quantized(
                     jax.random.fold_in(key, i), var, quantization, mesh, layered
@@ -239,7 +291,9 @@ def load_model(
             else:
                 layered.setdefault(path, {})[layer] = host
                 if len(layered[path]) == cfg.num_layers:
-                    stacked = _stack([layered[path][i] for i in range(cfg.num_layers)])
+                    stacked = _stack(
+                        [layered[path][i] for i in range(cfg.num_layers)], ".".join(map(str, path))
+                    )
                     values[path] = _put(stacked, var, shardings[path], mesh)
                     del layered[path]
         missing = [".".join(map(str, p)) for p in flat if p not in values]

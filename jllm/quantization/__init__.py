@@ -7,6 +7,9 @@
 - "gguf": a GGUF file's Q8_0, Q4_0, Q4_1, Q4_K and Q6_K tensors kept in their quantized form
   (the embedding too, and a tied lm_head reads it); other tensor types are dequantized on
   load as without it.
+- "awq", "gptq": 4-bit (GPTQ: and 8-bit) checkpoints with group-wise scales and zero points,
+  detected from the checkpoint's `quantization_config` as vLLM does (checkpoints.py). vLLM's
+  GPU kernel names for them, "awq_marlin" and "gptq_marlin", are accepted as aliases.
 
 `resolve_quantization` checks the method against the checkpoint before any weight is read;
 `weights.QuantizedWeight` is the in-memory form and `formats` builds it from each format.
@@ -16,19 +19,15 @@ Host-side here: no JAX import.
 from __future__ import annotations
 
 ONLINE_METHODS = ("fp8", "tpu_int8")
-METHODS = (*ONLINE_METHODS, "gguf")
-PLANNED = ("awq", "gptq")  # vLLM's names; refused by name until built
+CHECKPOINT_METHODS = ("awq", "gptq")  # read from a checkpoint's quantization_config
+METHODS = (*ONLINE_METHODS, "gguf", *CHECKPOINT_METHODS)
+ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}  # vLLM's GPU kernels of the same formats
 
 
 def check_method(method: str | None) -> None:
-    """The method's name alone (EngineArgs): None or one of METHODS."""
-    if method is None or method in METHODS:
+    """The method's name alone (EngineArgs): None, one of METHODS or an ALIASES key."""
+    if method is None or method in METHODS or method in ALIASES:
         return
-    if method in PLANNED:
-        raise ValueError(
-            f"quantization={method!r} is not supported by jllm yet; supported: "
-            f"{', '.join(METHODS)}."
-        )
     raise ValueError(f"quantization must be one of {', '.join(METHODS)} or None, got {method!r}.")
 
 
@@ -36,6 +35,22 @@ def resolve_quantization(method: str | None, source) -> str | None:
     """The method to load `source` (a model_loader.ModelSource) with, or a ValueError saying
     why the checkpoint contradicts it."""
     check_method(method)
+    method = ALIASES.get(method, method)
+    stored = getattr(source, "checkpoint_quantization", None)
+    if stored is not None:  # vLLM: the checkpoint's method unless the user names another
+        if method not in (None, stored.method):
+            raise ValueError(
+                f"Quantization method specified in the model config ({stored.method}) does "
+                f"not match the quantization method specified in the `quantization` argument "
+                f"({method})."
+            )
+        return stored.method
+    if method in CHECKPOINT_METHODS:
+        raise ValueError(
+            f"quantization={method!r} needs {'an AWQ' if method == 'awq' else 'a GPTQ'} "
+            f"checkpoint (a config.json with "
+            f"a quantization_config whose quant_method is {method!r}); {source.path} has none."
+        )
     if method is None:
         return None
     if source.kind == "gguf":

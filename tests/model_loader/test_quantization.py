@@ -210,7 +210,7 @@ def test_quantization_the_checkpoint_contradicts_is_refused(llama_dir, smollm_pa
         resolve_quantization("gguf", resolve_model(llama_dir))
     with pytest.raises(ValueError, match="already quantized"):
         resolve_quantization("fp8", resolve_model(smollm_path))
-    with pytest.raises(ValueError, match="quantization='awq' is not supported by jllm yet"):
+    with pytest.raises(ValueError, match="quantization='awq' needs an AWQ checkpoint"):
         LLM(llama_dir, quantization="awq")
     with pytest.raises(ValueError, match="quantization must be one of"):
         LLM(llama_dir, quantization="int3")

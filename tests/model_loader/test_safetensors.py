@@ -121,7 +121,7 @@ def test_quantized_checkpoint_is_rejected(save_tiny):
     config_path = os.path.join(path, "config.json")
     with open(config_path) as f:
         config = json.load(f)
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     with open(config_path, "w") as f:
         json.dump(config, f)
     with pytest.raises(ValueError, match="quantized checkpoint"):
