@@ -2,24 +2,40 @@
 
 SmolLM2-135M-Instruct from the embedded GGUF. The float engine dequantizes the file on load;
 "gguf" keeps its Q4_1 matrices and Q8_0 embedding as they are; "fp8" and "tpu_int8" quantize
-a safetensors copy of the same dequantized weights (written to a temporary folder) on load.
+a safetensors copy of the same dequantized weights (written to a temporary folder) on load;
+"awq" and "gptq" read that copy written as a 4-bit AWQ / GPTQ checkpoint (min-max rounding
+by tests/quantized_checkpoints.py, group size 64: SmolLM2's 576 inputs are not a multiple of
+the usual 128).
 Every engine runs in the same dtype (the float engine's `dtype="auto"`, or `--dtype`), on
 W1 (64 x 128 in x 128 out) and S1 (one 128-token prompt, 128 out), and reports its weights'
 bytes as stored and its KV-cache blocks (the CPU cache is a fixed 4 GiB).
 
-    python benchmarks/throughput.py --quantization gguf tpu_int8 fp8
+    python benchmarks/throughput.py --quantization gguf tpu_int8 fp8 awq gptq
+    python benchmarks/throughput.py --quantization --kv-cache-dtype fp8 fp8_e5m2
+
+`--kv-cache-dtype` adds rows with the float weights and a float8 KV cache (the CPU cache's
+fixed bytes then hold twice the blocks).
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import sys
 import tempfile
 
 import jax
 import numpy as np
 
 from jllm import LLM
+
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+CHECKPOINT_CONFIGS = {  # quantization_config of the AWQ / GPTQ copies
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True,
+            "version": "gemm"},
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": False,
+             "sym": False},
+}  # fmt: skip
 
 
 def float_checkpoint(folder: str) -> str:
@@ -36,16 +52,31 @@ def float_checkpoint(folder: str) -> str:
     return folder
 
 
-def run(methods: list[str], dtype: str, workloads: dict, run_jllm) -> None:
+def run(methods: list[str], dtype: str, workloads: dict, run_jllm, kv_dtypes=()) -> None:
+    """`methods` (quantization=) each with the float KV cache, then the float weights with
+    each of `kv_dtypes` (kv_cache_dtype=), against the float engine."""
     rows = []
+    engines = [(None, "auto"), *((m, "auto") for m in methods)]
+    engines += [(None, kv) for kv in kv_dtypes if kv != "auto"]
     with tempfile.TemporaryDirectory() as folder:
         hf_dir = None
-        for method in [None, *methods]:
+        for method, kv_dtype in engines:
             model = None
-            if method in ("fp8", "tpu_int8"):
-                hf_dir = hf_dir or float_checkpoint(folder)
+            if method in ("fp8", "tpu_int8", "awq", "gptq"):
+                hf_dir = hf_dir or float_checkpoint(os.path.join(folder, "float"))
                 model = hf_dir
-            llm = LLM(model, quantization=method, dtype=dtype, disable_log_stats=True)
+            if method in CHECKPOINT_CONFIGS:
+                from quantized_checkpoints import quantize_checkpoint
+
+                model = os.path.join(folder, method)
+                quantize_checkpoint(hf_dir, model, CHECKPOINT_CONFIGS[method])
+            llm = LLM(
+                model,
+                quantization=method,
+                kv_cache_dtype=kv_dtype,
+                dtype=dtype,
+                disable_log_stats=True,
+            )
             dtype = llm.llm_engine.dtype.name  # every engine in the float engine's dtype
             runner = llm.llm_engine.runner
             weight_bytes = sum(a.nbytes for a in jax.tree.leaves(runner.state))
@@ -53,7 +84,10 @@ def run(methods: list[str], dtype: str, workloads: dict, run_jllm) -> None:
             w1 = run_jllm(llm, workloads["W1"], "W1")
             s1 = run_jllm(llm, workloads["S1"], "S1")
             blocks = runner.layout.num_blocks
-            rows.append((method or "none (float)", weight_bytes, blocks, w1, s1))
+            name = method or "none (float)"
+            if kv_dtype != "auto":
+                name = f"kv_cache_dtype={kv_dtype}"
+            rows.append((name, weight_bytes, blocks, w1, s1))
             del llm, runner
             gc.collect()
     base = rows[0]

@@ -304,9 +304,16 @@ def main() -> None:
     ap.add_argument("--peer", choices=["vllm-cpu"], help="also vLLM's CPU backend")
     ap.add_argument(
         "--quantization",
-        nargs="+",
-        choices=["gguf", "fp8", "tpu_int8"],
+        nargs="*",
+        choices=["gguf", "fp8", "tpu_int8", "awq", "gptq"],
         help="only W1 and S1, each method against the float engine (benchmarks/quantization.py)",
+    )
+    ap.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        default=[],
+        choices=["fp8", "fp8_e4m3", "fp8_e5m2"],
+        help="with --quantization: also the float weights over a float8 KV cache",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="auto", help="jllm's dtype (transformers gets the same)")
@@ -317,16 +324,18 @@ def main() -> None:
         help="jllm's async_scheduling (auto: the platform default)",
     )
     args = ap.parse_args()
+    if args.kv_cache_dtype and args.quantization is None:
+        ap.error("--kv-cache-dtype runs with --quantization (the rows against the float engine)")
     rng = np.random.default_rng(args.seed)
     make = {"W1": w1, "W2": w2, "W3": w3, "S1": s1}
     reqs = {w: make[w](rng) for w in args.workloads}
 
     print(f"host: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
-    if args.quantization:
+    if args.quantization is not None:
         from quantization import run as run_quantization
 
         both = {"W1": w1(rng), "S1": s1(rng)}
-        run_quantization(args.quantization, args.dtype, both, run_jllm)
+        run_quantization(args.quantization, args.dtype, both, run_jllm, args.kv_cache_dtype)
         return
     vllm = None
     if args.peer:

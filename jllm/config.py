@@ -17,7 +17,6 @@ from dataclasses import dataclass
 SCHEDULING_POLICIES = ("fcfs", "priority")
 UNSUPPORTED_ARGS = {
     "enable_lora": False,
-    "kv_cache_dtype": "auto",
     "cpu_offload_gb": 0,
     "swap_space": None,
     "pipeline_parallel_size": 1,
@@ -29,6 +28,8 @@ UNSUPPORTED_ARGS = {
 }
 
 DTYPES = {"auto", "half", "float16", "bfloat16", "float", "float32"}
+# vLLM's kv_cache_dtype values: "auto" (the model's dtype) and float8 (e4m3 for "fp8").
+KV_CACHE_DTYPES = {"auto", "fp8", "fp8_e4m3", "fp8_e5m2"}
 LOAD_FORMATS = {"auto", "safetensors", "gguf", "dummy"}
 TOKENIZER_MODES = {"auto", "slow"}
 ATTENTION_BACKENDS = {
@@ -86,6 +87,7 @@ class EngineArgs:
     enforce_eager: bool = False
     max_seq_len_to_capture: int = 8192
     attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"
     max_logprobs: int = 20
     # Custom logits processors: jllm.logits_process.LogitsProcessor classes or
     # "module:Class" names, compiled into the sampler (vLLM's engine-level form).
@@ -142,6 +144,11 @@ class EngineArgs:
             raise ValueError(
                 f"tokenizer_mode must be one of {sorted(TOKENIZER_MODES)}, "
                 f"got {self.tokenizer_mode!r}."
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}."
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(

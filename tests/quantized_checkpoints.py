@@ -74,12 +74,15 @@ def gptq_tensors(q, zero, scale, bits: int, v1: bool) -> dict:
     }
 
 
-def quantize_checkpoint(src: str, dest: str, config: dict, reference_dest: str | None = None):
+def quantize_checkpoint(
+    src: str, dest: str, config: dict, reference_dest: str | None = None, zero_biases=False
+):
     """Write the float safetensors checkpoint `src` to `dest` as an AWQ or GPTQ checkpoint
     (`config` is its quantization_config: quant_method, bits, group_size, checkpoint_format):
     every layer projection quantized by min-max rounding, every other tensor in float16 as
     such checkpoints store them. `reference_dest`: the same values, dequantized here, as a
-    float32 checkpoint (the oracle's)."""
+    float32 checkpoint (the oracle's). `zero_biases`: also a zero `P.bias` for every
+    projection, as some AutoGPTQ versions saved even for models without biases."""
     method, bits = config["quant_method"], config["bits"]
     group = config["group_size"]
     v1 = config.get("checkpoint_format", "gptq") == "gptq"
@@ -94,6 +97,8 @@ def quantize_checkpoint(src: str, dest: str, config: dict, reference_dest: str |
                 else:
                     parts = gptq_tensors(q, zero, scale, bits, v1)
                 tensors.update({f"{prefix}.{k}": v for k, v in parts.items()})
+                if zero_biases and f"{prefix}.bias" not in tensors:
+                    tensors[f"{prefix}.bias"] = np.zeros(w.shape[0], np.float16)
                 values[name] = reference(q, zero, scale)
             else:
                 tensors[name] = w.astype(np.float16)

@@ -10,8 +10,12 @@ import numpy as np
 MIX = [(5, 1), (13, 13), (30, 7), (17, 1), (9, 9), (21, 3)]
 
 
-def make_batch(seqs, *, n, k, h, s, dtype, seed=0, num_pad_requests=2, extra_pages=2):
-    """Builds kernel arguments plus the contiguous numpy K/V each request sees."""
+def make_batch(
+    seqs, *, n, k, h, s, dtype, seed=0, num_pad_requests=2, extra_pages=2, kv_dtype=None
+):
+    """Builds kernel arguments plus the contiguous numpy K/V each request sees. kv_dtype:
+    the cache's dtype when it is not q's (float8)."""
+    kv_dtype = kv_dtype or dtype
     rng = np.random.default_rng(seed)
     num_pages = [-(-kv_len // s) for kv_len, _ in seqs]
     p = max(num_pages) + extra_pages
@@ -28,7 +32,7 @@ def make_batch(seqs, *, n, k, h, s, dtype, seed=0, num_pad_requests=2, extra_pag
     row = int(rng.integers(0, 3))
     for i, (kv_len, q_len) in enumerate(seqs):
         kv = rng.standard_normal((kv_len, 2 * k, h)).astype(np.float32)
-        kv = kv.astype(dtype).astype(np.float32)  # exactly representable in dtype
+        kv = kv.astype(kv_dtype).astype(np.float32)  # exactly representable in kv_dtype
         for j in range(num_pages[i]):
             page = free.pop()
             block_tables[i, j] = page
@@ -49,7 +53,7 @@ def make_batch(seqs, *, n, k, h, s, dtype, seed=0, num_pad_requests=2, extra_pag
         q[q0 : q0 + q_len] = rng.standard_normal((q_len, n, h))
     args = (
         jnp.asarray(q, dtype),
-        jnp.asarray(cache, dtype),
+        jnp.asarray(cache).astype(kv_dtype),
         jnp.asarray(kv_lens),
         jnp.asarray(block_tables),
         jnp.asarray(query_start),

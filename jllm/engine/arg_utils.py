@@ -13,6 +13,7 @@ import types
 from jllm.config import (
     ATTENTION_BACKENDS,
     DTYPES,
+    KV_CACHE_DTYPES,
     LOAD_FORMATS,
     SCHEDULING_POLICIES,
     TOKENIZER_MODES,
@@ -35,11 +36,13 @@ HELP = {
     "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
     "max_new_tokens), 'vllm' ignores it, or a folder holding a generation_config.json.",
     "dtype": "Weights and activations dtype. 'auto' on CPU: bfloat16 for a 16-bit checkpoint "
-    "when the CPU has AMX, else float32; on TPU/GPU the checkpoint's dtype (bfloat16 for "
-    "float32 checkpoints).",
+    "when the CPU has AMX or AVX512-BF16, else float32; on TPU/GPU the checkpoint's dtype "
+    "(bfloat16 for float32 checkpoints).",
     "quantization": "Weight quantization: 'fp8' or 'tpu_int8' (float8_e4m3 or int8 codes "
     "with per-channel scales, made on load), 'gguf' (a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K "
-    "tensors kept quantized instead of dequantized on load).",
+    "tensors kept quantized instead of dequantized on load), 'awq' or 'gptq' (found in an "
+    "AWQ/GPTQ checkpoint's quantization_config without this flag; 'awq_marlin' and "
+    "'gptq_marlin' are accepted as the same).",
     "seed": "Random seed for requests without their own seed.",
     "max_model_len": "Context length (prompt + output); default: the model's.",
     "block_size": "Tokens per KV-cache block (a power of two).",
@@ -61,6 +64,9 @@ HELP = {
     "Pallas GPU kernel on GPU, the C++ kernel on CPU, XLA otherwise), 'cpu_kernel', 'xla', "
     "'pallas', 'pallas_gpu', or 'pallas_interpret' / 'pallas_gpu_interpret' (the Pallas "
     "kernels interpreted on the CPU, for testing).",
+    "kv_cache_dtype": "KV cache storage: 'auto' (the model's dtype), 'fp8' / 'fp8_e4m3' "
+    "(float8_e4m3fn) or 'fp8_e5m2': one byte a value, so twice a 16-bit cache's tokens in "
+    "the same memory (scales 1.0, as vLLM without calculated scales).",
     "scheduling_policy": "'fcfs' (arrival order) or 'priority' (a request's lower priority "
     "value first, then arrival; preemption takes the lowest priority first).",
     "logits_processors": "Custom logits processors as 'module:Class' names (subclasses of "
@@ -90,6 +96,7 @@ CHOICES = {
     "load_format": LOAD_FORMATS,
     "tokenizer_mode": TOKENIZER_MODES,
     "attention_backend": ATTENTION_BACKENDS,
+    "kv_cache_dtype": KV_CACHE_DTYPES,
     "scheduling_policy": SCHEDULING_POLICIES,
 }
 

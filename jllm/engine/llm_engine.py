@@ -38,7 +38,7 @@ from jllm.logits_process import LogitsProcessorConfig, load_logits_processors
 from jllm.metrics.stats import LoggingStatLogger
 from jllm.runner.compile_cache import enable_compilation_cache
 from jllm.runner.inputs import BatchLayout
-from jllm.runner.kv_cache import create_kv_cache
+from jllm.runner.kv_cache import create_kv_cache, resolve_kv_cache_dtype
 from jllm.runner.model_runner import ModelRunner
 from jllm.sampling_params import SamplingParams
 from jllm.scheduler_output import PROMPT_LOGPROB_ROWS
@@ -65,6 +65,7 @@ class LLMEngine:
         cfg, dtype, self.max_model_len = m.config, m.dtype, m.max_model_len
         self.model_config, self.dtype, self.tokenizer = cfg, dtype, m.tokenizer
         sched_cfg = resolve_scheduler_config(args, self.max_model_len, PREFILL_TILE)
+        kv_dtype, kv_fp8 = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, platform)
         layout = BatchLayout.create(
             args.block_size,
             0,  # blocks: set once the cache is sized
@@ -72,12 +73,18 @@ class LLMEngine:
             self.max_model_len,
             sched_cfg.max_num_seqs,
             sched_cfg.max_num_batched_tokens,
-            kv_token_bytes=2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize,
+            kv_token_bytes=2 * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize,
             min_rows=min_dot_rows(dtype, platform),
             num_spec_tokens=sched_cfg.num_lookahead_slots,
+            kv_fp8=kv_fp8,
         )
         backend = resolve_backend(
-            args.attention_backend, platform, dtype, cfg.head_dim, args.block_size
+            args.attention_backend,
+            platform,
+            dtype,
+            cfg.head_dim,
+            args.block_size,
+            fp8_cache=args.kv_cache_dtype != "auto",
         )
         self.logits_processors = load_logits_processors(
             args.logits_processors, LogitsProcessorConfig(cfg.vocab_size, sched_cfg.max_num_seqs)
@@ -98,7 +105,7 @@ class LLMEngine:
             cfg,
             block_size=args.block_size,
             tp=args.tensor_parallel_size,
-            dtype=dtype,
+            dtype=kv_dtype,
             mesh=m.mesh,
             platform=platform,
             max_model_len=self.max_model_len,

@@ -55,12 +55,13 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
     dtype = resolve_dtype(args.dtype, source.checkpoint_dtype, platform)
     logger.info(
         "Initializing jllm engine with config: model=%r, dtype=%s, quantization=%s, "
-        "max_model_len=%d, "
+        "kv_cache_dtype=%s, max_model_len=%d, "
         "block_size=%d, enable_prefix_caching=%s, enable_chunked_prefill=%s, "
         "enforce_eager=%s, platform=%s, seed=%s",
         source.path,
         jnp.dtype(dtype).name,
         quantization,
+        args.kv_cache_dtype,
         max_model_len,
         args.block_size,
         args.enable_prefix_caching,

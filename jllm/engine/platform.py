@@ -82,17 +82,34 @@ def min_dot_rows(dtype, platform: str) -> int:
     return 2 if platform == "cpu" and jnp.dtype(dtype).itemsize == 2 else 1
 
 
+def gpu_without_fp8(platform: str) -> str | None:
+    """Why this GPU cannot load float8 in Triton (compute capability below 8.9), or None."""
+    if platform != "gpu":
+        return None
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    if capability is None or tuple(map(int, str(capability).split(".")[:2])) >= (8, 9):
+        return None
+    return f"Triton reads float8 from compute capability 8.9, this GPU has {capability}"
+
+
 def resolve_backend(
-    requested: str, platform: str, dtype, head_dim: int = 64, block_size: int = 16
+    requested: str,
+    platform: str,
+    dtype,
+    head_dim: int = 64,
+    block_size: int = 16,
+    fp8_cache: bool = False,
 ) -> str:
     """auto: the Pallas TPU kernel on TPU; the Pallas GPU kernel on GPU where Triton's tile
-    rules take the head dim and block size (powers of two, head dim >= 16); the C++ kernel
-    on CPU (float32 and bfloat16, where a C++ compiler can build it); the XLA attention
-    otherwise."""
+    rules take the head dim and block size (powers of two, head dim >= 16) and, for a float8
+    KV cache, the GPU has float8 loads; the C++ kernel on CPU (float32 and bfloat16, where a
+    C++ compiler can build it); the XLA attention otherwise."""
     if requested.startswith("pallas_gpu"):
         if requested == "pallas_gpu" and platform != "gpu":
             raise ValueError(f"attention_backend='pallas_gpu' runs on GPU, not {platform}")
         reason = unsupported_shape(head_dim, block_size)
+        if fp8_cache and not reason:
+            reason = gpu_without_fp8(platform)
         if reason:
             raise ValueError(f"attention_backend={requested!r}: {reason}")
         return requested
@@ -111,6 +128,8 @@ def resolve_backend(
         return "pallas"
     if platform == "gpu":
         reason = unsupported_shape(head_dim, block_size)
+        if fp8_cache and not reason:
+            reason = gpu_without_fp8(platform)
         if not reason:
             return "pallas_gpu"
         logger.warning("Using the XLA attention: %s", reason)

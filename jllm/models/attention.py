@@ -18,6 +18,9 @@ to tiles [Tt, C] that each belong to one request. Each backend reads its own met
 
 Both write the new K/V into the cache first (padding tokens write to an out-of-range slot
 that is dropped), so every query sees its own chunk and any block shared in the same step.
+A float8 cache (`kv_cache_dtype="fp8"`) takes them converted with saturation, and every
+backend reads its pages into the compute dtype; on the CPU it holds the float8 bytes as uint8
+(`md.kv_fp8` names the format: XLA's CPU backend updates float8 arrays element by element).
 
 Glossary: T tokens, R requests, N query heads, K kv heads, G = N / K, H head dim, B blocks,
 S block size, P pages per request, Tt tiles, C tile size, L keys in a chunk.
@@ -30,26 +33,31 @@ import jax.numpy as jnp
 
 from jllm.models.attention_metadata import RaggedMetadata, XlaMetadata, kv_chunk_pages
 from pallas_kernels.ragged_paged_attention import (
+    FP8_DTYPES,
+    from_cache,
     ragged_paged_attention,
     ragged_paged_attention_cpu,
     ragged_paged_attention_cpu_sharded,
     ragged_paged_attention_gpu,
     ragged_paged_attention_sharded,
+    to_cache,
 )
 from sharding import MODEL_AXIS
 
 
-def write_kv(kv_cache, layer, k, v, slot_mapping):
+def write_kv(kv_cache, layer, k, v, slot_mapping, fp8_dtype=None):
     """Scatter new K/V [T, K, H] into layer `layer` of the cache [L, B, S, 2K, H], K and V
     interleaved. Indexing the stacked cache directly keeps the update in place."""
     NL, B, S, K2, H = kv_cache.shape
     T, K, _ = k.shape
-    kv = jnp.stack([k, v], axis=2).reshape(T, K2, H).astype(kv_cache.dtype)
+    kv = to_cache(jnp.stack([k, v], axis=2).reshape(T, K2, H), kv_cache.dtype, fp8_dtype)
     flat = kv_cache.reshape(NL, B * S, K2, H).at[layer, slot_mapping].set(kv, mode="drop")
     return flat.reshape(NL, B, S, K2, H)
 
 
-def tile_attention(q, kv_cache, layer, block_table, kv_lens, q_pos, num_chunks, sm_scale):
+def tile_attention(
+    q, kv_cache, layer, block_table, kv_lens, q_pos, num_chunks, sm_scale, fp8_dtype=None
+):
     """Attention for tiles of C queries that each belong to one request.
 
     q [Tt, C, N, H], block_table [Tt, P], kv_lens [Tt], q_pos [Tt, C] -> [Tt, C, N, H].
@@ -65,7 +73,8 @@ def tile_attention(q, kv_cache, layer, block_table, kv_lens, q_pos, num_chunks, 
     def body(c, carry):
         m, denom, acc = carry  # [Tt, K, G, C], [Tt, K, G, C], [Tt, K, G, C, H]
         page_ids = jax.lax.dynamic_slice_in_dim(block_table, c * pages, pages, axis=1)
-        kv = kv_cache[layer, page_ids].reshape(Tt, L, K, 2, H).astype(jnp.float32)
+        kv = from_cache(kv_cache[layer, page_ids], jnp.float32, fp8_dtype)
+        kv = kv.reshape(Tt, L, K, 2, H)
         k, v = kv[:, :, :, 0], kv[:, :, :, 1]  # [Tt, L, K, H]
         s = jnp.einsum("TCKGH,TLKH->TKGCL", qg, k)  # [Tt, K, G, C, L]
         k_pos = c * L + jnp.arange(L)  # [L]
@@ -91,7 +100,9 @@ def tile_attention(q, kv_cache, layer, block_table, kv_lens, q_pos, num_chunks, 
     return out.transpose(0, 3, 1, 2, 4).reshape(Tt, C, N, H).astype(q.dtype)
 
 
-def banded_attention(q, kv_cache, layer, block_table, kv_lens, q_pos, band_chunks, sm_scale):
+def banded_attention(
+    q, kv_cache, layer, block_table, kv_lens, q_pos, band_chunks, sm_scale, fp8_dtype=None
+):
     """`tile_attention` over consecutive bands of rows, each looping over its own chunks."""
     bands = band_chunks.shape[0]
     rows = q.shape[0] // bands
@@ -105,6 +116,7 @@ def banded_attention(q, kv_cache, layer, block_table, kv_lens, q_pos, band_chunk
             q_pos[b * rows : (b + 1) * rows],
             band_chunks[b],
             sm_scale,
+            fp8_dtype,
         )
         for b in range(bands)
     ]
@@ -114,7 +126,8 @@ def banded_attention(q, kv_cache, layer, block_table, kv_lens, q_pos, band_chunk
 def paged_attention(q, k, v, kv_cache, layer, md, backend: str):
     """q [T, N, H], k/v [T, K, H] -> (out [T, N, H], updated kv_cache [L, B, S, 2K, H]).
     `md` is the backend's metadata: `RaggedMetadata` or `XlaMetadata`."""
-    kv_cache = write_kv(kv_cache, layer, k, v, md.slot_mapping)
+    fp8 = None if md.kv_fp8 is None else jnp.dtype(md.kv_fp8)  # a cache of float8 bytes
+    kv_cache = write_kv(kv_cache, layer, k, v, md.slot_mapping, fp8)
     T, N, H = q.shape
     sm_scale = H**-0.5
     mesh = jax.sharding.get_abstract_mesh()
@@ -122,13 +135,15 @@ def paged_attention(q, k, v, kv_cache, layer, md, backend: str):
     if backend == "cpu_kernel":
         assert isinstance(md, RaggedMetadata), type(md)
         args = (md.kv_lens, md.block_tables, md.query_start, md.query_lens, md.num_seqs)
-        q = q.astype(kv_cache.dtype)
+        if fp8 is None and kv_cache.dtype not in FP8_DTYPES:  # q in the cache's float dtype
+            q = q.astype(kv_cache.dtype)
+        options = dict(sm_scale=sm_scale, fp8_dtype=fp8)
         if sharded:
             out = ragged_paged_attention_cpu_sharded(
-                mesh, MODEL_AXIS, q, kv_cache, layer, *args, sm_scale=sm_scale
+                mesh, MODEL_AXIS, q, kv_cache, layer, *args, **options
             )
         else:
-            out = ragged_paged_attention_cpu(q, kv_cache, *args, layer=layer, sm_scale=sm_scale)
+            out = ragged_paged_attention_cpu(q, kv_cache, *args, layer=layer, **options)
         return out, kv_cache
     if backend != "xla":
         assert isinstance(md, RaggedMetadata), type(md)
@@ -145,7 +160,12 @@ def paged_attention(q, k, v, kv_cache, layer, md, backend: str):
         )
         gpu = backend.startswith("pallas_gpu")
         kernel = ragged_paged_attention_gpu if gpu else ragged_paged_attention
-        options = dict(layer=layer, sm_scale=sm_scale, interpret=backend.endswith("_interpret"))
+        options = dict(
+            layer=layer,
+            sm_scale=sm_scale,
+            interpret=backend.endswith("_interpret"),
+            fp8_dtype=fp8,
+        )
         # Under tensor parallelism (the runner traces inside `jax.set_mesh`), each device
         # runs the kernel on its own heads.
         if sharded:
@@ -167,6 +187,7 @@ def paged_attention(q, k, v, kv_cache, layer, md, backend: str):
             (md.decode_kv_lens - 1)[:, None],
             md.decode_chunks,
             sm_scale,
+            fp8,
         )
         parts.append(dec.reshape(Rd, N, H))
     if Tt:
@@ -179,6 +200,7 @@ def paged_attention(q, k, v, kv_cache, layer, md, backend: str):
             md.tile_q_pos,
             md.tile_chunks,
             sm_scale,
+            fp8,
         )
         parts.append(pre[md.tile_inverse].reshape(Tt * C, N, H))
     out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)

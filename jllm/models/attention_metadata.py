@@ -90,6 +90,7 @@ class FlatBatch:
     num_decode_rows: int  # Rd
     block_size: int
     kv_token_bytes: int
+    kv_fp8: str | None = None  # the float8 format whose bytes (uint8) the cache holds
 
 
 @partial(
@@ -102,7 +103,7 @@ class FlatBatch:
         "query_lens",
         "num_seqs",
     ],
-    meta_fields=[],
+    meta_fields=["kv_fp8"],
 )
 @dataclasses.dataclass
 class RaggedMetadata:
@@ -112,6 +113,7 @@ class RaggedMetadata:
     query_start: jax.Array  # [R]
     query_lens: jax.Array  # [R]
     num_seqs: jax.Array  # [1]
+    kv_fp8: str | None = None  # the float8 format whose bytes (uint8) the cache holds
 
 
 def build_ragged(b: FlatBatch) -> RaggedMetadata:
@@ -123,6 +125,7 @@ def build_ragged(b: FlatBatch) -> RaggedMetadata:
         b.query_start,
         b.query_lens,
         np.array([R], np.int32),
+        b.kv_fp8,
     )
 
 
@@ -140,7 +143,7 @@ def build_ragged(b: FlatBatch) -> RaggedMetadata:
         "decode_chunks",
         "tile_chunks",
     ],
-    meta_fields=[],
+    meta_fields=["kv_fp8"],
 )
 @dataclasses.dataclass
 class XlaMetadata:
@@ -155,6 +158,7 @@ class XlaMetadata:
     tile_inverse: jax.Array  # [Tt] the sorted position of each of the flat batch's tiles
     decode_chunks: jax.Array  # [kv_bands(Rd)] KV chunks each band of decode rows needs
     tile_chunks: jax.Array  # [kv_bands(Tt)] KV chunks each band of prefill tiles needs
+    kv_fp8: str | None = None  # the float8 format whose bytes (uint8) the cache holds
 
 
 def build_xla(b: FlatBatch) -> XlaMetadata:
@@ -180,6 +184,7 @@ def build_xla(b: FlatBatch) -> XlaMetadata:
         tile_inverse=inverse,
         decode_chunks=band_chunks(dec_kv, S, kv_bytes, 1),
         tile_chunks=band_chunks(tile_need[order], S, kv_bytes, C),
+        kv_fp8=b.kv_fp8,
     )
 
 

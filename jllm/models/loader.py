@@ -223,9 +223,10 @@ def load_model(
     def online(path) -> bool:
         return quantization in ONLINE_METHODS and "contract" in flat[path].get_metadata()
 
+    packed_checkpoint = getattr(source, "checkpoint_quantization", None) is not None
+
     def packed(path) -> bool:  # an AWQ/GPTQ checkpoint's projections (never lm_head)
-        spec = getattr(source, "checkpoint_quantization", None)
-        return spec is not None and path[0] == "layers" and "contract" in flat[path].get_metadata()
+        return packed_checkpoint and path[0] == "layers" and "contract" in flat[path].get_metadata()
 
     if load_format == "dummy":
         key = jax.random.key(seed)
@@ -251,6 +252,11 @@ def load_model(
             if IGNORED.fullmatch(name):
                 continue
             mapped = _map_name(name, layer_weights, arch.top_weights)
+            extra_bias = name.endswith(".bias") and packed_checkpoint
+            if extra_bias and (mapped is None or mapped[0] not in flat):
+                # AutoGPTQ saved a (zero) bias for every projection, also in models without
+                # biases; vLLM skips such extra biases of GPTQ checkpoints, and so do we.
+                continue
             if mapped is None:
                 raise ValueError(
                     f"Checkpoint tensor {name} is not used by jllm's {arch.name} with this "

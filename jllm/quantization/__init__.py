@@ -28,21 +28,23 @@ def check_method(method: str | None) -> None:
     """The method's name alone (EngineArgs): None, one of METHODS or an ALIASES key."""
     if method is None or method in METHODS or method in ALIASES:
         return
-    raise ValueError(f"quantization must be one of {', '.join(METHODS)} or None, got {method!r}.")
+    raise ValueError(
+        f"quantization must be one of {', '.join((*METHODS, *ALIASES))} or None, got {method!r}."
+    )
 
 
 def resolve_quantization(method: str | None, source) -> str | None:
     """The method to load `source` (a model_loader.ModelSource) with, or a ValueError saying
     why the checkpoint contradicts it."""
     check_method(method)
-    method = ALIASES.get(method, method)
+    given, method = method, ALIASES.get(method, method)
     stored = getattr(source, "checkpoint_quantization", None)
     if stored is not None:  # vLLM: the checkpoint's method unless the user names another
         if method not in (None, stored.method):
             raise ValueError(
                 f"Quantization method specified in the model config ({stored.method}) does "
                 f"not match the quantization method specified in the `quantization` argument "
-                f"({method})."
+                f"({given})."
             )
         return stored.method
     if method in CHECKPOINT_METHODS:

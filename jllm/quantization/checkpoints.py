@@ -93,6 +93,11 @@ def parse_config(quantization_config, path: str) -> CheckpointQuantization:
         raise ValueError(
             f"{path}: GPTQ 'dynamic' per-module overrides are not supported by jllm yet."
         )
+    if _get(qc, "is_marlin_format"):
+        raise ValueError(
+            f"{path}: AutoGPTQ's marlin serialization (is_marlin_format) is not supported; "
+            "use the checkpoint in GPTQ's own format."
+        )
     fmt = str(_get(qc, "checkpoint_format", default="gptq")).lower()
     if fmt not in ("gptq", "gptq_v2"):
         raise ValueError(f"{path}: GPTQ checkpoint_format {fmt!r} is not supported.")
@@ -132,9 +137,15 @@ def _weight(q: np.ndarray, zeros: np.ndarray, scales: np.ndarray, bits: int) -> 
 
 def _check_shapes(name: str, parts: dict, q: np.ndarray, zeros: np.ndarray, spec) -> None:
     width = q.shape[1]
+    if spec.group_size != -1 and width % spec.group_size:
+        # vLLM refuses this too: the last group would be a partial one
+        raise ValueError(
+            f"{name}: {width} inputs are not a multiple of {spec.method} group_size "
+            f"{spec.group_size}; jllm reads groups of whole runs of inputs."
+        )
     groups = parts["scales"].shape[0]
-    expected = 1 if spec.group_size == -1 else -(-width // spec.group_size)
-    if zeros.shape != parts["scales"].shape[::-1] or groups != expected or width % groups:
+    expected = 1 if spec.group_size == -1 else width // spec.group_size
+    if zeros.shape != parts["scales"].shape[::-1] or groups != expected:
         raise ValueError(
             f"{name}: qzeros {parts['qzeros'].shape} and scales {parts['scales'].shape} do not "
             f"fit {spec.method} group_size {spec.group_size} for {width} inputs."

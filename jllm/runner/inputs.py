@@ -80,6 +80,7 @@ class BatchLayout:
     tile_buckets: list[int]  # Tt
     sample_buckets: list[int]  # Rs
     num_spec_tokens: int = 0  # K: drafts a row may verify
+    kv_fp8: str | None = None  # the float8 format whose bytes (uint8) the cache holds
 
     @staticmethod
     def create(
@@ -92,6 +93,7 @@ class BatchLayout:
         kv_token_bytes,
         min_rows=1,
         num_spec_tokens=0,
+        kv_fp8=None,
     ):
         """`min_rows`: the smallest decode and sample bucket (see `min_dot_rows`)."""
         chunk_pages = max_kv_chunk_pages(block_size)
@@ -106,6 +108,7 @@ class BatchLayout:
             tile_buckets=[0] + pow2_buckets(cdiv(budget, tile_size)),
             sample_buckets=pow2_buckets(max_num_seqs * (1 + num_spec_tokens), min_rows),
             num_spec_tokens=num_spec_tokens,
+            kv_fp8=kv_fp8,
         )
 
     def sample_rows(self, rd: int, tt: int) -> int:
@@ -253,6 +256,7 @@ def build_step(
         num_decode_rows=Rd,
         block_size=S,
         kv_token_bytes=layout.kv_token_bytes,
+        kv_fp8=layout.kv_fp8,
     )
     logits_indices = np.zeros(Rs, np.int32)
     logits_indices[: len(sample_at)] = sample_at

@@ -97,6 +97,31 @@ def determine_num_blocks(
     return int(num_blocks)
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype, platform: str):
+    """vLLM's `kv_cache_dtype` as (the cache array's dtype, the float8 format whose bytes it
+    holds or None): "auto" is the model's dtype, "fp8" and "fp8_e4m3" float8_e4m3fn,
+    "fp8_e5m2" float8_e5m2 (scales 1.0, vLLM's default without `calculate_kv_scales`). On
+    the CPU a float8 cache is held as its bytes (uint8): XLA's CPU backend updates float8
+    arrays element by element (pallas_kernels/ragged_paged_attention/cache.py)."""
+    names = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
+    if kv_cache_dtype == "auto":
+        return jnp.dtype(dtype), None
+    if kv_cache_dtype not in names:
+        raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(names)}.")
+    kv_dtype = jnp.dtype(names[kv_cache_dtype])
+    logger.info(
+        "Using %s data type to store kv cache (%s, 1 byte a value, scales 1.0): %dx the tokens "
+        "of a %s cache in the same memory.",
+        kv_cache_dtype,
+        kv_dtype.name,
+        jnp.dtype(dtype).itemsize,
+        jnp.dtype(dtype).name,
+    )
+    if platform == "cpu":
+        return jnp.dtype(jnp.uint8), kv_dtype.name
+    return kv_dtype, None
+
+
 def abstract_kv_cache(cfg, num_blocks, block_size, dtype, mesh) -> jax.ShapeDtypeStruct:
     """The cache's shape, dtype and sharding: [L, B, S, 2K, H], each layer's slice the
     kernel's [B, S, 2K, H] page-major layout, sharded on the kv-head axis. Lowering against

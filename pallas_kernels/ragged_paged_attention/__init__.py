@@ -4,13 +4,15 @@
 ``ragged_paged_attention_gpu`` the same contract in Pallas on Triton for GPUs (likewise),
 ``ragged_paged_attention_reference`` the pure-jnp oracle it is tested against,
 ``validate_inputs`` the shared static checks, ``kv_cache_shape`` the cache layout
-``[B, S, 2K, H]`` (K and V interleaved on the head axis) and
+``[B, S, 2K, H]`` (K and V interleaved on the head axis; the queries' float dtype or a
+float8 format, ``FP8_DTYPES``, as that dtype or as its bytes with ``fp8_dtype=``; written
+with ``to_cache``, read with ``from_cache``) and
 ``ragged_paged_attention_sharded`` the kernel under ``shard_map`` over the head axes.
 ``ragged_paged_attention_cpu`` is the same contract as a C++ XLA FFI kernel for the CPU
 (built on first use; ``load_cpu_kernel``), with its own ``..._cpu_sharded``.
 """
 
-from .cache import kv_cache_bytes, kv_cache_shape
+from .cache import FP8_DTYPES, check_fp8_dtype, from_cache, kv_cache_bytes, kv_cache_shape, to_cache
 from .cpu import (
     SUPPORTED_DTYPES,
     CpuKernelUnavailable,
@@ -25,6 +27,7 @@ from .sharded import ragged_paged_attention_sharded
 from .validation import validate_inputs, validate_options
 
 __all__ = [
+    "FP8_DTYPES",
     "SUPPORTED_DTYPES",
     "CpuKernelUnavailable",
     "load_cpu_kernel",
@@ -32,6 +35,9 @@ __all__ = [
     "ragged_paged_attention_cpu_sharded",
     "kv_cache_bytes",
     "kv_cache_shape",
+    "check_fp8_dtype",
+    "from_cache",
+    "to_cache",
     "ragged_paged_attention",
     "ragged_paged_attention_gpu",
     "ragged_paged_attention_reference",

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from .cache import FP8_DTYPES
 from .validation import as_stacked, validate_inputs, validate_options
 
 logger = logging.getLogger(__name__)
@@ -184,15 +185,20 @@ def load_cpu_kernel() -> str:
     return ATTENTION.load()
 
 
-def _checked_args(q, kv_cache, layer, kv_lens, block_tables, query_start, query_lens, num_seqs):
+def _checked_args(
+    q, kv_cache, layer, kv_lens, block_tables, query_start, query_lens, num_seqs, fp8_dtype
+):
     """Validates the arguments and returns them as the FFI call takes them: the stacked cache
     and the layer and num_seqs as int32 [1]."""
     kv_cache, layer, layer_view = as_stacked(kv_cache, layer)
-    validate_inputs(q, layer_view, kv_lens, block_tables, query_start, query_lens, num_seqs)
-    if jnp.dtype(kv_cache.dtype) not in SUPPORTED_DTYPES or q.dtype != kv_cache.dtype:
+    validate_inputs(
+        q, layer_view, kv_lens, block_tables, query_start, query_lens, num_seqs, fp8_dtype
+    )
+    fp8 = fp8_dtype is not None or jnp.dtype(kv_cache.dtype) in FP8_DTYPES
+    if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES or not (fp8 or q.dtype == kv_cache.dtype):
         raise ValueError(
-            f"the CPU kernel takes float32 or bfloat16 q and kv_cache of one dtype, got "
-            f"q {q.dtype} and kv_cache {kv_cache.dtype}"
+            f"the CPU kernel takes float32 or bfloat16 q and a kv_cache of q's dtype or a "
+            f"float8 one, got q {q.dtype} and kv_cache {kv_cache.dtype}"
         )
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(1)
@@ -204,11 +210,16 @@ def _scale(q, sm_scale) -> np.float32:
     return np.float32(1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale)
 
 
-def _call(*args, sm_scale):
+# The float8 format of a uint8 cache, as the kernel's `fp8` attribute (0: not float8 bytes).
+FP8_FORMATS = {jnp.dtype(jnp.float8_e4m3fn): 1, jnp.dtype(jnp.float8_e5m2): 2}
+
+
+def _call(*args, sm_scale, fp8_dtype=None):
     """The FFI call on checked arguments (q first)."""
     q = args[0]
+    fp8 = np.int64(0 if fp8_dtype is None else FP8_FORMATS[jnp.dtype(fp8_dtype)])
     return jax.ffi.ffi_call(load_cpu_kernel(), jax.ShapeDtypeStruct(q.shape, q.dtype))(
-        *args, sm_scale=sm_scale
+        *args, sm_scale=sm_scale, fp8=fp8
     )
 
 
@@ -223,16 +234,18 @@ def ragged_paged_attention_cpu(
     *,
     layer=None,
     sm_scale: float | None = None,
+    fp8_dtype=None,
 ) -> jax.Array:
     """Ragged paged attention on the CPU; the reference's arguments and result.
 
     kv_cache is one layer [B, S, 2K, H], or the stacked cache [L, B, S, 2K, H] with `layer`
-    (an int or an int32 scalar array, traced or not) picking the layer to read.
+    (an int or an int32 scalar array, traced or not) picking the layer to read; of q's
+    dtype, or float8 (an array of that dtype, or uint8 bytes with `fp8_dtype`).
     """
     args = _checked_args(
-        q, kv_cache, layer, kv_lens, block_tables, query_start, query_lens, num_seqs
+        q, kv_cache, layer, kv_lens, block_tables, query_start, query_lens, num_seqs, fp8_dtype
     )
-    return _call(*args, sm_scale=_scale(q, sm_scale))
+    return _call(*args, sm_scale=_scale(q, sm_scale), fp8_dtype=fp8_dtype)
 
 
 def ragged_paged_attention_cpu_sharded(
@@ -248,16 +261,17 @@ def ragged_paged_attention_cpu_sharded(
     num_seqs,
     *,
     sm_scale: float | None = None,
+    fp8_dtype=None,
 ):
     """The CPU kernel with heads split over `mesh` axis `axis` (as in sharded.py): each device
     runs it on its own query heads and kv heads; kv_cache is the stacked cache."""
     args = _checked_args(
-        q, kv_cache, layer, kv_lens, block_tables, query_start, query_lens, num_seqs
+        q, kv_cache, layer, kv_lens, block_tables, query_start, query_lens, num_seqs, fp8_dtype
     )
     heads = P(None, axis, None)
     replicated = (P(),) * 6
     return jax.shard_map(
-        functools.partial(_call, sm_scale=_scale(q, sm_scale)),
+        functools.partial(_call, sm_scale=_scale(q, sm_scale), fp8_dtype=fp8_dtype),
         mesh=mesh,
         in_specs=(heads, P(None, None, None, axis, None), *replicated),
         out_specs=heads,

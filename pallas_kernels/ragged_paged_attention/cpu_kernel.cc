@@ -5,7 +5,9 @@
 // query_start[r] + query_lens[r] - 1, which sit at the last query_lens[r] of its kv_lens[r]
 // positions) attends causally over its own pages of one layer of the stacked cache
 // [L, B, S, 2K, H] (K of kv head k at head index 2k, V at 2k + 1). Rows no request owns come
-// out zero. float32 and bfloat16, q and cache of the same dtype; accumulation in float32.
+// out zero. float32 and bfloat16 q, with a cache of the same dtype or of float8 (e4m3fn or
+// e5m2, scale 1, decoded through a 256-entry table; as float8 buffers, or as uint8 bytes with
+// the `fp8` attribute naming the format); accumulation in float32.
 //
 // One work item is one request's block of up to kQueryBlock queries with all its heads, so
 // each page of the cache is read once per item, front to back, while the next page is
@@ -51,6 +53,42 @@ struct F32 {
   using Storage = float;
   static float load(float x) { return x; }
   static float store(float f) { return f; }
+};
+
+// The 256 values of a float8 format with `mantissa` bits and exponent bias `bias`.
+// e4m3fn (mantissa 3, bias 7) has no infinities and NaN only at S.1111.111; e5m2
+// (mantissa 2, bias 15) is IEEE-like, with infinities and NaNs at exponent 31.
+struct Fp8Table {
+  float v[256];
+  Fp8Table(int mantissa, int bias, bool ieee) {
+    const int exp_bits = 7 - mantissa, top = (1 << exp_bits) - 1;
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> mantissa) & top, m = b & ((1 << mantissa) - 1);
+      const float frac = float(m) / float(1 << mantissa);
+      float x;
+      if (e == 0)
+        x = std::ldexp(frac, 1 - bias);
+      else if (ieee && e == top)
+        x = m ? NAN : INFINITY;
+      else if (!ieee && e == top && m == (1 << mantissa) - 1)
+        x = NAN;
+      else
+        x = std::ldexp(1.0f + frac, e - bias);
+      v[b] = (b & 0x80) ? -x : x;
+    }
+  }
+};
+
+const Fp8Table kE4M3(3, 7, false), kE5M2(2, 15, true);
+
+struct E4M3 {
+  using Storage = uint8_t;
+  static float load(uint8_t x) { return kE4M3.v[x]; }
+};
+
+struct E5M2 {
+  using Storage = uint8_t;
+  static float load(uint8_t x) { return kE5M2.v[x]; }
 };
 
 // exp(x) for x <= 0 (Cephes' single-precision polynomial, about 1 ulp); unlike std::exp it
@@ -164,9 +202,11 @@ constexpr int64_t kTransposeRows = 6;
 // Online softmax over the request's pages for rows j = i * N + n (query i of the block,
 // head n = k * G + g). Scratch holds the float32 queries, accumulators, one page of one kv
 // head's keys and values, and one row's scores.
-template <typename D, int kH, int kS>
+// D: q's and the output's type; C: the cache's.
+template <typename D, typename C, int kH, int kS>
 void run_item(const Problem& pb, const Item& it, std::vector<float>& scratch) {
   using St = typename D::Storage;
+  using Ct = typename C::Storage;
   const int64_t H = kH > 0 ? kH : pb.H;
   const int64_t S = kS > 0 ? kS : pb.S;
   const int64_t G = pb.G, K = pb.K, K2 = 2 * pb.K, N = K * G;
@@ -195,12 +235,12 @@ void run_item(const Problem& pb, const Item& it, std::vector<float>& scratch) {
   const int64_t kv_end = pos0 + it.num_queries;  // keys [0, kv_end) are read
   const int64_t num_pages = (kv_end + S - 1) / S;
   const int32_t* table = pb.block_tables + r * pb.P;
-  const St* cache = static_cast<const St*>(pb.cache);
+  const Ct* cache = static_cast<const Ct*>(pb.cache);
   const int64_t page_elems = S * K2 * H;
-  const int64_t row_bytes = K2 * H * int64_t(sizeof(St));  // one token's K and V, all heads
+  const int64_t row_bytes = K2 * H * int64_t(sizeof(Ct));  // one token's K and V, all heads
 
   for (int64_t pi = 0; pi < num_pages; ++pi) {
-    const St* page = cache + int64_t(table[pi]) * page_elems;
+    const Ct* page = cache + int64_t(table[pi]) * page_elems;
     const char* next =
         pi + 1 < num_pages
             ? reinterpret_cast<const char*>(cache + int64_t(table[pi + 1]) * page_elems)
@@ -213,12 +253,12 @@ void run_item(const Problem& pb, const Item& it, std::vector<float>& scratch) {
         if (next && k == 0)  // the next page, a token row at a time
           for (int64_t b = t * row_bytes; b < (t + 1) * row_bytes; b += 64)
             __builtin_prefetch(next + b);
-        const St* kp = page + (t * K2 + 2 * k) * H;
+        const Ct* kp = page + (t * K2 + 2 * k) * H;
         if (transpose)
-          for (int64_t h = 0; h < H; ++h) kf[h * S + t] = D::load(kp[h]);
+          for (int64_t h = 0; h < H; ++h) kf[h * S + t] = C::load(kp[h]);
         else
-          for (int64_t h = 0; h < H; ++h) kf[t * H + h] = D::load(kp[h]);
-        for (int64_t h = 0; h < H; ++h) vf[t * H + h] = D::load(kp[H + h]);
+          for (int64_t h = 0; h < H; ++h) kf[t * H + h] = C::load(kp[h]);
+        for (int64_t h = 0; h < H; ++h) vf[t * H + h] = C::load(kp[H + h]);
       }
       for (int64_t i = 0; i < it.num_queries; ++i) {
         const int64_t visible = std::min(nt, pos0 + i - key0 + 1);  // keys t < visible
@@ -296,34 +336,48 @@ void run_item(const Problem& pb, const Item& it, std::vector<float>& scratch) {
   }
 }
 
-template <typename D>
+template <typename D, typename C>
 void run(const Problem& pb, const Item& it, std::vector<float>& scratch) {
   // The common shapes get inner loops of compile-time length.
-  if (pb.S == 16 && pb.H == 64) return run_item<D, 64, 16>(pb, it, scratch);
-  if (pb.S == 16 && pb.H == 128) return run_item<D, 128, 16>(pb, it, scratch);
-  return run_item<D, 0, 0>(pb, it, scratch);
+  if (pb.S == 16 && pb.H == 64) return run_item<D, C, 64, 16>(pb, it, scratch);
+  if (pb.S == 16 && pb.H == 128) return run_item<D, C, 128, 16>(pb, it, scratch);
+  return run_item<D, C, 0, 0>(pb, it, scratch);
+}
+
+// The cache's type for q's type D: the same, or a float8 format.
+template <typename D>
+void run_cache(const Problem& pb, const Item& it, std::vector<float>& scratch, int fp8) {
+  if (fp8 == 1) return run<D, E4M3>(pb, it, scratch);
+  if (fp8 == 2) return run<D, E5M2>(pb, it, scratch);
+  return run<D, D>(pb, it, scratch);
 }
 
 ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> kv_lens,
                      ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> query_start,
                      ffi::Buffer<ffi::S32> query_lens, ffi::Buffer<ffi::S32> num_seqs,
-                     ffi::Result<ffi::AnyBuffer> out, float sm_scale) {
+                     ffi::Result<ffi::AnyBuffer> out, float sm_scale, int64_t fp8_bytes) {
   const auto qd = q.dimensions();
   const auto cd = kv_cache.dimensions();
   if (qd.size() != 3 || cd.size() != 5)
     return ffi::Error::InvalidArgument("q must be [T, N, H] and kv_cache [L, B, S, 2K, H]");
-  const auto dtype = q.element_type();
-  if (dtype != kv_cache.element_type() ||
-      (dtype != ffi::DataType::F32 && dtype != ffi::DataType::BF16))
-    return ffi::Error::InvalidArgument("q and kv_cache must both be float32 or bfloat16");
+  const auto dtype = q.element_type(), cache_dtype = kv_cache.element_type();
+  // 1: e4m3fn, 2: e5m2; uint8 caches hold the bytes of the format `fp8_bytes` names.
+  const int fp8 = cache_dtype == ffi::DataType::F8E4M3FN ? 1
+                  : cache_dtype == ffi::DataType::F8E5M2 ? 2
+                  : cache_dtype == ffi::DataType::U8     ? int(fp8_bytes)
+                                                         : 0;
+  if ((dtype != ffi::DataType::F32 && dtype != ffi::DataType::BF16) || fp8 < 0 || fp8 > 2 ||
+      (fp8 == 0 && dtype != cache_dtype))
+    return ffi::Error::InvalidArgument(
+        "q must be float32 or bfloat16 and kv_cache of q's dtype or float8 (e4m3fn, e5m2)");
   const int64_t num_layers = cd[0], B = cd[1], S = cd[2], K2 = cd[3], H = cd[4];
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= num_layers) return ffi::Error::InvalidArgument("layer out of range");
   Problem pb;
   pb.q = q.untyped_data();
   pb.cache = static_cast<const char*>(kv_cache.untyped_data()) +
-             l * B * S * K2 * H * int64_t(ffi::ByteWidth(dtype));
+             l * B * S * K2 * H * int64_t(ffi::ByteWidth(cache_dtype));
   pb.out = out->untyped_data();
   pb.kv_lens = kv_lens.typed_data();
   pb.block_tables = block_tables.typed_data();
@@ -360,12 +414,12 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_c
   }
 
   const bool bf16 = dtype == ffi::DataType::BF16;
-  auto item = [&items, &pb, bf16](int64_t i) {
+  auto item = [&items, &pb, bf16, fp8](int64_t i) {
     thread_local std::vector<float> scratch;  // its allocation may throw
     if (bf16)
-      run<Bf16>(pb, items[i], scratch);
+      run_cache<Bf16>(pb, items[i], scratch, fp8);
     else
-      run<F32>(pb, items[i], scratch);
+      run_cache<F32>(pb, items[i], scratch, fp8);
   };
   const bool done = jllm_cpu::share_items(pool, int64_t(items.size()), item);
   if (!done) return ffi::Error::Internal("out of memory for kernel scratch");
@@ -378,7 +432,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmRaggedPagedAttention, Attention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()         // q [T, N, H]
-                                  .Arg<ffi::AnyBuffer>()         // kv_cache [L, B, S, 2K, H]
+                                  .Arg<ffi::AnyBuffer>()  // kv_cache [L, B, S, 2K, H], q's or fp8
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [R]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables [R, P]
@@ -386,4 +440,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmRaggedPagedAttention, Attention,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_lens [R]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs [1]
                                   .Ret<ffi::AnyBuffer>()         // out [T, N, H]
-                                  .Attr<float>("sm_scale"));
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("fp8"));  // a uint8 cache's format

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .cache import FP8_DTYPES, from_cache
 from .validation import as_stacked, validate_inputs, validate_options
 
 
@@ -94,16 +95,20 @@ def ragged_paged_attention_gpu(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
+    fp8_dtype=None,
 ) -> jax.Array:
     """Attention of a flat ragged batch of queries over a paged KV cache (Pallas GPU).
 
     Arguments as `ragged_paged_attention`: q [T, N, H]; kv_cache [B, S, 2K, H], or the
     stacked [L, B, S, 2K, H] with ``layer``; kv_lens, query_start, query_lens [R] int32;
     block_tables [R, P] int32; num_seqs an int32 scalar or [1]. Tiling left as None follows
-    `default_tiling`. Returns [T, N, H] in q's dtype, zero on rows no valid request owns.
+    `default_tiling`. Returns [T, N, H] in q's dtype, zero on rows no valid request owns. A
+    float8 cache (``FP8_DTYPES``, or its bytes with ``fp8_dtype``) is read into q's dtype.
     """
     kv_cache, layer, layer_view = as_stacked(kv_cache, layer)
-    validate_inputs(q, layer_view, kv_lens, block_tables, query_start, query_lens, num_seqs)
+    validate_inputs(
+        q, layer_view, kv_lens, block_tables, query_start, query_lens, num_seqs, fp8_dtype
+    )
     validate_options(sm_scale, sliding_window, soft_cap)
     t, n, h = q.shape
     _, _, s, two_k, _ = kv_cache.shape
@@ -156,6 +161,7 @@ def ragged_paged_attention_gpu(
         pages_per_tile=pages_per_tile,
         num_requests=r,
         split=split,
+        fp8_dtype=fp8_dtype,
     )
     inputs = (
         tile_req,
@@ -223,6 +229,7 @@ def _kernel(
     pages_per_tile: int,
     num_requests: int,
     split: bool,
+    fp8_dtype,
 ):
     if split:
         _lse_init, o_ref, lse_ref = refs
@@ -258,7 +265,9 @@ def _kernel(
         hi = jnp.minimum(lo + per_part, tile_hi)
 
         q = plgpu.load(q_ref.at[kh, pl.ds(row0, block_m), :], mask=row_ok[:, None], other=0.0)
-        precision = jax.lax.Precision.HIGHEST if kv_ref.dtype == jnp.float32 else None
+        fp8 = fp8_dtype is not None or jnp.dtype(kv_ref.dtype) in FP8_DTYPES
+        kv_dtype = q.dtype if fp8 else kv_ref.dtype
+        precision = jax.lax.Precision.HIGHEST if kv_dtype == jnp.float32 else None
 
         def body(c, carry):
             acc, m_i, l_i = carry
@@ -284,6 +293,9 @@ def _kernel(
             at = (layer_ref[0], tok_page[:, None], tok_slot[:, None])
             keys = plgpu.load(kv_ref.at[(*at, 2 * kh, lanes)])  # [TK, H]
             values = plgpu.load(kv_ref.at[(*at, 2 * kh + 1, lanes)])  # [TK, H]
+            if fp8:  # a float8 cache's pages in the queries' dtype (scale 1)
+                keys = from_cache(keys, q.dtype, fp8_dtype)
+                values = from_cache(values, q.dtype, fp8_dtype)
             kv_pos = c * tile_kv + jax.lax.broadcasted_iota(jnp.int32, (tile_kv,), 0)
             seen = (kv_pos >= first_pos) & (kv_pos <= last_pos)  # [TK]
             values = jnp.where(seen[:, None], values, jnp.zeros_like(values))

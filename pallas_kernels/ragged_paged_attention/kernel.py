@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from .cache import FP8_DTYPES, from_cache
 from .validation import as_stacked, validate_inputs, validate_options
 
 _NUM_SCALAR_PREFETCH = 6
@@ -60,6 +61,7 @@ def ragged_paged_attention(
     block_q: int = 32,
     pages_per_chunk: int = 8,
     interpret: bool | pltpu.InterpretParams = False,
+    fp8_dtype=None,
 ) -> jax.Array:
     """Attention of a flat ragged batch of queries over a paged KV cache (Pallas TPU).
 
@@ -68,10 +70,13 @@ def ragged_paged_attention(
     the layer to read in place; kv_lens, query_start, query_lens [R] int32; block_tables
     [R, P] int32; num_seqs int32 scalar or [1]. Returns [T, N, H] in q's dtype, zero on rows
     no valid request owns. ``interpret=True`` runs the kernel in TPU interpret mode (CPU); an
-    ``pltpu.InterpretParams`` is passed through as is.
+    ``pltpu.InterpretParams`` is passed through as is. A float8 cache (``FP8_DTYPES``, or its
+    bytes with ``fp8_dtype``: cache.py) is read into q's dtype.
     """
     kv_cache, layer, layer_view = as_stacked(kv_cache, layer)
-    validate_inputs(q, layer_view, kv_lens, block_tables, query_start, query_lens, num_seqs)
+    validate_inputs(
+        q, layer_view, kv_lens, block_tables, query_start, query_lens, num_seqs, fp8_dtype
+    )
     validate_options(sm_scale, sliding_window, soft_cap)
     if block_q < 1 or pages_per_chunk < 1:
         raise ValueError(f"block_q={block_q} and pages_per_chunk={pages_per_chunk} must be >= 1")
@@ -91,6 +96,7 @@ def ragged_paged_attention(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
         pages_per_seq=p,
+        fp8_dtype=fp8_dtype,
     )
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=_NUM_SCALAR_PREFETCH,
@@ -157,6 +163,7 @@ def _kernel(
     sliding_window: int | None,
     soft_cap: float | None,
     pages_per_seq: int,
+    fp8_dtype,
 ):
     req, qblk = pl.program_id(0), pl.program_id(1)
     n, bq, h = q_buf.shape
@@ -165,7 +172,9 @@ def _kernel(
     group = n // num_kv_heads
     t = q_hbm.shape[1]
     chunk = ppc * s
-    compute_dtype = jnp.promote_types(q_buf.dtype, kv_buf.dtype)
+    # A float8 cache's pages are read into the queries' dtype (scale 1).
+    fp8 = fp8_dtype is not None or jnp.dtype(kv_buf.dtype) in FP8_DTYPES
+    compute_dtype = q_buf.dtype if fp8 else jnp.promote_types(q_buf.dtype, kv_buf.dtype)
 
     kv_len = kv_lens_ref[req]
     q_len = query_lens_ref[req]
@@ -230,6 +239,9 @@ def _kernel(
                 heads = slice(kh * group, (kh + 1) * group)
                 k = kv_buf[slot, :, :, 2 * kh, :].reshape(chunk, h)  # [C, H]
                 v = kv_buf[slot, :, :, 2 * kh + 1, :].reshape(chunk, h)  # [C, H]
+                if fp8:
+                    k = from_cache(k, compute_dtype, fp8_dtype)
+                    v = from_cache(v, compute_dtype, fp8_dtype)
                 v = jnp.where(v_ok, v, jnp.zeros_like(v))
                 qg = q_buf[heads].reshape(group * bq, h)  # [G*bq, H]
                 scores = jax.lax.dot_general(

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .cache import from_cache
 from .validation import validate_inputs, validate_options
 
 
@@ -28,14 +29,18 @@ def ragged_paged_attention_reference(
     sm_scale: float | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    fp8_dtype=None,
 ) -> jnp.ndarray:
     """Attention of a flat ragged batch of queries over a paged KV cache.
 
     q [T, N, H]; kv_cache [B, S, 2K, H] (K at head 2k, V at head 2k+1); kv_lens,
     query_start, query_lens [R]; block_tables [R, P]; only requests r < num_seqs are used.
-    Returns [T, N, H] in q's dtype, zero on rows no valid request owns.
+    Returns [T, N, H] in q's dtype, zero on rows no valid request owns. A float8 cache
+    (a float8 array, or uint8 bytes with ``fp8_dtype``) is read as float32.
     """
-    validate_inputs(q, kv_cache, kv_lens, block_tables, query_start, query_lens, num_seqs)
+    validate_inputs(
+        q, kv_cache, kv_lens, block_tables, query_start, query_lens, num_seqs, fp8_dtype
+    )
     validate_options(sm_scale, sliding_window, soft_cap)
     t, n, h = q.shape
     s = kv_cache.shape[1]
@@ -62,7 +67,7 @@ def ragged_paged_attention_reference(
 
     r_total, p = block_tables.shape
     kv = kv_cache[block_tables].reshape(r_total, p * s, 2 * k_heads, h)  # [R, L, 2K, H]
-    kv = kv[req].astype(jnp.float32)  # [T, L, 2K, H]: each row's own request
+    kv = from_cache(kv[req], jnp.float32, fp8_dtype)  # [T, L, 2K, H]: each row's own request
     kv_pos = jnp.arange(p * s)[None, :]  # [1, L]
     mask = (kv_pos <= q_pos[:, None]) & owned[:, None]  # [T, L]
     if sliding_window is not None:

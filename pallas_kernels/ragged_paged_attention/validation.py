@@ -8,6 +8,8 @@ message that names the offending argument.
 import jax
 import jax.numpy as jnp
 
+from .cache import check_fp8_dtype
+
 
 def _shape(name: str, x) -> tuple[int, ...]:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
@@ -24,10 +26,13 @@ def _int32(name: str, x, rank: int) -> tuple[int, ...]:
     return shape
 
 
-def validate_inputs(q, kv_cache, kv_lens, block_tables, query_start, query_lens, num_seqs) -> None:
+def validate_inputs(
+    q, kv_cache, kv_lens, block_tables, query_start, query_lens, num_seqs, fp8_dtype=None
+) -> None:
     """Raises ValueError unless the arguments form a consistent ragged paged batch.
 
-    Expected: q [T, N, H] float; kv_cache [B, S, 2K, H] float with N % K == 0;
+    Expected: q [T, N, H] float; kv_cache [B, S, 2K, H] float (or uint8 float8 bytes with
+    `fp8_dtype` naming the format, cache.py) with N % K == 0;
     kv_lens, query_start, query_lens [R] int32; block_tables [R, P] int32;
     num_seqs an int, an int32 scalar or an int32 array of shape [1].
     """
@@ -43,7 +48,8 @@ def validate_inputs(q, kv_cache, kv_lens, block_tables, query_start, query_lens,
     kv_shape = _shape("kv_cache", kv_cache)
     if len(kv_shape) != 4:
         raise ValueError(f"kv_cache must be [B, S, 2K, H], got shape {kv_shape}")
-    if not jnp.issubdtype(kv_cache.dtype, jnp.floating):
+    check_fp8_dtype(kv_cache.dtype, fp8_dtype)
+    if fp8_dtype is None and not jnp.issubdtype(kv_cache.dtype, jnp.floating):
         raise ValueError(f"kv_cache must be floating point, got {kv_cache.dtype}")
     _, s, two_k, kv_h = kv_shape
     if s < 1 or two_k < 2 or two_k % 2:

@@ -38,13 +38,14 @@ CASES = {
 }  # fmt: skip
 
 
+# (80 inputs: not whole 32-input runs, so 4-bit codes are held one to a byte.)
 @pytest.mark.parametrize(
-    "method,bits,group", [("awq", 4, 32), ("awq", 4, 48), ("gptq", 4, 32), ("gptq", 4, -1),
-                          ("gptq", 8, 32)]
+    "method,bits,group,width", [("awq", 4, 32, 96), ("awq", 4, 48, 96), ("awq", 4, 16, 80),
+                                ("gptq", 4, 32, 96), ("gptq", 4, -1, 96), ("gptq", 8, 32, 96)]
 )  # fmt: skip
-def test_weights_unpack_to_the_formats_values(method, bits, group):
+def test_weights_unpack_to_the_formats_values(method, bits, group, width):
     rng = np.random.default_rng(bits * 7 + group + 1)
-    w = rng.normal(0, 0.05, (48, 96)).astype(np.float32)
+    w = rng.normal(0, 0.05, (48, width)).astype(np.float32)
     q, zero, scale = quantize(w, bits, group)
     if method == "awq":
         spec = parse_config({"quant_method": "awq", "bits": 4, "group_size": group}, "x")
@@ -54,13 +55,23 @@ def test_weights_unpack_to_the_formats_values(method, bits, group):
         spec = parse_config(config, "x")
         got = gptq_weight(gptq_tensors(q, zero, scale, bits, v1=True), spec)
     want = reference(q, zero, scale)
-    assert got.kind == ("uint4" if bits == 4 else "int8")
+    assert got.kind == ("uint4" if bits == 4 and width % 32 == 0 else "int8")
     np.testing.assert_allclose(np.asarray(dequantize(got, jnp.float32)), want, rtol=0, atol=1e-7)
     for rows, kernel in ((3, True), (20, False)):  # the CPU kernel; XLA's product
-        x = rng.normal(size=(rows, 96)).astype(np.float32)
+        x = rng.normal(size=(rows, width)).astype(np.float32)
         args = (jnp.asarray(x), jax.tree.map(jnp.asarray, got))
         assert (cpu_kernel.TARGET in jax.jit(matmul).lower(*args).as_text()) == kernel
         np.testing.assert_allclose(np.asarray(jax.jit(matmul)(*args)), x @ want.T, atol=1e-5)
+
+
+def test_group_size_must_divide_the_inputs():
+    """AutoGPTQ writes ceil(In / group_size) groups when it does not divide (SmolLM2's 576
+    inputs at 128); those are refused as vLLM refuses them, not read as other groups."""
+    w = np.random.default_rng(0).normal(0, 0.05, (16, 96)).astype(np.float32)
+    q, zero, scale = quantize(w, 4, 48)  # two groups of 48: what 96 / 64 rounded up stores
+    spec = parse_config({"quant_method": "gptq", "bits": 4, "group_size": 64}, "x")
+    with pytest.raises(ValueError, match="96 inputs are not a multiple of gptq group_size 64"):
+        gptq_weight(gptq_tensors(q, zero, scale, 4, v1=True), spec)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -69,7 +80,8 @@ def test_checkpoint_matches_transformers_on_its_dequantized_values(case, tmp_pat
     bits, group = config["bits"], config["group_size"]
     src, _ = save_tiny("llama", tie=False)
     path, ref = str(tmp_path / "q"), str(tmp_path / "reference")
-    quantize_checkpoint(src, path, config, ref)
+    # GPTQ v1 with AutoGPTQ's zero biases on every projection of a model without biases
+    quantize_checkpoint(src, path, config, ref, zero_biases=case == "gptq-v1-4bit")
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 256, 5 + 3 * i).tolist() for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)

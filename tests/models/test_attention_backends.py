@@ -181,3 +181,23 @@ def test_step_reads_the_stacked_cache_in_place(llama_dir, backend):
     assert not layer_sized(text, shape)
     sliced = jax.jit(lambda c, i: c[i] * 2).lower(runner.kv_cache, 1).compile().as_text()
     assert layer_sized(sliced, shape)
+
+
+@pytest.mark.parametrize(
+    "capability,want", [("8.0", "xla"), ("8.9", "pallas_gpu"), ("9.0", "pallas_gpu")]
+)
+def test_fp8_cache_on_a_gpu_without_fp8_loads_takes_xla(monkeypatch, capability, want):
+    """Triton loads float8 from compute capability 8.9 (Ada, Hopper): an A100 with
+    kv_cache_dtype="fp8" gets the XLA attention on `auto` and an error when it asks for the
+    GPU kernel."""
+    from jllm.engine import platform
+
+    class FakeGpu:
+        compute_capability = capability
+
+    monkeypatch.setattr(platform.jax, "devices", lambda *a: [FakeGpu()])
+    assert resolve_backend("auto", "gpu", jnp.bfloat16, fp8_cache=True) == want
+    assert resolve_backend("auto", "gpu", jnp.bfloat16) == "pallas_gpu"
+    if want == "xla":
+        with pytest.raises(ValueError, match="float8 from compute capability 8.9"):
+            resolve_backend("pallas_gpu", "gpu", jnp.bfloat16, fp8_cache=True)

@@ -191,6 +191,86 @@ def test_kernel_under_shard_map_matches_reference(tp, n, k, flavour):
     assert_matches(out, ref, args, jnp.float32)
 
 
+# A float8 cache (kv_cache_dtype="fp8"), as a float8 array or as its bytes (uint8, with
+# fp8_dtype=: how the engine holds it on the CPU): every flavour reads its pages into q's
+# dtype. The reference on the float8 cache equals the reference on a float cache of the
+# same values.
+FP8_FLAVOURS = {
+    "cpu": ragged_paged_attention_cpu,
+    "tpu": functools.partial(ragged_paged_attention, **FLAVOURS["tpu"]),
+    "gpu": functools.partial(ragged_paged_attention_gpu, interpret=True),
+}
+
+
+@pytest.mark.parametrize("flavour", list(FP8_FLAVOURS))
+@pytest.mark.parametrize("kv_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+@pytest.mark.parametrize("dtype,as_bytes", [(jnp.float32, False), (jnp.bfloat16, True)])
+def test_fp8_cache_matches_reference(flavour, kv_dtype, dtype, as_bytes):
+    h = 64 if flavour == "cpu" else 16  # the CPU kernel's vector path
+    args, _ = make_batch(MIX, n=8, k=2, h=h, s=16, dtype=dtype, seed=11, kv_dtype=kv_dtype)
+    q, cache, *meta = args
+    assert cache.dtype == kv_dtype
+    as_float = ragged_paged_attention_reference(q, cache.astype(jnp.float32), *meta)
+    options = {}
+    if as_bytes:
+        options["fp8_dtype"] = kv_dtype
+        args = (q, jax.lax.bitcast_convert_type(cache, jnp.uint8), *meta)
+    ref = ragged_paged_attention_reference(*args, **options)
+    np.testing.assert_array_equal(np.asarray(ref), np.asarray(as_float.astype(ref.dtype)))
+    out = FP8_FLAVOURS[flavour](*args, **options)
+    assert out.dtype == dtype
+    assert_matches(out, ref, args, dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+@pytest.mark.parametrize("h", [16, 64])  # the C++ kernel's generic loop; its vector path
+def test_cpu_kernel_decodes_every_fp8_code(kv_dtype, h):
+    """Requests of one token attend to it alone, so their output is its value vector: V
+    holds all 256 byte codes (subnormals, zeros, NaN and inf included), checked against
+    ml_dtypes' decoding."""
+    import ml_dtypes
+
+    r = 256 // h
+    codes = np.arange(256, dtype=np.uint8).reshape(r, h)
+    cache = np.zeros((r + 1, 16, 2, h), np.uint8)  # block 0 unused; K = 0 (code 0)
+    cache[1:, 0, 1] = codes
+    args = (
+        jnp.ones((r, 1, h), jnp.float32),
+        jnp.asarray(cache),
+        jnp.ones(r, jnp.int32),  # kv_lens
+        jnp.arange(1, r + 1, dtype=jnp.int32)[:, None],  # block_tables
+        jnp.arange(r, dtype=jnp.int32),  # query_start
+        jnp.ones(r, jnp.int32),  # query_lens
+        jnp.asarray([r], jnp.int32),
+    )
+    out = np.asarray(ragged_paged_attention_cpu(*args, fp8_dtype=kv_dtype))[:, 0]
+    want = codes.view(np.dtype(getattr(ml_dtypes, jnp.dtype(kv_dtype).name)))
+    np.testing.assert_array_equal(out, want.astype(np.float32))
+
+
+def test_fp8_cache_conversions_and_checks():
+    from pallas_kernels.ragged_paged_attention import from_cache, to_cache
+
+    x = jnp.asarray([1e6, -1e6, 0.3, -2.0, 500.0])
+    e4m3 = np.asarray(to_cache(x, jnp.float8_e4m3fn).astype(jnp.float32))
+    np.testing.assert_array_equal(e4m3, [448, -448, 0.3125, -2, 448])  # saturated
+    e5m2 = np.asarray(to_cache(x, jnp.float8_e5m2).astype(jnp.float32))
+    np.testing.assert_array_equal(e5m2, [57344, -57344, 0.3125, -2, 512])
+    as_bytes = to_cache(x, jnp.uint8, jnp.float8_e5m2)
+    assert as_bytes.dtype == jnp.uint8
+    np.testing.assert_array_equal(from_cache(as_bytes, jnp.float32, jnp.float8_e5m2), e5m2)
+    assert to_cache(x, jnp.bfloat16).dtype == jnp.bfloat16
+    args, _ = make_batch(MIX, n=4, k=2, h=16, s=8, dtype=jnp.float32)
+    q, cache, *meta = args
+    raw = jax.lax.bitcast_convert_type(cache.astype(jnp.float8_e4m3fn), jnp.uint8)
+    with pytest.raises(ValueError, match="name the format, fp8_dtype="):
+        ragged_paged_attention_reference(q, raw, *meta)
+    with pytest.raises(ValueError, match="fp8_dtype= is for a uint8 kv_cache"):
+        ragged_paged_attention_reference(*args, fp8_dtype=jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="fp8_dtype must be one of"):
+        ragged_paged_attention_cpu(q, raw, *meta, fp8_dtype=jnp.bfloat16)
+
+
 # The C++ CPU kernel (cpu_kernel.cc). h=16 or s=8 take its generic loop; s=16 with h=64 or
 # h=128 its vector path, which prefill blocks (several queries per kv head) use.
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
