@@ -25,6 +25,7 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_fp8.h"   // pallas_kernels/: float8 decoding
 #include "cpu_pool.h"  // pallas_kernels/: share_items
 #include "xla/ffi/api/ffi.h"
 
@@ -66,31 +67,12 @@ inline v16 bytes_to_floats(v16b b) {
 #endif
 }
 
-inline v16i widen(v16u b) {
-#ifdef __AVX512F__
-  __m128i raw;
-  std::memcpy(&raw, &b, 16);
-  const __m512i w = _mm512_cvtepu8_epi32(raw);
-  v16i v;
-  std::memcpy(&v, &w, 64);
-  return v;
-#else
-  return __builtin_convertvector(b, v16i);
-#endif
-}
+inline v16i widen(v16u b) { return jllm_cpu::widen_u8(b); }
 
 inline v16 bytes_to_floats(v16u b) { return __builtin_convertvector(widen(b), v16); }
 
-// float8_e4m3fn codes as floats: |v| * 2^9 = (8 * [e > 0] + m) << max(e - 1, 0) for exponent
-// e and mantissa m, all in integer lanes (0x7F, NaN, comes out 480: never produced).
-inline v16 fp8_to_floats(v16u b) {
-  const v16i u = widen(b);
-  const v16i e = (u >> 3) & 15, m = u & 7;
-  const v16i normal = e > 0;  // -1 where true
-  const v16i magnitude = (m + (normal & 8)) << ((e - 1) & normal);
-  const v16i sign = -((u >> 7) & 1);
-  return __builtin_convertvector((magnitude ^ sign) - sign, v16) * (1.0f / 512.0f);
-}
+// float8_e4m3fn codes as floats (cpu_fp8.h; 0x7F, NaN, is never produced by quantization).
+inline v16 fp8_to_floats(v16u b) { return jllm_cpu::e4m3_to_floats<false>(b); }
 
 inline v16 load16(const float* p) {
   v16 v;

@@ -62,7 +62,7 @@ class CpuKernelUnavailable(RuntimeError):
 
 # Headers the kernels share (cpu_pool.h): on the include path, and part of the cache key.
 INCLUDE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HEADERS = (os.path.join(INCLUDE, "cpu_pool.h"),)
+HEADERS = (os.path.join(INCLUDE, "cpu_pool.h"), os.path.join(INCLUDE, "cpu_fp8.h"))
 
 
 def _cpu_fingerprint() -> str:
