@@ -230,11 +230,12 @@ def test_smollm2_from_its_4bit_weights():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3"])  # e5m2 measured once: see below
 def test_smollm2_with_an_fp8_kv_cache(kv_cache_dtype):
     """float32 compute over a float8 KV cache against transformers (float32 throughout),
     teacher-forced on the engine's own greedy chat: the logprob error that rounding K/V to
-    float8 costs, bounded, and the answer still right."""
+    float8 costs, bounded, and the answer still right. (e5m2, run the same way once, within
+    the bounds given for it; its kernels and engine path are tested on tiny models.)"""
     llm = LLM(kv_cache_dtype=kv_cache_dtype, **ARGS)
     convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
