@@ -85,25 +85,19 @@ const Fp8Table kE4M3(3, 7, false), kE5M2(2, 15, true);
 
 // load: one code (the table); load16: 16 codes in vector registers (cpu_fp8.h), which the
 // page copy uses when the head dim is a multiple of 16.
-struct E4M3 {
+template <int kFormat>  // 1: e4m3fn, 2: e5m2 (the `fp8` attribute's values)
+struct Fp8 {
   using Storage = uint8_t;
-  static float load(uint8_t x) { return kE4M3.v[x]; }
+  static float load(uint8_t x) { return (kFormat == 1 ? kE4M3 : kE5M2).v[x]; }
   static jllm_cpu::f32x16 load16(const uint8_t* p) {
     jllm_cpu::u8x16 b;
     std::memcpy(&b, p, 16);
-    return jllm_cpu::e4m3_to_floats(b);
-  }
-};
-
-struct E5M2 {
-  using Storage = uint8_t;
-  static float load(uint8_t x) { return kE5M2.v[x]; }
-  static jllm_cpu::f32x16 load16(const uint8_t* p) {
-    jllm_cpu::u8x16 b;
-    std::memcpy(&b, p, 16);
+    if constexpr (kFormat == 1) return jllm_cpu::e4m3_to_floats(b);
     return jllm_cpu::e5m2_to_floats(b);
   }
 };
+using E4M3 = Fp8<1>;
+using E5M2 = Fp8<2>;
 
 // exp(x) for x <= 0 (Cephes' single-precision polynomial, about 1 ulp); unlike std::exp it
 // vectorizes inside a loop.
