@@ -33,8 +33,8 @@ import jax.numpy as jnp
 
 from jllm.models.attention_metadata import RaggedMetadata, XlaMetadata, kv_chunk_pages
 from pallas_kernels.ragged_paged_attention import (
-    FP8_DTYPES,
     from_cache,
+    is_fp8_cache,
     ragged_paged_attention,
     ragged_paged_attention_cpu,
     ragged_paged_attention_cpu_sharded,
@@ -135,7 +135,7 @@ def paged_attention(q, k, v, kv_cache, layer, md, backend: str):
     if backend == "cpu_kernel":
         assert isinstance(md, RaggedMetadata), type(md)
         args = (md.kv_lens, md.block_tables, md.query_start, md.query_lens, md.num_seqs)
-        if fp8 is None and kv_cache.dtype not in FP8_DTYPES:  # q in the cache's float dtype
+        if not is_fp8_cache(kv_cache.dtype, fp8):  # q in the cache's float dtype
             q = q.astype(kv_cache.dtype)
         options = dict(sm_scale=sm_scale, fp8_dtype=fp8)
         if sharded:

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jllm.quantization import CHECKPOINT_METHODS
 from jllm.quantization.weights import QuantizedWeight
 
-CHECKPOINT_METHODS = ("awq", "gptq")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word -> output channel 8c + AWQ_ORDER[i]
 _GPTQ_BITS = (4, 8)
 _PARTS = ("qweight", "qzeros", "scales", "g_idx")
@@ -50,20 +50,13 @@ def _get(config: dict, *keys, default=None):
     return next((config[k] for k in keys if k in config), default)
 
 
-def checkpoint_method(quantization_config) -> str:
-    """The method a `quantization_config` (dict or transformers config object) names."""
-    qc = quantization_config
-    if not isinstance(qc, dict):
-        qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
-    return str(_get(qc, "quant_method", default="unknown")).lower()
-
-
 def parse_config(quantization_config, path: str) -> CheckpointQuantization:
-    """The checkpoint's quantization, or a ValueError naming what jllm cannot read."""
+    """The checkpoint's quantization (a dict or a transformers config object), or a
+    ValueError naming what jllm cannot read."""
     qc = quantization_config
     if not isinstance(qc, dict):
         qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
-    method = checkpoint_method(qc)
+    method = str(_get(qc, "quant_method", default="unknown")).lower()
     if method not in CHECKPOINT_METHODS:
         raise ValueError(
             f"{path} is a {method!r}-quantized checkpoint; jllm reads AWQ and GPTQ checkpoints "

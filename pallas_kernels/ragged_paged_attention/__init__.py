@@ -12,7 +12,15 @@ with ``to_cache``, read with ``from_cache``) and
 (built on first use; ``load_cpu_kernel``), with its own ``..._cpu_sharded``.
 """
 
-from .cache import FP8_DTYPES, check_fp8_dtype, from_cache, kv_cache_bytes, kv_cache_shape, to_cache
+from .cache import (
+    FP8_DTYPES,
+    check_fp8_dtype,
+    from_cache,
+    is_fp8_cache,
+    kv_cache_bytes,
+    kv_cache_shape,
+    to_cache,
+)
 from .cpu import (
     SUPPORTED_DTYPES,
     CpuKernelUnavailable,
@@ -37,6 +45,7 @@ __all__ = [
     "kv_cache_shape",
     "check_fp8_dtype",
     "from_cache",
+    "is_fp8_cache",
     "to_cache",
     "ragged_paged_attention",
     "ragged_paged_attention_gpu",

@@ -20,6 +20,11 @@ import jax.numpy as jnp
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
+def is_fp8_cache(cache_dtype, fp8_dtype=None) -> bool:
+    """Whether a cache of `cache_dtype` (with `fp8_dtype` for bytes) holds float8 values."""
+    return fp8_dtype is not None or jnp.dtype(cache_dtype) in FP8_DTYPES
+
+
 def check_fp8_dtype(cache_dtype, fp8_dtype) -> None:
     """Raises ValueError unless (cache dtype, fp8_dtype) is a float cache (fp8_dtype None) or
     the bytes of a float8 format (uint8, fp8_dtype one of FP8_DTYPES)."""

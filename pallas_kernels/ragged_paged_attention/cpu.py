@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from .cache import FP8_DTYPES
+from .cache import is_fp8_cache
 from .validation import as_stacked, validate_inputs, validate_options
 
 logger = logging.getLogger(__name__)
@@ -194,7 +194,7 @@ def _checked_args(
     validate_inputs(
         q, layer_view, kv_lens, block_tables, query_start, query_lens, num_seqs, fp8_dtype
     )
-    fp8 = fp8_dtype is not None or jnp.dtype(kv_cache.dtype) in FP8_DTYPES
+    fp8 = is_fp8_cache(kv_cache.dtype, fp8_dtype)
     if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES or not (fp8 or q.dtype == kv_cache.dtype):
         raise ValueError(
             f"the CPU kernel takes float32 or bfloat16 q and a kv_cache of q's dtype or a "

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .cache import FP8_DTYPES, from_cache
+from .cache import from_cache, is_fp8_cache
 from .validation import as_stacked, validate_inputs, validate_options
 
 
@@ -265,7 +265,7 @@ def _kernel(
         hi = jnp.minimum(lo + per_part, tile_hi)
 
         q = plgpu.load(q_ref.at[kh, pl.ds(row0, block_m), :], mask=row_ok[:, None], other=0.0)
-        fp8 = fp8_dtype is not None or jnp.dtype(kv_ref.dtype) in FP8_DTYPES
+        fp8 = is_fp8_cache(kv_ref.dtype, fp8_dtype)
         kv_dtype = q.dtype if fp8 else kv_ref.dtype
         precision = jax.lax.Precision.HIGHEST if kv_dtype == jnp.float32 else None
 

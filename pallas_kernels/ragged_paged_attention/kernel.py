@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .cache import FP8_DTYPES, from_cache
+from .cache import from_cache, is_fp8_cache
 from .validation import as_stacked, validate_inputs, validate_options
 
 _NUM_SCALAR_PREFETCH = 6
@@ -173,7 +173,7 @@ def _kernel(
     t = q_hbm.shape[1]
     chunk = ppc * s
     # A float8 cache's pages are read into the queries' dtype (scale 1).
-    fp8 = fp8_dtype is not None or jnp.dtype(kv_buf.dtype) in FP8_DTYPES
+    fp8 = is_fp8_cache(kv_buf.dtype, fp8_dtype)
     compute_dtype = q_buf.dtype if fp8 else jnp.promote_types(q_buf.dtype, kv_buf.dtype)
 
     kv_len = kv_lens_ref[req]
