@@ -193,6 +193,8 @@ class SchedulerConfig:
     tile_size: int = 1
     num_lookahead_slots: int = 0  # at most this many drafts per request per step
     policy: str = "fcfs"  # or "priority" (engine/request_queue.py)
+    # Slots allocated past each step's tokens, where a draft model writes its drafts.
+    num_draft_lookahead: int = 0
 
 
 def resolve_scheduler_config(
@@ -207,9 +209,12 @@ def resolve_scheduler_config(
         raise ValueError(
             f"max_num_batched_tokens ({budget}) must be at least max_num_seqs ({max_num_seqs})."
         )
-    slots = args.num_lookahead_slots
-    if args.speculative_config is not None:
-        slots = max(slots, args.speculative_config.num_speculative_tokens)
+    slots, ahead = args.num_lookahead_slots, 0
+    spec = args.speculative_config
+    if spec is not None:
+        slots = max(slots, spec.num_speculative_tokens)
+        if spec.method == "draft_model":
+            ahead = spec.num_speculative_tokens
     return SchedulerConfig(
         max_num_seqs,
         budget,
@@ -218,4 +223,5 @@ def resolve_scheduler_config(
         tile_size,
         slots,
         args.scheduling_policy,
+        ahead,
     )

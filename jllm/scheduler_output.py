@@ -73,3 +73,5 @@ class ModelRunnerOutput:
     # req id -> (prompt position of the first target, target logprobs [n], ranks [n],
     # top ids [n, J], top logprobs [n, J]) for requests that asked for prompt logprobs
     prompt_logprobs: dict[str, tuple] = field(default_factory=dict)
+    # req id -> the next step's draft tokens, from a speculative draft model on the device
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -11,7 +11,7 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 
 import pytest  # noqa: E402
-from oracle import ARCHS, SMALL, save_tiny  # noqa: E402
+from oracle import ARCHS, SMALL, save_copier, save_tiny  # noqa: E402
 
 from jllm.model_loader import resolve_model  # noqa: E402
 
@@ -50,6 +50,12 @@ def tiny_models(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def llama_dir(tiny_models) -> str:
     return tiny_models["llama"]
+
+
+@pytest.fixture(scope="session")
+def copier_dir(llama_dir, tmp_path_factory) -> str:
+    """A tiny Llama that mostly repeats its last token (oracle.save_copier)."""
+    return save_copier(llama_dir, tmp_path_factory.mktemp("copier"))
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,8 @@ directories, transformers' greedy generation, and small engine settings."""
 
 from __future__ import annotations
 
+import shutil
+
 import torch
 import transformers
 
@@ -76,6 +78,33 @@ def save_tiny(arch: str, root, tokenizer_dir: str, dtype: torch.dtype = torch.fl
     model.to(dtype).save_pretrained(path)
     transformers.AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
     return str(path)
+
+
+def save_edited(model_dir: str, path, edit) -> str:
+    """A copy of a transformers model directory with `edit(model)` applied to its weights
+    (under no_grad), and its tokenizer."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        edit(model)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(f"{model_dir}/{name}", path)
+    return str(path)
+
+
+def save_copier(llama_dir: str, path) -> str:
+    """The tiny Llama with its residual branches scaled down and its output projection set to
+    10x the embeddings: the last token's own logit stands far above the rest."""
+
+    def edit(model):
+        embed = model.model.embed_tokens.weight
+        embed.mul_(10.0)
+        model.lm_head.weight.copy_(embed)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.1)
+            layer.mlp.down_proj.weight.mul_(0.1)
+
+    return save_edited(llama_dir, path, edit)
 
 
 # Engine settings for tiny models: small cache, few buckets, compile on first use.

@@ -15,7 +15,9 @@ computed one more token in step N+1, which is dropped.
 The runner is injected (anything with `execute(SchedulerOutput) -> ModelRunnerOutput`), so
 this module stays free of JAX and is tested with a mock runner. So is an optional proposer
 (anything with `propose(request, num_running) -> list[int]`), asked for draft tokens for
-every running request that sampled in the step (the others, mid-prompt, get none).
+every running request that sampled in the step (the others, mid-prompt, get none). A draft
+model drafts on the device instead: the runner's result carries its drafts
+(`ModelRunnerOutput.spec_token_ids`).
 
 Structured outputs (`jllm/structured_output`): a request with a grammar waits here, outside
 the scheduler, until its grammar is compiled on the manager's worker thread, so nothing
@@ -268,11 +270,13 @@ class EngineCore:
                     break
             touched.setdefault(parent.request_id, (parent, set()))[1].add(rid)
         self._record(stats)
-        if self.proposer is not None:
+        if self.proposer is not None or result.spec_token_ids:
             num_running = len(self.scheduler.running)
             for req in self.scheduler.running:
                 drafts = []
-                if req.request_id in sampled:
+                if req.request_id in result.spec_token_ids:  # a draft model's, on the device
+                    drafts = result.spec_token_ids[req.request_id]
+                elif self.proposer is not None and req.request_id in sampled:
                     drafts = self.proposer.propose(req, num_running)
                 if drafts and req.grammar is not None:
                     drafts = self.structured.valid_drafts(req.grammar, drafts)

@@ -111,13 +111,19 @@ class KVCacheManager:
 
     # ---- allocation ----------------------------------------------------------------------
     def allocate_slots(
-        self, req: Request, num_new_tokens: int, new_computed_blocks: list[int] = ()
+        self,
+        req: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[int] = (),
+        lookahead: int = 0,
     ) -> list[int] | None:
-        """Make room for `num_new_tokens` more tokens of `req`; None if the pool is short."""
+        """Make room for `num_new_tokens` more tokens of `req`, and `lookahead` slots past
+        them (where a draft model writes its drafts); None if the pool is short."""
         blocks = self.req_blocks.setdefault(req.request_id, [])
         num_computed = req.num_computed_tokens + len(new_computed_blocks) * self.block_size
         total = num_computed + num_new_tokens
-        num_new_blocks = cdiv(total, self.block_size) - len(blocks) - len(new_computed_blocks)
+        need = cdiv(total + lookahead, self.block_size)
+        num_new_blocks = max(0, need - len(blocks) - len(new_computed_blocks))
         reused_free = sum(1 for b in new_computed_blocks if self.ref_cnt[b] == 0)
         if num_new_blocks > self.num_free_blocks - reused_free:
             return None

@@ -1,5 +1,6 @@
 """From engine arguments to a model on its mesh: resolve the checkpoint, pick its module in
-the registry, settle `max_model_len` and the dtype, load the tokenizer and the weights."""
+the registry, settle `max_model_len` and the dtype, load the tokenizer and the weights; and
+a speculative draft model, on the target's mesh in the target's dtype."""
 
 from __future__ import annotations
 
@@ -98,4 +99,77 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
     )
     return EngineModel(
         source, cfg, jnp.dtype(dtype), max_model_len, mesh, replicas, graphdef, state, tokenizer
+    )
+
+
+def load_draft_model(spec, args: EngineArgs, target: EngineModel) -> EngineModel:
+    """The draft model of `speculative_config` (`spec.model`), checked against the target:
+    the same vocabulary (its drafts are the target's token ids), positions up to the
+    target's `max_model_len`, the same tensor-parallel mesh. Loaded by the same loader
+    (`load_format`, quantization found in its checkpoint or `spec.quantization`)."""
+    tp = args.tensor_parallel_size
+    if spec.draft_tensor_parallel_size not in (None, tp):
+        raise ValueError(
+            f"draft_tensor_parallel_size={spec.draft_tensor_parallel_size} is not supported: "
+            f"jllm runs the draft model on the target's mesh (tensor_parallel_size={tp})."
+        )
+    if args.nnodes > 1:
+        raise ValueError("A speculative draft model is not supported on several nodes yet.")
+    source = resolve_model(
+        spec.model,
+        revision=spec.revision,
+        trust_remote_code=args.trust_remote_code,
+        download_dir=args.download_dir,
+        load_format=args.load_format,
+    )
+    names = getattr(source.hf_config, "architectures", None) or []
+    if any("eagle" in n.lower() or "medusa" in n.lower() for n in names):
+        raise ValueError(
+            f"The draft model {spec.model!r} is an {names[0]} head: EAGLE/Medusa drafts are "
+            "not supported by jllm yet; give a full causal LM of the target's vocabulary."
+        )
+    arch = registry.resolve(source.hf_config)
+    cfg = arch.config(source.hf_config)
+    if cfg.vocab_size != target.config.vocab_size:
+        raise ValueError(
+            f"The draft model's vocabulary ({cfg.vocab_size} tokens) differs from the target "
+            f"model's ({target.config.vocab_size}): a draft model must share the target's "
+            "tokenizer."
+        )
+    if cfg.max_position_embeddings < target.max_model_len:
+        raise ValueError(
+            f"The draft model handles {cfg.max_position_embeddings} positions, fewer than "
+            f"max_model_len={target.max_model_len}: set max_model_len to at most that."
+        )
+    replicas = kv_head_replicas(cfg.num_heads, cfg.num_kv_heads, tp)
+    if replicas > 1:
+        cfg = dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * replicas)
+    quantization = resolve_quantization(spec.quantization, source)
+    logger.info(
+        "Speculative draft model %r: %d layers, quantization=%s.",
+        source.path,
+        cfg.num_layers,
+        quantization,
+    )
+    graphdef, state = load_model(
+        arch,
+        cfg,
+        source,
+        target.dtype,
+        target.mesh,
+        args.load_format,
+        seed=(args.seed or 0) + 1,
+        kv_replicas=replicas,
+        quantization=quantization,
+    )
+    return EngineModel(
+        source,
+        cfg,
+        target.dtype,
+        target.max_model_len,
+        target.mesh,
+        replicas,
+        graphdef,
+        state,
+        None,
     )

@@ -124,6 +124,15 @@ class Scheduler:
         room = min(limit - req.num_tokens - 1, self.config.num_lookahead_slots)
         return req.spec_token_ids[: max(0, room)]
 
+    def _lookahead(self, req: Request, num_new: int, start: int | None = None) -> int:
+        """Slots past the step's tokens that a draft model writes its drafts at (vLLM's
+        lookahead tokens), within the context."""
+        ahead = self.config.num_draft_lookahead
+        if not ahead:
+            return 0
+        end = (req.num_computed_tokens if start is None else 0) + num_new
+        return max(0, min(ahead, self.config.max_model_len - end))
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
@@ -153,7 +162,9 @@ class Scheduler:
                 i += 1
                 continue
             while True:
-                blocks = self.kv_cache.allocate_slots(req, num_new)
+                blocks = self.kv_cache.allocate_slots(
+                    req, num_new, lookahead=self._lookahead(req, num_new)
+                )
                 if blocks is not None:
                     break
                 victim = self._victim()
@@ -192,7 +203,9 @@ class Scheduler:
             ):
                 break
             req.num_computed_tokens = 0
-            blocks = self.kv_cache.allocate_slots(req, num_new, hit_blocks)
+            blocks = self.kv_cache.allocate_slots(
+                req, num_new, hit_blocks, self._lookahead(req, num_hit + num_new, num_hit)
+            )
             if blocks is None:
                 break
             self.waiting.pop()

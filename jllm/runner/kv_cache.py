@@ -139,7 +139,7 @@ def allocate_kv_cache(spec: jax.ShapeDtypeStruct) -> jax.Array:
 
 
 def create_kv_cache(
-    cfg,
+    cfgs,
     *,
     block_size: int,
     tp: int,
@@ -153,17 +153,26 @@ def create_kv_cache(
     profile=None,
 ):
     """Size the cache from memory (per device: it is split on its kv-head axis), log it as
-    vLLM does, and allocate it. `profile(abstract_cache) -> bytes`: what the largest step
-    needs (`ModelRunner.profile_step_bytes`). Returns (kv_cache, num_blocks)."""
-    per_block = bytes_per_block(
-        cfg.num_layers, block_size, cfg.num_kv_heads // tp, cfg.head_dim, dtype
+    vLLM does, and allocate it. `cfgs`: the model's config, then a speculative draft
+    model's if any: a block holds the K/V of every one of them, so they share block ids.
+    `profile(abstract_cache) -> bytes`: what the largest step needs
+    (`ModelRunner.profile_step_bytes`; with a draft, the pair of caches). Returns
+    (one cache per config, num_blocks)."""
+    per_block = sum(
+        bytes_per_block(cfg.num_layers, block_size, cfg.num_kv_heads // tp, cfg.head_dim, dtype)
+        for cfg in cfgs
     )
+
+    def step_bytes():
+        small = tuple(abstract_kv_cache(cfg, 4, block_size, dtype, mesh) for cfg in cfgs)
+        return profile(small[0] if len(small) == 1 else small)
+
     num_blocks = determine_num_blocks(
         per_block,
         override=override,
         memory_bytes=memory_bytes,
         utilization=utilization,
-        step_bytes=lambda: profile(abstract_kv_cache(cfg, 4, block_size, dtype, mesh)),
+        step_bytes=step_bytes,
         fraction=allocator_fraction(platform),
     )
     logger.info(
@@ -174,5 +183,8 @@ def create_kv_cache(
         max_model_len,
         (num_blocks - 1) * block_size / max_model_len,
     )
-    kv_cache = allocate_kv_cache(abstract_kv_cache(cfg, num_blocks, block_size, dtype, mesh))
-    return kv_cache, num_blocks
+    caches = [
+        allocate_kv_cache(abstract_kv_cache(cfg, num_blocks, block_size, dtype, mesh))
+        for cfg in cfgs
+    ]
+    return caches, num_blocks

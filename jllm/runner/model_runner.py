@@ -47,16 +47,37 @@ class CompileAfterWarmupError(RuntimeError):
     pass
 
 
-def _forward(state, kv_cache, last_tokens, buf, *, layout, graphdef, backend, logits_sharding):
+def _forward(
+    state,
+    kv_cache,
+    last_tokens,
+    buf,
+    *,
+    layout,
+    graphdef,
+    backend,
+    logits_sharding,
+    draft_graphdef=None,
+):
     """One packed buffer in: the step's inputs and its sampling metadata, which is passed
     on to the sampler as an output (no second transfer). Tokens sampled by the previous
     step are read from `last_tokens` on the device. Also hands on the hidden states of the
-    tokens listed for prompt logprobs ([PROMPT_LOGPROB_ROWS, D], runner/prompt_logprobs.py)."""
+    tokens listed for prompt logprobs ([PROMPT_LOGPROB_ROWS, D], runner/prompt_logprobs.py).
+
+    With a speculative draft model (`draft_graphdef`), `state` and `kv_cache` are pairs
+    (target, draft): the draft runs over the same tokens, into its own cache through the
+    same slots (spec_decode/draft_model.py)."""
     batch, md = unpack(buf, layout)
     on_device = last_tokens[jnp.maximum(batch.from_device, 0)]
     token_ids = jnp.where(batch.from_device >= 0, on_device, batch.token_ids)
+    if draft_graphdef is not None:
+        (state, draft_state), (kv_cache, draft_cache) = state, kv_cache
+        draft = nnx.merge(draft_graphdef, draft_state)
+        _, draft_cache = draft(token_ids, batch.positions, draft_cache, batch.attn, backend)
     model = nnx.merge(graphdef, state)
     hidden, kv_cache = model(token_ids, batch.positions, kv_cache, batch.attn, backend)
+    if draft_graphdef is not None:
+        kv_cache = (kv_cache, draft_cache)
     logits = model.compute_logits(hidden[batch.logits_indices])  # [Rs, V]
     # One fixed layout for the sampler, whatever the bucket (vocab-split under TP).
     logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
@@ -65,7 +86,7 @@ def _forward(state, kv_cache, last_tokens, buf, *, layout, graphdef, backend, lo
 
 forward_step = jax.jit(
     _forward,
-    static_argnames=("layout", "graphdef", "backend", "logits_sharding"),
+    static_argnames=("layout", "graphdef", "backend", "logits_sharding", "draft_graphdef"),
     donate_argnames=("kv_cache",),
 )
 
@@ -83,8 +104,10 @@ class ModelRunner:
         enforce_eager: bool,
         mesh,
         logits_processors: tuple = (),
+        draft=None,
     ) -> None:
         self.graphdef = graphdef
+        self.draft = draft  # a speculative DraftModel (spec_decode/draft_model.py), or None
         self.mesh = mesh
         # Step inputs and penalty state are replicated on every device of the mesh.
         self.replicated = replicated(mesh)
@@ -127,7 +150,7 @@ class ModelRunner:
         self.channel = None  # process 0 of a multi-process engine: a StepChannel
 
     # ---- the KV cache --------------------------------------------------------------------
-    def profile_step_bytes(self, abstract_cache: jax.ShapeDtypeStruct) -> int:
+    def profile_step_bytes(self, abstract_cache) -> int:
         """Device memory the largest step needs besides weights and cache: the working
         memory XLA assigns to the largest forward bucket, the largest sampler and the
         prompt-logprob step, compiled
@@ -149,6 +172,15 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.layout.num_blocks = num_blocks
 
+    def _caches(self):
+        return self.kv_cache if self.draft is None else (self.kv_cache, self.draft.kv_cache)
+
+    def _forward_args(self, kv_cache):
+        """The forward's (state, cache): pairs (target, draft) with a draft model."""
+        if self.draft is None:
+            return self.state, kv_cache
+        return (self.state, self.draft.state), kv_cache
+
     # ---- compilation ---------------------------------------------------------------------
     def _packed_inputs(self, rd: int, tt: int):
         """The packed zero inputs of the (Rd, Tt) bucket, built by the same code as real
@@ -161,16 +193,17 @@ class ModelRunner:
         return buf, layout, md.want_logprobs.shape[0]
 
     def _compile_forward(self, kv_cache, buf, layout: Layout):
+        """`kv_cache`: the target's, or the pair (target, draft) with a draft model."""
         with jax.set_mesh(self.mesh):
             return forward_step.lower(
-                self.state,
-                kv_cache,
+                *self._forward_args(kv_cache),
                 self.last_tokens,
                 buf,
                 layout=layout,
                 graphdef=self.graphdef,
                 backend=self.backend,
                 logits_sharding=self.logits_sharding,
+                draft_graphdef=None if self.draft is None else self.draft.graphdef,
             ).compile()
 
     def _sampler_state(self, bitmask) -> tuple:
@@ -197,7 +230,7 @@ class ModelRunner:
             if self.compile_guard:
                 rd, tt = key
                 raise CompileAfterWarmupError(f"forward bucket (Rd={rd}, Tt={tt}) not compiled")
-            exe = self._forward_exe[key] = self._compile_forward(self.kv_cache, buf, layout)
+            exe = self._forward_exe[key] = self._compile_forward(self._caches(), buf, layout)
         return exe
 
     def _sample_executable(self, rs: int, logits, md):
@@ -294,6 +327,8 @@ class ModelRunner:
             w = self.penalties.empty_write(W)
             self._write_executable(jax.device_put(w, self.replicated))
         self._bias_executable(*self._put_bias_write(0, np.zeros(self.vocab_size, np.float32)))
+        if self.draft is not None:
+            self.draft.compile_all(self)
         logger.info("Graph compilation finished in %.1f secs.", time.perf_counter() - start)
         self.compile_guard = True
 
@@ -329,7 +364,11 @@ class ModelRunner:
             self.bias = self._bias_executable(row, vector)(self.bias, row, vector)
         buf = jax.device_put(buf, self.replicated)
         fwd = self._forward_executable(key, buf, layout)
-        logits, self.kv_cache, md, hidden = fwd(self.state, self.kv_cache, self.last_tokens, buf)
+        logits, caches, md, hidden = fwd(*self._forward_args(self._caches()), self.last_tokens, buf)
+        if self.draft is None:
+            self.kv_cache = caches
+        else:
+            self.kv_cache, self.draft.kv_cache = caches
         smp = self._sample_executable(logits.shape[0], logits, md)
         packed, self.counts, self.last_tokens = smp(
             logits, md, *self._sampler_state(self._bitmask(logits.shape[0], bitmask))
@@ -402,6 +441,8 @@ class ModelRunner:
                 SampledToken(int(tokens[r]), float(lp[r]), int(rank[r]), top_ids[r], top_lp[r])
                 for r in rows[:n]
             ]
+        if self.draft is not None:
+            result.spec_token_ids = self.draft.propose(self, groups)
         if prompt_rows is not None:
             fields = unpack_prompt_logprobs(
                 np.asarray(prompt_packed.addressable_shards[0].data), self.max_logprobs

@@ -1,4 +1,5 @@
-"""Speculative decoding: vLLM's `speculative_config` and the n-gram (prompt lookup) proposer.
+"""Speculative decoding: vLLM's `speculative_config` and the n-gram (prompt lookup) proposer;
+the draft-model proposer runs on the device beside the target (`spec_decode/draft_model.py`).
 
 The engine verifies drafts in its ordinary step (`runner/sampler.py`): a request with k
 drafts is a (k+1)-row group, every row sampled from the target model, and a row's token
@@ -21,7 +22,16 @@ import numpy as np
 logger = logging.getLogger("jllm")
 
 # vLLM's method names that jllm does not build yet, refused by name.
-NOT_YET = ("draft_model", "eagle", "eagle3", "mtp", "suffix", "ngram_gpu", "medusa")
+NOT_YET = (
+    "eagle",
+    "eagle3",
+    "mtp",
+    "deepseek_mtp",
+    "suffix",
+    "ngram_gpu",
+    "medusa",
+    "mlp_speculator",
+)
 
 
 def _int_at_least(value, low: int) -> bool:
@@ -32,11 +42,16 @@ def _int_at_least(value, low: int) -> bool:
 class SpeculativeConfig:
     """vLLM's `speculative_config` (a dict offline, JSON for `--speculative-config`)."""
 
-    method: str
+    method: str  # "ngram" or "draft_model"
     num_speculative_tokens: int
-    prompt_lookup_min: int
-    prompt_lookup_max: int
+    prompt_lookup_min: int = 0  # ngram only
+    prompt_lookup_max: int = 0
     disable_by_batch_size: int | None = None
+    # draft_model only: the draft checkpoint (same vocabulary as the target), how it is read.
+    model: str | None = None
+    quantization: str | None = None
+    revision: str | None = None
+    draft_tensor_parallel_size: int | None = None  # must equal the target's
 
     @classmethod
     def create(cls, spec: dict | None) -> SpeculativeConfig | None:
@@ -52,6 +67,9 @@ class SpeculativeConfig:
             "prompt_lookup_min",
             "prompt_lookup_max",
             "disable_by_batch_size",
+            "quantization",
+            "revision",
+            "draft_tensor_parallel_size",
         }
         unknown = sorted(set(spec) - known)
         if unknown:
@@ -70,14 +88,36 @@ class SpeculativeConfig:
                 )
         if method in NOT_YET:
             raise ValueError(
-                f"Speculative method {method!r} is not supported by jllm yet; use method='ngram'."
+                f"Speculative method {method!r} is not supported by jllm yet; use "
+                "method='ngram' or a draft model ({'model': PATH})."
             )
-        if method != "ngram":
+        if method not in ("ngram", "draft_model"):
             raise ValueError(f"Unsupported speculative method: {method!r}.")
         k = spec.get("num_speculative_tokens")
         if not _int_at_least(k, 1):
             raise ValueError(
                 f"num_speculative_tokens must be an integer greater than zero, got {k!r}."
+            )
+        off = spec.get("disable_by_batch_size")
+        if off is not None and not _int_at_least(off, 2):
+            raise ValueError(
+                "Expect the batch size threshold of disabling speculative decoding is > 1, "
+                f"but got {off!r}"
+            )
+        if method == "draft_model":
+            if not isinstance(model, str) or not model:
+                raise ValueError("speculative_config: method 'draft_model' needs a 'model' path.")
+            dtp = spec.get("draft_tensor_parallel_size")
+            if dtp is not None and not _int_at_least(dtp, 1):
+                raise ValueError(f"draft_tensor_parallel_size must be >= 1, got {dtp!r}.")
+            return cls(
+                method,
+                k,
+                disable_by_batch_size=off,
+                model=model,
+                quantization=spec.get("quantization"),
+                revision=spec.get("revision"),
+                draft_tensor_parallel_size=dtp,
             )
         lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
         if lo is None and hi is None:
@@ -89,12 +129,6 @@ class SpeculativeConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
         if lo > hi:
             raise ValueError(f"prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
-        off = spec.get("disable_by_batch_size")
-        if off is not None and not _int_at_least(off, 2):
-            raise ValueError(
-                "Expect the batch size threshold of disabling speculative decoding is > 1, "
-                f"but got {off!r}"
-            )
         return cls(method, k, lo, hi, off)
 
 
@@ -163,8 +197,9 @@ class NgramProposer:
 
 
 def make_proposer(config: SpeculativeConfig | None):
-    """The engine's proposer for `config` (None without speculative decoding)."""
-    if config is None:
+    """The engine core's host-side proposer for `config`: None without speculative decoding,
+    and for a draft model, whose drafts the model runner returns with each step's results."""
+    if config is None or config.method == "draft_model":
         return None
     logger.info(
         "Speculative decoding: %s, %d tokens, prompt lookup %d-%d%s.",

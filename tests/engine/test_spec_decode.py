@@ -13,12 +13,9 @@ paths)."""
 from __future__ import annotations
 
 import logging
-import shutil
 
 import numpy as np
 import pytest
-import torch
-import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle import SMALL, prometheus_value, prompt_ids
@@ -93,7 +90,7 @@ def test_config_follows_vllm():
             },
             "prompt_lookup_min=4 must be <= prompt_lookup_max=2",
         ),
-        ({"model": "/some/draft", "num_speculative_tokens": 2}, "'draft_model' is not supported"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "needs a 'model' path"),
         ({"method": "eagle3", "num_speculative_tokens": 2}, "'eagle3' is not supported"),
         ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "unknown field"),
         (
@@ -153,25 +150,6 @@ def same(got, expected):
                 assert lg.keys() == le.keys()
                 for t in le:
                     assert lg[t].logprob == pytest.approx(le[t].logprob, abs=1e-4)
-
-
-@pytest.fixture(scope="module")
-def copier_dir(llama_dir, tmp_path_factory):
-    """The tiny Llama with its residual branches scaled down and its output projection set to
-    10x the embeddings: the last token's own logit stands far above the rest."""
-    path = tmp_path_factory.mktemp("copier")
-    model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir)
-    with torch.no_grad():
-        embed = model.model.embed_tokens.weight
-        embed.mul_(10.0)
-        model.lm_head.weight.copy_(embed)
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(0.1)
-            layer.mlp.down_proj.weight.mul_(0.1)
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(f"{llama_dir}/{name}", path)
-    return str(path)
 
 
 @pytest.fixture(scope="module", params=["random", "copier"])

@@ -1,0 +1,254 @@
+"""The draft-model proposer: a smaller causal LM of the target's vocabulary drafts k tokens
+per request after every step, on the device, in the target's mesh and dtype.
+
+KV cache. The draft has its own cache arrays, with the target's block size and block count,
+addressed through the target's block tables and slots: a block id names a block of both
+caches. The draft sees every token the target computes, because the target's forward runs
+the draft over the same flat batch (`runner/model_runner.py`, fused into one executable).
+So prefill chunks, prefix-cache hits (a cached block holds both models' K/V), preemption
+and recompute need nothing of their own. The scheduler allocates k slots ahead of each
+step's tokens (vLLM's lookahead) for the positions the drafts are written at.
+
+Drafting. After a step, every request that sampled has L known tokens; draft step i
+(0..k-1) feeds the draft its token at position L - 1 + i (the last sampled token, then its
+own drafts, read on the device) and draws the next. k small decode steps per engine step, one
+executable per decode bucket, compiled at start-up. A row drafts only while its positions
+stay inside its allocated blocks and the context.
+
+The draw. A draft token for output index j is drawn from the draft's distribution with
+the request's temperature, top-k, top-p and min-p and the *same* exponential-race key the
+target uses for index j (seed, j): greedy requests draft the draft's argmax. The verifier
+(`runner/sampler.py`) samples each row from the target with that key and keeps a row while
+the ones before sampled their drafts. The emitted token for index j is the target's draw
+for j whatever the draft proposed, so the output is exactly the target's distribution, and
+a seeded request gives the same tokens with and without speculation. Sharing the key
+couples the two draws: a draft close to the target is accepted about as often as under
+Leviathan et al.'s min(1, p/q) rule (an exponential-race coupling accepts with probability
+at least (1 - TV) / (1 + TV), where Leviathan's accepts 1 - TV), while p and q never have to
+meet on the host. vLLM's draft proposers draft greedily (a one-hot q); at temperature 0
+both are the same.
+
+Glossary: R draft rows (requests drafting), V vocab, K draft tokens per request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jllm.models.attention_metadata import BUILDERS, FlatBatch
+from jllm.runner.draw import filtered_draw, first_argmax, row_keys
+from jllm.runner.inputs import BatchLayout, StepInputs, bucket
+from jllm.runner.transfer import pack, unpack
+from jllm.sampling_params import SAMPLING_EPS
+from jllm.scheduler_output import PROMPT_LOGPROB_ROWS
+
+logger = logging.getLogger(__name__)
+
+
+@partial(
+    jax.tree_util.register_dataclass,
+    data_fields=[
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "seed_lo",
+        "seed_hi",
+        "counter",
+        "batch_row",
+    ],
+    meta_fields=[],
+)
+@dataclasses.dataclass
+class DraftSampling:
+    temperature: jax.Array  # [R] float32
+    top_k: jax.Array  # [R] int32, 0 = off
+    top_p: jax.Array  # [R] float32
+    min_p: jax.Array  # [R] float32
+    seed_lo: jax.Array  # [R] uint32
+    seed_hi: jax.Array  # [R] uint32
+    counter: jax.Array  # [R] int32, the output index the draft token is for
+    batch_row: jax.Array  # [R] int32, the input-batch row (padding: the padding row)
+
+
+def draft_draw(logits, md: DraftSampling):
+    """[R, V] draft logits -> [R] tokens: the argmax for greedy rows, else the target's
+    filtered exponential race under the target's key for the same output index."""
+    logits = logits.astype(jnp.float32)
+    greedy_row = md.temperature < SAMPLING_EPS
+    greedy = first_argmax(logits)
+
+    def sampled():
+        temp = jnp.where(greedy_row, 1.0, md.temperature)
+        probs = jax.nn.softmax(logits / temp[:, None], axis=-1)
+        keys = row_keys(md.seed_lo, md.seed_hi, md.counter)
+        drawn = filtered_draw(probs, md.top_k, md.top_p, md.min_p, ~greedy_row, keys)
+        return jnp.where(greedy_row, greedy, drawn)
+
+    return jax.lax.cond(jnp.all(greedy_row), lambda: greedy, sampled)
+
+
+def _draft_step(state, kv_cache, src, buf, *, layout, graphdef, backend, logits_sharding):
+    """One draft decode step: each row's input token is `src[row]` (the row's last sampled
+    token, or the draft of the step before); returns `src` with the rows' new drafts and
+    the updated draft cache."""
+    batch, md = unpack(buf, layout)
+    token_ids = src[batch.from_device]
+    model = nnx.merge(graphdef, state)
+    hidden, kv_cache = model(token_ids, batch.positions, kv_cache, batch.attn, backend)
+    logits = model.compute_logits(hidden[batch.logits_indices])
+    logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
+    out = src.at[md.batch_row].set(draft_draw(logits, md))
+    if not jax.sharding.get_abstract_mesh().empty:
+        out = jax.lax.with_sharding_constraint(out, jax.sharding.PartitionSpec())
+    return out, kv_cache
+
+
+draft_step = jax.jit(
+    _draft_step,
+    static_argnames=("layout", "graphdef", "backend", "logits_sharding"),
+    donate_argnames=("kv_cache",),
+)
+
+
+def draft_inputs(batch, rows: np.ndarray, step: int, layout: BatchLayout, backend, Rd: int):
+    """The packed inputs of draft step `step` for input-batch `rows` (each has L known
+    tokens and reads its token at position L - 1 + step from the device)."""
+    S, C, P = layout.block_size, layout.tile_size, layout.max_pages
+    n = len(rows)
+    pos = batch.num_tokens[rows] - 1 + step
+    tables = batch.block_table[rows]
+    slot_mapping = np.full(Rd, layout.num_blocks * S, np.int32)
+    slot_mapping[:n] = tables[np.arange(n), pos // S] * S + pos % S
+    positions = np.zeros(Rd, np.int32)
+    positions[:n] = pos
+    query_start = np.zeros(Rd, np.int32)
+    query_start[:n] = np.arange(n)
+    query_lens = np.zeros(Rd, np.int32)
+    query_lens[:n] = 1
+    kv_lens = np.zeros(Rd, np.int32)
+    kv_lens[:n] = pos + 1
+    block_tables = np.zeros((Rd, P), np.int32)
+    block_tables[:n] = tables
+    flat = FlatBatch(
+        slot_mapping=slot_mapping,
+        query_start=query_start,
+        query_lens=query_lens,
+        kv_lens=kv_lens,
+        block_tables=block_tables,
+        tile_row=np.zeros(0, np.int32),
+        tile_q_pos=np.zeros((0, C), np.int32),
+        num_decode_rows=Rd,
+        block_size=S,
+        kv_token_bytes=layout.kv_token_bytes,
+        kv_fp8=layout.kv_fp8,
+    )
+    row = np.full(Rd, batch.pad, np.int32)
+    row[:n] = rows
+    inputs = StepInputs(
+        token_ids=np.zeros(Rd, np.int32),
+        positions=positions,
+        logits_indices=np.arange(Rd, dtype=np.int32),
+        from_device=row,
+        prompt_lp_indices=np.zeros(PROMPT_LOGPROB_ROWS, np.int32),
+        attn=BUILDERS[backend](flat),
+    )
+    counter = np.zeros(Rd, np.int32)
+    counter[:n] = batch.num_tokens[rows] - batch.num_prompt[rows] + step
+    md = DraftSampling(
+        temperature=batch.temperature[row],
+        top_k=batch.top_k[row],
+        top_p=batch.top_p[row],
+        min_p=batch.min_p[row],
+        seed_lo=batch.seed_lo[row],
+        seed_hi=batch.seed_hi[row],
+        counter=counter,
+        batch_row=row,
+    )
+    return pack((inputs, md))
+
+
+class DraftModel:
+    """The draft model's weights and KV cache on the device, and its drafting steps. Owned by
+    the `ModelRunner`, which runs the draft over every step's flat batch and then asks
+    `propose` for the next drafts."""
+
+    def __init__(self, graphdef, state, config, num_speculative_tokens: int, disable_by=None):
+        self.graphdef = graphdef
+        self.state = state
+        self.config = config  # the draft's module config (kv heads as on the mesh)
+        self.k = num_speculative_tokens
+        self.disable_by_batch_size = disable_by
+        self.kv_cache = None
+        self.layout = None  # the draft steps' BatchLayout (the target's, own K/V bytes)
+        self._exe: dict[int, object] = {}
+
+    def attach(self, kv_cache, layout: BatchLayout) -> None:
+        self.kv_cache = kv_cache
+        self.layout = layout
+
+    def _executable(self, runner, Rd: int, buf, layout):
+        exe = self._exe.get(Rd)
+        if exe is None:
+            if runner.compile_guard:
+                from jllm.runner.model_runner import CompileAfterWarmupError
+
+                raise CompileAfterWarmupError(f"draft bucket (R={Rd}) not compiled")
+            with jax.set_mesh(runner.mesh):
+                exe = draft_step.lower(
+                    self.state,
+                    self.kv_cache,
+                    runner.last_tokens,
+                    buf,
+                    layout=layout,
+                    graphdef=self.graphdef,
+                    backend=runner.backend,
+                    logits_sharding=runner.logits_sharding,
+                ).compile()
+            self._exe[Rd] = exe
+        return exe
+
+    def compile_all(self, runner) -> None:
+        for Rd in self.layout.decode_buckets[1:]:
+            buf, layout = draft_inputs(
+                runner.batch, np.zeros(0, np.int32), 0, self.layout, runner.backend, Rd
+            )
+            self._executable(runner, Rd, jax.device_put(buf, runner.replicated), layout)
+
+    def propose(self, runner, groups) -> dict[str, list[int]]:
+        """Drafts for every request that sampled in the step just fetched (`groups`, their
+        tokens already appended to the input batch): up to k tokens each."""
+        batch = runner.batch
+        live = [g for g in groups if batch.generation[g.row] == g.generation]
+        if not live:
+            return {}
+        if self.disable_by_batch_size is not None:
+            if len(batch.index) >= self.disable_by_batch_size:
+                return {}
+        rows = np.array([g.row for g in live], np.int32)
+        # Positions L - 1 .. L + k - 2 are written; a row drafts while they stay inside its
+        # blocks (the scheduler's lookahead) and the context.
+        room = np.minimum(batch.num_blocks[rows] * self.layout.block_size, batch.max_model_len)
+        room = room - (batch.num_tokens[rows] - 1)
+        src = runner.last_tokens
+        outs = []
+        for step in range(self.k):
+            active = rows[room > step]
+            if active.size == 0:
+                break
+            Rd = bucket(active.size, self.layout.decode_buckets)
+            buf, layout = draft_inputs(batch, active, step, self.layout, runner.backend, Rd)
+            buf = jax.device_put(buf, runner.replicated)
+            exe = self._executable(runner, Rd, buf, layout)
+            src, self.kv_cache = exe(self.state, self.kv_cache, src, buf)
+            outs.append(src)
+        drafted = [np.asarray(o.addressable_shards[0].data) for o in outs]
+        n = np.minimum(np.maximum(room, 0), len(drafted))
+        return {g.req_id: [int(drafted[i][g.row]) for i in range(n[j])] for j, g in enumerate(live)}
