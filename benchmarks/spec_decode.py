@@ -1,4 +1,5 @@
-"""Speculative decoding: jllm with n-gram prompt lookup against jllm without it, in one run.
+"""Speculative decoding: jllm with n-gram prompt lookup and with draft models against jllm
+without speculation, in one run.
 
 Workload (a), input-grounded: SmolLM2-135M-Instruct is asked to repeat, or lightly edit,
 a text given in the prompt, so its answer copies spans of the prompt, the case prompt
@@ -12,7 +13,13 @@ verification is exact); in bf16 a verification row's logits come from another st
 than a decode's, so a near-tie can go the other way, as between batch shapes without
 speculation.
 
-    python benchmarks/spec_decode.py                  # default dtype
+Workload (b), draft models, on the same requests: SmolLM2 as its own draft (the upper bound
+on acceptance: nearly every greedy draft is accepted, the cost is a second SmolLM2 pass per
+drafted token) and a smaller random-initialised draft (the lower bound: its drafts are
+noise, the cost is what is left).
+
+    python benchmarks/spec_decode.py                  # default dtype, every engine
+    python benchmarks/spec_decode.py --methods ngram  # plain and n-gram only
     python benchmarks/spec_decode.py --dtype bfloat16 --k 3
     python benchmarks/spec_decode.py --disable-by-batch-size 4   # no drafts above 4 requests
 """
@@ -20,12 +27,18 @@ speculation.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import platform
+import shutil
+import tempfile
 import time
+
+import jax
 
 from jllm import LLM, SamplingParams
 from jllm.metrics.stats import SpecDecodingStats
+from jllm.model_loader import resolve_model
 
 TEXTS = [
     "The scheduler admits requests in arrival order and gives every running request one "
@@ -78,59 +91,94 @@ def timed(llm, convs, params, batch: bool):
     return sum(map(len, tokens)) / seconds, tokens
 
 
+def random_draft(path: str) -> str:
+    """A smaller random-initialised Llama of SmolLM2's vocabulary (4 layers of width 256, 17%
+    of SmolLM2's non-embedding parameters): the lower bound, its drafts are noise."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=49152,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--disable-by-batch-size", type=int, default=None)
+    ap.add_argument(
+        "--methods",
+        nargs="+",
+        default=["ngram", "draft-self", "draft-random"],
+        choices=["ngram", "draft-self", "draft-random"],
+        help="the speculative engines run beside the plain one",
+    )
     args = ap.parse_args()
-    spec = {
-        "method": "ngram",
-        "num_speculative_tokens": args.k,
-        "prompt_lookup_min": 2,
-        "prompt_lookup_max": 4,
-    }
+    common = {"num_speculative_tokens": args.k}
     if args.disable_by_batch_size:
-        spec["disable_by_batch_size"] = args.disable_by_batch_size
+        common["disable_by_batch_size"] = args.disable_by_batch_size
+    smollm2 = str(resolve_model(None).path)
+    tmp = tempfile.mkdtemp(prefix="jllm-draft-")
+    specs = {
+        "ngram": {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+        "draft-self": {"model": smollm2},
+        "draft-random": {"model": random_draft(tmp) if "draft-random" in args.methods else ""},
+    }
     print(f"host: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     convs = chats()
     results = {}
-    for name, extra in (("plain", {}), ("ngram", {"speculative_config": spec})):
+    engines = [("plain", {})] + [
+        (m, {"speculative_config": {**specs[m], **common}}) for m in args.methods
+    ]
+    for name, extra in engines:
         llm = LLM(dtype=args.dtype, disable_log_stats=True, **extra)
         stats = SpecStats()
         llm.llm_engine.core.stat_loggers.append(stats)
         llm.chat(convs[:2], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-        stats.stats = SpecDecodingStats()
-        results[name] = {
-            "dtype": llm.llm_engine.dtype.name,
-            "single": timed(llm, convs, params, batch=False),
-            "batch8": timed(llm, convs, params, batch=True),
-            "spec": stats.stats,
-        }
+        results[name] = {"dtype": llm.llm_engine.dtype.name}
+        for w in ("single", "batch8"):
+            stats.stats = SpecDecodingStats()
+            results[name][w] = (*timed(llm, convs, params, batch=w == "batch8"), stats.stats)
         llm.llm_engine.shutdown()
         del llm
+        # Drop the engine's executables: each loaded one keeps memory mappings, and four
+        # engines' worth reach the kernel's limit (LLVM "Cannot allocate memory").
+        gc.collect()
+        jax.clear_caches()
+    shutil.rmtree(tmp, ignore_errors=True)
 
-    plain, ngram = results["plain"], results["ngram"]
-    print(f"\ndtype {plain['dtype']}; n-gram config {spec}")
-    print(
-        "| workload (a), 8 requests | plain tok/s | n-gram tok/s | n-gram / plain | same tokens |"
-    )
-    print("|---|---|---|---|---|")
+    plain = results["plain"]
+    print(f"\ndtype {plain['dtype']}; k={args.k}; n-gram lookup 2-4; greedy, 8 requests")
+    print("| workload (a) | engine | tok/s | / plain | mean acceptance length | same tokens |")
+    print("|---|---|---|---|---|---|")
     for w, label in (("single", "single stream"), ("batch8", "batch 8")):
-        (p_rate, p_tokens), (n_rate, n_tokens) = plain[w], ngram[w]
-        same = f"{sum(a == b for a, b in zip(p_tokens, n_tokens, strict=True))}/{len(p_tokens)}"
-        print(f"| {label} | {p_rate:.1f} | {n_rate:.1f} | {n_rate / p_rate:.2f}x | {same} |")
-    s = ngram["spec"]
-    if s.num_drafts:
-        rates = ", ".join(f"{n / s.num_drafts:.2f}" for n in s.accepted_per_pos)
-        print(
-            f"mean acceptance length {1 + s.num_accepted_tokens / s.num_drafts:.2f} "
-            f"({s.num_accepted_tokens} of {s.num_draft_tokens} draft tokens accepted in "
-            f"{s.num_drafts} drafts); per-position acceptance {rates}"
-        )
-    print("draft-model speculation (workload b): not built yet")
+        p_rate, p_tokens, _ = plain[w]
+        print(f"| {label} | plain | {p_rate:.1f} | 1.00x | | |")
+        for name in args.methods:
+            rate, tokens, s = results[name][w]
+            same = f"{sum(a == b for a, b in zip(p_tokens, tokens, strict=True))}/{len(tokens)}"
+            mal = f"{1 + s.num_accepted_tokens / s.num_drafts:.2f}" if s.num_drafts else "-"
+            print(f"| {label} | {name} | {rate:.1f} | {rate / p_rate:.2f}x | {mal} | {same} |")
+    for name in args.methods:
+        s = results[name]["single"][2]
+        if s.num_drafts:
+            rates = ", ".join(f"{n / s.num_drafts:.2f}" for n in s.accepted_per_pos)
+            print(
+                f"{name}, single stream: {s.num_accepted_tokens} of {s.num_draft_tokens} draft "
+                f"tokens accepted in {s.num_drafts} drafts; per-position acceptance {rates}"
+            )
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ generation_config.py, runner/kv_cache.py.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import random
 import time
@@ -44,7 +43,6 @@ from jllm.runner.model_runner import ModelRunner
 from jllm.sampling_params import SamplingParams
 from jllm.scheduler_output import PROMPT_LOGPROB_ROWS
 from jllm.spec_decode import make_proposer
-from jllm.spec_decode.draft_model import DraftModel
 from jllm.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("jllm")
@@ -89,29 +87,8 @@ class LLMEngine:
             fp8_cache=args.kv_cache_dtype != "auto",
         )
         draft = None
-        spec = args.speculative_config
-        if spec is not None and spec.method == "draft_model":
-            d = load_draft_model(spec, args, m)
-            d_backend = resolve_backend(
-                args.attention_backend,
-                platform,
-                dtype,
-                d.config.head_dim,
-                args.block_size,
-                fp8_cache=args.kv_cache_dtype != "auto",
-            )
-            if d_backend != backend:
-                raise ValueError(
-                    f"The draft model needs attention backend {d_backend!r} (head_dim "
-                    f"{d.config.head_dim}), the target {backend!r}: they must share one."
-                )
-            draft = DraftModel(
-                d.graphdef,
-                d.state,
-                d.config,
-                spec.num_speculative_tokens,
-                spec.disable_by_batch_size,
-            )
+        if args.speculative_config is not None:
+            draft = load_draft_model(args, m, backend, platform, layout, kv_dtype.itemsize)
         self.logits_processors = load_logits_processors(
             args.logits_processors, LogitsProcessorConfig(cfg.vocab_size, sched_cfg.max_num_seqs)
         )
@@ -146,9 +123,7 @@ class LLMEngine:
             log_split(m.mesh, m.state, kv_cache, m.kv_replicas)
         self.runner.attach_kv_cache(kv_cache, num_blocks)
         if draft is not None:
-            c = draft.config
-            token_bytes = 2 * c.num_kv_heads * c.head_dim * kv_dtype.itemsize
-            draft.attach(caches[1], dataclasses.replace(layout, kv_token_bytes=token_bytes))
+            draft.attach(caches[1], layout)
         self.runner.compile_all()
         self.channel = open_step_channel(args, self.rank)
         if self.channel is not None and self.rank == 0:

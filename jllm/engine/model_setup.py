@@ -11,11 +11,12 @@ import jax
 import jax.numpy as jnp
 
 from jllm.config import EngineArgs
-from jllm.engine.platform import resolve_dtype
+from jllm.engine.platform import resolve_backend, resolve_dtype
 from jllm.model_loader import resolve_model
 from jllm.models import registry
 from jllm.models.loader import load_model
 from jllm.quantization import resolve_quantization
+from jllm.spec_decode.draft_model import DraftModel
 from sharding import kv_head_replicas, make_mesh
 
 logger = logging.getLogger("jllm")
@@ -102,11 +103,19 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
     )
 
 
-def load_draft_model(spec, args: EngineArgs, target: EngineModel) -> EngineModel:
-    """The draft model of `speculative_config` (`spec.model`), checked against the target:
-    the same vocabulary (its drafts are the target's token ids), positions up to the
-    target's `max_model_len`, the same tensor-parallel mesh. Loaded by the same loader
-    (`load_format`, quantization found in its checkpoint or `spec.quantization`)."""
+def load_draft_model(
+    args: EngineArgs, target: EngineModel, backend: str, platform: str, layout, kv_itemsize: int
+):
+    """The speculative draft model of `speculative_config` (a DraftModel), or None for
+    another method. Checked against the target: the same vocabulary (its drafts are the
+    target's token ids), positions up to the target's `max_model_len`, the same mesh and
+    attention backend. Loaded by the same loader (`load_format`, quantization found in
+    its checkpoint or `spec.quantization`) in the target's dtype. It runs over the target's
+    flat batch with the target's attention metadata, so `layout.kv_token_bytes` (which
+    sizes the xla backend's KV chunk counts) becomes the larger of the two models'."""
+    spec = args.speculative_config
+    if spec.method != "draft_model":
+        return None
     tp = args.tensor_parallel_size
     if spec.draft_tensor_parallel_size not in (None, tp):
         raise ValueError(
@@ -162,14 +171,27 @@ def load_draft_model(spec, args: EngineArgs, target: EngineModel) -> EngineModel
         kv_replicas=replicas,
         quantization=quantization,
     )
-    return EngineModel(
-        source,
-        cfg,
+    draft_backend = resolve_backend(
+        args.attention_backend,
+        platform,
         target.dtype,
-        target.max_model_len,
-        target.mesh,
-        replicas,
+        cfg.head_dim,
+        args.block_size,
+        fp8_cache=args.kv_cache_dtype != "auto",
+    )
+    if draft_backend != backend:
+        raise ValueError(
+            f"The draft model needs attention backend {draft_backend!r} (head_dim "
+            f"{cfg.head_dim}), the target {backend!r}: they must share one."
+        )
+    token_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * kv_itemsize
+    draft_layout = dataclasses.replace(layout, kv_token_bytes=token_bytes)
+    layout.kv_token_bytes = max(layout.kv_token_bytes, token_bytes)
+    return DraftModel(
         graphdef,
         state,
-        None,
+        cfg,
+        spec.num_speculative_tokens,
+        spec.disable_by_batch_size,
+        draft_layout,
     )

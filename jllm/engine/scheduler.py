@@ -124,14 +124,24 @@ class Scheduler:
         room = min(limit - req.num_tokens - 1, self.config.num_lookahead_slots)
         return req.spec_token_ids[: max(0, room)]
 
-    def _lookahead(self, req: Request, num_new: int, start: int | None = None) -> int:
-        """Slots past the step's tokens that a draft model writes its drafts at (vLLM's
-        lookahead tokens), within the context."""
-        ahead = self.config.num_draft_lookahead
-        if not ahead:
-            return 0
-        end = (req.num_computed_tokens if start is None else 0) + num_new
-        return max(0, min(ahead, self.config.max_model_len - end))
+    def _allocate(self, req: Request, num_new: int, hit_blocks, start: int):
+        """Slots for `num_new` tokens from position `start`, and, when the step makes the
+        request sample, the slots past them that a draft model writes its drafts at (vLLM's
+        lookahead), within what could still be emitted. The lookahead is a wish: without
+        room for it the request runs without (the draft model drafts only inside a row's
+        blocks), so it never preempts anything."""
+        ahead, end = self.config.num_draft_lookahead, start + num_new
+        if ahead and end >= req.num_tokens + req.num_output_placeholders:
+            p = req.sampling_params
+            limit = self.config.max_model_len
+            if p.max_tokens is not None:
+                limit = min(limit, req.num_prompt_tokens + p.max_tokens)
+            ahead = max(0, min(ahead, limit - end))
+            if ahead:
+                blocks = self.kv_cache.allocate_slots(req, num_new, hit_blocks, ahead)
+                if blocks is not None:
+                    return blocks
+        return self.kv_cache.allocate_slots(req, num_new, hit_blocks)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -162,9 +172,7 @@ class Scheduler:
                 i += 1
                 continue
             while True:
-                blocks = self.kv_cache.allocate_slots(
-                    req, num_new, lookahead=self._lookahead(req, num_new)
-                )
+                blocks = self._allocate(req, num_new, (), req.num_computed_tokens)
                 if blocks is not None:
                     break
                 victim = self._victim()
@@ -203,9 +211,7 @@ class Scheduler:
             ):
                 break
             req.num_computed_tokens = 0
-            blocks = self.kv_cache.allocate_slots(
-                req, num_new, hit_blocks, self._lookahead(req, num_hit + num_new, num_hit)
-            )
+            blocks = self._allocate(req, num_new, hit_blocks, num_hit)
             if blocks is None:
                 break
             self.waiting.pop()

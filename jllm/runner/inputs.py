@@ -159,14 +159,29 @@ def build_step(
     rows = np.array([batch.index[r] for r in ids], np.int32)
     counts = np.array(list(out.num_scheduled_tokens.values()), np.int32)
     single = counts == 1
-    # Decode rows longest context first, so that the xla backend's bands group similar
-    # lengths (its tiles are sorted on their own).
-    d_idx = np.flatnonzero(single)
-    d_idx = d_idx[np.argsort(-batch.num_computed[rows[d_idx]], kind="stable")]
-    m_idx = np.flatnonzero(~single)
+    # A verification row (its last token, then its drafts) is laid out as decode rows of one
+    # query each, at consecutive positions (each sees the K/V written before it in the step),
+    # while they fit the largest decode bucket: in tiles its k + 1 tokens would take C slots.
+    spec = out.scheduled_spec_decode_tokens
+    verify = np.zeros(len(ids), bool)
+    if spec and shape is None:
+        room = layout.decode_buckets[-1] - int(single.sum())
+        for i in np.flatnonzero(~single):
+            n = int(counts[i])
+            if n - len(spec.get(ids[i], ())) == 1 and n <= room:
+                verify[i], room = True, room - n
+    # Decode entries: (scheduled request, offset in its row), longest context first, so that
+    # the xla backend's bands group similar lengths (its tiles are sorted on their own).
+    d_req = np.flatnonzero(single | verify)
+    reps = np.where(verify[d_req], counts[d_req], 1)
+    d_req = np.repeat(d_req, reps)
+    d_off = np.arange(len(d_req)) - np.repeat(np.cumsum(reps) - reps, reps)
+    order = np.argsort(-(batch.num_computed[rows[d_req]] + d_off), kind="stable")
+    d_req, d_off = d_req[order], d_off[order]
+    m_idx = np.flatnonzero(~(single | verify))
     n_tiles = int(sum(cdiv(int(counts[i]), C) for i in m_idx))
     if shape is None:
-        Rd = bucket(len(d_idx), layout.decode_buckets)
+        Rd = bucket(len(d_req), layout.decode_buckets)
         Tt = bucket(n_tiles, layout.tile_buckets)
     else:
         Rd, Tt = shape
@@ -187,16 +202,16 @@ def build_step(
     groups: list[SampleGroup] = []
 
     # Decodes: one token each, gathered from the input batch, or from the device when it
-    # was sampled by the step still in flight.
-    nd = len(d_idx)
-    d_rows = rows[d_idx]
-    pos = batch.num_computed[d_rows]
+    # was sampled by the step still in flight; a verification row's drafts after it.
+    nd = len(d_req)
+    d_rows = rows[d_req]
+    pos = batch.num_computed[d_rows] + d_off
     tables = batch.block_table[d_rows]
     on_host = pos < batch.num_tokens[d_rows]
     token_ids[:nd] = np.where(
         on_host, batch.token_ids[d_rows, np.minimum(pos, batch.max_model_len - 1)], 0
     )
-    from_device[:nd] = np.where(on_host, -1, d_rows)
+    from_device[:nd] = np.where(on_host | (d_off > 0), -1, d_rows)
     positions[:nd] = pos
     slot_mapping[:nd] = tables[np.arange(nd), pos // S] * S + pos % S
     query_start[:nd] = np.arange(nd)
@@ -204,13 +219,27 @@ def build_step(
     kv_lens[:nd] = pos + 1
     block_tables[:nd] = tables
     known = batch.num_tokens + batch.num_pending
-    for j in np.flatnonzero(pos + 1 == known[d_rows]):
+    verify_at: dict[int, np.ndarray] = {}  # scheduled request -> flat index of each token
+    for j in np.flatnonzero(verify[d_req]):
+        verify_at.setdefault(int(d_req[j]), np.zeros(counts[d_req[j]], np.int64))[d_off[j]] = j
+    for j in np.flatnonzero((pos + 1 == known[d_rows]) & ~verify[d_req]):
         r = int(d_rows[j])
-        groups.append(SampleGroup(ids[d_idx[j]], r, len(sample_at), 1, int(batch.generation[r])))
+        groups.append(SampleGroup(ids[d_req[j]], r, len(sample_at), 1, int(batch.generation[r])))
         sample_at.append(int(j))
+    for i, at in verify_at.items():
+        r, rid = int(rows[i]), ids[i]
+        drafts = spec[rid]
+        token_ids[at[1:]] = drafts
+        if batch.num_computed[r] + 1 == known[r]:
+            group = SampleGroup(
+                rid, r, len(sample_at), len(at), int(batch.generation[r]), list(drafts)
+            )
+            groups.append(group)
+            sample_at.extend(at.tolist())
 
-    # Where each request's tokens start in the flat batch, for prompt logprobs.
-    flat_start = {ids[d_idx[j]]: j for j in range(nd)}
+    # Where each request's tokens start in the flat batch, for prompt logprobs (a request
+    # with prompt logprobs left is never a decode of several tokens).
+    flat_start = {ids[d_req[j]]: j for j in range(nd) if d_off[j] == 0}
 
     # Rows of several tokens: prefill chunks and verification rows, tile-aligned.
     start, tile = Rd, 0

@@ -180,19 +180,20 @@ class DraftModel:
     the `ModelRunner`, which runs the draft over every step's flat batch and then asks
     `propose` for the next drafts."""
 
-    def __init__(self, graphdef, state, config, num_speculative_tokens: int, disable_by=None):
+    def __init__(self, graphdef, state, config, num_speculative_tokens: int, disable_by, layout):
         self.graphdef = graphdef
         self.state = state
         self.config = config  # the draft's module config (kv heads as on the mesh)
         self.k = num_speculative_tokens
         self.disable_by_batch_size = disable_by
         self.kv_cache = None
-        self.layout = None  # the draft steps' BatchLayout (the target's, own K/V bytes)
+        self.layout = layout  # the draft steps' BatchLayout: the target's, own K/V bytes
         self._exe: dict[int, object] = {}
 
-    def attach(self, kv_cache, layout: BatchLayout) -> None:
+    def attach(self, kv_cache, target_layout: BatchLayout) -> None:
+        """The draft's cache, once sized, with the target's block count."""
         self.kv_cache = kv_cache
-        self.layout = layout
+        self.layout = dataclasses.replace(self.layout, num_blocks=target_layout.num_blocks)
 
     def _executable(self, runner, Rd: int, buf, layout):
         exe = self._exe.get(Rd)
@@ -232,6 +233,7 @@ class DraftModel:
         if self.disable_by_batch_size is not None:
             if len(batch.index) >= self.disable_by_batch_size:
                 return {}
+        live.sort(key=lambda g: -batch.num_tokens[g.row])  # longest first: the xla bands
         rows = np.array([g.row for g in live], np.int32)
         # Positions L - 1 .. L + k - 2 are written; a row drafts while they stay inside its
         # blocks (the scheduler's lookahead) and the context.

@@ -149,14 +149,61 @@ def test_sampled_tokens_are_the_targets_for_every_seed(llama_dir, tmp_path):
     assert 0.2 * drafted < accepted < 0.9 * drafted  # both accepted and rejected drafts
 
 
+def other_shape(path, tokenizer_dir: str, **shape) -> str:
+    """A random tiny Llama of the target's vocabulary with other layer counts and heads."""
+    config = transformers.LlamaConfig(
+        vocab_size=49152,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        initializer_range=0.25,
+        **shape,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    transformers.AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+    return str(path)
+
+
+NARROW = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+NARROW.update(num_attention_heads=2, num_key_value_heads=1)  # head_dim 16, 1 kv head
+WIDE = dict(hidden_size=128, intermediate_size=128, num_hidden_layers=3)
+WIDE.update(num_attention_heads=4, num_key_value_heads=4)  # head_dim 32, 4 kv heads
+
+
+@pytest.mark.parametrize(
+    "shape, settings",
+    [
+        (NARROW, {}),
+        (NARROW, {"tensor_parallel_size": 2}),  # its one kv head replicated to the mesh
+        (WIDE, {"attention_backend": "xla"}),  # 4x the target's K/V bytes per token
+    ],
+    ids=["narrow", "narrow-tp2", "wide-xla"],
+)
+def test_draft_of_another_shape(llama_dir, tokenizer_dir, expected, tmp_path, shape, settings):
+    """A draft with other layers, heads and head size than the target: its own cache shape
+    in the same blocks (a block's bytes are both models'), the xla backend's chunk counts
+    sized for the larger K/V per token, and the target's tokens."""
+    path = other_shape(tmp_path / "draft", tokenizer_dir, **shape)
+    llm = LLM(llama_dir, **{**SMALL, "speculative_config": draft(path), **settings})
+    same(run(llm), expected)
+    runner, target = llm.llm_engine.runner, llm.llm_engine.model_config
+    c, d = target, runner.draft.config
+    per_token = [2 * m.num_kv_heads * m.head_dim * 4 for m in (c, d)]
+    assert runner.draft.layout.kv_token_bytes == per_token[1]
+    assert runner.layout.kv_token_bytes == max(per_token)
+    tp = settings.get("tensor_parallel_size", 1)
+    per_block = sum(m.num_layers * 16 * p // tp for m, p in zip((c, d), per_token, strict=True))
+    assert runner.layout.num_blocks == (32 << 20) // per_block
+    assert runner.draft.kv_cache.shape[:2] == (d.num_layers, runner.layout.num_blocks)
+
+
 def test_disable_by_batch_size(llama_dir):
     spec = draft(llama_dir, disable_by_batch_size=3)
     llm = LLM(llama_dir, **{**SMALL, "speculative_config": spec})
     prom = with_metrics(llm)
-    run(llm, PARAMS[:1] * 4, PROMPTS[:4])  # 4 requests >= 3: no drafts while all 4 run
-    many = counts(prom)[0]
+    run(llm, PARAMS[:1] * 4, PROMPTS[:4])  # 4 requests >= 3, finishing together: no drafts
+    assert counts(prom)[0] == 0
     run(llm, PARAMS[:1], PROMPTS[:1])
-    assert counts(prom)[0] - many > 5  # alone: a draft every step
+    assert counts(prom)[0] > 5  # alone: a draft every step
 
 
 def test_config_and_refusals(llama_dir, tmp_path):

@@ -147,3 +147,19 @@ def test_prefix_cache_holds_only_accepted_tokens(spec_llm, llama_llm, prompts, p
     hit = run(spec_llm, [seq], [follow])[0].token_ids
     assert kv.prefix_hits - before >= (len(seq) - 1) // S * S
     assert hit == run(llama_llm, [seq], [follow])[0].token_ids
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"attention_backend": "xla"}, {"max_num_seqs": 4, "max_num_batched_tokens": 64}],
+    ids=["xla", "tiles-and-decode-rows"],
+)
+def test_verification_rows_on_each_layout(llama_dir, prompts, plain, settings):
+    """Verification rows run as decode rows of one query each (the xla backend's decode
+    path), and, past the largest decode bucket (4 rows), in tiles beside them in one step."""
+    llm = LLM(llama_dir, **{**SMALL, **settings}, num_lookahead_slots=K, async_scheduling=False)
+    proposer = Oracle(expected_of(prompts, plain))
+    llm.llm_engine.core.proposer = proposer
+    got = run(llm, prompts, MIXED)
+    assert proposer.proposed > 0
+    assert [g.token_ids for g in got] == [p.token_ids for p in plain]

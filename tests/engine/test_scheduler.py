@@ -258,3 +258,23 @@ def test_priority_preempts_the_lowest_priority_first():
             assert runner.steps[4] == [("high", 1)]  # "low" taken back out of the step
         assert done["low"].outputs[0].token_ids == [5, 6, 7, 8, 9, 10]
         assert done["high"].outputs[0].token_ids == [17, 18, 19, 20, 21, 22]
+
+
+def test_draft_lookahead_slots_are_a_wish():
+    """With a draft model the scheduler allocates k slots past a sampling step's tokens
+    (where the drafts are written), capped at what could still be emitted; when the pool
+    has no room for them the request runs without, and nothing is preempted for them (a
+    request that fits the pool alone would otherwise preempt itself for ever)."""
+    config = SchedulerConfig(8, 32, 128, True, 1, 3, "fcfs", num_draft_lookahead=3)
+    sched = Scheduler(config, KVCacheManager(4, 4, False))  # 3 usable blocks of 4 slots
+    core = EngineCore(sched, MockRunner(), None, 128, eos_token_id=999)
+    core.add_request("b", [7, 8, 9], params(2))  # 3 + 2 ahead (max_tokens caps the 3)
+    core.step()
+    assert len(sched.kv_cache.block_ids("b")) == 2
+    assert run(core)["b"].outputs[0].token_ids == [10, 11]
+    core.add_request("a", list(range(1, 10)), params(4))  # 9 + 3 ahead: all 3 blocks
+    core.step()
+    assert len(sched.kv_cache.block_ids("a")) == 3
+    # Its next decodes want slots up to 13 (a 4th block): they run in the 3 it has.
+    assert run(core)["a"].outputs[0].token_ids == [10, 11, 12, 13]
+    assert sched.num_preemptions == 0

@@ -101,12 +101,19 @@ def test_verification_row_samples_after_each_draft():
     params = SamplingParams(temperature=1.0, seed=5, min_tokens=2, stop_token_ids=[7])
     schedule(out, batch, 0, 11, 1, 12, SamplingParams(temperature=0))  # a greedy decode
     schedule(out, batch, 1, 19, 4, 20, params, drafts=[50, 51, 52])  # verify 3 drafts
-    inputs, md, groups, _, _ = build_step(batch, out, LAYOUT, "cpu_kernel")
+    inputs, md, groups, shape, _ = build_step(batch, out, LAYOUT, "cpu_kernel")
     assert [(g.req_id, g.first, g.count) for g in groups] == [("r0", 0, 1), ("r1", 1, 4)]
-    start = inputs.attn.query_start[1]
-    np.testing.assert_array_equal(inputs.token_ids[start : start + 4], [20, 50, 51, 52])
-    np.testing.assert_array_equal(inputs.positions[start : start + 4], [19, 20, 21, 22])
-    np.testing.assert_array_equal(inputs.logits_indices[:5], [0, *range(start, start + 4)])
+    # The verification row is four decode rows (no tile), longest context first.
+    assert shape == (8, 0)
+    at = inputs.logits_indices[1:5]  # the flat index of each of its tokens
+    np.testing.assert_array_equal(at, [3, 2, 1, 0])
+    assert inputs.logits_indices[0] == 4  # the plain decode, the shortest context
+    np.testing.assert_array_equal(inputs.token_ids[at], [20, 50, 51, 52])
+    np.testing.assert_array_equal(inputs.positions[at], [19, 20, 21, 22])
+    np.testing.assert_array_equal(inputs.attn.query_start[at], at)
+    np.testing.assert_array_equal(inputs.attn.query_lens[at], 1)
+    np.testing.assert_array_equal(inputs.attn.kv_lens[at], [20, 21, 22, 23])  # causal
+    assert (inputs.from_device[:5] == -1).all()
     np.testing.assert_array_equal(md.draft[:5], [-1, 50, 51, 52, -1])
     np.testing.assert_array_equal(md.group_first[:5], [0, 1, 1, 1, 1])
     np.testing.assert_array_equal(md.counter[1:5], [0, 1, 2, 3])  # its output index + j
@@ -114,3 +121,19 @@ def test_verification_row_samples_after_each_draft():
     # min_tokens=2: the stop id is suppressed for output indices 0 and 1 only
     assert 7 in md.suppress[1] and 7 in md.suppress[2] and 7 not in md.suppress[3]
     assert md.temperature[1] == 1.0 and md.temperature[0] == 0.0
+
+
+def test_verification_rows_past_the_decode_bucket_take_tiles():
+    """A verification row that would not fit the largest decode bucket beside the step's
+    other decode rows takes tiles, as a prefill chunk does."""
+    layout = BatchLayout.create(S, 512, C, 256, 4, 64, 1 << 12, num_spec_tokens=3)
+    out, batch = SchedulerOutput(), InputBatch(4, 256, layout.max_pages)
+    schedule(out, batch, 0, 11, 1, 12)
+    schedule(out, batch, 1, 19, 4, 20, drafts=[50, 51, 52])  # 1 + 4 > 4 decode rows
+    inputs, _, groups, shape, _ = build_step(batch, out, layout, "cpu_kernel")
+    assert shape == (1, 1)
+    start = inputs.attn.query_start[1]
+    assert inputs.attn.query_lens[1] == 4 and start == 1
+    np.testing.assert_array_equal(inputs.token_ids[start : start + 4], [20, 50, 51, 52])
+    np.testing.assert_array_equal(inputs.logits_indices[1:5], range(start, start + 4))
+    assert [(g.req_id, g.first, g.count) for g in groups] == [("r0", 0, 1), ("r1", 1, 4)]
