@@ -1,9 +1,10 @@
 """Paged attention over the flat batch, with two backends.
 
-The flat batch puts the decode tokens first (one per request, rows 0..Rd-1), then the rows
-of several tokens (prefill chunks and verification rows: a decode token followed by drafts),
-each request's run starting on a multiple of the tile size C so that this segment reshapes
-to tiles [Tt, C] that each belong to one request. Each backend reads its own metadata
+The flat batch puts the decode tokens first (one query per row, rows 0..Rd-1; a verification
+row's tokens are consecutive decode rows when they fit), then the rows of several tokens
+(prefill chunks, and verification rows past the decode rows), each request's run starting
+on a multiple of the tile size C so that this segment reshapes to tiles [Tt, C] that each
+belong to one request. Each backend reads its own metadata
 (`models/attention_metadata.py`).
 
 - `xla`: the CPU path. Decodes are tiles of size 1. Each tile gathers its request's pages in

@@ -1,11 +1,12 @@
 """Build one step's device inputs from the persistent input batch and a `SchedulerOutput`,
 in numpy, padded to buckets.
 
-Layout of the flat batch (see `jllm/models/attention.py`): Rd decode rows (one token per
-request, gathered from the input batch without a Python loop), then the rows of several
-tokens (prefill chunks and verification rows: the decode token then its drafts), each
-starting on a tile boundary. Sample rows follow the same order: one per request whose row
-reaches its last known token, k+1 for a row verifying k drafts. Everything is padded: tokens
+Layout of the flat batch (see `jllm/models/attention.py`): Rd decode rows (one query each,
+gathered from the input batch without a Python loop), then the rows of several tokens
+(prefill chunks), each starting on a tile boundary. A verification row (the decode token
+then its k drafts) is k + 1 decode rows while they fit the largest decode bucket, else a
+row of tiles. Sample rows: one per request whose row reaches its last known token, k+1
+(consecutive) for a row verifying k drafts. Everything is padded: tokens
 write to the dropped slot B*S, request rows have kv_len 0, sample rows read the input batch's
 padding row and the host ignores them. The attention backend's builder
 (`models/attention_metadata.py`) keeps only what that backend reads.
