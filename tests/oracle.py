@@ -158,6 +158,19 @@ def prompt_ids(n: int, length: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, 49152, (length + 7 * i,), generator=g).tolist() for i in range(n)]
 
 
+def same_outputs(got, expected, logprob_tol: float = 1e-4) -> None:
+    """Two engines' CompletionOutputs agree: tokens, finish reasons, and logprobs (the same
+    top ids, values within `logprob_tol`)."""
+    for g, e in zip(got, expected, strict=True):
+        assert g.token_ids == e.token_ids
+        assert g.finish_reason == e.finish_reason
+        if e.logprobs:
+            for lg, le in zip(g.logprobs, e.logprobs, strict=True):
+                assert lg.keys() == le.keys()
+                for t in le:
+                    assert abs(lg[t].logprob - le[t].logprob) <= logprob_tol
+
+
 def prometheus_value(prom, name: str, label: str = "") -> float:
     """A metric's value from a PrometheusStatLogger's exposition (the first sample of `name`
     whose labels contain `label`)."""

@@ -16,6 +16,7 @@ import shutil
 import pytest
 import transformers
 from oracle import SMALL, prometheus_value, prompt_ids, save_edited
+from oracle import same_outputs as same
 
 from jllm import LLM, SamplingParams
 from jllm.metrics.prometheus import PrometheusStatLogger
@@ -44,17 +45,6 @@ def draft(path: str, k: int = 3, **extra) -> dict:
 def run(llm, params=PARAMS, prompts=PROMPTS):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0] for o in outs]
-
-
-def same(got, expected):
-    for g, e in zip(got, expected, strict=True):
-        assert g.token_ids == e.token_ids
-        assert g.finish_reason == e.finish_reason
-        if e.logprobs:
-            for lg, le in zip(g.logprobs, e.logprobs, strict=True):
-                assert lg.keys() == le.keys()
-                for t in le:
-                    assert lg[t].logprob == pytest.approx(le[t].logprob, abs=1e-4)
 
 
 def with_metrics(llm):

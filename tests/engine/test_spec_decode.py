@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle import SMALL, prometheus_value, prompt_ids
+from oracle import same_outputs as same
 
 from jllm import LLM, SamplingParams
 from jllm.engine.platform import resolve_async_scheduling
@@ -139,17 +140,6 @@ PARAMS = [
 def run(llm, prompts):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
     return [o.outputs[0] for o in outs]
-
-
-def same(got, expected):
-    for g, e in zip(got, expected, strict=True):
-        assert g.token_ids == e.token_ids
-        assert g.finish_reason == e.finish_reason
-        if e.logprobs:
-            for lg, le in zip(g.logprobs, e.logprobs, strict=True):
-                assert lg.keys() == le.keys()
-                for t in le:
-                    assert lg[t].logprob == pytest.approx(le[t].logprob, abs=1e-4)
 
 
 @pytest.fixture(scope="module", params=["random", "copier"])
