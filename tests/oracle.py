@@ -158,6 +158,16 @@ def prompt_ids(n: int, length: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, 49152, (length + 7 * i,), generator=g).tolist() for i in range(n)]
 
 
+# Engine settings a speculative engine is checked under against the plain engine.
+SPEC_SETTINGS = [
+    {},
+    {"max_num_batched_tokens": 16, "enable_prefix_caching": False},  # chunked prefill
+    {"num_gpu_blocks_override": 12},  # preemption
+    {"tensor_parallel_size": 2},
+]
+SPEC_SETTING_IDS = ["plain", "chunked", "preempting", "tp2"]
+
+
 def same_outputs(got, expected, logprob_tol: float = 1e-4) -> None:
     """Two engines' CompletionOutputs agree: tokens, finish reasons, and logprobs (the same
     top ids, values within `logprob_tol`)."""

@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 import transformers
-from oracle import SMALL, prometheus_value, prompt_ids, save_edited
+from oracle import SMALL, SPEC_SETTING_IDS, SPEC_SETTINGS, prometheus_value, prompt_ids, save_edited
 from oracle import same_outputs as same
 
 from jllm import LLM, SamplingParams
@@ -65,16 +65,7 @@ def expected(llama_dir):
     return run(LLM(llama_dir, **SMALL))
 
 
-@pytest.mark.parametrize(
-    "settings",
-    [
-        {},
-        {"max_num_batched_tokens": 16, "enable_prefix_caching": False},  # chunked prefill
-        {"num_gpu_blocks_override": 12},  # preemption
-        {"tensor_parallel_size": 2},
-    ],
-    ids=["plain", "chunked", "preempting", "tp2"],
-)
+@pytest.mark.parametrize("settings", SPEC_SETTINGS, ids=SPEC_SETTING_IDS)
 def test_self_draft_is_always_accepted(llama_dir, expected, settings):
     """The target as its own draft: outputs unchanged, and every draft accepted, greedy or
     sampled (the same model drawing with the same key), however the tokens reached the

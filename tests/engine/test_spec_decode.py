@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracle import SMALL, prometheus_value, prompt_ids
+from oracle import SMALL, SPEC_SETTING_IDS, SPEC_SETTINGS, prometheus_value, prompt_ids
 from oracle import same_outputs as same
 
 from jllm import LLM, SamplingParams
@@ -148,16 +148,7 @@ def model(request, llama_dir, copier_dir):
     return request.param, path, run(LLM(path, **SMALL), repetitive_prompts())
 
 
-@pytest.mark.parametrize(
-    "settings",
-    [
-        {},
-        {"max_num_batched_tokens": 16, "enable_prefix_caching": False},  # chunked prefill
-        {"num_gpu_blocks_override": 12},  # preemption
-        {"tensor_parallel_size": 2},
-    ],
-    ids=["plain", "chunked", "preempting", "tp2"],
-)
+@pytest.mark.parametrize("settings", SPEC_SETTINGS, ids=SPEC_SETTING_IDS)
 def test_outputs_equal_the_engine_without_speculation(model, settings):
     name, path, expected = model
     llm = LLM(path, **{**SMALL, "speculative_config": NGRAM, **settings})
