@@ -133,8 +133,9 @@ def main() -> None:
     specs = {
         "ngram": {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4},
         "draft-self": {"model": smollm2},
-        "draft-random": {"model": random_draft(tmp) if "draft-random" in args.methods else ""},
     }
+    if "draft-random" in args.methods:
+        specs["draft-random"] = {"model": random_draft(tmp)}
     print(f"host: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     convs = chats()

@@ -35,6 +35,15 @@ class EngineModel:
     tokenizer: object | None
 
 
+def replicate_kv_heads(cfg, tp: int):
+    """(cfg, factor): with fewer kv heads than devices each is repeated so that every device
+    holds one (sharding.kv_head_replicas), and the config counts the repeats."""
+    replicas = kv_head_replicas(cfg.num_heads, cfg.num_kv_heads, tp)
+    if replicas > 1:
+        cfg = dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * replicas)
+    return cfg, replicas
+
+
 def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
     source = resolve_model(
         args.model,
@@ -84,9 +93,7 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
             f"of the cluster; got tensor_parallel_size={tp}."
         )
     mesh = make_mesh(tp)
-    replicas = kv_head_replicas(cfg.num_heads, cfg.num_kv_heads, tp)
-    if replicas > 1:
-        cfg = dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * replicas)
+    cfg, replicas = replicate_kv_heads(cfg, tp)
     graphdef, state = load_model(
         arch,
         cfg,
@@ -150,9 +157,7 @@ def load_draft_model(
             f"The draft model handles {cfg.max_position_embeddings} positions, fewer than "
             f"max_model_len={target.max_model_len}: set max_model_len to at most that."
         )
-    replicas = kv_head_replicas(cfg.num_heads, cfg.num_kv_heads, tp)
-    if replicas > 1:
-        cfg = dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * replicas)
+    cfg, replicas = replicate_kv_heads(cfg, tp)
     quantization = resolve_quantization(spec.quantization, source)
     logger.info(
         "Speculative draft model %r: %d layers, quantization=%s.",

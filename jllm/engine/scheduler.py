@@ -111,17 +111,20 @@ class Scheduler:
         n = budget // self.config.tile_size * self.config.tile_size
         return n if n > 1 else min(1, budget)
 
+    def _limit(self, req: Request) -> int:
+        """The most tokens `req` can reach: its prompt plus max_tokens, within the context."""
+        p = req.sampling_params
+        if p.max_tokens is None:
+            return self.config.max_model_len
+        return min(self.config.max_model_len, req.num_prompt_tokens + p.max_tokens)
+
     def _drafts(self, req: Request) -> list[int]:
         """The drafts `req` can verify this step: only from a decode, and only as many as
         could still be emitted (k drafts bring up to k + 1 tokens; vLLM's bound): within
         max_tokens and the context length."""
         if req.num_output_placeholders or req.num_tokens - req.num_computed_tokens != 1:
             return []
-        p = req.sampling_params
-        limit = self.config.max_model_len
-        if p.max_tokens is not None:
-            limit = min(limit, req.num_prompt_tokens + p.max_tokens)
-        room = min(limit - req.num_tokens - 1, self.config.num_lookahead_slots)
+        room = min(self._limit(req) - req.num_tokens - 1, self.config.num_lookahead_slots)
         return req.spec_token_ids[: max(0, room)]
 
     def _allocate(self, req: Request, num_new: int, hit_blocks, start: int):
@@ -132,11 +135,7 @@ class Scheduler:
         blocks), so it never preempts anything."""
         ahead, end = self.config.num_draft_lookahead, start + num_new
         if ahead and end >= req.num_tokens + req.num_output_placeholders:
-            p = req.sampling_params
-            limit = self.config.max_model_len
-            if p.max_tokens is not None:
-                limit = min(limit, req.num_prompt_tokens + p.max_tokens)
-            ahead = max(0, min(ahead, limit - end))
+            ahead = max(0, min(ahead, self._limit(req) - end))
             if ahead:
                 blocks = self.kv_cache.allocate_slots(req, num_new, hit_blocks, ahead)
                 if blocks is not None:

@@ -146,6 +146,37 @@ class SampleGroup:
     drafts: list[int] = dataclasses.field(default_factory=list)  # the k drafts verified
 
 
+def padded_flat_batch(layout: BatchLayout, Rd: int, Tt: int) -> FlatBatch:
+    """An (Rd, Tt) bucket's flat batch, all padding: tokens write to the dropped slot B*S,
+    rows have no queries and kv_len 0, tile positions are -1. Builders fill it in place."""
+    S, C = layout.block_size, layout.tile_size
+    T, R = Rd + Tt * C, Rd + Tt
+    return FlatBatch(
+        slot_mapping=np.full(T, layout.num_blocks * S, np.int32),
+        query_start=np.zeros(R, np.int32),
+        query_lens=np.zeros(R, np.int32),
+        kv_lens=np.zeros(R, np.int32),
+        block_tables=np.zeros((R, layout.max_pages), np.int32),
+        tile_row=np.zeros(Tt, np.int32),
+        tile_q_pos=np.full((Tt, C), -1, np.int32),
+        num_decode_rows=Rd,
+        block_size=S,
+        kv_token_bytes=layout.kv_token_bytes,
+        kv_fp8=layout.kv_fp8,
+    )
+
+
+def fill_decode_rows(flat: FlatBatch, tables: np.ndarray, pos: np.ndarray) -> None:
+    """The first len(pos) rows as decode rows: one query each at `pos`, its K/V written to
+    its slot in `tables` (the rows' block tables), seeing positions 0..pos."""
+    n, S = len(pos), flat.block_size
+    flat.slot_mapping[:n] = tables[np.arange(n), pos // S] * S + pos % S
+    flat.query_start[:n] = np.arange(n)
+    flat.query_lens[:n] = 1
+    flat.kv_lens[:n] = pos + 1
+    flat.block_tables[:n] = tables
+
+
 def build_step(
     batch: InputBatch,
     out: SchedulerOutput,
@@ -187,18 +218,12 @@ def build_step(
     else:
         Rd, Tt = shape
     Rs = layout.sample_rows(Rd, Tt)
-    T, R, P = Rd + Tt * C, Rd + Tt, layout.max_pages
+    T = Rd + Tt * C
 
     token_ids = np.zeros(T, np.int32)
     from_device = np.full(T, -1, np.int32)
     positions = np.zeros(T, np.int32)
-    slot_mapping = np.full(T, layout.num_blocks * S, np.int32)
-    query_start = np.zeros(R, np.int32)
-    query_lens = np.zeros(R, np.int32)
-    kv_lens = np.zeros(R, np.int32)
-    block_tables = np.zeros((R, P), np.int32)
-    tile_row = np.zeros(Tt, np.int32)
-    tile_pos = np.full((Tt, C), -1, np.int32)
+    flat = padded_flat_batch(layout, Rd, Tt)
     sample_at: list[int] = []  # flat token each sample row follows
     groups: list[SampleGroup] = []
 
@@ -214,11 +239,7 @@ def build_step(
     )
     from_device[:nd] = np.where(on_host | (d_off > 0), -1, d_rows)
     positions[:nd] = pos
-    slot_mapping[:nd] = tables[np.arange(nd), pos // S] * S + pos % S
-    query_start[:nd] = np.arange(nd)
-    query_lens[:nd] = 1
-    kv_lens[:nd] = pos + 1
-    block_tables[:nd] = tables
+    fill_decode_rows(flat, tables, pos)
     known = batch.num_tokens + batch.num_pending
     verify_at: dict[int, np.ndarray] = {}  # scheduled request -> flat index of each token
     for j in np.flatnonzero(verify[d_req]):
@@ -256,15 +277,15 @@ def build_step(
         token_ids[start : start + k_known] = batch.token_ids[r, nc : nc + k_known]
         token_ids[start + k_known : start + n] = drafts
         positions[start : start + n] = pos
-        slot_mapping[start : start + n] = batch.block_table[r, pos // S] * S + pos % S
-        query_start[row], query_lens[row], kv_lens[row] = start, n, nc + n
-        block_tables[row] = batch.block_table[r]
+        flat.slot_mapping[start : start + n] = batch.block_table[r, pos // S] * S + pos % S
+        flat.query_start[row], flat.query_lens[row], flat.kv_lens[row] = start, n, nc + n
+        flat.block_tables[row] = batch.block_table[r]
         flat_start[rid] = start
         k = cdiv(n, C)
-        tile_row[tile : tile + k] = row
+        flat.tile_row[tile : tile + k] = row
         padded = np.full(k * C, -1, np.int32)
         padded[:n] = pos
-        tile_pos[tile : tile + k] = padded.reshape(k, C)
+        flat.tile_q_pos[tile : tile + k] = padded.reshape(k, C)
         if nc + k_known == known[r]:
             groups.append(
                 SampleGroup(
@@ -275,19 +296,6 @@ def build_step(
         tile += k
         start += k * C
 
-    flat = FlatBatch(
-        slot_mapping=slot_mapping,
-        query_start=query_start,
-        query_lens=query_lens,
-        kv_lens=kv_lens,
-        block_tables=block_tables,
-        tile_row=tile_row,
-        tile_q_pos=tile_pos,
-        num_decode_rows=Rd,
-        block_size=S,
-        kv_token_bytes=layout.kv_token_bytes,
-        kv_fp8=layout.kv_fp8,
-    )
     logits_indices = np.zeros(Rs, np.int32)
     logits_indices[: len(sample_at)] = sample_at
     md = sampling_metadata(batch, groups, Rs, max(1, layout.num_spec_tokens))

@@ -42,9 +42,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jllm.models.attention_metadata import BUILDERS, FlatBatch
+from jllm.models.attention_metadata import BUILDERS
 from jllm.runner.draw import filtered_draw, first_argmax, row_keys
-from jllm.runner.inputs import BatchLayout, StepInputs, bucket
+from jllm.runner.inputs import (
+    BatchLayout,
+    StepInputs,
+    bucket,
+    fill_decode_rows,
+    padded_flat_batch,
+)
+from jllm.runner.model_runner import CompileAfterWarmupError
 from jllm.runner.transfer import pack, unpack
 from jllm.sampling_params import SAMPLING_EPS
 from jllm.scheduler_output import PROMPT_LOGPROB_ROWS
@@ -121,35 +128,12 @@ draft_step = jax.jit(
 def draft_inputs(batch, rows: np.ndarray, step: int, layout: BatchLayout, backend, Rd: int):
     """The packed inputs of draft step `step` for input-batch `rows` (each has L known
     tokens and reads its token at position L - 1 + step from the device)."""
-    S, C, P = layout.block_size, layout.tile_size, layout.max_pages
     n = len(rows)
     pos = batch.num_tokens[rows] - 1 + step
-    tables = batch.block_table[rows]
-    slot_mapping = np.full(Rd, layout.num_blocks * S, np.int32)
-    slot_mapping[:n] = tables[np.arange(n), pos // S] * S + pos % S
     positions = np.zeros(Rd, np.int32)
     positions[:n] = pos
-    query_start = np.zeros(Rd, np.int32)
-    query_start[:n] = np.arange(n)
-    query_lens = np.zeros(Rd, np.int32)
-    query_lens[:n] = 1
-    kv_lens = np.zeros(Rd, np.int32)
-    kv_lens[:n] = pos + 1
-    block_tables = np.zeros((Rd, P), np.int32)
-    block_tables[:n] = tables
-    flat = FlatBatch(
-        slot_mapping=slot_mapping,
-        query_start=query_start,
-        query_lens=query_lens,
-        kv_lens=kv_lens,
-        block_tables=block_tables,
-        tile_row=np.zeros(0, np.int32),
-        tile_q_pos=np.zeros((0, C), np.int32),
-        num_decode_rows=Rd,
-        block_size=S,
-        kv_token_bytes=layout.kv_token_bytes,
-        kv_fp8=layout.kv_fp8,
-    )
+    flat = padded_flat_batch(layout, Rd, 0)
+    fill_decode_rows(flat, batch.block_table[rows], pos)
     row = np.full(Rd, batch.pad, np.int32)
     row[:n] = rows
     inputs = StepInputs(
@@ -199,8 +183,6 @@ class DraftModel:
         exe = self._exe.get(Rd)
         if exe is None:
             if runner.compile_guard:
-                from jllm.runner.model_runner import CompileAfterWarmupError
-
                 raise CompileAfterWarmupError(f"draft bucket (R={Rd}) not compiled")
             with jax.set_mesh(runner.mesh):
                 exe = draft_step.lower(
