@@ -64,12 +64,41 @@ def exponentials(keys, ids):
 
 
 def first_argmax(x):
-    """argmax over the last axis, first index on ties ([R, n] -> [R] int32). XLA's CPU argmax
-    (a variadic reduce) is ~7x slower than a max and a min."""
+    """argmax over the last axis, first index on ties ([R, n] -> [R] int32); a row of NaNs
+    gives an index in range. XLA's CPU argmax (a variadic reduce) is ~7x slower than a max and a min, and one
+    max-and-min pass over the whole row writes an int32 copy of it (1.7 ms for 64 rows of
+    SmolLM2's 49152 logits on 2 Zen 4 cores). So: the max of each block of about 1024, the
+    first block holding the row's max, and the first index of the max inside that block only
+    (0.39 ms there; 3.4 ms against 21.7 ms for 256 rows)."""
     n = x.shape[-1]
-    best = x.max(-1, keepdims=True)
+    c = _block_size(n)
+    if c == n:
+        return _first_max_index(x, x.max(-1, keepdims=True))
+    pad = -n % c
+    if pad:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=-jnp.inf)
+    blocks = x.reshape(*x.shape[:-1], -1, c)  # [R, n / c, c]
+    block_max = blocks.max(-1)
+    best = block_max.max(-1, keepdims=True)
+    block = _first_max_index(block_max, best)  # NaN rows: the last block
+    inside = jnp.take_along_axis(blocks, block[..., None, None], axis=-2)[..., 0, :]
+    return jnp.minimum(block * c + _first_max_index(inside, best), n - 1)
+
+
+def _first_max_index(x, best):
+    """First index along the last axis where x equals `best` (clamped to the last index)."""
+    n = x.shape[-1]
     idx = jnp.min(jnp.where(x == best, jnp.arange(n, dtype=jnp.int32), n), axis=-1)
-    return jnp.minimum(idx, n - 1)  # NaN rows: the last id rather than out of range
+    return jnp.minimum(idx, n - 1)
+
+
+def _block_size(n: int) -> int:
+    """first_argmax's block: n itself up to 2048, else the divisor of n nearest 1024 within
+    256-4096 (no padding copy), else 1024."""
+    if n <= 2048:
+        return n
+    divisors = [c for c in range(256, 4097) if n % c == 0]
+    return min(divisors, key=lambda c: abs(c - 1024)) if divisors else 1024
 
 
 def _race(p, q):

@@ -287,8 +287,9 @@ def test_cpu_kernel_matches_reference(dtype, s, n, k, h):
 @pytest.mark.parametrize("dtype,h", [(jnp.float32, 64), (jnp.bfloat16, 64), (jnp.bfloat16, 16)])
 def test_cpu_kernel_long_contexts_and_default_scale(dtype, h):
     # Many pages per request, so the online softmax rescales across pages, and prefills of
-    # 40 and 64 queries, several of the kernel's 16-query blocks.
-    seqs = [(300, 1), (257, 40), (64, 64), (1, 1)]
+    # 40, 64 and 33 queries, several of the kernel's 16-query blocks (the last of 33 a single
+    # query, which takes the decode path).
+    seqs = [(300, 1), (257, 40), (64, 64), (1, 1), (70, 33)]
     args, _ = make_batch(seqs, n=8, k=2, h=h, s=16, dtype=dtype, seed=5)
     assert_matches(
         ragged_paged_attention_cpu(*args), ragged_paged_attention_reference(*args), args, dtype

@@ -15,6 +15,7 @@ from jllm.runner.draw import (
     candidate_draw,
     exponentials,
     filtered_draw,
+    first_argmax,
     row_keys,
     vocab_draw,
 )
@@ -142,3 +143,22 @@ def test_a_rows_token_is_its_own(seed, scale, params, sampled):
             keys[r : r + 1],
         )
         assert int(alone[0]) == batch[r], f"row {r}"
+
+
+@given(
+    n=st.sampled_from([7, 2048, 2049, 5003, 32000, 49152]),
+    levels=st.integers(2, 60),
+    seed=st.integers(0, 2**16),
+)
+@PROPERTY
+def test_first_argmax_is_numpys_argmax(n, levels, seed):
+    # Few distinct values, so ties across and inside first_argmax's blocks are common; vocab
+    # sizes with and without a padded last block, and a single block.
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, levels, (5, n)).astype(np.float32)
+    x[1] = -np.inf  # a fully masked row: index 0, as numpy
+    x[2, -1] = levels  # the max in the last (padded) block
+    x[3, rng.integers(0, n, 3)] = np.inf
+    assert (np.asarray(jax.jit(first_argmax)(jnp.asarray(x))) == np.argmax(x, axis=1)).all()
+    nans = jnp.full((2, n), jnp.nan)
+    assert ((np.asarray(first_argmax(nans)) >= 0) & (np.asarray(first_argmax(nans)) < n)).all()
