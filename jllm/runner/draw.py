@@ -65,11 +65,11 @@ def exponentials(keys, ids):
 
 def first_argmax(x):
     """argmax over the last axis, first index on ties ([R, n] -> [R] int32); a row of NaNs
-    gives an index in range. XLA's CPU argmax (a variadic reduce) is ~7x slower than a max and a min, and one
-    max-and-min pass over the whole row writes an int32 copy of it (1.7 ms for 64 rows of
-    SmolLM2's 49152 logits on 2 Zen 4 cores). So: the max of each block of about 1024, the
-    first block holding the row's max, and the first index of the max inside that block only
-    (0.39 ms there; 3.4 ms against 21.7 ms for 256 rows)."""
+    gives an index in range. XLA's CPU argmax (a variadic reduce) is ~7x slower than a max
+    and a min, and one max-and-min pass over the whole row writes an int32 copy of it
+    (1.7 ms for 64 rows of SmolLM2's 49152 logits on 2 Zen 4 cores). So: the max of each
+    block of about 1024, the first block holding the row's max, and the first index of the
+    max inside that block only (0.39 ms there; 3.4 ms against 21.7 ms for 256 rows)."""
     n = x.shape[-1]
     c = _block_size(n)
     if c == n:
