@@ -218,6 +218,14 @@ struct Item {
   int32_t request, first_query, num_queries;
 };
 
+// The page after page `pi` of a request's table, as bytes to prefetch; null after its last.
+template <typename Ct>
+const char* next_page(const Ct* cache, const int32_t* table, int64_t pi, int64_t num_pages,
+                      int64_t page_elems) {
+  if (pi + 1 >= num_pages) return nullptr;
+  return reinterpret_cast<const char*>(cache + int64_t(table[pi + 1]) * page_elems);
+}
+
 // With at least this many rows per kv head (query block x G), a page's keys are transposed
 // to [H, 16] once and each row scores all 16 keys with one vector FMA per head dim; fewer
 // rows (decode: one query, G heads) take dot products against the keys as they lie.
@@ -265,10 +273,7 @@ void run_item(const Problem& pb, const Item& it, std::vector<float>& scratch) {
 
   for (int64_t pi = 0; pi < num_pages; ++pi) {
     const Ct* page = cache + int64_t(table[pi]) * page_elems;
-    const char* next =
-        pi + 1 < num_pages
-            ? reinterpret_cast<const char*>(cache + int64_t(table[pi + 1]) * page_elems)
-            : nullptr;
+    const char* next = next_page(cache, table, pi, num_pages, page_elems);
     const int64_t key0 = pi * S;
     const int64_t nt = std::min(S, kv_end - key0);
     for (int64_t k = 0; k < K; ++k) {
@@ -455,10 +460,7 @@ void run_decode(const Problem& pb, const Item& it, std::vector<float>& scratch) 
   v16 prob[kDecodeMaxG];
   for (int64_t pi = 0; pi < num_pages; ++pi) {
     const Ct* page = cache + int64_t(table[pi]) * page_elems;
-    const char* next =
-        pi + 1 < num_pages
-            ? reinterpret_cast<const char*>(cache + int64_t(table[pi + 1]) * page_elems)
-            : nullptr;
+    const char* next = next_page(cache, table, pi, num_pages, page_elems);
     const int64_t nt = std::min<int64_t>(kS, kv_end - pi * kS);
     for (int64_t k = 0; k < K; ++k) {
       const float* qk = qf + k * G * kH;
