@@ -76,7 +76,8 @@ def first_argmax(x):
         return _first_max_index(x, x.max(-1, keepdims=True))
     pad = -n % c
     if pad:
-        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=-jnp.inf)
+        low = -jnp.inf if jnp.issubdtype(x.dtype, jnp.floating) else _lowest(x.dtype)
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=low)
     blocks = x.reshape(*x.shape[:-1], -1, c)  # [R, n / c, c]
     block_max = blocks.max(-1)
     best = block_max.max(-1, keepdims=True)
@@ -90,6 +91,11 @@ def _first_max_index(x, best):
     n = x.shape[-1]
     idx = jnp.min(jnp.where(x == best, jnp.arange(n, dtype=jnp.int32), n), axis=-1)
     return jnp.minimum(idx, n - 1)
+
+
+def _lowest(dtype):
+    """The smallest value of an integer or bool dtype (first_argmax's padding)."""
+    return False if dtype == jnp.bool_ else jnp.iinfo(dtype).min
 
 
 def _block_size(n: int) -> int:
