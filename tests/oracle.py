@@ -181,6 +181,23 @@ def same_outputs(got, expected, logprob_tol: float = 1e-4) -> None:
                     assert abs(lg[t].logprob - le[t].logprob) <= logprob_tol
 
 
+def with_metrics(llm, name: str = "tiny"):
+    """A PrometheusStatLogger attached to `llm`'s engine, to read its counters from."""
+    from jllm.metrics.prometheus import PrometheusStatLogger
+
+    prom = PrometheusStatLogger(name, llm.llm_engine.max_model_len)
+    llm.llm_engine.core.stat_loggers.append(prom)
+    return prom
+
+
+def spec_counts(prom) -> list[float]:
+    """Speculative decoding's counters: drafts, draft tokens, accepted tokens."""
+    return [
+        prometheus_value(prom, f"vllm:spec_decode_num_{name}_total")
+        for name in ("drafts", "draft_tokens", "accepted_tokens")
+    ]
+
+
 def prometheus_value(prom, name: str, label: str = "") -> float:
     """A metric's value from a PrometheusStatLogger's exposition (the first sample of `name`
     whose labels contain `label`)."""

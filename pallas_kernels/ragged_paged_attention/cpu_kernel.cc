@@ -42,6 +42,12 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint16_t v16u16 __attribute__((vector_size(32)));
 typedef uint32_t v16u32 __attribute__((vector_size(64)));
 
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
 struct Bf16 {
   using Storage = uint16_t;
   // 16 values: widened to 32-bit lanes and shifted into the float32's high half.
@@ -70,11 +76,7 @@ struct Bf16 {
 
 struct F32 {
   using Storage = float;
-  static v16 load16(const float* p) {
-    v16 v;
-    std::memcpy(&v, p, sizeof(v));
-    return v;
-  }
+  static v16 load16(const float* p) { return ::load16(p); }
   static float load(float x) { return x; }
   static float store(float f) { return f; }
 };
@@ -140,12 +142,6 @@ inline float exp_nonpositive(float x) {
   float scale;
   std::memcpy(&scale, &e, 4);
   return y * scale;
-}
-
-inline v16 load16(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
 }
 
 inline v16 zero_vector() {

@@ -15,11 +15,18 @@ import shutil
 
 import pytest
 import transformers
-from oracle import SMALL, SPEC_SETTING_IDS, SPEC_SETTINGS, prometheus_value, prompt_ids, save_edited
+from oracle import (
+    SMALL,
+    SPEC_SETTING_IDS,
+    SPEC_SETTINGS,
+    prompt_ids,
+    save_edited,
+    spec_counts,
+    with_metrics,
+)
 from oracle import same_outputs as same
 
 from jllm import LLM, SamplingParams
-from jllm.metrics.prometheus import PrometheusStatLogger
 from jllm.runner.compile_guard import count_compiles
 from jllm.spec_decode import SpeculativeConfig
 
@@ -47,19 +54,6 @@ def run(llm, params=PARAMS, prompts=PROMPTS):
     return [o.outputs[0] for o in outs]
 
 
-def with_metrics(llm):
-    prom = PrometheusStatLogger("tiny", llm.llm_engine.max_model_len)
-    llm.llm_engine.core.stat_loggers.append(prom)
-    return prom
-
-
-def counts(prom):
-    return [
-        prometheus_value(prom, f"vllm:spec_decode_num_{name}_total")
-        for name in ("drafts", "draft_tokens", "accepted_tokens")
-    ]
-
-
 @pytest.fixture(scope="module")
 def expected(llama_dir):
     return run(LLM(llama_dir, **SMALL))
@@ -73,7 +67,7 @@ def test_self_draft_is_always_accepted(llama_dir, expected, settings):
     llm = LLM(llama_dir, **{**SMALL, "speculative_config": draft(llama_dir), **settings})
     prom = with_metrics(llm)
     same(run(llm), expected)
-    drafts, drafted, accepted = counts(prom)
+    drafts, drafted, accepted = spec_counts(prom)
     assert drafts > 10 and drafted >= drafts
     assert accepted == drafted
     if settings.get("num_gpu_blocks_override"):
@@ -83,7 +77,7 @@ def test_self_draft_is_always_accepted(llama_dir, expected, settings):
         hits = kv.prefix_hits
         same(run(llm), expected)
         assert kv.prefix_hits > hits
-        assert counts(prom)[2] == counts(prom)[1]
+        assert spec_counts(prom)[2] == spec_counts(prom)[1]
 
 
 @pytest.mark.parametrize(
@@ -100,7 +94,7 @@ def test_disagreeing_draft_changes_nothing(llama_dir, copier_dir, expected, sett
     same(run(llm, [PENALIZED], PROMPTS[:1]), penalized)
     self_draft = LLM(llama_dir, **{**SMALL, "speculative_config": draft(llama_dir), **settings})
     same(run(self_draft, [PENALIZED], PROMPTS[:1]), penalized)
-    drafts, drafted, accepted = counts(prom)
+    drafts, drafted, accepted = spec_counts(prom)
     assert drafts > 10 and accepted < 0.2 * drafted
 
 
@@ -126,7 +120,7 @@ def test_sampled_tokens_are_the_targets_for_every_seed(llama_dir, tmp_path):
     llm = LLM(llama_dir, **{**SMALL, "speculative_config": draft(soft, k=3)})
     prom = with_metrics(llm)
     same(run(llm, params, [prompt] * n), plain)
-    _, drafted, accepted = counts(prom)
+    _, drafted, accepted = spec_counts(prom)
     assert 0.2 * drafted < accepted < 0.9 * drafted  # both accepted and rejected drafts
 
 
@@ -182,9 +176,9 @@ def test_disable_by_batch_size(llama_dir):
     llm = LLM(llama_dir, **{**SMALL, "speculative_config": spec})
     prom = with_metrics(llm)
     run(llm, PARAMS[:1] * 4, PROMPTS[:4])  # 4 requests >= 3, finishing together: no drafts
-    assert counts(prom)[0] == 0
+    assert spec_counts(prom)[0] == 0
     run(llm, PARAMS[:1], PROMPTS[:1])
-    assert counts(prom)[0] > 5  # alone: a draft every step
+    assert spec_counts(prom)[0] > 5  # alone: a draft every step
 
 
 def test_config_and_refusals(llama_dir, tmp_path):
@@ -237,4 +231,4 @@ def test_no_compile_after_warmup_with_a_draft(llama_dir):
     with count_compiles() as events:
         run(llm, PARAMS[:4], PROMPTS[:4])
     assert events == []
-    assert counts(prom)[2] > 0
+    assert spec_counts(prom)[2] > 0

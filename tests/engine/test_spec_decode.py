@@ -18,12 +18,19 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracle import SMALL, SPEC_SETTING_IDS, SPEC_SETTINGS, prometheus_value, prompt_ids
+from oracle import (
+    SMALL,
+    SPEC_SETTING_IDS,
+    SPEC_SETTINGS,
+    prometheus_value,
+    prompt_ids,
+    spec_counts,
+    with_metrics,
+)
 from oracle import same_outputs as same
 
 from jllm import LLM, SamplingParams
 from jllm.engine.platform import resolve_async_scheduling
-from jllm.metrics.prometheus import PrometheusStatLogger
 from jllm.metrics.stats import SchedulerStats
 from jllm.runner.compile_guard import count_compiles
 from jllm.spec_decode import SpeculativeConfig, ngram_lookup
@@ -152,12 +159,9 @@ def model(request, llama_dir, copier_dir):
 def test_outputs_equal_the_engine_without_speculation(model, settings):
     name, path, expected = model
     llm = LLM(path, **{**SMALL, "speculative_config": NGRAM, **settings})
-    prom = PrometheusStatLogger("tiny", llm.llm_engine.max_model_len)
-    llm.llm_engine.core.stat_loggers.append(prom)
+    prom = with_metrics(llm)
     same(run(llm, repetitive_prompts()), expected)
-    drafts = prometheus_value(prom, "vllm:spec_decode_num_drafts_total")
-    drafted = prometheus_value(prom, "vllm:spec_decode_num_draft_tokens_total")
-    accepted = prometheus_value(prom, "vllm:spec_decode_num_accepted_tokens_total")
+    drafts, drafted, accepted = spec_counts(prom)
     assert drafts > 0 and drafted >= drafts and accepted <= drafted
     if name == "copier":  # most drafts accepted, not all (the sampled rows)
         assert 0.3 * drafted < accepted < drafted
@@ -189,8 +193,7 @@ def test_log_line_and_disable_by_batch_size(llama_dir, caplog):
         llama_dir,
         **{**SMALL, "speculative_config": {**NGRAM, "disable_by_batch_size": 2}},
     )
-    prom = PrometheusStatLogger("tiny", off.llm_engine.max_model_len)
-    off.llm_engine.core.stat_loggers.append(prom)
+    prom = with_metrics(off)
     off.generate([prompt] * 3, PARAMS[0], use_tqdm=False)  # 3 requests > 2: no drafts
     assert prometheus_value(prom, "vllm:spec_decode_num_drafts_total") == 0
     off.generate(prompt, PARAMS[0], use_tqdm=False)  # alone: drafts
@@ -207,8 +210,7 @@ def test_no_compile_after_warmup_with_speculation(copier_dir):
         disable_log_stats=True,
         speculative_config=NGRAM,
     )
-    prom = PrometheusStatLogger("tiny", llm.llm_engine.max_model_len)
-    llm.llm_engine.core.stat_loggers.append(prom)
+    prom = with_metrics(llm)
     prompts = [{"prompt_token_ids": p} for p in repetitive_prompts()[:5]]
     with count_compiles() as events:
         llm.generate(prompts, PARAMS[:5], use_tqdm=False)

@@ -11,7 +11,12 @@ import jax.numpy as jnp
 import pytest
 import torch
 import transformers
-from oracle import prometheus_value, teacher_forced_logprobs, worst_teacher_forced_gaps
+from oracle import (
+    spec_counts,
+    teacher_forced_logprobs,
+    with_metrics,
+    worst_teacher_forced_gaps,
+)
 
 from jllm import LLM, SamplingParams
 from jllm.engine.platform import cpu_bf16_isa
@@ -201,13 +206,9 @@ def test_smollm2_ngram_speculation_copies_and_changes_nothing(smollm):
     for g, e in zip(got, expected, strict=True):
         assert g.token_ids == e.token_ids and g.text == e.text
     assert text[:40] in got[0].text  # it did copy
-    from jllm.metrics.prometheus import PrometheusStatLogger
-
-    prom = PrometheusStatLogger("smollm2", llm.llm_engine.max_model_len)
-    llm.llm_engine.core.stat_loggers.append(prom)
+    prom = with_metrics(llm, "smollm2")
     llm.chat(chat, params[0], use_tqdm=False)
-    drafted = prometheus_value(prom, "vllm:spec_decode_num_draft_tokens_total")
-    accepted = prometheus_value(prom, "vllm:spec_decode_num_accepted_tokens_total")
+    _, drafted, accepted = spec_counts(prom)
     assert accepted > 0.5 * drafted > 0
 
 
