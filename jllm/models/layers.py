@@ -10,16 +10,31 @@ Glossary: T tokens, D model dim, N query heads, K kv heads, H head dim, F ffn, V
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jllm.models.bf16_matmul import bf16_matmul
 from jllm.quantization.weights import QuantizedWeight, matmul
 
 
 def param(rngs: nnx.Rngs, shape, axes, dtype, scale=0.02, **metadata) -> nnx.Param:
     value = jax.random.normal(rngs.params(), shape, dtype) * scale
     return nnx.Param(value, logical_axes=axes, **metadata)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StackedWeight:
+    """One layer of a stacked [L, ...] Linear weight, left in the stack: what the layer scan
+    hands a Linear whose product the CPU bf16 kernel runs (bf16_matmul.py), so that the
+    kernel reads the layer in place instead of XLA copying it out of the stack."""
+
+    stack: jax.Array  # [L, *weight shape]
+    layer: jax.Array  # int32 scalar
 
 
 class Linear(nnx.Module):
@@ -52,6 +67,9 @@ class Linear(nnx.Module):
 
     def __call__(self, x, out_dtype=None):
         w = self.weight.get_value()
+        if isinstance(w, StackedWeight):
+            y = self._stacked_product(x, w, out_dtype)
+            return y + self.bias[...] if self.use_bias else y
         if isinstance(w, QuantizedWeight):
             lead = x.shape[: x.ndim - self.contract]
             y = matmul(x.reshape(-1, w.shape[-1]), w, out_dtype)
@@ -59,6 +77,21 @@ class Linear(nnx.Module):
         else:
             y = jnp.einsum(self.spec, x, w, preferred_element_type=out_dtype)
         return y + self.bias[...] if self.use_bias else y
+
+    def _stacked_product(self, x, w: StackedWeight, out_dtype):
+        """The kernel's product when x's trailing axes are the weight's leading (contracted)
+        ones in order, as in every projection here; the layer's slice through XLA else."""
+        inputs, output = self.spec.replace(" ", "").split("->")
+        x_axes, w_axes = inputs.split(",")
+        c = self.contract
+        simple = x_axes[-c:] == w_axes[:c] and output == x_axes[:-c] + w_axes[c:]
+        if not simple or x.dtype != jnp.bfloat16 or w.stack.dtype != jnp.bfloat16:
+            return jnp.einsum(self.spec, x, w.stack[w.layer], preferred_element_type=out_dtype)
+        lead = x.shape[: x.ndim - c]
+        k, n = math.prod(w.stack.shape[1 : 1 + c]), math.prod(self.out_shape)
+        stack = w.stack.reshape(w.stack.shape[0], k, n)  # row-major: a bitcast, no copy
+        y = bf16_matmul(x.reshape(-1, k), stack, w.layer, out_dtype or jnp.bfloat16)
+        return y.reshape(*lead, *self.out_shape)
 
 
 class RMSNorm(nnx.Module):

@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jllm.models import bf16_matmul
 from jllm.models.attention import paged_attention
-from jllm.models.layers import Linear, RMSNorm, param
+from jllm.models.layers import Linear, RMSNorm, StackedWeight, param
 from jllm.models.rope import RopeConfig, apply_rope
 from jllm.quantization.weights import QuantizedWeight, matmul, take_rows
 
@@ -64,6 +65,14 @@ class LlamaConfig:
             max_position_embeddings=hf.max_position_embeddings,
             **flags,
         )
+
+
+def _stays_stacked(path, variable) -> bool:
+    """A Linear's bf16 weight (not quantized): the CPU kernel reads it in the stack."""
+    if not isinstance(variable, nnx.Param) or variable.get_metadata().get("contract") is None:
+        return False
+    value = variable.get_value()
+    return isinstance(value, jax.Array) and value.dtype == jnp.bfloat16
 
 
 class Attention(nnx.Module):
@@ -143,12 +152,17 @@ class LlamaForCausalLM(nnx.Module):
             x = take_rows(table, token_ids, self.dtype)
         else:
             x = table[token_ids]  # [T, D]
-        graphdef, layer_states = nnx.split(self.layers)
+        # The bf16 projections the CPU kernel runs stay stacked, outside the scan's inputs:
+        # each layer's Linear gets the whole stack and its index (StackedWeight), so the
+        # scan never copies those weights out per layer. Everything else is scanned.
+        in_place = _stays_stacked if bf16_matmul.applies(self.dtype) else nnx.Nothing
+        graphdef, stacked, layer_states = nnx.split(self.layers, in_place, ...)
 
         def body(carry, inputs):
             x, kv_cache = carry
             layer_state, index = inputs
-            layer = nnx.merge(graphdef, layer_state)
+            views = jax.tree.map(lambda stack: StackedWeight(stack, index), stacked)
+            layer = nnx.merge(graphdef, views, layer_state)
             x, kv_cache = layer(x, positions, kv_cache, index, md, backend)
             return (x, kv_cache), None
 

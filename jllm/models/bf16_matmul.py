@@ -1,0 +1,107 @@
+"""The CPU product of bfloat16 rows and one layer of a stacked bfloat16 weight, read in place.
+
+`bf16_matmul.cc` as an XLA FFI call, built once per machine with the CPU attention kernel's
+machinery (GCC, cached under ~/.cache/jllm/kernels). The model's layer scan hands each
+`Linear` of a layer a `StackedWeight` (layers.py): the whole [L, ...] weight and the layer
+index, so no layer's weights are copied out of the stack before the product, as XLA's
+dynamic slice does on every step.
+
+Where it runs (`enabled`, decided once per process and logged): XLA's CPU backend on an x86
+CPU with AVX512-BF16 and without AMX, for bfloat16 models on one device. Measured on the
+2-core Zen 4 (AVX512-BF16, no AMX), SmolLM2's layer products, one call each
+(`benchmarks/matmul.py`): 250-370 GFLOP/s at 64 rows against XLA's 150-290, and 380-420 at
+2048 rows against 245-355. With AMX, XLA's products use the tile instructions (bf16 ran 4x
+float32 at 2048 rows on a 2-core Xeon), which this loop does not: XLA keeps them there.
+Under a mesh of several devices the products stay XLA's, which shards them.
+
+Glossary: M rows, K inputs, N outputs, L layers.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.ragged_paged_attention.cpu import CpuKernelUnavailable, FfiKernel
+
+logger = logging.getLogger("jllm")
+
+SOURCE = os.path.join(os.path.dirname(__file__), "bf16_matmul.cc")
+KERNEL = FfiKernel(
+    SOURCE, "bf16_matmul", "CPU bf16 matmul kernel", "JllmBf16Matmul", "jllm_bf16_matmul_cpu"
+)
+
+
+def cpu_flags() -> set[str]:
+    """The x86 feature flags of this CPU as /proc/cpuinfo names them (empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def supported() -> bool:
+    """Whether this CPU can run the kernel at all (AVX512-BF16)."""
+    return "avx512_bf16" in cpu_flags()
+
+
+@functools.cache
+def enabled() -> bool:
+    """Whether bfloat16 models' layer products go to the kernel in this process: the CPU
+    backend, AVX512-BF16 without AMX, and a kernel that builds. Logged once."""
+    if jax.default_backend() != "cpu":
+        return False
+    flags = cpu_flags()
+    if "avx512_bf16" not in flags:
+        reason = "this CPU has no AVX512-BF16"
+    elif "amx_bf16" in flags:
+        reason = "this CPU has AMX, which XLA's products use"
+    else:
+        try:
+            KERNEL.load()
+        except CpuKernelUnavailable as e:
+            logger.warning("bf16 layer products: XLA's (the kernel is unavailable: %s).", e)
+            return False
+        logger.info("bf16 layer products: the C++ kernel (AVX512-BF16 without AMX).")
+        return True
+    logger.info("bf16 layer products: XLA's (%s).", reason)
+    return False
+
+
+def applies(dtype) -> bool:
+    """Whether a model of activation dtype `dtype` runs its layer products on the kernel
+    here: bfloat16, `enabled`, and no mesh of several devices (checked at trace time)."""
+    if jnp.dtype(dtype) != jnp.bfloat16 or not enabled():
+        return False
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.empty or mesh.size == 1
+
+
+def bf16_matmul(x: jax.Array, w: jax.Array, layer=0, out_dtype=jnp.bfloat16) -> jax.Array:
+    """x [M, K] @ w[layer] -> [M, N] in out_dtype (bfloat16 or float32), accumulated in
+    float32; w is [L, K, N] (read in place) or [K, N]; layer an int or an int32 scalar,
+    traced or not, within [0, L)."""
+    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
+        raise ValueError(f"bf16_matmul takes bfloat16 x and w, got {x.dtype} and {w.dtype}")
+    if x.ndim != 2 or w.ndim not in (2, 3) or w.shape[-2] != x.shape[1]:
+        raise ValueError(f"bf16_matmul takes x [M, K] and w [L, K, N], got {x.shape} {w.shape}")
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"bf16_matmul writes bfloat16 or float32, not {out_dtype}")
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), out_dtype)
+    return jax.ffi.ffi_call(KERNEL.load(), out)(x, w, layer)
+
+
+def reference(x: jax.Array, w: jax.Array, layer=0, out_dtype=jnp.bfloat16) -> jax.Array:
+    """bf16_matmul's result through XLA: the same float32 accumulation of bf16 products."""
+    w = w[layer] if w.ndim == 3 else w
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)

@@ -1,0 +1,159 @@
+"""The CPU bf16 matmul kernel (jllm/models/bf16_matmul.cc) against XLA's product, and the
+engine on it: greedy tokens against transformers in float32, and no layer's weights copied
+out of the stack in a compiled step.
+
+The kernel needs AVX512-BF16, which both development machines have (Zen 4, and the Xeons
+with AMX); elsewhere these tests are skipped with that reason, and the engine's products
+stay XLA's (`enabled`)."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from oracle import SMALL, prompt_ids, save_tiny, worst_teacher_forced_gaps
+
+from jllm import LLM, SamplingParams
+from jllm.models import bf16_matmul
+from jllm.models.bf16_matmul import bf16_matmul as kernel
+from jllm.models.bf16_matmul import reference
+
+pytestmark = pytest.mark.skipif(
+    not bf16_matmul.supported(), reason="the bf16 matmul kernel needs AVX512-BF16"
+)
+
+
+def operands(m, k, n, layers=3, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(0, 1, (m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(0, 1, (layers, k, n)), jnp.bfloat16)
+    return x, w
+
+
+def assert_product(x, w, layer, got, out_dtype):
+    """float32 results within float32 summation error of XLA's; bf16 ones within one bf16
+    rounding of XLA's float32 result."""
+    exact = np.asarray(reference(x, w, layer, jnp.float32))
+    scale = np.abs(np.asarray(x, np.float32)) @ np.abs(np.asarray(w[layer], np.float32))
+    got = np.asarray(got, np.float32)
+    if out_dtype == jnp.float32:
+        np.testing.assert_array_less(np.abs(got - exact), 1e-5 * scale + 1e-30)
+    else:
+        np.testing.assert_array_less(np.abs(got - exact), 2**-8 * np.abs(exact) + 1e-6 * scale)
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize(
+    "m,k,n",
+    [
+        (1, 64, 96),  # one row (a single decode)
+        (64, 576, 192),  # SmolLM2's k_proj at a decode batch: tiles of 13 and 12 rows
+        (14, 32, 32),  # one full tile
+        (15, 7, 37),  # odd K (the last input paired with zero), a masked right edge
+        (130, 128, 64),  # two row blocks (112 + 18)
+        (3, 1536, 40),
+    ],
+)
+def test_matches_xla(m, k, n, out_dtype):
+    x, w = operands(m, k, n)
+    for layer in (0, 2):
+        got = jax.jit(kernel, static_argnums=3)(x, w, layer, out_dtype)
+        assert got.dtype == out_dtype and got.shape == (m, n)
+        assert_product(x, w, layer, got, out_dtype)
+    two_d = kernel(x, w[1], 0, out_dtype)  # an unstacked [K, N] weight
+    assert_product(x, w, 1, two_d, out_dtype)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    m=st.integers(1, 40),
+    k=st.integers(1, 80),
+    n=st.integers(1, 100),
+    layer=st.integers(0, 1),
+    seed=st.integers(0, 2**16),
+)
+def test_any_shape_matches_xla(m, k, n, layer, seed):
+    x, w = operands(m, k, n, layers=2, seed=seed)
+    assert_product(x, w, layer, kernel(x, w, layer, jnp.float32), jnp.float32)
+
+
+def test_rows_are_independent():
+    """A NaN in one row (a padding row's garbage, say) reaches no other row's outputs."""
+    x, w = operands(20, 96, 70)
+    x = x.at[7, 5].set(jnp.nan)
+    got = np.asarray(kernel(x, w, 1, jnp.float32))
+    assert np.isnan(got[7]).all()
+    others = np.delete(np.arange(20), 7)
+    assert np.isfinite(got[others]).all()
+    assert_product(x[others], w, 1, got[others], jnp.float32)
+
+
+def test_refuses_what_it_cannot_multiply():
+    x, w = operands(4, 32, 16)
+    with pytest.raises(ValueError, match="bfloat16 x and w"):
+        kernel(x.astype(jnp.float32), w)
+    with pytest.raises(ValueError, match=r"x \[M, K\]"):
+        kernel(x, w[:, :16])
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        kernel(x, w, 0, jnp.float16)
+
+
+@pytest.fixture(scope="module")
+def bf16_qwen3(tmp_path_factory, tokenizer_dir):
+    # Per-head q/k norms and a head dim (32) that is not hidden / heads: o_proj's input
+    # (heads x head dim, 128) differs from its output (64).
+    return save_tiny("qwen3", tmp_path_factory.mktemp("bf16mm"), tokenizer_dir, torch.bfloat16)
+
+
+def weight_copies(hlo: str, shape) -> list[str]:
+    """Instructions of a compiled HLO module whose result has one layer's weight shape."""
+    pattern = re.compile(rf"= bf16\[{','.join(map(str, shape))}\]")
+    return [line.strip() for line in hlo.splitlines() if pattern.search(line)]
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_engine_on_the_kernel_against_fp32_oracle(bf16_qwen3, monkeypatch, on):
+    """The engine with its layer products on the kernel (and, as the control, on XLA's):
+    greedy choices stay the float32 argmax or within bf16's error of it, the kernel is in
+    the compiled step, and no layer's weight is copied out of the stack there."""
+    monkeypatch.setattr(bf16_matmul, "enabled", lambda: on)
+    llm = LLM(bf16_qwen3, dtype="bfloat16", **SMALL)
+    runner = llm.llm_engine.runner
+    buf, layout, _ = runner._packed_inputs(2, 1)
+    text = runner._forward_executable((2, 1), jax.device_put(buf), layout).as_text()
+    assert ("jllm_bf16_matmul_cpu" in text) == on
+    gate_shape = (64, 128)  # gate_proj's [D, F]
+    assert bool(weight_copies(text, gate_shape)) != on
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        bf16_qwen3, dtype=torch.float32
+    ).eval()
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    batch = prompt_ids(4, 5) + prompt_ids(1, 40, seed=1) + prompt_ids(1, 23, seed=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    runs = [(p, o.outputs[0]) for p, o in zip(batch, outs, strict=True)]
+    worst_choice, worst_logprob = worst_teacher_forced_gaps(model, runs)
+    assert worst_choice <= 0.1, worst_choice
+    assert worst_logprob <= 0.25, worst_logprob
+
+
+@pytest.mark.parametrize(
+    "flags,want,reason",
+    [
+        ({"avx512f", "avx512_bf16"}, True, "the C++ kernel"),
+        ({"avx512_bf16", "amx_bf16"}, False, "AMX, which XLA's products use"),
+        ({"avx2"}, False, "no AVX512-BF16"),
+    ],
+)
+def test_where_the_kernel_runs(monkeypatch, caplog, flags, want, reason):
+    monkeypatch.setattr(bf16_matmul, "cpu_flags", lambda: flags)
+    with caplog.at_level("INFO", logger="jllm"):
+        assert bf16_matmul.enabled.__wrapped__() is want
+    assert reason in caplog.text
