@@ -46,9 +46,10 @@ constexpr int kMaxRows = 14;      // 28 accumulators, 2 weight vectors, 1 broadc
 constexpr int64_t kBlockRows = 112;  // rows per work item (8 full tiles)
 
 struct Product {
-  const uint16_t* x;  // [M, K]
-  const uint16_t* w;  // [K, N], this layer's
-  void* y;            // [M, N]
+  const uint16_t* x;   // [M, K]
+  const uint16_t* w;   // [K, N], this layer's
+  const uint16_t* up;  // [K, N], this layer's, or nullptr: y = silu(x @ w) * (x @ up)
+  void* y;             // [M, N]
   int64_t M, N, K;
   bool f32_out;
 };
@@ -59,16 +60,17 @@ inline __m512bh broadcast_pair(const uint16_t* p) {
   return (__m512bh)_mm512_set1_epi32(v);
 }
 
-// Rows m0 .. m0 + R - 1 by columns n0 .. n0 + 31 (fewer at the right edge: masked).
+// The products of rows m0 .. m0 + R - 1 with columns n0 .. n0 + 31 of w (fewer at the
+// right edge: masked), in float32, columns in order: y0 holds 0-15, y1 16-31.
 template <int R>
-void tile(const Product& p, int64_t m0, int64_t n0) {
+__attribute__((always_inline)) inline void products(const Product& p, const uint16_t* w,
+                                                    int64_t m0, __mmask32 cols, __m512 (&y0)[R],
+                                                    __m512 (&y1)[R]) {
   const int64_t K = p.K, N = p.N;
-  const __mmask32 cols = n0 + kPanel <= N ? ~__mmask32(0) : (__mmask32(1) << (N - n0)) - 1;
   // Unrolled by pragma so that GCC keeps the arrays in registers (without it, it stores
   // every accumulator to the stack on every step).
   __m512 lo[R], hi[R];
   _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
-  const uint16_t* w = p.w + n0;
   const uint16_t* x = p.x + m0 * K;
   int64_t k = 0;
   for (; k + 1 < K; k += 2) {
@@ -94,21 +96,68 @@ void tile(const Product& p, int64_t m0, int64_t n0) {
     }
   }
   // lo holds columns 0-3, 8-11, 16-19, 24-27 (one group of four per 128-bit lane), hi the
-  // groups between them: two permutes give columns 0-15 and 16-31 in order.
+  // groups between them: two permutes put them in order.
   const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i second =
       _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) {
+    y0[r] = _mm512_permutex2var_ps(lo[r], first, hi[r]);
+    y1[r] = _mm512_permutex2var_ps(lo[r], second, hi[r]);
+  }
+}
+
+// exp(x) for x <= 0 and NaN (SiLU's exp(-|g|)): 2^n * e^r with |r| <= ln2 / 2, e^r by its
+// degree-6 Taylor polynomial (relative error below 2e-7), 2^n by scalef; underflows to 0.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));  // below it e^x is 0 in float32
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln2, high part
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);       // and its low part
+  __m512 e = _mm512_set1_ps(1.0f / 720);
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 120));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 24));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 6));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(0.5f));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(e, n);
+}
+
+// silu(g) * u = g * u * sigmoid(g), sigmoid from exp(-|g|) so that nothing overflows.
+inline __m512 silu_times(__m512 g, __m512 u) {
+  const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+  const __m512 positive = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f)));
+  const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+  const __m512 sigmoid = _mm512_mask_mul_ps(positive, negative, positive, e);  // e / (1 + e)
+  return _mm512_mul_ps(_mm512_mul_ps(g, u), sigmoid);
+}
+
+// Rows m0 .. m0 + R - 1 by columns n0 .. n0 + 31 of the output: x @ w, or with `p.up`,
+// silu(x @ w) * (x @ up).
+template <int R>
+void tile(const Product& p, int64_t m0, int64_t n0) {
+  const int64_t N = p.N;
+  const __mmask32 cols = n0 + kPanel <= N ? ~__mmask32(0) : (__mmask32(1) << (N - n0)) - 1;
+  __m512 y0[R], y1[R];
+  products<R>(p, p.w + n0, m0, cols, y0, y1);
+  if (p.up) {
+    __m512 u0[R], u1[R];
+    products<R>(p, p.up + n0, m0, cols, u0, u1);
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) {
+      y0[r] = silu_times(y0[r], u0[r]);
+      y1[r] = silu_times(y1[r], u1[r]);
+    }
+  }
   const __mmask16 cols0 = __mmask16(cols), cols1 = __mmask16(cols >> 16);
   _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) {
-    const __m512 y0 = _mm512_permutex2var_ps(lo[r], first, hi[r]);
-    const __m512 y1 = _mm512_permutex2var_ps(lo[r], second, hi[r]);
     if (p.f32_out) {
       float* y = static_cast<float*>(p.y) + (m0 + r) * N + n0;
-      _mm512_mask_storeu_ps(y, cols0, y0);
-      _mm512_mask_storeu_ps(y + 16, cols1, y1);
+      _mm512_mask_storeu_ps(y, cols0, y0[r]);
+      _mm512_mask_storeu_ps(y + 16, cols1, y1[r]);
     } else {  // rounded to nearest even, as XLA converts
-      const __m256i h0 = (__m256i)_mm512_cvtneps_pbh(y0);
-      const __m256i h1 = (__m256i)_mm512_cvtneps_pbh(y1);
+      const __m256i h0 = (__m256i)_mm512_cvtneps_pbh(y0[r]);
+      const __m256i h1 = (__m256i)_mm512_cvtneps_pbh(y1[r]);
       uint16_t* y = static_cast<uint16_t*>(p.y) + (m0 + r) * N + n0;
       _mm512_mask_storeu_epi16(y, cols, _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1));
     }
@@ -163,6 +212,7 @@ ffi::Error Run(ffi::ThreadPool& pool, const Product& p) {
 struct Product {
   const uint16_t* x;
   const uint16_t* w;
+  const uint16_t* up;
   void* y;
   int64_t M, N, K;
   bool f32_out;
@@ -174,8 +224,10 @@ ffi::Error Run(ffi::ThreadPool&, const Product&) {
 
 #endif  // __AVX512BF16__
 
-ffi::Error Bf16Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                      ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> y) {
+// Checks the operands (up: the second weight of a gated product, or nullptr) and runs.
+ffi::Error Checked(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& w,
+                   const ffi::AnyBuffer* up, ffi::Buffer<ffi::S32>& layer,
+                   ffi::Result<ffi::AnyBuffer>& y) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (x.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument("x and w must be bfloat16");
@@ -184,6 +236,10 @@ ffi::Error Bf16Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   if (xd.size() != 2 || (wd.size() != 2 && wd.size() != 3) || yd.size() != 2 ||
       layer.element_count() != 1)
     return ffi::Error::InvalidArgument("x [M, K], w [L, K, N] or [K, N], layer [1]");
+  if (up && (up->element_type() != ffi::DataType::BF16 ||
+             !std::equal(wd.begin(), wd.end(), up->dimensions().begin(),
+                         up->dimensions().end())))
+    return ffi::Error::InvalidArgument("up must be bfloat16 of w's shape");
   Product p;
   p.M = xd[0];
   p.K = xd[1];
@@ -194,15 +250,27 @@ ffi::Error Bf16Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= layers) return ffi::Error::InvalidArgument("layer index out of range");
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
-  if (p.K == 0) {
+  if (p.K == 0) {  // silu(0) * 0 is 0 too
     std::memset(y->untyped_data(), 0, y->size_bytes());
     return ffi::Error::Success();
   }
   p.x = static_cast<const uint16_t*>(x.untyped_data());
   p.w = static_cast<const uint16_t*>(w.untyped_data()) + l * p.K * p.N;
+  p.up = up ? static_cast<const uint16_t*>(up->untyped_data()) + l * p.K * p.N : nullptr;
   p.y = y->untyped_data();
   p.f32_out = y->element_type() == ffi::DataType::F32;
   return Run(pool, p);
+}
+
+ffi::Error Bf16Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                      ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> y) {
+  return Checked(pool, x, w, nullptr, layer, y);
+}
+
+ffi::Error Bf16GatedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gate,
+                           ffi::AnyBuffer up, ffi::Buffer<ffi::S32> layer,
+                           ffi::Result<ffi::AnyBuffer> y) {
+  return Checked(pool, x, gate, &up, layer, y);
 }
 
 }  // namespace
@@ -212,5 +280,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmBf16Matmul, Bf16Matmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()          // x [M, K]
                                   .Arg<ffi::AnyBuffer>()          // w [L, K, N] or [K, N]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
+                                  .Ret<ffi::AnyBuffer>());        // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmBf16GatedMatmul, Bf16GatedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // x [M, K]
+                                  .Arg<ffi::AnyBuffer>()          // gate [L, K, N] or [K, N]
+                                  .Arg<ffi::AnyBuffer>()          // up, gate's shape
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
                                   .Ret<ffi::AnyBuffer>());        // y [M, N]

@@ -34,6 +34,13 @@ SOURCE = os.path.join(os.path.dirname(__file__), "bf16_matmul.cc")
 KERNEL = FfiKernel(
     SOURCE, "bf16_matmul", "CPU bf16 matmul kernel", "JllmBf16Matmul", "jllm_bf16_matmul_cpu"
 )
+GATED = FfiKernel(
+    SOURCE,
+    "bf16_matmul",
+    "CPU bf16 gated matmul kernel",
+    "JllmBf16GatedMatmul",
+    "jllm_bf16_gated_matmul_cpu",
+)
 
 
 def cpu_flags() -> set[str]:
@@ -67,6 +74,7 @@ def enabled() -> bool:
     else:
         try:
             KERNEL.load()
+            GATED.load()
         except CpuKernelUnavailable as e:
             logger.warning("bf16 layer products: XLA's (the kernel is unavailable: %s).", e)
             return False
@@ -85,10 +93,7 @@ def applies(dtype) -> bool:
     return mesh.empty or mesh.size == 1
 
 
-def bf16_matmul(x: jax.Array, w: jax.Array, layer=0, out_dtype=jnp.bfloat16) -> jax.Array:
-    """x [M, K] @ w[layer] -> [M, N] in out_dtype (bfloat16 or float32), accumulated in
-    float32; w is [L, K, N] (read in place) or [K, N]; layer an int or an int32 scalar,
-    traced or not, within [0, L)."""
+def _check(x, w, out_dtype):
     if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
         raise ValueError(f"bf16_matmul takes bfloat16 x and w, got {x.dtype} and {w.dtype}")
     if x.ndim != 2 or w.ndim not in (2, 3) or w.shape[-2] != x.shape[1]:
@@ -96,12 +101,38 @@ def bf16_matmul(x: jax.Array, w: jax.Array, layer=0, out_dtype=jnp.bfloat16) -> 
     out_dtype = jnp.dtype(out_dtype)
     if out_dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"bf16_matmul writes bfloat16 or float32, not {out_dtype}")
+    return jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), out_dtype)
+
+
+def bf16_matmul(x: jax.Array, w: jax.Array, layer=0, out_dtype=jnp.bfloat16) -> jax.Array:
+    """x [M, K] @ w[layer] -> [M, N] in out_dtype (bfloat16 or float32), accumulated in
+    float32; w is [L, K, N] (read in place) or [K, N]; layer an int or an int32 scalar,
+    traced or not, within [0, L)."""
+    out = _check(x, w, out_dtype)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), out_dtype)
     return jax.ffi.ffi_call(KERNEL.load(), out)(x, w, layer)
+
+
+def bf16_gated_matmul(
+    x: jax.Array, gate: jax.Array, up: jax.Array, layer=0, out_dtype=jnp.bfloat16
+) -> jax.Array:
+    """silu(x @ gate[layer]) * (x @ up[layer]): a gated MLP's first half in one pass, the
+    SiLU and product taken on the float32 accumulators (XLA's path rounds both products to
+    bf16 first, then runs a separate pass over them). gate and up of one shape."""
+    out = _check(x, gate, out_dtype)
+    if up.shape != gate.shape or up.dtype != gate.dtype:
+        raise ValueError(f"bf16_gated_matmul: up {up.shape} {up.dtype} is not like gate")
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    return jax.ffi.ffi_call(GATED.load(), out)(x, gate, up, layer)
 
 
 def reference(x: jax.Array, w: jax.Array, layer=0, out_dtype=jnp.bfloat16) -> jax.Array:
     """bf16_matmul's result through XLA: the same float32 accumulation of bf16 products."""
     w = w[layer] if w.ndim == 3 else w
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def gated_reference(x, gate, up, layer=0, out_dtype=jnp.bfloat16) -> jax.Array:
+    """bf16_gated_matmul's result through XLA, in float32 until the end."""
+    g, u = reference(x, gate, layer, jnp.float32), reference(x, up, layer, jnp.float32)
+    return (jax.nn.silu(g) * u).astype(out_dtype)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jllm.models.bf16_matmul import bf16_matmul
+from jllm.models.bf16_matmul import bf16_gated_matmul, bf16_matmul
 from jllm.quantization.weights import QuantizedWeight, matmul
 
 
@@ -78,20 +78,46 @@ class Linear(nnx.Module):
             y = jnp.einsum(self.spec, x, w, preferred_element_type=out_dtype)
         return y + self.bias[...] if self.use_bias else y
 
-    def _stacked_product(self, x, w: StackedWeight, out_dtype):
-        """The kernel's product when x's trailing axes are the weight's leading (contracted)
-        ones in order, as in every projection here; the layer's slice through XLA else."""
+    def in_place(self, x) -> bool:
+        """Whether the kernel multiplies x by this Linear's weight in the stack: the weight
+        is a bf16 StackedWeight, x bf16, and x's trailing axes are the weight's leading
+        (contracted) ones in order, as in every projection here."""
+        w = self.weight.get_value()
+        if not isinstance(w, StackedWeight):
+            return False
         inputs, output = self.spec.replace(" ", "").split("->")
         x_axes, w_axes = inputs.split(",")
         c = self.contract
         simple = x_axes[-c:] == w_axes[:c] and output == x_axes[:-c] + w_axes[c:]
-        if not simple or x.dtype != jnp.bfloat16 or w.stack.dtype != jnp.bfloat16:
+        return simple and x.dtype == jnp.bfloat16 and w.stack.dtype == jnp.bfloat16
+
+    def stack_2d(self) -> jax.Array:
+        """The stacked weight as [L, In, Out] (row-major: a bitcast, no copy)."""
+        stack = self.weight.get_value().stack
+        k = math.prod(stack.shape[1 : 1 + self.contract])
+        return stack.reshape(stack.shape[0], k, math.prod(self.out_shape))
+
+    def _stacked_product(self, x, w: StackedWeight, out_dtype):
+        """The kernel's product where it applies (`in_place`); the layer's slice through XLA
+        else."""
+        if not self.in_place(x):
             return jnp.einsum(self.spec, x, w.stack[w.layer], preferred_element_type=out_dtype)
-        lead = x.shape[: x.ndim - c]
-        k, n = math.prod(w.stack.shape[1 : 1 + c]), math.prod(self.out_shape)
-        stack = w.stack.reshape(w.stack.shape[0], k, n)  # row-major: a bitcast, no copy
-        y = bf16_matmul(x.reshape(-1, k), stack, w.layer, out_dtype or jnp.bfloat16)
+        stack = self.stack_2d()
+        lead = x.shape[: x.ndim - self.contract]
+        y = bf16_matmul(x.reshape(-1, stack.shape[1]), stack, w.layer, out_dtype or jnp.bfloat16)
         return y.reshape(*lead, *self.out_shape)
+
+
+def gated_product(gate: Linear, up: Linear, x):
+    """silu(gate(x)) * up(x), a gated MLP's first half: in one kernel pass where both
+    weights are read in place without biases, the two products and the SiLU otherwise."""
+    if gate.in_place(x) and up.in_place(x) and not (gate.use_bias or up.use_bias):
+        stack = gate.stack_2d()
+        lead = x.shape[: x.ndim - gate.contract]
+        layer = gate.weight.get_value().layer
+        y = bf16_gated_matmul(x.reshape(-1, stack.shape[1]), stack, up.stack_2d(), layer)
+        return y.reshape(*lead, *gate.out_shape)
+    return jax.nn.silu(gate(x)) * up(x)
 
 
 class RMSNorm(nnx.Module):

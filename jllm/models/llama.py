@@ -24,7 +24,7 @@ from flax import nnx
 
 from jllm.models import bf16_matmul
 from jllm.models.attention import paged_attention
-from jllm.models.layers import Linear, RMSNorm, StackedWeight, param
+from jllm.models.layers import Linear, RMSNorm, StackedWeight, gated_product, param
 from jllm.models.rope import RopeConfig, apply_rope
 from jllm.quantization.weights import QuantizedWeight, matmul, take_rows
 
@@ -108,7 +108,7 @@ class MLP(nnx.Module):
         self.down_proj = Linear("TF,FD->TD", (F, D), ("mlp", "embed"), dtype, rngs, b)
 
     def __call__(self, x):  # [T, D]
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(gated_product(self.gate_proj, self.up_proj, x))
 
 
 class DecoderLayer(nnx.Module):

@@ -22,8 +22,8 @@ from oracle import SMALL, prompt_ids, save_tiny, worst_teacher_forced_gaps
 
 from jllm import LLM, SamplingParams
 from jllm.models import bf16_matmul
+from jllm.models.bf16_matmul import bf16_gated_matmul, gated_reference, reference
 from jllm.models.bf16_matmul import bf16_matmul as kernel
-from jllm.models.bf16_matmul import reference
 
 pytestmark = pytest.mark.skipif(
     not bf16_matmul.supported(), reason="the bf16 matmul kernel needs AVX512-BF16"
@@ -95,6 +95,32 @@ def test_rows_are_independent():
     assert_product(x[others], w, 1, got[others], jnp.float32)
 
 
+@pytest.mark.parametrize("scale", [1.0, 40.0])  # 40: gate values in the hundreds, both signs
+@pytest.mark.parametrize("m,k,n", [(1, 64, 96), (64, 576, 192), (15, 7, 37), (130, 128, 64)])
+def test_gated_matches_silu_of_the_products(m, k, n, scale):
+    """silu(x @ gate) * (x @ up) in one pass: against the kernel's own float32 products (each
+    checked against XLA above) through jax.nn.silu, so only its exp approximation differs;
+    in bf16 against XLA's float32 reference, within one bf16 rounding."""
+    x, gate = operands(m, k, n, seed=1)
+    _, up = operands(m, k, n, seed=2)
+    x = (x.astype(jnp.float32) * scale).astype(jnp.bfloat16)
+    g, u = kernel(x, gate, 2, jnp.float32), kernel(x, up, 2, jnp.float32)
+    want = np.asarray(jax.nn.silu(g) * u)
+    got = np.asarray(bf16_gated_matmul(x, gate, up, 2, jnp.float32))
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-30)
+    got16 = np.asarray(bf16_gated_matmul(x, gate, up, 2), np.float32)
+    ref = np.asarray(gated_reference(x, gate, up, 2, jnp.float32))
+    np.testing.assert_allclose(got16, ref, rtol=2**-8, atol=1e-3 * np.abs(ref).max())
+
+
+def test_gated_propagates_nan_to_its_row_only():
+    x, gate = operands(20, 64, 40)
+    _, up = operands(20, 64, 40, seed=3)
+    x = x.at[3, 0].set(jnp.nan)
+    got = np.asarray(bf16_gated_matmul(x, gate, up, 0, jnp.float32))
+    assert np.isnan(got[3]).all() and np.isfinite(np.delete(got, 3, axis=0)).all()
+
+
 def test_refuses_what_it_cannot_multiply():
     x, w = operands(4, 32, 16)
     with pytest.raises(ValueError, match="bfloat16 x and w"):
@@ -103,6 +129,8 @@ def test_refuses_what_it_cannot_multiply():
         kernel(x, w[:, :16])
     with pytest.raises(ValueError, match="bfloat16 or float32"):
         kernel(x, w, 0, jnp.float16)
+    with pytest.raises(ValueError, match="is not like gate"):
+        bf16_gated_matmul(x, w, w[:, :, :8])
 
 
 @pytest.fixture(scope="module")
@@ -124,11 +152,13 @@ def test_engine_on_the_kernel_against_fp32_oracle(bf16_qwen3, monkeypatch, on):
     greedy choices stay the float32 argmax or within bf16's error of it, the kernel is in
     the compiled step, and no layer's weight is copied out of the stack there."""
     monkeypatch.setattr(bf16_matmul, "enabled", lambda: on)
+    jax.clear_caches()  # the decision is made at trace time: no trace of the other choice
     llm = LLM(bf16_qwen3, dtype="bfloat16", **SMALL)
     runner = llm.llm_engine.runner
     buf, layout, _ = runner._packed_inputs(2, 1)
     text = runner._forward_executable((2, 1), jax.device_put(buf), layout).as_text()
     assert ("jllm_bf16_matmul_cpu" in text) == on
+    assert ("jllm_bf16_gated_matmul_cpu" in text) == on
     gate_shape = (64, 128)  # gate_proj's [D, F]
     assert bool(weight_copies(text, gate_shape)) != on
 
@@ -142,6 +172,7 @@ def test_engine_on_the_kernel_against_fp32_oracle(bf16_qwen3, monkeypatch, on):
     worst_choice, worst_logprob = worst_teacher_forced_gaps(model, runs)
     assert worst_choice <= 0.1, worst_choice
     assert worst_logprob <= 0.25, worst_logprob
+    jax.clear_caches()
 
 
 @pytest.mark.parametrize(
