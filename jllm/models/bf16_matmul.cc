@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #ifdef __AVX512BF16__
 #include <immintrin.h>
@@ -43,7 +44,7 @@ namespace {
 
 constexpr int64_t kPanel = 32;    // columns per tile
 constexpr int kMaxRows = 14;      // 28 accumulators, 2 weight vectors, 1 broadcast
-constexpr int64_t kBlockRows = 112;  // rows per work item (8 full tiles)
+constexpr int64_t kBlockTiles = 8;  // tiles per work item (112 rows when full)
 
 struct Product {
   const uint16_t* x;   // [M, K]
@@ -176,33 +177,53 @@ void tile_rows(const Product& p, int rows, int64_t m0, int64_t n0) {
   }
 }
 
-// Rows m0 .. m1 - 1 by panels p0 .. p1 - 1, each panel over all the block's tiles. The rows
-// are split into tiles of near-equal height (64 rows: 13, 13, 13, 13, 12), since a short
-// last tile pays the weight loads and interleaves of a full one.
-void run_block(const Product& p, int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
-  const int64_t tiles = (m1 - m0 + kMaxRows - 1) / kMaxRows;
-  for (int64_t panel = p0; panel < p1; ++panel) {
-    int64_t m = m0;
-    for (int64_t t = 0; t < tiles; ++t) {
-      const int rows = int((m1 - m + (tiles - t) - 1) / (tiles - t));
-      tile_rows(p, rows, m, panel * kPanel);
+struct Tile {
+  int64_t m0;
+  int rows;
+};
+
+// The tiles over the live rows (live[m] != 0; every row when live is null): each run of
+// consecutive live rows split into tiles of near-equal height (64 rows: 13, 13, 13, 13,
+// 12), since a short last tile pays the weight loads and interleaves of a full one.
+std::vector<Tile> live_tiles(const int8_t* live, int64_t M) {
+  std::vector<Tile> tiles;
+  for (int64_t m = 0; m < M;) {
+    if (live && !live[m]) {
+      ++m;
+      continue;
+    }
+    int64_t end = m + 1;
+    while (end < M && (!live || live[end])) ++end;
+    const int64_t count = (end - m + kMaxRows - 1) / kMaxRows;
+    for (int64_t t = 0; t < count; ++t) {
+      const int rows = int((end - m + (count - t) - 1) / (count - t));
+      tiles.push_back({m, rows});
       m += rows;
     }
   }
+  return tiles;
 }
 
-ffi::Error Run(ffi::ThreadPool& pool, const Product& p) {
+ffi::Error Run(ffi::ThreadPool& pool, const Product& p, const int8_t* live) {
+  if (live) {  // padding rows: zeros, which every later op takes as it took XLA's products
+    const int64_t row_bytes = p.N * (p.f32_out ? 4 : 2);
+    for (int64_t m = 0; m < p.M; ++m)
+      if (!live[m]) std::memset(static_cast<char*>(p.y) + m * row_bytes, 0, row_bytes);
+  }
+  const std::vector<Tile> tiles = live_tiles(live, p.M);
   const int64_t panels = (p.N + kPanel - 1) / kPanel;
-  const int64_t blocks = (p.M + kBlockRows - 1) / kBlockRows;
+  const int64_t count = int64_t(tiles.size());
+  const int64_t blocks = (count + kBlockTiles - 1) / kBlockTiles;
   // One block (decode): one panel per item, so that a narrow weight (192 columns: 6
   // panels) still splits evenly over the threads. Several: two panels per item.
   const int64_t per_item = blocks == 1 ? 1 : 2;
   const int64_t runs = (panels + per_item - 1) / per_item;
-  const bool ok = jllm_cpu::share_items(pool, blocks * runs, [&p, runs, panels,
-                                                              per_item](int64_t i) {
+  const bool ok = jllm_cpu::share_items(pool, blocks * runs, [&](int64_t i) {
     const int64_t block = i / runs, run = i % runs;
-    const int64_t m0 = block * kBlockRows, m1 = std::min(p.M, m0 + kBlockRows);
-    run_block(p, m0, m1, run * per_item, std::min(panels, (run + 1) * per_item));
+    const int64_t t0 = block * kBlockTiles, t1 = std::min(count, t0 + kBlockTiles);
+    const int64_t p1 = std::min(panels, (run + 1) * per_item);
+    for (int64_t panel = run * per_item; panel < p1; ++panel)  // the block's rows reuse it
+      for (int64_t t = t0; t < t1; ++t) tile_rows(p, tiles[t].rows, tiles[t].m0, panel * kPanel);
   });
   return ok ? ffi::Error::Success() : ffi::Error::Internal("a bf16 matmul work item failed");
 }
@@ -218,7 +239,7 @@ struct Product {
   bool f32_out;
 };
 
-ffi::Error Run(ffi::ThreadPool&, const Product&) {
+ffi::Error Run(ffi::ThreadPool&, const Product&, const int8_t*) {
   return ffi::Error::Unimplemented("the bf16 matmul kernel needs a CPU with AVX512-BF16");
 }
 
@@ -227,7 +248,7 @@ ffi::Error Run(ffi::ThreadPool&, const Product&) {
 // Checks the operands (up: the second weight of a gated product, or nullptr) and runs.
 ffi::Error Checked(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& w,
                    const ffi::AnyBuffer* up, ffi::Buffer<ffi::S32>& layer,
-                   ffi::Result<ffi::AnyBuffer>& y) {
+                   ffi::Buffer<ffi::S8>& live, ffi::Result<ffi::AnyBuffer>& y) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (x.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument("x and w must be bfloat16");
@@ -247,6 +268,8 @@ ffi::Error Checked(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& w,
   const int64_t layers = wd.size() == 3 ? wd[0] : 1;
   if (wd[wd.size() - 2] != p.K || yd[0] != p.M || yd[1] != p.N)
     return ffi::Error::InvalidArgument("inconsistent bf16 matmul shapes");
+  if (live.element_count() != 0 && live.element_count() != p.M)
+    return ffi::Error::InvalidArgument("live must have one entry per row of x, or none");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= layers) return ffi::Error::InvalidArgument("layer index out of range");
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
@@ -259,18 +282,19 @@ ffi::Error Checked(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& w,
   p.up = up ? static_cast<const uint16_t*>(up->untyped_data()) + l * p.K * p.N : nullptr;
   p.y = y->untyped_data();
   p.f32_out = y->element_type() == ffi::DataType::F32;
-  return Run(pool, p);
+  return Run(pool, p, live.element_count() ? live.typed_data() : nullptr);
 }
 
 ffi::Error Bf16Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                      ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> y) {
-  return Checked(pool, x, w, nullptr, layer, y);
+                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S8> live,
+                      ffi::Result<ffi::AnyBuffer> y) {
+  return Checked(pool, x, w, nullptr, layer, live, y);
 }
 
 ffi::Error Bf16GatedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gate,
                            ffi::AnyBuffer up, ffi::Buffer<ffi::S32> layer,
-                           ffi::Result<ffi::AnyBuffer> y) {
-  return Checked(pool, x, gate, &up, layer, y);
+                           ffi::Buffer<ffi::S8> live, ffi::Result<ffi::AnyBuffer> y) {
+  return Checked(pool, x, gate, &up, layer, live, y);
 }
 
 }  // namespace
@@ -281,6 +305,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmBf16Matmul, Bf16Matmul,
                                   .Arg<ffi::AnyBuffer>()          // x [M, K]
                                   .Arg<ffi::AnyBuffer>()          // w [L, K, N] or [K, N]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // live [M] or [0]
                                   .Ret<ffi::AnyBuffer>());        // y [M, N]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmBf16GatedMatmul, Bf16GatedMatmul,
@@ -290,4 +315,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmBf16GatedMatmul, Bf16GatedMatmul,
                                   .Arg<ffi::AnyBuffer>()          // gate [L, K, N] or [K, N]
                                   .Arg<ffi::AnyBuffer>()          // up, gate's shape
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // live [M] or [0]
                                   .Ret<ffi::AnyBuffer>());        // y [M, N]

@@ -104,17 +104,28 @@ def _check(x, w, out_dtype):
     return jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), out_dtype)
 
 
-def bf16_matmul(x: jax.Array, w: jax.Array, layer=0, out_dtype=jnp.bfloat16) -> jax.Array:
+def _live(x, live) -> jax.Array:
+    if live is None:
+        return jnp.zeros((0,), jnp.int8)
+    if live.shape != (x.shape[0],):
+        raise ValueError(f"live must be [M] = [{x.shape[0]}], got {live.shape}")
+    return live.astype(jnp.int8)
+
+
+def bf16_matmul(
+    x: jax.Array, w: jax.Array, layer=0, out_dtype=jnp.bfloat16, live=None
+) -> jax.Array:
     """x [M, K] @ w[layer] -> [M, N] in out_dtype (bfloat16 or float32), accumulated in
     float32; w is [L, K, N] (read in place) or [K, N]; layer an int or an int32 scalar,
-    traced or not, within [0, L)."""
+    traced or not, within [0, L). live: [M] bool or int, the rows to compute (a step's
+    padding rows are not); the others come out zero. None: every row."""
     out = _check(x, w, out_dtype)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    return jax.ffi.ffi_call(KERNEL.load(), out)(x, w, layer)
+    return jax.ffi.ffi_call(KERNEL.load(), out)(x, w, layer, _live(x, live))
 
 
 def bf16_gated_matmul(
-    x: jax.Array, gate: jax.Array, up: jax.Array, layer=0, out_dtype=jnp.bfloat16
+    x: jax.Array, gate: jax.Array, up: jax.Array, layer=0, out_dtype=jnp.bfloat16, live=None
 ) -> jax.Array:
     """silu(x @ gate[layer]) * (x @ up[layer]): a gated MLP's first half in one pass, the
     SiLU and product taken on the float32 accumulators (XLA's path rounds both products to
@@ -123,7 +134,7 @@ def bf16_gated_matmul(
     if up.shape != gate.shape or up.dtype != gate.dtype:
         raise ValueError(f"bf16_gated_matmul: up {up.shape} {up.dtype} is not like gate")
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    return jax.ffi.ffi_call(GATED.load(), out)(x, gate, up, layer)
+    return jax.ffi.ffi_call(GATED.load(), out)(x, gate, up, layer, _live(x, live))
 
 
 def reference(x: jax.Array, w: jax.Array, layer=0, out_dtype=jnp.bfloat16) -> jax.Array:

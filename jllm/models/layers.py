@@ -35,6 +35,7 @@ class StackedWeight:
 
     stack: jax.Array  # [L, *weight shape]
     layer: jax.Array  # int32 scalar
+    live: jax.Array  # [T] bool: the step's tokens that are not padding (only those computed)
 
 
 class Linear(nnx.Module):
@@ -104,8 +105,13 @@ class Linear(nnx.Module):
             return jnp.einsum(self.spec, x, w.stack[w.layer], preferred_element_type=out_dtype)
         stack = self.stack_2d()
         lead = x.shape[: x.ndim - self.contract]
-        y = bf16_matmul(x.reshape(-1, stack.shape[1]), stack, w.layer, out_dtype or jnp.bfloat16)
+        x = x.reshape(-1, stack.shape[1])
+        y = bf16_matmul(x, stack, w.layer, out_dtype or jnp.bfloat16, self._live(x, w))
         return y.reshape(*lead, *self.out_shape)
+
+    @staticmethod
+    def _live(x, w: StackedWeight):
+        return w.live if w.live.shape == x.shape[:1] else None
 
 
 def gated_product(gate: Linear, up: Linear, x):
@@ -114,8 +120,9 @@ def gated_product(gate: Linear, up: Linear, x):
     if gate.in_place(x) and up.in_place(x) and not (gate.use_bias or up.use_bias):
         stack = gate.stack_2d()
         lead = x.shape[: x.ndim - gate.contract]
-        layer = gate.weight.get_value().layer
-        y = bf16_gated_matmul(x.reshape(-1, stack.shape[1]), stack, up.stack_2d(), layer)
+        w = gate.weight.get_value()
+        x = x.reshape(-1, stack.shape[1])
+        y = bf16_gated_matmul(x, stack, up.stack_2d(), w.layer, live=Linear._live(x, w))
         return y.reshape(*lead, *gate.out_shape)
     return jax.nn.silu(gate(x)) * up(x)
 

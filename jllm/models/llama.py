@@ -155,13 +155,15 @@ class LlamaForCausalLM(nnx.Module):
         # The bf16 projections the CPU kernel runs stay stacked, outside the scan's inputs:
         # each layer's Linear gets the whole stack and its index (StackedWeight), so the
         # scan never copies those weights out per layer. Everything else is scanned.
+        # The kernel skips the step's padding tokens (those whose K/V write is dropped).
         in_place = _stays_stacked if bf16_matmul.applies(self.dtype) else nnx.Nothing
         graphdef, stacked, layer_states = nnx.split(self.layers, in_place, ...)
+        live = md.slot_mapping < kv_cache.shape[1] * kv_cache.shape[2]  # [T]: not B * S
 
         def body(carry, inputs):
             x, kv_cache = carry
             layer_state, index = inputs
-            views = jax.tree.map(lambda stack: StackedWeight(stack, index), stacked)
+            views = jax.tree.map(lambda stack: StackedWeight(stack, index, live), stacked)
             layer = nnx.merge(graphdef, views, layer_state)
             x, kv_cache = layer(x, positions, kv_cache, index, md, backend)
             return (x, kv_cache), None

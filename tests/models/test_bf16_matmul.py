@@ -121,6 +121,28 @@ def test_gated_propagates_nan_to_its_row_only():
     assert np.isnan(got[3]).all() and np.isfinite(np.delete(got, 3, axis=0)).all()
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_padding_rows_are_skipped_and_zero(gated):
+    """Rows marked not live (a step's padding) come out zero whatever x holds there (NaN
+    here), and the live rows, in runs of every length around them, are the full product."""
+    m, k, n = 90, 96, 70
+    x, w = operands(m, k, n)
+    _, up = operands(m, k, n, seed=4)
+    live = np.ones(m, bool)
+    live[[0, 3, 4, 20]] = False
+    live[40:75] = False  # a decode bucket's padding: a long run
+    x = x.at[~live].set(jnp.nan)
+    if gated:
+        got = bf16_gated_matmul(x, w, up, 1, jnp.float32, live=jnp.asarray(live))
+        full = bf16_gated_matmul(x[live], w, up, 1, jnp.float32)
+    else:
+        got = kernel(x, w, 1, jnp.float32, live=jnp.asarray(live))
+        full = kernel(x[live], w, 1, jnp.float32)
+    got = np.asarray(got)
+    assert not got[~live].any()
+    np.testing.assert_array_equal(got[live], np.asarray(full))
+
+
 def test_refuses_what_it_cannot_multiply():
     x, w = operands(4, 32, 16)
     with pytest.raises(ValueError, match="bfloat16 x and w"):
@@ -129,6 +151,8 @@ def test_refuses_what_it_cannot_multiply():
         kernel(x, w[:, :16])
     with pytest.raises(ValueError, match="bfloat16 or float32"):
         kernel(x, w, 0, jnp.float16)
+    with pytest.raises(ValueError, match="live must be"):
+        kernel(x, w, 0, live=jnp.ones(5, bool))
     with pytest.raises(ValueError, match="is not like gate"):
         bf16_gated_matmul(x, w, w[:, :, :8])
 
