@@ -2,20 +2,25 @@
 //
 // y[M, N] = x[M, K] @ w[layer][K, N]: x bfloat16 row-major, w one layer of a stacked
 // bfloat16 weight [L, K, N] (or [K, N] with layer 0), read in place; y bfloat16 or float32
-// (the result buffer's type), accumulated in float32. The contract of bf16_matmul.py.
+// (the result buffer's type), accumulated in float32. The contract of bf16_matmul.py. A
+// second entry point takes two weights of one shape and writes silu(x @ gate) * (x @ up)
+// (a gated MLP's first half), the SiLU taken on the float32 accumulators. Both take `live`,
+// one byte per row of x (or none): rows marked 0, a step's padding, are not computed and
+// come out zero.
 //
 // Why not XLA's product: inside the model's layer scan XLA copies each layer's weights out
 // of the stack before multiplying, and its CPU products of these shapes (SmolLM2's, 64 and
-// 2048 rows) ran at 150-350 GFLOP/s where this loop runs at 250-420 on the 2-core Zen 4
-// (one core's vdpbf16ps peak measured at 234 GFLOP/s).
+// 2048 rows) ran at 96-346 GFLOP/s where this loop runs at 219-406 on the 2-core Zen 4
+// (one core's vdpbf16ps loop measured at 227-234 GFLOP/s).
 //
 // The loop: one tile is up to kMaxRows rows of x by 32 columns of w, 2 * rows accumulators
 // of 16 floats in registers. Per pair of inputs k, k+1 it loads the two weight rows' 32
 // columns, interleaves them into the (w[k][n], w[k+1][n]) pairs `vdpbf16ps` takes (the
 // unpack instructions work within 128-bit lanes, so columns come out permuted and are put
 // back in order once, at the store), broadcasts each row's (x[m][k], x[m][k+1]) pair and
-// issues two dot instructions per row. Work items are blocks of rows by runs of 32-column
-// panels, shared over XLA's intra-op pool; a block's tiles reuse each panel from cache.
+// issues two dot instructions per row. Work items are blocks of up to 8 tiles by runs of
+// 32-column panels, shared over XLA's intra-op pool; a block's tiles reuse each panel from
+// cache.
 //
 // Like XLA's own bf16 products on this hardware (which use the same instruction), the dot
 // instruction treats denormal inputs as zero and flushes denormal results.

@@ -9,8 +9,9 @@ dynamic slice does on every step.
 Where it runs (`enabled`, decided once per process and logged): XLA's CPU backend on an x86
 CPU with AVX512-BF16 and without AMX, for bfloat16 models on one device. Measured on the
 2-core Zen 4 (AVX512-BF16, no AMX), SmolLM2's layer products, one call each
-(`benchmarks/matmul.py`): 250-370 GFLOP/s at 64 rows against XLA's 150-290, and 380-420 at
-2048 rows against 245-355. With AMX, XLA's products use the tile instructions (bf16 ran 4x
+(`benchmarks/matmul.py`, one layer of a 30-layer stack): 219-364 GFLOP/s at 64 rows against
+XLA's 96-159 (its dynamic slice of the layer, then the product), 329-406 at 2048 rows against
+298-346. With AMX, XLA's products use the tile instructions (bf16 ran 4x
 float32 at 2048 rows on a 2-core Xeon), which this loop does not: XLA keeps them there.
 Under a mesh of several devices the products stay XLA's, which shards them.
 

@@ -1,0 +1,130 @@
+"""The CPU bf16 matmul kernel against XLA's product and torch's, side by side in one run.
+
+SmolLM2-135M's layer products (30 layers stacked, as the model holds them) at 1, 64 and
+2048 rows, bf16 in, bf16 out, float32 accumulation:
+- `kernel`: jllm/models/bf16_matmul.cc reading one layer of the stack in place (the gated
+  row: silu(x @ gate) * (x @ up) in one pass);
+- `xla`: jnp.dot on the same layer inside a jitted function, as the layer scan ran it before
+  (the layer's dynamic slice, then the product; the gated row adds XLA's SiLU pass);
+- `torch`: torch.nn.functional.linear on the layer's own [Out, In] tensor (oneDNN, what
+  vLLM's CPU backend multiplies with), where torch is installed.
+
+    python benchmarks/matmul.py                  # GFLOP/s per shape, and kernel / xla
+    python benchmarks/matmul.py --rows 64 --seconds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jllm.models import bf16_matmul  # noqa: E402
+
+D, F, N_HEADS, KV = 576, 1536, 9, 3
+LAYERS = 30
+SHAPES = {  # name: (In, Out)
+    "q_proj / o_proj": (D, D),
+    "k_proj / v_proj": (D, KV * 64),
+    "gate_proj / up_proj": (D, F),
+    "down_proj": (F, D),
+}
+
+
+def timed(seconds: float, fn, *args) -> float:
+    """Best of three windows of repeated fn(*args), seconds per call."""
+
+    def call():
+        out = fn(*args)
+        if hasattr(out, "block_until_ready"):
+            out.block_until_ready()
+
+    call()
+    best = float("inf")
+    for _ in range(3):
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds / 3:
+            call()
+            n += 1
+        best = min(best, (time.perf_counter() - t0) / n)
+    return best
+
+
+def xla_product(x, stack, layer):
+    return x @ stack[layer]
+
+
+def xla_gated(x, gate, up, layer):
+    return jax.nn.silu(x @ gate[layer]) * (x @ up[layer])
+
+
+def torch_gated(x, gate, up):
+    import torch
+
+    lin = torch.nn.functional.linear
+    return torch.nn.functional.silu(lin(x, gate)) * lin(x, up)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 64, 2048])
+    ap.add_argument("--seconds", type=float, default=1.5)
+    args = ap.parse_args()
+    if not bf16_matmul.supported():
+        sys.exit("this CPU has no AVX512-BF16: the kernel does not run here")
+    try:
+        import torch
+
+        torch.set_num_threads(os.cpu_count())
+    except ImportError:
+        torch = None
+    rng = np.random.default_rng(0)
+    print(f"host: {os.cpu_count()} cores; jax {jax.__version__}; bf16; GFLOP/s (higher is better)")
+    print("| rows | product | kernel | xla | torch | kernel / xla |")
+    print("|---|---|---|---|---|---|")
+    for m in args.rows:
+        x_np = rng.normal(0, 1, (m, D)).astype(np.float32)
+        rows = list(SHAPES.items()) + [("gated gate/up (2 products)", (D, F))]
+        for name, (k, n) in rows:
+            gated = name.startswith("gated")
+            x = jnp.asarray(rng.normal(0, 1, (m, k)) if k != D else x_np, jnp.bfloat16)
+            stack = jnp.asarray(rng.normal(0, 0.02, (LAYERS, k, n)), jnp.bfloat16)
+            up = stack[::-1] if gated else None
+            layer = jnp.int32(LAYERS // 2)
+            if gated:
+                up = stack[::-1]
+                kern = jax.jit(bf16_matmul.bf16_gated_matmul)
+                t_k = timed(args.seconds, kern, x, stack, up, layer)
+                t_x = timed(args.seconds, jax.jit(xla_gated), x, stack, up, layer)
+            else:
+                kern = jax.jit(bf16_matmul.bf16_matmul)
+                t_k = timed(args.seconds, kern, x, stack, layer)
+                t_x = timed(args.seconds, jax.jit(xla_product), x, stack, layer)
+            flops = 2 * m * k * n * (2 if gated else 1)
+            t_t = None
+            if torch is not None:
+                xt = torch.from_numpy(np.asarray(x, np.float32)).to(torch.bfloat16)
+                wt = torch.from_numpy(np.asarray(stack[LAYERS // 2], np.float32).T.copy())
+                wt = wt.to(torch.bfloat16)
+                with torch.inference_mode():
+                    if gated:
+                        t_t = timed(args.seconds, torch_gated, xt, wt, wt.flip(0))
+                    else:
+                        t_t = timed(args.seconds, torch.nn.functional.linear, xt, wt)
+            torch_col = f"{flops / t_t / 1e9:.0f}" if t_t else "-"
+            print(
+                f"| {m} | {name} | {flops / t_k / 1e9:.0f} | {flops / t_x / 1e9:.0f} | "
+                f"{torch_col} | {t_x / t_k:.2f}x |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
