@@ -219,13 +219,14 @@ ffi::Error Run(ffi::ThreadPool& pool, const Product& p, const int8_t* live) {
   const int64_t panels = (p.N + kPanel - 1) / kPanel;
   const int64_t count = int64_t(tiles.size());
   const int64_t blocks = (count + kBlockTiles - 1) / kBlockTiles;
+  const int64_t per_block = (count + blocks - 1) / blocks;  // 10 tiles: 5 and 5, not 8 and 2
   // One block (decode): one panel per item, so that a narrow weight (192 columns: 6
   // panels) still splits evenly over the threads. Several: two panels per item.
   const int64_t per_item = blocks == 1 ? 1 : 2;
   const int64_t runs = (panels + per_item - 1) / per_item;
   const bool ok = jllm_cpu::share_items(pool, blocks * runs, [&](int64_t i) {
     const int64_t block = i / runs, run = i % runs;
-    const int64_t t0 = block * kBlockTiles, t1 = std::min(count, t0 + kBlockTiles);
+    const int64_t t0 = block * per_block, t1 = std::min(count, t0 + per_block);
     const int64_t p1 = std::min(panels, (run + 1) * per_item);
     for (int64_t panel = run * per_item; panel < p1; ++panel)  // the block's rows reuse it
       for (int64_t t = t0; t < t1; ++t) tile_rows(p, tiles[t].rows, tiles[t].m0, panel * kPanel);
