@@ -419,6 +419,24 @@ inline v16 fold16(const v16* v) {
   return __builtin_shuffle(w[0], bit_reversed);
 }
 
+// The online softmax's step for one row over one page of a decode: the page's 16 partial
+// dot products folded into scores (times `scale`), tokens from `nt` on masked out. Returns
+// the page's probabilities (0 past nt), updates the row's running max m and denominator l,
+// and sets alpha, the factor that rescales the row's accumulator.
+inline v16 page_softmax(const v16* part, int64_t nt, float scale, float& m, float& l,
+                        float& alpha) {
+  v16i lane;
+  for (int t = 0; t < 16; ++t) lane[t] = t;
+  const v16 zero = {};
+  const v16 sv = lane < int32_t(nt) ? fold16(part) * scale : zero - INFINITY;
+  const float m_new = std::max(m, max16(sv));
+  const v16 pv = lane < int32_t(nt) ? exp16(sv - m_new) : zero;
+  alpha = exp_nonpositive(m - m_new);
+  l = l * alpha + sum16(pv);
+  m = m_new;
+  return pv;
+}
+
 // Most query heads per kv head the decode path takes (more take run_item).
 constexpr int64_t kDecodeMaxG = 16;
 
@@ -459,8 +477,6 @@ void run_decode(const Problem& pb, const Item& it, std::vector<float>& scratch) 
   const Ct* cache = static_cast<const Ct*>(pb.cache);
   const int64_t page_elems = kS * K2 * kH, row_elems = K2 * kH;
   const int64_t page_bytes = page_elems * int64_t(sizeof(Ct));
-  v16i lane;
-  for (int t = 0; t < 16; ++t) lane[t] = t;
   v16 part[kDecodeMaxG][kS];
   v16 prob[kDecodeMaxG];
   for (int64_t pi = 0; pi < num_pages; ++pi) {
@@ -490,14 +506,7 @@ void run_decode(const Problem& pb, const Item& it, std::vector<float>& scratch) 
       float alpha[kDecodeMaxG];
       for (int64_t g = 0; g < G; ++g) {
         const int64_t j = k * G + g;
-        const v16 zero = {};
-        const v16 sv = lane < int32_t(nt) ? fold16(part[g]) : zero - INFINITY;
-        const float m_new = std::max(m[j], max16(sv));
-        const v16 pv = lane < int32_t(nt) ? exp16(sv - m_new) : zero;
-        alpha[g] = exp_nonpositive(m[j] - m_new);
-        l[j] = l[j] * alpha[g] + sum16(pv);
-        m[j] = m_new;
-        prob[g] = pv;
+        prob[g] = page_softmax(part[g], nt, 1.0f, m[j], l[j], alpha[g]);  // q was scaled
       }
       // acc = acc * alpha + sum_t p_t v_t over the page's tokens, a head at a time in
       // registers (a head's kV accumulators; the value rows come from L1 after the first).
@@ -551,8 +560,6 @@ void run_decode_bf16(const Problem& pb, const Item& it, std::vector<float>& scra
   const uint16_t* cache = static_cast<const uint16_t*>(pb.cache);
   const int64_t page_elems = kS * K2 * kH, row_elems = K2 * kH;
   const int64_t page_bytes = page_elems * 2;
-  v16i lane;
-  for (int t = 0; t < 16; ++t) lane[t] = t;
   v16 part[kDecodeMaxG][kS];
   alignas(64) uint16_t prob[kDecodeMaxG][kS];  // bf16 probabilities
   for (int64_t pi = 0; pi < num_pages; ++pi) {
@@ -581,13 +588,7 @@ void run_decode_bf16(const Problem& pb, const Item& it, std::vector<float>& scra
       float alpha[kDecodeMaxG];
       for (int64_t g = 0; g < G; ++g) {
         const int64_t j = k * G + g;
-        const v16 zero = {};
-        const v16 sv = lane < int32_t(nt) ? fold16(part[g]) * pb.scale : zero - INFINITY;
-        const float m_new = std::max(m[j], max16(sv));
-        const v16 pv = lane < int32_t(nt) ? exp16(sv - m_new) : zero;
-        alpha[g] = exp_nonpositive(m[j] - m_new);
-        l[j] = l[j] * alpha[g] + sum16(pv);
-        m[j] = m_new;
+        const v16 pv = page_softmax(part[g], nt, pb.scale, m[j], l[j], alpha[g]);
         __m512 pf;
         std::memcpy(&pf, &pv, sizeof(pf));
         _mm256_store_si256(reinterpret_cast<__m256i*>(prob[g]), (__m256i)_mm512_cvtneps_pbh(pf));
