@@ -17,6 +17,7 @@ from pallas_kernels.ragged_paged_attention import (
     load_cpu_kernel,
     unsupported_shape,
 )
+from pallas_kernels.ragged_paged_attention.cpu import cpu_flags
 
 logger = logging.getLogger("jllm")
 
@@ -39,11 +40,7 @@ CPU_BF16_ISAS = {
 
 def cpu_bf16_isa() -> str | None:
     """This x86 CPU's best bf16 matrix instructions (a key of CPU_BF16_ISAS), or None."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return None
+    flags = cpu_flags()
     return next((isa for isa in CPU_BF16_ISAS if isa in flags), None)
 
 

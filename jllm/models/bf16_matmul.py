@@ -27,7 +27,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention.cpu import CpuKernelUnavailable, FfiKernel
+from pallas_kernels.ragged_paged_attention.cpu import CpuKernelUnavailable, FfiKernel, cpu_flags
 
 logger = logging.getLogger("jllm")
 
@@ -42,18 +42,6 @@ GATED = FfiKernel(
     "JllmBf16GatedMatmul",
     "jllm_bf16_gated_matmul_cpu",
 )
-
-
-def cpu_flags() -> set[str]:
-    """The x86 feature flags of this CPU as /proc/cpuinfo names them (empty elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def supported() -> bool:

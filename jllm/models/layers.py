@@ -103,27 +103,29 @@ class Linear(nnx.Module):
         else."""
         if not self.in_place(x):
             return jnp.einsum(self.spec, x, w.stack[w.layer], preferred_element_type=out_dtype)
-        stack = self.stack_2d()
+        out_dtype = out_dtype or jnp.bfloat16
+        return self.kernel_call(
+            x, lambda x, stack, layer, live: bf16_matmul(x, stack, layer, out_dtype, live)
+        )
+
+    def kernel_call(self, x, product):
+        """product(x [M, In], stack [L, In, Out], layer, live) -> [M, Out], with x's
+        contracted axes flattened into In and the result in this Linear's output shape."""
+        w, stack = self.weight.get_value(), self.stack_2d()
         lead = x.shape[: x.ndim - self.contract]
         x = x.reshape(-1, stack.shape[1])
-        y = bf16_matmul(x, stack, w.layer, out_dtype or jnp.bfloat16, self._live(x, w))
-        return y.reshape(*lead, *self.out_shape)
-
-    @staticmethod
-    def _live(x, w: StackedWeight):
-        return w.live if w.live.shape == x.shape[:1] else None
+        live = w.live if w.live.shape == x.shape[:1] else None
+        return product(x, stack, w.layer, live).reshape(*lead, *self.out_shape)
 
 
 def gated_product(gate: Linear, up: Linear, x):
     """silu(gate(x)) * up(x), a gated MLP's first half: in one kernel pass where both
     weights are read in place without biases, the two products and the SiLU otherwise."""
     if gate.in_place(x) and up.in_place(x) and not (gate.use_bias or up.use_bias):
-        stack = gate.stack_2d()
-        lead = x.shape[: x.ndim - gate.contract]
-        w = gate.weight.get_value()
-        x = x.reshape(-1, stack.shape[1])
-        y = bf16_gated_matmul(x, stack, up.stack_2d(), w.layer, live=Linear._live(x, w))
-        return y.reshape(*lead, *gate.out_shape)
+        up_stack = up.stack_2d()
+        return gate.kernel_call(
+            x, lambda x, stack, layer, live: bf16_gated_matmul(x, stack, up_stack, layer, live=live)
+        )
     return jax.nn.silu(gate(x)) * up(x)
 
 

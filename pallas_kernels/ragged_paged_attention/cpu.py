@@ -77,6 +77,18 @@ def _cpu_fingerprint() -> str:
     return platform.processor()
 
 
+def cpu_flags() -> set[str]:
+    """The x86 feature flags of this CPU as /proc/cpuinfo names them (empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
 def _library_path(compiler: str, source_path: str, stem: str) -> str:
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True
