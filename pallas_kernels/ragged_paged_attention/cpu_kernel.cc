@@ -18,7 +18,7 @@
 // the same shapes (run_item, which also takes every other shape).
 //
 // Built at run time by cpu.py with GCC (g++ -O3 -march=native; it uses GCC's vector
-// extension and __builtin_shuffle).
+// extension, __builtin_shuffle and __builtin_shufflevector).
 
 #include <algorithm>
 #include <cmath>
@@ -40,29 +40,111 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// 16 floats as one value: GCC's vector extension, lowered to whatever SIMD the target has
-// (one AVX-512 register, two AVX2 registers, four NEON registers).
+// 16 floats as one value. With AVX-512: GCC's vector extension, one register. Without it,
+// two 8-lane halves (Two, below): GCC keeps a 64-byte vector-extension value in memory when
+// the target has no 64-byte registers, storing and reloading it around every operation, and
+// lowers its comparisons, selects and shuffles lane by lane, with a branch per lane; an AVX2
+// Zen 3 ran this file's prefill 6x and its decode 3.6x slower for it (the README's AVX2
+// section).
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+#ifdef __AVX512F__
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint16_t v16u16 __attribute__((vector_size(32)));
-typedef uint32_t v16u32 __attribute__((vector_size(64)));
 
+inline v16i to_int(v16 v) { return __builtin_convertvector(v, v16i); }  // toward zero
+inline v16 to_float(v16i v) { return __builtin_convertvector(v, v16); }
+#else
+template <typename H, typename E>  // H: the half (a vector-extension type), E: its element
+struct Two {
+  H lo, hi;
+  E operator[](int i) const { return i < 8 ? lo[i] : hi[i - 8]; }
+  Two& operator+=(const Two& o) { return *this = *this + o; }
+  Two& operator*=(const Two& o) { return *this = *this * o; }
+  friend Two operator+(const Two& a, const Two& b) { return {a.lo + b.lo, a.hi + b.hi}; }
+  friend Two operator-(const Two& a, const Two& b) { return {a.lo - b.lo, a.hi - b.hi}; }
+  friend Two operator*(const Two& a, const Two& b) { return {a.lo * b.lo, a.hi * b.hi}; }
+  friend Two operator+(const Two& a, E b) { return {a.lo + b, a.hi + b}; }
+  friend Two operator-(const Two& a, E b) { return {a.lo - b, a.hi - b}; }
+  friend Two operator*(const Two& a, E b) { return {a.lo * b, a.hi * b}; }
+  friend Two operator*(E a, const Two& b) { return {a * b.lo, a * b.hi}; }
+  friend Two operator<<(const Two& a, int b) { return {a.lo << b, a.hi << b}; }
+};
+typedef Two<v8, float> v16;
+typedef Two<v8i, int32_t> v16i;
+
+inline v16i to_int(v16 v) {  // toward zero
+  return {__builtin_convertvector(v.lo, v8i), __builtin_convertvector(v.hi, v8i)};
+}
+inline v16 to_float(v16i v) {
+  return {__builtin_convertvector(v.lo, v8), __builtin_convertvector(v.hi, v8)};
+}
+#endif
+static_assert(sizeof(v16) == 64 && sizeof(v16i) == 64, "16 lanes of 4 bytes");
+
+// Loads and stores; without AVX-512 also halves. There each half moves on its own: a 64-byte
+// copy of the pair goes through a stack slot in 16-byte pieces, and the 32-byte loads after
+// it wait for the stores (the store-to-load forwarding fails).
+#ifdef __AVX512F__
 inline v16 load16(const float* p) {
   v16 v;
   std::memcpy(&v, p, sizeof(v));
   return v;
+}
+inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+#else
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v.lo, p, sizeof(v8));
+  std::memcpy(&v.hi, p + 8, sizeof(v8));
+  return v;
+}
+inline void store16(float* p, v16 v) {
+  std::memcpy(p, &v.lo, sizeof(v8));
+  std::memcpy(p + 8, &v.hi, sizeof(v8));
+}
+inline v8 half(v16 v, int i) { return i ? v.hi : v.lo; }
+inline v8i half(v16i v, int i) { return i ? v.hi : v.lo; }
+inline v16 join(v8 lo, v8 hi) { return {lo, hi}; }
+#endif
+
+// A float8 decoder's 16 floats (cpu_fp8.h's vector type) as a v16.
+inline v16 as_v16(jllm_cpu::f32x16 f) {
+#ifdef __AVX512F__
+  return f;
+#else
+  float lanes[16];
+  std::memcpy(lanes, &f, sizeof(lanes));
+  return load16(lanes);
+#endif
 }
 
 struct Bf16 {
   using Storage = uint16_t;
   // 16 values: widened to 32-bit lanes and shifted into the float32's high half.
   static v16 load16(const uint16_t* p) {
-    v16u16 b;
+#ifdef __AVX512F__
+    typedef uint16_t u16x16 __attribute__((vector_size(32)));
+    typedef uint32_t u32x16 __attribute__((vector_size(64)));
+    u16x16 b;
     std::memcpy(&b, p, sizeof(b));
-    const v16u32 bits = __builtin_convertvector(b, v16u32) << 16;
+    const u32x16 bits = __builtin_convertvector(b, u32x16) << 16;
     v16 v;
     std::memcpy(&v, &bits, sizeof(v));
     return v;
+#else
+    typedef uint16_t u16x8 __attribute__((vector_size(16)));
+    typedef uint32_t u32x8 __attribute__((vector_size(32)));
+    v16 v;
+    for (int i = 0; i < 2; ++i) {
+      u16x8 b;
+      std::memcpy(&b, p + 8 * i, sizeof(b));
+      const u32x8 bits = __builtin_convertvector(b, u32x8) << 16;
+      std::memcpy(i ? &v.hi : &v.lo, &bits, sizeof(bits));
+    }
+    return v;
+#endif
   }
   static float load(uint16_t x) {
     const uint32_t bits = uint32_t(x) << 16;
@@ -118,11 +200,11 @@ template <int kFormat>  // 1: e4m3fn, 2: e5m2 (the `fp8` attribute's values)
 struct Fp8 {
   using Storage = uint8_t;
   static float load(uint8_t x) { return (kFormat == 1 ? kE4M3 : kE5M2).v[x]; }
-  static jllm_cpu::f32x16 load16(const uint8_t* p) {
+  static v16 load16(const uint8_t* p) {
     jllm_cpu::u8x16 b;
     std::memcpy(&b, p, 16);
-    if constexpr (kFormat == 1) return jllm_cpu::e4m3_to_floats(b);
-    return jllm_cpu::e5m2_to_floats(b);
+    if constexpr (kFormat == 1) return as_v16(jllm_cpu::e4m3_to_floats(b));
+    return as_v16(jllm_cpu::e5m2_to_floats(b));
   }
 };
 using E4M3 = Fp8<1>;
@@ -154,9 +236,30 @@ inline v16 zero_vector() {
   return v;
 }
 
-inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+// f (a generic lambda of comparisons and selects) on v16 arguments: as is with AVX-512, else
+// on their 8-lane halves.
+template <typename F, typename... A>
+inline v16 lanewise(F f, const A&... a) {
+#ifdef __AVX512F__
+  return f(a...);
+#else
+  return join(f(half(a, 0)...), f(half(a, 1)...));
+#endif
+}
 
-// Lane-wise max and sum over the 16 lanes, as a tree of shuffles.
+// Lanes t < n of a, the others of b.
+inline v16 first_lanes(int32_t n, v16 a, v16 b) {
+#ifdef __AVX512F__
+  const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#else
+  const v16i lane = {v8i{0, 1, 2, 3, 4, 5, 6, 7}, v8i{8, 9, 10, 11, 12, 13, 14, 15}};
+#endif
+  return lanewise([n](auto lane, auto a, auto b) { return lane < n ? a : b; }, lane, a, b);
+}
+
+// Lane-wise max and sum over the 16 lanes, as a tree of shuffles (without AVX-512: the
+// halves combined, then the tree on 8 lanes).
+#ifdef __AVX512F__
 inline v16 halves(v16 v, int w) {
   static const v16i masks[4] = {
       {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
@@ -179,15 +282,33 @@ inline float sum16(v16 v) {
   for (int w = 0; w < 4; ++w) v += halves(v, w);
   return v[0];
 }
+#else
+inline v8 max8(v8 a, v8 b) { return a > b ? a : b; }
+
+inline float max16(v16 v) {
+  v8 m = max8(v.lo, v.hi);
+  m = max8(m, __builtin_shufflevector(m, m, 4, 5, 6, 7, 0, 1, 2, 3));
+  m = max8(m, __builtin_shufflevector(m, m, 2, 3, 0, 1, 6, 7, 4, 5));
+  m = max8(m, __builtin_shufflevector(m, m, 1, 0, 3, 2, 5, 4, 7, 6));
+  return m[0];
+}
+
+inline float sum16(v16 v) {
+  v8 s = v.lo + v.hi;
+  s += __builtin_shufflevector(s, s, 4, 5, 6, 7, 0, 1, 2, 3);
+  s += __builtin_shufflevector(s, s, 2, 3, 0, 1, 6, 7, 4, 5);
+  s += __builtin_shufflevector(s, s, 1, 0, 3, 2, 5, 4, 7, 6);
+  return s[0];
+}
+#endif
 
 // exp_nonpositive on 16 lanes.
 inline v16 exp16(v16 x) {
   const v16 lo = zero_vector() - 87.0f;
-  x = x < lo ? lo : x;
+  x = lanewise([](auto x, auto lo) { return x < lo ? lo : x; }, x, lo);
   v16 fx = x * 1.44269504088896341f + 0.5f;
-  const v16i fi = __builtin_convertvector(fx, v16i);  // truncates toward zero
-  v16 fl = __builtin_convertvector(fi, v16);
-  fl = fl > fx ? fl - 1.0f : fl;  // floor
+  v16 fl = to_float(to_int(fx));
+  fl = lanewise([](auto fl, auto fx) { return fl > fx ? fl - 1.0f : fl; }, fl, fx);  // floor
   x = x - fl * 0.693359375f - fl * -2.12194440e-4f;
   const v16 z = x * x;
   v16 y = x * 1.9875691500e-4f + 1.3981999507e-3f;
@@ -196,7 +317,7 @@ inline v16 exp16(v16 x) {
   y = y * x + 1.6666665459e-1f;
   y = y * x + 5.0000001201e-1f;
   y = y * z + x + 1.0f;
-  const v16i e = (__builtin_convertvector(fl, v16i) + 127) << 23;
+  const v16i e = (to_int(fl) + 127) << 23;
   v16 scale;
   std::memcpy(&scale, &e, sizeof(scale));
   return y * scale;
@@ -325,12 +446,10 @@ void run_item(const Problem& pb, const Item& it, std::vector<float>& scratch) {
                 s2 += qj[h + 2] * load16(kf + (h + 2) * 16);
                 s3 += qj[h + 3] * load16(kf + (h + 3) * 16);
               }
-              v16i lane;
-              for (int t = 0; t < 16; ++t) lane[t] = t;
               const v16 zero = {};
-              const v16 sv = lane < int32_t(visible) ? (s0 + s1) + (s2 + s3) : zero - INFINITY;
+              const v16 sv = first_lanes(visible, (s0 + s1) + (s2 + s3), zero - INFINITY);
               m_new = std::max(m_new, max16(sv));
-              const v16 pv = lane < int32_t(visible) ? exp16(sv - m_new) : zero;
+              const v16 pv = first_lanes(visible, exp16(sv - m_new), zero);
               sum = sum16(pv);
               store16(sj, pv);
             }
@@ -393,9 +512,11 @@ inline void prefetch_share(const char* p, int64_t bytes, int64_t i, int64_t n) {
     __builtin_prefetch(p + line * 64, 0, 2);
 }
 
-// 16 vectors folded into one: lane t of the result is the sum of the 16 lanes of v[t]. Four
-// rounds of two-vector shuffles and adds (45 operations for 16 horizontal sums); each round
-// halves the lanes per vector, which leaves the sums in bit-reversed order, undone last.
+// 16 vectors folded into one: lane t of the result is the sum of the 16 lanes of v[t].
+// With AVX-512: four rounds of two-vector shuffles and adds (45 operations for 16
+// horizontal sums); each round halves the lanes per vector, which leaves the sums in
+// bit-reversed order, undone last. Without it, the same on 8-lane halves (fold8).
+#ifdef __AVX512F__
 inline v16 fold16(const v16* v) {
   static const v16i lo[4] = {
       {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
@@ -418,6 +539,29 @@ inline v16 fold16(const v16* v) {
              __builtin_shuffle(w[2 * i], w[2 * i + 1], hi[round]);
   return __builtin_shuffle(w[0], bit_reversed);
 }
+#else
+// Lane t of the result is the sum of the 8 lanes of w[t] (w is overwritten): three rounds
+// that each pair two vectors (lane halves, then pairs in 128-bit lanes, then neighbours:
+// shuffles AVX2 does in one instruction), then one permutation back to t's order.
+inline v8 fold8(v8* w) {
+  for (int i = 0; i < 4; ++i)
+    w[i] = __builtin_shufflevector(w[2 * i], w[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(w[2 * i], w[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)
+    w[i] = __builtin_shufflevector(w[2 * i], w[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(w[2 * i], w[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  const v8 s = __builtin_shufflevector(w[0], w[1], 0, 2, 8, 10, 4, 6, 12, 14) +
+               __builtin_shufflevector(w[0], w[1], 1, 3, 9, 11, 5, 7, 13, 15);
+  // s holds the sums of w[0], w[2], w[4], w[6], w[1], w[3], w[5], w[7].
+  return __builtin_shufflevector(s, s, 0, 4, 1, 5, 2, 6, 3, 7);
+}
+
+inline v16 fold16(const v16* v) {
+  v8 w[2][8];
+  for (int t = 0; t < 16; ++t) w[t / 8][t % 8] = v[t].lo + v[t].hi;
+  return join(fold8(w[0]), fold8(w[1]));
+}
+#endif
 
 // The online softmax's step for one row over one page of a decode: the page's 16 partial
 // dot products folded into scores (times `scale`), tokens from `nt` on masked out. Returns
@@ -425,12 +569,10 @@ inline v16 fold16(const v16* v) {
 // and sets alpha, the factor that rescales the row's accumulator.
 inline v16 page_softmax(const v16* part, int64_t nt, float scale, float& m, float& l,
                         float& alpha) {
-  v16i lane;
-  for (int t = 0; t < 16; ++t) lane[t] = t;
   const v16 zero = {};
-  const v16 sv = lane < int32_t(nt) ? fold16(part) * scale : zero - INFINITY;
+  const v16 sv = first_lanes(nt, fold16(part) * scale, zero - INFINITY);
   const float m_new = std::max(m, max16(sv));
-  const v16 pv = lane < int32_t(nt) ? exp16(sv - m_new) : zero;
+  const v16 pv = first_lanes(nt, exp16(sv - m_new), zero);
   alpha = exp_nonpositive(m - m_new);
   l = l * alpha + sum16(pv);
   m = m_new;
