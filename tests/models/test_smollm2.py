@@ -255,7 +255,12 @@ def test_smollm2_with_an_fp8_kv_cache(kv_cache_dtype):
         f"{kv_cache_dtype}: choice gap {gap:.3f}, logprob error mean {mean:.3f} worst {worst:.3f}"
     )
     # measured (Zen 4): e4m3 gap 0.186, mean 0.048, worst 0.288; e5m2 gap 0.186, mean 0.099,
-    # worst 0.833 (a near tie: the chosen token 0.19 nats below the top in both)
-    assert gap < 0.5 and mean < (0.08 if kv_cache_dtype == "fp8_e4m3" else 0.15)
-    assert worst < (0.5 if kv_cache_dtype == "fp8_e4m3" else 1.5)
+    # worst 0.833 (a near tie: the chosen token 0.19 nats below the top in both). On an AVX2
+    # Zen 3, e4m3: gap 0.508 and mean 0.050-0.060 with the C++ kernel and the XLA attention
+    # alike, worst 0.41-0.71 as the summation order changed. Rounding to float8 is not
+    # continuous: a float32 difference in the last bit moves a K/V value by a whole float8
+    # step where it sits at a rounding boundary, so the single worst token and the near tie
+    # move by tenths of a nat between machines; the mean is the tight bound.
+    assert gap < 0.75 and mean < (0.08 if kv_cache_dtype == "fp8_e4m3" else 0.15)
+    assert worst < (1.0 if kv_cache_dtype == "fp8_e4m3" else 1.5)
     assert "Paris" in outs[0].outputs[0].text
