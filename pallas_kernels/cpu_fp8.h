@@ -36,20 +36,6 @@ typedef i32x8 I32s;
 constexpr int kLanes = 8;
 #endif
 
-// 16 bytes zero-extended to 32-bit lanes (the quantized-weight kernel's).
-inline i32x16 widen_u8(u8x16 b) {
-#ifdef __AVX512F__
-  __m128i raw;
-  std::memcpy(&raw, &b, 16);
-  const __m512i w = _mm512_cvtepu8_epi32(raw);
-  i32x16 v;
-  std::memcpy(&v, &w, 64);
-  return v;
-#else
-  return __builtin_convertvector(b, i32x16);
-#endif
-}
-
 // kLanes bytes zero-extended to 32-bit lanes.
 inline I32s widen_u8(const uint8_t* p) {
 #ifdef __AVX512F__
@@ -64,6 +50,17 @@ inline I32s widen_u8(const uint8_t* p) {
   u8x8 b;
   std::memcpy(&b, p, 8);
   return __builtin_convertvector(b, I32s);
+#endif
+}
+
+// 16 bytes zero-extended to 32-bit lanes (the quantized-weight kernel's).
+inline i32x16 widen_u8(u8x16 b) {
+#ifdef __AVX512F__
+  uint8_t bytes[16];
+  std::memcpy(bytes, &b, 16);
+  return widen_u8(bytes);
+#else
+  return __builtin_convertvector(b, i32x16);
 #endif
 }
 
@@ -118,28 +115,24 @@ inline F32s e5m2_lanes(const uint8_t* p) {
 #endif
 }
 
-// 16 codes as floats, kLanes at a time.
-template <bool kNan = true>
-inline f32x16 e4m3_to_floats(u8x16 b) {
+// 16 codes as floats, `lanes` (e4m3_lanes or e5m2_lanes) kLanes at a time.
+template <typename Lanes>
+inline f32x16 sixteen_floats(u8x16 b, Lanes lanes) {
   uint8_t codes[16];
   std::memcpy(codes, &b, 16);
   f32x16 out;
   for (int i = 0; i < 16; i += kLanes) {
-    const F32s v = e4m3_lanes<kNan>(codes + i);
+    const F32s v = lanes(codes + i);
     std::memcpy(reinterpret_cast<char*>(&out) + 4 * i, &v, sizeof(v));
   }
   return out;
 }
 
-inline f32x16 e5m2_to_floats(u8x16 b) {
-  uint8_t codes[16];
-  std::memcpy(codes, &b, 16);
-  f32x16 out;
-  for (int i = 0; i < 16; i += kLanes) {
-    const F32s v = e5m2_lanes(codes + i);
-    std::memcpy(reinterpret_cast<char*>(&out) + 4 * i, &v, sizeof(v));
-  }
-  return out;
+template <bool kNan = true>
+inline f32x16 e4m3_to_floats(u8x16 b) {
+  return sixteen_floats(b, e4m3_lanes<kNan>);
 }
+
+inline f32x16 e5m2_to_floats(u8x16 b) { return sixteen_floats(b, e5m2_lanes); }
 
 }  // namespace jllm_cpu
