@@ -1,16 +1,19 @@
-"""The CPU bf16 matmul kernel against XLA's product and torch's, side by side in one run.
+"""The CPU matmul kernels against XLA's product and torch's, side by side in one run.
 
 SmolLM2-135M's layer products (30 layers stacked, as the model holds them) at 1, 64 and
-2048 rows, bf16 in, bf16 out, float32 accumulation:
-- `kernel`: jllm/models/bf16_matmul.cc reading one layer of the stack in place (the gated
-  row: silu(x @ gate) * (x @ up) in one pass);
-- `xla`: jnp.dot on the same layer inside a jitted function, as the layer scan ran it before
-  (the layer's dynamic slice, then the product; the gated row adds XLA's SiLU pass);
+2048 rows (`--rows`), in the model's dtype (`--dtype`):
+- `kernel`: the C++ kernel reading one layer of the stack in place. bfloat16:
+  jllm/models/bf16_matmul.cc (float32 accumulation; the gated row: silu(x @ gate) * (x @ up)
+  in one pass), on CPUs with AVX512-BF16. float32: jllm/models/f32_matmul.cc, on x86 CPUs
+  with FMA;
+- `xla`: jnp.dot on the same layer inside a jitted function, as the layer scan runs it
+  without the kernel (the layer's dynamic slice, then the product; the gated row adds XLA's
+  SiLU pass);
 - `torch`: torch.nn.functional.linear on the layer's own [Out, In] tensor (oneDNN, what
   vLLM's CPU backend multiplies with), where torch is installed.
 
-    python benchmarks/matmul.py                  # GFLOP/s per shape, and kernel / xla
-    python benchmarks/matmul.py --rows 64 --seconds 2
+    python benchmarks/matmul.py                  # bf16: GFLOP/s per shape, and kernel / xla
+    python benchmarks/matmul.py --dtype float32 --rows 1 8 64 128 256 512 2048
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jllm.models import bf16_matmul  # noqa: E402
+from jllm.models import bf16_matmul, f32_matmul  # noqa: E402
 
 D, F, N_HEADS, KV = 576, 1536, 9, 3
 LAYERS = 30
@@ -76,9 +79,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 64, 2048])
     ap.add_argument("--seconds", type=float, default=1.5)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = ap.parse_args()
-    if not bf16_matmul.supported():
-        sys.exit("this CPU has no AVX512-BF16: the kernel does not run here")
+    f32 = args.dtype == "float32"
+    if f32 and not f32_matmul.supported():
+        sys.exit("this CPU has no FMA with AVX2: the float32 kernel does not run here")
+    if not f32 and not bf16_matmul.supported():
+        sys.exit("this CPU has no AVX512-BF16: the bf16 kernel does not run here")
+    dtype = jnp.float32 if f32 else jnp.bfloat16
     try:
         import torch
 
@@ -86,16 +94,19 @@ def main():
     except ImportError:
         torch = None
     rng = np.random.default_rng(0)
-    print(f"host: {os.cpu_count()} cores; jax {jax.__version__}; bf16; GFLOP/s (higher is better)")
+    print(
+        f"host: {os.cpu_count()} cores; jax {jax.__version__}; {args.dtype}; "
+        "GFLOP/s (higher is better)"
+    )
     print("| rows | product | kernel | xla | torch | kernel / xla |")
     print("|---|---|---|---|---|---|")
     for m in args.rows:
         x_np = rng.normal(0, 1, (m, D)).astype(np.float32)
-        rows = list(SHAPES.items()) + [("gated gate/up (2 products)", (D, F))]
+        rows = list(SHAPES.items()) + ([] if f32 else [("gated gate/up (2 products)", (D, F))])
         for name, (k, n) in rows:
             gated = name.startswith("gated")
-            x = jnp.asarray(rng.normal(0, 1, (m, k)) if k != D else x_np, jnp.bfloat16)
-            stack = jnp.asarray(rng.normal(0, 0.02, (LAYERS, k, n)), jnp.bfloat16)
+            x = jnp.asarray(rng.normal(0, 1, (m, k)) if k != D else x_np, dtype)
+            stack = jnp.asarray(rng.normal(0, 0.02, (LAYERS, k, n)), dtype)
             up = stack[::-1] if gated else None
             layer = jnp.int32(LAYERS // 2)
             if gated:
@@ -104,15 +115,16 @@ def main():
                 t_k = timed(args.seconds, kern, x, stack, up, layer)
                 t_x = timed(args.seconds, jax.jit(xla_gated), x, stack, up, layer)
             else:
-                kern = jax.jit(bf16_matmul.bf16_matmul)
+                kern = jax.jit(f32_matmul.f32_matmul if f32 else bf16_matmul.bf16_matmul)
                 t_k = timed(args.seconds, kern, x, stack, layer)
                 t_x = timed(args.seconds, jax.jit(xla_product), x, stack, layer)
             flops = 2 * m * k * n * (2 if gated else 1)
             t_t = None
             if torch is not None:
-                xt = torch.from_numpy(np.asarray(x, np.float32)).to(torch.bfloat16)
+                tdtype = torch.float32 if f32 else torch.bfloat16
+                xt = torch.from_numpy(np.asarray(x, np.float32)).to(tdtype)
                 wt = torch.from_numpy(np.asarray(stack[LAYERS // 2], np.float32).T.copy())
-                wt = wt.to(torch.bfloat16)
+                wt = wt.to(tdtype)
                 with torch.inference_mode():
                     if gated:
                         t_t = timed(args.seconds, torch_gated, xt, wt, wt.flip(0))

@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 from jax._src.lib import _profile_data  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from throughput import w1, w3  # noqa: E402
+from throughput import s1, w1, w3  # noqa: E402
 
 from jllm import LLM, SamplingParams  # noqa: E402
 
@@ -51,7 +51,7 @@ NOT_THUNKS = re.compile(r"^(ThunkExecutor|SlinkyThreadPool|\$|Pjit|Thunk)")
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--workload", choices=["W1", "W3"], default="W1")
+    ap.add_argument("--workload", choices=["W1", "W3", "S1"], default="W1")
     ap.add_argument("--skip", type=int, default=20, help="steps run before the trace")
     ap.add_argument("--steps", type=int, default=10, help="steps traced")
     ap.add_argument("--top", type=int, default=12, help="thunks listed by name")
@@ -61,7 +61,7 @@ def main() -> None:
     llm = LLM(dtype=args.dtype, disable_log_stats=True)
     engine = llm.llm_engine
     rng = np.random.default_rng(0)
-    reqs = w1(rng) if args.workload == "W1" else w3(rng)
+    reqs = {"W1": w1, "W3": w3, "S1": s1}[args.workload](rng)
     for i, (prompt, n) in enumerate(reqs):
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         engine.add_request(str(i), *engine.prepare({"prompt_token_ids": prompt}, params))

@@ -246,7 +246,8 @@ struct Product {
 };
 
 ffi::Error Run(ffi::ThreadPool&, const Product&, const int8_t*) {
-  return ffi::Error::Unimplemented("the bf16 matmul kernel needs a CPU with AVX512-BF16");
+  return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                    "the bf16 matmul kernel needs a CPU with AVX512-BF16");
 }
 
 #endif  // __AVX512BF16__

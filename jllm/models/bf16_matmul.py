@@ -93,7 +93,8 @@ def _check(x, w, out_dtype):
     return jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), out_dtype)
 
 
-def _live(x, live) -> jax.Array:
+def check_live(x, live) -> jax.Array:
+    """live as the kernels take it: [M] int8, or [0] for every row."""
     if live is None:
         return jnp.zeros((0,), jnp.int8)
     if live.shape != (x.shape[0],):
@@ -110,7 +111,7 @@ def bf16_matmul(
     padding rows are not); the others come out zero. None: every row."""
     out = _check(x, w, out_dtype)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    return jax.ffi.ffi_call(KERNEL.load(), out)(x, w, layer, _live(x, live))
+    return jax.ffi.ffi_call(KERNEL.load(), out)(x, w, layer, check_live(x, live))
 
 
 def bf16_gated_matmul(
@@ -123,7 +124,7 @@ def bf16_gated_matmul(
     if up.shape != gate.shape or up.dtype != gate.dtype:
         raise ValueError(f"bf16_gated_matmul: up {up.shape} {up.dtype} is not like gate")
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    return jax.ffi.ffi_call(GATED.load(), out)(x, gate, up, layer, _live(x, live))
+    return jax.ffi.ffi_call(GATED.load(), out)(x, gate, up, layer, check_live(x, live))
 
 
 def reference(x: jax.Array, w: jax.Array, layer=0, out_dtype=jnp.bfloat16) -> jax.Array:

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jllm.models import f32_matmul
 from jllm.models.bf16_matmul import bf16_gated_matmul, bf16_matmul
 from jllm.quantization.weights import QuantizedWeight, matmul
 
@@ -30,8 +31,8 @@ def param(rngs: nnx.Rngs, shape, axes, dtype, scale=0.02, **metadata) -> nnx.Par
 @dataclasses.dataclass(frozen=True)
 class StackedWeight:
     """One layer of a stacked [L, ...] Linear weight, left in the stack: what the layer scan
-    hands a Linear whose product the CPU bf16 kernel runs (bf16_matmul.py), so that the
-    kernel reads the layer in place instead of XLA copying it out of the stack."""
+    hands a Linear whose product a CPU kernel runs (bf16_matmul.py, f32_matmul.py), so that
+    the kernel reads the layer in place instead of XLA copying it out of the stack."""
 
     stack: jax.Array  # [L, *weight shape]
     layer: jax.Array  # int32 scalar
@@ -79,18 +80,24 @@ class Linear(nnx.Module):
             y = jnp.einsum(self.spec, x, w, preferred_element_type=out_dtype)
         return y + self.bias[...] if self.use_bias else y
 
-    def in_place(self, x) -> bool:
-        """Whether the kernel multiplies x by this Linear's weight in the stack: the weight
-        is a bf16 StackedWeight, x bf16, and x's trailing axes are the weight's leading
-        (contracted) ones in order, as in every projection here."""
+    def in_place(self, x, out_dtype=None) -> bool:
+        """Whether a kernel multiplies x by this Linear's weight in the stack: the weight is
+        a StackedWeight of x's dtype, bf16 (the bf16 kernel) or float32 (the float32 kernel,
+        for at most f32_matmul.MAX_ROWS rows and a float32 result), and x's trailing axes
+        are the weight's leading (contracted) ones in order, as in every projection here."""
         w = self.weight.get_value()
-        if not isinstance(w, StackedWeight):
+        if not isinstance(w, StackedWeight) or x.dtype != w.stack.dtype:
             return False
         inputs, output = self.spec.replace(" ", "").split("->")
         x_axes, w_axes = inputs.split(",")
         c = self.contract
-        simple = x_axes[-c:] == w_axes[:c] and output == x_axes[:-c] + w_axes[c:]
-        return simple and x.dtype == jnp.bfloat16 and w.stack.dtype == jnp.bfloat16
+        if not (x_axes[-c:] == w_axes[:c] and output == x_axes[:-c] + w_axes[c:]):
+            return False
+        if x.dtype == jnp.bfloat16:
+            return True
+        rows = math.prod(x.shape[: x.ndim - c])
+        f32_out = out_dtype is None or jnp.dtype(out_dtype) == jnp.float32
+        return x.dtype == jnp.float32 and f32_out and rows <= f32_matmul.MAX_ROWS
 
     def stack_2d(self) -> jax.Array:
         """The stacked weight as [L, In, Out] (row-major: a bitcast, no copy)."""
@@ -101,8 +108,12 @@ class Linear(nnx.Module):
     def _stacked_product(self, x, w: StackedWeight, out_dtype):
         """The kernel's product where it applies (`in_place`); the layer's slice through XLA
         else."""
-        if not self.in_place(x):
+        if not self.in_place(x, out_dtype):
             return jnp.einsum(self.spec, x, w.stack[w.layer], preferred_element_type=out_dtype)
+        if x.dtype == jnp.float32:
+            return self.kernel_call(
+                x, lambda x, stack, layer, live: f32_matmul.f32_matmul(x, stack, layer, live)
+            )
         out_dtype = out_dtype or jnp.bfloat16
         return self.kernel_call(
             x, lambda x, stack, layer, live: bf16_matmul(x, stack, layer, out_dtype, live)
@@ -119,9 +130,10 @@ class Linear(nnx.Module):
 
 
 def gated_product(gate: Linear, up: Linear, x):
-    """silu(gate(x)) * up(x), a gated MLP's first half: in one kernel pass where both
-    weights are read in place without biases, the two products and the SiLU otherwise."""
-    if gate.in_place(x) and up.in_place(x) and not (gate.use_bias or up.use_bias):
+    """silu(gate(x)) * up(x), a gated MLP's first half: in one pass of the bf16 kernel where
+    both weights are read in place without biases, the two products and the SiLU otherwise."""
+    both = gate.in_place(x) and up.in_place(x) and x.dtype == jnp.bfloat16
+    if both and not (gate.use_bias or up.use_bias):
         up_stack = up.stack_2d()
         return gate.kernel_call(
             x, lambda x, stack, layer, live: bf16_gated_matmul(x, stack, up_stack, layer, live=live)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jllm.models import bf16_matmul
+from jllm.models import bf16_matmul, f32_matmul
 from jllm.models.attention import paged_attention
 from jllm.models.layers import Linear, RMSNorm, StackedWeight, gated_product, param
 from jllm.models.rope import RopeConfig, apply_rope
@@ -67,12 +67,17 @@ class LlamaConfig:
         )
 
 
-def _stays_stacked(path, variable) -> bool:
-    """A Linear's bf16 weight (not quantized): the CPU kernel reads it in the stack."""
-    if not isinstance(variable, nnx.Param) or variable.get_metadata().get("contract") is None:
-        return False
-    value = variable.get_value()
-    return isinstance(value, jax.Array) and value.dtype == jnp.bfloat16
+def _stays_stacked(dtype):
+    """A filter for a Linear's weight of `dtype` (not quantized): a CPU kernel reads it in
+    the stack."""
+
+    def stays(path, variable) -> bool:
+        if not isinstance(variable, nnx.Param) or variable.get_metadata().get("contract") is None:
+            return False
+        value = variable.get_value()
+        return isinstance(value, jax.Array) and value.dtype == dtype
+
+    return stays
 
 
 class Attention(nnx.Module):
@@ -152,11 +157,14 @@ class LlamaForCausalLM(nnx.Module):
             x = take_rows(table, token_ids, self.dtype)
         else:
             x = table[token_ids]  # [T, D]
-        # The bf16 projections the CPU kernel runs stay stacked, outside the scan's inputs:
-        # each layer's Linear gets the whole stack and its index (StackedWeight), so the
-        # scan never copies those weights out per layer. Everything else is scanned.
-        # The kernel skips the step's padding tokens (those whose K/V write is dropped).
-        in_place = _stays_stacked if bf16_matmul.applies(self.dtype) else nnx.Nothing
+        # The projections a CPU kernel runs (bf16, or float32 on steps of few tokens) stay
+        # stacked, outside the scan's inputs: each layer's Linear gets the whole stack and
+        # its index (StackedWeight), so the scan never copies those weights out per layer.
+        # Everything else is scanned. The kernels skip the step's padding tokens (those
+        # whose K/V write is dropped).
+        rows = token_ids.shape[0]
+        kernel = bf16_matmul.applies(self.dtype) or f32_matmul.applies(self.dtype, rows)
+        in_place = _stays_stacked(jnp.dtype(self.dtype)) if kernel else nnx.Nothing
         graphdef, stacked, layer_states = nnx.split(self.layers, in_place, ...)
         live = md.slot_mapping < kv_cache.shape[1] * kv_cache.shape[2]  # [T]: not B * S
 

@@ -1,0 +1,95 @@
+"""The CPU product of float32 rows and one layer of a stacked float32 weight, read in place.
+
+`f32_matmul.cc` as an XLA FFI call, built once per machine with the CPU attention kernel's
+machinery (GCC, cached under ~/.cache/jllm/kernels). The float32 counterpart of
+bf16_matmul.py: the model's layer scan hands each `Linear` a `StackedWeight` (layers.py), the
+whole [L, ...] weight and the layer index, so that no layer's weights are copied out of the
+stack before the product, as XLA's dynamic slice does on every step.
+
+Where it runs (`enabled`, decided once per process and logged): XLA's CPU backend on an x86
+CPU with FMA and AVX2 or AVX-512, for float32 models on one device, and (`applies`) for
+steps of at most `MAX_ROWS` tokens. XLA's dynamic slice costs the same at any row count,
+while its products pull ahead of this loop on long prefill steps; the bound is the row count
+up to which the kernel measured faster (`benchmarks/matmul.py --dtype float32`).
+
+Glossary: M rows, K inputs, N outputs, L layers.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+
+from jllm.models.bf16_matmul import check_live
+from pallas_kernels.ragged_paged_attention.cpu import CpuKernelUnavailable, FfiKernel, cpu_flags
+
+logger = logging.getLogger("jllm")
+
+SOURCE = os.path.join(os.path.dirname(__file__), "f32_matmul.cc")
+KERNEL = FfiKernel(
+    SOURCE, "f32_matmul", "CPU float32 matmul kernel", "JllmF32Matmul", "jllm_f32_matmul_cpu"
+)
+
+# Steps of more tokens keep XLA's products (see the module docstring).
+MAX_ROWS = 256
+
+
+def supported() -> bool:
+    """Whether this CPU can run the kernel at all (x86 with FMA and AVX2 or AVX-512F)."""
+    flags = cpu_flags()
+    return "fma" in flags and ("avx2" in flags or "avx512f" in flags)
+
+
+@functools.cache
+def enabled() -> bool:
+    """Whether float32 models' layer products go to the kernel in this process: the CPU
+    backend, FMA, and a kernel that builds. Logged once."""
+    if jax.default_backend() != "cpu":
+        return False
+    if not supported():
+        logger.info("float32 layer products: XLA's (this CPU has no FMA with AVX2).")
+        return False
+    try:
+        KERNEL.load()
+    except CpuKernelUnavailable as e:
+        logger.warning("float32 layer products: XLA's (the kernel is unavailable: %s).", e)
+        return False
+    logger.info(
+        "float32 layer products: the C++ kernel for steps of up to %d tokens, XLA's above.",
+        MAX_ROWS,
+    )
+    return True
+
+
+def applies(dtype, rows: int) -> bool:
+    """Whether a model of activation dtype `dtype` runs a step of `rows` tokens' layer
+    products on the kernel here: float32, at most MAX_ROWS rows, `enabled`, and no mesh of
+    several devices (checked at trace time)."""
+    if jnp.dtype(dtype) != jnp.float32 or rows > MAX_ROWS or not enabled():
+        return False
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.empty or mesh.size == 1
+
+
+def f32_matmul(x: jax.Array, w: jax.Array, layer=0, live=None) -> jax.Array:
+    """x [M, K] @ w[layer] -> [M, N] float32; w is [L, K, N] (read in place) or [K, N];
+    layer an int or an int32 scalar, traced or not, within [0, L). live: [M] bool or int, the
+    rows to compute (a step's padding rows are not); the others come out zero. None: every
+    row."""
+    if x.dtype != jnp.float32 or w.dtype != jnp.float32:
+        raise ValueError(f"f32_matmul takes float32 x and w, got {x.dtype} and {w.dtype}")
+    if x.ndim != 2 or w.ndim not in (2, 3) or w.shape[-2] != x.shape[1]:
+        raise ValueError(f"f32_matmul takes x [M, K] and w [L, K, N], got {x.shape} {w.shape}")
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), jnp.float32)
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    return jax.ffi.ffi_call(KERNEL.load(), out)(x, w, layer, check_live(x, live))
+
+
+def reference(x: jax.Array, w: jax.Array, layer=0) -> jax.Array:
+    """f32_matmul's result through XLA."""
+    w = w[layer] if w.ndim == 3 else w
+    return jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST)

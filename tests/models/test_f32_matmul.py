@@ -1,0 +1,170 @@
+"""The CPU float32 matmul kernel (jllm/models/f32_matmul.cc) against XLA's product, and the
+engine on it: greedy tokens and logprobs against transformers in float32, the kernel in the
+compiled steps of few tokens with no layer's weights copied out of the stack there, and
+XLA's products above `MAX_ROWS`.
+
+The kernel needs an x86 CPU with FMA and AVX2 (or AVX-512), which every development and CI
+machine has; elsewhere these tests are skipped with that reason and the products stay
+XLA's (`enabled`)."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from oracle import SMALL, prompt_ids, save_tiny, worst_teacher_forced_gaps
+
+from jllm import LLM, SamplingParams
+from jllm.models import f32_matmul
+from jllm.models.f32_matmul import f32_matmul as kernel
+from jllm.models.f32_matmul import reference
+
+pytestmark = pytest.mark.skipif(
+    not f32_matmul.supported(), reason="the float32 matmul kernel needs x86 FMA with AVX2"
+)
+
+
+def operands(m, k, n, layers=3, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(0, 1, (m, k)), jnp.float32)
+    w = jnp.asarray(rng.normal(0, 1, (layers, k, n)), jnp.float32)
+    return x, w
+
+
+def assert_product(x, w, layer, got):
+    """Within float32 summation error of XLA's product at the highest precision: K terms
+    summed in another order differ by a few K ulps of the sum of the terms' magnitudes."""
+    exact = np.asarray(reference(x, w, layer))
+    scale = np.abs(np.asarray(x)) @ np.abs(np.asarray(w[layer]))
+    k = x.shape[1]
+    np.testing.assert_array_less(np.abs(np.asarray(got) - exact), 2e-7 * k * scale + 1e-30)
+
+
+@pytest.mark.parametrize(
+    "m,k,n",
+    [
+        (1, 64, 96),  # one row (a single decode), a panel and an edge
+        (64, 576, 192),  # SmolLM2's k_proj at a decode batch: tiles of 6 and 5 rows
+        (6, 32, 64),  # one full tile
+        (2, 7, 37),  # odd K, columns of an edge only
+        (130, 128, 64),  # several row blocks
+        (3, 1536, 40),
+    ],
+)
+def test_matches_xla(m, k, n):
+    x, w = operands(m, k, n)
+    for layer in (0, 2):
+        got = jax.jit(kernel)(x, w, layer)
+        assert got.dtype == jnp.float32 and got.shape == (m, n)
+        assert_product(x, w, layer, got)
+    two_d = kernel(x, w[1], 0)  # an unstacked [K, N] weight
+    assert_product(x, w, 1, two_d)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    m=st.integers(1, 40),
+    k=st.integers(1, 80),
+    n=st.integers(1, 140),
+    layer=st.integers(0, 1),
+    seed=st.integers(0, 2**16),
+)
+def test_any_shape_matches_xla(m, k, n, layer, seed):
+    x, w = operands(m, k, n, layers=2, seed=seed)
+    assert_product(x, w, layer, kernel(x, w, layer))
+
+
+def test_rows_are_independent():
+    """A NaN in one row (a padding row's garbage, say) reaches no other row's outputs."""
+    x, w = operands(20, 96, 70)
+    x = x.at[7, 5].set(jnp.nan)
+    got = np.asarray(kernel(x, w, 1))
+    assert np.isnan(got[7]).all()
+    others = np.delete(np.arange(20), 7)
+    assert np.isfinite(got[others]).all()
+    assert_product(x[others], w, 1, got[others])
+
+
+def test_padding_rows_are_skipped_and_zero():
+    """Rows marked not live (a step's padding) come out zero whatever x holds there (NaN
+    here), and the live rows, in runs of every length around them, are the full product."""
+    m, k, n = 90, 96, 70
+    x, w = operands(m, k, n)
+    live = np.ones(m, bool)
+    live[[0, 3, 4, 20]] = False
+    live[40:75] = False  # a decode bucket's padding: a long run
+    x = x.at[~live].set(jnp.nan)
+    got = np.asarray(kernel(x, w, 1, live=jnp.asarray(live)))
+    assert not got[~live].any()
+    np.testing.assert_array_equal(got[live], np.asarray(kernel(x[live], w, 1)))
+
+
+def test_refuses_what_it_cannot_multiply():
+    x, w = operands(4, 32, 16)
+    with pytest.raises(ValueError, match="float32 x and w"):
+        kernel(x.astype(jnp.bfloat16), w)
+    with pytest.raises(ValueError, match=r"x \[M, K\]"):
+        kernel(x, w[:, :16])
+    with pytest.raises(ValueError, match="live must be"):
+        kernel(x, w, 0, live=jnp.ones(5, bool))
+
+
+@pytest.fixture(scope="module")
+def f32_qwen3(tmp_path_factory, tokenizer_dir):
+    # Per-head q/k norms and a head dim (32) that is not hidden / heads: o_proj's input
+    # (heads x head dim, 128) differs from its output (64).
+    return save_tiny("qwen3", tmp_path_factory.mktemp("f32mm"), tokenizer_dir)
+
+
+def weight_copies(hlo: str, shape) -> list[str]:
+    """Instructions of a compiled HLO module whose result has one layer's weight shape."""
+    pattern = re.compile(rf"= f32\[{','.join(map(str, shape))}\]")
+    return [line.strip() for line in hlo.splitlines() if pattern.search(line)]
+
+
+def test_engine_on_the_kernel_against_transformers(f32_qwen3, monkeypatch):
+    """A float32 engine whose steps of at most MAX_ROWS tokens (2 here) run their layer
+    products on the kernel, and XLA's above: the kernel and no copy of a layer's weights in
+    the decode step, XLA's copies in a prefill step; greedy choices and logprobs as
+    transformers' in float32."""
+    monkeypatch.setattr(f32_matmul, "MAX_ROWS", 2)
+    jax.clear_caches()  # the decision is made at trace time
+    llm = LLM(f32_qwen3, dtype="float32", **SMALL)
+    runner = llm.llm_engine.runner
+    gate_shape = (64, 128)  # gate_proj's [D, F]
+    for key, on in (((2, 0), True), ((0, 1), False)):
+        buf, layout, _ = runner._packed_inputs(*key)
+        text = runner._forward_executable(key, jax.device_put(buf), layout).as_text()
+        assert ("jllm_f32_matmul_cpu" in text) == on, key
+        assert bool(weight_copies(text, gate_shape)) != on, key
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(f32_qwen3).eval()
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    batch = prompt_ids(2, 5) + prompt_ids(1, 40, seed=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    runs = [(p, o.outputs[0]) for p, o in zip(batch, outs, strict=True)]
+    worst_choice, worst_logprob = worst_teacher_forced_gaps(model, runs)
+    assert worst_choice <= 1e-4, worst_choice
+    assert worst_logprob <= 1e-3, worst_logprob
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize(
+    "flags,want,reason",
+    [
+        ({"avx2", "fma"}, True, "the C++ kernel"),
+        ({"avx512f", "fma"}, True, "the C++ kernel"),
+        ({"sse4_2"}, False, "no FMA with AVX2"),
+    ],
+)
+def test_where_the_kernel_runs(monkeypatch, caplog, flags, want, reason):
+    monkeypatch.setattr(f32_matmul, "cpu_flags", lambda: flags)
+    with caplog.at_level("INFO", logger="jllm"):
+        assert f32_matmul.enabled.__wrapped__() is want
+    assert reason in caplog.text
