@@ -16,8 +16,10 @@
 // panel for 3-6 rows on AVX2, whose 16 registers hold 12 accumulators, the weight vectors
 // and one broadcast). Per input k it loads the panel's row of w and, per row of the tile,
 // broadcasts x[m][k] and issues one FMA per vector. Work items are blocks of up to
-// kBlockTiles tiles by runs of panels, shared over XLA's intra-op pool; a block's tiles
-// reuse each panel from cache. Columns past the last full panel take a plain loop.
+// kBlockTiles tiles by runs of panels, shared over XLA's intra-op pool; a block of several
+// tiles first packs each panel into a buffer of its own, which its tiles then read from
+// cache (a decode step's single tile reads the panel in place). Columns past the last full
+// panel take a plain loop.
 //
 // Sums run in order of k with one FMA per term (XLA's products block and reorder their
 // sums), so results match XLA's to float32 rounding, not bit for bit.
@@ -76,20 +78,20 @@ inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 constexpr int kPanelVecs = 4;
 constexpr int64_t kPanel = kPanelVecs * kLanes;  // columns per panel: 32 (AVX2) or 64
 constexpr int kMaxRows = 6;
-constexpr int64_t kBlockTiles = 8;  // tiles per work item (48 rows when full)
+constexpr int64_t kBlockTiles = 32;  // tiles per work item (192 rows when full)
 
 // Rows m0 .. m0 + R - 1 by the V vectors of columns from w's column 0 (w and y already
-// offset to the panel's first column): y = x @ w over all K.
+// offset to the panel's first column; w's rows ldw floats apart): y = x @ w over all K.
 template <int R, int V>
 __attribute__((always_inline)) inline void vectors(const Product& p, const float* w,
-                                                   int64_t m0, float* y) {
+                                                   int64_t ldw, int64_t m0, float* y) {
   const int64_t K = p.K, N = p.N;
   Vec acc[R][V];
   // Unrolled by pragma so that GCC keeps the arrays in registers.
   _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r)
       _Pragma("GCC unroll 8") for (int v = 0; v < V; ++v) acc[r][v] = vzero();
   const float* x = p.x + m0 * K;
-  for (int64_t k = 0; k < K; ++k, w += N) {
+  for (int64_t k = 0; k < K; ++k, w += ldw) {
     Vec b[V];
     _Pragma("GCC unroll 8") for (int v = 0; v < V; ++v) b[v] = vload(w + v * kLanes);
     _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
@@ -102,21 +104,23 @@ __attribute__((always_inline)) inline void vectors(const Product& p, const float
           vstore(y + (m0 + r) * N + v * kLanes, acc[r][v]);
 }
 
-// One full panel (columns n0 .. n0 + kPanel - 1) of rows m0 .. m0 + R - 1: in one pass, or
-// in two of half a panel where the registers do not hold R x 4 accumulators.
+// One full panel (columns n0 .. n0 + kPanel - 1, read from `panel`, rows ldw floats apart)
+// of rows m0 .. m0 + R - 1: in one pass, or in two of half a panel where the registers do
+// not hold R x 4 accumulators.
 template <int R>
-void tile(const Product& p, int64_t m0, int64_t n0) {
+void tile(const Product& p, const float* panel, int64_t ldw, int64_t m0, int64_t n0) {
   constexpr bool halves = !kManyRegisters && R > 2;
   constexpr int V = halves ? kPanelVecs / 2 : kPanelVecs;
   for (int64_t c = 0; c < kPanel; c += V * kLanes)
-    vectors<R, V>(p, p.w + n0 + c, m0, p.y + n0 + c);
+    vectors<R, V>(p, panel + c, ldw, m0, p.y + n0 + c);
 }
 
-void tile_rows(const Product& p, int rows, int64_t m0, int64_t n0) {
+void tile_rows(const Product& p, const float* panel, int64_t ldw, int rows, int64_t m0,
+               int64_t n0) {
   switch (rows) {
 #define JLLM_TILE(R) \
   case R:            \
-    return tile<R>(p, m0, n0);
+    return tile<R>(p, panel, ldw, m0, n0);
     JLLM_TILE(1) JLLM_TILE(2) JLLM_TILE(3) JLLM_TILE(4) JLLM_TILE(5) JLLM_TILE(6)
 #undef JLLM_TILE
   }
@@ -139,6 +143,15 @@ struct Tile {
   int64_t m0;
   int rows;
 };
+
+// This thread's buffer for one packed panel of K rows, 64-byte aligned, kept between calls.
+float* panel_scratch(int64_t K) {
+  thread_local std::vector<float> scratch;
+  const size_t floats = size_t(K * kPanel) + 16;
+  if (scratch.size() < floats) scratch.resize(floats);
+  const uintptr_t at = reinterpret_cast<uintptr_t>(scratch.data());
+  return scratch.data() + ((64 - at % 64) % 64) / sizeof(float);
+}
 
 // The tiles over the live rows (live[m] != 0; every row when live is null): each run of
 // consecutive live rows split into tiles of near-equal height (64 rows: 6 x 5 and 5 x 6...),
@@ -181,13 +194,26 @@ ffi::Error Run(ffi::ThreadPool& pool, const Product& p, const int8_t* live) {
     const int64_t block = i / runs, run = i % runs;
     const int64_t t0 = block * per_block, t1 = std::min(count, t0 + per_block);
     const int64_t p1 = std::min(panels, (run + 1) * per_item);
-    for (int64_t panel = run * per_item; panel < p1; ++panel)  // the block's rows reuse it
-      for (int64_t t = t0; t < t1; ++t) {
-        if (panel < full)
-          tile_rows(p, tiles[t].rows, tiles[t].m0, panel * kPanel);
-        else
-          edge(p, tiles[t].rows, tiles[t].m0, panel * kPanel);
+    for (int64_t panel = run * per_item; panel < p1; ++panel) {  // the block's rows reuse it
+      const int64_t n0 = panel * kPanel;
+      if (panel == full) {
+        for (int64_t t = t0; t < t1; ++t) edge(p, tiles[t].rows, tiles[t].m0, n0);
+        continue;
       }
+      // Several tiles: the panel packed first, its rows next to each other. In place, a
+      // panel's rows lie N floats apart, a stride that maps them onto a few cache sets (N =
+      // 1536: two of L1's 64), so the panel would not stay in cache from one tile to the next.
+      const float* w = p.w + n0;
+      int64_t ldw = p.N;
+      if (t1 - t0 > 1) {
+        float* packed = panel_scratch(p.K);
+        for (int64_t k = 0; k < p.K; ++k)
+          std::memcpy(packed + k * kPanel, w + k * p.N, kPanel * sizeof(float));
+        w = packed;
+        ldw = kPanel;
+      }
+      for (int64_t t = t0; t < t1; ++t) tile_rows(p, w, ldw, tiles[t].rows, tiles[t].m0, n0);
+    }
   });
   return ok ? ffi::Error::Success() : ffi::Error::Internal("a float32 matmul work item failed");
 }

@@ -35,7 +35,7 @@ KERNEL = FfiKernel(
 )
 
 # Steps of more tokens keep XLA's products (see the module docstring).
-MAX_ROWS = 256
+MAX_ROWS = 512
 
 
 def supported() -> bool:

@@ -53,7 +53,8 @@ def assert_product(x, w, layer, got):
         (64, 576, 192),  # SmolLM2's k_proj at a decode batch: tiles of 6 and 5 rows
         (6, 32, 64),  # one full tile
         (2, 7, 37),  # odd K, columns of an edge only
-        (130, 128, 64),  # several row blocks
+        (130, 128, 64),  # one block of 22 tiles: the panels packed first
+        (200, 48, 70),  # two blocks, and a column edge
         (3, 1536, 40),
     ],
 )
