@@ -122,7 +122,7 @@ def main():
             t_t = None
             if torch is not None:
                 tdtype = torch.float32 if f32 else torch.bfloat16
-                xt = torch.from_numpy(np.asarray(x, np.float32)).to(tdtype)
+                xt = torch.from_numpy(np.array(x, np.float32)).to(tdtype)
                 wt = torch.from_numpy(np.asarray(stack[LAYERS // 2], np.float32).T.copy())
                 wt = wt.to(tdtype)
                 with torch.inference_mode():
