@@ -1,6 +1,7 @@
 // Sharing a custom call's work items over XLA's intra-op thread pool: the CPU kernels'
-// common scaffold. Included by pallas_kernels/ragged_paged_attention/cpu_kernel.cc and
-// jllm/quantization/cpu_matmul.cc; ragged_paged_attention/cpu.py builds both with this
+// common scaffold, and the row tiles and work items of the layer-product kernels. Included
+// by pallas_kernels/ragged_paged_attention/cpu_kernel.cc, jllm/quantization/cpu_matmul.cc
+// and jllm/models/{bf16,f32}_matmul.cc; ragged_paged_attention/cpu.py builds them with this
 // folder on the include path and hashes it into the cached libraries' names.
 #pragma once
 
@@ -10,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -50,6 +52,82 @@ bool share_items(xla::ffi::ThreadPool& pool, int64_t total, Item item) {
   std::unique_lock<std::mutex> lock(progress->mu);
   progress->cv.wait(lock, [&] { return progress->done.load() >= total; });
   return !progress->failed.load();
+}
+
+// A layer product y[M, N] = x[M, K] @ w[layer], w [L, K, N] or [K, N]: its sizes and the
+// layer's first element in w, from checked operand shapes (live: [M] or [0]; layer: [1]).
+struct ProductShape {
+  int64_t M, N, K, offset;
+};
+
+template <typename Dims>
+xla::ffi::Error product_shape(const Dims& xd, const Dims& wd, const Dims& yd,
+                              int64_t live_count, int64_t layer_count, const int32_t* layer,
+                              ProductShape& out) {
+  using xla::ffi::Error;
+  if (xd.size() != 2 || (wd.size() != 2 && wd.size() != 3) || yd.size() != 2 ||
+      layer_count != 1)
+    return Error::InvalidArgument("x [M, K], w [L, K, N] or [K, N], layer [1]");
+  out.M = xd[0];
+  out.K = xd[1];
+  out.N = wd[wd.size() - 1];
+  const int64_t layers = wd.size() == 3 ? wd[0] : 1;
+  if (wd[wd.size() - 2] != out.K || yd[0] != out.M || yd[1] != out.N)
+    return Error::InvalidArgument("inconsistent matmul shapes");
+  if (live_count != 0 && live_count != out.M)
+    return Error::InvalidArgument("live must have one entry per row of x, or none");
+  if (layer[0] < 0 || layer[0] >= layers)
+    return Error::InvalidArgument("layer index out of range");
+  out.offset = int64_t(layer[0]) * out.K * out.N;
+  return Error::Success();
+}
+
+// Rows m0 .. m0 + rows - 1 of a product's x: one tile of a layer-product kernel.
+struct RowTile {
+  int64_t m0;
+  int rows;
+};
+
+// The tiles over the live rows (live[m] != 0; every row when live is null): each run of
+// consecutive live rows split into tiles of at most max_rows and near-equal height (64 rows
+// at 14: 13, 13, 13, 13, 12), since a short last tile pays the weight loads of a full one.
+inline std::vector<RowTile> live_tiles(const int8_t* live, int64_t M, int max_rows) {
+  std::vector<RowTile> tiles;
+  for (int64_t m = 0; m < M;) {
+    if (live && !live[m]) {
+      ++m;
+      continue;
+    }
+    int64_t end = m + 1;
+    while (end < M && (!live || live[end])) ++end;
+    const int64_t count = (end - m + max_rows - 1) / max_rows;
+    for (int64_t t = 0; t < count; ++t) {
+      const int rows = int((end - m + (count - t) - 1) / (count - t));
+      tiles.push_back({m, rows});
+      m += rows;
+    }
+  }
+  return tiles;
+}
+
+// A layer product's work items over the pool: blocks of up to block_tiles of `count` tiles
+// (near-equal: 10 tiles at 8 are 5 and 5) by runs of its `panels` column panels. item(t0,
+// t1, p0, p1) computes tiles [t0, t1) for panels [p0, p1), and may reuse each panel from
+// cache across the block's tiles. One block (a decode step): one panel per item, so that a
+// narrow weight (6 panels) still splits evenly over the threads; several: two panels.
+template <typename Item>
+bool share_tile_panels(xla::ffi::ThreadPool& pool, int64_t count, int64_t panels,
+                       int64_t block_tiles, Item item) {
+  if (count == 0 || panels == 0) return true;
+  const int64_t blocks = (count + block_tiles - 1) / block_tiles;
+  const int64_t per_block = (count + blocks - 1) / blocks;
+  const int64_t per_item = blocks == 1 ? 1 : 2;
+  const int64_t runs = (panels + per_item - 1) / per_item;
+  return share_items(pool, blocks * runs, [&](int64_t i) {
+    const int64_t block = i / runs, run = i % runs;
+    const int64_t t0 = block * per_block, t1 = std::min(count, t0 + per_block);
+    item(t0, t1, run * per_item, std::min(panels, (run + 1) * per_item));
+  });
 }
 
 }  // namespace jllm_cpu

@@ -182,55 +182,20 @@ void tile_rows(const Product& p, int rows, int64_t m0, int64_t n0) {
   }
 }
 
-struct Tile {
-  int64_t m0;
-  int rows;
-};
-
-// The tiles over the live rows (live[m] != 0; every row when live is null): each run of
-// consecutive live rows split into tiles of near-equal height (64 rows: 13, 13, 13, 13,
-// 12), since a short last tile pays the weight loads and interleaves of a full one.
-std::vector<Tile> live_tiles(const int8_t* live, int64_t M) {
-  std::vector<Tile> tiles;
-  for (int64_t m = 0; m < M;) {
-    if (live && !live[m]) {
-      ++m;
-      continue;
-    }
-    int64_t end = m + 1;
-    while (end < M && (!live || live[end])) ++end;
-    const int64_t count = (end - m + kMaxRows - 1) / kMaxRows;
-    for (int64_t t = 0; t < count; ++t) {
-      const int rows = int((end - m + (count - t) - 1) / (count - t));
-      tiles.push_back({m, rows});
-      m += rows;
-    }
-  }
-  return tiles;
-}
-
 ffi::Error Run(ffi::ThreadPool& pool, const Product& p, const int8_t* live) {
   if (live) {  // padding rows: zeros, which every later op takes as it took XLA's products
     const int64_t row_bytes = p.N * (p.f32_out ? 4 : 2);
     for (int64_t m = 0; m < p.M; ++m)
       if (!live[m]) std::memset(static_cast<char*>(p.y) + m * row_bytes, 0, row_bytes);
   }
-  const std::vector<Tile> tiles = live_tiles(live, p.M);
+  const std::vector<jllm_cpu::RowTile> tiles = jllm_cpu::live_tiles(live, p.M, kMaxRows);
   const int64_t panels = (p.N + kPanel - 1) / kPanel;
-  const int64_t count = int64_t(tiles.size());
-  const int64_t blocks = (count + kBlockTiles - 1) / kBlockTiles;
-  const int64_t per_block = (count + blocks - 1) / blocks;  // 10 tiles: 5 and 5, not 8 and 2
-  // One block (decode): one panel per item, so that a narrow weight (192 columns: 6
-  // panels) still splits evenly over the threads. Several: two panels per item.
-  const int64_t per_item = blocks == 1 ? 1 : 2;
-  const int64_t runs = (panels + per_item - 1) / per_item;
-  const bool ok = jllm_cpu::share_items(pool, blocks * runs, [&](int64_t i) {
-    const int64_t block = i / runs, run = i % runs;
-    const int64_t t0 = block * per_block, t1 = std::min(count, t0 + per_block);
-    const int64_t p1 = std::min(panels, (run + 1) * per_item);
-    for (int64_t panel = run * per_item; panel < p1; ++panel)  // the block's rows reuse it
+  const auto item = [&](int64_t t0, int64_t t1, int64_t p0, int64_t p1) {
+    for (int64_t panel = p0; panel < p1; ++panel)  // the block's rows reuse it
       for (int64_t t = t0; t < t1; ++t) tile_rows(p, tiles[t].rows, tiles[t].m0, panel * kPanel);
-  });
+  };
+  const int64_t count = int64_t(tiles.size());
+  const bool ok = jllm_cpu::share_tile_panels(pool, count, panels, kBlockTiles, item);
   return ok ? ffi::Error::Success() : ffi::Error::Internal("a bf16 matmul work item failed");
 }
 
@@ -256,37 +221,32 @@ ffi::Error Run(ffi::ThreadPool&, const Product&, const int8_t*) {
 ffi::Error Checked(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& w,
                    const ffi::AnyBuffer* up, ffi::Buffer<ffi::S32>& layer,
                    ffi::Buffer<ffi::S8>& live, ffi::Result<ffi::AnyBuffer>& y) {
-  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  const auto wd = w.dimensions();
   if (x.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument("x and w must be bfloat16");
   if (y->element_type() != ffi::DataType::BF16 && y->element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("y must be bfloat16 or float32");
-  if (xd.size() != 2 || (wd.size() != 2 && wd.size() != 3) || yd.size() != 2 ||
-      layer.element_count() != 1)
-    return ffi::Error::InvalidArgument("x [M, K], w [L, K, N] or [K, N], layer [1]");
+  jllm_cpu::ProductShape shape;
+  const ffi::Error bad =
+      jllm_cpu::product_shape(x.dimensions(), wd, y->dimensions(), live.element_count(),
+                              layer.element_count(), layer.typed_data(), shape);
+  if (bad.failure()) return bad;
   if (up && (up->element_type() != ffi::DataType::BF16 ||
              !std::equal(wd.begin(), wd.end(), up->dimensions().begin(),
                          up->dimensions().end())))
     return ffi::Error::InvalidArgument("up must be bfloat16 of w's shape");
   Product p;
-  p.M = xd[0];
-  p.K = xd[1];
-  p.N = wd[wd.size() - 1];
-  const int64_t layers = wd.size() == 3 ? wd[0] : 1;
-  if (wd[wd.size() - 2] != p.K || yd[0] != p.M || yd[1] != p.N)
-    return ffi::Error::InvalidArgument("inconsistent bf16 matmul shapes");
-  if (live.element_count() != 0 && live.element_count() != p.M)
-    return ffi::Error::InvalidArgument("live must have one entry per row of x, or none");
-  const int64_t l = layer.typed_data()[0];
-  if (l < 0 || l >= layers) return ffi::Error::InvalidArgument("layer index out of range");
+  p.M = shape.M;
+  p.N = shape.N;
+  p.K = shape.K;
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
   if (p.K == 0) {  // silu(0) * 0 is 0 too
     std::memset(y->untyped_data(), 0, y->size_bytes());
     return ffi::Error::Success();
   }
   p.x = static_cast<const uint16_t*>(x.untyped_data());
-  p.w = static_cast<const uint16_t*>(w.untyped_data()) + l * p.K * p.N;
-  p.up = up ? static_cast<const uint16_t*>(up->untyped_data()) + l * p.K * p.N : nullptr;
+  p.w = static_cast<const uint16_t*>(w.untyped_data()) + shape.offset;
+  p.up = up ? static_cast<const uint16_t*>(up->untyped_data()) + shape.offset : nullptr;
   p.y = y->untyped_data();
   p.f32_out = y->element_type() == ffi::DataType::F32;
   return Run(pool, p, live.element_count() ? live.typed_data() : nullptr);
