@@ -3,6 +3,7 @@ directories, transformers' greedy generation, and small engine settings."""
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import torch
@@ -205,3 +206,10 @@ def prometheus_value(prom, name: str, label: str = "") -> float:
         if line.startswith(name + "{") and label in line:
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} {label} not exported")
+
+
+def weight_copies(hlo: str, dtype: str, shape) -> list[str]:
+    """Instructions of a compiled HLO module whose result has one layer's weight shape, of
+    HLO element type `dtype` ("bf16", "f32"): the layer scan's copies out of the stack."""
+    pattern = re.compile(rf"= {dtype}\[{','.join(map(str, shape))}\]")
+    return [line.strip() for line in hlo.splitlines() if pattern.search(line)]

@@ -83,8 +83,10 @@ class Linear(nnx.Module):
     def in_place(self, x, out_dtype=None) -> bool:
         """Whether a kernel multiplies x by this Linear's weight in the stack: the weight is
         a StackedWeight of x's dtype, bf16 (the bf16 kernel) or float32 (the float32 kernel,
-        for at most f32_matmul.MAX_ROWS rows and a float32 result), and x's trailing axes
-        are the weight's leading (contracted) ones in order, as in every projection here."""
+        for a float32 result), and x's trailing axes are the weight's leading (contracted)
+        ones in order, as in every projection here. Whether a step's weights stay stacked
+        at all (its dtype and, for float32, its token count) the model decides once, with
+        the kernels' `applies`."""
         w = self.weight.get_value()
         if not isinstance(w, StackedWeight) or x.dtype != w.stack.dtype:
             return False
@@ -95,9 +97,8 @@ class Linear(nnx.Module):
             return False
         if x.dtype == jnp.bfloat16:
             return True
-        rows = math.prod(x.shape[: x.ndim - c])
         f32_out = out_dtype is None or jnp.dtype(out_dtype) == jnp.float32
-        return x.dtype == jnp.float32 and f32_out and rows <= f32_matmul.MAX_ROWS
+        return x.dtype == jnp.float32 and f32_out
 
     def stack_2d(self) -> jax.Array:
         """The stacked weight as [L, In, Out] (row-major: a bitcast, no copy)."""

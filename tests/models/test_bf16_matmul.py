@@ -8,8 +8,6 @@ stay XLA's (`enabled`)."""
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +16,7 @@ import torch
 import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracle import SMALL, prompt_ids, save_tiny, worst_teacher_forced_gaps
+from oracle import SMALL, prompt_ids, save_tiny, weight_copies, worst_teacher_forced_gaps
 
 from jllm import LLM, SamplingParams
 from jllm.models import bf16_matmul
@@ -164,12 +162,6 @@ def bf16_qwen3(tmp_path_factory, tokenizer_dir):
     return save_tiny("qwen3", tmp_path_factory.mktemp("bf16mm"), tokenizer_dir, torch.bfloat16)
 
 
-def weight_copies(hlo: str, shape) -> list[str]:
-    """Instructions of a compiled HLO module whose result has one layer's weight shape."""
-    pattern = re.compile(rf"= bf16\[{','.join(map(str, shape))}\]")
-    return [line.strip() for line in hlo.splitlines() if pattern.search(line)]
-
-
 @pytest.mark.parametrize("on", [True, False])
 def test_engine_on_the_kernel_against_fp32_oracle(bf16_qwen3, monkeypatch, on):
     """The engine with its layer products on the kernel (and, as the control, on XLA's):
@@ -184,7 +176,7 @@ def test_engine_on_the_kernel_against_fp32_oracle(bf16_qwen3, monkeypatch, on):
     assert ("jllm_bf16_matmul_cpu" in text) == on
     assert ("jllm_bf16_gated_matmul_cpu" in text) == on
     gate_shape = (64, 128)  # gate_proj's [D, F]
-    assert bool(weight_copies(text, gate_shape)) != on
+    assert bool(weight_copies(text, "bf16", gate_shape)) != on
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
         bf16_qwen3, dtype=torch.float32

@@ -9,8 +9,6 @@ XLA's (`enabled`)."""
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +16,7 @@ import pytest
 import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracle import SMALL, prompt_ids, save_tiny, worst_teacher_forced_gaps
+from oracle import SMALL, prompt_ids, save_tiny, weight_copies, worst_teacher_forced_gaps
 
 from jllm import LLM, SamplingParams
 from jllm.models import f32_matmul
@@ -123,12 +121,6 @@ def f32_qwen3(tmp_path_factory, tokenizer_dir):
     return save_tiny("qwen3", tmp_path_factory.mktemp("f32mm"), tokenizer_dir)
 
 
-def weight_copies(hlo: str, shape) -> list[str]:
-    """Instructions of a compiled HLO module whose result has one layer's weight shape."""
-    pattern = re.compile(rf"= f32\[{','.join(map(str, shape))}\]")
-    return [line.strip() for line in hlo.splitlines() if pattern.search(line)]
-
-
 def test_engine_on_the_kernel_against_transformers(f32_qwen3, monkeypatch):
     """A float32 engine whose steps of at most MAX_ROWS tokens (2 here) run their layer
     products on the kernel, and XLA's above: the kernel and no copy of a layer's weights in
@@ -143,7 +135,7 @@ def test_engine_on_the_kernel_against_transformers(f32_qwen3, monkeypatch):
         buf, layout, _ = runner._packed_inputs(*key)
         text = runner._forward_executable(key, jax.device_put(buf), layout).as_text()
         assert ("jllm_f32_matmul_cpu" in text) == on, key
-        assert bool(weight_copies(text, gate_shape)) != on, key
+        assert bool(weight_copies(text, "f32", gate_shape)) != on, key
 
     model = transformers.AutoModelForCausalLM.from_pretrained(f32_qwen3).eval()
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
