@@ -3,7 +3,8 @@
 // y[M, N] = x[M, K] @ w[layer][K, N]: x float32 row-major, w one layer of a stacked float32
 // weight [L, K, N] (or [K, N] with layer 0), read in place; y float32. The contract of
 // f32_matmul.py. `live` is one byte per row of x (or none): rows marked 0, a step's padding,
-// are not computed and come out zero.
+// are not computed and come out zero. With the attribute w_transposed, w is [L, N, K] or
+// [N, K] (a tied embedding table as the LM head) and y = x @ w[layer]^T.
 //
 // Why not XLA's product: inside the model's layer scan XLA copies each layer's weights out
 // of the stack before multiplying (a dynamic slice into a new buffer, then the product).
@@ -16,10 +17,12 @@
 // panel for 3-6 rows on AVX2, whose 16 registers hold 12 accumulators, the weight vectors
 // and one broadcast). Per input k it loads the panel's row of w and, per row of the tile,
 // broadcasts x[m][k] and issues one FMA per vector. Work items are blocks of up to
-// kBlockTiles tiles by runs of panels, shared over XLA's intra-op pool; a block of several
-// tiles first packs each panel into a buffer of its own, which its tiles then read from
-// cache (a decode step's single tile reads the panel in place). Columns past the last full
-// panel take a plain loop.
+// kBlockTiles tiles by runs of panels, shared over XLA's intra-op pool. With one block, a
+// work item of several tiles first packs its panel into a buffer of its own, which its tiles
+// then read from cache (a decode step's single tile reads the panel in place); with several
+// blocks, the whole weight is packed once, up front, in parallel. Columns past the last full
+// panel take a plain loop. A transposed w is packed the same way, 8 x 8 blocks transposed in
+// registers; one tile of it (a few rows) takes dot products over w's rows in place instead.
 //
 // Sums run in order of k with one FMA per term (XLA's products block and reorder their
 // sums), so results match XLA's to float32 rounding, not bit for bit.
@@ -139,53 +142,219 @@ void edge(const Product& p, int rows, int64_t m0, int64_t n0) {
   }
 }
 
-// This thread's buffer for one packed panel of K rows, 64-byte aligned, kept between calls.
-float* panel_scratch(int64_t K) {
-  thread_local std::vector<float> scratch;
-  const size_t floats = size_t(K * kPanel) + 16;
-  if (scratch.size() < floats) scratch.resize(floats);
-  const uintptr_t at = reinterpret_cast<uintptr_t>(scratch.data());
-  return scratch.data() + ((64 - at % 64) % 64) / sizeof(float);
+// ---- w transposed: y[M, N] = x[M, K] @ w[N, K]^T --------------------------------------------
+// The [Out, In] layout of a tied embedding table used as the LM head. Each output is the dot
+// product of a row of x and a row of w, both contiguous: a tile is up to kDotRows rows of x
+// by kDotCols rows of w, with one 8-lane accumulator per pair (kDotRows x kDotCols of them,
+// the x rows' vectors and one w vector in AVX2's 16 registers), summed across lanes at the
+// end. No packing: a work item keeps its kDotCols rows of w in L1 while its block's rows of
+// x come from L2. 256-bit vectors on every build, AVX-512 ones included (the only width this
+// code is tested at); the LM head is a small part of a step.
+
+constexpr int kDotRows = 3;
+constexpr int kDotCols = 4;
+constexpr int64_t kDotRun = 64;  // groups of kDotCols outputs per work item of run_dots
+
+// The four 8-lane sums a0..a3 as one 4-lane vector.
+inline __m128 lane_sums(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
-ffi::Error Run(ffi::ThreadPool& pool, const Product& p, const int8_t* live) {
-  if (live) {  // padding rows: zeros, which every later op takes as it took XLA's products
-    for (int64_t m = 0; m < p.M; ++m)
-      if (!live[m]) std::fill(p.y + m * p.N, p.y + (m + 1) * p.N, 0.0f);
+// Rows m0 .. m0 + R - 1 of x by rows n0 .. n0 + C - 1 of w.
+template <int R, int C>
+void dots(const Product& p, int64_t m0, int64_t n0) {
+  const int64_t K = p.K, body = K - K % 8;
+  const float* x = p.x + m0 * K;
+  const float* w = p.w + n0 * K;
+  __m256 acc[R][C];
+  _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r)
+      _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < body; k += 8) {
+    __m256 a[R];
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) a[r] = _mm256_loadu_ps(x + r * K + k);
+    _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c) {
+      const __m256 b = _mm256_loadu_ps(w + c * K + k);
+      _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r)
+          acc[r][c] = _mm256_fmadd_ps(a[r], b, acc[r][c]);
+    }
   }
+  const __m256 zero = _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    float sums[4];
+    _mm_storeu_ps(sums, lane_sums(acc[r][0], C > 1 ? acc[r][1 % C] : zero,
+                                  C > 2 ? acc[r][2 % C] : zero, C > 3 ? acc[r][3 % C] : zero));
+    for (int c = 0; c < C; ++c) {
+      float sum = sums[c];
+      for (int64_t k = body; k < K; ++k) sum = std::fma(x[r * K + k], w[c * K + k], sum);
+      p.y[(m0 + r) * p.N + n0 + c] = sum;
+    }
+  }
+}
+
+template <int R>
+void dots_cols(const Product& p, int64_t m0, int64_t n0, int cols) {
+  switch (cols) {
+    case 1: return dots<R, 1>(p, m0, n0);
+    case 2: return dots<R, 2>(p, m0, n0);
+    case 3: return dots<R, 3>(p, m0, n0);
+    case 4: return dots<R, 4>(p, m0, n0);
+  }
+}
+
+void dot_tile(const Product& p, int rows, int64_t m0, int64_t n0, int cols) {
+  switch (rows) {
+    case 1: return dots_cols<1>(p, m0, n0, cols);
+    case 2: return dots_cols<2>(p, m0, n0, cols);
+    case 3: return dots_cols<3>(p, m0, n0, cols);
+  }
+}
+
+// Rows m0 .. m0 + rows - 1 (any number) by columns n0 .. n1 - 1.
+void dot_block(const Product& p, int rows, int64_t m0, int64_t n0, int64_t n1) {
+  for (int r = 0; r < rows; r += kDotRows)
+    for (int64_t n = n0; n < n1; n += kDotCols)
+      dot_tile(p, std::min(kDotRows, rows - r), m0 + r, n, int(std::min<int64_t>(kDotCols, n1 - n)));
+}
+
+// A step of at most kMaxRows live rows with w transposed: dot tiles over runs of kDotRun
+// groups of outputs, the rows of w read once, in place.
+ffi::Error run_dots(ffi::ThreadPool& pool, const Product& p, const jllm_cpu::RowTile& tile) {
+  const int64_t span = kDotRun * kDotCols;
+  const bool ok = jllm_cpu::share_items(pool, (p.N + span - 1) / span, [&](int64_t i) {
+    dot_block(p, tile.rows, tile.m0, i * span, std::min(p.N, (i + 1) * span));
+  });
+  return ok ? ffi::Error::Success() : ffi::Error::Internal("a float32 matmul work item failed");
+}
+
+// The eight rows of r transposed in place (r[i][j] becomes r[j][i]).
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8], s[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    s[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    s[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    s[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    s[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x31);
+  }
+}
+
+// Full panel `panel` of w (columns n0 .. n0 + kPanel - 1) packed into `to`: K rows of kPanel
+// floats. w [K, N]: row by row; transposed, w [N, K]: the panel's kPanel rows of w, 8 by 8.
+void pack_panel(const Product& p, int64_t panel, bool transposed, float* to) {
+  const int64_t K = p.K, n0 = panel * kPanel;
+  if (!transposed) {
+    for (int64_t k = 0; k < K; ++k)
+      std::memcpy(to + k * kPanel, p.w + k * p.N + n0, kPanel * sizeof(float));
+    return;
+  }
+  const float* w = p.w + n0 * K;
+  const int64_t body = K - K % 8;
+  for (int64_t j0 = 0; j0 < kPanel; j0 += 8) {
+    for (int64_t k0 = 0; k0 < body; k0 += 8) {
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(w + (j0 + i) * K + k0);
+      transpose8(r);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(to + (k0 + i) * kPanel + j0, r[i]);
+    }
+    for (int64_t k = body; k < K; ++k)
+      for (int i = 0; i < 8; ++i) to[k * kPanel + j0 + i] = w[(j0 + i) * K + k];
+  }
+}
+
+// A thread's buffer of at least `floats` floats, 64-byte aligned, kept between calls: one
+// packed panel (panel_scratch, any thread), or a call's whole packed weight (the calling
+// thread's own, which no other call uses while this one waits for its items).
+float* scratch(std::vector<float>& buffer, size_t floats) {
+  if (buffer.size() < floats + 16) buffer.resize(floats + 16);
+  const uintptr_t at = reinterpret_cast<uintptr_t>(buffer.data());
+  return buffer.data() + ((64 - at % 64) % 64) / sizeof(float);
+}
+
+float* panel_scratch(int64_t K) {
+  thread_local std::vector<float> buffer;
+  return scratch(buffer, size_t(K * kPanel));
+}
+
+// The full panels of w packed one after another, in parallel over the pool; null if a pool
+// task failed.
+const float* pack_weight(ffi::ThreadPool& pool, const Product& p, int64_t full, bool transposed) {
+  thread_local std::vector<float> buffer;
+  float* packed = scratch(buffer, size_t(full * p.K * kPanel));
+  const bool ok = jllm_cpu::share_items(pool, full, [&](int64_t panel) {
+    pack_panel(p, panel, transposed, packed + panel * p.K * kPanel);
+  });
+  return ok ? packed : nullptr;
+}
+
+// Padding rows come out zero, which every later op takes as it took XLA's products.
+void zero_padding_rows(const Product& p, const int8_t* live) {
+  if (!live) return;
+  for (int64_t m = 0; m < p.M; ++m)
+    if (!live[m]) std::fill(p.y + m * p.N, p.y + (m + 1) * p.N, 0.0f);
+}
+
+ffi::Error Run(ffi::ThreadPool& pool, const Product& p, const int8_t* live, bool transposed) {
+  zero_padding_rows(p, live);
   const std::vector<jllm_cpu::RowTile> tiles = jllm_cpu::live_tiles(live, p.M, kMaxRows);
+  const int64_t count = int64_t(tiles.size());
+  if (count == 0) return ffi::Error::Success();
+  // One tile of a transposed w (single-stream decode, say): the product is bound by
+  // reading w, which the dot tiles read once, in place, with no transposing.
+  if (transposed && count == 1) return run_dots(pool, p, tiles[0]);
   const int64_t full = p.N / kPanel;                 // full panels
   const int64_t panels = full + (p.N % kPanel != 0);  // and the edge, if any
+  // Several blocks of tiles: the weight is packed once for all of them, up front. One block
+  // (a step of up to kBlockTiles tiles): each work item packs its own panel, if it has
+  // several tiles or w is transposed, or reads it in place.
+  const float* packed = nullptr;
+  if (count > kBlockTiles && full > 0) {
+    packed = pack_weight(pool, p, full, transposed);
+    if (!packed) return ffi::Error::Internal("packing a float32 matmul weight failed");
+  }
   const auto item = [&](int64_t t0, int64_t t1, int64_t p0, int64_t p1) {
     for (int64_t panel = p0; panel < p1; ++panel) {  // the block's rows reuse it
       const int64_t n0 = panel * kPanel;
       if (panel == full) {
-        for (int64_t t = t0; t < t1; ++t) edge(p, tiles[t].rows, tiles[t].m0, n0);
+        for (int64_t t = t0; t < t1; ++t) {
+          if (transposed)
+            dot_block(p, tiles[t].rows, tiles[t].m0, n0, p.N);
+          else
+            edge(p, tiles[t].rows, tiles[t].m0, n0);
+        }
         continue;
       }
-      // Several tiles: the panel packed first, its rows next to each other. In place, a
-      // panel's rows lie N floats apart, a stride that maps them onto a few cache sets (N =
-      // 1536: two of L1's 64), so the panel would not stay in cache from one tile to the next.
+      // Packed, the panel's rows lie next to each other. In place, they lie N floats apart,
+      // a stride that maps them onto a few cache sets (N = 1536: two of L1's 64), so the
+      // panel would not stay in cache from one tile to the next.
       const float* w = p.w + n0;
       int64_t ldw = p.N;
-      if (t1 - t0 > 1) {
-        float* packed = panel_scratch(p.K);
-        for (int64_t k = 0; k < p.K; ++k)
-          std::memcpy(packed + k * kPanel, w + k * p.N, kPanel * sizeof(float));
-        w = packed;
+      if (packed) {
+        w = packed + panel * p.K * kPanel;
+        ldw = kPanel;
+      } else if (transposed || t1 - t0 > 1) {
+        float* own = panel_scratch(p.K);
+        pack_panel(p, panel, transposed, own);
+        w = own;
         ldw = kPanel;
       }
       for (int64_t t = t0; t < t1; ++t) tile_rows(p, w, ldw, tiles[t].rows, tiles[t].m0, n0);
     }
   };
-  const int64_t count = int64_t(tiles.size());
   const bool ok = jllm_cpu::share_tile_panels(pool, count, panels, kBlockTiles, item);
   return ok ? ffi::Error::Success() : ffi::Error::Internal("a float32 matmul work item failed");
 }
 
 #else
 
-ffi::Error Run(ffi::ThreadPool&, const Product&, const int8_t*) {
+ffi::Error Run(ffi::ThreadPool&, const Product&, const int8_t*, bool) {
   return ffi::Error(ffi::ErrorCode::kUnimplemented,
                     "the float32 matmul kernel needs an x86 CPU with FMA");
 }
@@ -194,11 +363,15 @@ ffi::Error Run(ffi::ThreadPool&, const Product&, const int8_t*) {
 
 ffi::Error F32Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S8> live,
-                     ffi::ResultBuffer<ffi::F32> y) {
+                     ffi::ResultBuffer<ffi::F32> y, bool w_transposed) {
+  // Transposed, w is [L, N, K] or [N, K]: checked as the [.., K, N] it stands for.
+  std::vector<int64_t> wd(w.dimensions().begin(), w.dimensions().end());
+  if (w_transposed && wd.size() >= 2) std::swap(wd[wd.size() - 1], wd[wd.size() - 2]);
+  const auto xd = x.dimensions(), yd = y->dimensions();
   jllm_cpu::ProductShape shape;
-  const ffi::Error bad =
-      jllm_cpu::product_shape(x.dimensions(), w.dimensions(), y->dimensions(), live.element_count(),
-                              layer.element_count(), layer.typed_data(), shape);
+  const ffi::Error bad = jllm_cpu::product_shape(
+      std::vector<int64_t>(xd.begin(), xd.end()), wd, std::vector<int64_t>(yd.begin(), yd.end()),
+      live.element_count(), layer.element_count(), layer.typed_data(), shape);
   if (bad.failure()) return bad;
   Product p;
   p.M = shape.M;
@@ -212,7 +385,8 @@ ffi::Error F32Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   p.x = x.typed_data();
   p.w = w.typed_data() + shape.offset;
   p.y = y->typed_data();
-  return Run(pool, p, live.element_count() ? live.typed_data() : nullptr);
+  const int8_t* rows = live.element_count() ? live.typed_data() : nullptr;
+  return Run(pool, p, rows, w_transposed);
 }
 
 }  // namespace
@@ -224,4 +398,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmF32Matmul, F32Matmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w [L, K, N] or [K, N]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
                                   .Arg<ffi::Buffer<ffi::S8>>()   // live [M] or [0]
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<bool>("w_transposed"));

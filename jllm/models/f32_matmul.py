@@ -7,10 +7,10 @@ whole [L, ...] weight and the layer index, so that no layer's weights are copied
 stack before the product, as XLA's dynamic slice does on every step.
 
 Where it runs (`enabled`, decided once per process and logged): XLA's CPU backend on an x86
-CPU with FMA and AVX2 or AVX-512, for float32 models on one device, and (`applies`) for
-steps of at most `MAX_ROWS` tokens. XLA's dynamic slice costs the same at any row count,
-while its products pull ahead of this loop on long prefill steps; the bound is the row count
-up to which the kernel measured faster (`benchmarks/matmul.py --dtype float32`).
+CPU with FMA and AVX2 or AVX-512, for float32 models on one device (`applies`), at every
+step size: the layer products and the LM head (`transposed`, for a tied embedding table),
+each skipping the step's padding rows. It measured level with XLA's products or ahead of
+them from 1 to 4096 rows (`benchmarks/matmul.py --dtype float32`).
 
 Glossary: M rows, K inputs, N outputs, L layers.
 """
@@ -34,9 +34,6 @@ KERNEL = FfiKernel(
     SOURCE, "f32_matmul", "CPU float32 matmul kernel", "JllmF32Matmul", "jllm_f32_matmul_cpu"
 )
 
-# Steps of more tokens keep XLA's products (see the module docstring).
-MAX_ROWS = 512
-
 
 def supported() -> bool:
     """Whether this CPU can run the kernel at all (x86 with FMA and AVX2 or AVX-512F)."""
@@ -58,38 +55,41 @@ def enabled() -> bool:
     except CpuKernelUnavailable as e:
         logger.warning("float32 layer products: XLA's (the kernel is unavailable: %s).", e)
         return False
-    logger.info(
-        "float32 layer products: the C++ kernel for steps of up to %d tokens, XLA's above.",
-        MAX_ROWS,
-    )
+    logger.info("float32 layer products and LM head: the C++ kernel.")
     return True
 
 
-def applies(dtype, rows: int) -> bool:
-    """Whether a model of activation dtype `dtype` runs a step of `rows` tokens' layer
-    products on the kernel here: float32, at most MAX_ROWS rows, `enabled`, and no mesh of
-    several devices (checked at trace time)."""
-    if jnp.dtype(dtype) != jnp.float32 or rows > MAX_ROWS or not enabled():
+def applies(dtype) -> bool:
+    """Whether a model of activation dtype `dtype` runs its layer products and LM head on the
+    kernel here: float32, `enabled`, and no mesh of several devices (checked at trace
+    time)."""
+    if jnp.dtype(dtype) != jnp.float32 or not enabled():
         return False
     mesh = jax.sharding.get_abstract_mesh()
     return mesh.empty or mesh.size == 1
 
 
-def f32_matmul(x: jax.Array, w: jax.Array, layer=0, live=None) -> jax.Array:
+def f32_matmul(
+    x: jax.Array, w: jax.Array, layer=0, live=None, transposed: bool = False
+) -> jax.Array:
     """x [M, K] @ w[layer] -> [M, N] float32; w is [L, K, N] (read in place) or [K, N];
     layer an int or an int32 scalar, traced or not, within [0, L). live: [M] bool or int, the
     rows to compute (a step's padding rows are not); the others come out zero. None: every
-    row."""
+    row. transposed: w is [L, N, K] or [N, K] instead (the [Out, In] layout of a tied
+    embedding table), and the product is x @ w[layer].T."""
     if x.dtype != jnp.float32 or w.dtype != jnp.float32:
         raise ValueError(f"f32_matmul takes float32 x and w, got {x.dtype} and {w.dtype}")
-    if x.ndim != 2 or w.ndim not in (2, 3) or w.shape[-2] != x.shape[1]:
-        raise ValueError(f"f32_matmul takes x [M, K] and w [L, K, N], got {x.shape} {w.shape}")
-    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), jnp.float32)
+    k_axis = -1 if transposed else -2
+    if x.ndim != 2 or w.ndim not in (2, 3) or w.shape[k_axis] != x.shape[1]:
+        want = "[L, N, K]" if transposed else "[L, K, N]"
+        raise ValueError(f"f32_matmul takes x [M, K] and w {want}, got {x.shape} {w.shape}")
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[-2 if transposed else -1]), jnp.float32)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    return jax.ffi.ffi_call(KERNEL.load(), out)(x, w, layer, check_live(x, live))
+    call = jax.ffi.ffi_call(KERNEL.load(), out)
+    return call(x, w, layer, check_live(x, live), w_transposed=bool(transposed))
 
 
-def reference(x: jax.Array, w: jax.Array, layer=0) -> jax.Array:
+def reference(x: jax.Array, w: jax.Array, layer=0, transposed: bool = False) -> jax.Array:
     """f32_matmul's result through XLA."""
     w = w[layer] if w.ndim == 3 else w
-    return jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST)
+    return jnp.dot(x, w.T if transposed else w, precision=jax.lax.Precision.HIGHEST)

@@ -157,13 +157,12 @@ class LlamaForCausalLM(nnx.Module):
             x = take_rows(table, token_ids, self.dtype)
         else:
             x = table[token_ids]  # [T, D]
-        # The projections a CPU kernel runs (bf16, or float32 on steps of few tokens) stay
-        # stacked, outside the scan's inputs: each layer's Linear gets the whole stack and
-        # its index (StackedWeight), so the scan never copies those weights out per layer.
+        # The projections a CPU kernel runs (bf16 or float32) stay stacked, outside the
+        # scan's inputs: each layer's Linear gets the whole stack and its index
+        # (StackedWeight), so that the scan never copies those weights out per layer.
         # Everything else is scanned. The kernels skip the step's padding tokens (those
         # whose K/V write is dropped).
-        rows = token_ids.shape[0]
-        kernel = bf16_matmul.applies(self.dtype) or f32_matmul.applies(self.dtype, rows)
+        kernel = bf16_matmul.applies(self.dtype) or f32_matmul.applies(self.dtype)
         in_place = _stays_stacked(jnp.dtype(self.dtype)) if kernel else nnx.Nothing
         graphdef, stacked, layer_states = nnx.split(self.layers, in_place, ...)
         live = md.slot_mapping < kv_cache.shape[1] * kv_cache.shape[2]  # [T]: not B * S
@@ -181,11 +180,19 @@ class LlamaForCausalLM(nnx.Module):
         (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (layer_states, layers))
         return self.norm(x), kv_cache
 
-    def compute_logits(self, hidden):  # [R, D] -> [R, V] float32, whatever the model's dtype
+    def compute_logits(self, hidden, live=None):
+        """[R, D] -> [R, V] float32, whatever the model's dtype. live: [R] bool, the rows
+        whose logits are used (None: all); on the float32 kernel the others are not computed
+        and come out zero."""
         f32 = jnp.float32
         if self.cfg.tie_word_embeddings:
             table = self.embed_tokens.get_value()
             if isinstance(table, QuantizedWeight):  # [V, D]: the [Out, In] layout
                 return matmul(hidden, table, f32)
+            if table.dtype == f32 and f32_matmul.applies(hidden.dtype):
+                return f32_matmul.f32_matmul(hidden, table, live=live, transposed=True)
             return jnp.einsum("RD,VD->RV", hidden, table, preferred_element_type=f32)
+        w = self.lm_head.weight.get_value()
+        if isinstance(w, jax.Array) and w.dtype == f32 and f32_matmul.applies(hidden.dtype):
+            return f32_matmul.f32_matmul(hidden, w, live=live)  # [D, V], no bias
         return self.lm_head(hidden, out_dtype=f32)

@@ -78,7 +78,9 @@ def _forward(
     hidden, kv_cache = model(token_ids, batch.positions, kv_cache, batch.attn, backend)
     if draft_graphdef is not None:
         kv_cache = (kv_cache, draft_cache)
-    logits = model.compute_logits(hidden[batch.logits_indices])  # [Rs, V]
+    # Padding sample rows belong to the input batch's padding row, the last.
+    sampled = md.batch_row < last_tokens.shape[0] - 1
+    logits = model.compute_logits(hidden[batch.logits_indices], sampled)  # [Rs, V]
     # One fixed layout for the sampler, whatever the bucket (vocab-split under TP).
     logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
     return logits, kv_cache, md, hidden[batch.prompt_lp_indices]

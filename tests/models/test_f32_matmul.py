@@ -1,7 +1,7 @@
 """The CPU float32 matmul kernel (jllm/models/f32_matmul.cc) against XLA's product, and the
-engine on it: greedy tokens and logprobs against transformers in float32, the kernel in the
-compiled steps of few tokens with no layer's weights copied out of the stack there, and
-XLA's products above `MAX_ROWS`.
+engine on it: greedy tokens and logprobs against transformers in float32, and the kernel in
+every compiled step (the layer products and the tied LM head, its weight transposed) with
+no layer's weights copied out of the stack.
 
 The kernel needs an x86 CPU with FMA and AVX2 (or AVX-512), which every development and CI
 machine has; elsewhere these tests are skipped with that reason and the products stay
@@ -28,18 +28,20 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def operands(m, k, n, layers=3, seed=0):
+def operands(m, k, n, layers=3, seed=0, transposed=False):
+    """x [m, k] and w [layers, k, n], or [layers, n, k] transposed."""
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.normal(0, 1, (m, k)), jnp.float32)
-    w = jnp.asarray(rng.normal(0, 1, (layers, k, n)), jnp.float32)
+    w = jnp.asarray(rng.normal(0, 1, (layers, n, k) if transposed else (layers, k, n)), jnp.float32)
     return x, w
 
 
-def assert_product(x, w, layer, got):
+def assert_product(x, w, layer, got, transposed=False):
     """Within float32 summation error of XLA's product at the highest precision: K terms
     summed in another order differ by a few K ulps of the sum of the terms' magnitudes."""
-    exact = np.asarray(reference(x, w, layer))
-    scale = np.abs(np.asarray(x)) @ np.abs(np.asarray(w[layer]))
+    exact = np.asarray(reference(x, w, layer, transposed))
+    w = np.asarray(w[layer])
+    scale = np.abs(np.asarray(x)) @ np.abs(w.T if transposed else w)
     k = x.shape[1]
     np.testing.assert_array_less(np.abs(np.asarray(got) - exact), 2e-7 * k * scale + 1e-30)
 
@@ -66,17 +68,39 @@ def test_matches_xla(m, k, n):
     assert_product(x, w, 1, two_d)
 
 
-@settings(max_examples=25, deadline=None)
+@pytest.mark.parametrize(
+    "m,k,n",
+    [
+        (1, 64, 96),  # one row: dot tiles over w's rows in place
+        (5, 37, 30),  # one tile of 5 rows (dot tiles of 3 and 2), K not a multiple of 8
+        (64, 576, 200),  # the LM head at a decode batch: panels transposed, an edge of 8
+        (200, 45, 70),  # two blocks: the whole weight transposed first
+        (13, 8, 33),
+    ],
+)
+def test_transposed_matches_xla(m, k, n):
+    """w [L, N, K] (a tied embedding table's [Out, In] layout): x @ w[layer].T."""
+    x, w = operands(m, k, n, transposed=True)
+    for layer in (0, 2):
+        got = jax.jit(kernel, static_argnames="transposed")(x, w, layer, transposed=True)
+        assert got.dtype == jnp.float32 and got.shape == (m, n)
+        assert_product(x, w, layer, got, transposed=True)
+    assert_product(x, w, 1, kernel(x, w[1], transposed=True), transposed=True)
+
+
+@settings(max_examples=30, deadline=None)
 @given(
     m=st.integers(1, 40),
     k=st.integers(1, 80),
     n=st.integers(1, 140),
     layer=st.integers(0, 1),
+    transposed=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_any_shape_matches_xla(m, k, n, layer, seed):
-    x, w = operands(m, k, n, layers=2, seed=seed)
-    assert_product(x, w, layer, kernel(x, w, layer))
+def test_any_shape_matches_xla(m, k, n, layer, transposed, seed):
+    x, w = operands(m, k, n, layers=2, seed=seed, transposed=transposed)
+    got = kernel(x, w, layer, transposed=transposed)
+    assert_product(x, w, layer, got, transposed)
 
 
 def test_rows_are_independent():
@@ -90,18 +114,20 @@ def test_rows_are_independent():
     assert_product(x[others], w, 1, got[others])
 
 
-def test_padding_rows_are_skipped_and_zero():
+@pytest.mark.parametrize("transposed", [False, True])
+def test_padding_rows_are_skipped_and_zero(transposed):
     """Rows marked not live (a step's padding) come out zero whatever x holds there (NaN
     here), and the live rows, in runs of every length around them, are the full product."""
     m, k, n = 90, 96, 70
-    x, w = operands(m, k, n)
+    x, w = operands(m, k, n, transposed=transposed)
     live = np.ones(m, bool)
     live[[0, 3, 4, 20]] = False
     live[40:75] = False  # a decode bucket's padding: a long run
     x = x.at[~live].set(jnp.nan)
-    got = np.asarray(kernel(x, w, 1, live=jnp.asarray(live)))
+    got = np.asarray(kernel(x, w, 1, live=jnp.asarray(live), transposed=transposed))
     assert not got[~live].any()
-    np.testing.assert_array_equal(got[live], np.asarray(kernel(x[live], w, 1)))
+    want = kernel(x[live], w, 1, transposed=transposed)
+    np.testing.assert_array_equal(got[live], np.asarray(want))
 
 
 def test_refuses_what_it_cannot_multiply():
@@ -110,6 +136,8 @@ def test_refuses_what_it_cannot_multiply():
         kernel(x.astype(jnp.bfloat16), w)
     with pytest.raises(ValueError, match=r"x \[M, K\]"):
         kernel(x, w[:, :16])
+    with pytest.raises(ValueError, match=r"w \[L, N, K\]"):
+        kernel(x, w, transposed=True)  # [L, K, N] given for [L, N, K]
     with pytest.raises(ValueError, match="live must be"):
         kernel(x, w, 0, live=jnp.ones(5, bool))
 
@@ -121,23 +149,24 @@ def f32_qwen3(tmp_path_factory, tokenizer_dir):
     return save_tiny("qwen3", tmp_path_factory.mktemp("f32mm"), tokenizer_dir)
 
 
-def test_engine_on_the_kernel_against_transformers(f32_qwen3, monkeypatch):
-    """A float32 engine whose steps of at most MAX_ROWS tokens (2 here) run their layer
-    products on the kernel, and XLA's above: the kernel and no copy of a layer's weights in
-    the decode step, XLA's copies in a prefill step; greedy choices and logprobs as
-    transformers' in float32."""
-    monkeypatch.setattr(f32_matmul, "MAX_ROWS", 2)
-    jax.clear_caches()  # the decision is made at trace time
+def test_engine_on_the_kernel_against_transformers(f32_qwen3):
+    """A float32 engine runs every step's layer products and its tied LM head on the kernel,
+    with no copy of a layer's weights out of the stack, in decode and prefill buckets alike;
+    its greedy choices and logprobs are transformers' in float32."""
+    jax.clear_caches()
     llm = LLM(f32_qwen3, dtype="float32", **SMALL)
     runner = llm.llm_engine.runner
     gate_shape = (64, 128)  # gate_proj's [D, F]
-    for key, on in (((2, 0), True), ((0, 1), False)):
+    for key in ((2, 0), (0, 1)):
         buf, layout, _ = runner._packed_inputs(*key)
         text = runner._forward_executable(key, jax.device_put(buf), layout).as_text()
-        assert ("jllm_f32_matmul_cpu" in text) == on, key
-        assert bool(weight_copies(text, "f32", gate_shape)) != on, key
+        # q, k, v, o, gate, up, down in the layer body; the LM head once, transposed
+        assert text.count('custom_call_target="jllm_f32_matmul_cpu"') == 8, key
+        assert text.count("w_transposed = true") == 1, key
+        assert not weight_copies(text, "f32", gate_shape), key
 
     model = transformers.AutoModelForCausalLM.from_pretrained(f32_qwen3).eval()
+    assert model.config.tie_word_embeddings
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
     batch = prompt_ids(2, 5) + prompt_ids(1, 40, seed=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
