@@ -60,8 +60,8 @@ struct ProductShape {
   int64_t M, N, K, offset;
 };
 
-template <typename Dims>
-xla::ffi::Error product_shape(const Dims& xd, const Dims& wd, const Dims& yd,
+template <typename XDims, typename WDims, typename YDims>
+xla::ffi::Error product_shape(const XDims& xd, const WDims& wd, const YDims& yd,
                               int64_t live_count, int64_t layer_count, const int32_t* layer,
                               ProductShape& out) {
   using xla::ffi::Error;

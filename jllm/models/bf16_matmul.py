@@ -76,8 +76,12 @@ def enabled() -> bool:
 def applies(dtype) -> bool:
     """Whether a model of activation dtype `dtype` runs its layer products on the kernel
     here: bfloat16, `enabled`, and no mesh of several devices (checked at trace time)."""
-    if jnp.dtype(dtype) != jnp.bfloat16 or not enabled():
-        return False
+    return jnp.dtype(dtype) == jnp.bfloat16 and enabled() and one_device()
+
+
+def one_device() -> bool:
+    """Whether the computation being traced runs on one device (no mesh, or a mesh of one):
+    the layer-product kernels see whole operands only there."""
     mesh = jax.sharding.get_abstract_mesh()
     return mesh.empty or mesh.size == 1
 

@@ -147,9 +147,10 @@ void edge(const Product& p, int rows, int64_t m0, int64_t n0) {
 // product of a row of x and a row of w, both contiguous: a tile is up to kDotRows rows of x
 // by kDotCols rows of w, with one 8-lane accumulator per pair (kDotRows x kDotCols of them,
 // the x rows' vectors and one w vector in AVX2's 16 registers), summed across lanes at the
-// end. No packing: a work item keeps its kDotCols rows of w in L1 while its block's rows of
-// x come from L2. 256-bit vectors on every build, AVX-512 ones included (the only width this
-// code is tested at); the LM head is a small part of a step.
+// end, with no packing. Used for a step of one tile of live rows (at most kMaxRows), which is
+// bound by reading w, and for the columns past a transposed w's last full panel; more rows
+// go through the packed panels. 256-bit vectors on every build, AVX-512 ones included (the
+// only width this code is tested at).
 
 constexpr int kDotRows = 3;
 constexpr int kDotCols = 4;
@@ -213,8 +214,10 @@ void dot_tile(const Product& p, int rows, int64_t m0, int64_t n0, int cols) {
 // Rows m0 .. m0 + rows - 1 (any number) by columns n0 .. n1 - 1.
 void dot_block(const Product& p, int rows, int64_t m0, int64_t n0, int64_t n1) {
   for (int r = 0; r < rows; r += kDotRows)
-    for (int64_t n = n0; n < n1; n += kDotCols)
-      dot_tile(p, std::min(kDotRows, rows - r), m0 + r, n, int(std::min<int64_t>(kDotCols, n1 - n)));
+    for (int64_t n = n0; n < n1; n += kDotCols) {
+      const int cols = int(std::min<int64_t>(kDotCols, n1 - n));
+      dot_tile(p, std::min(kDotRows, rows - r), m0 + r, n, cols);
+    }
 }
 
 // A step of at most kMaxRows live rows with w transposed: dot tiles over runs of kDotRun
@@ -367,11 +370,10 @@ ffi::Error F32Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   // Transposed, w is [L, N, K] or [N, K]: checked as the [.., K, N] it stands for.
   std::vector<int64_t> wd(w.dimensions().begin(), w.dimensions().end());
   if (w_transposed && wd.size() >= 2) std::swap(wd[wd.size() - 1], wd[wd.size() - 2]);
-  const auto xd = x.dimensions(), yd = y->dimensions();
   jllm_cpu::ProductShape shape;
-  const ffi::Error bad = jllm_cpu::product_shape(
-      std::vector<int64_t>(xd.begin(), xd.end()), wd, std::vector<int64_t>(yd.begin(), yd.end()),
-      live.element_count(), layer.element_count(), layer.typed_data(), shape);
+  const ffi::Error bad =
+      jllm_cpu::product_shape(x.dimensions(), wd, y->dimensions(), live.element_count(),
+                              layer.element_count(), layer.typed_data(), shape);
   if (bad.failure()) return bad;
   Product p;
   p.M = shape.M;

@@ -25,7 +25,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from jllm.models.bf16_matmul import check_live
+from jllm.models.bf16_matmul import check_live, one_device
 from pallas_kernels.ragged_paged_attention.cpu import CpuKernelUnavailable, FfiKernel, cpu_flags
 
 logger = logging.getLogger("jllm")
@@ -64,10 +64,7 @@ def applies(dtype) -> bool:
     """Whether a model of activation dtype `dtype` runs its layer products and LM head on the
     kernel here: float32, `enabled`, and no mesh of several devices (checked at trace
     time)."""
-    if jnp.dtype(dtype) != jnp.float32 or not enabled():
-        return False
-    mesh = jax.sharding.get_abstract_mesh()
-    return mesh.empty or mesh.size == 1
+    return jnp.dtype(dtype) == jnp.float32 and enabled() and one_device()
 
 
 def f32_matmul(
