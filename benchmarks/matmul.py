@@ -4,8 +4,8 @@ SmolLM2-135M's layer products (30 layers stacked, as the model holds them) at 1,
 2048 rows (`--rows`), in the model's dtype (`--dtype`):
 - `kernel`: the C++ kernel reading one layer of the stack in place. bfloat16:
   jllm/models/bf16_matmul.cc (float32 accumulation; the gated row: silu(x @ gate) * (x @ up)
-  in one pass), on CPUs with AVX512-BF16. float32: jllm/models/f32_matmul.cc, on x86 CPUs
-  with FMA;
+  in one pass) on CPUs with AVX512-BF16, else jllm/models/f32_matmul.cc widening the bf16
+  operands (no gated row). float32: jllm/models/f32_matmul.cc, on x86 CPUs with FMA;
 - `xla`: jnp.dot on the same layer inside a jitted function, as the layer scan runs it
   without the kernel (the layer's dynamic slice, then the product; the gated row adds XLA's
   SiLU pass);
@@ -84,8 +84,9 @@ def main():
     f32 = args.dtype == "float32"
     if f32 and not f32_matmul.supported():
         sys.exit("this CPU has no FMA with AVX2: the float32 kernel does not run here")
-    if not f32 and not bf16_matmul.supported():
-        sys.exit("this CPU has no AVX512-BF16: the bf16 kernel does not run here")
+    widened = not f32 and not bf16_matmul.supported()
+    if widened and not f32_matmul.supported():
+        sys.exit("this CPU has neither AVX512-BF16 nor FMA with AVX2: no bf16 kernel runs here")
     dtype = jnp.float32 if f32 else jnp.bfloat16
     try:
         import torch
@@ -95,14 +96,15 @@ def main():
         torch = None
     rng = np.random.default_rng(0)
     print(
-        f"host: {os.cpu_count()} cores; jax {jax.__version__}; {args.dtype}; "
-        "GFLOP/s (higher is better)"
+        f"host: {os.cpu_count()} cores; jax {jax.__version__}; {args.dtype}"
+        f"{' (f32_matmul widening bf16)' if widened else ''}; GFLOP/s (higher is better)"
     )
     print("| rows | product | kernel | xla | torch | kernel / xla |")
     print("|---|---|---|---|---|---|")
     for m in args.rows:
         x_np = rng.normal(0, 1, (m, D)).astype(np.float32)
-        rows = list(SHAPES.items()) + ([] if f32 else [("gated gate/up (2 products)", (D, F))])
+        gated_row = [] if f32 or widened else [("gated gate/up (2 products)", (D, F))]
+        rows = list(SHAPES.items()) + gated_row
         for name, (k, n) in rows:
             gated = name.startswith("gated")
             x = jnp.asarray(rng.normal(0, 1, (m, k)) if k != D else x_np, dtype)
@@ -115,7 +117,8 @@ def main():
                 t_k = timed(args.seconds, kern, x, stack, up, layer)
                 t_x = timed(args.seconds, jax.jit(xla_gated), x, stack, up, layer)
             else:
-                kern = jax.jit(f32_matmul.f32_matmul if f32 else bf16_matmul.bf16_matmul)
+                f32_kernel = f32 or widened
+                kern = jax.jit(f32_matmul.f32_matmul if f32_kernel else bf16_matmul.bf16_matmul)
                 t_k = timed(args.seconds, kern, x, stack, layer)
                 t_x = timed(args.seconds, jax.jit(xla_product), x, stack, layer)
             flops = 2 * m * k * n * (2 if gated else 1)

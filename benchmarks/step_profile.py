@@ -1,17 +1,21 @@
 """Where an engine step's time goes on the CPU: a JAX profiler trace of some steps of W1
-(64 requests of 128 tokens in, decoding) or W3 (the chat-like mix), with XLA's per-thunk
-trace events on, summed per category per step.
+(64 requests of 128 tokens in, decoding), W3 (the chat-like mix) or S1 (one stream), with
+XLA's per-thunk trace events on, attributed by wall clock.
 
     python benchmarks/step_profile.py                 # W1 decode steps, the embedded SmolLM2
     python benchmarks/step_profile.py --workload W3 --skip 30 --steps 20
+    python benchmarks/step_profile.py --skip 0 --steps 3 --dtype bfloat16   # W1's prefill
 
-Categories, by the XLA CPU thunk names of this JAX (0.12): `ynn_fusion*`/`xnn_fusion*` and
-`dot*` are matrix products (XLA hands them to YNNPACK); `ffi_call*` the C++ attention kernel
-(and the quantized-matmul kernel, when on); `dynamic-slice*`/`copy*` the per-layer copies of
-the stacked weights that the layer scan makes; the rest, XLA's own fusions (norms, RoPE,
-the sampler's passes, the KV write). Times are summed over the worker threads' events, so
-they are the wall time of the thunks that ran one after another in a step; the trace adds
-its own overhead (compare the traced step with the untraced one printed first).
+Attribution: each instant of the traced steps is split evenly over the XLA thunks running
+then (XLA runs independent thunks side by side on its worker threads, so summing their
+durations overstates whichever overlap), and instants with none running count as idle (the
+host's part of the step, or a thunk waiting on its pool). Thunks are named from the step
+executable's HLO: the C++ kernels by custom-call target (`jllm_f32_matmul_cpu`, ...), XLA's
+products (YNNPACK fusions and dots) and the per-layer weight copies (dynamic slices and
+copies of the stacked weights the layer scan makes) by kind, the rest as XLA's own fusions
+(norms, RoPE, the sampler's passes, the KV write). The traced steps should share one bucket
+(the buckets seen are printed): names are read from the last step's executable. The trace
+adds its own overhead (compare the traced step with the untraced one printed first).
 """
 
 from __future__ import annotations
@@ -40,13 +44,44 @@ from throughput import s1, w1, w3  # noqa: E402
 
 from jllm import LLM, SamplingParams  # noqa: E402
 
-CATEGORIES = [
-    ("matrix products (YNNPACK)", re.compile(r"^(ynn_fusion|xnn_fusion|dot|.*convolution)")),
-    ("attention / C++ kernels (FFI)", re.compile(r"^(ffi_call|custom-call)")),
-    ("per-layer weight copies", re.compile(r"^(dynamic-slice|copy)")),
-    ("other XLA fusions", re.compile(r".")),
-]
-NOT_THUNKS = re.compile(r"^(ThunkExecutor|SlinkyThreadPool|\$|Pjit|Thunk)")
+# Thunk trace events that are not thunks: the executor, the pool, Python, the scan's loop.
+NOT_THUNKS = re.compile(r"^(ThunkExecutor|SlinkyThreadPool|\$|Pjit|Thunk|while|ThreadpoolListener)")
+
+
+def label(name: str, hlo: str) -> str:
+    """What the thunk `name` is, from the executable's HLO text."""
+    call = re.search(
+        r"%" + re.escape(name) + r" = \S+ custom-call\(.*?custom_call_target=\"(\w+)\"", hlo
+    )
+    if call:
+        return "C++ " + call.group(1).removeprefix("jllm_").removesuffix("_cpu")
+    if re.match(r"(ynn_fusion|xnn_fusion|dot|.*convolution)", name):
+        return "XLA's matrix products"
+    if re.match(r"(dynamic-slice|copy)", name):
+        return "per-layer weight copies"
+    return "XLA's other fusions"
+
+
+def attribute(events, steps: int) -> tuple[collections.Counter, float]:
+    """events: (start ns, end ns, thunk name). Per thunk name, ms per step of wall clock,
+    each instant split evenly over the thunks running then; and the idle ms per step
+    between the first event and the last."""
+    edges = sorted([(a, 1, n) for a, _, n in events] + [(b, -1, n) for _, b, n in events])
+    share: collections.Counter = collections.Counter()
+    running: collections.Counter = collections.Counter()
+    idle, last = 0, None
+    for t, change, name in edges:
+        if last is not None and t > last:
+            count = sum(running.values())
+            if count == 0:
+                idle += t - last
+            for n, k in running.items():
+                if k:
+                    share[n] += (t - last) * k / count
+        running[name] += change
+        last = t
+    per_step = collections.Counter({n: ns / 1e6 / steps for n, ns in share.items()})
+    return per_step, idle / 1e6 / steps
 
 
 def main() -> None:
@@ -72,6 +107,14 @@ def main() -> None:
         engine.step()
     untraced = (time.perf_counter() - t0) / args.steps
     running = len(engine.scheduler.running)
+    runner = engine.runner
+    seen, forward = [], runner._forward_executable
+
+    def traced_forward(key, *rest):  # the buckets the traced steps run
+        seen.append(key)
+        return forward(key, *rest)
+
+    runner._forward_executable = traced_forward
     with tempfile.TemporaryDirectory() as d:
         t0 = time.perf_counter()
         with jax.profiler.trace(d):
@@ -80,32 +123,36 @@ def main() -> None:
         traced = (time.perf_counter() - t0) / args.steps
         (path,) = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
         profile = _profile_data.ProfileData.from_file(path)
-        by_name: dict[str, float] = collections.defaultdict(float)
-        for plane in profile.planes:
-            for line in plane.lines:
-                if not line.name.startswith("tf_XLAEigen"):
-                    continue  # XLA's worker threads run the thunks
-                for ev in line.events:
-                    if not NOT_THUNKS.match(ev.name):
-                        by_name[ev.name] += ev.duration_ns / 1e6 / args.steps
+        events = [
+            (ev.start_ns, ev.start_ns + ev.duration_ns, ev.name)
+            for plane in profile.planes
+            for line in plane.lines
+            if line.name.startswith("tf_XLA")  # XLA's threads run the thunks
+            for ev in line.events
+            if not NOT_THUNKS.match(ev.name)
+        ]
+    runner._forward_executable = forward
+    hlo = runner._forward_exe[seen[-1]].as_text() if seen else ""
     while engine.has_unfinished_requests():
         engine.step()
 
+    per_thunk, idle = attribute(events, args.steps)
     print(f"\n{args.workload}, {running} requests running; dtype {engine.dtype.name}")
+    print(f"buckets traced (decode rows, prefill tiles): {sorted(set(seen))}")
     print(f"step: {untraced * 1e3:.1f} ms untraced, {traced * 1e3:.1f} ms traced")
     totals = collections.Counter()
-    for name, ms in by_name.items():
-        cat = next(c for c, pattern in CATEGORIES if pattern.match(name))
-        totals[cat] += ms
-    thunks = sum(totals.values())
-    print("| category | ms per step | share of the thunks |")
+    for name, ms in per_thunk.items():
+        totals[label(name, hlo)] += ms
+    totals["idle (no thunk running)"] = idle
+    span = sum(totals.values())
+    print("| part | wall ms per step | share |")
     print("|---|---|---|")
-    for cat, _ in CATEGORIES:
-        print(f"| {cat} | {totals[cat]:.1f} | {totals[cat] / thunks:.0%} |")
-    print(f"| all thunks | {thunks:.1f} | |")
-    print("\nlargest thunks (ms per step): ", end="")
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[: args.top]
-    print(", ".join(f"{name} {ms:.1f}" for name, ms in top))
+    for part, ms in totals.most_common():
+        print(f"| {part} | {ms:.1f} | {ms / span:.0%} |")
+    print(f"| traced span | {span:.1f} | |")
+    print("\nlargest thunks (wall ms per step): ", end="")
+    top = per_thunk.most_common(args.top)
+    print(", ".join(f"{name} ({label(name, hlo)}) {ms:.1f}" for name, ms in top))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
-// A float32 matrix product for x86 CPUs with FMA (AVX2 or AVX-512), as an XLA FFI custom call.
+// A matrix product in float32 arithmetic for x86 CPUs with FMA (AVX2 or AVX-512), as an XLA
+// FFI custom call.
 //
-// y[M, N] = x[M, K] @ w[layer][K, N]: x float32 row-major, w one layer of a stacked float32
-// weight [L, K, N] (or [K, N] with layer 0), read in place; y float32. The contract of
-// f32_matmul.py. `live` is one byte per row of x (or none): rows marked 0, a step's padding,
-// are not computed and come out zero. With the attribute w_transposed, w is [L, N, K] or
-// [N, K] (a tied embedding table as the LM head) and y = x @ w[layer]^T.
+// y[M, N] = x[M, K] @ w[layer][K, N]: x row-major, w one layer of a stacked weight [L, K, N]
+// (or [K, N] with layer 0), read in place; each of x, w and y float32 or bfloat16, the sums
+// in float32 (bf16 operands are widened, exactly; a bf16 y is rounded once, to nearest even,
+// as XLA converts). The contract of f32_matmul.py. `live` is one byte per row of x (or
+// none): rows marked 0, a step's padding, are not computed and come out zero. With the
+// attribute w_transposed, w is [L, N, K] or [N, K] (a tied embedding table as the LM head)
+// and y = x @ w[layer]^T.
 //
 // Why not XLA's product: inside the model's layer scan XLA copies each layer's weights out
 // of the stack before multiplying (a dynamic slice into a new buffer, then the product).
@@ -23,6 +26,11 @@
 // blocks, the whole weight is packed once, up front, in parallel. Columns past the last full
 // panel take a plain loop. A transposed w is packed the same way, 8 x 8 blocks transposed in
 // registers; one tile of it (a few rows) takes dot products over w's rows in place instead.
+//
+// bf16 operands, for CPUs without bf16 instructions (AVX2, or AVX-512 without AVX512-BF16):
+// x is widened to float32 up front, w as it is packed or read (a shift of each 16-bit
+// value into the high half of a float), so the tiles run on float32 as above while reading
+// half the weight bytes. XLA's CPU products convert bf16 operands to float32 the same way.
 //
 // Sums run in order of k with one FMA per term (XLA's products block and reorder their
 // sums), so results match XLA's to float32 rounding, not bit for bit.
@@ -49,12 +57,36 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using bf16 = uint16_t;  // a bfloat16's bits
+
+// x is float32 by the time a Product is run (a bf16 x is widened first); TW and TY are w's
+// and y's element types, float or bf16.
+template <typename TW, typename TY>
 struct Product {
   const float* x;  // [M, K]
-  const float* w;  // [K, N], this layer's
-  float* y;        // [M, N]
+  const TW* w;     // [K, N], this layer's
+  TY* y;           // [M, N]
   int64_t M, N, K;
 };
+
+inline float widen(float v) { return v; }
+inline float widen(bf16 v) {
+  const uint32_t bits = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Rounded to nearest even, NaN kept a (quiet) NaN: XLA's conversion.
+inline void narrow(float v, float* to) { *to = v; }
+inline void narrow(float v, bf16* to) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  if (std::isnan(v))
+    *to = bf16((bits >> 16) | 0x40);
+  else
+    *to = bf16((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
 
 #ifdef JLLM_F32_MATMUL
 
@@ -63,7 +95,20 @@ using Vec = __m512;
 constexpr int kLanes = 16;
 constexpr bool kManyRegisters = true;  // 32 vector registers
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vload(const bf16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
 inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline void vstore(bf16* p, Vec v) {  // as narrow(), 16 lanes at once
+  const __m512i bits = _mm512_castps_si512(v), high = _mm512_srli_epi32(bits, 16);
+  const __m512i odd = _mm512_and_si512(high, _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  r = _mm512_srli_epi32(r, 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_or_epi32(r, nan, high, _mm512_set1_epi32(0x40));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
 inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
@@ -72,10 +117,35 @@ using Vec = __m256;
 constexpr int kLanes = 8;
 constexpr bool kManyRegisters = false;  // 16 vector registers
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vload(const bf16* p);  // load8 below
 inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline void vstore(bf16* p, Vec v);  // store8 below
 inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+#endif
+
+// Eight values widened to float32, and eight float32 stored as T: 256-bit on every build.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(bf16* p, __m256 v) {  // as narrow(), 8 lanes at once
+  const __m256i bits = _mm256_castps_si256(v), high = _mm256_srli_epi32(bits, 16);
+  const __m256i odd = _mm256_and_si256(high, _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+  r = _mm256_srli_epi32(r, 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
+  // Every lane is below 2^16, so the signed-to-unsigned pack keeps it as it is.
+  const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+}
+#ifndef __AVX512F__
+inline Vec vload(const bf16* p) { return load8(p); }
+inline void vstore(bf16* p, Vec v) { store8(p, v); }
 #endif
 
 constexpr int kPanelVecs = 4;
@@ -84,16 +154,15 @@ constexpr int kMaxRows = 6;
 constexpr int64_t kBlockTiles = 32;  // tiles per work item (192 rows when full)
 
 // Rows m0 .. m0 + R - 1 by the V vectors of columns from w's column 0 (w and y already
-// offset to the panel's first column; w's rows ldw floats apart): y = x @ w over all K.
-template <int R, int V>
-__attribute__((always_inline)) inline void vectors(const Product& p, const float* w,
-                                                   int64_t ldw, int64_t m0, float* y) {
-  const int64_t K = p.K, N = p.N;
+// offset to the panel's first column; w's rows ldw elements apart, float32 when packed,
+// the weight's own type in place): y = x @ w over all K.
+template <int R, int V, typename TP, typename TY>
+__attribute__((always_inline)) inline void vectors(const float* x, int64_t K, const TP* w,
+                                                   int64_t ldw, TY* y, int64_t N) {
   Vec acc[R][V];
   // Unrolled by pragma so that GCC keeps the arrays in registers.
   _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r)
       _Pragma("GCC unroll 8") for (int v = 0; v < V; ++v) acc[r][v] = vzero();
-  const float* x = p.x + m0 * K;
   for (int64_t k = 0; k < K; ++k, w += ldw) {
     Vec b[V];
     _Pragma("GCC unroll 8") for (int v = 0; v < V; ++v) b[v] = vload(w + v * kLanes);
@@ -104,21 +173,22 @@ __attribute__((always_inline)) inline void vectors(const Product& p, const float
   }
   _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r)
       _Pragma("GCC unroll 8") for (int v = 0; v < V; ++v)
-          vstore(y + (m0 + r) * N + v * kLanes, acc[r][v]);
+          vstore(y + r * N + v * kLanes, acc[r][v]);
 }
 
-// One full panel (columns n0 .. n0 + kPanel - 1, read from `panel`, rows ldw floats apart)
-// of rows m0 .. m0 + R - 1: in one pass, or in two of half a panel where the registers do
-// not hold R x 4 accumulators.
-template <int R>
-void tile(const Product& p, const float* panel, int64_t ldw, int64_t m0, int64_t n0) {
+// One full panel (columns n0 .. n0 + kPanel - 1, read from `panel`, rows ldw elements
+// apart) of rows m0 .. m0 + R - 1: in one pass, or in two of half a panel where the
+// registers do not hold R x 4 accumulators.
+template <int R, typename TW, typename TY, typename TP>
+void tile(const Product<TW, TY>& p, const TP* panel, int64_t ldw, int64_t m0, int64_t n0) {
   constexpr bool halves = !kManyRegisters && R > 2;
   constexpr int V = halves ? kPanelVecs / 2 : kPanelVecs;
   for (int64_t c = 0; c < kPanel; c += V * kLanes)
-    vectors<R, V>(p, panel + c, ldw, m0, p.y + n0 + c);
+    vectors<R, V>(p.x + m0 * p.K, p.K, panel + c, ldw, p.y + m0 * p.N + n0 + c, p.N);
 }
 
-void tile_rows(const Product& p, const float* panel, int64_t ldw, int rows, int64_t m0,
+template <typename TW, typename TY, typename TP>
+void tile_rows(const Product<TW, TY>& p, const TP* panel, int64_t ldw, int rows, int64_t m0,
                int64_t n0) {
   switch (rows) {
 #define JLLM_TILE(R) \
@@ -130,15 +200,17 @@ void tile_rows(const Product& p, const float* panel, int64_t ldw, int rows, int6
 }
 
 // Columns n0 .. N - 1 (fewer than a panel) of rows m0 .. m0 + rows - 1, term by term.
-void edge(const Product& p, int rows, int64_t m0, int64_t n0) {
+template <typename TW, typename TY>
+void edge(const Product<TW, TY>& p, int rows, int64_t m0, int64_t n0) {
   const int64_t K = p.K, N = p.N, cols = N - n0;
   float acc[kPanel];
   for (int r = 0; r < rows; ++r) {
     std::fill(acc, acc + cols, 0.0f);
     const float* x = p.x + (m0 + r) * K;
     for (int64_t k = 0; k < K; ++k)
-      for (int64_t c = 0; c < cols; ++c) acc[c] = std::fma(x[k], p.w[k * N + n0 + c], acc[c]);
-    std::copy(acc, acc + cols, p.y + (m0 + r) * N + n0);
+      for (int64_t c = 0; c < cols; ++c)
+        acc[c] = std::fma(x[k], widen(p.w[k * N + n0 + c]), acc[c]);
+    for (int64_t c = 0; c < cols; ++c) narrow(acc[c], p.y + (m0 + r) * N + n0 + c);
   }
 }
 
@@ -163,11 +235,11 @@ inline __m128 lane_sums(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 }
 
 // Rows m0 .. m0 + R - 1 of x by rows n0 .. n0 + C - 1 of w.
-template <int R, int C>
-void dots(const Product& p, int64_t m0, int64_t n0) {
+template <int R, int C, typename TW, typename TY>
+void dots(const Product<TW, TY>& p, int64_t m0, int64_t n0) {
   const int64_t K = p.K, body = K - K % 8;
   const float* x = p.x + m0 * K;
-  const float* w = p.w + n0 * K;
+  const TW* w = p.w + n0 * K;
   __m256 acc[R][C];
   _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r)
       _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
@@ -175,7 +247,7 @@ void dots(const Product& p, int64_t m0, int64_t n0) {
     __m256 a[R];
     _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) a[r] = _mm256_loadu_ps(x + r * K + k);
     _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c) {
-      const __m256 b = _mm256_loadu_ps(w + c * K + k);
+      const __m256 b = load8(w + c * K + k);
       _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r)
           acc[r][c] = _mm256_fmadd_ps(a[r], b, acc[r][c]);
     }
@@ -187,14 +259,14 @@ void dots(const Product& p, int64_t m0, int64_t n0) {
                                   C > 2 ? acc[r][2 % C] : zero, C > 3 ? acc[r][3 % C] : zero));
     for (int c = 0; c < C; ++c) {
       float sum = sums[c];
-      for (int64_t k = body; k < K; ++k) sum = std::fma(x[r * K + k], w[c * K + k], sum);
-      p.y[(m0 + r) * p.N + n0 + c] = sum;
+      for (int64_t k = body; k < K; ++k) sum = std::fma(x[r * K + k], widen(w[c * K + k]), sum);
+      narrow(sum, p.y + (m0 + r) * p.N + n0 + c);
     }
   }
 }
 
-template <int R>
-void dots_cols(const Product& p, int64_t m0, int64_t n0, int cols) {
+template <int R, typename TW, typename TY>
+void dots_cols(const Product<TW, TY>& p, int64_t m0, int64_t n0, int cols) {
   switch (cols) {
     case 1: return dots<R, 1>(p, m0, n0);
     case 2: return dots<R, 2>(p, m0, n0);
@@ -203,7 +275,8 @@ void dots_cols(const Product& p, int64_t m0, int64_t n0, int cols) {
   }
 }
 
-void dot_tile(const Product& p, int rows, int64_t m0, int64_t n0, int cols) {
+template <typename TW, typename TY>
+void dot_tile(const Product<TW, TY>& p, int rows, int64_t m0, int64_t n0, int cols) {
   switch (rows) {
     case 1: return dots_cols<1>(p, m0, n0, cols);
     case 2: return dots_cols<2>(p, m0, n0, cols);
@@ -212,7 +285,8 @@ void dot_tile(const Product& p, int rows, int64_t m0, int64_t n0, int cols) {
 }
 
 // Rows m0 .. m0 + rows - 1 (any number) by columns n0 .. n1 - 1.
-void dot_block(const Product& p, int rows, int64_t m0, int64_t n0, int64_t n1) {
+template <typename TW, typename TY>
+void dot_block(const Product<TW, TY>& p, int rows, int64_t m0, int64_t n0, int64_t n1) {
   for (int r = 0; r < rows; r += kDotRows)
     for (int64_t n = n0; n < n1; n += kDotCols) {
       const int cols = int(std::min<int64_t>(kDotCols, n1 - n));
@@ -222,7 +296,9 @@ void dot_block(const Product& p, int rows, int64_t m0, int64_t n0, int64_t n1) {
 
 // A step of at most kMaxRows live rows with w transposed: dot tiles over runs of kDotRun
 // groups of outputs, the rows of w read once, in place.
-ffi::Error run_dots(ffi::ThreadPool& pool, const Product& p, const jllm_cpu::RowTile& tile) {
+template <typename TW, typename TY>
+ffi::Error run_dots(ffi::ThreadPool& pool, const Product<TW, TY>& p,
+                    const jllm_cpu::RowTile& tile) {
   const int64_t span = kDotRun * kDotCols;
   const bool ok = jllm_cpu::share_items(pool, (p.N + span - 1) / span, [&](int64_t i) {
     dot_block(p, tile.rows, tile.m0, i * span, std::min(p.N, (i + 1) * span));
@@ -249,32 +325,43 @@ inline void transpose8(__m256 r[8]) {
   }
 }
 
-// Full panel `panel` of w (columns n0 .. n0 + kPanel - 1) packed into `to`: K rows of kPanel
-// floats. w [K, N]: row by row; transposed, w [N, K]: the panel's kPanel rows of w, 8 by 8.
-void pack_panel(const Product& p, int64_t panel, bool transposed, float* to) {
+// n values of `from` as float32 in `to`.
+inline void widen_run(const float* from, float* to, int64_t n) {
+  std::memcpy(to, from, n * sizeof(float));
+}
+inline void widen_run(const bf16* from, float* to, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(to + i, load8(from + i));
+  for (; i < n; ++i) to[i] = widen(from[i]);
+}
+
+// Full panel `panel` of w (columns n0 .. n0 + kPanel - 1) packed into `to` as float32: K
+// rows of kPanel floats. w [K, N]: row by row; transposed, w [N, K]: the panel's kPanel rows
+// of w, 8 by 8.
+template <typename TW, typename TY>
+void pack_panel(const Product<TW, TY>& p, int64_t panel, bool transposed, float* to) {
   const int64_t K = p.K, n0 = panel * kPanel;
   if (!transposed) {
-    for (int64_t k = 0; k < K; ++k)
-      std::memcpy(to + k * kPanel, p.w + k * p.N + n0, kPanel * sizeof(float));
+    for (int64_t k = 0; k < K; ++k) widen_run(p.w + k * p.N + n0, to + k * kPanel, kPanel);
     return;
   }
-  const float* w = p.w + n0 * K;
+  const TW* w = p.w + n0 * K;
   const int64_t body = K - K % 8;
   for (int64_t j0 = 0; j0 < kPanel; j0 += 8) {
     for (int64_t k0 = 0; k0 < body; k0 += 8) {
       __m256 r[8];
-      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(w + (j0 + i) * K + k0);
+      for (int i = 0; i < 8; ++i) r[i] = load8(w + (j0 + i) * K + k0);
       transpose8(r);
       for (int i = 0; i < 8; ++i) _mm256_storeu_ps(to + (k0 + i) * kPanel + j0, r[i]);
     }
     for (int64_t k = body; k < K; ++k)
-      for (int i = 0; i < 8; ++i) to[k * kPanel + j0 + i] = w[(j0 + i) * K + k];
+      for (int i = 0; i < 8; ++i) to[k * kPanel + j0 + i] = widen(w[(j0 + i) * K + k]);
   }
 }
 
 // A thread's buffer of at least `floats` floats, 64-byte aligned, kept between calls: one
-// packed panel (panel_scratch, any thread), or a call's whole packed weight (the calling
-// thread's own, which no other call uses while this one waits for its items).
+// packed panel (panel_scratch, any thread), or a call's whole packed weight or widened x
+// (the calling thread's own, which no other call uses while this one waits for its items).
 float* scratch(std::vector<float>& buffer, size_t floats) {
   if (buffer.size() < floats + 16) buffer.resize(floats + 16);
   const uintptr_t at = reinterpret_cast<uintptr_t>(buffer.data());
@@ -288,7 +375,9 @@ float* panel_scratch(int64_t K) {
 
 // The full panels of w packed one after another, in parallel over the pool; null if a pool
 // task failed.
-const float* pack_weight(ffi::ThreadPool& pool, const Product& p, int64_t full, bool transposed) {
+template <typename TW, typename TY>
+const float* pack_weight(ffi::ThreadPool& pool, const Product<TW, TY>& p, int64_t full,
+                         bool transposed) {
   thread_local std::vector<float> buffer;
   float* packed = scratch(buffer, size_t(full * p.K * kPanel));
   const bool ok = jllm_cpu::share_items(pool, full, [&](int64_t panel) {
@@ -297,14 +386,34 @@ const float* pack_weight(ffi::ThreadPool& pool, const Product& p, int64_t full, 
   return ok ? packed : nullptr;
 }
 
-// Padding rows come out zero, which every later op takes as it took XLA's products.
-void zero_padding_rows(const Product& p, const int8_t* live) {
-  if (!live) return;
-  for (int64_t m = 0; m < p.M; ++m)
-    if (!live[m]) std::fill(p.y + m * p.N, p.y + (m + 1) * p.N, 0.0f);
+// x [M, K] as float32: itself, or widened from bf16 (its live rows, in parallel) into the
+// calling thread's buffer; null if a pool task failed.
+const float* widen_x(ffi::ThreadPool&, const float* x, int64_t, int64_t, const int8_t*) {
+  return x;
+}
+const float* widen_x(ffi::ThreadPool& pool, const bf16* x, int64_t M, int64_t K,
+                     const int8_t* live) {
+  thread_local std::vector<float> buffer;
+  float* to = scratch(buffer, size_t(M * K));
+  constexpr int64_t kRows = 64;  // per work item
+  const bool ok = jllm_cpu::share_items(pool, (M + kRows - 1) / kRows, [&](int64_t i) {
+    for (int64_t m = i * kRows; m < std::min(M, (i + 1) * kRows); ++m)
+      if (!live || live[m]) widen_run(x + m * K, to + m * K, K);
+  });
+  return ok ? to : nullptr;
 }
 
-ffi::Error Run(ffi::ThreadPool& pool, const Product& p, const int8_t* live, bool transposed) {
+// Padding rows come out zero, which every later op takes as it took XLA's products.
+template <typename TW, typename TY>
+void zero_padding_rows(const Product<TW, TY>& p, const int8_t* live) {
+  if (!live) return;
+  for (int64_t m = 0; m < p.M; ++m)
+    if (!live[m]) std::memset(p.y + m * p.N, 0, p.N * sizeof(TY));
+}
+
+template <typename TW, typename TY>
+ffi::Error Run(ffi::ThreadPool& pool, const Product<TW, TY>& p, const int8_t* live,
+               bool transposed) {
   zero_padding_rows(p, live);
   const std::vector<jllm_cpu::RowTile> tiles = jllm_cpu::live_tiles(live, p.M, kMaxRows);
   const int64_t count = int64_t(tiles.size());
@@ -334,39 +443,81 @@ ffi::Error Run(ffi::ThreadPool& pool, const Product& p, const int8_t* live, bool
         }
         continue;
       }
-      // Packed, the panel's rows lie next to each other. In place, they lie N floats apart,
-      // a stride that maps them onto a few cache sets (N = 1536: two of L1's 64), so the
-      // panel would not stay in cache from one tile to the next.
-      const float* w = p.w + n0;
-      int64_t ldw = p.N;
+      // Packed, the panel's rows lie next to each other. In place, they lie N elements
+      // apart, a stride that maps them onto a few cache sets (N = 1536 floats: two of L1's
+      // 64), so the panel would not stay in cache from one tile to the next.
+      const float* w = nullptr;
       if (packed) {
         w = packed + panel * p.K * kPanel;
-        ldw = kPanel;
       } else if (transposed || t1 - t0 > 1) {
         float* own = panel_scratch(p.K);
         pack_panel(p, panel, transposed, own);
         w = own;
-        ldw = kPanel;
       }
-      for (int64_t t = t0; t < t1; ++t) tile_rows(p, w, ldw, tiles[t].rows, tiles[t].m0, n0);
+      for (int64_t t = t0; t < t1; ++t) {
+        if (w)
+          tile_rows(p, w, kPanel, tiles[t].rows, tiles[t].m0, n0);
+        else
+          tile_rows(p, p.w + n0, p.N, tiles[t].rows, tiles[t].m0, n0);
+      }
     }
   };
   const bool ok = jllm_cpu::share_tile_panels(pool, count, panels, kBlockTiles, item);
   return ok ? ffi::Error::Success() : ffi::Error::Internal("a float32 matmul work item failed");
 }
 
+// Widens x if it is bf16, then runs.
+template <typename TX, typename TW, typename TY>
+ffi::Error Widened(ffi::ThreadPool& pool, const TX* x, Product<TW, TY>& p, const int8_t* live,
+                   bool transposed) {
+  p.x = widen_x(pool, x, p.M, p.K, live);
+  if (!p.x) return ffi::Error::Internal("widening a bf16 x failed");
+  return Run(pool, p, live, transposed);
+}
+
 #else
 
-ffi::Error Run(ffi::ThreadPool&, const Product&, const int8_t*, bool) {
+template <typename TX, typename TW, typename TY>
+ffi::Error Widened(ffi::ThreadPool&, const TX*, Product<TW, TY>&, const int8_t*, bool) {
   return ffi::Error(ffi::ErrorCode::kUnimplemented,
                     "the float32 matmul kernel needs an x86 CPU with FMA");
 }
 
 #endif  // JLLM_F32_MATMUL
 
-ffi::Error F32Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+template <typename TX, typename TW, typename TY>
+ffi::Error Typed(ffi::ThreadPool& pool, const jllm_cpu::ProductShape& shape, const void* x,
+                 const void* w, void* y, const int8_t* live, bool transposed) {
+  Product<TW, TY> p;
+  p.M = shape.M;
+  p.N = shape.N;
+  p.K = shape.K;
+  p.w = static_cast<const TW*>(w) + shape.offset;
+  p.y = static_cast<TY*>(y);
+  return Widened(pool, static_cast<const TX*>(x), p, live, transposed);
+}
+
+// The instance for y's type, given x's and w's.
+template <typename TX, typename TW>
+ffi::Error ForY(ffi::ThreadPool& pool, const jllm_cpu::ProductShape& shape, const void* x,
+                const void* w, ffi::Result<ffi::AnyBuffer>& y, const int8_t* live,
+                bool transposed) {
+  void* out = y->untyped_data();
+  if (y->element_type() == ffi::DataType::F32)
+    return Typed<TX, TW, float>(pool, shape, x, w, out, live, transposed);
+  return Typed<TX, TW, bf16>(pool, shape, x, w, out, live, transposed);
+}
+
+bool float32_or_bf16(ffi::DataType t) {
+  return t == ffi::DataType::F32 || t == ffi::DataType::BF16;
+}
+
+ffi::Error F32Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S8> live,
-                     ffi::ResultBuffer<ffi::F32> y, bool w_transposed) {
+                     ffi::Result<ffi::AnyBuffer> y, bool w_transposed) {
+  if (!float32_or_bf16(x.element_type()) || !float32_or_bf16(w.element_type()) ||
+      !float32_or_bf16(y->element_type()))
+    return ffi::Error::InvalidArgument("x, w and y must each be float32 or bfloat16");
   // Transposed, w is [L, N, K] or [N, K]: checked as the [.., K, N] it stands for.
   std::vector<int64_t> wd(w.dimensions().begin(), w.dimensions().end());
   if (w_transposed && wd.size() >= 2) std::swap(wd[wd.size() - 1], wd[wd.size() - 2]);
@@ -375,20 +526,20 @@ ffi::Error F32Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
       jllm_cpu::product_shape(x.dimensions(), wd, y->dimensions(), live.element_count(),
                               layer.element_count(), layer.typed_data(), shape);
   if (bad.failure()) return bad;
-  Product p;
-  p.M = shape.M;
-  p.N = shape.N;
-  p.K = shape.K;
-  if (p.M == 0 || p.N == 0) return ffi::Error::Success();
-  if (p.K == 0) {
+  if (shape.M == 0 || shape.N == 0) return ffi::Error::Success();
+  if (shape.K == 0) {
     std::memset(y->untyped_data(), 0, y->size_bytes());
     return ffi::Error::Success();
   }
-  p.x = x.typed_data();
-  p.w = w.typed_data() + shape.offset;
-  p.y = y->typed_data();
   const int8_t* rows = live.element_count() ? live.typed_data() : nullptr;
-  return Run(pool, p, rows, w_transposed);
+  const void *xs = x.untyped_data(), *ws = w.untyped_data();
+  const bool x32 = x.element_type() == ffi::DataType::F32;
+  if (w.element_type() == ffi::DataType::F32) {
+    if (x32) return ForY<float, float>(pool, shape, xs, ws, y, rows, w_transposed);
+    return ForY<bf16, float>(pool, shape, xs, ws, y, rows, w_transposed);
+  }
+  if (x32) return ForY<float, bf16>(pool, shape, xs, ws, y, rows, w_transposed);
+  return ForY<bf16, bf16>(pool, shape, xs, ws, y, rows, w_transposed);
 }
 
 }  // namespace
@@ -396,9 +547,9 @@ ffi::Error F32Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmF32Matmul, F32Matmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [L, K, N] or [K, N]
+                                  .Arg<ffi::AnyBuffer>()          // x [M, K]
+                                  .Arg<ffi::AnyBuffer>()          // w [L, K, N] or [K, N]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
                                   .Arg<ffi::Buffer<ffi::S8>>()   // live [M] or [0]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Ret<ffi::AnyBuffer>()          // y [M, N]
                                   .Attr<bool>("w_transposed"));

@@ -17,8 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jllm.models import f32_matmul
-from jllm.models.bf16_matmul import bf16_gated_matmul, bf16_matmul
+from jllm.models import bf16_matmul, f32_matmul
 from jllm.quantization.weights import QuantizedWeight, matmul
 
 
@@ -82,11 +81,11 @@ class Linear(nnx.Module):
 
     def in_place(self, x, out_dtype=None) -> bool:
         """Whether a kernel multiplies x by this Linear's weight in the stack: the weight is
-        a StackedWeight of x's dtype, bf16 (the bf16 kernel) or float32 (the float32 kernel,
-        for a float32 result), and x's trailing axes are the weight's leading (contracted)
-        ones in order, as in every projection here. Whether a step's weights stay stacked
-        at all (its dtype and, for float32, its token count) the model decides once, with
-        the kernels' `applies`."""
+        a StackedWeight of x's dtype, bf16 (the bf16 kernel, or the float32 one widening it)
+        or float32 (the float32 kernel, for a float32 result), and x's trailing axes are the
+        weight's leading (contracted) ones in order, as in every projection here. Whether a
+        step's weights stay stacked at all (by their dtype) the model decides once, with the
+        kernels' `applies`."""
         w = self.weight.get_value()
         if not isinstance(w, StackedWeight) or x.dtype != w.stack.dtype:
             return False
@@ -111,13 +110,15 @@ class Linear(nnx.Module):
         else."""
         if not self.in_place(x, out_dtype):
             return jnp.einsum(self.spec, x, w.stack[w.layer], preferred_element_type=out_dtype)
-        if x.dtype == jnp.float32:
+        out_dtype = out_dtype or x.dtype
+        if x.dtype == jnp.bfloat16 and bf16_matmul.enabled():
+            product = bf16_matmul.bf16_matmul
             return self.kernel_call(
-                x, lambda x, stack, layer, live: f32_matmul.f32_matmul(x, stack, layer, live)
+                x, lambda x, stack, layer, live: product(x, stack, layer, out_dtype, live)
             )
-        out_dtype = out_dtype or jnp.bfloat16
+        product = f32_matmul.f32_matmul
         return self.kernel_call(
-            x, lambda x, stack, layer, live: bf16_matmul(x, stack, layer, out_dtype, live)
+            x, lambda x, stack, layer, live: product(x, stack, layer, live, out_dtype=out_dtype)
         )
 
     def kernel_call(self, x, product):
@@ -134,10 +135,10 @@ def gated_product(gate: Linear, up: Linear, x):
     """silu(gate(x)) * up(x), a gated MLP's first half: in one pass of the bf16 kernel where
     both weights are read in place without biases, the two products and the SiLU otherwise."""
     both = gate.in_place(x) and up.in_place(x) and x.dtype == jnp.bfloat16
-    if both and not (gate.use_bias or up.use_bias):
-        up_stack = up.stack_2d()
+    if both and bf16_matmul.enabled() and not (gate.use_bias or up.use_bias):
+        up_stack, product = up.stack_2d(), bf16_matmul.bf16_gated_matmul
         return gate.kernel_call(
-            x, lambda x, stack, layer, live: bf16_gated_matmul(x, stack, up_stack, layer, live=live)
+            x, lambda x, stack, layer, live: product(x, stack, up_stack, layer, live=live)
         )
     return jax.nn.silu(gate(x)) * up(x)
 

@@ -189,10 +189,12 @@ class LlamaForCausalLM(nnx.Module):
             table = self.embed_tokens.get_value()
             if isinstance(table, QuantizedWeight):  # [V, D]: the [Out, In] layout
                 return matmul(hidden, table, f32)
-            if table.dtype == f32 and f32_matmul.applies(hidden.dtype):
-                return f32_matmul.f32_matmul(hidden, table, live=live, transposed=True)
+            if table.dtype == hidden.dtype and f32_matmul.applies(hidden.dtype):
+                product = f32_matmul.f32_matmul
+                return product(hidden, table, live=live, transposed=True, out_dtype=f32)
             return jnp.einsum("RD,VD->RV", hidden, table, preferred_element_type=f32)
         w = self.lm_head.weight.get_value()
-        if isinstance(w, jax.Array) and w.dtype == f32 and f32_matmul.applies(hidden.dtype):
-            return f32_matmul.f32_matmul(hidden, w, live=live)  # [D, V], no bias
+        kernel = isinstance(w, jax.Array) and w.dtype == hidden.dtype
+        if kernel and f32_matmul.applies(hidden.dtype):
+            return f32_matmul.f32_matmul(hidden, w, live=live, out_dtype=f32)  # [D, V], no bias
         return self.lm_head(hidden, out_dtype=f32)

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from oracle import SMALL, prompt_ids, save_tiny, weight_copies, worst_teacher_forced_gaps
 
 from jllm import LLM, SamplingParams
-from jllm.models import bf16_matmul
+from jllm.models import bf16_matmul, f32_matmul
 from jllm.models.bf16_matmul import bf16_gated_matmul, gated_reference, reference
 from jllm.models.bf16_matmul import bf16_matmul as kernel
 
@@ -168,6 +168,7 @@ def test_engine_on_the_kernel_against_fp32_oracle(bf16_qwen3, monkeypatch, on):
     greedy choices stay the float32 argmax or within bf16's error of it, the kernel is in
     the compiled step, and no layer's weight is copied out of the stack there."""
     monkeypatch.setattr(bf16_matmul, "enabled", lambda: on)
+    monkeypatch.setattr(f32_matmul, "widens_bf16", lambda: False)  # XLA's, as the control
     jax.clear_caches()  # the decision is made at trace time: no trace of the other choice
     llm = LLM(bf16_qwen3, dtype="bfloat16", **SMALL)
     runner = llm.llm_engine.runner

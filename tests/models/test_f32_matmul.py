@@ -1,7 +1,9 @@
 """The CPU float32 matmul kernel (jllm/models/f32_matmul.cc) against XLA's product, and the
 engine on it: greedy tokens and logprobs against transformers in float32, and the kernel in
 every compiled step (the layer products and the tied LM head, its weight transposed) with
-no layer's weights copied out of the stack.
+no layer's weights copied out of the stack. Its bfloat16 operands (widened to float32, for
+CPUs without bf16 instructions) likewise, the engine in bfloat16 against transformers in
+float32.
 
 The kernel needs an x86 CPU with FMA and AVX2 (or AVX-512), which every development and CI
 machine has; elsewhere these tests are skipped with that reason and the products stay
@@ -13,13 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle import SMALL, prompt_ids, save_tiny, weight_copies, worst_teacher_forced_gaps
 
 from jllm import LLM, SamplingParams
-from jllm.models import f32_matmul
+from jllm.models import bf16_matmul, f32_matmul
 from jllm.models.f32_matmul import f32_matmul as kernel
 from jllm.models.f32_matmul import reference
 
@@ -130,10 +133,95 @@ def test_padding_rows_are_skipped_and_zero(transposed):
     np.testing.assert_array_equal(got[live], np.asarray(want))
 
 
+BF16 = jnp.bfloat16
+
+
+def assert_widened_product(x, w, layer, got, transposed=False):
+    """got against the float32 product of the operands as they are (bf16 ones widened
+    exactly): within float32 summation error, and half a bf16 ulp more where got is bf16."""
+    x32, w32 = x.astype(jnp.float32), w.astype(jnp.float32)
+    exact = np.asarray(reference(x32, w32, layer, transposed))
+    w32 = np.asarray(w32[layer])
+    scale = np.abs(np.asarray(x32)) @ np.abs(w32.T if transposed else w32)
+    tol = 2e-7 * x.shape[1] * scale + 1e-30
+    if got.dtype == BF16:
+        tol = 1.01 * tol + 2.0**-8 * np.abs(exact)
+    np.testing.assert_array_less(np.abs(np.asarray(got, np.float32) - exact), tol)
+
+
+@pytest.mark.parametrize(
+    "x_dtype,w_dtype,out_dtype",
+    [
+        (BF16, BF16, BF16),  # a bf16 model's layer products
+        (BF16, BF16, jnp.float32),  # its LM head
+        (jnp.float32, BF16, jnp.float32),
+        (BF16, jnp.float32, BF16),
+    ],
+)
+@pytest.mark.parametrize(
+    "m,k,n,transposed",
+    [
+        (1, 64, 96, False),  # one tile: w read in place, widened as it is read
+        (2, 7, 37, False),  # odd K, columns of an edge only
+        (64, 576, 192, False),  # one block: each panel widened as it is packed
+        (200, 48, 70, False),  # two blocks: the whole weight widened first, and an edge
+        (1, 64, 96, True),  # dot tiles over w's rows in place
+        (64, 576, 200, True),  # transposed panels, an edge of 8
+        (200, 45, 70, True),
+    ],
+)
+def test_bf16_operands_match_xla(x_dtype, w_dtype, out_dtype, m, k, n, transposed):
+    x, w = operands(m, k, n, transposed=transposed)
+    x, w = x.astype(x_dtype), w.astype(w_dtype)
+    call = jax.jit(kernel, static_argnames=("transposed", "out_dtype"))
+    for layer in (0, 2):
+        got = call(x, w, layer, transposed=transposed, out_dtype=out_dtype)
+        assert got.dtype == out_dtype and got.shape == (m, n)
+        assert_widened_product(x, w, layer, got, transposed)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_bf16_padding_rows_are_skipped_and_zero(transposed):
+    m, k, n = 90, 96, 70
+    x, w = operands(m, k, n, transposed=transposed)
+    x, w = x.astype(BF16), w.astype(BF16)
+    live = np.ones(m, bool)
+    live[[0, 3, 4, 20]] = False
+    live[40:75] = False
+    x = x.at[~live].set(jnp.nan)
+    got = np.asarray(kernel(x, w, 1, live=jnp.asarray(live), transposed=transposed), np.float32)
+    assert not got[~live].any()
+    want = kernel(x[live], w, 1, transposed=transposed)
+    np.testing.assert_array_equal(got[live], np.asarray(want, np.float32))
+
+
+def test_bf16_result_rounds_as_xla_converts():
+    """A bf16 result is the float32 sum rounded once, to nearest even, as XLA's convert
+    rounds: ties both ways, the largest float32 to infinity, infinities and NaN kept. x @ 1
+    is x, so each result is x rounded; 70 columns cover the vector stores and the edge."""
+    bits = np.array(
+        [0x3F808000, 0x3F818000, 0x3F808001, 0x3F807FFF, 0xBF808000, 0x7F7FFFFF, 0xFF7FFFFF],
+        np.uint32,
+    )
+    specials = np.concatenate([bits.view(np.float32), [np.inf, -np.inf, np.nan, 1e-30, 3.0]])
+    rng = np.random.default_rng(0)
+    values = np.concatenate([specials, rng.normal(0, 100, 20)]).astype(np.float32)
+    x = jnp.asarray(values[:, None])  # [M, 1]
+    ones = jnp.ones((1, 70), BF16)
+    for live in (None, jnp.ones(len(values), bool)):
+        got = np.asarray(kernel(x, ones, live=live, out_dtype=BF16))
+        want = np.repeat(np.asarray(x.astype(BF16)), 70, axis=1)
+        nan = np.isnan(values)
+        assert np.isnan(got[nan].astype(np.float32)).all()
+        np.testing.assert_array_equal(got[~nan].view(np.uint16), want[~nan].view(np.uint16))
+
+
 def test_refuses_what_it_cannot_multiply():
     x, w = operands(4, 32, 16)
-    with pytest.raises(ValueError, match="float32 x and w"):
-        kernel(x.astype(jnp.bfloat16), w)
+    with pytest.raises(ValueError, match="float32 or bfloat16 x"):
+        kernel(x.astype(jnp.float16), w)
+    with pytest.raises(ValueError, match="float32 or bfloat16 the result"):
+        kernel(x, w, out_dtype=jnp.float16)
     with pytest.raises(ValueError, match=r"x \[M, K\]"):
         kernel(x, w[:, :16])
     with pytest.raises(ValueError, match=r"w \[L, N, K\]"):
@@ -175,6 +263,54 @@ def test_engine_on_the_kernel_against_transformers(f32_qwen3):
     assert worst_choice <= 1e-4, worst_choice
     assert worst_logprob <= 1e-3, worst_logprob
     jax.clear_caches()
+
+
+@pytest.fixture(scope="module")
+def bf16_qwen3(tmp_path_factory, tokenizer_dir):
+    return save_tiny("qwen3", tmp_path_factory.mktemp("f32mm16"), tokenizer_dir, torch.bfloat16)
+
+
+def test_bf16_engine_widened_against_fp32_oracle(bf16_qwen3, monkeypatch):
+    """A bfloat16 engine on a CPU without bf16 instructions (forced here, whatever this CPU
+    has): every layer product and the tied LM head on the kernel, widening the bf16 weights
+    in the stack, none copied out of it; greedy choices stay the float32 argmax or within
+    bf16's error of it (the bounds of the bf16 kernel's test)."""
+    monkeypatch.setattr(bf16_matmul, "enabled", lambda: False)
+    monkeypatch.setattr(f32_matmul, "widens_bf16", lambda: True)
+    jax.clear_caches()
+    llm = LLM(bf16_qwen3, dtype="bfloat16", **SMALL)
+    runner = llm.llm_engine.runner
+    gate_shape = (64, 128)
+    for key in ((2, 0), (0, 1)):
+        buf, layout, _ = runner._packed_inputs(*key)
+        text = runner._forward_executable(key, jax.device_put(buf), layout).as_text()
+        assert text.count('custom_call_target="jllm_f32_matmul_cpu"') == 8, key
+        assert text.count("w_transposed = true") == 1, key
+        assert "jllm_bf16" not in text, key
+        assert not weight_copies(text, "bf16", gate_shape), key
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        bf16_qwen3, dtype=torch.float32
+    ).eval()
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    batch = prompt_ids(4, 5) + prompt_ids(1, 40, seed=1) + prompt_ids(1, 23, seed=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    runs = [(p, o.outputs[0]) for p, o in zip(batch, outs, strict=True)]
+    worst_choice, worst_logprob = worst_teacher_forced_gaps(model, runs)
+    assert worst_choice <= 0.1, worst_choice
+    assert worst_logprob <= 0.25, worst_logprob
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize(
+    "flags,want",
+    [({"avx2", "fma"}, True), ({"avx512f", "avx512_bf16"}, False), ({"amx_bf16"}, False)],
+)
+def test_which_cpus_widen_bf16(monkeypatch, flags, want):
+    """bf16 products come here only where neither the bf16 kernel (AVX512-BF16) nor XLA's
+    AMX products take them."""
+    monkeypatch.setattr(f32_matmul, "cpu_flags", lambda: flags)
+    assert f32_matmul.widens_bf16() is want
 
 
 @pytest.mark.parametrize(
