@@ -30,28 +30,42 @@ _DTYPES = {
 }
 
 
-# The x86 bf16 instructions XLA's CPU matmuls use, as /proc/cpuinfo names them, and what
-# bf16 measured against float32 there (SmolLM2, benchmarks/throughput.py, one run each).
+# The x86 instruction sets under which bf16 runs faster than float32 on CPU, as
+# /proc/cpuinfo names them, best first, and what bf16 measured against float32 there
+# (SmolLM2, benchmarks/throughput.py, one run each). AMX and AVX512-BF16: bf16 matrix
+# instructions (XLA's products, the bf16 kernel). AVX2 with FMA: none, but the float32
+# kernel widens bf16 operands as it reads them (f32_matmul.py), half the bytes to read.
 CPU_BF16_ISAS = {
     "amx_bf16": "AMX-BF16: bf16 matmuls ran 4x fp32 at 2048 rows and 2.6x at 64 (2-core Xeon)",
     "avx512_bf16": "AVX512-BF16: bf16 ran W1 1.58x and S1 1.49x fp32 (2-core Zen 4)",
+    "avx2": (
+        "AVX2 with FMA and no bf16 instructions, where the float32 kernel widens bf16: bf16 "
+        "ran W3 1.07x, S1 1.17x and W1 0.96x fp32 (2-core Zen 3)"
+    ),
 }
 
 
 def cpu_bf16_isa() -> str | None:
-    """This x86 CPU's best bf16 matrix instructions (a key of CPU_BF16_ISAS), or None."""
+    """This x86 CPU's best instruction set for bf16 (a key of CPU_BF16_ISAS), or None: AVX2
+    counts only where the float32 kernel runs (FMA, and a compiler that built it)."""
     flags = cpu_flags()
-    return next((isa for isa in CPU_BF16_ISAS if isa in flags), None)
+    isa = next((isa for isa in CPU_BF16_ISAS if isa in flags), None)
+    if isa == "avx2":
+        from jllm.models import f32_matmul  # the kernel's build, once per process
+
+        return isa if f32_matmul.supported() and f32_matmul.enabled() else None
+    return isa
 
 
 def resolve_dtype(dtype: str, checkpoint_dtype: str, platform: str, isa: str | None | bool = True):
     """vLLM's `dtype` values. "auto" on accelerators: the checkpoint's dtype (bfloat16 for
     float32 checkpoints). On CPU: bfloat16 for a 16-bit checkpoint (float16, bfloat16, or a
-    quantized GGUF) when the CPU has bf16 matrix instructions that XLA uses (AMX or
-    AVX512-BF16, measured in CPU_BF16_ISAS), else float32 (without them XLA's CPU bf16
-    matmuls convert to fp32: on an AVX2 Zen 3 bf16 ran W1 at 0.74x and W3 at 0.88x of
-    float32, README). `isa`: the CPU's (`cpu_bf16_isa`),
-    read from the CPU when left True. The choice and its reason are logged."""
+    quantized GGUF) where bf16 measured faster than float32 (CPU_BF16_ISAS: AMX, AVX512-BF16,
+    or AVX2 with FMA and the float32 kernel widening bf16), else float32 (a CPU without
+    AVX2 and FMA, or without a C++ compiler: XLA's CPU bf16 products convert to float32 after
+    copying each layer's weights, and on the Zen 3 bf16 ran W1 at 0.74x and W3 at 0.88x of
+    float32 that way, README). `isa`: the CPU's (`cpu_bf16_isa`), read from the CPU when
+    left True. The choice and its reason are logged."""
     if dtype != "auto":
         return _DTYPES[dtype]
     if platform == "cpu":
@@ -65,7 +79,7 @@ def resolve_dtype(dtype: str, checkpoint_dtype: str, platform: str, isa: str | N
             "dtype auto: float32 (%s).",
             "a float32 checkpoint"
             if not sixteen_bit
-            else "this CPU has neither AMX nor AVX512-BF16 for bf16 matmuls",
+            else "this CPU has neither AMX, AVX512-BF16, nor AVX2 with FMA and the C++ kernel",
         )
         return jnp.float32
     if checkpoint_dtype in ("float32", "float"):

@@ -14,15 +14,17 @@ from jllm.engine.platform import cpu_bf16_isa, min_dot_rows, resolve_dtype
 
 
 def test_auto_dtype(caplog):
-    # CPU: bf16 for 16-bit checkpoints when the CPU has AMX or AVX512-BF16, else float32,
-    # with the reason in the log.
+    # CPU: bf16 for 16-bit checkpoints when the CPU has AMX, AVX512-BF16, or AVX2 with FMA
+    # (the float32 kernel widening bf16), else float32, with the reason in the log.
     with caplog.at_level("INFO", logger="jllm"):
         assert resolve_dtype("auto", "bfloat16", "cpu", isa="amx_bf16") == jnp.bfloat16
         assert "AMX-BF16" in caplog.text
         assert resolve_dtype("auto", "float16", "cpu", isa="avx512_bf16") == jnp.bfloat16
         assert "AVX512-BF16: bf16 ran W1" in caplog.text
+        assert resolve_dtype("auto", "bfloat16", "cpu", isa="avx2") == jnp.bfloat16
+        assert "the float32 kernel widens bf16" in caplog.text
         assert resolve_dtype("auto", "bfloat16", "cpu", isa=None) == jnp.float32
-        assert "neither AMX nor AVX512-BF16" in caplog.text
+        assert "neither AMX, AVX512-BF16, nor AVX2 with FMA" in caplog.text
     assert resolve_dtype("auto", "float32", "cpu", isa="amx_bf16") == jnp.float32
     # Accelerators: the checkpoint's dtype, bf16 for float32 checkpoints.
     assert resolve_dtype("auto", "float32", "tpu") == jnp.bfloat16
@@ -39,6 +41,27 @@ def test_auto_dtype(caplog):
 @pytest.fixture(scope="module")
 def bf16_llama(tmp_path_factory, tokenizer_dir):
     return save_tiny("llama", tmp_path_factory.mktemp("bf16"), tokenizer_dir, torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "flags,kernel,want",
+    [
+        ({"avx2", "fma", "avx512_bf16", "amx_bf16"}, True, "amx_bf16"),
+        ({"avx2", "fma", "avx512f", "avx512_bf16"}, True, "avx512_bf16"),
+        ({"avx2", "fma"}, True, "avx2"),
+        ({"avx2", "fma"}, False, None),  # the float32 kernel did not build
+        ({"avx2"}, True, None),  # no FMA
+        ({"sse4_2"}, True, None),
+    ],
+)
+def test_cpu_bf16_isa(monkeypatch, flags, kernel, want):
+    from jllm.engine import platform
+    from jllm.models import f32_matmul
+
+    monkeypatch.setattr(platform, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(f32_matmul, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(f32_matmul, "enabled", lambda: kernel)
+    assert cpu_bf16_isa() == want
 
 
 def test_auto_dtype_of_a_bf16_checkpoint(bf16_llama):
