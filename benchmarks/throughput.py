@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import subprocess
 import tempfile
 import time
@@ -281,12 +282,21 @@ def run_vllm_cpu(reqs, dtype: str) -> dict:
     env = os.environ | {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "4"}
     out = f.name + ".out"
     with open(out, "w") as stdout:  # vLLM logs to stdout too; the results are a line of JSON
-        done = subprocess.run(
+        done = subprocess.Popen(
             [python, script, "--model", model, "--workloads", f.name, "--dtype", dtype],
             stdout=stdout,
             stderr=subprocess.STDOUT,
             env=env,
+            start_new_session=True,  # a process group of its own, vLLM's workers included
         )
+        done.wait()
+    # vLLM's engine-core and worker processes outlived the peer's script (seen on
+    # 2026-11-24: 5 GB held, and CPU time taken after the peer was done), so that jllm would
+    # have shared the cores with them: whatever is left of the group goes.
+    try:
+        os.killpg(done.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
     with open(out) as stdout:
         lines = stdout.read().splitlines()
     os.unlink(f.name)

@@ -7,7 +7,8 @@
 // as XLA converts). The contract of f32_matmul.py. `live` is one byte per row of x (or
 // none): rows marked 0, a step's padding, are not computed and come out zero. With the
 // attribute w_transposed, w is [L, N, K] or [N, K] (a tied embedding table as the LM head)
-// and y = x @ w[layer]^T.
+// and y = x @ w[layer]^T. A second entry point takes two weights of one shape and writes
+// silu(x @ gate) * (x @ up) (a gated MLP's first half), the SiLU taken on the float32 sums.
 //
 // Why not XLA's product: inside the model's layer scan XLA copies each layer's weights out
 // of the stack before multiplying (a dynamic slice into a new buffer, then the product).
@@ -63,9 +64,10 @@ using bf16 = uint16_t;  // a bfloat16's bits
 // and y's element types, float or bf16.
 template <typename TW, typename TY>
 struct Product {
-  const float* x;  // [M, K]
-  const TW* w;     // [K, N], this layer's
-  TY* y;           // [M, N]
+  const float* x;           // [M, K]
+  const TW* w;              // [K, N], this layer's
+  const TW* up = nullptr;   // [K, N], this layer's, or none: y = silu(x @ w) * (x @ up)
+  TY* y;                    // [M, N]
   int64_t M, N, K;
 };
 
@@ -110,6 +112,7 @@ inline void vstore(bf16* p, Vec v) {  // as narrow(), 16 lanes at once
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
 }
 inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vset(float v) { return _mm512_set1_ps(v); }
 inline Vec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 #else
@@ -121,6 +124,7 @@ inline Vec vload(const bf16* p);  // load8 below
 inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline void vstore(bf16* p, Vec v);  // store8 below
 inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vset(float v) { return _mm256_set1_ps(v); }
 inline Vec vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 #endif
@@ -153,13 +157,58 @@ constexpr int64_t kPanel = kPanelVecs * kLanes;  // columns per panel: 32 (AVX2)
 constexpr int kMaxRows = 6;
 constexpr int64_t kBlockTiles = 32;  // tiles per work item (192 rows when full)
 
-// Rows m0 .. m0 + R - 1 by the V vectors of columns from w's column 0 (w and y already
-// offset to the panel's first column; w's rows ldw elements apart, float32 when packed,
-// the weight's own type in place): y = x @ w over all K.
-template <int R, int V, typename TP, typename TY>
-__attribute__((always_inline)) inline void vectors(const float* x, int64_t K, const TP* w,
-                                                   int64_t ldw, TY* y, int64_t N) {
-  Vec acc[R][V];
+// exp(x) for x <= 0 (SiLU's exp(-|g|)): 2^n * e^r with |r| <= ln2 / 2, e^r by its degree-6
+// Taylor polynomial (relative error below 2e-7), 2^n built in the exponent field. Below
+// -87 it is exp(-87) (about 1.6e-38, the smallest such 2^n that is a normal float), where
+// SiLU's sigmoid is below float32's resolution of it anyway.
+inline Vec exp_nonpositive(Vec x) {
+#ifdef __AVX512F__
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const Vec n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const Vec n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#endif
+  Vec r = vfma(n, vset(-0.693145752f), x);  // x - n ln2, ln2's high part
+  r = vfma(n, vset(-1.42860677e-6f), r);    // and its low part
+  Vec e = vset(1.0f / 720);
+  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) e = vfma(e, r, vset(c));
+#ifdef __AVX512F__
+  const __m512i bits = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(e, _mm512_castsi512_ps(bits));
+#else
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(e, _mm256_castsi256_ps(bits));
+#endif
+}
+
+// silu(g) * u = g * u * sigmoid(g), sigmoid from exp(-|g|) so that nothing overflows.
+inline Vec silu_times(Vec g, Vec u) {
+#ifdef __AVX512F__
+  const Vec e = exp_nonpositive(_mm512_sub_ps(vzero(), _mm512_abs_ps(g)));
+  const Vec positive = _mm512_div_ps(vset(1.0f), _mm512_add_ps(e, vset(1.0f)));
+  const __mmask16 negative = _mm512_cmp_ps_mask(g, vzero(), _CMP_LT_OQ);
+  const Vec sigmoid = _mm512_mask_mul_ps(positive, negative, positive, e);  // e / (1 + e)
+  return _mm512_mul_ps(_mm512_mul_ps(g, u), sigmoid);
+#else
+  const Vec magnitude = _mm256_andnot_ps(vset(-0.0f), g);
+  const Vec e = exp_nonpositive(_mm256_sub_ps(vzero(), magnitude));
+  const Vec positive = _mm256_div_ps(vset(1.0f), _mm256_add_ps(e, vset(1.0f)));
+  const Vec negative = _mm256_cmp_ps(g, vzero(), _CMP_LT_OQ);
+  const Vec sigmoid = _mm256_blendv_ps(positive, _mm256_mul_ps(positive, e), negative);
+  return _mm256_mul_ps(_mm256_mul_ps(g, u), sigmoid);
+#endif
+}
+
+// Rows 0 .. R - 1 of x by the V vectors of columns from w's column 0 (w's rows ldw elements
+// apart, float32 when packed, the weight's own type in place), summed over all K into acc.
+template <int R, int V, typename TP>
+__attribute__((always_inline)) inline void accumulate(const float* x, int64_t K, const TP* w,
+                                                      int64_t ldw, Vec (&acc)[R][V]) {
   // Unrolled by pragma so that GCC keeps the arrays in registers.
   _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r)
       _Pragma("GCC unroll 8") for (int v = 0; v < V; ++v) acc[r][v] = vzero();
@@ -171,29 +220,41 @@ __attribute__((always_inline)) inline void vectors(const float* x, int64_t K, co
       _Pragma("GCC unroll 8") for (int v = 0; v < V; ++v) acc[r][v] = vfma(a, b[v], acc[r][v]);
     }
   }
-  _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r)
-      _Pragma("GCC unroll 8") for (int v = 0; v < V; ++v)
-          vstore(y + r * N + v * kLanes, acc[r][v]);
 }
 
-// One full panel (columns n0 .. n0 + kPanel - 1, read from `panel`, rows ldw elements
-// apart) of rows m0 .. m0 + R - 1: in one pass, or in two of half a panel where the
-// registers do not hold R x 4 accumulators.
+// One full panel (columns n0 .. n0 + kPanel - 1, read from `panel`, and from `up_panel` if
+// the product is gated; rows ldw elements apart) of rows m0 .. m0 + R - 1: in one pass, or
+// in two of half a panel where the registers do not hold R x 4 accumulators.
 template <int R, typename TW, typename TY, typename TP>
-void tile(const Product<TW, TY>& p, const TP* panel, int64_t ldw, int64_t m0, int64_t n0) {
+void tile(const Product<TW, TY>& p, const TP* panel, const TP* up_panel, int64_t ldw,
+          int64_t m0, int64_t n0) {
   constexpr bool halves = !kManyRegisters && R > 2;
   constexpr int V = halves ? kPanelVecs / 2 : kPanelVecs;
-  for (int64_t c = 0; c < kPanel; c += V * kLanes)
-    vectors<R, V>(p.x + m0 * p.K, p.K, panel + c, ldw, p.y + m0 * p.N + n0 + c, p.N);
+  const float* x = p.x + m0 * p.K;
+  for (int64_t c = 0; c < kPanel; c += V * kLanes) {
+    TY* y = p.y + m0 * p.N + n0 + c;
+    Vec acc[R][V];
+    accumulate<R, V>(x, p.K, panel + c, ldw, acc);
+    if (up_panel) {
+      Vec up[R][V];
+      accumulate<R, V>(x, p.K, up_panel + c, ldw, up);
+      _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r)
+          _Pragma("GCC unroll 8") for (int v = 0; v < V; ++v)
+              acc[r][v] = silu_times(acc[r][v], up[r][v]);
+    }
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r)
+        _Pragma("GCC unroll 8") for (int v = 0; v < V; ++v)
+            vstore(y + r * p.N + v * kLanes, acc[r][v]);
+  }
 }
 
 template <typename TW, typename TY, typename TP>
-void tile_rows(const Product<TW, TY>& p, const TP* panel, int64_t ldw, int rows, int64_t m0,
-               int64_t n0) {
+void tile_rows(const Product<TW, TY>& p, const TP* panel, const TP* up_panel, int64_t ldw,
+               int rows, int64_t m0, int64_t n0) {
   switch (rows) {
 #define JLLM_TILE(R) \
   case R:            \
-    return tile<R>(p, panel, ldw, m0, n0);
+    return tile<R>(p, panel, up_panel, ldw, m0, n0);
     JLLM_TILE(1) JLLM_TILE(2) JLLM_TILE(3) JLLM_TILE(4) JLLM_TILE(5) JLLM_TILE(6)
 #undef JLLM_TILE
   }
@@ -203,13 +264,28 @@ void tile_rows(const Product<TW, TY>& p, const TP* panel, int64_t ldw, int rows,
 template <typename TW, typename TY>
 void edge(const Product<TW, TY>& p, int rows, int64_t m0, int64_t n0) {
   const int64_t K = p.K, N = p.N, cols = N - n0;
-  float acc[kPanel];
+  float acc[kPanel], up[kPanel];
   for (int r = 0; r < rows; ++r) {
     std::fill(acc, acc + cols, 0.0f);
+    std::fill(up, up + cols, 0.0f);
     const float* x = p.x + (m0 + r) * K;
     for (int64_t k = 0; k < K; ++k)
-      for (int64_t c = 0; c < cols; ++c)
+      for (int64_t c = 0; c < cols; ++c) {
         acc[c] = std::fma(x[k], widen(p.w[k * N + n0 + c]), acc[c]);
+        if (p.up) up[c] = std::fma(x[k], widen(p.up[k * N + n0 + c]), up[c]);
+      }
+    if (p.up) {  // the same silu_times as the panels', a vector's worth at a time
+      float g[kLanes], u[kLanes];
+      for (int64_t c0 = 0; c0 < cols; c0 += kLanes) {
+        const int64_t n = std::min<int64_t>(kLanes, cols - c0);
+        std::fill(g, g + kLanes, 0.0f);
+        std::fill(u, u + kLanes, 0.0f);
+        std::copy(acc + c0, acc + c0 + n, g);
+        std::copy(up + c0, up + c0 + n, u);
+        vstore(g, silu_times(vload(g), vload(u)));
+        std::copy(g, g + n, acc + c0);
+      }
+    }
     for (int64_t c = 0; c < cols; ++c) narrow(acc[c], p.y + (m0 + r) * N + n0 + c);
   }
 }
@@ -335,17 +411,18 @@ inline void widen_run(const bf16* from, float* to, int64_t n) {
   for (; i < n; ++i) to[i] = widen(from[i]);
 }
 
-// Full panel `panel` of w (columns n0 .. n0 + kPanel - 1) packed into `to` as float32: K
-// rows of kPanel floats. w [K, N]: row by row; transposed, w [N, K]: the panel's kPanel rows
-// of w, 8 by 8.
+// Full panel `panel` of `weight` (p.w or p.up; columns n0 .. n0 + kPanel - 1) packed into
+// `to` as float32: K rows of kPanel floats. [K, N]: row by row; transposed, [N, K]: the
+// panel's kPanel rows, 8 by 8.
 template <typename TW, typename TY>
-void pack_panel(const Product<TW, TY>& p, int64_t panel, bool transposed, float* to) {
+void pack_panel(const Product<TW, TY>& p, const TW* weight, int64_t panel, bool transposed,
+                float* to) {
   const int64_t K = p.K, n0 = panel * kPanel;
   if (!transposed) {
-    for (int64_t k = 0; k < K; ++k) widen_run(p.w + k * p.N + n0, to + k * kPanel, kPanel);
+    for (int64_t k = 0; k < K; ++k) widen_run(weight + k * p.N + n0, to + k * kPanel, kPanel);
     return;
   }
-  const TW* w = p.w + n0 * K;
+  const TW* w = weight + n0 * K;
   const int64_t body = K - K % 8;
   for (int64_t j0 = 0; j0 < kPanel; j0 += 8) {
     for (int64_t k0 = 0; k0 < body; k0 += 8) {
@@ -368,20 +445,23 @@ float* scratch(std::vector<float>& buffer, size_t floats) {
   return buffer.data() + ((64 - at % 64) % 64) / sizeof(float);
 }
 
+// Room for two panels: w's, and up's in a gated product.
 float* panel_scratch(int64_t K) {
   thread_local std::vector<float> buffer;
-  return scratch(buffer, size_t(K * kPanel));
+  return scratch(buffer, size_t(2 * K * kPanel));
 }
 
-// The full panels of w packed one after another, in parallel over the pool; null if a pool
-// task failed.
+// The full panels of w (and of up, after them) packed one after another, in parallel over
+// the pool; null if a pool task failed.
 template <typename TW, typename TY>
 const float* pack_weight(ffi::ThreadPool& pool, const Product<TW, TY>& p, int64_t full,
                          bool transposed) {
   thread_local std::vector<float> buffer;
-  float* packed = scratch(buffer, size_t(full * p.K * kPanel));
-  const bool ok = jllm_cpu::share_items(pool, full, [&](int64_t panel) {
-    pack_panel(p, panel, transposed, packed + panel * p.K * kPanel);
+  const int64_t weights = p.up ? 2 : 1, panel_floats = p.K * kPanel;
+  float* packed = scratch(buffer, size_t(weights * full * panel_floats));
+  const bool ok = jllm_cpu::share_items(pool, weights * full, [&](int64_t i) {
+    const TW* weight = i < full ? p.w : p.up;
+    pack_panel(p, weight, i % full, transposed, packed + i * panel_floats);
   });
   return ok ? packed : nullptr;
 }
@@ -446,19 +526,26 @@ ffi::Error Run(ffi::ThreadPool& pool, const Product<TW, TY>& p, const int8_t* li
       // Packed, the panel's rows lie next to each other. In place, they lie N elements
       // apart, a stride that maps them onto a few cache sets (N = 1536 floats: two of L1's
       // 64), so the panel would not stay in cache from one tile to the next.
-      const float* w = nullptr;
+      const int64_t panel_floats = p.K * kPanel;
+      const float *w = nullptr, *up = nullptr;
       if (packed) {
-        w = packed + panel * p.K * kPanel;
+        w = packed + panel * panel_floats;
+        if (p.up) up = packed + (full + panel) * panel_floats;
       } else if (transposed || t1 - t0 > 1) {
         float* own = panel_scratch(p.K);
-        pack_panel(p, panel, transposed, own);
+        pack_panel(p, p.w, panel, transposed, own);
         w = own;
+        if (p.up) {
+          pack_panel(p, p.up, panel, transposed, own + panel_floats);
+          up = own + panel_floats;
+        }
       }
       for (int64_t t = t0; t < t1; ++t) {
+        const jllm_cpu::RowTile& tile = tiles[t];
         if (w)
-          tile_rows(p, w, kPanel, tiles[t].rows, tiles[t].m0, n0);
+          tile_rows(p, w, up, kPanel, tile.rows, tile.m0, n0);
         else
-          tile_rows(p, p.w + n0, p.N, tiles[t].rows, tiles[t].m0, n0);
+          tile_rows(p, p.w + n0, p.up ? p.up + n0 : nullptr, p.N, tile.rows, tile.m0, n0);
       }
     }
   };
@@ -485,61 +572,86 @@ ffi::Error Widened(ffi::ThreadPool&, const TX*, Product<TW, TY>&, const int8_t*,
 
 #endif  // JLLM_F32_MATMUL
 
-template <typename TX, typename TW, typename TY>
-ffi::Error Typed(ffi::ThreadPool& pool, const jllm_cpu::ProductShape& shape, const void* x,
-                 const void* w, void* y, const int8_t* live, bool transposed) {
-  Product<TW, TY> p;
-  p.M = shape.M;
-  p.N = shape.N;
-  p.K = shape.K;
-  p.w = static_cast<const TW*>(w) + shape.offset;
-  p.y = static_cast<TY*>(y);
-  return Widened(pool, static_cast<const TX*>(x), p, live, transposed);
-}
+// The operands, checked: w's dimensions (up's too, in a gated product) and every dtype.
+struct Operands {
+  jllm_cpu::ProductShape shape;
+  const void *x, *w, *up;
+  void* y;
+  const int8_t* live;
+  bool transposed;
+};
 
-// The instance for y's type, given x's and w's.
-template <typename TX, typename TW>
-ffi::Error ForY(ffi::ThreadPool& pool, const jllm_cpu::ProductShape& shape, const void* x,
-                const void* w, ffi::Result<ffi::AnyBuffer>& y, const int8_t* live,
-                bool transposed) {
-  void* out = y->untyped_data();
-  if (y->element_type() == ffi::DataType::F32)
-    return Typed<TX, TW, float>(pool, shape, x, w, out, live, transposed);
-  return Typed<TX, TW, bf16>(pool, shape, x, w, out, live, transposed);
+template <typename TX, typename TW, typename TY>
+ffi::Error Typed(ffi::ThreadPool& pool, const Operands& o) {
+  Product<TW, TY> p;
+  p.M = o.shape.M;
+  p.N = o.shape.N;
+  p.K = o.shape.K;
+  p.w = static_cast<const TW*>(o.w) + o.shape.offset;
+  p.up = o.up ? static_cast<const TW*>(o.up) + o.shape.offset : nullptr;
+  p.y = static_cast<TY*>(o.y);
+  return Widened(pool, static_cast<const TX*>(o.x), p, o.live, o.transposed);
 }
 
 bool float32_or_bf16(ffi::DataType t) {
   return t == ffi::DataType::F32 || t == ffi::DataType::BF16;
 }
 
-ffi::Error F32Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                     ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S8> live,
-                     ffi::Result<ffi::AnyBuffer> y, bool w_transposed) {
-  if (!float32_or_bf16(x.element_type()) || !float32_or_bf16(w.element_type()) ||
+// Checks the operands (up: the second weight of a gated product, or nullptr) and runs the
+// instance for their dtypes.
+ffi::Error Checked(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& w,
+                   const ffi::AnyBuffer* up, ffi::Buffer<ffi::S32>& layer,
+                   ffi::Buffer<ffi::S8>& live, ffi::Result<ffi::AnyBuffer>& y, bool transposed) {
+  const ffi::DataType wt = w.element_type();
+  if (!float32_or_bf16(x.element_type()) || !float32_or_bf16(wt) ||
       !float32_or_bf16(y->element_type()))
     return ffi::Error::InvalidArgument("x, w and y must each be float32 or bfloat16");
+  const auto wdims = w.dimensions();
+  if (up && (up->element_type() != wt ||
+             !std::equal(wdims.begin(), wdims.end(), up->dimensions().begin(),
+                         up->dimensions().end())))
+    return ffi::Error::InvalidArgument("up must be of gate's dtype and shape");
   // Transposed, w is [L, N, K] or [N, K]: checked as the [.., K, N] it stands for.
-  std::vector<int64_t> wd(w.dimensions().begin(), w.dimensions().end());
-  if (w_transposed && wd.size() >= 2) std::swap(wd[wd.size() - 1], wd[wd.size() - 2]);
-  jllm_cpu::ProductShape shape;
+  std::vector<int64_t> wd(wdims.begin(), wdims.end());
+  if (transposed && wd.size() >= 2) std::swap(wd[wd.size() - 1], wd[wd.size() - 2]);
+  Operands o;
   const ffi::Error bad =
       jllm_cpu::product_shape(x.dimensions(), wd, y->dimensions(), live.element_count(),
-                              layer.element_count(), layer.typed_data(), shape);
+                              layer.element_count(), layer.typed_data(), o.shape);
   if (bad.failure()) return bad;
-  if (shape.M == 0 || shape.N == 0) return ffi::Error::Success();
-  if (shape.K == 0) {
+  if (o.shape.M == 0 || o.shape.N == 0) return ffi::Error::Success();
+  if (o.shape.K == 0) {  // silu(0) * 0 is 0 too
     std::memset(y->untyped_data(), 0, y->size_bytes());
     return ffi::Error::Success();
   }
-  const int8_t* rows = live.element_count() ? live.typed_data() : nullptr;
-  const void *xs = x.untyped_data(), *ws = w.untyped_data();
+  o.x = x.untyped_data();
+  o.w = w.untyped_data();
+  o.up = up ? up->untyped_data() : nullptr;
+  o.y = y->untyped_data();
+  o.live = live.element_count() ? live.typed_data() : nullptr;
+  o.transposed = transposed;
   const bool x32 = x.element_type() == ffi::DataType::F32;
-  if (w.element_type() == ffi::DataType::F32) {
-    if (x32) return ForY<float, float>(pool, shape, xs, ws, y, rows, w_transposed);
-    return ForY<bf16, float>(pool, shape, xs, ws, y, rows, w_transposed);
-  }
-  if (x32) return ForY<float, bf16>(pool, shape, xs, ws, y, rows, w_transposed);
-  return ForY<bf16, bf16>(pool, shape, xs, ws, y, rows, w_transposed);
+  const bool w32 = wt == ffi::DataType::F32, y32 = y->element_type() == ffi::DataType::F32;
+  // Every combination of the three dtypes, each an instance of the loops above.
+  if (x32 && w32)
+    return y32 ? Typed<float, float, float>(pool, o) : Typed<float, float, bf16>(pool, o);
+  if (x32)
+    return y32 ? Typed<float, bf16, float>(pool, o) : Typed<float, bf16, bf16>(pool, o);
+  if (w32)
+    return y32 ? Typed<bf16, float, float>(pool, o) : Typed<bf16, float, bf16>(pool, o);
+  return y32 ? Typed<bf16, bf16, float>(pool, o) : Typed<bf16, bf16, bf16>(pool, o);
+}
+
+ffi::Error F32Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                     ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S8> live,
+                     ffi::Result<ffi::AnyBuffer> y, bool w_transposed) {
+  return Checked(pool, x, w, nullptr, layer, live, y, w_transposed);
+}
+
+ffi::Error F32GatedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gate,
+                          ffi::AnyBuffer up, ffi::Buffer<ffi::S32> layer,
+                          ffi::Buffer<ffi::S8> live, ffi::Result<ffi::AnyBuffer> y) {
+  return Checked(pool, x, gate, &up, layer, live, y, false);
 }
 
 }  // namespace
@@ -553,3 +665,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmF32Matmul, F32Matmul,
                                   .Arg<ffi::Buffer<ffi::S8>>()   // live [M] or [0]
                                   .Ret<ffi::AnyBuffer>()          // y [M, N]
                                   .Attr<bool>("w_transposed"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmF32GatedMatmul, F32GatedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // x [M, K]
+                                  .Arg<ffi::AnyBuffer>()          // gate [L, K, N] or [K, N]
+                                  .Arg<ffi::AnyBuffer>()          // up, gate's shape
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // live [M] or [0]
+                                  .Ret<ffi::AnyBuffer>());        // y [M, N]

@@ -38,6 +38,13 @@ SOURCE = os.path.join(os.path.dirname(__file__), "f32_matmul.cc")
 KERNEL = FfiKernel(
     SOURCE, "f32_matmul", "CPU float32 matmul kernel", "JllmF32Matmul", "jllm_f32_matmul_cpu"
 )
+GATED = FfiKernel(
+    SOURCE,
+    "f32_matmul",
+    "CPU float32 gated matmul kernel",
+    "JllmF32GatedMatmul",
+    "jllm_f32_gated_matmul_cpu",
+)
 
 
 def supported() -> bool:
@@ -57,6 +64,7 @@ def enabled() -> bool:
         return False
     try:
         KERNEL.load()
+        GATED.load()
     except CpuKernelUnavailable as e:
         logger.warning("float32 layer products: XLA's (the kernel is unavailable: %s).", e)
         return False
@@ -89,6 +97,19 @@ def widens_bf16() -> bool:
 DTYPES = (jnp.float32, jnp.bfloat16)
 
 
+def _check(x, w, out_dtype, transposed: bool):
+    """The result's dtype (default x's), once the operands are ones the kernel takes."""
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    for name, dtype in (("x", x.dtype), ("w", w.dtype), ("the result", out_dtype)):
+        if dtype not in DTYPES:
+            raise ValueError(f"f32_matmul takes float32 or bfloat16 {name}, got {dtype}")
+    k_axis = -1 if transposed else -2
+    if x.ndim != 2 or w.ndim not in (2, 3) or w.shape[k_axis] != x.shape[1]:
+        want = "[L, N, K]" if transposed else "[L, K, N]"
+        raise ValueError(f"f32_matmul takes x [M, K] and w {want}, got {x.shape} {w.shape}")
+    return out_dtype
+
+
 def f32_matmul(
     x: jax.Array, w: jax.Array, layer=0, live=None, transposed: bool = False, out_dtype=None
 ) -> jax.Array:
@@ -99,18 +120,33 @@ def f32_matmul(
     to compute (a step's padding rows are not); the others come out zero. None: every row.
     transposed: w is [L, N, K] or [N, K] instead (the [Out, In] layout of a tied embedding
     table), and the product is x @ w[layer].T."""
-    out_dtype = jnp.dtype(out_dtype or x.dtype)
-    for name, dtype in (("x", x.dtype), ("w", w.dtype), ("the result", out_dtype)):
-        if dtype not in DTYPES:
-            raise ValueError(f"f32_matmul takes float32 or bfloat16 {name}, got {dtype}")
-    k_axis = -1 if transposed else -2
-    if x.ndim != 2 or w.ndim not in (2, 3) or w.shape[k_axis] != x.shape[1]:
-        want = "[L, N, K]" if transposed else "[L, K, N]"
-        raise ValueError(f"f32_matmul takes x [M, K] and w {want}, got {x.shape} {w.shape}")
+    out_dtype = _check(x, w, out_dtype, transposed)
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[-2 if transposed else -1]), out_dtype)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     call = jax.ffi.ffi_call(KERNEL.load(), out)
     return call(x, w, layer, check_live(x, live), w_transposed=bool(transposed))
+
+
+def f32_gated_matmul(
+    x: jax.Array, gate: jax.Array, up: jax.Array, layer=0, live=None, out_dtype=None
+) -> jax.Array:
+    """silu(x @ gate[layer]) * (x @ up[layer]): a gated MLP's first half in one pass, the SiLU
+    and product taken on the float32 sums (XLA's path writes both products out, rounded to
+    the model's dtype, then runs a separate pass over them). gate and up of one shape and
+    dtype, [L, K, N] or [K, N]; otherwise as `f32_matmul`."""
+    out_dtype = _check(x, gate, out_dtype, transposed=False)
+    if up.shape != gate.shape or up.dtype != gate.dtype:
+        raise ValueError(f"f32_gated_matmul: up {up.shape} {up.dtype} is not like gate")
+    out = jax.ShapeDtypeStruct((x.shape[0], gate.shape[-1]), out_dtype)
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    return jax.ffi.ffi_call(GATED.load(), out)(x, gate, up, layer, check_live(x, live))
+
+
+def gated_reference(x, gate, up, layer=0, out_dtype=None) -> jax.Array:
+    """f32_gated_matmul's result through XLA, in float32 until the end."""
+    g = reference(x, gate, layer, out_dtype=jnp.float32)
+    u = reference(x, up, layer, out_dtype=jnp.float32)
+    return (jax.nn.silu(g) * u).astype(out_dtype or x.dtype)
 
 
 def reference(

@@ -132,15 +132,20 @@ class Linear(nnx.Module):
 
 
 def gated_product(gate: Linear, up: Linear, x):
-    """silu(gate(x)) * up(x), a gated MLP's first half: in one pass of the bf16 kernel where
-    both weights are read in place without biases, the two products and the SiLU otherwise."""
-    both = gate.in_place(x) and up.in_place(x) and x.dtype == jnp.bfloat16
-    if both and bf16_matmul.enabled() and not (gate.use_bias or up.use_bias):
-        up_stack, product = up.stack_2d(), bf16_matmul.bf16_gated_matmul
-        return gate.kernel_call(
-            x, lambda x, stack, layer, live: product(x, stack, up_stack, layer, live=live)
-        )
-    return jax.nn.silu(gate(x)) * up(x)
+    """silu(gate(x)) * up(x), a gated MLP's first half: in one pass of a kernel (the bf16
+    one, or the float32 one, widening bf16) where both weights are read in place without
+    biases, the two products and the SiLU otherwise."""
+    both = gate.in_place(x) and up.in_place(x) and not (gate.use_bias or up.use_bias)
+    if not both:
+        return jax.nn.silu(gate(x)) * up(x)
+    up_stack = up.stack_2d()
+    if x.dtype == jnp.bfloat16 and bf16_matmul.enabled():
+        product = bf16_matmul.bf16_gated_matmul
+    else:
+        product = f32_matmul.f32_gated_matmul
+    return gate.kernel_call(
+        x, lambda x, stack, layer, live: product(x, stack, up_stack, layer, live=live)
+    )
 
 
 class RMSNorm(nnx.Module):

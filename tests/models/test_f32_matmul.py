@@ -23,8 +23,8 @@ from oracle import SMALL, prompt_ids, save_tiny, weight_copies, worst_teacher_fo
 
 from jllm import LLM, SamplingParams
 from jllm.models import bf16_matmul, f32_matmul
+from jllm.models.f32_matmul import f32_gated_matmul, gated_reference, reference
 from jllm.models.f32_matmul import f32_matmul as kernel
-from jllm.models.f32_matmul import reference
 
 pytestmark = pytest.mark.skipif(
     not f32_matmul.supported(), reason="the float32 matmul kernel needs x86 FMA with AVX2"
@@ -216,12 +216,86 @@ def test_bf16_result_rounds_as_xla_converts():
         np.testing.assert_array_equal(got[~nan].view(np.uint16), want[~nan].view(np.uint16))
 
 
+def assert_gated(x, gate, up, layer, got):
+    """got against silu(x @ gate) * (x @ up) in float32 through XLA: each product's float32
+    summation error carried through (SiLU's slope is below 1.1), the SiLU's own (relative
+    2e-7, a few roundings), and half a bf16 ulp more where got is bf16."""
+    x32, gate32, up32 = (a.astype(jnp.float32) for a in (x, gate, up))
+    want = np.asarray(gated_reference(x32, gate32, up32, layer))
+    g = np.asarray(reference(x32, gate32, layer))
+    u = np.asarray(reference(x32, up32, layer))
+    k, ax = x.shape[1], np.abs(np.asarray(x32))
+    e_g = 2e-7 * k * (ax @ np.abs(np.asarray(gate32[layer])))
+    e_u = 2e-7 * k * (ax @ np.abs(np.asarray(up32[layer])))
+    tol = 1.1 * (np.abs(u) + e_u) * e_g + (np.abs(g) + e_g) * e_u + 1e-6 * np.abs(want) + 1e-30
+    if got.dtype == BF16:
+        tol = 1.01 * tol + 2.0**-8 * np.abs(want)
+    np.testing.assert_array_less(np.abs(np.asarray(got, np.float32) - want), tol)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, BF16])
+@pytest.mark.parametrize(
+    "m,k,n",
+    [
+        (1, 64, 96),  # one tile: both weights read in place, and an edge
+        (2, 7, 37),  # odd K, columns of an edge only
+        (64, 576, 192),  # one block: both panels packed per work item
+        (200, 48, 70),  # two blocks: both weights packed first, and an edge
+    ],
+)
+def test_gated_matches_xla(dtype, m, k, n):
+    x, gate = operands(m, k, n, seed=1)
+    up = operands(m, k, n, seed=2)[1]
+    x, gate, up = x.astype(dtype), gate.astype(dtype), up.astype(dtype)
+    for layer in (0, 2):
+        got = jax.jit(f32_gated_matmul)(x, gate, up, layer)
+        assert got.dtype == dtype and got.shape == (m, n)
+        assert_gated(x, gate, up, layer, got)
+
+
+def test_gated_silu_at_the_extremes():
+    """Gate sums from -1e4 to 1e4 (SiLU's exp far under- and overflowing), and NaN: the
+    result is XLA's silu(g) * u, and a NaN row stays NaN without reaching the others."""
+    g_values = np.array([-1e4, -300, -88, -87, -20, -1, -1e-3, 0, 1e-3, 1, 20, 88, 300, 1e4])
+    x = jnp.asarray(np.concatenate([g_values, [np.nan]])[:, None], jnp.float32)  # [15, 1]
+    gate = jnp.ones((1, 40), jnp.float32)
+    up = jnp.full((1, 40), 0.5, jnp.float32)
+    got = np.asarray(f32_gated_matmul(x, gate, up))
+    g = np.asarray(x)
+    want = np.broadcast_to(np.asarray(jax.nn.silu(x) * (x * 0.5)), got.shape)
+    # Below a gate of -87 the sigmoid is taken as exp(-87), 1.6e-38, in place of a smaller
+    # one: an error of at most 1.6e-38 of |g * u|, far under any float32 sum's rounding.
+    tol = 2e-6 * np.abs(want) + 2e-38 * np.abs(g * g * 0.5)
+    np.testing.assert_array_less(np.abs(got[:-1] - want[:-1]), tol[:-1] + 1e-45)
+    assert np.isnan(got[-1]).all()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, BF16])
+def test_gated_padding_rows_are_skipped_and_zero(dtype):
+    m, k, n = 90, 96, 70
+    x, gate = operands(m, k, n, seed=1)
+    up = operands(m, k, n, seed=2)[1]
+    x, gate, up = x.astype(dtype), gate.astype(dtype), up.astype(dtype)
+    live = np.ones(m, bool)
+    live[[0, 3, 4, 20]] = False
+    live[40:75] = False
+    x = x.at[~live].set(jnp.nan)
+    got = np.asarray(f32_gated_matmul(x, gate, up, 1, live=jnp.asarray(live)), np.float32)
+    assert not got[~live].any()
+    want = f32_gated_matmul(x[live], gate, up, 1)
+    np.testing.assert_array_equal(got[live], np.asarray(want, np.float32))
+
+
 def test_refuses_what_it_cannot_multiply():
     x, w = operands(4, 32, 16)
     with pytest.raises(ValueError, match="float32 or bfloat16 x"):
         kernel(x.astype(jnp.float16), w)
     with pytest.raises(ValueError, match="float32 or bfloat16 the result"):
         kernel(x, w, out_dtype=jnp.float16)
+    with pytest.raises(ValueError, match="is not like gate"):
+        f32_gated_matmul(x, w, w[:, :, :8])
+    with pytest.raises(ValueError, match="is not like gate"):
+        f32_gated_matmul(x, w, w.astype(BF16))
     with pytest.raises(ValueError, match=r"x \[M, K\]"):
         kernel(x, w[:, :16])
     with pytest.raises(ValueError, match=r"w \[L, N, K\]"):
@@ -238,9 +312,10 @@ def f32_qwen3(tmp_path_factory, tokenizer_dir):
 
 
 def test_engine_on_the_kernel_against_transformers(f32_qwen3):
-    """A float32 engine runs every step's layer products and its tied LM head on the kernel,
-    with no copy of a layer's weights out of the stack, in decode and prefill buckets alike;
-    its greedy choices and logprobs are transformers' in float32."""
+    """A float32 engine runs every step's layer products (the MLP's gate and up in one gated
+    call) and its tied LM head on the kernel, with no copy of a layer's weights out of the
+    stack, in decode and prefill buckets alike; its greedy choices and logprobs are
+    transformers' in float32."""
     jax.clear_caches()
     llm = LLM(f32_qwen3, dtype="float32", **SMALL)
     runner = llm.llm_engine.runner
@@ -248,8 +323,10 @@ def test_engine_on_the_kernel_against_transformers(f32_qwen3):
     for key in ((2, 0), (0, 1)):
         buf, layout, _ = runner._packed_inputs(*key)
         text = runner._forward_executable(key, jax.device_put(buf), layout).as_text()
-        # q, k, v, o, gate, up, down in the layer body; the LM head once, transposed
-        assert text.count('custom_call_target="jllm_f32_matmul_cpu"') == 8, key
+        # q, k, v, o, down in the layer body; the LM head once, transposed; gate and up in
+        # one gated call
+        assert text.count('custom_call_target="jllm_f32_matmul_cpu"') == 6, key
+        assert text.count('custom_call_target="jllm_f32_gated_matmul_cpu"') == 1, key
         assert text.count("w_transposed = true") == 1, key
         assert not weight_copies(text, "f32", gate_shape), key
 
@@ -284,7 +361,8 @@ def test_bf16_engine_widened_against_fp32_oracle(bf16_qwen3, monkeypatch):
     for key in ((2, 0), (0, 1)):
         buf, layout, _ = runner._packed_inputs(*key)
         text = runner._forward_executable(key, jax.device_put(buf), layout).as_text()
-        assert text.count('custom_call_target="jllm_f32_matmul_cpu"') == 8, key
+        assert text.count('custom_call_target="jllm_f32_matmul_cpu"') == 6, key
+        assert text.count('custom_call_target="jllm_f32_gated_matmul_cpu"') == 1, key
         assert text.count("w_transposed = true") == 1, key
         assert "jllm_bf16" not in text, key
         assert not weight_copies(text, "bf16", gate_shape), key
