@@ -9,6 +9,8 @@ import shutil
 import torch
 import transformers
 
+from jllm import SamplingParams
+
 TINY = dict(
     vocab_size=49152,
     hidden_size=64,
@@ -152,6 +154,20 @@ def worst_teacher_forced_gaps(model, runs) -> tuple[float, float]:
             gap = max(gap, (ref[step].max() - ref[step, token]).item())
             error = max(error, abs(gen.logprobs[step][token].logprob - ref[step, token].item()))
     return gap, error
+
+
+def assert_bf16_near_fp32(llm, model_dir: str) -> None:
+    """A bf16 engine's greedy choices on a batch and on two prompts alone stay the float32
+    argmax or within bf16's error of it (0.1 nats), and its logprobs within 0.25: the same
+    bf16 weights through transformers in float32, teacher-forced on the engine's tokens."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    batch = prompt_ids(4, 5) + prompt_ids(1, 40, seed=1) + prompt_ids(1, 23, seed=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    runs = [(p, o.outputs[0]) for p, o in zip(batch, outs, strict=True)]
+    worst_choice, worst_logprob = worst_teacher_forced_gaps(model, runs)
+    assert worst_choice <= 0.1, worst_choice
+    assert worst_logprob <= 0.25, worst_logprob
 
 
 def prompt_ids(n: int, length: int, seed: int = 0) -> list[list[int]]:

@@ -19,7 +19,14 @@ import torch
 import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracle import SMALL, prompt_ids, save_tiny, weight_copies, worst_teacher_forced_gaps
+from oracle import (
+    SMALL,
+    assert_bf16_near_fp32,
+    prompt_ids,
+    save_tiny,
+    weight_copies,
+    worst_teacher_forced_gaps,
+)
 
 from jllm import LLM, SamplingParams
 from jllm.models import bf16_matmul, f32_matmul
@@ -304,6 +311,22 @@ def test_refuses_what_it_cannot_multiply():
         kernel(x, w, 0, live=jnp.ones(5, bool))
 
 
+def assert_steps_on_the_kernel(llm, dtype: str):
+    """A decode and a prefill bucket of the tiny Qwen3 each run q, k, v, o and down on the
+    kernel, gate and up in one gated call, the tied LM head once, transposed, and nothing on
+    the bf16 kernel; no layer's weights are copied out of the stack."""
+    runner = llm.llm_engine.runner
+    gate_shape = (64, 128)  # gate_proj's [D, F]
+    for key in ((2, 0), (0, 1)):
+        buf, layout, _ = runner._packed_inputs(*key)
+        text = runner._forward_executable(key, jax.device_put(buf), layout).as_text()
+        assert text.count('custom_call_target="jllm_f32_matmul_cpu"') == 6, key
+        assert text.count('custom_call_target="jllm_f32_gated_matmul_cpu"') == 1, key
+        assert text.count("w_transposed = true") == 1, key
+        assert "jllm_bf16" not in text, key
+        assert not weight_copies(text, dtype, gate_shape), key
+
+
 @pytest.fixture(scope="module")
 def f32_qwen3(tmp_path_factory, tokenizer_dir):
     # Per-head q/k norms and a head dim (32) that is not hidden / heads: o_proj's input
@@ -318,17 +341,7 @@ def test_engine_on_the_kernel_against_transformers(f32_qwen3):
     transformers' in float32."""
     jax.clear_caches()
     llm = LLM(f32_qwen3, dtype="float32", **SMALL)
-    runner = llm.llm_engine.runner
-    gate_shape = (64, 128)  # gate_proj's [D, F]
-    for key in ((2, 0), (0, 1)):
-        buf, layout, _ = runner._packed_inputs(*key)
-        text = runner._forward_executable(key, jax.device_put(buf), layout).as_text()
-        # q, k, v, o, down in the layer body; the LM head once, transposed; gate and up in
-        # one gated call
-        assert text.count('custom_call_target="jllm_f32_matmul_cpu"') == 6, key
-        assert text.count('custom_call_target="jllm_f32_gated_matmul_cpu"') == 1, key
-        assert text.count("w_transposed = true") == 1, key
-        assert not weight_copies(text, "f32", gate_shape), key
+    assert_steps_on_the_kernel(llm, "f32")
 
     model = transformers.AutoModelForCausalLM.from_pretrained(f32_qwen3).eval()
     assert model.config.tie_word_embeddings
@@ -356,27 +369,9 @@ def test_bf16_engine_widened_against_fp32_oracle(bf16_qwen3, monkeypatch):
     monkeypatch.setattr(f32_matmul, "widens_bf16", lambda: True)
     jax.clear_caches()
     llm = LLM(bf16_qwen3, dtype="bfloat16", **SMALL)
-    runner = llm.llm_engine.runner
-    gate_shape = (64, 128)
-    for key in ((2, 0), (0, 1)):
-        buf, layout, _ = runner._packed_inputs(*key)
-        text = runner._forward_executable(key, jax.device_put(buf), layout).as_text()
-        assert text.count('custom_call_target="jllm_f32_matmul_cpu"') == 6, key
-        assert text.count('custom_call_target="jllm_f32_gated_matmul_cpu"') == 1, key
-        assert text.count("w_transposed = true") == 1, key
-        assert "jllm_bf16" not in text, key
-        assert not weight_copies(text, "bf16", gate_shape), key
+    assert_steps_on_the_kernel(llm, "bf16")
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        bf16_qwen3, dtype=torch.float32
-    ).eval()
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
-    batch = prompt_ids(4, 5) + prompt_ids(1, 40, seed=1) + prompt_ids(1, 23, seed=2)
-    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-    runs = [(p, o.outputs[0]) for p, o in zip(batch, outs, strict=True)]
-    worst_choice, worst_logprob = worst_teacher_forced_gaps(model, runs)
-    assert worst_choice <= 0.1, worst_choice
-    assert worst_logprob <= 0.25, worst_logprob
+    assert_bf16_near_fp32(llm, bf16_qwen3)
     jax.clear_caches()
 
 
