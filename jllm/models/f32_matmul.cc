@@ -102,15 +102,7 @@ inline Vec vload(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-inline void vstore(bf16* p, Vec v) {  // as narrow(), 16 lanes at once
-  const __m512i bits = _mm512_castps_si512(v), high = _mm512_srli_epi32(bits, 16);
-  const __m512i odd = _mm512_and_si512(high, _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  r = _mm512_srli_epi32(r, 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  r = _mm512_mask_or_epi32(r, nan, high, _mm512_set1_epi32(0x40));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
-}
+inline void vstore(bf16* p, Vec v);  // two store8 below
 inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vset(float v) { return _mm512_set1_ps(v); }
 inline Vec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
@@ -147,7 +139,12 @@ inline void store8(bf16* p, __m256 v) {  // as narrow(), 8 lanes at once
   const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
 }
-#ifndef __AVX512F__
+#ifdef __AVX512F__
+inline void vstore(bf16* p, Vec v) {  // the rounding written once, in store8
+  store8(p, _mm512_castps512_ps256(v));
+  store8(p + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+#else
 inline Vec vload(const bf16* p) { return load8(p); }
 inline void vstore(bf16* p, Vec v) { store8(p, v); }
 #endif

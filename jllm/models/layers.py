@@ -111,7 +111,7 @@ class Linear(nnx.Module):
         if not self.in_place(x, out_dtype):
             return jnp.einsum(self.spec, x, w.stack[w.layer], preferred_element_type=out_dtype)
         out_dtype = out_dtype or x.dtype
-        if x.dtype == jnp.bfloat16 and bf16_matmul.enabled():
+        if on_bf16_kernel(x):
             product = bf16_matmul.bf16_matmul
             return self.kernel_call(
                 x, lambda x, stack, layer, live: product(x, stack, layer, out_dtype, live)
@@ -131,6 +131,12 @@ class Linear(nnx.Module):
         return product(x, stack, w.layer, live).reshape(*lead, *self.out_shape)
 
 
+def on_bf16_kernel(x) -> bool:
+    """Which kernel multiplies an x whose weights are read in place: the bf16 one (AVX512-BF16)
+    for bf16 x where it runs, else the float32 one (float32 x, or bf16 x widened)."""
+    return x.dtype == jnp.bfloat16 and bf16_matmul.enabled()
+
+
 def gated_product(gate: Linear, up: Linear, x):
     """silu(gate(x)) * up(x), a gated MLP's first half: in one pass of a kernel (the bf16
     one, or the float32 one, widening bf16) where both weights are read in place without
@@ -139,7 +145,7 @@ def gated_product(gate: Linear, up: Linear, x):
     if not both:
         return jax.nn.silu(gate(x)) * up(x)
     up_stack = up.stack_2d()
-    if x.dtype == jnp.bfloat16 and bf16_matmul.enabled():
+    if on_bf16_kernel(x):
         product = bf16_matmul.bf16_gated_matmul
     else:
         product = f32_matmul.f32_gated_matmul
