@@ -9,13 +9,13 @@
 // e5m2, scale 1, decoded through a 256-entry table; as float8 buffers, or as uint8 bytes with
 // the `fp8` attribute naming the format); accumulation in float32.
 //
-// One work item is one request's block of up to kQueryBlock queries with all its heads, so
-// each page of the cache is read once per item, front to back, while the next page is
-// prefetched. Items are shared out over XLA's intra-op thread pool. Decode rows (one query)
-// are bound by reading the cache (run_decode, for block size 16 and head dims 64 and 128;
-// run_decode_bf16 for a bf16 q and cache where the CPU has AVX512-BF16);
-// prefill blocks by arithmetic, which runs on 16-lane vectors (GCC's vector extension) for
-// the same shapes (run_item, which also takes every other shape).
+// One work item is one request's block of up to kQueryBlock queries with all its heads,
+// reading the request's pages front to back. Items are shared out over XLA's intra-op thread
+// pool. Decode rows (one query) are bound by reading the cache (run_decode, for block size 16
+// and head dims 64 and 128, prefetching the next page; run_decode_bf16 for a bf16 q and cache
+// where the CPU has AVX512-BF16); prefill blocks by arithmetic, which runs on 16-lane
+// vectors (GCC's vector extension) with a block's rows as the lanes (run_prefill, the same
+// shapes). run_item, scalar, takes every other shape.
 //
 // Built at run time by cpu.py with GCC (g++ -O3 -march=native; it uses GCC's vector
 // extension, __builtin_shuffle and __builtin_shufflevector).
@@ -146,6 +146,16 @@ struct Bf16 {
     return v;
 #endif
   }
+  static v8 load8(const uint16_t* p) {
+    typedef uint16_t u16x8 __attribute__((vector_size(16)));
+    typedef uint32_t u32x8 __attribute__((vector_size(32)));
+    u16x8 b;
+    std::memcpy(&b, p, sizeof(b));
+    const u32x8 bits = __builtin_convertvector(b, u32x8) << 16;
+    v8 v;
+    std::memcpy(&v, &bits, sizeof(v));
+    return v;
+  }
   static float load(uint16_t x) {
     const uint32_t bits = uint32_t(x) << 16;
     float f;
@@ -164,6 +174,11 @@ struct Bf16 {
 struct F32 {
   using Storage = float;
   static v16 load16(const float* p) { return ::load16(p); }
+  static v8 load8(const float* p) {
+    v8 v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+  }
   static float load(float x) { return x; }
   static float store(float f) { return f; }
 };
@@ -349,30 +364,24 @@ const char* next_page(const Ct* cache, const int32_t* table, int64_t pi, int64_t
   return reinterpret_cast<const char*>(cache + int64_t(table[pi + 1]) * page_elems);
 }
 
-// With at least this many rows per kv head (query block x G), a page's keys are transposed
-// to [H, 16] once and each row scores all 16 keys with one vector FMA per head dim; fewer
-// rows (decode: one query, G heads) take dot products against the keys as they lie.
-constexpr int64_t kTransposeRows = 6;
-
 // Online softmax over the request's pages for rows j = i * N + n (query i of the block,
-// head n = k * G + g). Scratch holds the float32 queries, accumulators, one page of one kv
-// head's keys and values, and one row's scores.
-// D: q's and the output's type; C: the cache's.
-template <typename D, typename C, int kH, int kS>
+// head n = k * G + g), one row at a time with scalar dot products: the path for shapes the
+// vector paths below do not take (block sizes other than 16, head dims other than 64 and
+// 128). Scratch holds the float32 queries, accumulators, one page of one kv head's keys and
+// values, and one row's scores. D: q's and the output's type; C: the cache's.
+template <typename D, typename C>
 void run_item(const Problem& pb, const Item& it, std::vector<float>& scratch) {
   using St = typename D::Storage;
   using Ct = typename C::Storage;
-  const int64_t H = kH > 0 ? kH : pb.H;
-  const int64_t S = kS > 0 ? kS : pb.S;
+  const int64_t H = pb.H, S = pb.S;
   const int64_t G = pb.G, K = pb.K, K2 = 2 * pb.K, N = K * G;
   const int64_t rows = it.num_queries * N;
-  const bool transpose = kS == 16 && kH > 0 && it.num_queries * G >= kTransposeRows;
   scratch.resize(size_t(rows * (2 * H + 2) + 2 * S * H + S));
   float* qf = scratch.data();  // [rows, H], scaled
   float* acc = qf + rows * H;  // [rows, H]
   float* m = acc + rows * H;   // [rows] running max
   float* l = m + rows;         // [rows] running denominator
-  float* kf = l + rows;        // [S, H] keys, or [H, S] transposed
+  float* kf = l + rows;        // [S, H] keys
   float* vf = kf + S * H;      // [S, H] values
   float* sj = vf + S * H;      // [S] one row's scores, then probabilities
   std::fill(acc, acc + rows * H, 0.0f);
@@ -392,37 +401,15 @@ void run_item(const Problem& pb, const Item& it, std::vector<float>& scratch) {
   const int32_t* table = pb.block_tables + r * pb.P;
   const Ct* cache = static_cast<const Ct*>(pb.cache);
   const int64_t page_elems = S * K2 * H;
-  const int64_t row_bytes = K2 * H * int64_t(sizeof(Ct));  // one token's K and V, all heads
 
   for (int64_t pi = 0; pi < num_pages; ++pi) {
     const Ct* page = cache + int64_t(table[pi]) * page_elems;
-    const char* next = next_page(cache, table, pi, num_pages, page_elems);
     const int64_t key0 = pi * S;
     const int64_t nt = std::min(S, kv_end - key0);
     for (int64_t k = 0; k < K; ++k) {
-      // This kv head's keys and values of the page, in float32.
-      for (int64_t t = 0; t < nt; ++t) {
-        if (next && k == 0)  // the next page, a token row at a time
-          for (int64_t b = t * row_bytes; b < (t + 1) * row_bytes; b += 64)
-            __builtin_prefetch(next + b);
+      for (int64_t t = 0; t < nt; ++t) {  // this kv head's keys and values, in float32
         const Ct* kp = page + (t * K2 + 2 * k) * H;
-        if constexpr (std::is_same_v<Ct, uint8_t>) {  // float8: 16 codes at a time
-          if (H % 16 == 0) {
-            for (int64_t h = 0; h < H; h += 16) {
-              const v16 kv = C::load16(kp + h);
-              if (transpose)
-                for (int u = 0; u < 16; ++u) kf[(h + u) * S + t] = kv[u];
-              else
-                store16(kf + t * H + h, kv);
-              store16(vf + t * H + h, C::load16(kp + H + h));
-            }
-            continue;
-          }
-        }
-        if (transpose)
-          for (int64_t h = 0; h < H; ++h) kf[h * S + t] = C::load(kp[h]);
-        else
-          for (int64_t h = 0; h < H; ++h) kf[t * H + h] = C::load(kp[h]);
+        for (int64_t h = 0; h < H; ++h) kf[t * H + h] = C::load(kp[h]);
         for (int64_t h = 0; h < H; ++h) vf[t * H + h] = C::load(kp[H + h]);
       }
       for (int64_t i = 0; i < it.num_queries; ++i) {
@@ -431,62 +418,27 @@ void run_item(const Problem& pb, const Item& it, std::vector<float>& scratch) {
         for (int64_t g = 0; g < G; ++g) {
           const int64_t j = i * N + k * G + g;
           const float* qj = qf + j * H;
-          // Scores of the visible keys, then their probabilities, into sj.
-          float m_new = m[j];
-          float sum = 0.0f;
-          if constexpr (kS == 16 && kH > 0) {
-            if (transpose) {
-              // Four partial sums over the head dim, so the FMAs do not wait on each other.
-              // Lanes past `visible` (later keys, or stale ones past the page's end) are
-              // selected away, never multiplied.
-              v16 s0 = {}, s1 = {}, s2 = {}, s3 = {};
-              for (int64_t h = 0; h < kH; h += 4) {
-                s0 += qj[h] * load16(kf + h * 16);
-                s1 += qj[h + 1] * load16(kf + (h + 1) * 16);
-                s2 += qj[h + 2] * load16(kf + (h + 2) * 16);
-                s3 += qj[h + 3] * load16(kf + (h + 3) * 16);
-              }
-              const v16 zero = {};
-              const v16 sv = first_lanes(visible, (s0 + s1) + (s2 + s3), zero - INFINITY);
-              m_new = std::max(m_new, max16(sv));
-              const v16 pv = first_lanes(visible, exp16(sv - m_new), zero);
-              sum = sum16(pv);
-              store16(sj, pv);
-            }
+          for (int64_t t = 0; t < visible; ++t) {
+            float dot = 0.0f;
+            for (int64_t h = 0; h < H; ++h) dot += qj[h] * kf[t * H + h];
+            sj[t] = dot;
           }
-          if (!transpose) {
-            for (int64_t t = 0; t < visible; ++t) {
-              float dot = 0.0f;
-              for (int64_t h = 0; h < H; ++h) dot += qj[h] * kf[t * H + h];
-              sj[t] = dot;
-            }
-            for (int64_t t = 0; t < visible; ++t) m_new = std::max(m_new, sj[t]);
-            for (int64_t t = 0; t < visible; ++t) {
-              sj[t] = exp_nonpositive(sj[t] - m_new);
-              sum += sj[t];
-            }
+          float m_new = m[j], sum = 0.0f;
+          for (int64_t t = 0; t < visible; ++t) m_new = std::max(m_new, sj[t]);
+          for (int64_t t = 0; t < visible; ++t) {
+            sj[t] = exp_nonpositive(sj[t] - m_new);
+            sum += sj[t];
           }
           const float alpha = exp_nonpositive(m[j] - m_new);
           l[j] = l[j] * alpha + sum;
           m[j] = m_new;
           // acc = acc * alpha + sum_t p_t v_t, over visible keys only (a later position's
-          // non-finite value times p = 0 would be NaN); in 16-lane registers for H = 64, 128.
+          // non-finite value times p = 0 would be NaN).
           float* aj = acc + j * H;
-          if constexpr (kH > 0) {
-            constexpr int kV = kH / 16;
-            v16 a[kV];
-            for (int u = 0; u < kV; ++u) a[u] = load16(aj + 16 * u) * alpha;
-            for (int64_t t = 0; t < visible; ++t) {
-              const float p = sj[t];
-              for (int u = 0; u < kV; ++u) a[u] += p * load16(vf + t * kH + 16 * u);
-            }
-            for (int u = 0; u < kV; ++u) store16(aj + 16 * u, a[u]);
-          } else {
-            for (int64_t h = 0; h < H; ++h) aj[h] *= alpha;
-            for (int64_t t = 0; t < visible; ++t) {
-              const float p = sj[t];
-              for (int64_t h = 0; h < H; ++h) aj[h] += p * vf[t * H + h];
-            }
+          for (int64_t h = 0; h < H; ++h) aj[h] *= alpha;
+          for (int64_t t = 0; t < visible; ++t) {
+            const float p = sj[t];
+            for (int64_t h = 0; h < H; ++h) aj[h] += p * vf[t * H + h];
           }
         }
       }
@@ -499,6 +451,56 @@ void run_item(const Problem& pb, const Item& it, std::vector<float>& scratch) {
   }
 }
 
+// An 8 x 8 block transposed in registers (r[i][j] -> r[j][i]): pairs interleaved, then
+// pairs of pairs, then the 128-bit halves.
+inline void transpose8(v8* r) {
+  v8 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  for (int i = 0; i < 8; i += 4)
+    for (int j = 0; j < 2; ++j) {
+      u[i + 2 * j] = __builtin_shufflevector(t[i + j], t[i + j + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+      u[i + 2 * j + 1] =
+          __builtin_shufflevector(t[i + j], t[i + j + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = __builtin_shufflevector(u[i], u[i + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+    r[i + 4] = __builtin_shufflevector(u[i], u[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+}
+
+// Lanes where c <= b take a, the others z (lane-wise, on v16).
+inline v16 where_le(v16 c, v16 b, v16 a, v16 z) {
+  return lanewise([](auto c, auto b, auto a, auto z) { return c <= b ? a : z; }, c, b, a, z);
+}
+
+inline v16 max_v16(v16 a, v16 b) {
+  return lanewise([](auto a, auto b) { return a > b ? a : b; }, a, b);
+}
+
+// v as it is, held in registers: an operand several FMAs share is then loaded once (GCC
+// otherwise folds the load into each FMA, and the loop waits on loads, not FMAs).
+// (Without AVX an 8-lane half fits no register; there it is left to the compiler.)
+inline v16 in_registers(v16 v) {
+#if defined(__AVX512F__)
+  asm("" : "+v"(v));
+#elif defined(__AVX__)
+  asm("" : "+x"(v.lo), "+x"(v.hi));
+#endif
+  return v;
+}
+
+// Register tiles of run_prefill: keys per pass over the head dim (scores), head dims per pass
+// over a page's keys (values). Each is that many 16-lane accumulators, 2 registers apiece
+// without AVX-512 (16 registers in all there).
+#ifdef __AVX512F__
+constexpr int kKeyTile = 8, kDimTile = 8;
+#else
+constexpr int kKeyTile = 4, kDimTile = 4;
+#endif
+
 // Share `i` of `n` of the prefetches of the `bytes` at `p`, into L2 (`prefetcht1`). The
 // decode path prefetches the next page spread evenly over a page's iterations. Issued a token
 // row at a time during the first kv head's pass, into L1 (run_item's way), the fill buffers
@@ -510,6 +512,185 @@ inline void prefetch_share(const char* p, int64_t bytes, int64_t i, int64_t n) {
   const int64_t lines = bytes / 64, per = (lines + n - 1) / n;
   for (int64_t line = i * per; line < std::min(lines, (i + 1) * per); ++line)
     __builtin_prefetch(p + line * 64, 0, 2);
+}
+
+// A block of queries (a prefill's, or one query with more than kDecodeMaxG heads per kv
+// head), block size 16, head dim 64 or 128. The rows of each kv head (query i, query head
+// g: num_queries x G of them, query by query) are the lanes of 16-lane vectors, so a page's
+// scores are 16 vectors, one per key, and the online softmax (max, exp, sum, rescale) runs
+// lane by lane with no reductions across lanes; a key's or value's element enters as a
+// broadcast scalar. Scores take kKeyTile keys per pass over the head dim, values kDimTile
+// head dims per pass over the page's keys, each lane group only over the keys its rows see.
+// Pages are read once per item, front to back, the next one prefetched into L2 over the
+// lane groups' passes; a float32 cache is read in place, other caches are widened a page of one
+// kv head at a time. Against the row-at-a-time loop it replaced (keys transposed per page,
+// each row's softmax reduced across lanes): see the README's CPU attention notes.
+template <typename D, typename C, int kH>
+void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch) {
+  using St = typename D::Storage;
+  using Ct = typename C::Storage;
+  constexpr int kS = 16, kL = 16;
+  constexpr bool in_place = std::is_same_v<Ct, float>;
+  const int64_t G = pb.G, K = pb.K, K2 = 2 * pb.K, N = K * G;
+  const int64_t nr = it.num_queries * G, ng = (nr + kL - 1) / kL;  // rows, lane groups
+  const int64_t groups = K * ng;  // (kv head, lane group) pairs, each with its own state
+  scratch.resize(size_t(groups * kL * (2 * kH + 2) + ng * kL + kS * kL + 2 * kS * kH));
+  float* qt = scratch.data();          // [K, ng, H, 16] queries, scaled; lane = row
+  float* acc = qt + groups * kH * kL;  // [K, ng, H, 16]
+  float* m = acc + groups * kH * kL;   // [K, ng, 16] running max
+  float* l = m + groups * kL;          // [K, ng, 16] running denominator
+  float* qpos = l + groups * kL;       // [ng, 16] the row's position; -1 for padding lanes
+  float* s = qpos + ng * kL;           // [16 keys, 16] scores, then probabilities
+  float* kf = s + kS * kL;             // [16, H] a page's keys of one kv head, widened
+  float* vf = kf + kS * kH;            // [16, H] values
+
+  const int64_t r = it.request;
+  const int64_t q_row0 = int64_t(pb.query_start[r]) + it.first_query;
+  const int64_t pos0 = int64_t(pb.kv_lens[r]) - pb.query_lens[r] + it.first_query;
+  const int64_t num_pages = (pos0 + it.num_queries - 1) / kS + 1;
+  const int32_t* table = pb.block_tables + r * pb.P;
+  const Ct* cache = static_cast<const Ct*>(pb.cache);
+  const int64_t page_elems = kS * K2 * kH, row_elems = K2 * kH;
+  const int64_t page_bytes = page_elems * int64_t(sizeof(Ct));
+  const St* q = static_cast<const St*>(pb.q) + q_row0 * N * kH;
+  St* out = static_cast<St*>(pb.out) + q_row0 * N * kH;
+  const v16 zero = zero_vector(), minus_inf = zero - INFINITY;
+
+  for (int64_t row = 0; row < ng * kL; ++row) qpos[row] = row < nr ? float(pos0 + row / G) : -1;
+  // Each kv head's queries into lanes, 8 rows by 8 head dims at a time; padding rows 0.
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t row0 = 0; row0 < ng * kL; row0 += 8) {
+      const St* src[8];
+      for (int e = 0; e < 8; ++e) {
+        const int64_t row = row0 + e;
+        src[e] = row < nr ? q + ((row / G) * N + k * G + row % G) * kH : nullptr;
+      }
+      float* dst = qt + (k * ng + row0 / kL) * kH * kL + row0 % kL;
+      for (int64_t h0 = 0; h0 < kH; h0 += 8) {
+        v8 b[8];
+        for (int e = 0; e < 8; ++e) b[e] = src[e] ? D::load8(src[e] + h0) * pb.scale : v8{};
+        transpose8(b);
+        for (int e = 0; e < 8; ++e) std::memcpy(dst + (h0 + e) * kL, &b[e], sizeof(v8));
+      }
+    }
+  std::fill(acc, acc + groups * kH * kL, 0.0f);
+  std::fill(m, m + groups * kL, -INFINITY);
+  std::fill(l, l + groups * kL, 0.0f);
+
+  for (int64_t pi = 0; pi < num_pages; ++pi) {
+    const Ct* page = cache + int64_t(table[pi]) * page_elems;
+    const char* next = next_page(cache, table, pi, num_pages, page_elems);
+    const int64_t key0 = pi * kS;
+    for (int64_t k = 0; k < K; ++k) {
+      const float *keys, *values;
+      int64_t stride;
+      if constexpr (in_place) {
+        keys = page + 2 * k * kH;
+        values = keys + kH;
+        stride = row_elems;
+      } else {  // the tokens some row sees
+        const int64_t nt = std::min<int64_t>(kS, pos0 + it.num_queries - key0);
+        for (int64_t t = 0; t < nt; ++t) {
+          const Ct* kp = page + t * row_elems + 2 * k * kH;
+          for (int64_t h = 0; h < kH; h += 16) {
+            store16(kf + t * kH + h, C::load16(kp + h));
+            store16(vf + t * kH + h, C::load16(kp + kH + h));
+          }
+        }
+        keys = kf;
+        values = vf;
+        stride = kH;
+      }
+      for (int64_t gi = 0; gi < ng; ++gi) {
+        // Rows go query by query: the group's rows see keys up to its last query's position,
+        // and all of them the keys up to its first query's.
+        const int64_t first = pos0 + gi * kL / G;
+        const int64_t last = pos0 + (std::min(gi * kL + kL, nr) - 1) / G;
+        if (next) prefetch_share(next, page_bytes, k * ng + gi, K * ng);
+        if (key0 > last) continue;
+        const int64_t nt = std::min<int64_t>(kS, last + 1 - key0);          // keys some row sees
+        const int64_t full = std::clamp<int64_t>(first + 1 - key0, 0, nt);  // every row sees
+        const int64_t group = k * ng + gi;
+        const float* qg = qt + group * kH * kL;
+        float* ag = acc + group * kH * kL;
+        const v16 pos = load16(qpos + gi * kL);
+        // Scores of keys t < nt (a tile past nt reads the page's stale rows; masked below).
+        for (int64_t t0 = 0; t0 < nt; t0 += kKeyTile) {
+          v16 a[kKeyTile];
+          for (int u = 0; u < kKeyTile; ++u) a[u] = zero;
+          const float* kt = keys + t0 * stride;
+          for (int64_t h = 0; h < kH; ++h) {
+            const v16 qh = in_registers(load16(qg + h * kL));
+            for (int u = 0; u < kKeyTile; ++u) a[u] += kt[u * stride + h] * qh;
+          }
+          for (int u = 0; u < kKeyTile; ++u) store16(s + (t0 + u) * kL, a[u]);
+        }
+        // The online softmax, lane by lane: keys past a row's position score -inf.
+        const v16 m_old = load16(m + group * kL);
+        v16 m_new = m_old;
+        for (int64_t t = 0; t < nt; ++t) {
+          const v16 st = where_le(zero + float(key0 + t), pos, load16(s + t * kL), minus_inf);
+          store16(s + t * kL, st);
+          m_new = max_v16(m_new, st);
+        }
+        // Rows that see no key yet keep m = -inf; they subtract 0 instead (no -inf - -inf).
+        const v16 base = where_le(m_new, minus_inf, zero, m_new);
+        v16 sum = zero;
+        for (int64_t t = 0; t < nt; ++t) {
+          const v16 st = load16(s + t * kL);
+          const v16 p = where_le(st, minus_inf, zero, exp16(st - base));
+          store16(s + t * kL, p);
+          sum += p;
+        }
+        const v16 alpha = exp16(m_old - base);
+        store16(l + group * kL, load16(l + group * kL) * alpha + sum);
+        store16(m + group * kL, m_new);
+        // acc = acc * alpha + sum_t p_t v_t. Past `full`, a row that does not see key t
+        // keeps its sum as it was: its p is 0, but a later position's non-finite value
+        // times 0 would be NaN.
+        for (int64_t h0 = 0; h0 < kH; h0 += kDimTile) {
+          v16 a[kDimTile];
+          for (int u = 0; u < kDimTile; ++u) a[u] = load16(ag + (h0 + u) * kL) * alpha;
+          for (int64_t t = 0; t < full; ++t) {
+            const v16 p = in_registers(load16(s + t * kL));
+            const float* vt = values + t * stride + h0;
+            for (int u = 0; u < kDimTile; ++u) a[u] += vt[u] * p;
+          }
+          for (int64_t t = full; t < nt; ++t) {
+            const v16 p = load16(s + t * kL);
+            const v16 seen = zero + float(key0 + t);
+            const float* vt = values + t * stride + h0;
+            for (int u = 0; u < kDimTile; ++u)
+              a[u] = where_le(seen, pos, a[u] + vt[u] * p, a[u]);
+          }
+          for (int u = 0; u < kDimTile; ++u) store16(ag + (h0 + u) * kL, a[u]);
+        }
+      }
+    }
+  }
+  // Out of lanes, 8 head dims by 8 rows at a time, each row divided by its denominator.
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t row0 = 0; row0 < nr; row0 += 8) {
+      const float* src = acc + (k * ng + row0 / kL) * kH * kL + row0 % kL;
+      const int rows = int(std::min<int64_t>(8, nr - row0));
+      St* dst[8];
+      float inv[8];
+      for (int e = 0; e < rows; ++e) {
+        const int64_t row = row0 + e;
+        const float lr = l[k * ng * kL + row];
+        dst[e] = out + ((row / G) * N + k * G + row % G) * kH;
+        inv[e] = lr > 0.0f ? 1.0f / lr : 0.0f;
+      }
+      for (int64_t h0 = 0; h0 < kH; h0 += 8) {
+        v8 b[8];
+        for (int e = 0; e < 8; ++e) std::memcpy(&b[e], src + (h0 + e) * kL, sizeof(v8));
+        transpose8(b);
+        for (int e = 0; e < rows; ++e) {
+          const v8 y = b[e] * inv[e];
+          for (int c = 0; c < 8; ++c) dst[e][h0 + c] = D::store(y[c]);
+        }
+      }
+    }
 }
 
 // 16 vectors folded into one: lane t of the result is the sum of the 16 lanes of v[t].
@@ -790,9 +971,9 @@ void run(const Problem& pb, const Item& it, std::vector<float>& scratch) {
 #endif
   if (pb.S == 16 && pb.H == 64 && decode) return run_decode<D, C, 64>(pb, it, scratch);
   if (pb.S == 16 && pb.H == 128 && decode) return run_decode<D, C, 128>(pb, it, scratch);
-  if (pb.S == 16 && pb.H == 64) return run_item<D, C, 64, 16>(pb, it, scratch);
-  if (pb.S == 16 && pb.H == 128) return run_item<D, C, 128, 16>(pb, it, scratch);
-  return run_item<D, C, 0, 0>(pb, it, scratch);
+  if (pb.S == 16 && pb.H == 64) return run_prefill<D, C, 64>(pb, it, scratch);
+  if (pb.S == 16 && pb.H == 128) return run_prefill<D, C, 128>(pb, it, scratch);
+  return run_item<D, C>(pb, it, scratch);
 }
 
 // The cache's type for q's type D: the same, or a float8 format.

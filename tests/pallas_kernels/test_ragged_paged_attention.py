@@ -272,10 +272,12 @@ def test_fp8_cache_conversions_and_checks():
 
 
 # The C++ CPU kernel (cpu_kernel.cc). h=16 or s=8 take its generic loop; s=16 with h=64 or
-# h=128 its vector path, which prefill blocks (several queries per kv head) use.
+# h=128 its vector paths: run_prefill for blocks of several queries (rows as lanes: 9/3 heads
+# leave padding lanes in a block's last group) and for single queries with more than 16
+# query heads per kv head (32/1), run_decode for the other single queries.
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("s", [8, 16])
-@pytest.mark.parametrize("n,k,h", [(4, 4, 16), (8, 2, 64), (6, 1, 128), (9, 3, 64)])
+@pytest.mark.parametrize("n,k,h", [(4, 4, 16), (8, 2, 64), (6, 1, 128), (9, 3, 64), (32, 1, 64)])
 def test_cpu_kernel_matches_reference(dtype, s, n, k, h):
     args, _ = make_batch(MIX, n=n, k=k, h=h, s=s, dtype=dtype, seed=s + n + h)
     ref = ragged_paged_attention_reference(*args, sm_scale=0.3)
