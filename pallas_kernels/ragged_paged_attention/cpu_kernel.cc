@@ -134,18 +134,10 @@ struct Bf16 {
     std::memcpy(&v, &bits, sizeof(v));
     return v;
 #else
-    typedef uint16_t u16x8 __attribute__((vector_size(16)));
-    typedef uint32_t u32x8 __attribute__((vector_size(32)));
-    v16 v;
-    for (int i = 0; i < 2; ++i) {
-      u16x8 b;
-      std::memcpy(&b, p + 8 * i, sizeof(b));
-      const u32x8 bits = __builtin_convertvector(b, u32x8) << 16;
-      std::memcpy(i ? &v.hi : &v.lo, &bits, sizeof(bits));
-    }
-    return v;
+    return join(load8(p), load8(p + 8));
 #endif
   }
+  // 8 values likewise.
   static v8 load8(const uint16_t* p) {
     typedef uint16_t u16x8 __attribute__((vector_size(16)));
     typedef uint32_t u32x8 __attribute__((vector_size(32)));
