@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: demo test test-fast lint bench clean
+.PHONY: demo test test-fast test-avx512-emulated lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 12), "jllm needs Python >= 3.12 (pyenv: see .python-version)"'
@@ -33,6 +33,15 @@ test: lint
 # The development loop: everything but the tests marked slow (the real SmolLM2, every bucket).
 test-fast: lint
 	$(PY) -m pytest -q -m "not slow" tests
+
+# The C++ kernels' AVX-512 and AVX512-BF16 builds on a CPU without them, intrinsics from SIMDe
+# (apt-get install libsimde-dev): what they compute, not their speed (tools/avx512_emulation).
+AVX512_TESTS := tests/pallas_kernels/test_ragged_paged_attention.py tests/models/test_f32_matmul.py \
+	tests/models/test_bf16_matmul.py tests/models/test_fp8_kv_cache.py \
+	tests/models/test_attention_backends.py tests/model_loader/test_quantization.py \
+	tests/model_loader/test_awq_gptq.py tests/engine/test_bf16.py
+test-avx512-emulated: $(VENV)/.installed-test
+	$(PY) -m pytest -q -p tools.avx512_emulation.plugin $(AVX512_TESTS)
 
 bench: $(VENV)/.installed-test
 	$(PY) benchmarks/throughput.py

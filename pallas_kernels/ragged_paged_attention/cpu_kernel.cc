@@ -474,9 +474,11 @@ inline v16 max_v16(v16 a, v16 b) {
 
 // v as it is, held in registers: an operand several FMAs share is then loaded once (GCC
 // otherwise folds the load into each FMA, and the loop waits on loads, not FMAs).
-// (Without AVX an 8-lane half fits no register; there it is left to the compiler.)
+// (Without AVX an 8-lane half fits no register; there it is left to the compiler. The AVX-512
+// emulation build, tools/avx512_emulation, has no 64-byte registers.)
 inline v16 in_registers(v16 v) {
-#if defined(__AVX512F__)
+#if defined(JLLM_AVX512_EMULATION)
+#elif defined(__AVX512F__)
   asm("" : "+v"(v));
 #elif defined(__AVX__)
   asm("" : "+x"(v.lo), "+x"(v.hi));
