@@ -1,5 +1,6 @@
 // Sharing a custom call's work items over XLA's intra-op thread pool: the CPU kernels'
-// common scaffold, and the row tiles and work items of the layer-product kernels. Included
+// common scaffold, and the row tiles, work items and FFI signatures of the layer-product
+// kernels. Included
 // by pallas_kernels/ragged_paged_attention/cpu_kernel.cc, jllm/quantization/cpu_matmul.cc
 // and jllm/models/{bf16,f32}_matmul.cc; ragged_paged_attention/cpu.py builds them with this
 // folder on the include path and hashes it into the cached libraries' names.
@@ -128,6 +129,32 @@ bool share_tile_panels(xla::ffi::ThreadPool& pool, int64_t count, int64_t panels
     const int64_t t0 = block * per_block, t1 = std::min(count, t0 + per_block);
     item(t0, t1, run * per_item, std::min(panels, (run + 1) * per_item));
   });
+}
+
+// The FFI signatures of the layer products: x [M, K], w [L, K, N] or [K, N], layer [1], live
+// [M] or [0] -> y [M, N]; the gated form, silu(x @ gate) * (x @ up), takes up (gate's shape)
+// after gate. A kernel adds its attributes after them.
+inline auto product_binding() {
+  namespace ffi = xla::ffi;
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::AnyBuffer>()          // x
+      .Arg<ffi::AnyBuffer>()          // w
+      .Arg<ffi::Buffer<ffi::S32>>()  // layer
+      .Arg<ffi::Buffer<ffi::S8>>()   // live
+      .Ret<ffi::AnyBuffer>();         // y
+}
+
+inline auto gated_product_binding() {
+  namespace ffi = xla::ffi;
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::AnyBuffer>()          // x
+      .Arg<ffi::AnyBuffer>()          // gate
+      .Arg<ffi::AnyBuffer>()          // up
+      .Arg<ffi::Buffer<ffi::S32>>()  // layer
+      .Arg<ffi::Buffer<ffi::S8>>()   // live
+      .Ret<ffi::AnyBuffer>();         // y
 }
 
 }  // namespace jllm_cpu

@@ -36,6 +36,8 @@
 
 #ifdef __AVX512BF16__
 #include <immintrin.h>
+
+#include "cpu_silu.h"  // pallas_kernels/: silu_times
 #endif
 
 #include "cpu_pool.h"  // pallas_kernels/: share_items
@@ -112,32 +114,7 @@ __attribute__((always_inline)) inline void products(const Product& p, const uint
   }
 }
 
-// exp(x) for x <= 0 and NaN (SiLU's exp(-|g|)): 2^n * e^r with |r| <= ln2 / 2, e^r by its
-// degree-6 Taylor polynomial (relative error below 2e-7), 2^n by scalef; underflows to 0.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));  // below it e^x is 0 in float32
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln2, high part
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);       // and its low part
-  __m512 e = _mm512_set1_ps(1.0f / 720);
-  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 120));
-  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 24));
-  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 6));
-  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(0.5f));
-  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f));
-  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(e, n);
-}
-
-// silu(g) * u = g * u * sigmoid(g), sigmoid from exp(-|g|) so that nothing overflows.
-inline __m512 silu_times(__m512 g, __m512 u) {
-  const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-  const __m512 positive = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f)));
-  const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-  const __m512 sigmoid = _mm512_mask_mul_ps(positive, negative, positive, e);  // e / (1 + e)
-  return _mm512_mul_ps(_mm512_mul_ps(g, u), sigmoid);
-}
+using jllm_cpu::silu_times;
 
 // Rows m0 .. m0 + R - 1 by columns n0 .. n0 + 31 of the output: x @ w, or with `p.up`,
 // silu(x @ w) * (x @ up).
@@ -266,21 +243,7 @@ ffi::Error Bf16GatedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmBf16Matmul, Bf16Matmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()          // x [M, K]
-                                  .Arg<ffi::AnyBuffer>()          // w [L, K, N] or [K, N]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
-                                  .Arg<ffi::Buffer<ffi::S8>>()   // live [M] or [0]
-                                  .Ret<ffi::AnyBuffer>());        // y [M, N]
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmBf16Matmul, Bf16Matmul, jllm_cpu::product_binding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmBf16GatedMatmul, Bf16GatedMatmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()          // x [M, K]
-                                  .Arg<ffi::AnyBuffer>()          // gate [L, K, N] or [K, N]
-                                  .Arg<ffi::AnyBuffer>()          // up, gate's shape
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
-                                  .Arg<ffi::Buffer<ffi::S8>>()   // live [M] or [0]
-                                  .Ret<ffi::AnyBuffer>());        // y [M, N]
+                              jllm_cpu::gated_product_binding());

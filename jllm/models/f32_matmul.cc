@@ -49,6 +49,8 @@
 #if defined(__FMA__) && (defined(__AVX512F__) || defined(__AVX2__))
 #define JLLM_F32_MATMUL 1
 #include <immintrin.h>
+
+#include "cpu_silu.h"  // pallas_kernels/: silu_times
 #endif
 
 #include "cpu_pool.h"  // pallas_kernels/: share_items
@@ -154,52 +156,7 @@ constexpr int64_t kPanel = kPanelVecs * kLanes;  // columns per panel: 32 (AVX2)
 constexpr int kMaxRows = 6;
 constexpr int64_t kBlockTiles = 32;  // tiles per work item (192 rows when full)
 
-// exp(x) for x <= 0 (SiLU's exp(-|g|)): 2^n * e^r with |r| <= ln2 / 2, e^r by its degree-6
-// Taylor polynomial (relative error below 2e-7), 2^n built in the exponent field. Below
-// -87 it is exp(-87) (about 1.6e-38, the smallest such 2^n that is a normal float), where
-// SiLU's sigmoid is below float32's resolution of it anyway.
-inline Vec exp_nonpositive(Vec x) {
-#ifdef __AVX512F__
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const Vec n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-#else
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const Vec n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-#endif
-  Vec r = vfma(n, vset(-0.693145752f), x);  // x - n ln2, ln2's high part
-  r = vfma(n, vset(-1.42860677e-6f), r);    // and its low part
-  Vec e = vset(1.0f / 720);
-  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) e = vfma(e, r, vset(c));
-#ifdef __AVX512F__
-  const __m512i bits = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(e, _mm512_castsi512_ps(bits));
-#else
-  const __m256i bits = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(e, _mm256_castsi256_ps(bits));
-#endif
-}
-
-// silu(g) * u = g * u * sigmoid(g), sigmoid from exp(-|g|) so that nothing overflows.
-inline Vec silu_times(Vec g, Vec u) {
-#ifdef __AVX512F__
-  const Vec e = exp_nonpositive(_mm512_sub_ps(vzero(), _mm512_abs_ps(g)));
-  const Vec positive = _mm512_div_ps(vset(1.0f), _mm512_add_ps(e, vset(1.0f)));
-  const __mmask16 negative = _mm512_cmp_ps_mask(g, vzero(), _CMP_LT_OQ);
-  const Vec sigmoid = _mm512_mask_mul_ps(positive, negative, positive, e);  // e / (1 + e)
-  return _mm512_mul_ps(_mm512_mul_ps(g, u), sigmoid);
-#else
-  const Vec magnitude = _mm256_andnot_ps(vset(-0.0f), g);
-  const Vec e = exp_nonpositive(_mm256_sub_ps(vzero(), magnitude));
-  const Vec positive = _mm256_div_ps(vset(1.0f), _mm256_add_ps(e, vset(1.0f)));
-  const Vec negative = _mm256_cmp_ps(g, vzero(), _CMP_LT_OQ);
-  const Vec sigmoid = _mm256_blendv_ps(positive, _mm256_mul_ps(positive, e), negative);
-  return _mm256_mul_ps(_mm256_mul_ps(g, u), sigmoid);
-#endif
-}
+using jllm_cpu::silu_times;
 
 // Rows 0 .. R - 1 of x by the V vectors of columns from w's column 0 (w's rows ldw elements
 // apart, float32 when packed, the weight's own type in place), summed over all K into acc.
@@ -654,21 +611,7 @@ ffi::Error F32GatedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmF32Matmul, F32Matmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()          // x [M, K]
-                                  .Arg<ffi::AnyBuffer>()          // w [L, K, N] or [K, N]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
-                                  .Arg<ffi::Buffer<ffi::S8>>()   // live [M] or [0]
-                                  .Ret<ffi::AnyBuffer>()          // y [M, N]
-                                  .Attr<bool>("w_transposed"));
+                              jllm_cpu::product_binding().Attr<bool>("w_transposed"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmF32GatedMatmul, F32GatedMatmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()          // x [M, K]
-                                  .Arg<ffi::AnyBuffer>()          // gate [L, K, N] or [K, N]
-                                  .Arg<ffi::AnyBuffer>()          // up, gate's shape
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
-                                  .Arg<ffi::Buffer<ffi::S8>>()   // live [M] or [0]
-                                  .Ret<ffi::AnyBuffer>());        // y [M, N]
+                              jllm_cpu::gated_product_binding());

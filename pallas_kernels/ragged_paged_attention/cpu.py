@@ -60,9 +60,10 @@ class CpuKernelUnavailable(RuntimeError):
     """The kernel could not be built here (no C++ compiler, or it failed)."""
 
 
-# Headers the kernels share (cpu_pool.h): on the include path, and part of the cache key.
+# Headers the kernels share (cpu_pool.h, cpu_fp8.h, cpu_silu.h): on the include path, and
+# part of the cache key.
 INCLUDE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HEADERS = (os.path.join(INCLUDE, "cpu_pool.h"), os.path.join(INCLUDE, "cpu_fp8.h"))
+HEADERS = tuple(os.path.join(INCLUDE, h) for h in ("cpu_pool.h", "cpu_fp8.h", "cpu_silu.h"))
 
 
 def _cpu_fingerprint() -> str:
