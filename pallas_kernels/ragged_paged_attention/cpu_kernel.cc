@@ -757,6 +757,51 @@ inline v16 page_softmax(const v16* part, int64_t nt, float scale, float& m, floa
 // Most query heads per kv head the decode path takes (more take run_item).
 constexpr int64_t kDecodeMaxG = 16;
 
+// A decode item's place in its request and its rows' online-softmax state, for both decode
+// paths (block size 16). The item's one query is its request's last (a decode row, or a
+// prefill's last block of one): it sits at kv_lens[r] - 1 and sees every key.
+struct DecodeRow {
+  static constexpr int64_t kS = 16;
+  int64_t q_row, kv_end, num_pages, row_elems, page_elems;
+  const int32_t* table;
+  float* acc;  // [N, H], from `state` (N * H + 2 * N floats)
+  float* m;    // [N] running max
+  float* l;    // [N] running denominator
+  DecodeRow(const Problem& pb, const Item& it, int64_t H, float* state) {
+    const int64_t r = it.request, N = pb.K * pb.G;
+    q_row = int64_t(pb.query_start[r]) + it.first_query;
+    kv_end = int64_t(pb.kv_lens[r]) - pb.query_lens[r] + it.first_query + 1;
+    num_pages = (kv_end + kS - 1) / kS;
+    row_elems = 2 * pb.K * H;
+    page_elems = kS * row_elems;
+    table = pb.block_tables + r * pb.P;
+    acc = state;
+    m = acc + N * H;
+    l = m + N;
+    std::fill(acc, acc + N * H, 0.0f);
+    std::fill(m, m + N, -INFINITY);
+    std::fill(l, l + N, 0.0f);
+  }
+  int64_t tokens(int64_t page) const { return std::min<int64_t>(kS, kv_end - page * kS); }
+  float inverse_sum(int64_t j) const { return l[j] > 0.0f ? 1.0f / l[j] : 0.0f; }
+};
+
+// Kv head k's partial dot products over one page for its G query heads: score(t) sets
+// part[g][t] for each of the page's nt tokens; the rest are zero (those rows, stale or NaN,
+// are never read). The next page's prefetch is spread over the loop.
+template <typename Score>
+inline void page_partials(v16 (&part)[kDecodeMaxG][16], int64_t G, int64_t nt, int64_t k,
+                          int64_t K, const char* next, int64_t page_bytes, Score score) {
+  for (int64_t t = 0; t < 16; ++t) {
+    if (next) prefetch_share(next, page_bytes, k * 16 + t, K * 16);
+    if (t < nt) {
+      score(t);
+    } else {
+      for (int64_t g = 0; g < G; ++g) part[g][t] = zero_vector();
+    }
+  }
+}
+
 // A decode row (one query, all N heads), block size 16: the keys are scored straight from
 // the cache, with no float32 copy of the page. Per token, each of the kv head's G query heads
 // gets a 16-lane partial dot product; a page's 16 partials fold into one vector of scores
@@ -770,46 +815,27 @@ template <typename D, typename C, int kH>
 void run_decode(const Problem& pb, const Item& it, std::vector<float>& scratch) {
   using St = typename D::Storage;
   using Ct = typename C::Storage;
-  constexpr int kS = 16, kV = kH / 16;
-  const int64_t G = pb.G, K = pb.K, K2 = 2 * pb.K, N = K * G;
+  constexpr int kV = kH / 16;
+  const int64_t G = pb.G, K = pb.K, N = K * G;
   scratch.resize(size_t(2 * N * kH + 2 * N));
   float* qf = scratch.data();  // [N, H], scaled
-  float* acc = qf + N * kH;    // [N, H]
-  float* m = acc + N * kH;     // [N] running max
-  float* l = m + N;            // [N] running denominator
-  std::fill(acc, acc + N * kH, 0.0f);
-  std::fill(m, m + N, -INFINITY);
-  std::fill(l, l + N, 0.0f);
-
-  // The item's one query is its request's last (a decode row, or a prefill's last block of
-  // one): it sits at kv_lens[r] - 1 and sees every key.
-  const int64_t r = it.request;
-  const int64_t q_row = int64_t(pb.query_start[r]) + it.first_query;
-  const St* q = static_cast<const St*>(pb.q) + q_row * N * kH;
+  const DecodeRow row(pb, it, kH, qf + N * kH);
+  float *acc = row.acc, *m = row.m, *l = row.l;
+  const St* q = static_cast<const St*>(pb.q) + row.q_row * N * kH;
   for (int64_t j = 0; j < N * kH; ++j) qf[j] = D::load(q[j]) * pb.scale;
 
-  const int64_t kv_end = int64_t(pb.kv_lens[r]) - pb.query_lens[r] + it.first_query + 1;
-  const int64_t num_pages = (kv_end + kS - 1) / kS;
-  const int32_t* table = pb.block_tables + r * pb.P;
   const Ct* cache = static_cast<const Ct*>(pb.cache);
-  const int64_t page_elems = kS * K2 * kH, row_elems = K2 * kH;
-  const int64_t page_bytes = page_elems * int64_t(sizeof(Ct));
-  v16 part[kDecodeMaxG][kS];
+  const int64_t page_bytes = row.page_elems * int64_t(sizeof(Ct));
+  v16 part[kDecodeMaxG][16];
   v16 prob[kDecodeMaxG];
-  for (int64_t pi = 0; pi < num_pages; ++pi) {
-    const Ct* page = cache + int64_t(table[pi]) * page_elems;
-    const char* next = next_page(cache, table, pi, num_pages, page_elems);
-    const int64_t nt = std::min<int64_t>(kS, kv_end - pi * kS);
+  for (int64_t pi = 0; pi < row.num_pages; ++pi) {
+    const Ct* page = cache + int64_t(row.table[pi]) * row.page_elems;
+    const char* next = next_page(cache, row.table, pi, row.num_pages, row.page_elems);
+    const int64_t nt = row.tokens(pi);
     for (int64_t k = 0; k < K; ++k) {
       const float* qk = qf + k * G * kH;
-      // Partial dot products; tokens past the page's end (stale or NaN) are never read.
-      for (int64_t t = 0; t < kS; ++t) {
-        if (next) prefetch_share(next, page_bytes, k * kS + t, K * kS);
-        if (t >= nt) {
-          for (int64_t g = 0; g < G; ++g) part[g][t] = zero_vector();
-          continue;
-        }
-        const Ct* kp = page + t * row_elems + 2 * k * kH;
+      page_partials(part, G, nt, k, K, next, page_bytes, [&](int64_t t) {
+        const Ct* kp = page + t * row.row_elems + 2 * k * kH;
         v16 kc[kV];
         for (int u = 0; u < kV; ++u) kc[u] = C::load16(kp + 16 * u);
         for (int64_t g = 0; g < G; ++g) {
@@ -818,7 +844,7 @@ void run_decode(const Problem& pb, const Item& it, std::vector<float>& scratch) 
           for (int u = 1; u < kV; ++u) s += load16(qg + 16 * u) * kc[u];
           part[g][t] = s;
         }
-      }
+      });
       // Scores -> probabilities, online softmax across pages.
       float alpha[kDecodeMaxG];
       for (int64_t g = 0; g < G; ++g) {
@@ -832,7 +858,7 @@ void run_decode(const Problem& pb, const Item& it, std::vector<float>& scratch) 
         v16 a[kV];
         for (int u = 0; u < kV; ++u) a[u] = load16(aj + 16 * u) * alpha[g];
         for (int64_t t = 0; t < nt; ++t) {
-          const Ct* vp = page + t * row_elems + (2 * k + 1) * kH;
+          const Ct* vp = page + t * row.row_elems + (2 * k + 1) * kH;
           const float p = prob[g][t];
           for (int u = 0; u < kV; ++u) a[u] += p * C::load16(vp + 16 * u);
         }
@@ -840,9 +866,9 @@ void run_decode(const Problem& pb, const Item& it, std::vector<float>& scratch) 
       }
     }
   }
-  St* out = static_cast<St*>(pb.out) + q_row * N * kH;
+  St* out = static_cast<St*>(pb.out) + row.q_row * N * kH;
   for (int64_t j = 0; j < N; ++j) {
-    const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;
+    const float inv = row.inverse_sum(j);
     for (int64_t h = 0; h < kH; ++h) out[j * kH + h] = D::store(acc[j * kH + h] * inv);
   }
 }
@@ -858,39 +884,23 @@ void run_decode(const Problem& pb, const Item& it, std::vector<float>& scratch) 
 // the stale row after it; as XLA's bf16 products here, the instruction flushes denormals.
 template <int kH>
 void run_decode_bf16(const Problem& pb, const Item& it, std::vector<float>& scratch) {
-  constexpr int kS = 16, kV = kH / 16, kP = kH / 32;  // kP: 32-value vectors per row
-  const int64_t G = pb.G, K = pb.K, K2 = 2 * pb.K, N = K * G;
+  constexpr int kV = kH / 16, kP = kH / 32;  // kP: 32-value vectors per row
+  const int64_t G = pb.G, K = pb.K, N = K * G;
   scratch.resize(size_t(N * kH + 2 * N));
-  float* acc = scratch.data();  // [N, H], columns in the unpacked order
-  float* m = acc + N * kH;      // [N] running max
-  float* l = m + N;             // [N] running denominator
-  std::fill(acc, acc + N * kH, 0.0f);
-  std::fill(m, m + N, -INFINITY);
-  std::fill(l, l + N, 0.0f);
-
-  const int64_t r = it.request;
-  const int64_t q_row = int64_t(pb.query_start[r]) + it.first_query;
-  const uint16_t* q = static_cast<const uint16_t*>(pb.q) + q_row * N * kH;
-  const int64_t kv_end = int64_t(pb.kv_lens[r]) - pb.query_lens[r] + it.first_query + 1;
-  const int64_t num_pages = (kv_end + kS - 1) / kS;
-  const int32_t* table = pb.block_tables + r * pb.P;
+  const DecodeRow row(pb, it, kH, scratch.data());  // acc's columns in the unpacked order
+  float *acc = row.acc, *m = row.m, *l = row.l;
+  const uint16_t* q = static_cast<const uint16_t*>(pb.q) + row.q_row * N * kH;
   const uint16_t* cache = static_cast<const uint16_t*>(pb.cache);
-  const int64_t page_elems = kS * K2 * kH, row_elems = K2 * kH;
-  const int64_t page_bytes = page_elems * 2;
-  v16 part[kDecodeMaxG][kS];
-  alignas(64) uint16_t prob[kDecodeMaxG][kS];  // bf16 probabilities
-  for (int64_t pi = 0; pi < num_pages; ++pi) {
-    const uint16_t* page = cache + int64_t(table[pi]) * page_elems;
-    const char* next = next_page(cache, table, pi, num_pages, page_elems);
-    const int64_t nt = std::min<int64_t>(kS, kv_end - pi * kS);
+  const int64_t row_elems = row.row_elems, page_bytes = row.page_elems * 2;
+  v16 part[kDecodeMaxG][16];
+  alignas(64) uint16_t prob[kDecodeMaxG][16];  // bf16 probabilities
+  for (int64_t pi = 0; pi < row.num_pages; ++pi) {
+    const uint16_t* page = cache + int64_t(row.table[pi]) * row.page_elems;
+    const char* next = next_page(cache, row.table, pi, row.num_pages, row.page_elems);
+    const int64_t nt = row.tokens(pi);
     for (int64_t k = 0; k < K; ++k) {
       const uint16_t* qk = q + k * G * kH;
-      for (int64_t t = 0; t < kS; ++t) {
-        if (next) prefetch_share(next, page_bytes, k * kS + t, K * kS);
-        if (t >= nt) {
-          for (int64_t g = 0; g < G; ++g) part[g][t] = zero_vector();
-          continue;
-        }
+      page_partials(part, G, nt, k, K, next, page_bytes, [&](int64_t t) {
         const uint16_t* kp = page + t * row_elems + 2 * k * kH;
         __m512i kr[kP];
         for (int u = 0; u < kP; ++u) kr[u] = _mm512_loadu_si512(kp + 32 * u);
@@ -901,7 +911,7 @@ void run_decode_bf16(const Problem& pb, const Item& it, std::vector<float>& scra
             s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(qg + 32 * u), (__m512bh)kr[u]);
           std::memcpy(&part[g][t], &s, sizeof(s));
         }
-      }
+      });
       float alpha[kDecodeMaxG];
       for (int64_t g = 0; g < G; ++g) {
         const int64_t j = k * G + g;
@@ -938,17 +948,17 @@ void run_decode_bf16(const Problem& pb, const Item& it, std::vector<float>& scra
   const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i second =
       _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  uint16_t* out = static_cast<uint16_t*>(pb.out) + q_row * N * kH;
+  uint16_t* out = static_cast<uint16_t*>(pb.out) + row.q_row * N * kH;
   for (int64_t j = 0; j < N; ++j) {
-    const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;
-    alignas(64) float row[kH];
+    const float inv = row.inverse_sum(j);
+    alignas(64) float ordered[kH];
     for (int u = 0; u < kP; ++u) {
       const __m512 lo = _mm512_loadu_ps(acc + j * kH + 32 * u);
       const __m512 hi = _mm512_loadu_ps(acc + j * kH + 32 * u + 16);
-      _mm512_store_ps(row + 32 * u, _mm512_permutex2var_ps(lo, first, hi));
-      _mm512_store_ps(row + 32 * u + 16, _mm512_permutex2var_ps(lo, second, hi));
+      _mm512_store_ps(ordered + 32 * u, _mm512_permutex2var_ps(lo, first, hi));
+      _mm512_store_ps(ordered + 32 * u + 16, _mm512_permutex2var_ps(lo, second, hi));
     }
-    for (int64_t h = 0; h < kH; ++h) out[j * kH + h] = Bf16::store(row[h] * inv);
+    for (int64_t h = 0; h < kH; ++h) out[j * kH + h] = Bf16::store(ordered[h] * inv);
   }
 }
 #endif  // __AVX512BF16__
