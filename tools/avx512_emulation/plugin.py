@@ -21,7 +21,8 @@ import pytest
 import pallas_kernels.ragged_paged_attention.cpu as cpu
 
 HERE = pathlib.Path(__file__).resolve().parent
-# The flags /proc/cpuinfo shows on the 2-core Zen 4 the AVX-512 kernels were written on.
+# Those of /proc/cpuinfo's flags on the 2-core Zen 4 (where the AVX-512 kernels were written)
+# that jllm reads.
 ZEN4_FLAGS = {
     "avx2",
     "fma",
