@@ -790,10 +790,12 @@ struct DecodeRow {
 // part[g][t] for each of the page's nt tokens; the rest are zero (those rows, stale or NaN,
 // are never read). The next page's prefetch is spread over the loop.
 template <typename Score>
-inline void page_partials(v16 (&part)[kDecodeMaxG][16], int64_t G, int64_t nt, int64_t k,
-                          int64_t K, const char* next, int64_t page_bytes, Score score) {
-  for (int64_t t = 0; t < 16; ++t) {
-    if (next) prefetch_share(next, page_bytes, k * 16 + t, K * 16);
+inline void page_partials(v16 (&part)[kDecodeMaxG][DecodeRow::kS], int64_t G, int64_t nt,
+                          int64_t k, int64_t K, const char* next, int64_t page_bytes,
+                          Score score) {
+  constexpr int64_t kS = DecodeRow::kS;
+  for (int64_t t = 0; t < kS; ++t) {
+    if (next) prefetch_share(next, page_bytes, k * kS + t, K * kS);
     if (t < nt) {
       score(t);
     } else {
@@ -826,7 +828,7 @@ void run_decode(const Problem& pb, const Item& it, std::vector<float>& scratch) 
 
   const Ct* cache = static_cast<const Ct*>(pb.cache);
   const int64_t page_bytes = row.page_elems * int64_t(sizeof(Ct));
-  v16 part[kDecodeMaxG][16];
+  v16 part[kDecodeMaxG][DecodeRow::kS];
   v16 prob[kDecodeMaxG];
   for (int64_t pi = 0; pi < row.num_pages; ++pi) {
     const Ct* page = cache + int64_t(row.table[pi]) * row.page_elems;
@@ -892,8 +894,8 @@ void run_decode_bf16(const Problem& pb, const Item& it, std::vector<float>& scra
   const uint16_t* q = static_cast<const uint16_t*>(pb.q) + row.q_row * N * kH;
   const uint16_t* cache = static_cast<const uint16_t*>(pb.cache);
   const int64_t row_elems = row.row_elems, page_bytes = row.page_elems * 2;
-  v16 part[kDecodeMaxG][16];
-  alignas(64) uint16_t prob[kDecodeMaxG][16];  // bf16 probabilities
+  v16 part[kDecodeMaxG][DecodeRow::kS];
+  alignas(64) uint16_t prob[kDecodeMaxG][DecodeRow::kS];  // bf16 probabilities
   for (int64_t pi = 0; pi < row.num_pages; ++pi) {
     const uint16_t* page = cache + int64_t(row.table[pi]) * row.page_elems;
     const char* next = next_page(cache, row.table, pi, row.num_pages, row.page_elems);

@@ -35,7 +35,14 @@ ZEN4_FLAGS = {
     "avx512_bf16",
     "avx512_vnni",
 }
-MACROS = ("__AVX512F__", "__AVX512DQ__", "__AVX512CD__", "__AVX512BW__", "__AVX512VL__")
+MACROS = (
+    "__AVX512F__",
+    "__AVX512DQ__",
+    "__AVX512CD__",
+    "__AVX512BW__",
+    "__AVX512VL__",
+    "__AVX512BF16__",
+)
 
 
 def _simde_include() -> list[str]:
@@ -53,13 +60,13 @@ def _simde_include() -> list[str]:
 
 
 def _emulate() -> None:
-    # -march=x86-64-v3 (AVX2, FMA, F16C): the AVX2 code the AVX-512 branches fall back to
-    # within a file stays native. No -fassociative-math: SIMDe's stand-ins are plain float
-    # arithmetic, which it lets GCC reorder differently where each is inlined, when the real
-    # instructions are each one operation; the batch-invariance tests then see rows differ
-    # in the last bit with the tile they fall in.
+    # -march=x86-64-v3 (AVX2, FMA, F16C): the kernels' GCC-vector code compiles to AVX2;
+    # every intrinsic, AVX2 ones included, comes from SIMDe. No -fassociative-math: SIMDe's
+    # stand-ins are plain float arithmetic, which it lets GCC reorder differently where each
+    # is inlined, when the real instructions are each one operation; the batch-invariance
+    # tests then see rows differ in the last bit with the tile they fall in.
     flags = [f for f in cpu.FLAGS if f not in ("-march=native", "-fassociative-math")]
-    flags += ["-march=x86-64-v3", *(f"-D{m}" for m in MACROS), "-D__AVX512BF16__"]
+    flags += ["-march=x86-64-v3", *(f"-D{m}" for m in MACROS)]
     flags += ["-DJLLM_AVX512_EMULATION", "-Wno-psabi", "-I", str(HERE), *_simde_include()]
     cpu.FLAGS = tuple(flags)  # part of the kernel cache's key: native builds stay apart
     native = cpu.cpu_flags
