@@ -11,12 +11,15 @@ Engines:
   an easier layout than the kernel's), per prompt for prefill (causal), one masked batch for
   decode, with torch's threads set to this machine's cores. A reference point for the
   arithmetic, not vLLM's own CPU attention.
+`--kv-cache-dtype fp8_e4m3 fp8_e5m2` adds the same cases over a float8 cache (the kernel
+decodes its bytes as it reads them; torch gets the decoded values in the query's dtype).
 Per case: the median and best of `--repeats` timings of all 30 layers, the kernel's rate in
 GFLOP/s of the causal work (2 x 2 x pairs x heads x head dim), torch / kernel at the best,
 and the kernel's largest difference from the float32 jnp reference on one layer.
 
     python benchmarks/attention.py                      # float32 and bfloat16
     python benchmarks/attention.py --dtype float32 --cases prefill
+    python benchmarks/attention.py --cases decode --kv-cache-dtype auto fp8_e4m3 fp8_e5m2
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from pallas_kernels.ragged_paged_attention import (  # noqa: E402
 )
 
 LAYERS, KV_HEADS, GROUP, HEAD_DIM, BLOCK = 30, 3, 3, 64, 16
+KV_DTYPES = {"auto": None, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 HEADS = KV_HEADS * GROUP
 
 
@@ -50,8 +54,9 @@ def prefill_lengths(rng, total=2048) -> list[int]:
     return lens
 
 
-def build(case: str, dtype, rng):
-    """The kernel's arguments and the per-request (query count, context length) pairs."""
+def build(case: str, dtype, rng, kv_dtype=None):
+    """The kernel's arguments and the per-request (query count, context length) pairs; the
+    cache in `kv_dtype` (a float8 dtype) or, by default, the queries' dtype."""
     if case == "prefill":
         kv_lens = prefill_lengths(rng)
         q_lens = kv_lens
@@ -62,7 +67,8 @@ def build(case: str, dtype, rng):
     pages = max(-(-n // BLOCK) for n in kv_lens)
     blocks = r * pages + 8
     tables = rng.permutation(blocks)[: r * pages].reshape(r, pages).astype(np.int32)
-    cache = jnp.asarray(rng.standard_normal((LAYERS, blocks, BLOCK, 2 * KV_HEADS, HEAD_DIM)), dtype)
+    shape = (LAYERS, blocks, BLOCK, 2 * KV_HEADS, HEAD_DIM)
+    cache = jnp.asarray(rng.standard_normal(shape), kv_dtype or dtype)
     q = jnp.asarray(rng.standard_normal((sum(q_lens), HEADS, HEAD_DIM)), dtype)
     starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int32)
     meta = (
@@ -172,6 +178,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--cases", nargs="+", default=["prefill", "decode"])
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=list(KV_DTYPES))
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
     try:
@@ -186,10 +193,12 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|")
     for case in args.cases:
-        for name in args.dtype:
+        for name, kv in ((n, kv) for n in args.dtype for kv in args.kv_cache_dtype):
             dtype = jnp.dtype(name)
             rng = np.random.default_rng(0)
-            q, cache, meta, requests, tables = build(case, dtype, rng)
+            q, cache, meta, requests, tables = build(case, dtype, rng, KV_DTYPES[kv])
+            if kv != "auto":
+                name = f"{name}, kv {kv}"
             run, error = kernel_runner(q, cache, meta)
             err = error()
             ts = timings(run, args.repeats)

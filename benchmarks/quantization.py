@@ -15,6 +15,12 @@ bytes as stored and its KV-cache blocks (the CPU cache is a fixed 4 GiB).
 
 `--kv-cache-dtype` adds rows with the float weights and a float8 KV cache (the CPU cache's
 fixed bytes then hold twice the blocks).
+
+Run on its own, it times the decode kernel (`jllm/quantization/cpu_matmul.cc`) per code kind
+on one [1536, 576] weight (SmolLM2's down projection), ms per call at 1, 8 and 16 bf16 rows,
+with the float32 kernel on float32 weights of the same shape for scale:
+
+    python benchmarks/quantization.py
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import gc
 import os
 import sys
 import tempfile
+import time
 
 import jax
 import numpy as np
@@ -88,8 +95,12 @@ def run(methods: list[str], dtype: str, workloads: dict, run_jllm, kv_dtypes=())
             if kv_dtype != "auto":
                 name = f"kv_cache_dtype={kv_dtype}"
             rows.append((name, weight_bytes, blocks, w1, s1))
+            print(f"{name}: W1 {w1['tok_s']:.1f} tok/s, S1 {s1['tok_s']:.1f} tok/s", flush=True)
             del llm, runner
             gc.collect()
+            # Each engine compiles its own buckets: without this, six engines' executables
+            # in one process ran out of the mappings LLVM's JIT allocates (vm.max_map_count)
+            jax.clear_caches()
     base = rows[0]
     print(f"\nquantization against the float engine, dtype {dtype}:")
     print("| quantization | weights MiB | KV blocks | W1 tok/s | W1 ratio | S1 tok/s | S1 ratio |")
@@ -100,3 +111,52 @@ def run(methods: list[str], dtype: str, workloads: dict, run_jllm, kv_dtypes=())
             f"{w1['tok_s'] / base[3]['tok_s']:.2f}x | {s1['tok_s']:.1f} | "
             f"{s1['tok_s'] / base[4]['tok_s']:.2f}x |"
         )
+
+
+def kernel_table(rows=(1, 8, 16), out=576, width=1536, calls=200) -> None:
+    """ms per call of the quantized decode kernel, one weight per code kind."""
+    import jax.numpy as jnp
+
+    from jllm.models import f32_matmul
+    from jllm.quantization import cpu_kernel
+    from jllm.quantization.checkpoints import _weight
+    from jllm.quantization.formats import quantize_online
+
+    rng = np.random.default_rng(0)
+    dense = rng.standard_normal((out, width), dtype=np.float32) * 0.05
+    q4 = rng.integers(0, 16, (out, width), dtype=np.uint8)
+    groups = (out, width // 32)
+    weights = {
+        "int8 (tpu_int8)": quantize_online(dense, "tpu_int8"),
+        "uint4 (group 32)": _weight(q4, np.full(groups, 8.0), rng.random(groups) * 0.01, 4),
+        "fp8 (e4m3)": quantize_online(dense, "fp8"),
+    }
+
+    def timed(fn, *args):
+        fn(*args).block_until_ready()
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            fn(*args).block_until_ready()
+            times.append(time.perf_counter() - t0)
+        return np.median(times) * 1e3
+
+    print(f"ms per call, one [{width}, {out}] weight, bf16 rows (median of {calls}):")
+    print("| rows | " + " | ".join(weights) + " | float32 kernel, float32 weight |")
+    print("|---|" + "---|" * (len(weights) + 1))
+    w32 = jnp.asarray(dense.T)
+    for t in rows:
+        x = jnp.asarray(rng.standard_normal((t, width)), jnp.bfloat16)
+        cells = []
+        for w in weights.values():
+            w = jax.tree.map(jnp.asarray, w)
+            cells.append(
+                timed(jax.jit(lambda x, w: cpu_kernel.cpu_matmul(x, w, jnp.float32)), x, w)
+            )
+        x32 = x.astype(jnp.float32)
+        cells.append(timed(jax.jit(f32_matmul.f32_matmul), x32, w32))
+        print(f"| {t} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
+
+
+if __name__ == "__main__":
+    kernel_table()
