@@ -29,7 +29,6 @@ import gc
 import os
 import sys
 import tempfile
-import time
 
 import jax
 import numpy as np
@@ -116,6 +115,7 @@ def run(methods: list[str], dtype: str, workloads: dict, run_jllm, kv_dtypes=())
 def kernel_table(rows=(1, 8, 16), out=576, width=1536, calls=200) -> None:
     """ms per call of the quantized decode kernel, one weight per code kind."""
     import jax.numpy as jnp
+    from attention import timings
 
     from jllm.models import f32_matmul
     from jllm.quantization import cpu_kernel
@@ -131,30 +131,21 @@ def kernel_table(rows=(1, 8, 16), out=576, width=1536, calls=200) -> None:
         "uint4 (group 32)": _weight(q4, np.full(groups, 8.0), rng.random(groups) * 0.01, 4),
         "fp8 (e4m3)": quantize_online(dense, "fp8"),
     }
+    weights = {name: jax.tree.map(jnp.asarray, w) for name, w in weights.items()}
+    w32 = jnp.asarray(dense.T)
+    quantized = jax.jit(lambda x, w: cpu_kernel.cpu_matmul(x, w, jnp.float32))
+    f32 = jax.jit(f32_matmul.f32_matmul)
 
-    def timed(fn, *args):
-        fn(*args).block_until_ready()
-        times = []
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            fn(*args).block_until_ready()
-            times.append(time.perf_counter() - t0)
-        return np.median(times) * 1e3
+    def ms(fn, *args):  # median of `calls`, after one warm-up call
+        return np.median(timings(lambda: fn(*args).block_until_ready(), calls)) * 1e3
 
     print(f"ms per call, one [{width}, {out}] weight, bf16 rows (median of {calls}):")
     print("| rows | " + " | ".join(weights) + " | float32 kernel, float32 weight |")
     print("|---|" + "---|" * (len(weights) + 1))
-    w32 = jnp.asarray(dense.T)
     for t in rows:
         x = jnp.asarray(rng.standard_normal((t, width)), jnp.bfloat16)
-        cells = []
-        for w in weights.values():
-            w = jax.tree.map(jnp.asarray, w)
-            cells.append(
-                timed(jax.jit(lambda x, w: cpu_kernel.cpu_matmul(x, w, jnp.float32)), x, w)
-            )
-        x32 = x.astype(jnp.float32)
-        cells.append(timed(jax.jit(f32_matmul.f32_matmul), x32, w32))
+        cells = [ms(quantized, x, w) for w in weights.values()]
+        cells.append(ms(f32, x.astype(jnp.float32), w32))
         print(f"| {t} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
 
 
