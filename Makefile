@@ -1,12 +1,13 @@
 # `make demo`: set up a Python 3.12 venv, install jllm and the embedded model, generate.
-# `make test`: the same venv with the test extras, then lint and the test suite.
+# `make test`: the same venv with the test and docs extras, then lint, the docs' strict build
+# and the test suite.
 # (.python-version makes pyenv's python3 resolve to 3.12 in this directory.)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: demo test test-fast test-avx512-emulated lint bench clean
+.PHONY: demo test test-fast test-avx512-emulated lint docs bench clean
 
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 12), "jllm needs Python >= 3.12 (pyenv: see .python-version)"'
@@ -17,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,docs]'
 	touch $@
 
 demo: $(VENV)/.installed
@@ -27,11 +28,16 @@ lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 
-test: lint
+# The docs site, strictly: a broken link or anchor, or a page missing from the navigation,
+# fails the build (mkdocs.yml's `validation`; `--quiet` would hide the warnings that fail it).
+docs: $(VENV)/.installed-test
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+test: lint docs
 	$(PY) -m pytest -q tests
 
 # The development loop: everything but the tests marked slow (the real SmolLM2, every bucket).
-test-fast: lint
+test-fast: lint docs
 	$(PY) -m pytest -q -m "not slow" tests
 
 # The C++ kernels' AVX-512 and AVX512-BF16 builds on a CPU without them, intrinsics from SIMDe
