@@ -63,6 +63,14 @@ ARCHS = {
         transformers.LlamaForCausalLM,
         {"num_attention_heads": 8, "num_key_value_heads": 8},
     ),
+    # Head dim 64, as SmolLM2's: at block size 16 the CPU attention kernel runs decode rows
+    # and prefill rows on two vectorized paths (the head dims above share its scalar path).
+    # A small vocabulary, so that a request may ask for all of its logprobs.
+    "llama-h64": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        {"head_dim": 64, "vocab_size": 1024},
+    ),
 }
 
 
@@ -175,9 +183,9 @@ def assert_bf16_near_fp32(llm, model_dir: str) -> None:
     assert worst_logprob <= 0.25, worst_logprob
 
 
-def prompt_ids(n: int, length: int, seed: int = 0) -> list[list[int]]:
+def prompt_ids(n: int, length: int, seed: int = 0, vocab: int = 49152) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 49152, (length + 7 * i,), generator=g).tolist() for i in range(n)]
+    return [torch.randint(3, vocab, (length + 7 * i,), generator=g).tolist() for i in range(n)]
 
 
 # Engine settings a speculative engine is checked under against the plain engine.
