@@ -23,7 +23,7 @@ def test_readme_links_resolve():
     assert any(t.startswith("docs/") for t in links)
     for target in links:
         path, _, anchor = target.partition("#")
-        page = ROOT / path
+        page = ROOT / (path or "README.md")
         assert page.is_file(), f"README links to a missing file: {target}"
         if anchor:
             assert anchor in heading_ids(page), f"README links to a missing heading: {target}"

@@ -36,8 +36,8 @@ HELP = {
     "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
     "max_new_tokens), 'vllm' ignores it, or a folder holding a generation_config.json.",
     "dtype": "Weights and activations dtype. 'auto' on CPU: bfloat16 for a 16-bit checkpoint "
-    "when the CPU has AMX or AVX512-BF16, else float32; on TPU/GPU the checkpoint's dtype "
-    "(bfloat16 for float32 checkpoints).",
+    "when the CPU has AMX, AVX512-BF16, or AVX2 with FMA (and a C++ compiler), else float32; "
+    "on TPU/GPU the checkpoint's dtype (bfloat16 for float32 checkpoints). See docs/cpu.md.",
     "quantization": "Weight quantization: 'fp8' or 'tpu_int8' (float8_e4m3 or int8 codes "
     "with per-channel scales, made on load), 'gguf' (a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K "
     "tensors kept quantized instead of dequantized on load), 'awq' or 'gptq' (found in an "
@@ -57,7 +57,7 @@ HELP = {
     "enable_chunked_prefill": "Split long prompts over several steps.",
     "num_lookahead_slots": "Draft tokens a request may verify per step (sizes the buckets).",
     "async_scheduling": "Schedule and build the next step while the device runs this one "
-    "(default: on where measured to help, see the README).",
+    "(default: on for TPU/GPU, off on CPU, as measured; see docs/design.md).",
     "enforce_eager": "Compile each step shape on first use instead of all at start-up.",
     "max_seq_len_to_capture": "Accepted for compatibility; every bucket is compiled.",
     "attention_backend": "Attention implementation: 'auto' (the Pallas TPU kernel on TPU, the "

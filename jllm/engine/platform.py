@@ -64,7 +64,7 @@ def resolve_dtype(dtype: str, checkpoint_dtype: str, platform: str, isa: str | N
     or AVX2 with FMA and the float32 kernel widening bf16), else float32 (a CPU without
     AVX2 and FMA, or without a C++ compiler: XLA's CPU bf16 products convert to float32 after
     copying each layer's weights, and on the Zen 3 bf16 ran W1 at 0.74x and W3 at 0.88x of
-    float32 that way, README). `isa`: the CPU's (`cpu_bf16_isa`), read from the CPU when
+    float32 that way, docs/cpu.md). `isa`: the CPU's (`cpu_bf16_isa`), read from the CPU when
     left True. The choice and its reason are logged."""
     if dtype != "auto":
         return _DTYPES[dtype]
@@ -190,8 +190,8 @@ def resolve_async_scheduling(
 ) -> bool:
     """Async scheduling overlaps the host's work for step N+1 with the device's step N. On
     an accelerator the host is otherwise idle while the device runs; on the CPU the device
-    is the same cores, so the default follows what was measured there (README). Drafts are
-    proposed from a step's results, so speculative decoding runs synchronously."""
+    is the same cores, so the default follows what was measured there (docs/performance.md).
+    Drafts are proposed from a step's results, so speculative decoding runs synchronously."""
     if speculative:
         if requested:
             raise ValueError(

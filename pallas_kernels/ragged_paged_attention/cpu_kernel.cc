@@ -44,8 +44,8 @@ namespace {
 // two 8-lane halves (Two, below): GCC keeps a 64-byte vector-extension value in memory when
 // the target has no 64-byte registers, storing and reloading it around every operation, and
 // lowers its comparisons, selects and shuffles lane by lane, with a branch per lane; an AVX2
-// Zen 3 ran this file's prefill 6x and its decode 3.6x slower for it (the README's AVX2
-// section).
+// Zen 3 ran this file's prefill 6x and its decode 3.6x slower for it (docs/performance.md,
+// the Zen 3 sections).
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 
@@ -518,7 +518,7 @@ inline void prefetch_share(const char* p, int64_t bytes, int64_t i, int64_t n) {
 // Pages are read once per item, front to back, the next one prefetched into L2 over the
 // lane groups' passes; a float32 cache is read in place, other caches are widened a page of one
 // kv head at a time. Against the row-at-a-time loop it replaced (keys transposed per page,
-// each row's softmax reduced across lanes): see the README's CPU attention notes.
+// each row's softmax reduced across lanes): see docs/performance.md.
 template <typename D, typename C, int kH>
 void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch) {
   using St = typename D::Storage;

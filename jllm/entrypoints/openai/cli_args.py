@@ -36,7 +36,8 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
         nargs="+",
         default=None,
         help="Model name(s) the API answers to; the first is the one reported. "
-        "Default: the --model argument (or 'SmolLM2-135M-Instruct' for the embedded model).",
+        "Default: the --model argument (or 'HuggingFaceTB/SmolLM2-135M-Instruct' for the "
+        "embedded model).",
     )
     server.add_argument(
         "--chat-template",
