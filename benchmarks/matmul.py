@@ -3,9 +3,9 @@
 SmolLM2-135M's layer products (30 layers stacked, as the model holds them) at 1, 64 and
 2048 rows (`--rows`), in the model's dtype (`--dtype`):
 - `kernel`: the C++ kernel reading one layer of the stack in place. bfloat16:
-  jllm/models/bf16_matmul.cc (float32 accumulation; the gated row: silu(x @ gate) * (x @ up)
-  in one pass) on CPUs with AVX512-BF16, else jllm/models/f32_matmul.cc widening the bf16
-  operands. float32: jllm/models/f32_matmul.cc (its gated form likewise), on x86 CPUs with
+  pallas_kernels/cpu/bf16_matmul.cc (float32 accumulation; the gated row: silu(x @ gate) * (x @ up)
+  in one pass) on CPUs with AVX512-BF16, else pallas_kernels/cpu/f32_matmul.cc widening the bf16
+  operands. float32: pallas_kernels/cpu/f32_matmul.cc (its gated form likewise), on x86 CPUs with
   FMA;
 - `xla`: jnp.dot on the same layer inside a jitted function, as the layer scan runs it
   without the kernel (the layer's dynamic slice, then the product; the gated row adds XLA's

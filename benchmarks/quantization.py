@@ -16,7 +16,7 @@ bytes as stored and its KV-cache blocks (the CPU cache is a fixed 4 GiB).
 `--kv-cache-dtype` adds rows with the float weights and a float8 KV cache (the CPU cache's
 fixed bytes then hold twice the blocks).
 
-Run on its own, it times the decode kernel (`jllm/quantization/cpu_matmul.cc`) per code kind
+Run on its own, it times the decode kernel (`pallas_kernels/cpu/quantized_matmul.cc`) per code kind
 on one [1536, 576] weight (SmolLM2's down projection), ms per call at 1, 8 and 16 bf16 rows,
 with the float32 kernel on float32 weights of the same shape for scale:
 

@@ -11,13 +11,13 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.cpu.build import cpu_flags
 from pallas_kernels.ragged_paged_attention import (
     SUPPORTED_DTYPES,
     CpuKernelUnavailable,
     load_cpu_kernel,
     unsupported_shape,
 )
-from pallas_kernels.ragged_paged_attention.cpu import cpu_flags
 
 logger = logging.getLogger("jllm")
 

@@ -1,10 +1,10 @@
 """The CPU product of bfloat16 rows and one layer of a stacked bfloat16 weight, read in place.
 
-`bf16_matmul.cc` as an XLA FFI call, built once per machine with the CPU attention kernel's
-machinery (GCC, cached under ~/.cache/jllm/kernels). The model's layer scan hands each
-`Linear` of a layer a `StackedWeight` (layers.py): the whole [L, ...] weight and the layer
-index, so no layer's weights are copied out of the stack before the product, as XLA's
-dynamic slice does on every step.
+`pallas_kernels/cpu/bf16_matmul.cc` as an XLA FFI call, built once per machine by the CPU
+kernels' machinery (pallas_kernels/cpu/build.py: GCC, cached under ~/.cache/jllm/kernels).
+The model's layer scan hands each `Linear` of a layer a `StackedWeight` (layers.py): the
+whole [L, ...] weight and the layer index, so no layer's weights are copied out of the stack
+before the product, as XLA's dynamic slice does on every step.
 
 Where it runs (`enabled`, decided once per process and logged): XLA's CPU backend on an x86
 CPU with AVX512-BF16 and without AMX, for bfloat16 models on one device. Measured on the
@@ -27,11 +27,11 @@ import os
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention.cpu import CpuKernelUnavailable, FfiKernel, cpu_flags
+from pallas_kernels.cpu.build import INCLUDE, CpuKernelUnavailable, FfiKernel, cpu_flags
 
 logger = logging.getLogger("jllm")
 
-SOURCE = os.path.join(os.path.dirname(__file__), "bf16_matmul.cc")
+SOURCE = os.path.join(INCLUDE, "bf16_matmul.cc")
 KERNEL = FfiKernel(
     SOURCE, "bf16_matmul", "CPU bf16 matmul kernel", "JllmBf16Matmul", "jllm_bf16_matmul_cpu"
 )

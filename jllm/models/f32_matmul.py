@@ -1,11 +1,12 @@
 """The CPU product in float32 arithmetic of rows and one layer of a stacked weight, read in
 place: float32 operands, or bfloat16 ones widened to float32.
 
-`f32_matmul.cc` as an XLA FFI call, built once per machine with the CPU attention kernel's
-machinery (GCC, cached under ~/.cache/jllm/kernels). The float32 counterpart of
-bf16_matmul.py: the model's layer scan hands each `Linear` a `StackedWeight` (layers.py), the
-whole [L, ...] weight and the layer index, so that no layer's weights are copied out of the
-stack before the product, as XLA's dynamic slice does on every step.
+`pallas_kernels/cpu/f32_matmul.cc` as an XLA FFI call, built once per machine by the CPU
+kernels' machinery (pallas_kernels/cpu/build.py: GCC, cached under ~/.cache/jllm/kernels).
+The float32 counterpart of bf16_matmul.py: the model's layer scan hands each `Linear` a
+`StackedWeight` (layers.py), the whole [L, ...] weight and the layer index, so that no
+layer's weights are copied out of the stack before the product, as XLA's dynamic slice does
+on every step.
 
 Where it runs (`enabled`, decided once per process and logged): XLA's CPU backend on an x86
 CPU with FMA and AVX2 or AVX-512, on one device (`applies`), at every step size: the layer
@@ -30,11 +31,11 @@ import jax
 import jax.numpy as jnp
 
 from jllm.models.bf16_matmul import check_live, one_device
-from pallas_kernels.ragged_paged_attention.cpu import CpuKernelUnavailable, FfiKernel, cpu_flags
+from pallas_kernels.cpu.build import INCLUDE, CpuKernelUnavailable, FfiKernel, cpu_flags
 
 logger = logging.getLogger("jllm")
 
-SOURCE = os.path.join(os.path.dirname(__file__), "f32_matmul.cc")
+SOURCE = os.path.join(INCLUDE, "f32_matmul.cc")
 KERNEL = FfiKernel(
     SOURCE, "f32_matmul", "CPU float32 matmul kernel", "JllmF32Matmul", "jllm_f32_matmul_cpu"
 )

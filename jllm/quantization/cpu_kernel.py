@@ -1,11 +1,12 @@
-"""The CPU product of a few rows and a QuantizedWeight: `cpu_matmul.cc` as an FFI call.
+"""The CPU product of a few rows and a QuantizedWeight: `pallas_kernels/cpu/quantized_matmul.cc`
+as an FFI call.
 
 XLA's CPU backend unpacks 4-bit codes and converts fp8 with scalar code (weights.py), so a
 decode step, which multiplies a few rows by every weight, is slower from quantized weights
 than from bf16 ones. The kernel reads the codes in place and dequantizes them in registers.
-It is built with the CPU attention kernel's machinery (GCC, once per machine, cached), used
-for steps of at most `MAX_ROWS` rows on one device; larger steps are bound by arithmetic
-and keep XLA's product.
+It is built by the CPU kernels' machinery (pallas_kernels/cpu/build.py: GCC, once per
+machine, cached), used for steps of at most `MAX_ROWS` rows on one device; larger steps are
+bound by arithmetic and keep XLA's product.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.ragged_paged_attention.cpu import CpuKernelUnavailable, FfiKernel
+from pallas_kernels.cpu.build import INCLUDE, CpuKernelUnavailable, FfiKernel
 
 TARGET = "jllm_quantized_matmul_cpu"
-SOURCE = os.path.join(os.path.dirname(__file__), "cpu_matmul.cc")
+SOURCE = os.path.join(INCLUDE, "quantized_matmul.cc")
 MAX_ROWS = 16
 KINDS = {"int8": 0, "uint4": 1, "fp8": 2}
 

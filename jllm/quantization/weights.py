@@ -16,7 +16,8 @@ the model stacks its layers. Every format maps onto it (jllm/quantization/format
   Q4_0/Q4_1/Q4_K order, so their bytes are used as they are).
 
 The weights are never dequantized in memory as a whole. On the CPU a step of at most 16 rows
-(decode) goes to a C++ kernel that reads the codes in place (cpu_kernel.py, cpu_matmul.cc).
+(decode) goes to a C++ kernel that reads the codes in place (cpu_kernel.py,
+pallas_kernels/cpu/quantized_matmul.cc).
 Otherwise XLA multiplies: with per-channel scales it converts the codes to the activations'
 dtype inside the product (XLA fuses an integer convert into the dot) and scales the output;
 with group scales it dequantizes the one weight it multiplies, a transient the size of one

@@ -32,8 +32,8 @@
 #include <immintrin.h>
 #endif
 
-#include "cpu_fp8.h"   // pallas_kernels/: float8 decoding
-#include "cpu_pool.h"  // pallas_kernels/: share_items
+#include "cpu_fp8.h"   // pallas_kernels/cpu/: float8 decoding
+#include "cpu_pool.h"  // pallas_kernels/cpu/: share_items
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

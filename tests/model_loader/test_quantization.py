@@ -37,7 +37,7 @@ def test_gguf_blocks_kept_quantized_match_gguf_py(qtype, gguf_blocks):
     assert w.shape == ref.shape
     np.testing.assert_array_equal(np.asarray(dequantize(w, jnp.float32)), ref)
     assert w.nbytes < ref.size * 2  # below bf16: the codes stay packed
-    # 0 and 3 rows take the CPU kernel (cpu_matmul.cc), 20 rows XLA's product
+    # 0 and 3 rows take the CPU kernel (quantized_matmul.cc), 20 rows XLA's product
     for rows, kernel in ((0, True), (3, True), (20, False)):
         x = np.random.default_rng(rows).normal(size=(rows, ref.shape[1])).astype(np.float32)
         args = (jnp.asarray(x), jax.tree.map(jnp.asarray, w))

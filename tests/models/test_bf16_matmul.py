@@ -1,4 +1,4 @@
-"""The CPU bf16 matmul kernel (jllm/models/bf16_matmul.cc) against XLA's product, and the
+"""The CPU bf16 matmul kernel (pallas_kernels/cpu/bf16_matmul.cc) against XLA's product, and the
 engine on it: greedy tokens against transformers in float32, and no layer's weights copied
 out of the stack in a compiled step.
 

@@ -1,4 +1,4 @@
-"""The CPU float32 matmul kernel (jllm/models/f32_matmul.cc) against XLA's product, and the
+"""The CPU float32 matmul kernel (pallas_kernels/cpu/f32_matmul.cc) against XLA's product, and the
 engine on it: greedy tokens and logprobs against transformers in float32, and the kernel in
 every compiled step (the layer products and the tied LM head, its weight transposed) with
 no layer's weights copied out of the stack. Its bfloat16 operands (widened to float32, for

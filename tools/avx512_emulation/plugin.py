@@ -18,7 +18,7 @@ import pathlib
 
 import pytest
 
-import pallas_kernels.ragged_paged_attention.cpu as cpu
+import pallas_kernels.cpu.build as cpu
 
 HERE = pathlib.Path(__file__).resolve().parent
 # Those of /proc/cpuinfo's flags on the 2-core Zen 4 (where the AVX-512 kernels were written)
@@ -82,8 +82,9 @@ def pytest_sessionstart(session):
     # tests to XLA's ops (the fallback without a kernel), and they would pass on those.
     from jllm.models import bf16_matmul, f32_matmul
     from jllm.quantization import cpu_kernel
+    from pallas_kernels.ragged_paged_attention.cpu import ATTENTION
 
-    for kernel in (cpu.ATTENTION, f32_matmul.KERNEL, bf16_matmul.KERNEL, cpu_kernel.KERNEL):
+    for kernel in (ATTENTION, f32_matmul.KERNEL, bf16_matmul.KERNEL, cpu_kernel.KERNEL):
         try:
             cpu.build_library(kernel.source, kernel.stem, kernel.what)
         except cpu.CpuKernelUnavailable as e:

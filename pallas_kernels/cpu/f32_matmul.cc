@@ -50,10 +50,10 @@
 #define JLLM_F32_MATMUL 1
 #include <immintrin.h>
 
-#include "cpu_silu.h"  // pallas_kernels/: silu_times
+#include "cpu_silu.h"  // this folder: silu_times
 #endif
 
-#include "cpu_pool.h"  // pallas_kernels/: share_items
+#include "cpu_pool.h"  // this folder: share_items
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

@@ -26,8 +26,8 @@
 #include <immintrin.h>
 #endif
 
-#include "cpu_fp8.h"   // pallas_kernels/: float8 decoding
-#include "cpu_pool.h"  // pallas_kernels/: share_items
+#include "cpu_fp8.h"   // this folder: float8 decoding
+#include "cpu_pool.h"  // this folder: share_items
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

@@ -1,6 +1,6 @@
 // float8 codes as float32, 16 at a time: the CPU kernels' common decoder. Included by
 // pallas_kernels/ragged_paged_attention/cpu_kernel.cc (a float8 KV cache) and
-// jllm/quantization/cpu_matmul.cc (fp8 weights); built and hashed like cpu_pool.h.
+// quantized_matmul.cc (fp8 weights); built and hashed like cpu_pool.h.
 //
 // GCC lowers a vector conversion from bytes element by element (each byte extracted and
 // inserted into its lane by scalar code), so with AVX-512 or AVX2 the bytes are widened with

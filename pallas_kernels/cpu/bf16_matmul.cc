@@ -37,10 +37,10 @@
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 
-#include "cpu_silu.h"  // pallas_kernels/: silu_times
+#include "cpu_silu.h"  // this folder: silu_times
 #endif
 
-#include "cpu_pool.h"  // pallas_kernels/: share_items
+#include "cpu_pool.h"  // this folder: share_items
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
