@@ -3,7 +3,8 @@
 `EngineCore.step()` is the whole engine in four lines: the scheduler picks tokens, the runner
 computes them and samples, every sequence that got tokens appends them one by one, checked
 for a stop after each (a verification row can bring several; what follows a stop is
-dropped), and finished (or, when streaming, updated) requests come out as `RequestOutput`s.
+dropped), and finished (or, when streaming, updated) requests come out as `RequestOutput`s
+(built by `output_processor.py`).
 Drafts the runner computed but did not accept are handed back to the scheduler.
 
 With `async_scheduling` the loop runs one step ahead: it schedules and dispatches step N+1,
@@ -32,40 +33,19 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field
 
 from jllm.engine.detokenizer import IncrementalDetokenizer
+from jllm.engine.output_processor import OutputProcessor, ParentRequest
 from jllm.engine.request import Request, RequestStatus
 from jllm.engine.scheduler import Scheduler
 from jllm.metrics.stats import FinishedRequestStats, SchedulerStats, StepStats
-from jllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jllm.outputs import RequestOutput
 from jllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 # How long an idle engine waits for a grammar being compiled before it returns from a step.
 GRAMMAR_WAIT_S = 0.05
-
-
-@dataclass
-class ParentRequest:
-    """A user request: `n` sequences that share a prompt."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    children: list[Request]
-    arrival_time: float
-    detokenizers: dict[str, IncrementalDetokenizer] = field(default_factory=dict)
-    # DELTA outputs: how much text and how many tokens of each sequence were already sent.
-    sent_text: dict[str, int] = field(default_factory=dict)
-    sent_tokens: dict[str, int] = field(default_factory=dict)
-    sent_prompt_logprobs: bool = False
-
-    @property
-    def finished(self) -> bool:
-        return all(c.is_finished() for c in self.children)
 
 
 class EngineCore:
@@ -96,8 +76,7 @@ class EngineCore:
         self._compiling: list[tuple[ParentRequest, Future]] = []
         self.parents: dict[str, ParentRequest] = {}
         self._child_parent: dict[str, ParentRequest] = {}
-        # A token's text for logprobs, decoded once per token id for the engine's life.
-        self._token_text: dict[int, str] = {}
+        self.output_processor = OutputProcessor(tokenizer)
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(
@@ -193,7 +172,7 @@ class EngineCore:
                     self._release(child)
                 self.parents.pop(parent.request_id)
                 ids = {c.request_id for c in parent.children}
-                outputs.append(self._make_output(parent, time.time(), ids))
+                outputs.append(self.output_processor.make_output(parent, time.time(), ids))
                 continue
             for child, matcher in zip(parent.children, matchers, strict=True):
                 child.grammar = matcher
@@ -250,7 +229,7 @@ class EngineCore:
             if req is None:
                 continue
             if rid in result.prompt_logprobs:
-                self._record_prompt_logprobs(req, *result.prompt_logprobs[rid])
+                self.output_processor.record_prompt_logprobs(req, *result.prompt_logprobs[rid])
             tokens = result.sampled.get(rid, ())
             if tokens:
                 req.num_output_placeholders -= 1
@@ -286,9 +265,9 @@ class EngineCore:
             kind = parent.params.output_kind
             if parent.finished:
                 self.parents.pop(parent.request_id, None)
-                outputs.append(self._make_output(parent, now, children))
+                outputs.append(self.output_processor.make_output(parent, now, children))
             elif kind != RequestOutputKind.FINAL_ONLY:
-                outputs.append(self._make_output(parent, now, children))
+                outputs.append(self.output_processor.make_output(parent, now, children))
         return outputs
 
     def _record(self, stats: StepStats) -> None:
@@ -331,7 +310,7 @@ class EngineCore:
         req.last_token_time = now
         p = req.sampling_params
         if p.logprobs is not None:
-            self._record_logprobs(req, tok)
+            self.output_processor.record_logprobs(req, tok)
         status = self._check_stop(req)
         detok = parent.detokenizers.get(req.request_id)
         if detok is not None and not (
@@ -359,110 +338,3 @@ class EngineCore:
             req.stop_reason = last
             return RequestStatus.FINISHED_STOPPED
         return None
-
-    def _logprob_entry(self, token: int, logprob, rank, top_ids, top_lps, k: int) -> dict:
-        """vLLM's logprob dict of one position: the token first (its own rank), then the
-        k most likely (-1: all the runner returned), ranks 1..k."""
-        if k == -1:  # the whole vocabulary (the runner returns it when max_logprobs is -1)
-            k = len(top_ids)
-        entry = {token: Logprob(float(logprob), int(rank), self._decode_one(token))}
-        for r, (tid, lp) in enumerate(zip(top_ids[:k], top_lps[:k], strict=True), 1):
-            tid = int(tid)
-            if tid not in entry:
-                entry[tid] = Logprob(float(lp), r, self._decode_one(tid))
-        return entry
-
-    def _record_logprobs(self, req: Request, tok) -> None:
-        req.logprobs.append(
-            self._logprob_entry(
-                tok.token_id,
-                tok.logprob,
-                tok.rank,
-                tok.top_ids,
-                tok.top_logprobs,
-                req.sampling_params.logprobs,
-            )
-        )
-        req.cumulative_logprob += tok.logprob
-
-    def _record_prompt_logprobs(self, req: Request, first: int, lps, ranks, top_ids, top_lps):
-        """Entries for prompt positions first .. first + n - 1 (a recomputed position after
-        a preemption is written again, with the same values)."""
-        k = req.sampling_params.prompt_logprobs
-        for i in range(len(lps)):
-            pos = first + i
-            target = req.prompt_token_ids[pos]
-            entry = self._logprob_entry(target, lps[i], ranks[i], top_ids[i], top_lps[i], k)
-            if req.prompt_logprobs[pos] is None:
-                req.num_prompt_logprobs += 1
-            req.prompt_logprobs[pos] = entry
-
-    def _prompt_logprobs(self, parent: ParentRequest, delta: bool):
-        """The prompt logprobs once computed (any sequence's: they share the prompt); a
-        DELTA stream gets them once, in its first output after that."""
-        if parent.params.prompt_logprobs is None or (delta and parent.sent_prompt_logprobs):
-            return None
-        done = next((c.prompt_logprobs for c in parent.children if c.prompt_logprobs_done), None)
-        if done is not None:
-            parent.sent_prompt_logprobs = True
-        return done
-
-    def _decode_one(self, token_id: int) -> str | None:
-        if self.tokenizer is None:
-            return None
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
-        return text
-
-    def _make_output(self, parent: ParentRequest, now: float, touched: set[str]) -> RequestOutput:
-        """CUMULATIVE and FINAL_ONLY: every sequence so far. DELTA: only the sequences that
-        moved this step (`touched`), each with the text, tokens and logprobs since the last
-        output; their `index` says which of the `n` they are."""
-        p = parent.params
-        delta = p.output_kind == RequestOutputKind.DELTA
-        completions = []
-        for i, child in enumerate(parent.children):
-            rid = child.request_id
-            if delta and rid not in touched:
-                continue
-            detok = parent.detokenizers.get(rid)
-            finished = child.is_finished()
-            visible = detok.visible_len(finished) if detok is not None else 0
-            # DELTA copies only what is new: a stream's outputs stay linear in its length.
-            sent_text = parent.sent_text.get(rid, 0) if delta else 0
-            sent = parent.sent_tokens.get(rid, 0) if delta else 0
-            text = detok.text[sent_text:visible] if detok is not None else ""
-            token_ids = child.output_token_ids[sent:]
-            logprobs = child.logprobs[sent:] if p.logprobs is not None else None
-            if delta:
-                parent.sent_text[rid] = max(visible, sent_text)
-                parent.sent_tokens[rid] = len(child.output_token_ids)
-            completions.append(
-                CompletionOutput(
-                    index=i,
-                    text=text,
-                    token_ids=token_ids,
-                    cumulative_logprob=child.cumulative_logprob if logprobs is not None else None,
-                    logprobs=logprobs,
-                    finish_reason=child.status.finish_reason,
-                    stop_reason=child.stop_reason,
-                )
-            )
-        first = parent.children[0]
-        metrics = RequestMetrics(
-            arrival_time=parent.arrival_time,
-            first_scheduled_time=first.first_scheduled_time,
-            first_token_time=first.first_token_time,
-            finished_time=now if parent.finished else None,
-        )
-        return RequestOutput(
-            request_id=parent.request_id,
-            prompt=parent.prompt,
-            prompt_token_ids=parent.prompt_token_ids,
-            prompt_logprobs=self._prompt_logprobs(parent, delta),
-            outputs=completions,
-            finished=parent.finished,
-            metrics=metrics,
-            num_cached_tokens=max(first.num_cached_tokens, 0),
-        )

@@ -18,19 +18,13 @@ Host-side here: no JAX import.
 
 from __future__ import annotations
 
-ONLINE_METHODS = ("fp8", "tpu_int8")
-CHECKPOINT_METHODS = ("awq", "gptq")  # read from a checkpoint's quantization_config
-METHODS = (*ONLINE_METHODS, "gguf", *CHECKPOINT_METHODS)
-ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}  # vLLM's GPU kernels of the same formats
-
-
-def check_method(method: str | None) -> None:
-    """The method's name alone (EngineArgs): None, one of METHODS or an ALIASES key."""
-    if method is None or method in METHODS or method in ALIASES:
-        return
-    raise ValueError(
-        f"quantization must be one of {', '.join((*METHODS, *ALIASES))} or None, got {method!r}."
-    )
+from jllm.config.quantization import (  # noqa: F401 (re-exported)
+    ALIASES,
+    CHECKPOINT_METHODS,
+    METHODS,
+    ONLINE_METHODS,
+    check_method,
+)
 
 
 def resolve_quantization(method: str | None, source) -> str | None:

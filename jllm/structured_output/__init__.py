@@ -19,11 +19,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from jllm.config.structured_outputs import StructuredOutputsConfig  # noqa: F401 (re-exported)
 from jllm.sampling_params import StructuredOutputsParams
 from jllm.structured_output.backends import (
     BACKEND_CLASSES,
-    BACKENDS,
-    OTHER_VLLM_BACKENDS,
     PACKAGES,
     bitmask_width,
     installed,
@@ -33,49 +32,6 @@ logger = logging.getLogger(__name__)
 
 # Compiled grammars kept for reuse, by constraint.
 GRAMMAR_CACHE_SIZE = 256
-
-
-@dataclasses.dataclass
-class StructuredOutputsConfig:
-    """vLLM's `structured_outputs_config` (engine level). `backend`: "auto" (xgrammar when
-    it is installed, falling back per request to guidance for a constraint xgrammar cannot
-    take, unless `disable_fallback`), "xgrammar" or "guidance". The `disable_*` options
-    apply to every request."""
-
-    backend: str = "auto"
-    disable_fallback: bool = False
-    disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
-
-    def __post_init__(self) -> None:
-        if self.backend in OTHER_VLLM_BACKENDS:
-            raise ValueError(
-                f"The {self.backend!r} structured outputs backend is not supported by jllm; "
-                f"use one of {list(BACKENDS)}."
-            )
-        if self.backend not in BACKENDS:
-            raise ValueError(
-                f"structured outputs backend must be one of {list(BACKENDS)}, got {self.backend!r}."
-            )
-
-    @classmethod
-    def create(cls, config, guided_decoding_backend: str | None = None):
-        """From the engine arguments: a dict or a config, and vLLM's older
-        `guided_decoding_backend` name for the backend."""
-        if isinstance(config, cls):
-            out = config
-        else:
-            names = {f.name for f in dataclasses.fields(cls)}
-            unknown = set(config or {}) - names
-            if unknown:
-                raise ValueError(
-                    f"Unknown structured_outputs_config keys {sorted(unknown)}; jllm takes "
-                    f"{sorted(names)}."
-                )
-            out = cls(**(config or {}))
-        if guided_decoding_backend is not None:
-            out = dataclasses.replace(out, backend=guided_decoding_backend)
-        return out
 
 
 class StructuredOutputManager:

@@ -22,11 +22,6 @@ import numpy as np
 from jllm.sampling_params import StructuredOutputsParams
 from jllm.utils import cdiv
 
-BACKENDS = ("auto", "xgrammar", "guidance")
-# vLLM names of backends jllm does not ship.
-OTHER_VLLM_BACKENDS = ("outlines", "lm-format-enforcer")
-
-
 # The PyPI package behind each backend.
 PACKAGES = {"xgrammar": "xgrammar", "guidance": "llguidance"}
 

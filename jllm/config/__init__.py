@@ -1,5 +1,7 @@
 """Engine arguments and the typed configs they resolve into.
 
+The sub-configs (`speculative.py`, `structured_outputs.py`, `quantization.py`) live in this
+package, so it imports nothing from the engine's other packages (they import from it).
 `EngineArgs` is the flat set of vLLM argument names that `LLM(...)` (and later the server
 flags) accept. `EngineArgs.from_kwargs` rejects unknown names and vLLM arguments jllm does not
 support yet with a clear error instead of ignoring them. `resolve_scheduler_config` gives the
@@ -11,6 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+from jllm.config.quantization import check_method
+from jllm.config.speculative import SpeculativeConfig
+from jllm.config.structured_outputs import StructuredOutputsConfig
 
 # vLLM arguments jllm recognises but cannot honour yet: setting them to anything but the
 # default raises instead of being silently ignored.
@@ -118,10 +124,6 @@ class EngineArgs:
         return cls(**{k: v for k, v in kwargs.items() if k in names})
 
     def __post_init__(self) -> None:
-        from jllm.quantization import check_method
-        from jllm.spec_decode import SpeculativeConfig
-        from jllm.structured_output import StructuredOutputsConfig
-
         if not isinstance(self.speculative_config, SpeculativeConfig):
             self.speculative_config = SpeculativeConfig.create(self.speculative_config)
 
