@@ -2,11 +2,10 @@
 (no sliding window), Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm). Tied or untied
 embeddings. `models/registry.py` maps a checkpoint's config to this module and its flags.
 
-The forward runs over a flat batch of T tokens (any mix of prefill chunks and decodes) and the
-paged KV cache, which it returns updated. The decoder layers are one module with a leading
-layer axis on every weight, run with `lax.scan`: XLA compiles the layer body once, which keeps
-compiling every bucket at start-up affordable (30 unrolled layers took 3-5 s per bucket on
-the 2-core CPU). Attention lives in `jllm/models/attention.py`, so the model does not care
+The family is its config and its decoder layer; the embedding, the layer scan, the final norm
+and the LM head are the shared decoder's (`models/decoder.py`). The forward runs over a flat
+batch of T tokens (any mix of prefill chunks and decodes) and the paged KV cache, which it
+returns updated. Attention lives in `jllm/models/attention.py`, so the model does not care
 which backend runs it. Submodules carry transformers' names (`self_attn.q_proj`, ...), so a
 checkpoint tensor's name is its path here.
 
@@ -18,15 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import jax
-import jax.numpy as jnp
 from flax import nnx
 
-from jllm.models import bf16_matmul, f32_matmul
 from jllm.models.attention import paged_attention
-from jllm.models.layers import Linear, RMSNorm, StackedWeight, gated_product, param
+from jllm.models.decoder import CausalLM
+from jllm.models.layers import Linear, RMSNorm, gated_product
 from jllm.models.rope import RopeConfig, apply_rope
-from jllm.quantization.weights import QuantizedWeight, matmul, take_rows
 
 
 @dataclass(frozen=True)
@@ -67,19 +63,6 @@ class LlamaConfig:
         )
 
 
-def _stays_stacked(dtype):
-    """A filter for a Linear's weight of `dtype` (not quantized): a CPU kernel reads it in
-    the stack."""
-
-    def stays(path, variable) -> bool:
-        if not isinstance(variable, nnx.Param) or variable.get_metadata().get("contract") is None:
-            return False
-        value = variable.get_value()
-        return isinstance(value, jax.Array) and value.dtype == dtype
-
-    return stays
-
-
 class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs):
         D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -117,7 +100,7 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs, kind=None):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, dtype, rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -131,70 +114,5 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
 
 
-class LlamaForCausalLM(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs):
-        self.cfg = cfg
-        self.dtype = jnp.dtype(dtype)  # activations' dtype, whatever the weights are stored in
-        self.embed_tokens = param(
-            rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype
-        )
-
-        @nnx.split_rngs(splits=cfg.num_layers)
-        @nnx.vmap(in_axes=0, out_axes=0)
-        def stacked_layers(rngs: nnx.Rngs) -> DecoderLayer:
-            return DecoderLayer(cfg, dtype, rngs)
-
-        self.layers = stacked_layers(rngs)  # every weight has a leading [num_layers] axis
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        if not cfg.tie_word_embeddings:
-            shape, axes = (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab")
-            self.lm_head = Linear("RD,DV->RV", shape, axes, dtype, rngs)
-
-    def __call__(self, token_ids, positions, kv_cache, md, backend: str):
-        """Hidden states [T, D] after the final norm, and the updated cache [L, B, S, 2K, H]."""
-        table = self.embed_tokens.get_value()
-        if isinstance(table, QuantizedWeight):  # a GGUF file's quantized embedding
-            x = take_rows(table, token_ids, self.dtype)
-        else:
-            x = table[token_ids]  # [T, D]
-        # The projections a CPU kernel runs (bf16 or float32) stay stacked, outside the
-        # scan's inputs: each layer's Linear gets the whole stack and its index
-        # (StackedWeight), so that the scan never copies those weights out per layer.
-        # Everything else is scanned. The kernels skip the step's padding tokens (those
-        # whose K/V write is dropped).
-        kernel = bf16_matmul.applies(self.dtype) or f32_matmul.applies(self.dtype)
-        in_place = _stays_stacked(jnp.dtype(self.dtype)) if kernel else nnx.Nothing
-        graphdef, stacked, layer_states = nnx.split(self.layers, in_place, ...)
-        live = md.slot_mapping < kv_cache.shape[1] * kv_cache.shape[2]  # [T]: not B * S
-
-        def body(carry, inputs):
-            x, kv_cache = carry
-            layer_state, index = inputs
-            views = jax.tree.map(lambda stack: StackedWeight(stack, index, live), stacked)
-            layer = nnx.merge(graphdef, views, layer_state)
-            x, kv_cache = layer(x, positions, kv_cache, index, md, backend)
-            return (x, kv_cache), None
-
-        layers = jnp.arange(self.cfg.num_layers)
-        # Not unrolled: with the stacked cache an unrolled scan copies the cache per layer.
-        (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (layer_states, layers))
-        return self.norm(x), kv_cache
-
-    def compute_logits(self, hidden, live=None):
-        """[R, D] -> [R, V] float32, whatever the model's dtype. live: [R] bool, the rows
-        whose logits are used (None: all); on the float32 kernel the others are not computed
-        and come out zero."""
-        f32 = jnp.float32
-        if self.cfg.tie_word_embeddings:
-            table = self.embed_tokens.get_value()
-            if isinstance(table, QuantizedWeight):  # [V, D]: the [Out, In] layout
-                return matmul(hidden, table, f32)
-            if table.dtype == hidden.dtype and f32_matmul.applies(hidden.dtype):
-                product = f32_matmul.f32_matmul
-                return product(hidden, table, live=live, transposed=True, out_dtype=f32)
-            return jnp.einsum("RD,VD->RV", hidden, table, preferred_element_type=f32)
-        w = self.lm_head.weight.get_value()
-        kernel = isinstance(w, jax.Array) and w.dtype == hidden.dtype
-        if kernel and f32_matmul.applies(hidden.dtype):
-            return f32_matmul.f32_matmul(hidden, w, live=live, out_dtype=f32)  # [D, V], no bias
-        return self.lm_head(hidden, out_dtype=f32)
+class LlamaForCausalLM(CausalLM):
+    layer_cls = DecoderLayer

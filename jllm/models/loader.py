@@ -51,14 +51,16 @@ def _convert(w: np.ndarray, kind: str | None, shape: tuple[int, ...]) -> np.ndar
     return w
 
 
-def _map_name(name: str, layer_weights: dict, top_weights: dict):
-    """-> (our parameter path, layer index or None, conversion kind), or None when the
-    architecture does not name the tensor."""
+def _map_name(name: str, layer_weights: dict, top_weights: dict, layer_slot):
+    """-> (our parameter path, index in its layer stack or None, conversion kind), or None
+    when the architecture does not name the tensor. layer_slot: the model's (checkpoint layer
+    -> (stacked module path, index))."""
     m = _LAYER.fullmatch(name)
     if m:
         if m.group(2) not in layer_weights:
             return None
-        return ("layers", *m.group(2).split(".")), int(m.group(1)), layer_weights[m.group(2)]
+        prefix, index = layer_slot(int(m.group(1)))
+        return (*prefix, *m.group(2).split(".")), index, layer_weights[m.group(2)]
     if name not in top_weights:
         return None
     path, kind = top_weights[name]
@@ -225,14 +227,17 @@ def load_model(
 
     packed_checkpoint = getattr(source, "checkpoint_quantization", None) is not None
 
+    def in_layers(path) -> bool:  # a stacked layer module's weight
+        return path[0] in ("layers", "blocks")
+
     def packed(path) -> bool:  # an AWQ/GPTQ checkpoint's projections (never lm_head)
-        return packed_checkpoint and path[0] == "layers" and "contract" in flat[path].get_metadata()
+        return packed_checkpoint and in_layers(path) and "contract" in flat[path].get_metadata()
 
     if load_format == "dummy":
         key = jax.random.key(seed)
         for i, (path, var) in enumerate(flat.items()):
             norm = len(path) > 1 and "norm" in path[-2]
-            layered = path[0] == "layers"
+            layered = in_layers(path)
             if packed(path):
                 spec = source.checkpoint_quantization
                 values[path] = _dummy_packed(jax.random.fold_in(key, i), var, spec, mesh)
@@ -251,7 +256,7 @@ def load_model(
         for name, w in source.iter_weights(keep_quantized=quantization == "gguf"):
             if IGNORED.fullmatch(name):
                 continue
-            mapped = _map_name(name, layer_weights, arch.top_weights)
+            mapped = _map_name(name, layer_weights, arch.top_weights, model.layer_slot)
             extra_bias = name.endswith(".bias") and packed_checkpoint
             if extra_bias and (mapped is None or mapped[0] not in flat):
                 # AutoGPTQ saved a (zero) bias for every projection, also in models without
@@ -296,9 +301,10 @@ def load_model(
                 values[path] = _put(host, var, shardings[path], mesh)
             else:
                 layered.setdefault(path, {})[layer] = host
-                if len(layered[path]) == cfg.num_layers:
+                count = var.shape[0]  # the layers of this stack
+                if len(layered[path]) == count:
                     stacked = _stack(
-                        [layered[path][i] for i in range(cfg.num_layers)], ".".join(map(str, path))
+                        [layered[path][i] for i in range(count)], ".".join(map(str, path))
                     )
                     values[path] = _put(stacked, var, shardings[path], mesh)
                     del layered[path]

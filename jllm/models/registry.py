@@ -6,7 +6,10 @@ layer, or at the top level) and how its layout converts to ours; a tensor that n
 and that is not a known leftover is an error that names it, never silently dropped (a
 checkpoint with biases the module lacks must not load without them).
 
-Adding a family: a config builder, the module, and its map here.
+Adding a family: one file under models/ with its config and its decoder layer (a subclass of
+`decoder.CausalLM` naming `layer_cls`, and `layer_kinds` where its layers differ), and its
+config builder and weight map here. Families that differ from one by flags (Qwen2, Qwen3 and
+Mistral from Llama) are flags on its config, not files.
 """
 
 from __future__ import annotations

@@ -1,0 +1,199 @@
+"""The decoder every family shares: embed -> layer segments -> final norm -> LM head.
+
+A family is a subclass that names its layer module (`layer_cls`, built as
+`layer_cls(cfg, dtype, rngs, kind)` and called as `layer(x, positions, kv_cache, index, md,
+backend)`) and, where its layers differ, each layer's kind (`layer_kinds`): Gemma 3's
+local and global attention layers, or Qwen3-MoE's dense and sparse MLPs. Everything else is
+here: the embedding (with the family's optional scale), the layer scans, the final norm, the
+LM head and an optional final soft cap.
+
+Layers run as scans (XLA compiles a scan's body once; 30 unrolled layers took 3-5 s per
+bucket to compile on a 2-core CPU). Layers of one kind share a stacked module with a leading
+layer axis. The kinds in order are planned into segments (`plan_segments`): `repeats` copies
+of a pattern of kinds, run as one scan over the copies whose body runs the pattern's
+layers in order. A model of one kind is one segment of one layer, its stack at `layers`
+(transformers' `model.layers.N` in the checkpoint); Gemma 3's 26 layers of 5 local then 1
+global are ((local x 5, global), 4) then ((local,), 2) at `blocks[s][j]`. A layer's index
+into the stacked KV cache is its index in the model.
+
+The projections a CPU kernel runs (bf16 or float32) stay stacked, outside the scan's inputs:
+each layer's Linear gets the whole stack and its index (`StackedWeight`), so that the scan
+never copies those weights out per layer; the kernels skip the step's padding tokens (those
+whose K/V write is dropped).
+
+Glossary: T tokens, R rows, D model dim, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jllm.models import bf16_matmul, f32_matmul
+from jllm.models.layers import Linear, RMSNorm, StackedWeight, param
+from jllm.quantization.weights import QuantizedWeight, matmul, take_rows
+
+
+@dataclass(frozen=True)
+class Segment:
+    """`repeats` copies of the layer kinds `pattern`, starting at layer `first`."""
+
+    pattern: tuple[Hashable, ...]
+    repeats: int
+    first: int
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.pattern) * self.repeats
+
+
+def plan_segments(kinds: Sequence[Hashable]) -> tuple[Segment, ...]:
+    """The layer kinds in order -> segments that cover them in order: from each start, the
+    pattern whose repeats cover the most layers (at least two repeats; the shortest such
+    pattern on a tie), else the one layer."""
+    kinds, segments, start = tuple(kinds), [], 0
+    while start < len(kinds):
+        rest = kinds[start:]
+        best = ((rest[0],), 1)
+        for p in range(1, len(rest) // 2 + 1):
+            pattern, repeats = rest[:p], 1
+            while rest[repeats * p : (repeats + 1) * p] == pattern:
+                repeats += 1
+            if repeats >= 2 and repeats * p > best[1] * len(best[0]):
+                best = (pattern, repeats)
+        segments.append(Segment(best[0], best[1], start))
+        start += len(best[0]) * best[1]
+    return tuple(segments)
+
+
+def _stays_stacked(dtype):
+    """A filter for a Linear's weight of `dtype` (not quantized): a CPU kernel reads it in
+    the stack."""
+
+    def stays(path, variable) -> bool:
+        if not isinstance(variable, nnx.Param) or variable.get_metadata().get("contract") is None:
+            return False
+        value = variable.get_value()
+        return isinstance(value, jax.Array) and value.dtype == dtype
+
+    return stays
+
+
+class CausalLM(nnx.Module):
+    """The shared decoder. `cfg` needs vocab_size, hidden_size, num_layers, rms_norm_eps and
+    tie_word_embeddings; `embed_scale` and `final_logit_softcap` are optional."""
+
+    layer_cls: type  # the family's decoder layer
+    norm_cls: type = RMSNorm  # the family's final norm
+
+    @classmethod
+    def layer_kinds(cls, cfg) -> tuple[Hashable, ...]:
+        """Each layer's kind, in order (one kind unless the family says otherwise)."""
+        return (None,) * cfg.num_layers
+
+    def __init__(self, cfg, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.dtype = jnp.dtype(dtype)  # activations' dtype, whatever the weights are stored in
+        self.embed_tokens = param(
+            rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype
+        )
+        self.segments = plan_segments(self.layer_kinds(cfg))
+
+        def stack(kind, count: int):
+            @nnx.split_rngs(splits=count)
+            @nnx.vmap(in_axes=0, out_axes=0)
+            def make(rngs: nnx.Rngs):
+                return self.layer_cls(cfg, dtype, rngs, kind)
+
+            return make(rngs)  # every weight has a leading [count] axis
+
+        if self.uniform:
+            self.layers = stack(self.segments[0].pattern[0], cfg.num_layers)
+        else:
+            self.blocks = nnx.List(
+                nnx.List(stack(kind, s.repeats) for kind in s.pattern) for s in self.segments
+            )
+        self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if not cfg.tie_word_embeddings:
+            shape, axes = (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab")
+            self.lm_head = Linear("RD,DV->RV", shape, axes, dtype, rngs)
+
+    @property
+    def uniform(self) -> bool:
+        return len(self.segments) == 1 and len(self.segments[0].pattern) == 1
+
+    def layer_slot(self, index: int) -> tuple[tuple, int]:
+        """Where checkpoint layer `index` lives: (the path of its stacked module, its index
+        in the stack)."""
+        if self.uniform:
+            return ("layers",), index
+        for s, seg in enumerate(self.segments):
+            if seg.first <= index < seg.first + seg.num_layers:
+                repeat, j = divmod(index - seg.first, len(seg.pattern))
+                return ("blocks", s, j), repeat
+        raise IndexError(f"layer {index} of a {self.cfg.num_layers}-layer model")
+
+    def embed(self, token_ids):  # [T] -> [T, D]
+        table = self.embed_tokens.get_value()
+        if isinstance(table, QuantizedWeight):  # a GGUF file's quantized embedding
+            x = take_rows(table, token_ids, self.dtype)
+        else:
+            x = table[token_ids]
+        scale = getattr(self.cfg, "embed_scale", None)
+        return x if scale is None else x * jnp.asarray(scale, x.dtype)
+
+    def __call__(self, token_ids, positions, kv_cache, md, backend: str):
+        """Hidden states [T, D] after the final norm, and the updated cache [L, B, S, 2K, H]."""
+        x = self.embed(token_ids)
+        kernel = bf16_matmul.applies(self.dtype) or f32_matmul.applies(self.dtype)
+        in_place = _stays_stacked(jnp.dtype(self.dtype)) if kernel else nnx.Nothing
+        live = md.slot_mapping < kv_cache.shape[1] * kv_cache.shape[2]  # [T]: not B * S
+        for s, seg in enumerate(self.segments):
+            modules = [self.layers] if self.uniform else list(self.blocks[s])
+            parts = [nnx.split(m, in_place, ...) for m in modules]
+            width = len(seg.pattern)
+
+            def body(carry, inputs, parts=parts, seg=seg, width=width):
+                x, kv_cache = carry
+                states, repeat = inputs
+                for j, ((graphdef, stacked, _), state) in enumerate(
+                    zip(parts, states, strict=True)
+                ):
+                    views = jax.tree.map(lambda a: StackedWeight(a, repeat, live), stacked)
+                    layer = nnx.merge(graphdef, views, state)
+                    index = seg.first + repeat * width + j
+                    x, kv_cache = layer(x, positions, kv_cache, index, md, backend)
+                return (x, kv_cache), None
+
+            states = tuple(state for _, _, state in parts)
+            # Not unrolled: with the stacked cache an unrolled scan copies the cache per layer.
+            (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (states, jnp.arange(seg.repeats)))
+        return self.norm(x), kv_cache
+
+    def compute_logits(self, hidden, live=None):
+        """[R, D] -> [R, V] float32, whatever the model's dtype. live: [R] bool, the rows
+        whose logits are used (None: all); on the float32 kernel the others are not computed
+        and come out zero."""
+        logits = self._lm_head(hidden, live)
+        cap = getattr(self.cfg, "final_logit_softcap", None)
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+    def _lm_head(self, hidden, live):
+        f32 = jnp.float32
+        if self.cfg.tie_word_embeddings:
+            table = self.embed_tokens.get_value()
+            if isinstance(table, QuantizedWeight):  # [V, D]: the [Out, In] layout
+                return matmul(hidden, table, f32)
+            if table.dtype == hidden.dtype and f32_matmul.applies(hidden.dtype):
+                product = f32_matmul.f32_matmul
+                return product(hidden, table, live=live, transposed=True, out_dtype=f32)
+            return jnp.einsum("RD,VD->RV", hidden, table, preferred_element_type=f32)
+        w = self.lm_head.weight.get_value()
+        kernel = isinstance(w, jax.Array) and w.dtype == hidden.dtype
+        if kernel and f32_matmul.applies(hidden.dtype):
+            return f32_matmul.f32_matmul(hidden, w, live=live, out_dtype=f32)  # [D, V], no bias
+        return self.lm_head(hidden, out_dtype=f32)
