@@ -47,7 +47,7 @@ from jllm.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("jllm")
 
-# Prefill chunks are laid out in tiles of this many tokens (see models/attention.py).
+# Prefill chunks are laid out in tiles of this many tokens (see jllm/attention/xla.py).
 PREFILL_TILE = 16
 
 

@@ -5,8 +5,8 @@ embeddings. `models/registry.py` maps a checkpoint's config to this module and i
 The family is its config and its decoder layer; the embedding, the layer scan, the final norm
 and the LM head are the shared decoder's (`models/decoder.py`). The forward runs over a flat
 batch of T tokens (any mix of prefill chunks and decodes) and the paged KV cache, which it
-returns updated. Attention lives in `jllm/models/attention.py`, so the model does not care
-which backend runs it. Submodules carry transformers' names (`self_attn.q_proj`, ...), so a
+returns updated. Attention is the backend object's (`jllm/attention/`), so the model does not
+care which backend runs it. Submodules carry transformers' names (`self_attn.q_proj`, ...), so a
 checkpoint tensor's name is its path here.
 
 Glossary: T tokens, R requests, D model dim, N query heads, K kv heads, H head dim, F ffn,
@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 from flax import nnx
 
-from jllm.models.attention import paged_attention
 from jllm.models.decoder import CausalLM
 from jllm.models.layers import Linear, RMSNorm, gated_product
 from jllm.models.rope import RopeConfig, apply_rope
@@ -67,6 +66,7 @@ class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs):
         D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.cfg = cfg
+        self.scale = H**-0.5
         qkv_bias = 2 if cfg.qkv_bias else 0
         q_axes, kv_axes = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
         self.q_proj = Linear("TD,DNH->TNH", (D, N, H), q_axes, dtype, rngs, qkv_bias)
@@ -84,7 +84,7 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, positions, self.cfg.rope)
         k = apply_rope(k, positions, self.cfg.rope)
-        o, kv_cache = paged_attention(q, k, v, kv_cache, layer, md, backend)  # [T, N, H]
+        o, kv_cache = backend.attend(q, k, v, kv_cache, layer, md, scale=self.scale)  # [T, N, H]
         return self.o_proj(o), kv_cache
 
 

@@ -1,7 +1,7 @@
 """Build one step's device inputs from the persistent input batch and a `SchedulerOutput`,
 in numpy, padded to buckets.
 
-Layout of the flat batch (see `jllm/models/attention.py`): Rd decode rows (one query each,
+Layout of the flat batch (see `jllm/attention/`): Rd decode rows (one query each,
 gathered from the input batch without a Python loop), then the rows of several tokens
 (prefill chunks), each starting on a tile boundary. A verification row (the decode token
 then its k drafts) is k + 1 decode rows while they fit the largest decode bucket, else a
@@ -9,7 +9,7 @@ row of tiles. Sample rows: one per request whose row reaches its last known toke
 (consecutive) for a row verifying k drafts. Everything is padded: tokens
 write to the dropped slot B*S, request rows have kv_len 0, sample rows read the input batch's
 padding row and the host ignores them. The attention backend's builder
-(`models/attention_metadata.py`) keeps only what that backend reads.
+(`AttentionBackend.build_metadata`, jllm/attention/) keeps only what that backend reads.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from functools import partial
 import jax
 import numpy as np
 
-from jllm.models.attention_metadata import BUILDERS, FlatBatch, max_kv_chunk_pages
+from jllm.attention import AttentionBackend
+from jllm.attention.metadata import FlatBatch
+from jllm.attention.xla import max_kv_chunk_pages
 from jllm.runner.input_batch import NO_TOKEN, InputBatch
 from jllm.runner.sampler import SamplingMetadata
 from jllm.scheduler_output import PROMPT_LOGPROB_ROWS, SchedulerOutput
@@ -50,7 +52,7 @@ class StepInputs:
     # [PROMPT_LOGPROB_ROWS] flat tokens whose hidden states the forward hands on for prompt
     # logprobs (runner/prompt_logprobs.py); padding: 0
     prompt_lp_indices: jax.Array
-    attn: object  # the backend's metadata (models/attention_metadata.py)
+    attn: object  # the backend's metadata (jllm/attention/)
 
 
 def bucket(n: int, buckets: list[int]) -> int:
@@ -181,7 +183,7 @@ def build_step(
     batch: InputBatch,
     out: SchedulerOutput,
     layout: BatchLayout,
-    backend: str,
+    backend: AttentionBackend,
     shape: tuple[int, int] | None = None,
 ):
     """Returns (StepInputs and SamplingMetadata in numpy, the sample groups, the (Rd, Tt)
@@ -314,7 +316,7 @@ def build_step(
         logits_indices,
         from_device,
         prompt_lp_indices,
-        BUILDERS[backend](flat),
+        backend.build_metadata(flat),
     )
     return inputs, md, groups, (Rd, Tt), prompt_rows
 

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jllm.attention import get_backend
 from jllm.runner.input_batch import InputBatch
 from jllm.runner.inputs import BatchLayout, build_step, grammar_rows
 from jllm.runner.logit_bias import bias_vector, write_bias
@@ -117,7 +118,8 @@ class ModelRunner:
         self.state = state
         self.kv_cache = None  # attach_kv_cache, once sized
         self.layout = layout
-        self.backend = backend
+        self.backend = backend  # the attention_backend name
+        self.attention = get_backend(backend)
         self.enforce_eager = enforce_eager
         # Forward buckets compiled at once in `compile_all`: one on the CPU (its compiler
         # already uses the cores), several where the host's cores are otherwise idle.
@@ -189,7 +191,7 @@ class ModelRunner:
         steps, and the sampler's row bucket."""
         empty = InputBatch(0, 1, self.layout.max_pages, self.logits_processors)
         inputs, md, _, _, _ = build_step(
-            empty, SchedulerOutput(), self.layout, self.backend, (rd, tt)
+            empty, SchedulerOutput(), self.layout, self.attention, (rd, tt)
         )
         buf, layout = pack((inputs, md))
         return buf, layout, md.want_logprobs.shape[0]
@@ -203,7 +205,7 @@ class ModelRunner:
                 buf,
                 layout=layout,
                 graphdef=self.graphdef,
-                backend=self.backend,
+                backend=self.attention,
                 logits_sharding=self.logits_sharding,
                 draft_graphdef=None if self.draft is None else self.draft.graphdef,
             ).compile()
@@ -413,7 +415,7 @@ class ModelRunner:
         `fetch`. The rows that sample hold a pending token until then."""
         writes, bias_writes = self._apply(out)
         inputs, md, groups, key, prompt_rows = build_step(
-            self.batch, out, self.layout, self.backend
+            self.batch, out, self.layout, self.attention
         )
         targets = None if prompt_rows is None else prompt_rows.targets
         bitmask = grammar_rows(groups, out.grammar_bitmask, len(md.masked), self.bitmask_width)

@@ -42,7 +42,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jllm.models.attention_metadata import BUILDERS
 from jllm.runner.draw import filtered_draw, first_argmax, row_keys
 from jllm.runner.inputs import (
     BatchLayout,
@@ -142,7 +141,7 @@ def draft_inputs(batch, rows: np.ndarray, step: int, layout: BatchLayout, backen
         logits_indices=np.arange(Rd, dtype=np.int32),
         from_device=row,
         prompt_lp_indices=np.zeros(PROMPT_LOGPROB_ROWS, np.int32),
-        attn=BUILDERS[backend](flat),
+        attn=backend.build_metadata(flat),
     )
     counter = np.zeros(Rd, np.int32)
     counter[:n] = batch.num_tokens[rows] - batch.num_prompt[rows] + step
@@ -192,7 +191,7 @@ class DraftModel:
                     buf,
                     layout=layout,
                     graphdef=self.graphdef,
-                    backend=runner.backend,
+                    backend=runner.attention,
                     logits_sharding=runner.logits_sharding,
                 ).compile()
             self._exe[Rd] = exe
@@ -201,7 +200,7 @@ class DraftModel:
     def compile_all(self, runner) -> None:
         for Rd in self.layout.decode_buckets[1:]:
             buf, layout = draft_inputs(
-                runner.batch, np.zeros(0, np.int32), 0, self.layout, runner.backend, Rd
+                runner.batch, np.zeros(0, np.int32), 0, self.layout, runner.attention, Rd
             )
             self._executable(runner, Rd, jax.device_put(buf, runner.replicated), layout)
 
@@ -228,7 +227,7 @@ class DraftModel:
             if active.size == 0:
                 break
             Rd = bucket(active.size, self.layout.decode_buckets)
-            buf, layout = draft_inputs(batch, active, step, self.layout, runner.backend, Rd)
+            buf, layout = draft_inputs(batch, active, step, self.layout, runner.attention, Rd)
             buf = jax.device_put(buf, runner.replicated)
             exe = self._executable(runner, Rd, buf, layout)
             src, self.kv_cache = exe(self.state, self.kv_cache, src, buf)

@@ -14,8 +14,10 @@ import pytest
 from oracle import SMALL, prompt_ids
 
 from jllm import LLM, SamplingParams
+from jllm.attention import BACKENDS, get_backend
+from jllm.attention.xla import kv_chunk_pages, tile_attention
+from jllm.config import ATTENTION_BACKENDS
 from jllm.engine.platform import resolve_backend
-from jllm.models.attention import kv_chunk_pages, tile_attention
 from jllm.runner.compile_guard import count_compiles
 from pallas_kernels.ragged_paged_attention import cpu as cpu_kernel
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
@@ -119,8 +121,9 @@ def test_engine_on_gpu_kernel_matches_xla_and_compiles_nothing_after_start(llama
     assert got == expected
 
 
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (20, None), (None, 2.5), (7, 2.5)])
 @pytest.mark.parametrize("tile", [1, 16])
-def test_tile_attention_matches_reference(tile):
+def test_tile_attention_matches_reference(tile, window, soft_cap):
     rng = np.random.default_rng(tile)
     B, S, K, G, H, P = 40, 8, 2, 3, 16, 64
     N = K * G
@@ -144,6 +147,8 @@ def test_tile_attention_matches_reference(tile):
         jnp.asarray(q_pos),
         chunks,
         H**-0.5,
+        window=window,
+        soft_cap=soft_cap,
     )
     ref = ragged_paged_attention_reference(
         jnp.asarray(q.reshape(-1, N, H)),
@@ -154,6 +159,8 @@ def test_tile_attention_matches_reference(tile):
         jnp.asarray(n_valid.astype(np.int32)),
         jnp.asarray([len(kv_lens)], np.int32),
         sm_scale=H**-0.5,
+        sliding_window=window,
+        soft_cap=soft_cap,
     )
     ref = np.asarray(ref).reshape(len(kv_lens), tile, N, H)
     for i, n in enumerate(n_valid):
@@ -201,3 +208,18 @@ def test_fp8_cache_on_a_gpu_without_fp8_loads_takes_xla(monkeypatch, capability,
     if want == "xla":
         with pytest.raises(ValueError, match="float8 from compute capability 8.9"):
             resolve_backend("pallas_gpu", "gpu", jnp.bfloat16, fp8_cache=True)
+
+
+def test_backends_declare_what_they_run():
+    """Every attention_backend name has an object; each refuses by name what it lacks."""
+    assert set(BACKENDS) | {"auto"} == ATTENTION_BACKENDS
+    assert get_backend("xla").supports_window and get_backend("xla").supports_soft_cap
+    assert get_backend("pallas_gpu").supports_window and get_backend("pallas").supports_soft_cap
+    cpu = get_backend("cpu_kernel")
+    with pytest.raises(ValueError, match="'cpu_kernel' has no sliding window"):
+        cpu.check(window=4096)
+    with pytest.raises(ValueError, match="'cpu_kernel' has no attention soft cap"):
+        cpu.check(soft_cap=50.0)
+    cpu.check()
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        get_backend("flash")

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from jllm.models.attention_metadata import build_ragged, build_xla, kv_bands, kv_chunk_pages
+from jllm.attention import get_backend
+from jllm.attention.metadata import build_ragged
+from jllm.attention.xla import build_xla, kv_bands, kv_chunk_pages
 from jllm.runner.input_batch import NO_TOKEN, InputBatch
 from jllm.runner.inputs import BatchLayout, build_step
 from jllm.sampling_params import SamplingParams
@@ -44,7 +46,7 @@ def test_rows_sorted_for_bands_and_trip_counts_cover_each_row():
     chunks = [(0, 37), (40, 60), (0, 9), (100, 28)]
     for i, (done, new) in enumerate(chunks, start=20):
         schedule(out, batch, i, done, new, done + new)
-    inputs, _, _, _, _ = build_step(batch, out, LAYOUT, "xla")
+    inputs, _, _, _, _ = build_step(batch, out, LAYOUT, get_backend("xla"))
     md = inputs.attn
 
     # Decode rows: longest context first; every band loops far enough for each of its rows.
@@ -80,8 +82,8 @@ def test_ragged_and_xla_metadata_describe_the_same_batch():
     out, batch = SchedulerOutput(), InputBatch(64, 256, LAYOUT.max_pages)
     schedule(out, batch, 0, 30, 1, 31)
     schedule(out, batch, 1, 0, 9, 9)
-    ragged, _, _, shape, _ = build_step(batch, out, LAYOUT, "cpu_kernel")
-    xla, _, _, _, _ = build_step(batch, out, LAYOUT, "xla")
+    ragged, _, _, shape, _ = build_step(batch, out, LAYOUT, get_backend("cpu_kernel"))
+    xla, _, _, _, _ = build_step(batch, out, LAYOUT, get_backend("xla"))
     r, x = ragged.attn, xla.attn
     assert not hasattr(r, "tile_q_pos") and not hasattr(x, "query_start")
     np.testing.assert_array_equal(r.slot_mapping, x.slot_mapping)
@@ -101,7 +103,7 @@ def test_verification_row_samples_after_each_draft():
     params = SamplingParams(temperature=1.0, seed=5, min_tokens=2, stop_token_ids=[7])
     schedule(out, batch, 0, 11, 1, 12, SamplingParams(temperature=0))  # a greedy decode
     schedule(out, batch, 1, 19, 4, 20, params, drafts=[50, 51, 52])  # verify 3 drafts
-    inputs, md, groups, shape, _ = build_step(batch, out, LAYOUT, "cpu_kernel")
+    inputs, md, groups, shape, _ = build_step(batch, out, LAYOUT, get_backend("cpu_kernel"))
     assert [(g.req_id, g.first, g.count) for g in groups] == [("r0", 0, 1), ("r1", 1, 4)]
     # The verification row is four decode rows (no tile), longest context first.
     assert shape == (8, 0)
@@ -130,7 +132,7 @@ def test_verification_rows_past_the_decode_bucket_take_tiles():
     out, batch = SchedulerOutput(), InputBatch(4, 256, layout.max_pages)
     schedule(out, batch, 0, 11, 1, 12)
     schedule(out, batch, 1, 19, 4, 20, drafts=[50, 51, 52])  # 1 + 4 > 4 decode rows
-    inputs, _, groups, shape, _ = build_step(batch, out, layout, "cpu_kernel")
+    inputs, _, groups, shape, _ = build_step(batch, out, layout, get_backend("cpu_kernel"))
     assert shape == (1, 1)
     start = inputs.attn.query_start[1]
     assert inputs.attn.query_lens[1] == 4 and start == 1

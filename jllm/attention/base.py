@@ -1,0 +1,59 @@
+"""The interface every attention backend implements, and the K/V write they share.
+
+A backend is a frozen dataclass (hashable: the step's jit takes it as a static argument) that
+- builds the metadata its kernel reads from the step's `FlatBatch` (`build_metadata`);
+- writes a layer's new K/V into the stacked cache and attends (`attend`), with the layer's
+  softmax scale, and optionally a sliding window and a soft cap on the scores;
+- declares what it supports (`supports_window`, `supports_soft_cap`; `check` refuses the
+  rest by name) and the batch layout it wants (`layout`: "ragged" rows of any length, or
+  "tiles": prefill chunks padded to whole tiles of the tile size).
+
+Both write the new K/V into the cache first (padding tokens write to an out-of-range slot
+that is dropped), so every query sees its own chunk and any block shared in the same step.
+A float8 cache (`kv_cache_dtype="fp8"`) takes them converted with saturation, and every
+backend reads its pages into the compute dtype; on the CPU it holds the float8 bytes as uint8
+(`md.kv_fp8` names the format: XLA's CPU backend updates float8 arrays element by element).
+
+Glossary: T tokens, K kv heads, H head dim, B blocks, S block size, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from pallas_kernels.ragged_paged_attention import to_cache
+
+
+def write_kv(kv_cache, layer, k, v, slot_mapping, fp8_dtype=None):
+    """Scatter new K/V [T, K, H] into layer `layer` of the cache [L, B, S, 2K, H], K and V
+    interleaved. Indexing the stacked cache directly keeps the update in place."""
+    NL, B, S, K2, H = kv_cache.shape
+    T, K, _ = k.shape
+    kv = to_cache(jnp.stack([k, v], axis=2).reshape(T, K2, H), kv_cache.dtype, fp8_dtype)
+    flat = kv_cache.reshape(NL, B * S, K2, H).at[layer, slot_mapping].set(kv, mode="drop")
+    return flat.reshape(NL, B, S, K2, H)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBackend:
+    name: str
+    layout = "ragged"
+    supports_window = False
+    supports_soft_cap = False
+
+    def check(self, window: int | None = None, soft_cap: float | None = None) -> None:
+        """Refuses, naming the option, what this backend does not implement."""
+        if window is not None and not self.supports_window:
+            raise ValueError(f"attention backend {self.name!r} has no sliding window")
+        if soft_cap is not None and not self.supports_soft_cap:
+            raise ValueError(f"attention backend {self.name!r} has no attention soft cap")
+
+    def build_metadata(self, flat):
+        raise NotImplementedError
+
+    def attend(self, q, k, v, kv_cache, layer, md, *, scale, window=None, soft_cap=None):
+        """q [T, N, H], k/v [T, K, H], the stacked cache [L, B, S, 2K, H] and this layer's
+        index -> (out [T, N, H], the updated cache)."""
+        raise NotImplementedError

@@ -1,0 +1,94 @@
+"""The backends that run the ragged paged attention kit over the flat batch: its C++ CPU
+flavour (`cpu_kernel`, the CPU's default) and its Pallas kernels (`pallas` for TPU,
+`pallas_gpu` for CUDA, and both in interpret mode for testing on the CPU).
+
+They read `RaggedMetadata` (query start and length, context length and block table per
+row) and the whole stacked cache with the layer's index: the kernels read the layer's pages
+in place (`kv_cache[layer]` here would copy the layer per layer per step). Under tensor
+parallelism (the runner traces inside `jax.set_mesh`) each device runs the kernel on its own
+heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jllm.attention.base import AttentionBackend, write_kv
+from jllm.attention.metadata import FlatBatch, RaggedMetadata, build_ragged
+from pallas_kernels.ragged_paged_attention import (
+    is_fp8_cache,
+    ragged_paged_attention,
+    ragged_paged_attention_cpu,
+    ragged_paged_attention_cpu_sharded,
+    ragged_paged_attention_gpu,
+    ragged_paged_attention_sharded,
+)
+from sharding import MODEL_AXIS
+
+
+def _model_mesh():
+    """The abstract mesh when the heads are split over its model axis, else None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh if not mesh.empty and mesh.shape.get(MODEL_AXIS, 1) > 1 else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ragged(AttentionBackend):
+    def build_metadata(self, flat: FlatBatch) -> RaggedMetadata:
+        return build_ragged(flat)
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuKernelBackend(_Ragged):
+    name: str = "cpu_kernel"
+
+    def attend(self, q, k, v, kv_cache, layer, md, *, scale, window=None, soft_cap=None):
+        self.check(window, soft_cap)
+        fp8 = None if md.kv_fp8 is None else jnp.dtype(md.kv_fp8)
+        kv_cache = write_kv(kv_cache, layer, k, v, md.slot_mapping, fp8)
+        args = (md.kv_lens, md.block_tables, md.query_start, md.query_lens, md.num_seqs)
+        if not is_fp8_cache(kv_cache.dtype, fp8):  # q in the cache's float dtype
+            q = q.astype(kv_cache.dtype)
+        options = dict(sm_scale=scale, fp8_dtype=fp8)
+        mesh = _model_mesh()
+        if mesh is not None:
+            out = ragged_paged_attention_cpu_sharded(
+                mesh, MODEL_AXIS, q, kv_cache, layer, *args, **options
+            )
+        else:
+            out = ragged_paged_attention_cpu(q, kv_cache, *args, layer=layer, **options)
+        return out, kv_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasBackend(_Ragged):
+    """`pallas` (TPU), `pallas_gpu` (Triton), and either in interpret mode."""
+
+    name: str = "pallas"
+    supports_window = True
+    supports_soft_cap = True
+
+    def attend(self, q, k, v, kv_cache, layer, md, *, scale, window=None, soft_cap=None):
+        fp8 = None if md.kv_fp8 is None else jnp.dtype(md.kv_fp8)
+        kv_cache = write_kv(kv_cache, layer, k, v, md.slot_mapping, fp8)
+        args = (q, kv_cache, md.kv_lens, md.block_tables, md.query_start, md.query_lens)
+        args = (*args, md.num_seqs)
+        kernel = ragged_paged_attention_gpu if self.name.startswith("pallas_gpu") else None
+        kernel = kernel or ragged_paged_attention
+        options = dict(
+            layer=layer,
+            sm_scale=scale,
+            sliding_window=window,
+            soft_cap=soft_cap,
+            interpret=self.name.endswith("_interpret"),
+            fp8_dtype=fp8,
+        )
+        mesh = _model_mesh()
+        if mesh is not None:
+            out = ragged_paged_attention_sharded(mesh, MODEL_AXIS, *args, kernel=kernel, **options)
+        else:
+            out = kernel(*args, **options)
+        return out, kv_cache
