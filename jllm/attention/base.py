@@ -4,8 +4,10 @@ A backend is a frozen dataclass (hashable: the step's jit takes it as a static a
 - builds the metadata its kernel reads from the step's `FlatBatch` (`build_metadata`);
 - writes a layer's new K/V into the stacked cache and attends (`attend`), with the layer's
   softmax scale, and optionally a sliding window and a soft cap on the scores;
-- declares what it supports (`supports_window`, `supports_soft_cap`; `check` refuses the
-  rest by name) and the batch layout it wants (`layout`: "ragged" rows of any length, or
+- declares what it supports: where it runs and which dtypes and shapes it takes
+  (`unsupported` gives the reason it cannot; `prepare` builds its kernel), and its options
+  (`supports_window`, `supports_soft_cap`; `check` refuses the rest by name); and the batch
+  layout it wants (`layout`: "ragged" rows of any length, or
   "tiles": prefill chunks padded to whole tiles of the tile size).
 
 Both write the new K/V into the cache first (padding tokens write to an out-of-range slot
@@ -49,6 +51,15 @@ class AttentionBackend:
             raise ValueError(f"attention backend {self.name!r} has no sliding window")
         if soft_cap is not None and not self.supports_soft_cap:
             raise ValueError(f"attention backend {self.name!r} has no attention soft cap")
+
+    def unsupported(
+        self, platform: str, dtype, head_dim: int, block_size: int, fp8_cache: bool
+    ) -> str | None:
+        """Why this backend cannot run a model of these shapes on `platform`, or None."""
+        return None
+
+    def prepare(self) -> None:
+        """Makes the backend ready to run (builds its kernel); raises when it cannot."""
 
     def build_metadata(self, flat):
         raise NotImplementedError

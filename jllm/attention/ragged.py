@@ -19,12 +19,15 @@ import jax.numpy as jnp
 from jllm.attention.base import AttentionBackend, write_kv
 from jllm.attention.metadata import FlatBatch, RaggedMetadata, build_ragged
 from pallas_kernels.ragged_paged_attention import (
+    SUPPORTED_DTYPES,
     is_fp8_cache,
+    load_cpu_kernel,
     ragged_paged_attention,
     ragged_paged_attention_cpu,
     ragged_paged_attention_cpu_sharded,
     ragged_paged_attention_gpu,
     ragged_paged_attention_sharded,
+    unsupported_shape,
 )
 from sharding import MODEL_AXIS
 
@@ -41,9 +44,32 @@ class _Ragged(AttentionBackend):
         return build_ragged(flat)
 
 
+def gpu_without_fp8(platform: str) -> str | None:
+    """Why this GPU cannot load float8 in Triton (compute capability below 8.9), or None."""
+    if platform != "gpu":
+        return None
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    if capability is None or tuple(map(int, str(capability).split(".")[:2])) >= (8, 9):
+        return None
+    return f"Triton reads float8 from compute capability 8.9, this GPU has {capability}"
+
+
 @dataclasses.dataclass(frozen=True)
 class CpuKernelBackend(_Ragged):
+    """The C++ kernel: float32 and bfloat16 (and float8 caches), on the CPU, where a C++
+    compiler builds it."""
+
     name: str = "cpu_kernel"
+
+    def unsupported(self, platform, dtype, head_dim, block_size, fp8_cache):
+        if platform != "cpu":
+            return f"runs on CPU, not {platform}"
+        if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+            return f"takes float32 or bfloat16, not {jnp.dtype(dtype).name}"
+        return None
+
+    def prepare(self) -> None:
+        load_cpu_kernel()  # CpuKernelUnavailable says why it cannot be built
 
     def attend(self, q, k, v, kv_cache, layer, md, *, scale, window=None, soft_cap=None):
         self.check(window, soft_cap)
@@ -70,6 +96,17 @@ class PallasBackend(_Ragged):
     name: str = "pallas"
     supports_window = True
     supports_soft_cap = True
+
+    def unsupported(self, platform, dtype, head_dim, block_size, fp8_cache):
+        if not self.name.startswith("pallas_gpu"):
+            return None
+        if self.name == "pallas_gpu" and platform != "gpu":
+            return f"runs on GPU, not {platform}"
+        # Triton's tile rules: power-of-two head dim (at least 16) and block size.
+        reason = unsupported_shape(head_dim, block_size)
+        if fp8_cache and not reason:
+            reason = gpu_without_fp8(platform)
+        return reason
 
     def attend(self, q, k, v, kv_cache, layer, md, *, scale, window=None, soft_cap=None):
         fp8 = None if md.kv_fp8 is None else jnp.dtype(md.kv_fp8)

@@ -11,13 +11,8 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.cpu.build import cpu_flags
-from pallas_kernels.ragged_paged_attention import (
-    SUPPORTED_DTYPES,
-    CpuKernelUnavailable,
-    load_cpu_kernel,
-    unsupported_shape,
-)
+from jllm.attention import get_backend
+from pallas_kernels.cpu.build import CpuKernelUnavailable, cpu_flags
 
 logger = logging.getLogger("jllm")
 
@@ -94,14 +89,8 @@ def min_dot_rows(dtype, platform: str) -> int:
     return 2 if platform == "cpu" and jnp.dtype(dtype).itemsize == 2 else 1
 
 
-def gpu_without_fp8(platform: str) -> str | None:
-    """Why this GPU cannot load float8 in Triton (compute capability below 8.9), or None."""
-    if platform != "gpu":
-        return None
-    capability = getattr(jax.devices()[0], "compute_capability", None)
-    if capability is None or tuple(map(int, str(capability).split(".")[:2])) >= (8, 9):
-        return None
-    return f"Triton reads float8 from compute capability 8.9, this GPU has {capability}"
+# What `auto` tries on each platform, in order, before the XLA attention.
+AUTO_BACKENDS = {"tpu": ("pallas",), "gpu": ("pallas_gpu",), "cpu": ("cpu_kernel",)}
 
 
 def resolve_backend(
@@ -112,47 +101,30 @@ def resolve_backend(
     block_size: int = 16,
     fp8_cache: bool = False,
 ) -> str:
-    """auto: the Pallas TPU kernel on TPU; the Pallas GPU kernel on GPU where Triton's tile
-    rules take the head dim and block size (powers of two, head dim >= 16) and, for a float8
-    KV cache, the GPU has float8 loads; the C++ kernel on CPU (float32 and bfloat16, where a
-    C++ compiler can build it); the XLA attention otherwise."""
-    if requested.startswith("pallas_gpu"):
-        if requested == "pallas_gpu" and platform != "gpu":
-            raise ValueError(f"attention_backend='pallas_gpu' runs on GPU, not {platform}")
-        reason = unsupported_shape(head_dim, block_size)
-        if fp8_cache and not reason:
-            reason = gpu_without_fp8(platform)
+    """The attention backend's name. A backend asked for by name must run here (its
+    `unsupported` reason is a ValueError; a kernel that cannot be built raises its own
+    error). auto: the Pallas TPU kernel on TPU; the Pallas GPU kernel on GPU where Triton's
+    tile rules take the head dim and block size and, for a float8 KV cache, the GPU has
+    float8 loads; the C++ kernel on CPU (float32 and bfloat16, where a C++ compiler can build
+    it); otherwise the XLA attention, with the reason logged."""
+    shapes = (platform, dtype, head_dim, block_size, fp8_cache)
+    if requested != "auto":
+        backend = get_backend(requested)
+        reason = backend.unsupported(*shapes)
         if reason:
             raise ValueError(f"attention_backend={requested!r}: {reason}")
+        backend.prepare()
         return requested
-    if requested == "cpu_kernel":
-        if platform != "cpu":
-            raise ValueError(f"attention_backend='cpu_kernel' runs on CPU, not {platform}")
-        if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
-            raise ValueError(
-                f"attention_backend='cpu_kernel' takes float32 or bfloat16, not {dtype}"
-            )
-        load_cpu_kernel()  # CpuKernelUnavailable says why it cannot be built
-        return requested
-    if requested != "auto":
-        return requested
-    if platform == "tpu":
-        return "pallas"
-    if platform == "gpu":
-        reason = unsupported_shape(head_dim, block_size)
-        if fp8_cache and not reason:
-            reason = gpu_without_fp8(platform)
-        if not reason:
-            return "pallas_gpu"
+    for name in AUTO_BACKENDS.get(platform, ()):
+        backend = get_backend(name)
+        reason = backend.unsupported(*shapes)
+        if reason is None:
+            try:
+                backend.prepare()
+                return name
+            except CpuKernelUnavailable as e:
+                reason = f"the CPU attention kernel is unavailable: {e}"
         logger.warning("Using the XLA attention: %s", reason)
-    if platform == "cpu" and jnp.dtype(dtype) in SUPPORTED_DTYPES:
-        try:
-            load_cpu_kernel()
-            return "cpu_kernel"
-        except CpuKernelUnavailable as e:
-            logger.warning(
-                "Using the XLA attention: the CPU attention kernel is unavailable: %s", e
-            )
     return "xla"
 
 
