@@ -12,6 +12,7 @@ carries (the output axis, then the input axis).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import time
@@ -195,6 +196,35 @@ def _dummy_quantized(key, var, method: str, mesh, layered: bool) -> QuantizedWei
     return QuantizedWeight(codes, scale, None, ONLINE_KINDS[method])
 
 
+@dataclasses.dataclass
+class _Target:
+    """What a load fills: the abstract model's flat parameters and their shardings, and how
+    its weights are to be stored."""
+
+    model: object  # the abstract model (its `layer_slot` places checkpoint layers)
+    flat: dict  # path -> abstract parameter
+    shardings: dict  # path -> NamedSharding
+    mesh: object
+    dtype: object
+    quantization: str | None
+    packed_checkpoint: bool  # an AWQ/GPTQ checkpoint's packed codes
+    kv_replicas: int
+
+    def online(self, path) -> bool:  # quantized on load ("fp8", "tpu_int8")
+        return self.quantization in ONLINE_METHODS and "contract" in self.meta(path)
+
+    def packed(self, path) -> bool:  # an AWQ/GPTQ checkpoint's projections (never lm_head)
+        return self.packed_checkpoint and _in_layers(path) and "contract" in self.meta(path)
+
+    def meta(self, path) -> dict:
+        return self.flat[path].get_metadata()
+
+
+def _in_layers(path) -> bool:
+    """A stacked layer module's weight (the decoder's `layers` or `blocks`)."""
+    return path[0] in ("layers", "blocks")
+
+
 def load_model(
     arch: Architecture,
     cfg,
@@ -219,98 +249,20 @@ def load_model(
     model = abstract_model(arch, cfg, dtype)
     graphdef, abstract_state = nnx.split(model)
     flat = dict(nnx.to_flat_state(abstract_state))
-    shardings = {path: named_sharding(mesh, _axes(var), var.shape) for path, var in flat.items()}
-    values: dict[tuple, jax.Array | QuantizedWeight] = {}
-
-    def online(path) -> bool:
-        return quantization in ONLINE_METHODS and "contract" in flat[path].get_metadata()
-
-    packed_checkpoint = getattr(source, "checkpoint_quantization", None) is not None
-
-    def in_layers(path) -> bool:  # a stacked layer module's weight
-        return path[0] in ("layers", "blocks")
-
-    def packed(path) -> bool:  # an AWQ/GPTQ checkpoint's projections (never lm_head)
-        return packed_checkpoint and in_layers(path) and "contract" in flat[path].get_metadata()
-
+    target = _Target(
+        model,
+        flat,
+        {path: named_sharding(mesh, _axes(var), var.shape) for path, var in flat.items()},
+        mesh,
+        dtype,
+        quantization,
+        getattr(source, "checkpoint_quantization", None) is not None,
+        kv_replicas,
+    )
     if load_format == "dummy":
-        key = jax.random.key(seed)
-        for i, (path, var) in enumerate(flat.items()):
-            norm = len(path) > 1 and "norm" in path[-2]
-            layered = in_layers(path)
-            if packed(path):
-                spec = source.checkpoint_quantization
-                values[path] = _dummy_packed(jax.random.fold_in(key, i), var, spec, mesh)
-                continue
-            if online(path):
-                values[path] = _dummy_quantized(
-                    jax.random.fold_in(key, i), var, quantization, mesh, layered
-                )
-                continue
-            values[path] = _dummy(
-                jax.random.fold_in(key, i), var.shape, dtype, norm, shardings[path]
-            )
+        values = _dummy_values(target, source, seed)
     else:
-        layered: dict[tuple, dict[int, np.ndarray]] = {}
-        layer_weights = arch.layer_weights(cfg)
-        for name, w in source.iter_weights(keep_quantized=quantization == "gguf"):
-            if IGNORED.fullmatch(name):
-                continue
-            mapped = _map_name(name, layer_weights, arch.top_weights, model.layer_slot)
-            extra_bias = name.endswith(".bias") and packed_checkpoint
-            if extra_bias and (mapped is None or mapped[0] not in flat):
-                # AutoGPTQ saved a (zero) bias for every projection, also in models without
-                # biases; vLLM skips such extra biases of GPTQ checkpoints, and so do we.
-                continue
-            if mapped is None:
-                raise ValueError(
-                    f"Checkpoint tensor {name} is not used by jllm's {arch.name} with this "
-                    "config; refusing to load the model without it."
-                )
-            path, layer, kind = mapped
-            if path not in flat:
-                if path == ("lm_head", "weight") and cfg.tie_word_embeddings:
-                    continue
-                raise ValueError(f"Checkpoint tensor {name} has no place in the model.")
-            var = flat[path]
-            shape = var.shape[1:] if layer is not None else var.shape
-            replicate = kv_replicas > 1 and len(path) > 1 and path[-2] in _KV_PROJ
-            if replicate:  # kv-head axis is the one before head_dim
-                shape = (*shape[:-2], shape[-2] // kv_replicas, shape[-1])
-            if isinstance(w, QuantizedWeight) or online(path):
-                if not isinstance(w, QuantizedWeight):  # transformers' [out, in] as it is
-                    w = quantize_online(np.asarray(w, np.float32), quantization)
-                out, width = _quantized_in_out(var, layer is not None)
-                out //= kv_replicas if replicate else 1
-                if w.shape != (out, width):
-                    raise ValueError(
-                        f"Checkpoint tensor {name} has shape {w.shape}, expected {(out, width)}."
-                    )
-                host = _repeat_rows(w, kv_replicas, shape[-2]) if replicate else w
-            else:
-                host = _convert(np.asarray(w), kind, shape)
-                if host.shape != shape:
-                    raise ValueError(
-                        f"Checkpoint tensor {name} has shape {w.shape}, expected one that "
-                        f"maps to {shape}."
-                    )
-                if replicate:
-                    host = np.repeat(host, kv_replicas, axis=-2)
-                host = host.astype(dtype)
-            if layer is None:
-                values[path] = _put(host, var, shardings[path], mesh)
-            else:
-                layered.setdefault(path, {})[layer] = host
-                count = var.shape[0]  # the layers of this stack
-                if len(layered[path]) == count:
-                    stacked = _stack(
-                        [layered[path][i] for i in range(count)], ".".join(map(str, path))
-                    )
-                    values[path] = _put(stacked, var, shardings[path], mesh)
-                    del layered[path]
-        missing = [".".join(map(str, p)) for p in flat if p not in values]
-        if missing:
-            raise ValueError(f"The checkpoint lacks weights for: {', '.join(missing[:8])}.")
+        values = _checkpoint_values(target, arch, cfg, source)
     for path, var in flat.items():
         var.set_value(values[path])
     state = nnx.from_flat_state(flat)
@@ -324,6 +276,102 @@ def load_model(
         f"; {quantized} weight tensors {quantization}" if quantized else "",
     )
     return graphdef, state
+
+
+def _dummy_values(t: _Target, source, seed: int) -> dict:
+    """Random weights for every parameter, drawn on its devices (`load_format="dummy"`)."""
+    flat, mesh, dtype, shardings = t.flat, t.mesh, t.dtype, t.shardings
+    quantization = t.quantization
+    values: dict[tuple, jax.Array | QuantizedWeight] = {}
+    key = jax.random.key(seed)
+    for i, (path, var) in enumerate(flat.items()):
+        norm = len(path) > 1 and "norm" in path[-2]
+        layered = _in_layers(path)
+        if t.packed(path):
+            spec = source.checkpoint_quantization
+            values[path] = _dummy_packed(jax.random.fold_in(key, i), var, spec, mesh)
+            continue
+        if t.online(path):
+            values[path] = _dummy_quantized(
+                jax.random.fold_in(key, i), var, quantization, mesh, layered
+            )
+            continue
+        values[path] = _dummy(jax.random.fold_in(key, i), var.shape, dtype, norm, shardings[path])
+    return values
+
+
+def _checkpoint_values(t: _Target, arch: Architecture, cfg, source) -> dict:
+    """Every checkpoint tensor converted to our layout (or quantized) and placed; layer
+    weights stacked per stacked module as their layers arrive."""
+    flat, mesh, shardings, packed_checkpoint = t.flat, t.mesh, t.shardings, t.packed_checkpoint
+    values: dict[tuple, jax.Array | QuantizedWeight] = {}
+    layered: dict[tuple, dict[int, np.ndarray]] = {}
+    layer_weights = arch.layer_weights(cfg)
+    for name, w in source.iter_weights(keep_quantized=t.quantization == "gguf"):
+        if IGNORED.fullmatch(name):
+            continue
+        mapped = _map_name(name, layer_weights, arch.top_weights, t.model.layer_slot)
+        extra_bias = name.endswith(".bias") and packed_checkpoint
+        if extra_bias and (mapped is None or mapped[0] not in flat):
+            # AutoGPTQ saved a (zero) bias for every projection, also in models without
+            # biases; vLLM skips such extra biases of GPTQ checkpoints, and so do we.
+            continue
+        if mapped is None:
+            raise ValueError(
+                f"Checkpoint tensor {name} is not used by jllm's {arch.name} with this "
+                "config; refusing to load the model without it."
+            )
+        path, layer, kind = mapped
+        if path not in flat:
+            if path == ("lm_head", "weight") and cfg.tie_word_embeddings:
+                continue
+            raise ValueError(f"Checkpoint tensor {name} has no place in the model.")
+        var = flat[path]
+        host = _host_weight(t, name, w, path, layer, kind)
+        if layer is None:
+            values[path] = _put(host, var, shardings[path], mesh)
+        else:
+            layered.setdefault(path, {})[layer] = host
+            count = var.shape[0]  # the layers of this stack
+            if len(layered[path]) == count:
+                stacked = _stack([layered[path][i] for i in range(count)], ".".join(map(str, path)))
+                values[path] = _put(stacked, var, shardings[path], mesh)
+                del layered[path]
+    missing = [".".join(map(str, p)) for p in flat if p not in values]
+    if missing:
+        raise ValueError(f"The checkpoint lacks weights for: {', '.join(missing[:8])}.")
+    return values
+
+
+def _host_weight(t: _Target, name: str, w, path, layer, kind):
+    """One checkpoint tensor in our layout on the host (a QuantizedWeight when stored or
+    quantized so), its kv heads repeated where there are fewer than devices."""
+    var = t.flat[path]
+    shape = var.shape[1:] if layer is not None else var.shape
+    kv_replicas = t.kv_replicas
+    replicate = kv_replicas > 1 and len(path) > 1 and path[-2] in _KV_PROJ
+    if replicate:  # kv-head axis is the one before head_dim
+        shape = (*shape[:-2], shape[-2] // kv_replicas, shape[-1])
+    if isinstance(w, QuantizedWeight) or t.online(path):
+        if not isinstance(w, QuantizedWeight):  # transformers' [out, in] as it is
+            w = quantize_online(np.asarray(w, np.float32), t.quantization)
+        out, width = _quantized_in_out(var, layer is not None)
+        out //= kv_replicas if replicate else 1
+        if w.shape != (out, width):
+            raise ValueError(
+                f"Checkpoint tensor {name} has shape {w.shape}, expected {(out, width)}."
+            )
+        host = _repeat_rows(w, kv_replicas, shape[-2]) if replicate else w
+    else:
+        host = _convert(np.asarray(w), kind, shape)
+        if host.shape != shape:
+            raise ValueError(
+                f"Checkpoint tensor {name} has shape {w.shape}, expected one that maps to {shape}."
+            )
+        if replicate:
+            host = np.repeat(host, kv_replicas, axis=-2)
+        host = host.astype(t.dtype)
+    return host
 
 
 def _put(host, var, sharding, mesh):
