@@ -25,9 +25,8 @@
 // Like XLA's own bf16 products on this hardware (which use the same instruction), the dot
 // instruction treats denormal inputs as zero and flushes denormal results.
 //
-// Built at run time with GCC (g++ -O3 -march=native) by the CPU attention kernel's
-// machinery; without AVX512-BF16 it builds to a handler that returns an error, and
-// bf16_matmul.py never calls it there.
+// Built at run time with GCC (g++ -O3 -march=native) by build.py; without AVX512-BF16 it
+// builds to a handler that returns an error, and bf16_matmul.py never calls it there.
 
 #include <algorithm>
 #include <cstdint>

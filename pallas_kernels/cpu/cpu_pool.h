@@ -1,9 +1,8 @@
 // Sharing a custom call's work items over XLA's intra-op thread pool: the CPU kernels'
 // common scaffold, and the row tiles, work items and FFI signatures of the layer-product
 // kernels. Included by pallas_kernels/ragged_paged_attention/cpu_kernel.cc,
-// quantized_matmul.cc and {bf16,f32}_matmul.cc;
-// ragged_paged_attention/cpu.py builds them with this folder on the include path and hashes
-// it into the cached libraries' names.
+// quantized_matmul.cc and {bf16,f32}_matmul.cc; build.py builds them with this folder on
+// the include path and hashes it into the cached libraries' names.
 #pragma once
 
 #include <algorithm>

@@ -1,7 +1,7 @@
-// SiLU on vector registers for the gated layer products (jllm/models/{bf16,f32}_matmul.cc):
+// SiLU on vector registers for the gated layer products ({bf16,f32}_matmul.cc):
 // silu(g) * u on one register of the build's widest, 16 lanes (AVX-512) or 8 (AVX2 with
-// FMA). ragged_paged_attention/cpu.py builds the kernels with this folder on the include path
-// and hashes it into the cached libraries' names.
+// FMA). build.py builds the kernels with this folder on the include path and hashes it into
+// the cached libraries' names.
 #pragma once
 
 #if defined(__AVX512F__) || defined(__AVX2__)

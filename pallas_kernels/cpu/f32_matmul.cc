@@ -36,9 +36,8 @@
 // Sums run in order of k with one FMA per term (XLA's products block and reorder their
 // sums), so results match XLA's to float32 rounding, not bit for bit.
 //
-// Built at run time with GCC (g++ -O3 -march=native) by the CPU attention kernel's
-// machinery; without FMA it builds to a handler that returns an error, and f32_matmul.py
-// never calls it there.
+// Built at run time with GCC (g++ -O3 -march=native) by build.py; without FMA it builds to
+// a handler that returns an error, and f32_matmul.py never calls it there.
 
 #include <algorithm>
 #include <cmath>

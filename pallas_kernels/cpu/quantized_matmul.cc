@@ -14,8 +14,8 @@
 // vector of sums, reduced once per output. Blocks of output rows are shared out over XLA's
 // intra-op pool.
 //
-// Built at run time with GCC (g++ -O3 -march=native; GCC's vector extension), like the CPU
-// attention kernel (pallas_kernels/ragged_paged_attention/cpu.py builds both).
+// Built at run time with GCC (g++ -O3 -march=native; GCC's vector extension) by build.py,
+// like every CPU kernel.
 
 #include <algorithm>
 #include <cstdint>

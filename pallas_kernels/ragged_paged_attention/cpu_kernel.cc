@@ -17,7 +17,7 @@
 // vectors (GCC's vector extension) with a block's rows as the lanes (run_prefill, the same
 // shapes). run_item, scalar, takes every other shape.
 //
-// Built at run time by cpu.py with GCC (g++ -O3 -march=native; it uses GCC's vector
+// Built at run time by pallas_kernels/cpu/build.py with GCC (g++ -O3 -march=native; it uses GCC's vector
 // extension, __builtin_shuffle and __builtin_shufflevector).
 
 #include <algorithm>
