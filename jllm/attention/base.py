@@ -6,9 +6,7 @@ A backend is a frozen dataclass (hashable: the step's jit takes it as a static a
   softmax scale, and optionally a sliding window and a soft cap on the scores;
 - declares what it supports: where it runs and which dtypes and shapes it takes
   (`unsupported` gives the reason it cannot; `prepare` builds its kernel), and its options
-  (`supports_window`, `supports_soft_cap`; `check` refuses the rest by name); and the batch
-  layout it wants (`layout`: "ragged" rows of any length, or
-  "tiles": prefill chunks padded to whole tiles of the tile size).
+  (`supports_window`, `supports_soft_cap`; `check` refuses the rest by name).
 
 Both write the new K/V into the cache first (padding tokens write to an out-of-range slot
 that is dropped), so every query sees its own chunk and any block shared in the same step.
@@ -38,10 +36,16 @@ def write_kv(kv_cache, layer, k, v, slot_mapping, fp8_dtype=None):
     return flat.reshape(NL, B, S, K2, H)
 
 
+def write_step_kv(kv_cache, layer, k, v, md):
+    """`write_kv` with the step's metadata: its slots, and the float8 format of a cache held
+    as bytes. -> (the updated cache, that format or None)."""
+    fp8 = None if md.kv_fp8 is None else jnp.dtype(md.kv_fp8)
+    return write_kv(kv_cache, layer, k, v, md.slot_mapping, fp8), fp8
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionBackend:
     name: str
-    layout = "ragged"
     supports_window = False
     supports_soft_cap = False
 

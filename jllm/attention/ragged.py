@@ -16,7 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jllm.attention.base import AttentionBackend, write_kv
+from jllm.attention.base import AttentionBackend, write_step_kv
 from jllm.attention.metadata import FlatBatch, RaggedMetadata, build_ragged
 from pallas_kernels.ragged_paged_attention import (
     SUPPORTED_DTYPES,
@@ -73,8 +73,7 @@ class CpuKernelBackend(_Ragged):
 
     def attend(self, q, k, v, kv_cache, layer, md, *, scale, window=None, soft_cap=None):
         self.check(window, soft_cap)
-        fp8 = None if md.kv_fp8 is None else jnp.dtype(md.kv_fp8)
-        kv_cache = write_kv(kv_cache, layer, k, v, md.slot_mapping, fp8)
+        kv_cache, fp8 = write_step_kv(kv_cache, layer, k, v, md)
         args = (md.kv_lens, md.block_tables, md.query_start, md.query_lens, md.num_seqs)
         if not is_fp8_cache(kv_cache.dtype, fp8):  # q in the cache's float dtype
             q = q.astype(kv_cache.dtype)
@@ -109,12 +108,11 @@ class PallasBackend(_Ragged):
         return reason
 
     def attend(self, q, k, v, kv_cache, layer, md, *, scale, window=None, soft_cap=None):
-        fp8 = None if md.kv_fp8 is None else jnp.dtype(md.kv_fp8)
-        kv_cache = write_kv(kv_cache, layer, k, v, md.slot_mapping, fp8)
+        kv_cache, fp8 = write_step_kv(kv_cache, layer, k, v, md)
         args = (q, kv_cache, md.kv_lens, md.block_tables, md.query_start, md.query_lens)
         args = (*args, md.num_seqs)
-        kernel = ragged_paged_attention_gpu if self.name.startswith("pallas_gpu") else None
-        kernel = kernel or ragged_paged_attention
+        gpu = self.name.startswith("pallas_gpu")
+        kernel = ragged_paged_attention_gpu if gpu else ragged_paged_attention
         options = dict(
             layer=layer,
             sm_scale=scale,

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jllm.attention.base import AttentionBackend, write_kv
+from jllm.attention.base import AttentionBackend, write_step_kv
 from jllm.attention.metadata import FlatBatch
 from pallas_kernels.ragged_paged_attention import from_cache
 
@@ -225,7 +225,6 @@ def banded_attention(q, kv_cache, layer, block_table, kv_lens, q_pos, band_chunk
 @dataclasses.dataclass(frozen=True)
 class XlaBackend(AttentionBackend):
     name: str = "xla"
-    layout = "tiles"
     supports_window = True
     supports_soft_cap = True
 
@@ -233,9 +232,8 @@ class XlaBackend(AttentionBackend):
         return build_xla(flat)
 
     def attend(self, q, k, v, kv_cache, layer, md, *, scale, window=None, soft_cap=None):
-        fp8 = None if md.kv_fp8 is None else jnp.dtype(md.kv_fp8)  # a cache of float8 bytes
-        kv_cache = write_kv(kv_cache, layer, k, v, md.slot_mapping, fp8)
-        T, N, H = q.shape
+        kv_cache, fp8 = write_step_kv(kv_cache, layer, k, v, md)
+        _, N, H = q.shape
         options = dict(sm_scale=scale, window=window, soft_cap=soft_cap, fp8_dtype=fp8)
         Rd = md.decode_kv_lens.shape[0]
         Tt, C = md.tile_q_pos.shape
