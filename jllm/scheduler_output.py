@@ -27,7 +27,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     seed: int
     eos_token_id: int | None
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # one list per KV-cache group
     num_computed_tokens: int  # before this step (the prefix-cache hit)
 
 
@@ -36,7 +36,8 @@ class CachedRequestData:
     """Running requests scheduled again: parallel lists, one entry per request."""
 
     req_ids: list[str] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)  # appended to its table
+    # Appended to its block tables: one list per KV-cache group.
+    new_block_ids: list[tuple[list[int], ...]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)  # before this step
 
 

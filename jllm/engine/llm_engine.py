@@ -102,11 +102,12 @@ class LLMEngine:
             backend,
             args.enforce_eager,
             m.mesh,
+            m.kv_caches,
             self.logits_processors,
             draft,
         )
         caches, num_blocks = create_kv_cache(
-            [cfg] if draft is None else [cfg, draft.config],
+            [m.kv_caches] if draft is None else [m.kv_caches, draft.kv_caches],
             block_size=args.block_size,
             tp=args.tensor_parallel_size,
             dtype=kv_dtype,
@@ -129,7 +130,9 @@ class LLMEngine:
         if self.channel is not None and self.rank == 0:
             self.runner.channel = self.channel
             atexit.register(self.shutdown)
-        kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        kv = KVCacheManager(
+            num_blocks, args.block_size, args.enable_prefix_caching, len(self.runner.kv_groups)
+        )
         self.scheduler = Scheduler(sched_cfg, kv)
         self.eos_token_id = eos = eos_token_id(self.tokenizer, m.source.hf_config)
         gen_config = model_generation_config(m.source)

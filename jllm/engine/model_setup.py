@@ -16,6 +16,7 @@ from jllm.model_loader import resolve_model
 from jllm.models import registry
 from jllm.models.loader import load_model
 from jllm.quantization import resolve_quantization
+from jllm.runner.kv_cache import CacheSpec
 from jllm.spec_decode.draft_model import DraftModel
 from sharding import kv_head_replicas, make_mesh
 
@@ -33,6 +34,7 @@ class EngineModel:
     graphdef: object
     state: object
     tokenizer: object | None
+    kv_caches: tuple  # one CacheSpec per KV-cache group (runner/kv_cache.py)
 
 
 def replicate_kv_heads(cfg, tp: int):
@@ -106,7 +108,16 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
         quantization=quantization,
     )
     return EngineModel(
-        source, cfg, jnp.dtype(dtype), max_model_len, mesh, replicas, graphdef, state, tokenizer
+        source,
+        cfg,
+        jnp.dtype(dtype),
+        max_model_len,
+        mesh,
+        replicas,
+        graphdef,
+        state,
+        tokenizer,
+        CacheSpec.groups_of(arch.module, cfg),
     )
 
 
@@ -118,8 +129,9 @@ def load_draft_model(
     target's token ids), positions up to the target's `max_model_len`, the same mesh and
     attention backend. Loaded by the same loader (`load_format`, quantization found in
     its checkpoint or `spec.quantization`) in the target's dtype. It runs over the target's
-    flat batch with the target's attention metadata, so `layout.kv_token_bytes` (which
-    sizes the xla backend's KV chunk counts) becomes the larger of the two models'."""
+    flat batch (with its own KV-cache groups' metadata, built with the target's layout), so
+    `layout.kv_token_bytes` (which sizes the xla backend's KV chunk counts) becomes the
+    larger of the two models'."""
     spec = args.speculative_config
     if spec.method != "draft_model":
         return None
@@ -196,6 +208,7 @@ def load_draft_model(
         graphdef,
         state,
         cfg,
+        CacheSpec.groups_of(arch.module, cfg),
         spec.num_speculative_tokens,
         spec.disable_by_batch_size,
         draft_layout,

@@ -140,7 +140,8 @@ def per_device_bytes(arrays) -> int:
     return total
 
 
-def log_split(mesh, state, kv_cache, replicas: int) -> None:
+def log_split(mesh, state, kv_cache: tuple, replicas: int) -> None:
+    """`kv_cache`: the model's KV-cache groups' caches."""
     weights = jax.tree_util.tree_leaves(state)
     total = sum(w.nbytes for w in weights)
     logger.info(
@@ -153,7 +154,7 @@ def log_split(mesh, state, kv_cache, replicas: int) -> None:
         per_device_bytes(weights) / 2**30,
         total / 2**30,
         per_device_bytes(kv_cache) / 2**30,
-        kv_cache.nbytes / 2**30,
+        sum(c.nbytes for c in kv_cache) / 2**30,
     )
 
 

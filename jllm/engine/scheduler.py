@@ -46,7 +46,8 @@ class Scheduler:
         # Told to the runner with the next step: it drops these rows.
         self._finished_ids: set[str] = set()
         self._preempted_ids: set[str] = set()
-        self._sent_blocks: dict[str, int] = {}  # block ids the runner already has
+        # How many block ids of each group the runner already has, per request.
+        self._sent_blocks: dict[str, tuple[int, ...]] = {}
 
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -246,15 +247,16 @@ class Scheduler:
                         req.sampling_params,
                         req.seed,
                         req.eos_token_id,
-                        list(blocks),
+                        tuple(list(b) for b in blocks),
                         req.num_computed_tokens,
                     )
                 )
             else:
                 cached.req_ids.append(rid)
-                cached.new_block_ids.append(blocks[self._sent_blocks[rid] :])
+                sent = self._sent_blocks[rid]
+                cached.new_block_ids.append(tuple(b[n:] for b, n in zip(blocks, sent, strict=True)))
                 cached.num_computed_tokens.append(req.num_computed_tokens)
-            self._sent_blocks[rid] = len(blocks)
+            self._sent_blocks[rid] = tuple(len(b) for b in blocks)
             out.num_scheduled_tokens[rid] = num_new
             out.total_num_scheduled_tokens += num_new
             if drafts:

@@ -1,11 +1,13 @@
 """The decoder every family shares: embed -> layer segments -> final norm -> LM head.
 
 A family is a subclass that names its layer module (`layer_cls`, built as
-`layer_cls(cfg, dtype, rngs, kind)` and called as `layer(x, positions, kv_cache, index, md,
-backend)`) and, where its layers differ, each layer's kind (`layer_kinds`): Gemma 3's
-local and global attention layers, or Qwen3-MoE's dense and sparse MLPs. Everything else is
-here: the embedding (with the family's optional scale), the layer scans, the final norm, the
-LM head and an optional final soft cap.
+`layer_cls(cfg, dtype, rngs, kind)` and called as `layer(x, ctx, kv_caches)` with the step
+context, `models/context.py`) and, where its layers differ, each layer's kind (`layer_kinds`):
+Gemma 3's local and global attention layers, or Qwen3-MoE's dense and sparse MLPs, and each
+kind's attention kind (`attention_kind`: layers of one attention kind share a KV-cache group).
+Everything else is here: the embedding (with the family's optional scale, and embedding
+overrides from the context), the layer scans, the final norm, the LM head and an optional
+final soft cap.
 
 Layers run as scans (XLA compiles a scan's body once; 30 unrolled layers took 3-5 s per
 bucket to compile on a 2-core CPU). Layers of one kind share a stacked module with a leading
@@ -13,8 +15,12 @@ layer axis. The kinds in order are planned into segments (`plan_segments`): `rep
 of a pattern of kinds, run as one scan over the copies whose body runs the pattern's
 layers in order. A model of one kind is one segment of one layer, its stack at `layers`
 (transformers' `model.layers.N` in the checkpoint); Gemma 3's 26 layers of 5 local then 1
-global are ((local x 5, global), 4) then ((local,), 2) at `blocks[s][j]`. A layer's index
-into the stacked KV cache is its index in the model.
+global are ((local x 5, global), 4) then ((local,), 2) at `blocks[s][j]`.
+
+KV-cache groups (`kv_cache_groups`): the layers of one attention kind, in order of first
+appearance; a layer's row in its group's stacked cache is its rank among the group's layers.
+Within a segment a pattern position's group is fixed and its row grows by a fixed stride per
+repeat, so the scan body computes it from the repeat index.
 
 The projections a CPU kernel runs (bf16 or float32) stay stacked, outside the scan's inputs:
 each layer's Linear gets the whole stack and its index (`StackedWeight`), so that the scan
@@ -34,8 +40,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jllm.models import bf16_matmul, f32_matmul
+from jllm.models.context import StepContext
 from jllm.models.layers import Linear, RMSNorm, StackedWeight, param
 from jllm.quantization.weights import QuantizedWeight, matmul, take_rows
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """The layers of one attention kind (`kind`: None for full attention), which share a
+    block table and a stacked cache."""
+
+    kind: Hashable
+    layers: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -70,6 +86,23 @@ def plan_segments(kinds: Sequence[Hashable]) -> tuple[Segment, ...]:
     return tuple(segments)
 
 
+def layer_rows(groups: Sequence[KVCacheGroup]) -> list[tuple[int, int]]:
+    """Per layer, in order: (its KV-cache group, its row in that group's stacked cache)."""
+    places = sorted((i, g, r) for g, group in enumerate(groups) for r, i in enumerate(group.layers))
+    return [(g, r) for _, g, r in places]
+
+
+def segment_rows(seg: Segment, rows: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Per position j of the segment's pattern: (its group, its row at repeat 0, how many rows
+    it moves per repeat), so that the layer at repeat k is row `row + k * per_repeat`."""
+    out = []
+    for j in range(len(seg.pattern)):
+        g, row = rows[seg.first + j]
+        per_repeat = sum(rows[seg.first + i][0] == g for i in range(len(seg.pattern)))
+        out.append((g, row, per_repeat))
+    return out
+
+
 def _stays_stacked(dtype):
     """A filter for a Linear's weight of `dtype` (not quantized): a CPU kernel reads it in
     the stack."""
@@ -94,6 +127,20 @@ class CausalLM(nnx.Module):
     def layer_kinds(cls, cfg) -> tuple[Hashable, ...]:
         """Each layer's kind, in order (one kind unless the family says otherwise)."""
         return (None,) * cfg.num_layers
+
+    @classmethod
+    def attention_kind(cls, cfg, kind) -> Hashable:
+        """The attention kind of a layer of `kind` (full attention, or a sliding window of W
+        tokens): the layers of one attention kind share a KV-cache group."""
+        return None
+
+    @classmethod
+    def kv_cache_groups(cls, cfg) -> tuple[KVCacheGroup, ...]:
+        """The model's KV-cache groups, in order of their first layer."""
+        groups: dict[Hashable, list[int]] = {}
+        for i, kind in enumerate(cls.layer_kinds(cfg)):
+            groups.setdefault(cls.attention_kind(cfg, kind), []).append(i)
+        return tuple(KVCacheGroup(kind, tuple(layers)) for kind, layers in groups.items())
 
     def __init__(self, cfg, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -137,42 +184,49 @@ class CausalLM(nnx.Module):
                 return ("blocks", s, j), repeat
         raise IndexError(f"layer {index} of a {self.cfg.num_layers}-layer model")
 
-    def embed(self, token_ids):  # [T] -> [T, D]
+    def embed(self, token_ids, ctx: StepContext | None = None):  # [T] -> [T, D]
         table = self.embed_tokens.get_value()
         if isinstance(table, QuantizedWeight):  # a GGUF file's quantized embedding
             x = take_rows(table, token_ids, self.dtype)
         else:
             x = table[token_ids]
         scale = getattr(self.cfg, "embed_scale", None)
-        return x if scale is None else x * jnp.asarray(scale, x.dtype)
+        if scale is not None:
+            x = x * jnp.asarray(scale, x.dtype)
+        if ctx is not None and ctx.embeds is not None:  # e.g. image features at their tokens
+            x = jnp.where(ctx.embeds_mask[:, None], ctx.embeds.astype(x.dtype), x)
+        return x
 
-    def __call__(self, token_ids, positions, kv_cache, md, backend: str):
-        """Hidden states [T, D] after the final norm, and the updated cache [L, B, S, 2K, H]."""
-        x = self.embed(token_ids)
+    def __call__(self, token_ids, ctx: StepContext, kv_caches: tuple):
+        """Hidden states [T, D] after the final norm, and the updated caches: one per
+        KV-cache group, [Lg, B, S, 2K, H]."""
+        x = self.embed(token_ids, ctx)
         kernel = bf16_matmul.applies(self.dtype) or f32_matmul.applies(self.dtype)
         in_place = _stays_stacked(jnp.dtype(self.dtype)) if kernel else nnx.Nothing
-        live = md.slot_mapping < kv_cache.shape[1] * kv_cache.shape[2]  # [T]: not B * S
+        cache = kv_caches[0]
+        ctx = ctx.replace(live=ctx.attn[0].slot_mapping < cache.shape[1] * cache.shape[2])
+        rows = layer_rows(self.kv_cache_groups(self.cfg))
         for s, seg in enumerate(self.segments):
             modules = [self.layers] if self.uniform else list(self.blocks[s])
             parts = [nnx.split(m, in_place, ...) for m in modules]
-            width = len(seg.pattern)
+            where = segment_rows(seg, rows)
 
-            def body(carry, inputs, parts=parts, seg=seg, width=width):
-                x, kv_cache = carry
+            def body(carry, inputs, parts=parts, where=where):
+                x, kv_caches = carry
                 states, repeat = inputs
-                for j, ((graphdef, stacked, _), state) in enumerate(
-                    zip(parts, states, strict=True)
+                for (graphdef, stacked, _), state, (g, row, per_repeat) in zip(
+                    parts, states, where, strict=True
                 ):
-                    views = jax.tree.map(lambda a: StackedWeight(a, repeat, live), stacked)
+                    views = jax.tree.map(lambda a: StackedWeight(a, repeat), stacked)
                     layer = nnx.merge(graphdef, views, state)
-                    index = seg.first + repeat * width + j
-                    x, kv_cache = layer(x, positions, kv_cache, index, md, backend)
-                return (x, kv_cache), None
+                    x, kv_caches = layer(x, ctx.at_layer(g, row + repeat * per_repeat), kv_caches)
+                return (x, kv_caches), None
 
             states = tuple(state for _, _, state in parts)
             # Not unrolled: with the stacked cache an unrolled scan copies the cache per layer.
-            (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (states, jnp.arange(seg.repeats)))
-        return self.norm(x), kv_cache
+            carry = (x, tuple(kv_caches))
+            (x, kv_caches), _ = jax.lax.scan(body, carry, (states, jnp.arange(seg.repeats)))
+        return self.norm(x), kv_caches
 
     def compute_logits(self, hidden, live=None):
         """[R, D] -> [R, V] float32, whatever the model's dtype. live: [R] bool, the rows

@@ -35,7 +35,6 @@ class StackedWeight:
 
     stack: jax.Array  # [L, *weight shape]
     layer: jax.Array  # int32 scalar
-    live: jax.Array  # [T] bool: the step's tokens that are not padding (only those computed)
 
 
 class Linear(nnx.Module):
@@ -44,7 +43,10 @@ class Linear(nnx.Module):
 
     The weight's leading `contract` axes are the ones the einsum sums over. A quantized
     weight (the loader's, `quantization=`) is a `QuantizedWeight` [Out, In] over the
-    flattened output and input axes instead: x's contracted axes are flattened into In."""
+    flattened output and input axes instead: x's contracted axes are flattened into In.
+
+    `ctx`, the step context (models/context.py), carries what is per token: the tokens that
+    are not padding (a kernel skips the rest), and the adapter slots a LoRA delta will read."""
 
     def __init__(
         self,
@@ -66,10 +68,10 @@ class Linear(nnx.Module):
                 jnp.zeros(shape[-bias_dims:], dtype), logical_axes=axes[-bias_dims:]
             )
 
-    def __call__(self, x, out_dtype=None):
+    def __call__(self, x, ctx=None, *, out_dtype=None):
         w = self.weight.get_value()
         if isinstance(w, StackedWeight):
-            y = self._stacked_product(x, w, out_dtype)
+            y = self._stacked_product(x, w, ctx, out_dtype)
             return y + self.bias[...] if self.use_bias else y
         if isinstance(w, QuantizedWeight):
             lead = x.shape[: x.ndim - self.contract]
@@ -105,7 +107,7 @@ class Linear(nnx.Module):
         k = math.prod(stack.shape[1 : 1 + self.contract])
         return stack.reshape(stack.shape[0], k, math.prod(self.out_shape))
 
-    def _stacked_product(self, x, w: StackedWeight, out_dtype):
+    def _stacked_product(self, x, w: StackedWeight, ctx, out_dtype):
         """The kernel's product where it applies (`in_place`); the layer's slice through XLA
         else."""
         if not self.in_place(x, out_dtype):
@@ -114,20 +116,25 @@ class Linear(nnx.Module):
         if on_bf16_kernel(x):
             product = bf16_matmul.bf16_matmul
             return self.kernel_call(
-                x, lambda x, stack, layer, live: product(x, stack, layer, out_dtype, live)
+                x, ctx, lambda x, stack, layer, live: product(x, stack, layer, out_dtype, live)
             )
         product = f32_matmul.f32_matmul
         return self.kernel_call(
-            x, lambda x, stack, layer, live: product(x, stack, layer, live, out_dtype=out_dtype)
+            x,
+            ctx,
+            lambda x, stack, layer, live: product(x, stack, layer, live, out_dtype=out_dtype),
         )
 
-    def kernel_call(self, x, product):
+    def kernel_call(self, x, ctx, product):
         """product(x [M, In], stack [L, In, Out], layer, live) -> [M, Out], with x's
-        contracted axes flattened into In and the result in this Linear's output shape."""
+        contracted axes flattened into In and the result in this Linear's output shape;
+        `live` the context's non-padding tokens when x has a row per token, else None."""
         w, stack = self.weight.get_value(), self.stack_2d()
         lead = x.shape[: x.ndim - self.contract]
         x = x.reshape(-1, stack.shape[1])
-        live = w.live if w.live.shape == x.shape[:1] else None
+        live = None if ctx is None else ctx.live
+        if live is not None and live.shape != x.shape[:1]:
+            live = None
         return product(x, stack, w.layer, live).reshape(*lead, *self.out_shape)
 
 
@@ -137,20 +144,21 @@ def on_bf16_kernel(x) -> bool:
     return x.dtype == jnp.bfloat16 and bf16_matmul.enabled()
 
 
-def gated_product(gate: Linear, up: Linear, x):
+def gated_product(gate: Linear, up: Linear, x, ctx=None):
     """silu(gate(x)) * up(x), a gated MLP's first half: in one pass of a kernel (the bf16
     one, or the float32 one, widening bf16) where both weights are read in place without
-    biases, the two products and the SiLU otherwise."""
+    biases, the two products and the SiLU otherwise. Takes the step context as `Linear`
+    does (a LoRA delta joins each product before the SiLU)."""
     both = gate.in_place(x) and up.in_place(x) and not (gate.use_bias or up.use_bias)
     if not both:
-        return jax.nn.silu(gate(x)) * up(x)
+        return jax.nn.silu(gate(x, ctx)) * up(x, ctx)
     up_stack = up.stack_2d()
     if on_bf16_kernel(x):
         product = bf16_matmul.bf16_gated_matmul
     else:
         product = f32_matmul.f32_gated_matmul
     return gate.kernel_call(
-        x, lambda x, stack, layer, live: product(x, stack, up_stack, layer, live=live)
+        x, ctx, lambda x, stack, layer, live: product(x, stack, up_stack, layer, live=live)
     )
 
 

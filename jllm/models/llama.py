@@ -5,9 +5,11 @@ embeddings. `models/registry.py` maps a checkpoint's config to this module and i
 The family is its config and its decoder layer; the embedding, the layer scan, the final norm
 and the LM head are the shared decoder's (`models/decoder.py`). The forward runs over a flat
 batch of T tokens (any mix of prefill chunks and decodes) and the paged KV cache, which it
-returns updated. Attention is the backend object's (`jllm/attention/`), so the model does not
-care which backend runs it. Submodules carry transformers' names (`self_attn.q_proj`, ...), so a
-checkpoint tensor's name is its path here.
+returns updated; the step context (`models/context.py`) carries the positions, the attention
+metadata and the layer's place in the cache. Attention is the backend object's
+(`jllm/attention/`, through `ctx.attend`), so the model does not care which backend runs
+it. Submodules carry transformers' names (`self_attn.q_proj`, ...), so a checkpoint tensor's
+name is its path here.
 
 Glossary: T tokens, R requests, D model dim, N query heads, K kv heads, H head dim, F ffn,
 V vocab, B blocks, S block size.
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 from flax import nnx
 
+from jllm.models.context import StepContext
 from jllm.models.decoder import CausalLM
 from jllm.models.layers import Linear, RMSNorm, gated_product
 from jllm.models.rope import RopeConfig, apply_rope
@@ -78,14 +81,14 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(H, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(H, cfg.rms_norm_eps, dtype)
 
-    def __call__(self, x, positions, kv_cache, layer, md, backend: str):
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, N|K, H]
+    def __call__(self, x, ctx: StepContext, kv_caches):
+        q, k, v = self.q_proj(x, ctx), self.k_proj(x, ctx), self.v_proj(x, ctx)  # [T, N|K, H]
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, positions, self.cfg.rope)
-        k = apply_rope(k, positions, self.cfg.rope)
-        o, kv_cache = backend.attend(q, k, v, kv_cache, layer, md, scale=self.scale)  # [T, N, H]
-        return self.o_proj(o), kv_cache
+        q = apply_rope(q, ctx.positions, self.cfg.rope)
+        k = apply_rope(k, ctx.positions, self.cfg.rope)
+        o, kv_caches = ctx.attend(q, k, v, kv_caches, scale=self.scale)  # [T, N, H]
+        return self.o_proj(o, ctx), kv_caches
 
 
 class MLP(nnx.Module):
@@ -95,8 +98,8 @@ class MLP(nnx.Module):
         self.up_proj = Linear("TD,DF->TF", (D, F), ("embed", "mlp"), dtype, rngs, b)
         self.down_proj = Linear("TF,FD->TD", (F, D), ("mlp", "embed"), dtype, rngs, b)
 
-    def __call__(self, x):  # [T, D]
-        return self.down_proj(gated_product(self.gate_proj, self.up_proj, x))
+    def __call__(self, x, ctx: StepContext):  # [T, D]
+        return self.down_proj(gated_product(self.gate_proj, self.up_proj, x, ctx), ctx)
 
 
 class DecoderLayer(nnx.Module):
@@ -106,12 +109,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
-    def __call__(self, x, positions, kv_cache, layer, md, backend):
-        h, kv_cache = self.self_attn(
-            self.input_layernorm(x), positions, kv_cache, layer, md, backend
-        )
+    def __call__(self, x, ctx: StepContext, kv_caches):
+        h, kv_caches = self.self_attn(self.input_layernorm(x), ctx, kv_caches)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+        return x + self.mlp(self.post_attention_layernorm(x), ctx), kv_caches
 
 
 class LlamaForCausalLM(CausalLM):

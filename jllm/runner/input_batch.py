@@ -1,10 +1,11 @@
 """The persistent input batch (vLLM V1's `InputBatch`): one numpy row per running request.
 
 A request's row is written once, when the scheduler first sends it (`NewRequestData`): its
-tokens, block table and sampling parameters. After that the row changes only by deltas: new
-block ids and the computed length from the scheduler (`CachedRequestData`), and the tokens
-the runner samples, which it appends itself. Each step's inputs are then gathers over these
-arrays by row index (`runner/inputs.py`), with no per-token Python loop for decodes.
+tokens, block tables (one per KV-cache group) and sampling parameters. After that the row
+changes only by deltas: new block ids and the computed length from the scheduler
+(`CachedRequestData`), and the tokens the runner samples, which it appends itself. Each
+step's inputs are then gathers over these arrays by row index (`runner/inputs.py`), with no
+per-token Python loop for decodes.
 
 Row `pad` (the last) is a padding row: greedy, no penalties, an empty block table. A row
 with penalties owns penalty-state row `row + 1` on the device (row 0 stays empty, see
@@ -26,7 +27,12 @@ NO_TOKEN = np.iinfo(np.int32).max  # an id past any vocabulary: scatters with it
 
 class InputBatch:
     def __init__(
-        self, max_num_seqs: int, max_model_len: int, max_pages: int, logits_processors=()
+        self,
+        max_num_seqs: int,
+        max_model_len: int,
+        max_pages: int,
+        logits_processors=(),
+        num_kv_groups: int = 1,
     ) -> None:
         M = max_num_seqs
         self.pad = M
@@ -42,8 +48,9 @@ class InputBatch:
         self.generation = np.zeros(rows, np.int64)  # bumped when a row changes hands
         self.num_prompt = np.zeros(rows, np.int32)
         self.num_computed = np.zeros(rows, np.int32)  # before the current step
-        self.block_table = np.zeros((rows, max_pages), np.int32)
-        self.num_blocks = np.zeros(rows, np.int32)
+        # One block table per KV-cache group (engine/kv_cache_manager.py).
+        self.block_table = np.zeros((num_kv_groups, rows, max_pages), np.int32)
+        self.num_blocks = np.zeros((num_kv_groups, rows), np.int32)
         self.temperature = np.zeros(rows, np.float32)
         self.top_p = np.ones(rows, np.float32)
         self.top_k = np.zeros(rows, np.int32)
@@ -83,8 +90,8 @@ class InputBatch:
         self.generation[r] += 1
         self.num_prompt[r] = len(new.prompt_token_ids)
         self.num_computed[r] = new.num_computed_tokens
-        self.block_table[r] = 0
-        self.num_blocks[r] = 0
+        self.block_table[:, r] = 0
+        self.num_blocks[:, r] = 0
         self._append_blocks(r, new.block_ids)
         p = new.sampling_params
         self.temperature[r], self.top_p[r] = p.temperature, p.top_p
@@ -123,10 +130,12 @@ class InputBatch:
             self._append_blocks(r, blocks)
             self.num_computed[r] = computed
 
-    def _append_blocks(self, r: int, blocks: list[int]) -> None:
-        n = self.num_blocks[r]
-        self.block_table[r, n : n + len(blocks)] = blocks
-        self.num_blocks[r] = n + len(blocks)
+    def _append_blocks(self, r: int, blocks: tuple[list[int], ...]) -> None:
+        """Append to row `r`'s block tables: one list of ids per KV-cache group."""
+        for g, ids in enumerate(blocks):
+            n = self.num_blocks[g, r]
+            self.block_table[g, r, n : n + len(ids)] = ids
+            self.num_blocks[g, r] = n + len(ids)
 
     def append_tokens(self, r: int, tokens) -> None:
         n = self.num_tokens[r]

@@ -52,7 +52,7 @@ class StepInputs:
     # [PROMPT_LOGPROB_ROWS] flat tokens whose hidden states the forward hands on for prompt
     # logprobs (runner/prompt_logprobs.py); padding: 0
     prompt_lp_indices: jax.Array
-    attn: object  # the backend's metadata (jllm/attention/)
+    attn: tuple  # the backend's metadata (jllm/attention/) of each KV-cache group
 
 
 def bucket(n: int, buckets: list[int]) -> int:
@@ -168,27 +168,56 @@ def padded_flat_batch(layout: BatchLayout, Rd: int, Tt: int) -> FlatBatch:
     )
 
 
-def fill_decode_rows(flat: FlatBatch, tables: np.ndarray, pos: np.ndarray) -> None:
-    """The first len(pos) rows as decode rows: one query each at `pos`, its K/V written to
-    its slot in `tables` (the rows' block tables), seeing positions 0..pos."""
-    n, S = len(pos), flat.block_size
-    flat.slot_mapping[:n] = tables[np.arange(n), pos // S] * S + pos % S
+def fill_decode_rows(flat: FlatBatch, pos: np.ndarray) -> None:
+    """The first len(pos) rows as decode rows: one query each at `pos`, seeing positions
+    0..pos."""
+    n = len(pos)
     flat.query_start[:n] = np.arange(n)
     flat.query_lens[:n] = 1
     flat.kv_lens[:n] = pos + 1
-    flat.block_tables[:n] = tables
 
 
-def build_step(
-    batch: InputBatch,
-    out: SchedulerOutput,
-    layout: BatchLayout,
-    backend: AttentionBackend,
-    shape: tuple[int, int] | None = None,
+def in_group(flat: FlatBatch, table: np.ndarray, tok_row, positions, req_row) -> FlatBatch:
+    """The flat batch as one KV-cache group sees it, from the group's block tables `table`
+    [rows, P] (`InputBatch.block_table[g]`): each token's slot (from its input-batch row
+    `tok_row` [T] and position; -1: padding, which keeps the dropped slot) and each request
+    row's block table (`req_row` [R]: its input-batch row; -1: padding, an empty table)."""
+    S = flat.block_size
+    live, has = tok_row >= 0, req_row >= 0
+    r, p = np.where(live, tok_row, 0), np.where(live, positions, 0)
+    slots = np.where(live, table[r, p // S] * S + p % S, flat.slot_mapping).astype(np.int32)
+    tables = np.where(has[:, None], table[np.where(has, req_row, 0)], 0).astype(np.int32)
+    return dataclasses.replace(flat, slot_mapping=slots, block_tables=tables)
+
+
+def group_metadata(
+    backend, flat: FlatBatch, batch: InputBatch, groups, tok_row, positions, req_row
 ):
-    """Returns (StepInputs and SamplingMetadata in numpy, the sample groups, the (Rd, Tt)
-    bucket, the prompt-logprob rows or None). `shape` forces the bucket (warm-up)."""
-    S, C = layout.block_size, layout.tile_size
+    """The backend's attention metadata of each KV-cache group in `groups`, as a tuple."""
+    return tuple(
+        backend.build_metadata(in_group(flat, batch.block_table[g], tok_row, positions, req_row))
+        for g in groups
+    )
+
+
+@dataclasses.dataclass
+class _Rows:
+    """Which scheduled requests take which rows of the step: the decode entries (a request
+    and an offset in its row: a verification row is k + 1 decode entries), longest context
+    first, then the rows of several tokens; and the (Rd, Tt) bucket."""
+
+    ids: list[str]  # scheduled request ids, in the scheduler's order
+    rows: np.ndarray  # their input-batch rows
+    counts: np.ndarray  # their scheduled tokens
+    verify: np.ndarray  # bool: a verification row laid out as decode entries
+    d_req: np.ndarray  # each decode entry's scheduled request
+    d_off: np.ndarray  # its offset in that request's row
+    m_idx: np.ndarray  # the scheduled requests of several tokens
+    shape: tuple[int, int]  # (Rd, Tt)
+
+
+def _plan_rows(batch: InputBatch, out: SchedulerOutput, layout: BatchLayout, shape) -> _Rows:
+    C = layout.tile_size
     ids = list(out.num_scheduled_tokens)
     rows = np.array([batch.index[r] for r in ids], np.int32)
     counts = np.array(list(out.num_scheduled_tokens.values()), np.int32)
@@ -204,8 +233,8 @@ def build_step(
             n = int(counts[i])
             if n - len(spec.get(ids[i], ())) == 1 and n <= room:
                 verify[i], room = True, room - n
-    # Decode entries: (scheduled request, offset in its row), longest context first, so that
-    # the xla backend's bands group similar lengths (its tiles are sorted on their own).
+    # Decode entries, longest context first, so that the xla backend's bands group similar
+    # lengths (its tiles are sorted on their own).
     d_req = np.flatnonzero(single | verify)
     reps = np.where(verify[d_req], counts[d_req], 1)
     d_req = np.repeat(d_req, reps)
@@ -213,112 +242,146 @@ def build_step(
     order = np.argsort(-(batch.num_computed[rows[d_req]] + d_off), kind="stable")
     d_req, d_off = d_req[order], d_off[order]
     m_idx = np.flatnonzero(~(single | verify))
-    n_tiles = int(sum(cdiv(int(counts[i]), C) for i in m_idx))
     if shape is None:
-        Rd = bucket(len(d_req), layout.decode_buckets)
-        Tt = bucket(n_tiles, layout.tile_buckets)
-    else:
-        Rd, Tt = shape
-    Rs = layout.sample_rows(Rd, Tt)
-    T = Rd + Tt * C
+        n_tiles = int(sum(cdiv(int(counts[i]), C) for i in m_idx))
+        shape = (bucket(len(d_req), layout.decode_buckets), bucket(n_tiles, layout.tile_buckets))
+    return _Rows(ids, rows, counts, verify, d_req, d_off, m_idx, shape)
 
-    token_ids = np.zeros(T, np.int32)
-    from_device = np.full(T, -1, np.int32)
-    positions = np.zeros(T, np.int32)
-    flat = padded_flat_batch(layout, Rd, Tt)
-    sample_at: list[int] = []  # flat token each sample row follows
-    groups: list[SampleGroup] = []
 
-    # Decodes: one token each, gathered from the input batch, or from the device when it
-    # was sampled by the step still in flight; a verification row's drafts after it.
+@dataclasses.dataclass
+class _Placed:
+    """The step's per-token arrays and its sample rows, as the builders fill them."""
+
+    token_ids: np.ndarray  # [T]
+    from_device: np.ndarray  # [T] the input-batch row to read the token from on the device
+    positions: np.ndarray  # [T]
+    tok_row: np.ndarray  # [T] each token's input-batch row (-1: padding)
+    req_row: np.ndarray  # [R] each request row's input-batch row (-1: padding)
+    flat: FlatBatch
+    sample_at: list[int] = dataclasses.field(default_factory=list)  # flat token per sample row
+    groups: list[SampleGroup] = dataclasses.field(default_factory=list)
+    flat_start: dict[str, int] = dataclasses.field(default_factory=dict)  # req -> first token
+
+    @classmethod
+    def padded(cls, layout: BatchLayout, Rd: int, Tt: int) -> _Placed:
+        T = Rd + Tt * layout.tile_size
+        return cls(
+            token_ids=np.zeros(T, np.int32),
+            from_device=np.full(T, -1, np.int32),
+            positions=np.zeros(T, np.int32),
+            tok_row=np.full(T, -1, np.int32),
+            req_row=np.full(Rd + Tt, -1, np.int32),
+            flat=padded_flat_batch(layout, Rd, Tt),
+        )
+
+    def sample(self, req_id, row, at, batch: InputBatch, drafts=()) -> None:
+        """Request `req_id` (input-batch `row`) samples after the flat tokens `at`."""
+        group = SampleGroup(
+            req_id, row, len(self.sample_at), len(at), int(batch.generation[row]), list(drafts)
+        )
+        self.groups.append(group)
+        self.sample_at.extend(at)
+
+
+def _place_decodes(p: _Placed, batch: InputBatch, plan: _Rows, spec: dict) -> None:
+    """Decodes: one token each, gathered from the input batch, or from the device when it
+    was sampled by the step still in flight; a verification row's drafts after it."""
+    d_req, d_off, verify = plan.d_req, plan.d_off, plan.verify
     nd = len(d_req)
-    d_rows = rows[d_req]
+    d_rows = plan.rows[d_req]
     pos = batch.num_computed[d_rows] + d_off
-    tables = batch.block_table[d_rows]
+    p.tok_row[:nd] = p.req_row[:nd] = d_rows
     on_host = pos < batch.num_tokens[d_rows]
-    token_ids[:nd] = np.where(
+    p.token_ids[:nd] = np.where(
         on_host, batch.token_ids[d_rows, np.minimum(pos, batch.max_model_len - 1)], 0
     )
-    from_device[:nd] = np.where(on_host | (d_off > 0), -1, d_rows)
-    positions[:nd] = pos
-    fill_decode_rows(flat, tables, pos)
+    p.from_device[:nd] = np.where(on_host | (d_off > 0), -1, d_rows)
+    p.positions[:nd] = pos
+    fill_decode_rows(p.flat, pos)
     known = batch.num_tokens + batch.num_pending
     verify_at: dict[int, np.ndarray] = {}  # scheduled request -> flat index of each token
     for j in np.flatnonzero(verify[d_req]):
-        verify_at.setdefault(int(d_req[j]), np.zeros(counts[d_req[j]], np.int64))[d_off[j]] = j
+        verify_at.setdefault(int(d_req[j]), np.zeros(plan.counts[d_req[j]], np.int64))
+        verify_at[int(d_req[j])][d_off[j]] = j
     for j in np.flatnonzero((pos + 1 == known[d_rows]) & ~verify[d_req]):
-        r = int(d_rows[j])
-        groups.append(SampleGroup(ids[d_req[j]], r, len(sample_at), 1, int(batch.generation[r])))
-        sample_at.append(int(j))
+        p.sample(plan.ids[d_req[j]], int(d_rows[j]), [int(j)], batch)
     for i, at in verify_at.items():
-        r, rid = int(rows[i]), ids[i]
-        drafts = spec[rid]
-        token_ids[at[1:]] = drafts
+        r, rid = int(plan.rows[i]), plan.ids[i]
+        p.token_ids[at[1:]] = spec[rid]
         if batch.num_computed[r] + 1 == known[r]:
-            group = SampleGroup(
-                rid, r, len(sample_at), len(at), int(batch.generation[r]), list(drafts)
-            )
-            groups.append(group)
-            sample_at.extend(at.tolist())
+            p.sample(rid, r, at.tolist(), batch, spec[rid])
+    # Where each request's tokens start, for prompt logprobs (a request with prompt
+    # logprobs left is never a decode of several tokens).
+    p.flat_start.update({plan.ids[d_req[j]]: j for j in range(nd) if d_off[j] == 0})
 
-    # Where each request's tokens start in the flat batch, for prompt logprobs (a request
-    # with prompt logprobs left is never a decode of several tokens).
-    flat_start = {ids[d_req[j]]: j for j in range(nd) if d_off[j] == 0}
 
-    # Rows of several tokens: prefill chunks and verification rows, tile-aligned.
+def _place_rows(p: _Placed, batch: InputBatch, plan: _Rows, layout: BatchLayout, spec) -> None:
+    """Rows of several tokens (prefill chunks and verification rows), tile-aligned."""
+    C = layout.tile_size
+    Rd = plan.shape[0]
+    flat, known = p.flat, batch.num_tokens + batch.num_pending
     start, tile = Rd, 0
-    for j, i in enumerate(m_idx):
-        r, n, rid = int(rows[i]), int(counts[i]), ids[i]
+    for j, i in enumerate(plan.m_idx):
+        r, n, rid = int(plan.rows[i]), int(plan.counts[i]), plan.ids[i]
         nc = int(batch.num_computed[r])
-        drafts = out.scheduled_spec_decode_tokens.get(rid, [])
+        drafts = spec.get(rid, [])
         k_known = n - len(drafts)
         if nc + k_known > batch.num_tokens[r]:
             raise RuntimeError(f"{rid}: a row of several tokens needs its tokens on the host")
         row = Rd + j
         pos = np.arange(nc, nc + n, dtype=np.int32)
-        token_ids[start : start + k_known] = batch.token_ids[r, nc : nc + k_known]
-        token_ids[start + k_known : start + n] = drafts
-        positions[start : start + n] = pos
-        flat.slot_mapping[start : start + n] = batch.block_table[r, pos // S] * S + pos % S
+        p.token_ids[start : start + k_known] = batch.token_ids[r, nc : nc + k_known]
+        p.token_ids[start + k_known : start + n] = drafts
+        p.positions[start : start + n] = pos
+        p.tok_row[start : start + n] = p.req_row[row] = r
         flat.query_start[row], flat.query_lens[row], flat.kv_lens[row] = start, n, nc + n
-        flat.block_tables[row] = batch.block_table[r]
-        flat_start[rid] = start
+        p.flat_start[rid] = start
         k = cdiv(n, C)
         flat.tile_row[tile : tile + k] = row
         padded = np.full(k * C, -1, np.int32)
         padded[:n] = pos
         flat.tile_q_pos[tile : tile + k] = padded.reshape(k, C)
         if nc + k_known == known[r]:
-            groups.append(
-                SampleGroup(
-                    rid, r, len(sample_at), len(drafts) + 1, int(batch.generation[r]), drafts
-                )
-            )
-            sample_at.extend(range(start + k_known - 1, start + n))
+            p.sample(rid, r, list(range(start + k_known - 1, start + n)), batch, drafts)
         tile += k
         start += k * C
 
+
+def build_step(
+    batch: InputBatch,
+    out: SchedulerOutput,
+    layout: BatchLayout,
+    backend: AttentionBackend,
+    shape: tuple[int, int] | None = None,
+):
+    """Returns (StepInputs and SamplingMetadata in numpy, the sample groups, the (Rd, Tt)
+    bucket, the prompt-logprob rows or None). `shape` forces the bucket (warm-up)."""
+    plan = _plan_rows(batch, out, layout, shape)
+    Rd, Tt = plan.shape
+    p = _Placed.padded(layout, Rd, Tt)
+    spec = out.scheduled_spec_decode_tokens
+    _place_decodes(p, batch, plan, spec)
+    _place_rows(p, batch, plan, layout, spec)
+
+    Rs = layout.sample_rows(Rd, Tt)
     logits_indices = np.zeros(Rs, np.int32)
-    logits_indices[: len(sample_at)] = sample_at
-    md = sampling_metadata(batch, groups, Rs, max(1, layout.num_spec_tokens))
-    for g in groups:
+    logits_indices[: len(p.sample_at)] = p.sample_at
+    md = sampling_metadata(batch, p.groups, Rs, max(1, layout.num_spec_tokens))
+    for g in p.groups:
         if g.req_id in out.grammar_bitmask:
             md.masked[g.first : g.first + g.count] = True
     prompt_rows = None
-    if batch.prompt_logprobs[rows].any():
-        prompt_rows = _prompt_logprob_rows(batch, ids, rows, counts, flat_start)
+    if batch.prompt_logprobs[plan.rows].any():
+        prompt_rows = _prompt_logprob_rows(batch, plan.ids, plan.rows, plan.counts, p.flat_start)
     prompt_lp_indices = (
         np.zeros(PROMPT_LOGPROB_ROWS, np.int32) if prompt_rows is None else prompt_rows.indices
     )
+    every_group = range(len(batch.block_table))
+    attn = group_metadata(backend, p.flat, batch, every_group, p.tok_row, p.positions, p.req_row)
     inputs = StepInputs(
-        token_ids,
-        positions,
-        logits_indices,
-        from_device,
-        prompt_lp_indices,
-        backend.build_metadata(flat),
+        p.token_ids, p.positions, logits_indices, p.from_device, prompt_lp_indices, attn
     )
-    return inputs, md, groups, (Rd, Tt), prompt_rows
+    return inputs, md, p.groups, plan.shape, prompt_rows
 
 
 def grammar_rows(groups: list[SampleGroup], bitmasks: dict, Rs: int, width: int):

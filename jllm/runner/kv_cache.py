@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,23 @@ from sharding import named_sharding
 logger = logging.getLogger(__name__)
 
 CACHE_AXES = ("layers", "cache_blocks", "cache_slots", "cache_kv_heads", "head_dim")
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """One KV-cache group's stacked cache: how many layers it holds, and their K/V heads."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def groups_of(cls, module, cfg) -> tuple[CacheSpec, ...]:
+        """The caches of a decoder `module` (models/decoder.py) of config `cfg`: one per
+        KV-cache group."""
+        return tuple(
+            cls(len(g.layers), cfg.num_kv_heads, cfg.head_dim) for g in module.kv_cache_groups(cfg)
+        )
 
 
 def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
@@ -120,13 +138,13 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype, platform: str):
     return kv_dtype, None
 
 
-def abstract_kv_cache(cfg, num_blocks, block_size, dtype, mesh) -> jax.ShapeDtypeStruct:
-    """The cache's shape, dtype and sharding: [L, B, S, 2K, H], each layer's slice the
+def abstract_kv_cache(spec: CacheSpec, num_blocks, block_size, dtype, mesh) -> jax.ShapeDtypeStruct:
+    """A group's cache's shape, dtype and sharding: [Lg, B, S, 2K, H], each layer's slice the
     kernel's [B, S, 2K, H] page-major layout, sharded on the kv-head axis. Lowering against
     it allocates nothing (the profile); `allocate_kv_cache` makes it real."""
     shape = (
-        cfg.num_layers,
-        *kv_cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim),
+        spec.num_layers,
+        *kv_cache_shape(num_blocks, block_size, spec.num_kv_heads, spec.head_dim),
     )
     return jax.ShapeDtypeStruct(
         shape, jnp.dtype(dtype), sharding=named_sharding(mesh, CACHE_AXES, shape)
@@ -139,7 +157,7 @@ def allocate_kv_cache(spec: jax.ShapeDtypeStruct) -> jax.Array:
 
 
 def create_kv_cache(
-    cfgs,
+    models: list[tuple[CacheSpec, ...]],
     *,
     block_size: int,
     tp: int,
@@ -152,20 +170,21 @@ def create_kv_cache(
     utilization: float,
     profile=None,
 ):
-    """Size the cache from memory (per device: it is split on its kv-head axis), log it as
-    vLLM does, and allocate it. `cfgs`: the model's config, then a speculative draft
-    model's if any: a block holds the K/V of every one of them, so they share block ids.
-    `profile(abstract_cache) -> bytes`: what the largest step needs
-    (`ModelRunner.profile_step_bytes`; with a draft, the pair of caches). Returns
-    (one cache per config, num_blocks)."""
+    """Size the caches from memory (per device: they are split on their kv-head axis), log
+    them as vLLM does, and allocate them. `models`: the model's KV-cache groups, then a
+    speculative draft model's if any; every group has `num_blocks` blocks.
+    `profile(abstract caches) -> bytes`: what the largest step needs
+    (`ModelRunner.profile_step_bytes`; with a draft, the pair (target's, draft's)). Returns
+    (each model's tuple of group caches, num_blocks)."""
+    specs = [spec for groups in models for spec in groups]
     per_block = sum(
-        bytes_per_block(cfg.num_layers, block_size, cfg.num_kv_heads // tp, cfg.head_dim, dtype)
-        for cfg in cfgs
+        bytes_per_block(s.num_layers, block_size, s.num_kv_heads // tp, s.head_dim, dtype)
+        for s in specs
     )
 
     def step_bytes():
-        small = tuple(abstract_kv_cache(cfg, 4, block_size, dtype, mesh) for cfg in cfgs)
-        return profile(small[0] if len(small) == 1 else small)
+        small = [tuple(abstract_kv_cache(s, 4, block_size, dtype, mesh) for s in g) for g in models]
+        return profile(small[0] if len(small) == 1 else tuple(small))
 
     num_blocks = determine_num_blocks(
         per_block,
@@ -184,7 +203,10 @@ def create_kv_cache(
         (num_blocks - 1) * block_size / max_model_len,
     )
     caches = [
-        allocate_kv_cache(abstract_kv_cache(cfg, num_blocks, block_size, dtype, mesh))
-        for cfg in cfgs
+        tuple(
+            allocate_kv_cache(abstract_kv_cache(s, num_blocks, block_size, dtype, mesh))
+            for s in groups
+        )
+        for groups in models
     ]
     return caches, num_blocks

@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from jllm.attention import get_backend
+from jllm.models.context import StepContext
 from jllm.runner.input_batch import InputBatch
 from jllm.runner.inputs import BatchLayout, build_step, grammar_rows
 from jllm.runner.logit_bias import bias_vector, write_bias
@@ -65,18 +66,22 @@ def _forward(
     step are read from `last_tokens` on the device. Also hands on the hidden states of the
     tokens listed for prompt logprobs ([PROMPT_LOGPROB_ROWS, D], runner/prompt_logprobs.py).
 
-    With a speculative draft model (`draft_graphdef`), `state` and `kv_cache` are pairs
-    (target, draft): the draft runs over the same tokens, into its own cache through the
-    same slots (spec_decode/draft_model.py)."""
+    `kv_cache`: the model's KV-cache groups (a tuple of stacked caches). With a speculative
+    draft model (`draft_graphdef`), `state` and `kv_cache` are pairs (target, draft): the
+    draft runs over the same tokens, into its own caches through the same slots
+    (spec_decode/draft_model.py)."""
     batch, md = unpack(buf, layout)
     on_device = last_tokens[jnp.maximum(batch.from_device, 0)]
     token_ids = jnp.where(batch.from_device >= 0, on_device, batch.token_ids)
     if draft_graphdef is not None:
         (state, draft_state), (kv_cache, draft_cache) = state, kv_cache
         draft = nnx.merge(draft_graphdef, draft_state)
-        _, draft_cache = draft(token_ids, batch.positions, draft_cache, batch.attn, backend)
+        draft_attn = batch.attn[len(kv_cache) :]  # the draft's groups follow the model's
+        ctx = StepContext(batch.positions, draft_attn, backend)
+        _, draft_cache = draft(token_ids, ctx, draft_cache)
     model = nnx.merge(graphdef, state)
-    hidden, kv_cache = model(token_ids, batch.positions, kv_cache, batch.attn, backend)
+    ctx = StepContext(batch.positions, batch.attn[: len(kv_cache)], backend)
+    hidden, kv_cache = model(token_ids, ctx, kv_cache)
     if draft_graphdef is not None:
         kv_cache = (kv_cache, draft_cache)
     # Padding sample rows belong to the input batch's padding row, the last.
@@ -106,11 +111,15 @@ class ModelRunner:
         backend: str,
         enforce_eager: bool,
         mesh,
+        kv_caches: tuple,
         logits_processors: tuple = (),
         draft=None,
     ) -> None:
         self.graphdef = graphdef
         self.draft = draft  # a speculative DraftModel (spec_decode/draft_model.py), or None
+        # The KV-cache groups (a CacheSpec each, runner/kv_cache.py): the model's, then the
+        # draft model's. Every step carries each group's attention metadata.
+        self.kv_groups = tuple(kv_caches) + (() if draft is None else tuple(draft.kv_caches))
         self.mesh = mesh
         # Step inputs and penalty state are replicated on every device of the mesh.
         self.replicated = replicated(mesh)
@@ -129,7 +138,9 @@ class ModelRunner:
         self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
         max_len = layout.max_pages * layout.block_size
         self.logits_processors = tuple(logits_processors)  # traced into the sampler
-        self.batch = InputBatch(max_num_seqs, max_len, layout.max_pages, self.logits_processors)
+        self.batch = InputBatch(
+            max_num_seqs, max_len, layout.max_pages, self.logits_processors, len(self.kv_groups)
+        )
         # Penalty state (runner/penalty_state.py): row 0 stays empty.
         self.penalties = PenaltyWriter(max_num_seqs, max_len)
         shape = (self.penalties.num_rows, vocab_size)
@@ -172,7 +183,8 @@ class ModelRunner:
         temp = sum(exe.memory_analysis().temp_size_in_bytes for exe in (fwd, smp, prompt_lp))
         return int(temp + logits_bytes)
 
-    def attach_kv_cache(self, kv_cache: jax.Array, num_blocks: int) -> None:
+    def attach_kv_cache(self, kv_cache: tuple, num_blocks: int) -> None:
+        """The model's KV-cache groups' caches, once sized."""
         self.kv_cache = kv_cache
         self.layout.num_blocks = num_blocks
 
@@ -189,7 +201,7 @@ class ModelRunner:
     def _packed_inputs(self, rd: int, tt: int):
         """The packed zero inputs of the (Rd, Tt) bucket, built by the same code as real
         steps, and the sampler's row bucket."""
-        empty = InputBatch(0, 1, self.layout.max_pages, self.logits_processors)
+        empty = InputBatch(0, 1, self.layout.max_pages, self.logits_processors, len(self.kv_groups))
         inputs, md, _, _, _ = build_step(
             empty, SchedulerOutput(), self.layout, self.attention, (rd, tt)
         )

@@ -1,12 +1,13 @@
 """The draft-model proposer: a smaller causal LM of the target's vocabulary drafts k tokens
 per request after every step, on the device, in the target's mesh and dtype.
 
-KV cache. The draft has its own cache arrays, with the target's block size and block count,
-addressed through the target's block tables and slots: a block id names a block of both
-caches. The draft sees every token the target computes, because the target's forward runs
-the draft over the same flat batch (`runner/model_runner.py`, fused into one executable).
-So prefill chunks, prefix-cache hits (a cached block holds both models' K/V), preemption
-and recompute need nothing of their own. The scheduler allocates k slots ahead of each
+KV cache. The draft's layers are KV-cache groups of their own (engine/kv_cache_manager.py),
+after the target's: their own cache arrays (the target's block size and block count), block
+pools and block tables, allocated, hit in the prefix cache, preempted and freed with the
+target's. The draft sees every token the target computes, because the target's forward runs
+the draft over the same flat batch (`runner/model_runner.py`, fused into one executable),
+with its groups' slots. So prefill chunks, prefix-cache hits, preemption and recompute need
+nothing of their own. The scheduler allocates k slots ahead of each
 step's tokens (vLLM's lookahead) for the positions the drafts are written at.
 
 Drafting. After a step, every request that sampled has L known tokens; draft step i
@@ -42,12 +43,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jllm.models.context import StepContext
 from jllm.runner.draw import filtered_draw, first_argmax, row_keys
 from jllm.runner.inputs import (
     BatchLayout,
     StepInputs,
     bucket,
     fill_decode_rows,
+    group_metadata,
     padded_flat_batch,
 )
 from jllm.runner.model_runner import CompileAfterWarmupError
@@ -108,7 +111,8 @@ def _draft_step(state, kv_cache, src, buf, *, layout, graphdef, backend, logits_
     batch, md = unpack(buf, layout)
     token_ids = src[batch.from_device]
     model = nnx.merge(graphdef, state)
-    hidden, kv_cache = model(token_ids, batch.positions, kv_cache, batch.attn, backend)
+    ctx = StepContext(batch.positions, batch.attn, backend)
+    hidden, kv_cache = model(token_ids, ctx, kv_cache)
     logits = model.compute_logits(hidden[batch.logits_indices])
     logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
     out = src.at[md.batch_row].set(draft_draw(logits, md))
@@ -124,24 +128,27 @@ draft_step = jax.jit(
 )
 
 
-def draft_inputs(batch, rows: np.ndarray, step: int, layout: BatchLayout, backend, Rd: int):
+def draft_inputs(batch, rows: np.ndarray, step: int, layout: BatchLayout, backend, Rd: int, groups):
     """The packed inputs of draft step `step` for input-batch `rows` (each has L known
-    tokens and reads its token at position L - 1 + step from the device)."""
+    tokens and reads its token at position L - 1 + step from the device); `groups`: the
+    draft's KV-cache groups (indices into the input batch's block tables)."""
     n = len(rows)
     pos = batch.num_tokens[rows] - 1 + step
     positions = np.zeros(Rd, np.int32)
     positions[:n] = pos
     flat = padded_flat_batch(layout, Rd, 0)
-    fill_decode_rows(flat, batch.block_table[rows], pos)
+    fill_decode_rows(flat, pos)
     row = np.full(Rd, batch.pad, np.int32)
     row[:n] = rows
+    placed = np.full(Rd, -1, np.int32)  # input-batch rows of the tokens and request rows
+    placed[:n] = rows
     inputs = StepInputs(
         token_ids=np.zeros(Rd, np.int32),
         positions=positions,
         logits_indices=np.arange(Rd, dtype=np.int32),
         from_device=row,
         prompt_lp_indices=np.zeros(PROMPT_LOGPROB_ROWS, np.int32),
-        attn=backend.build_metadata(flat),
+        attn=group_metadata(backend, flat, batch, groups, placed, positions, placed),
     )
     counter = np.zeros(Rd, np.int32)
     counter[:n] = batch.num_tokens[rows] - batch.num_prompt[rows] + step
@@ -163,13 +170,16 @@ class DraftModel:
     the `ModelRunner`, which runs the draft over every step's flat batch and then asks
     `propose` for the next drafts."""
 
-    def __init__(self, graphdef, state, config, num_speculative_tokens: int, disable_by, layout):
+    def __init__(
+        self, graphdef, state, config, kv_caches, num_speculative_tokens: int, disable_by, layout
+    ):
         self.graphdef = graphdef
         self.state = state
         self.config = config  # the draft's module config (kv heads as on the mesh)
+        self.kv_caches = kv_caches  # one CacheSpec per KV-cache group (runner/kv_cache.py)
         self.k = num_speculative_tokens
         self.disable_by_batch_size = disable_by
-        self.kv_cache = None
+        self.kv_cache = None  # the groups' caches, once sized
         self.layout = layout  # the draft steps' BatchLayout: the target's, own K/V bytes
         self._exe: dict[int, object] = {}
 
@@ -197,10 +207,17 @@ class DraftModel:
             self._exe[Rd] = exe
         return exe
 
+    def groups(self, runner) -> range:
+        """The draft's KV-cache groups among the runner's: the last ones."""
+        total = len(runner.kv_groups)
+        return range(total - len(self.kv_caches), total)
+
     def compile_all(self, runner) -> None:
         for Rd in self.layout.decode_buckets[1:]:
+            none = np.zeros(0, np.int32)
+            groups = self.groups(runner)
             buf, layout = draft_inputs(
-                runner.batch, np.zeros(0, np.int32), 0, self.layout, runner.attention, Rd
+                runner.batch, none, 0, self.layout, runner.attention, Rd, groups
             )
             self._executable(runner, Rd, jax.device_put(buf, runner.replicated), layout)
 
@@ -218,7 +235,9 @@ class DraftModel:
         rows = np.array([g.row for g in live], np.int32)
         # Positions L - 1 .. L + k - 2 are written; a row drafts while they stay inside its
         # blocks (the scheduler's lookahead) and the context.
-        room = np.minimum(batch.num_blocks[rows] * self.layout.block_size, batch.max_model_len)
+        groups = self.groups(runner)
+        blocks = batch.num_blocks[groups.start, rows]  # every group holds the whole context
+        room = np.minimum(blocks * self.layout.block_size, batch.max_model_len)
         room = room - (batch.num_tokens[rows] - 1)
         src = runner.last_tokens
         outs = []
@@ -227,7 +246,8 @@ class DraftModel:
             if active.size == 0:
                 break
             Rd = bucket(active.size, self.layout.decode_buckets)
-            buf, layout = draft_inputs(batch, active, step, self.layout, runner.attention, Rd)
+            backend = runner.attention
+            buf, layout = draft_inputs(batch, active, step, self.layout, backend, Rd, groups)
             buf = jax.device_put(buf, runner.replicated)
             exe = self._executable(runner, Rd, buf, layout)
             src, self.kv_cache = exe(self.state, self.kv_cache, src, buf)

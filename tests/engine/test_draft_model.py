@@ -155,8 +155,9 @@ WIDE.update(num_attention_heads=4, num_key_value_heads=4)  # head_dim 32, 4 kv h
 )
 def test_draft_of_another_shape(llama_dir, tokenizer_dir, expected, tmp_path, shape, settings):
     """A draft with other layers, heads and head size than the target: its own cache shape
-    in the same blocks (a block's bytes are both models'), the xla backend's chunk counts
-    sized for the larger K/V per token, and the target's tokens."""
+    in a KV-cache group of its own (its own block pool and tables, as many blocks as the
+    target's group: a block's bytes are both models'), the xla backend's chunk counts sized
+    for the larger K/V per token, and the target's tokens."""
     path = other_shape(tmp_path / "draft", tokenizer_dir, **shape)
     llm = LLM(llama_dir, **{**SMALL, "speculative_config": draft(path), **settings})
     same(run(llm), expected)
@@ -168,7 +169,11 @@ def test_draft_of_another_shape(llama_dir, tokenizer_dir, expected, tmp_path, sh
     tp = settings.get("tensor_parallel_size", 1)
     per_block = sum(m.num_layers * 16 * p // tp for m, p in zip((c, d), per_token, strict=True))
     assert runner.layout.num_blocks == (32 << 20) // per_block
-    assert runner.draft.kv_cache.shape[:2] == (d.num_layers, runner.layout.num_blocks)
+    (draft_cache,) = runner.draft.kv_cache  # the draft's one KV-cache group
+    assert draft_cache.shape[:2] == (d.num_layers, runner.layout.num_blocks)
+    kv = llm.llm_engine.scheduler.kv_cache
+    assert kv.num_groups == len(runner.kv_groups) == 2  # the target's, then the draft's
+    assert kv.num_free_blocks == kv.num_blocks - 1  # both groups given back
 
 
 def test_disable_by_batch_size(llama_dir):

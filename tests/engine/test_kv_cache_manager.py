@@ -23,12 +23,12 @@ def req(rid: str, tokens: list[int], **params) -> Request:
 def test_allocate_and_free_counts_blocks():
     kv = KVCacheManager(num_blocks=10, block_size=4, enable_prefix_caching=False)
     r = req("a", list(range(10)))
-    blocks = kv.allocate_slots(r, 10)
+    (blocks,) = kv.allocate_slots(r, 10)  # one KV-cache group
     assert len(blocks) == 3 and 0 not in blocks  # block 0 is the null block
     assert kv.num_free_blocks == 6
     r.num_computed_tokens = 10
-    assert kv.allocate_slots(r, 2) == blocks  # 12 slots fit in 3 blocks
-    assert len(kv.allocate_slots(r, 3)) == 4
+    assert kv.allocate_slots(r, 2) == ([*blocks],)  # 12 slots fit in 3 blocks
+    assert len(kv.allocate_slots(r, 3)[0]) == 4
     assert kv.allocate_slots(req("b", [1] * 40), 40) is None  # 10 blocks > 5 free
     kv.free(r)
     assert kv.num_free_blocks == 9 and kv.usage == 0.0
@@ -37,20 +37,21 @@ def test_allocate_and_free_counts_blocks():
 def test_prefix_hit_shares_blocks_and_leaves_one_token():
     kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
     a = req("a", list(range(12)))
-    a_blocks = kv.allocate_slots(a, 12)
+    (a_blocks,) = kv.allocate_slots(a, 12)
     b = req("b", list(range(12)))
     hit, n = kv.get_computed_blocks(b)
     # All 3 blocks are cached but one token must be computed: only 2 blocks are hits.
-    assert n == 8 and hit == a_blocks[:2]
-    b_blocks = kv.allocate_slots(b, 4, hit)
+    assert n == 8 and hit == (a_blocks[:2],)
+    (b_blocks,) = kv.allocate_slots(b, 4, hit)
     assert b_blocks[:2] == a_blocks[:2] and b_blocks[2] != a_blocks[2]
-    assert kv.ref_cnt[a_blocks[0]] == 2
+    pool = kv.pools[0]
+    assert pool.ref_cnt[a_blocks[0]] == 2
     c = req("c", list(range(8)) + [99, 98, 97, 96, 95])
     hit, n = kv.get_computed_blocks(c)
     assert n == 8  # diverges in the third block
     kv.free(a)
     kv.free(b)
-    assert kv.ref_cnt[a_blocks[0]] == 0
+    assert pool.ref_cnt[a_blocks[0]] == 0
     # Freed blocks stay cached until reused.
     d = req("d", list(range(12)))
     assert kv.get_computed_blocks(d)[1] == 8
@@ -126,13 +127,13 @@ def test_salted_requests_share_blocks_only_with_their_salt():
         return Request(rid, tokens, SamplingParams(), None, seed=0, cache_salt=salt)
 
     a = salted("a", "alice")
-    a_blocks = kv.allocate_slots(a, 13)
-    assert kv.get_computed_blocks(salted("b", "bob")) == ([], 0)
-    assert kv.get_computed_blocks(req("c", tokens)) == ([], 0)  # no salt is its own tenant
-    assert kv.get_computed_blocks(salted("a2", "alice")) == (a_blocks[:3], 12)
+    (a_blocks,) = kv.allocate_slots(a, 13)
+    assert kv.get_computed_blocks(salted("b", "bob")) == (([],), 0)
+    assert kv.get_computed_blocks(req("c", tokens)) == (([],), 0)  # no salt: its own tenant
+    assert kv.get_computed_blocks(salted("a2", "alice")) == ((a_blocks[:3],), 12)
     # Later blocks chain from the salted first block: no hit past it either.
     b = salted("b", "bob")
-    b_blocks = kv.allocate_slots(b, 13)
+    (b_blocks,) = kv.allocate_slots(b, 13)
     assert not set(a_blocks) & set(b_blocks)
 
 
@@ -147,3 +148,38 @@ def test_root_key_is_random_per_process_unless_pythonhashseed():
 
     assert key({}) != key({})  # keys cannot be computed offline by another party
     assert key({"PYTHONHASHSEED": "7"}) == key({"PYTHONHASHSEED": "7"})
+
+
+def test_groups_grow_hit_and_free_together():
+    """Two KV-cache groups (a model's and a draft model's): each takes its own blocks from
+    its own pool for the same tokens, a prefix hit is what every group holds, and a request
+    that does not fit one group gets blocks in none."""
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True, num_groups=2)
+    a = req("a", list(range(9)))
+    target, draft = kv.allocate_slots(a, 9)
+    assert len(target) == len(draft) == 3 and kv.block_ids("a") == (target, draft)
+    assert [p.num_free for p in kv.pools] == [4, 4]
+    kv.free(a)
+    assert [p.num_free for p in kv.pools] == [7, 7]
+    # The draft's group forgets a's first block (as an eviction there would): no group
+    # hits past it, although the target's group still holds both full blocks.
+    pool = kv.pools[1]
+    del pool.cached[pool.block_hash[draft[0]]]
+    pool.block_hash[draft[0]] = None
+    assert kv.get_computed_blocks(req("b", list(range(9)))) == (([], []), 0)
+    # A request that one group cannot hold takes nothing from either.
+    pool.allocate(5)  # the draft's group keeps 2 free blocks
+    assert kv.allocate_slots(req("d", list(range(12))), 12) is None
+    assert [p.num_free for p in kv.pools] == [7, 2] and kv.block_ids("d") == ([], [])
+
+
+def test_groups_share_a_prefix_both_hold():
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True, num_groups=2)
+    a_blocks = kv.allocate_slots(req("a", list(range(12))), 12)
+    hits, n = kv.get_computed_blocks(req("b", list(range(12))))
+    assert n == 8 and hits == tuple(blocks[:2] for blocks in a_blocks)
+    b_blocks = kv.allocate_slots(req("b", list(range(12))), 4, hits)
+    for g in range(2):
+        assert b_blocks[g][:2] == a_blocks[g][:2] and b_blocks[g][2] != a_blocks[g][2]
+        assert kv.pools[g].ref_cnt[a_blocks[g][0]] == 2
+    assert not kv.reset_prefix_cache()  # requests hold blocks

@@ -140,7 +140,8 @@ def test_prefix_cache_holds_only_accepted_tokens(spec_llm, llama_llm, prompts, p
     for i in range(len(seq) // S):
         parent = block_key(parent, seq[i * S : (i + 1) * S])
         keys.add(parent)
-    assert kv.cached and set(kv.cached) <= keys
+    cached = kv.pools[0].cached  # the one KV-cache group
+    assert cached and set(cached) <= keys
     # A continuation of the whole sequence hits those blocks and matches the plain engine.
     before = kv.prefix_hits
     follow = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -197,7 +197,8 @@ def test_drafts_verified_and_rejected_positions_recomputed():
             for i in range(len(seq) // 4):
                 parent = block_key(parent, seq[i * 4 : (i + 1) * 4])
                 keys.add(parent)
-        assert kv.cached and set(kv.cached) <= keys
+        cached = kv.pools[0].cached  # the one KV-cache group
+        assert cached and set(cached) <= keys
 
 
 def test_host_side_imports_no_jax():
@@ -270,11 +271,11 @@ def test_draft_lookahead_slots_are_a_wish():
     core = EngineCore(sched, MockRunner(), None, 128, eos_token_id=999)
     core.add_request("b", [7, 8, 9], params(2))  # 3 + 2 ahead (max_tokens caps the 3)
     core.step()
-    assert len(sched.kv_cache.block_ids("b")) == 2
+    assert len(sched.kv_cache.block_ids("b")[0]) == 2
     assert run(core)["b"].outputs[0].token_ids == [10, 11]
     core.add_request("a", list(range(1, 10)), params(4))  # 9 + 3 ahead: all 3 blocks
     core.step()
-    assert len(sched.kv_cache.block_ids("a")) == 3
+    assert len(sched.kv_cache.block_ids("a")[0]) == 3
     # Its next decodes want slots up to 13 (a 4th block): they run in the 3 it has.
     assert run(core)["a"].outputs[0].token_ids == [10, 11, 12, 13]
     assert sched.num_preemptions == 0

@@ -184,9 +184,10 @@ def test_step_reads_the_stacked_cache_in_place(llama_dir, backend):
     runner = llm.llm_engine.runner
     buf, layout, _ = runner._packed_inputs(2, 1)
     text = runner._forward_executable((2, 1), jax.device_put(buf), layout).as_text()
-    shape = runner.kv_cache.shape
+    (cache,) = runner.kv_cache  # one KV-cache group
+    shape = cache.shape
     assert not layer_sized(text, shape)
-    sliced = jax.jit(lambda c, i: c[i] * 2).lower(runner.kv_cache, 1).compile().as_text()
+    sliced = jax.jit(lambda c, i: c[i] * 2).lower(cache, 1).compile().as_text()
     assert layer_sized(sliced, shape)
 
 

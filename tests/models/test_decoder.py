@@ -1,6 +1,6 @@
 """The shared decoder (jllm/models/decoder.py): how layer kinds are planned into scanned
-segments, a model split into several segments answering as the one-scan model does, and the
-optional embedding scale and final soft cap."""
+segments, a model split into several segments (and several KV-cache groups) answering as the
+one-scan model does, and the optional embedding scale and final soft cap."""
 
 from __future__ import annotations
 
@@ -17,7 +17,13 @@ from flax import nnx
 from oracle import SMALL, TINY, prompt_ids, same_outputs
 
 from jllm import LLM, SamplingParams
-from jllm.models.decoder import Segment, plan_segments
+from jllm.models.decoder import (
+    KVCacheGroup,
+    Segment,
+    layer_rows,
+    plan_segments,
+    segment_rows,
+)
 from jllm.models.llama import LlamaConfig, LlamaForCausalLM
 from jllm.models.rope import RopeConfig
 
@@ -78,7 +84,8 @@ def seven_layers(tmp_path_factory, tokenizer_dir):
 def test_segments_answer_as_one_scan(seven_layers, monkeypatch):
     """The same checkpoint with its 7 layers planned as one scan, and as ((a, b) x 3, (a,)):
     two segments, a scan body of two layers, each stack of three layers loaded from every
-    other checkpoint layer. Greedy tokens and logprobs agree."""
+    other checkpoint layer; then with each kind a KV-cache group of its own. Greedy tokens
+    and logprobs agree."""
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
     prompts = [{"prompt_token_ids": p} for p in prompt_ids(3, 9, seed=2)]
     settings = {**SMALL, "dtype": "float32", "max_num_batched_tokens": 16}  # chunked prefill
@@ -95,6 +102,20 @@ def test_segments_answer_as_one_scan(seven_layers, monkeypatch):
     assert state["blocks"][0][1]["mlp"]["up_proj"]["weight"].get_value().shape[0] == 3
     got = [o.outputs[0] for o in split.generate(prompts, params, use_tqdm=False)]
     same_outputs(got, expected, logprob_tol=1e-5)
+
+    # Each kind's layers a KV-cache group of their own: two caches of 4 and 3 layers, two
+    # block pools and tables; the same answers, and again from the prefix cache.
+    monkeypatch.setattr(
+        LlamaForCausalLM, "attention_kind", classmethod(lambda cls, cfg, kind: kind)
+    )
+    groups = LLM(seven_layers, **settings)
+    engine = groups.llm_engine
+    assert [c.shape[0] for c in engine.runner.kv_cache] == [4, 3]
+    assert engine.scheduler.kv_cache.num_groups == 2
+    for _ in range(2):
+        got = [o.outputs[0] for o in groups.generate(prompts, params, use_tqdm=False)]
+        same_outputs(got, expected, logprob_tol=1e-5)
+    assert engine.scheduler.kv_cache.prefix_hits > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,3 +154,23 @@ def test_embed_scale_and_final_soft_cap():
     assert np.abs(raw).max() > 2.0  # the cap bites
     np.testing.assert_allclose(capped.compute_logits(hidden), np.tanh(raw), rtol=1e-5)
     assert list(itertools.islice(plain.segments, 1)) == [Segment((None,), 2, 0)]
+
+
+def test_each_layer_finds_its_row_in_its_group():
+    """A layer's group and row, computed in the scan from its segment and repeat index, are
+    its group and its rank among that group's layers, for Gemma-like patterns and random
+    ones."""
+    rng = random.Random(1)
+    gemma3 = (["local"] * 5 + ["global"]) * 5
+    cases = [gemma3[:26], ["local", "global"] * 13, ["dense"] + ["moe"] * 7]
+    cases += [[rng.choice("abc") for _ in range(rng.randint(1, 30))] for _ in range(200)]
+    for kinds in cases:
+        order = list(dict.fromkeys(kinds))
+        groups = [KVCacheGroup(k, tuple(i for i, x in enumerate(kinds) if x == k)) for k in order]
+        rows = layer_rows(groups)
+        for seg in plan_segments(kinds):
+            for j, (g, row, per_repeat) in enumerate(segment_rows(seg, rows)):
+                for k in range(seg.repeats):
+                    i = seg.first + k * len(seg.pattern) + j
+                    assert groups[g].kind == kinds[i]
+                    assert groups[g].layers[row + k * per_repeat] == i

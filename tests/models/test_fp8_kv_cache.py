@@ -41,7 +41,7 @@ def test_fp8_cache_on_every_backend(llama_dir, float_logprobs, kv_cache_dtype):
         args = {**SMALL, "attention_backend": backend, "max_num_batched_tokens": 32}
         llm = LLM(llama_dir, dtype="float32", kv_cache_dtype=kv_cache_dtype, **args)
         runner = llm.llm_engine.runner
-        assert runner.kv_cache.dtype == np.uint8  # on the CPU: the float8 bytes
+        assert runner.kv_cache[0].dtype == np.uint8  # on the CPU: the float8 bytes
         want = "float8_e4m3fn" if kv_cache_dtype == "fp8" else "float8_e5m2"
         assert runner.layout.kv_fp8 == want
         runs[backend] = prompt_logprobs(llm)

@@ -96,7 +96,7 @@ def test_smollm2_tp3_matches_tp1(smollm):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     want = smollm.chat(convs, params, use_tqdm=False)
     tp3 = LLM(tensor_parallel_size=3, **ARGS)
-    assert tp3.llm_engine.runner.kv_cache.addressable_shards[0].data.shape[3] == 2
+    assert tp3.llm_engine.runner.kv_cache[0].addressable_shards[0].data.shape[3] == 2
     got = tp3.chat(convs, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 

@@ -31,7 +31,9 @@ def schedule(out, batch, i, computed, new, total, params=None, drafts=()):
     blocks = list(range(1 + 64 * i, 1 + 64 * i + -(-(computed + new) // S)))
     rid = f"r{i}"
     params = params or SamplingParams()
-    batch.add(NewRequestData(rid, list(range(1, total + 1)), [], params, i, None, blocks, computed))
+    batch.add(
+        NewRequestData(rid, list(range(1, total + 1)), [], params, i, None, (blocks,), computed)
+    )
     out.num_scheduled_tokens[rid] = new
     if drafts:
         out.scheduled_spec_decode_tokens[rid] = list(drafts)
@@ -47,7 +49,7 @@ def test_rows_sorted_for_bands_and_trip_counts_cover_each_row():
     for i, (done, new) in enumerate(chunks, start=20):
         schedule(out, batch, i, done, new, done + new)
     inputs, _, _, _, _ = build_step(batch, out, LAYOUT, get_backend("xla"))
-    md = inputs.attn
+    md = inputs.attn[0]
 
     # Decode rows: longest context first; every band loops far enough for each of its rows.
     rd = md.decode_kv_lens.shape[0]
@@ -84,7 +86,7 @@ def test_ragged_and_xla_metadata_describe_the_same_batch():
     schedule(out, batch, 1, 0, 9, 9)
     ragged, _, _, shape, _ = build_step(batch, out, LAYOUT, get_backend("cpu_kernel"))
     xla, _, _, _, _ = build_step(batch, out, LAYOUT, get_backend("xla"))
-    r, x = ragged.attn, xla.attn
+    (r,), (x,) = ragged.attn, xla.attn  # one KV-cache group
     assert not hasattr(r, "tile_q_pos") and not hasattr(x, "query_start")
     np.testing.assert_array_equal(r.slot_mapping, x.slot_mapping)
     rd, tt = shape
@@ -112,9 +114,9 @@ def test_verification_row_samples_after_each_draft():
     assert inputs.logits_indices[0] == 4  # the plain decode, the shortest context
     np.testing.assert_array_equal(inputs.token_ids[at], [20, 50, 51, 52])
     np.testing.assert_array_equal(inputs.positions[at], [19, 20, 21, 22])
-    np.testing.assert_array_equal(inputs.attn.query_start[at], at)
-    np.testing.assert_array_equal(inputs.attn.query_lens[at], 1)
-    np.testing.assert_array_equal(inputs.attn.kv_lens[at], [20, 21, 22, 23])  # causal
+    np.testing.assert_array_equal(inputs.attn[0].query_start[at], at)
+    np.testing.assert_array_equal(inputs.attn[0].query_lens[at], 1)
+    np.testing.assert_array_equal(inputs.attn[0].kv_lens[at], [20, 21, 22, 23])  # causal
     assert (inputs.from_device[:5] == -1).all()
     np.testing.assert_array_equal(md.draft[:5], [-1, 50, 51, 52, -1])
     np.testing.assert_array_equal(md.group_first[:5], [0, 1, 1, 1, 1])
@@ -134,8 +136,41 @@ def test_verification_rows_past_the_decode_bucket_take_tiles():
     schedule(out, batch, 1, 19, 4, 20, drafts=[50, 51, 52])  # 1 + 4 > 4 decode rows
     inputs, _, groups, shape, _ = build_step(batch, out, layout, get_backend("cpu_kernel"))
     assert shape == (1, 1)
-    start = inputs.attn.query_start[1]
-    assert inputs.attn.query_lens[1] == 4 and start == 1
+    start = inputs.attn[0].query_start[1]
+    assert inputs.attn[0].query_lens[1] == 4 and start == 1
     np.testing.assert_array_equal(inputs.token_ids[start : start + 4], [20, 50, 51, 52])
     np.testing.assert_array_equal(inputs.logits_indices[1:5], range(start, start + 4))
     assert [(g.req_id, g.first, g.count) for g in groups] == [("r0", 0, 1), ("r1", 1, 4)]
+
+
+def test_each_kv_cache_group_reads_its_own_block_tables():
+    """With two KV-cache groups (a model's and a draft's) every token's slot and every row's
+    block table come from its group's table; the rest of the metadata is the same."""
+    out, batch = SchedulerOutput(), InputBatch(64, 256, LAYOUT.max_pages, num_kv_groups=2)
+    for i, (computed, new, total) in enumerate([(30, 1, 31), (0, 9, 9)]):
+        n = -(-(computed + new) // S)
+        blocks = (
+            list(range(1 + 64 * i, 1 + 64 * i + n)),
+            list(range(300 + 64 * i, 300 + 64 * i + n)),
+        )
+        prompt = list(range(1, total + 1))
+        batch.add(NewRequestData(f"r{i}", prompt, [], SamplingParams(), i, None, blocks, computed))
+        out.num_scheduled_tokens[f"r{i}"] = new
+    inputs, _, _, _, _ = build_step(batch, out, LAYOUT, get_backend("cpu_kernel"))
+    first, second = inputs.attn
+    for md, g in ((first, 0), (second, 1)):
+        table = batch.block_table[g]
+        np.testing.assert_array_equal(md.block_tables[:2], table[[0, 1]])
+        assert (md.block_tables[2:] == 0).all()
+        # the decode at position 30, then the 9 prompt tokens of row 1 (a tile of 4 later)
+        assert md.slot_mapping[0] == table[0, 30 // S] * S + 30 % S
+        start = md.query_start[1]
+        np.testing.assert_array_equal(
+            md.slot_mapping[start : start + 9], table[1, np.arange(9) // S] * S + np.arange(9) % S
+        )
+        live = np.zeros(len(md.slot_mapping), bool)
+        live[0], live[start : start + 9] = True, True
+        assert (md.slot_mapping[~live] == LAYOUT.num_blocks * S).all()  # the dropped slot
+    assert not set(first.slot_mapping[:1]) & set(second.slot_mapping[:1])  # own blocks
+    for name in ("kv_lens", "query_start", "query_lens"):
+        np.testing.assert_array_equal(getattr(first, name), getattr(second, name))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import pytest
 
-from jllm.runner.kv_cache import abstract_kv_cache, determine_num_blocks
+from jllm.runner.kv_cache import CacheSpec, abstract_kv_cache, determine_num_blocks
 
 GiB = 1 << 30
 
@@ -65,9 +65,10 @@ def test_profile_of_the_largest_bucket(llama_llm):
     allocated) and counts at least the logits of the largest sampler bucket."""
     engine = llama_llm.llm_engine
     runner, cfg = engine.runner, engine.model_config
-    cache = abstract_kv_cache(cfg, 4, runner.layout.block_size, engine.dtype, runner.mesh)
-    assert isinstance(cache, jax.ShapeDtypeStruct) and cache.shape[1] == 4
+    spec = CacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    cache = abstract_kv_cache(spec, 4, runner.layout.block_size, engine.dtype, runner.mesh)
+    assert isinstance(cache, jax.ShapeDtypeStruct) and cache.shape[:2] == (cfg.num_layers, 4)
     largest_rs = runner.layout.sample_rows(
         runner.layout.decode_buckets[-1], runner.layout.tile_buckets[-1]
     )
-    assert runner.profile_step_bytes(cache) >= largest_rs * cfg.vocab_size * 4
+    assert runner.profile_step_bytes((cache,)) >= largest_rs * cfg.vocab_size * 4

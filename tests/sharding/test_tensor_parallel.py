@@ -44,7 +44,7 @@ def test_greedy_equals_tp1(tiny_models, reference, arch, tp):
     kv_heads = engine.model_config.num_kv_heads
     assert kv_heads == max(tp, {"llama-h8kv2": 2, "llama-h8kv8": 8}[arch])
     # Every device holds 1/tp of the cache (its kv heads) ...
-    cache = engine.runner.kv_cache
+    (cache,) = engine.runner.kv_cache  # one KV-cache group
     assert len(cache.sharding.device_set) == tp
     assert cache.addressable_shards[0].data.shape[3] == 2 * kv_heads // tp
     assert shard_fraction(cache) == pytest.approx(1 / tp)

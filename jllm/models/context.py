@@ -1,0 +1,66 @@
+"""The step context: what one step's forward carries down to every layer besides the hidden
+states, as one registered pytree (`StepContext`), so that a new per-token input (an adapter
+slot, an image embedding) is a field here instead of a new argument on every signature.
+
+The runner builds it from the step's inputs; the decoder (`models/decoder.py`) completes it
+(`live`) and, per layer, says which KV-cache group and which row of that group's stacked
+cache the layer owns (`at_layer`). A layer's attention calls `ctx.attend`, which picks the
+group's cache and metadata and runs the backend. Every `Linear` takes the context, so that a
+LoRA delta can read each token's adapter slot; fields a step does not use are None, which
+costs nothing in the compiled step.
+
+KV-cache groups: the layers of one attention kind share a group (one block table, one
+stacked cache [Lg, B, S, 2K, H] whose row r is the group's r-th layer); `attn` holds each
+group's attention metadata and `attend` reads and returns the tuple of group caches.
+
+Glossary: T tokens, D model dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+
+
+@partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["positions", "attn", "live", "layer", "lora_slots", "embeds", "embeds_mask"],
+    meta_fields=["backend", "group"],
+)
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    positions: jax.Array  # [T] token positions ([3, T] for M-RoPE's three rows)
+    attn: tuple  # each KV-cache group's attention metadata, in the model's group order
+    backend: object = None  # the AttentionBackend (jllm/attention/): static
+    live: jax.Array | None = None  # [T] bool: the tokens that are not padding
+    layer: jax.Array | None = None  # the current layer's row in its group's cache (int32)
+    group: int = 0  # the current layer's KV-cache group: static
+    lora_slots: jax.Array | None = None  # [T] int32 adapter slot per token (0: none)
+    embeds: jax.Array | None = None  # [T, D] embeddings that replace the tokens' own
+    embeds_mask: jax.Array | None = None  # [T] bool: where `embeds` replaces them
+
+    def replace(self, **changes) -> StepContext:
+        return dataclasses.replace(self, **changes)
+
+    def at_layer(self, group: int, row) -> StepContext:
+        """The context of a layer: its KV-cache group and its row in that group's cache."""
+        return self.replace(group=group, layer=row)
+
+    def attend(self, q, k, v, kv_caches: tuple, *, scale, window=None, soft_cap=None):
+        """The current layer's attention over its group's cache: q [T, N, H], k/v [T, K, H]
+        -> (out [T, N, H], the tuple of group caches with this group's updated)."""
+        g = self.group
+        out, cache = self.backend.attend(
+            q,
+            k,
+            v,
+            kv_caches[g],
+            self.layer,
+            self.attn[g],
+            scale=scale,
+            window=window,
+            soft_cap=soft_cap,
+        )
+        return out, (*kv_caches[:g], cache, *kv_caches[g + 1 :])
