@@ -60,6 +60,8 @@ class CpuKernelBackend(_Ragged):
     compiler builds it."""
 
     name: str = "cpu_kernel"
+    supports_window = True
+    supports_soft_cap = True
 
     def unsupported(self, platform, dtype, head_dim, block_size, fp8_cache):
         if platform != "cpu":
@@ -72,12 +74,11 @@ class CpuKernelBackend(_Ragged):
         load_cpu_kernel()  # CpuKernelUnavailable says why it cannot be built
 
     def attend(self, q, k, v, kv_cache, layer, md, *, scale, window=None, soft_cap=None):
-        self.check(window, soft_cap)
         kv_cache, fp8 = write_step_kv(kv_cache, layer, k, v, md)
         args = (md.kv_lens, md.block_tables, md.query_start, md.query_lens, md.num_seqs)
         if not is_fp8_cache(kv_cache.dtype, fp8):  # q in the cache's float dtype
             q = q.astype(kv_cache.dtype)
-        options = dict(sm_scale=scale, fp8_dtype=fp8)
+        options = dict(sm_scale=scale, sliding_window=window, soft_cap=soft_cap, fp8_dtype=fp8)
         mesh = _model_mesh()
         if mesh is not None:
             out = ragged_paged_attention_cpu_sharded(

@@ -69,21 +69,26 @@ def _checked_args(
     return q, kv_cache, layer, kv_lens, block_tables, query_start, query_lens, num_seqs
 
 
-def _scale(q, sm_scale) -> np.float32:
-    validate_options(sm_scale, None, None)
-    return np.float32(1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale)
+def _options(q, sm_scale, sliding_window, soft_cap) -> dict:
+    """The checked options as the kernel's attributes (0 for an option that is off)."""
+    validate_options(sm_scale, sliding_window, soft_cap)
+    return dict(
+        sm_scale=np.float32(1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale),
+        sliding_window=np.int64(sliding_window or 0),
+        soft_cap=np.float32(soft_cap or 0.0),
+    )
 
 
 # The float8 format of a uint8 cache, as the kernel's `fp8` attribute (0: not float8 bytes).
 FP8_FORMATS = {jnp.dtype(jnp.float8_e4m3fn): 1, jnp.dtype(jnp.float8_e5m2): 2}
 
 
-def _call(*args, sm_scale, fp8_dtype=None):
-    """The FFI call on checked arguments (q first)."""
+def _call(*args, fp8_dtype=None, **options):
+    """The FFI call on checked arguments (q first) with `_options`' attributes."""
     q = args[0]
     fp8 = np.int64(0 if fp8_dtype is None else FP8_FORMATS[jnp.dtype(fp8_dtype)])
     return jax.ffi.ffi_call(load_cpu_kernel(), jax.ShapeDtypeStruct(q.shape, q.dtype))(
-        *args, sm_scale=sm_scale, fp8=fp8
+        *args, fp8=fp8, **options
     )
 
 
@@ -98,18 +103,22 @@ def ragged_paged_attention_cpu(
     *,
     layer=None,
     sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
     fp8_dtype=None,
 ) -> jax.Array:
     """Ragged paged attention on the CPU; the reference's arguments and result.
 
     kv_cache is one layer [B, S, 2K, H], or the stacked cache [L, B, S, 2K, H] with `layer`
     (an int or an int32 scalar array, traced or not) picking the layer to read; of q's
-    dtype, or float8 (an array of that dtype, or uint8 bytes with `fp8_dtype`).
+    dtype, or float8 (an array of that dtype, or uint8 bytes with `fp8_dtype`). With a
+    sliding window only the pages inside it are read.
     """
     args = _checked_args(
         q, kv_cache, layer, kv_lens, block_tables, query_start, query_lens, num_seqs, fp8_dtype
     )
-    return _call(*args, sm_scale=_scale(q, sm_scale), fp8_dtype=fp8_dtype)
+    options = _options(q, sm_scale, sliding_window, soft_cap)
+    return _call(*args, fp8_dtype=fp8_dtype, **options)
 
 
 def ragged_paged_attention_cpu_sharded(
@@ -125,6 +134,8 @@ def ragged_paged_attention_cpu_sharded(
     num_seqs,
     *,
     sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
     fp8_dtype=None,
 ):
     """The CPU kernel with heads split over `mesh` axis `axis` (as in sharded.py): each device
@@ -132,10 +143,11 @@ def ragged_paged_attention_cpu_sharded(
     args = _checked_args(
         q, kv_cache, layer, kv_lens, block_tables, query_start, query_lens, num_seqs, fp8_dtype
     )
+    options = _options(q, sm_scale, sliding_window, soft_cap)
     heads = P(None, axis, None)
     replicated = (P(),) * 6
     return jax.shard_map(
-        functools.partial(_call, sm_scale=_scale(q, sm_scale), fp8_dtype=fp8_dtype),
+        functools.partial(_call, fp8_dtype=fp8_dtype, **options),
         mesh=mesh,
         in_specs=(heads, P(None, None, None, axis, None), *replicated),
         out_specs=heads,

@@ -7,7 +7,10 @@
 // [L, B, S, 2K, H] (K of kv head k at head index 2k, V at 2k + 1). Rows no request owns come
 // out zero. float32 and bfloat16 q, with a cache of the same dtype or of float8 (e4m3fn or
 // e5m2, scale 1, decoded through a 256-entry table; as float8 buffers, or as uint8 bytes with
-// the `fp8` attribute naming the format); accumulation in float32.
+// the `fp8` attribute naming the format); accumulation in float32. Two options, each 0 when
+// off: `sliding_window` W (a query at position p sees keys p - W + 1 .. p; only the pages
+// that hold some of those are read) and `soft_cap` c (scaled scores s become c * tanh(s / c)
+// before the mask and the softmax).
 //
 // One work item is one request's block of up to kQueryBlock queries with all its heads,
 // reading the request's pages front to back. Items are shared out over XLA's intra-op thread
@@ -65,6 +68,7 @@ struct Two {
   friend Two operator+(const Two& a, const Two& b) { return {a.lo + b.lo, a.hi + b.hi}; }
   friend Two operator-(const Two& a, const Two& b) { return {a.lo - b.lo, a.hi - b.hi}; }
   friend Two operator*(const Two& a, const Two& b) { return {a.lo * b.lo, a.hi * b.hi}; }
+  friend Two operator/(const Two& a, const Two& b) { return {a.lo / b.lo, a.hi / b.hi}; }
   friend Two operator+(const Two& a, E b) { return {a.lo + b, a.hi + b}; }
   friend Two operator-(const Two& a, E b) { return {a.lo - b, a.hi - b}; }
   friend Two operator*(const Two& a, E b) { return {a.lo * b, a.hi * b}; }
@@ -254,14 +258,26 @@ inline v16 lanewise(F f, const A&... a) {
 #endif
 }
 
+// 0, 1, .., 15.
+inline v16i lane_index() {
+#ifdef __AVX512F__
+  return v16i{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#else
+  return v16i{v8i{0, 1, 2, 3, 4, 5, 6, 7}, v8i{8, 9, 10, 11, 12, 13, 14, 15}};
+#endif
+}
+
 // Lanes t < n of a, the others of b.
 inline v16 first_lanes(int32_t n, v16 a, v16 b) {
-#ifdef __AVX512F__
-  const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-#else
-  const v16i lane = {v8i{0, 1, 2, 3, 4, 5, 6, 7}, v8i{8, 9, 10, 11, 12, 13, 14, 15}};
-#endif
-  return lanewise([n](auto lane, auto a, auto b) { return lane < n ? a : b; }, lane, a, b);
+  return lanewise([n](auto lane, auto a, auto b) { return lane < n ? a : b; }, lane_index(), a,
+                  b);
+}
+
+// Lanes lo <= t < hi of a, the others of b.
+inline v16 lanes_between(int32_t lo, int32_t hi, v16 a, v16 b) {
+  return lanewise(
+      [lo, hi](auto lane, auto a, auto b) { return lane < hi ? (lane < lo ? b : a) : b; },
+      lane_index(), a, b);
 }
 
 // Lane-wise max and sum over the 16 lanes, as a tree of shuffles (without AVX-512: the
@@ -330,6 +346,27 @@ inline v16 exp16(v16 x) {
   return y * scale;
 }
 
+// tanh on 16 lanes: the odd rational approximation of degrees 13/6 that Eigen and XLA use
+// (a few ulp), on x clamped to where tanh rounds to +-1 in float32.
+inline v16 tanh16(v16 x) {
+  const v16 hi = zero_vector() + 7.90531110763549805f, lo = zero_vector() - 7.90531110763549805f;
+  x = lanewise([](auto x, auto lo, auto hi) { return x < lo ? lo : (x > hi ? hi : x); }, x, lo, hi);
+  const v16 x2 = x * x;
+  v16 p = x2 * -2.76076847742355e-16f + 2.00018790482477e-13f;
+  p = p * x2 + -8.60467152213735e-11f;
+  p = p * x2 + 5.12229709037114e-08f;
+  p = p * x2 + 1.48572235717979e-05f;
+  p = p * x2 + 6.37261928875436e-04f;
+  p = p * x2 + 4.89352455891786e-03f;
+  v16 q = x2 * 1.19825839466702e-06f + 1.18534705686654e-04f;
+  q = q * x2 + 2.26843463243900e-03f;
+  q = q * x2 + 4.89352518554385e-03f;
+  return p * x / q;
+}
+
+// The soft cap c on 16 scores: c * tanh(s / c).
+inline v16 soft_cap16(v16 s, float c) { return c * tanh16(s * (1.0f / c)); }
+
 struct Problem {
   const void* q;
   const void* cache;  // this layer's [B, S, 2K, H]
@@ -340,7 +377,14 @@ struct Problem {
   const int32_t* query_lens;
   int64_t S, K, G, H, P;
   float scale;
+  int64_t window;  // sliding window W, 0 for none
+  float soft_cap;  // 0 for none
 };
+
+// The first key position a query at `pos` sees: pos - W + 1, or 0 without a window.
+inline int64_t first_key(const Problem& pb, int64_t pos) {
+  return pb.window ? std::max<int64_t>(0, pos - pb.window + 1) : 0;
+}
 
 constexpr int kQueryBlock = 16;
 
@@ -388,36 +432,42 @@ void run_item(const Problem& pb, const Item& it, std::vector<float>& scratch) {
   for (int64_t j = 0; j < rows; ++j)
     for (int64_t h = 0; h < H; ++h) qf[j * H + h] = D::load(q[j * H + h]) * pb.scale;
 
-  const int64_t kv_end = pos0 + it.num_queries;  // keys [0, kv_end) are read
+  const int64_t kv_end = pos0 + it.num_queries;  // keys [kv_lo, kv_end) are read
+  const int64_t kv_lo = first_key(pb, pos0);
   const int64_t num_pages = (kv_end + S - 1) / S;
   const int32_t* table = pb.block_tables + r * pb.P;
   const Ct* cache = static_cast<const Ct*>(pb.cache);
   const int64_t page_elems = S * K2 * H;
+  const float cap = pb.soft_cap;
 
-  for (int64_t pi = 0; pi < num_pages; ++pi) {
+  for (int64_t pi = kv_lo / S; pi < num_pages; ++pi) {
     const Ct* page = cache + int64_t(table[pi]) * page_elems;
     const int64_t key0 = pi * S;
     const int64_t nt = std::min(S, kv_end - key0);
     for (int64_t k = 0; k < K; ++k) {
-      for (int64_t t = 0; t < nt; ++t) {  // this kv head's keys and values, in float32
+      // This kv head's keys and values some query sees, in float32.
+      for (int64_t t = std::max<int64_t>(0, kv_lo - key0); t < nt; ++t) {
         const Ct* kp = page + (t * K2 + 2 * k) * H;
         for (int64_t h = 0; h < H; ++h) kf[t * H + h] = C::load(kp[h]);
         for (int64_t h = 0; h < H; ++h) vf[t * H + h] = C::load(kp[H + h]);
       }
       for (int64_t i = 0; i < it.num_queries; ++i) {
         const int64_t visible = std::min(nt, pos0 + i - key0 + 1);  // keys t < visible
-        if (visible <= 0) continue;
+        const int64_t t0 = std::max<int64_t>(0, first_key(pb, pos0 + i) - key0);  // and t >= t0
+        if (visible <= t0) continue;
         for (int64_t g = 0; g < G; ++g) {
           const int64_t j = i * N + k * G + g;
           const float* qj = qf + j * H;
-          for (int64_t t = 0; t < visible; ++t) {
+          for (int64_t t = t0; t < visible; ++t) {
             float dot = 0.0f;
             for (int64_t h = 0; h < H; ++h) dot += qj[h] * kf[t * H + h];
             sj[t] = dot;
           }
+          if (cap > 0.0f)
+            for (int64_t t = t0; t < visible; ++t) sj[t] = cap * std::tanh(sj[t] / cap);
           float m_new = m[j], sum = 0.0f;
-          for (int64_t t = 0; t < visible; ++t) m_new = std::max(m_new, sj[t]);
-          for (int64_t t = 0; t < visible; ++t) {
+          for (int64_t t = t0; t < visible; ++t) m_new = std::max(m_new, sj[t]);
+          for (int64_t t = t0; t < visible; ++t) {
             sj[t] = exp_nonpositive(sj[t] - m_new);
             sum += sj[t];
           }
@@ -428,7 +478,7 @@ void run_item(const Problem& pb, const Item& it, std::vector<float>& scratch) {
           // non-finite value times p = 0 would be NaN).
           float* aj = acc + j * H;
           for (int64_t h = 0; h < H; ++h) aj[h] *= alpha;
-          for (int64_t t = 0; t < visible; ++t) {
+          for (int64_t t = t0; t < visible; ++t) {
             const float p = sj[t];
             for (int64_t h = 0; h < H; ++h) aj[h] += p * vf[t * H + h];
           }
@@ -466,6 +516,13 @@ inline void transpose8(v8* r) {
 // Lanes where c <= b take a, the others z (lane-wise, on v16).
 inline v16 where_le(v16 c, v16 b, v16 a, v16 z) {
   return lanewise([](auto c, auto b, auto a, auto z) { return c <= b ? a : z; }, c, b, a, z);
+}
+
+// Lanes where lo <= c <= hi take a, the others z.
+inline v16 where_in(v16 c, v16 lo, v16 hi, v16 a, v16 z) {
+  return lanewise(
+      [](auto c, auto lo, auto hi, auto a, auto z) { return c <= hi ? (lo <= c ? a : z) : z; }, c,
+      lo, hi, a, z);
 }
 
 inline v16 max_v16(v16 a, v16 b) {
@@ -542,6 +599,7 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
   const int64_t q_row0 = int64_t(pb.query_start[r]) + it.first_query;
   const int64_t pos0 = int64_t(pb.kv_lens[r]) - pb.query_lens[r] + it.first_query;
   const int64_t num_pages = (pos0 + it.num_queries - 1) / kS + 1;
+  const int64_t kv_lo = first_key(pb, pos0), W = pb.window;  // the first key some row sees
   const int32_t* table = pb.block_tables + r * pb.P;
   const Ct* cache = static_cast<const Ct*>(pb.cache);
   const int64_t page_elems = kS * K2 * kH, row_elems = K2 * kH;
@@ -571,7 +629,7 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
   std::fill(m, m + groups * kL, -INFINITY);
   std::fill(l, l + groups * kL, 0.0f);
 
-  for (int64_t pi = 0; pi < num_pages; ++pi) {
+  for (int64_t pi = kv_lo / kS; pi < num_pages; ++pi) {
     const Ct* page = cache + int64_t(table[pi]) * page_elems;
     const char* next = next_page(cache, table, pi, num_pages, page_elems);
     const int64_t key0 = pi * kS;
@@ -584,7 +642,7 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
         stride = row_elems;
       } else {  // the tokens some row sees
         const int64_t nt = std::min<int64_t>(kS, pos0 + it.num_queries - key0);
-        for (int64_t t = 0; t < nt; ++t) {
+        for (int64_t t = std::max<int64_t>(0, kv_lo - key0); t < nt; ++t) {
           const Ct* kp = page + t * row_elems + 2 * k * kH;
           for (int64_t h = 0; h < kH; h += 16) {
             store16(kf + t * kH + h, C::load16(kp + h));
@@ -602,14 +660,25 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
         const int64_t last = pos0 + (std::min(gi * kL + kL, nr) - 1) / G;
         if (next) prefetch_share(next, page_bytes, k * ng + gi, K * ng);
         if (key0 > last) continue;
-        const int64_t nt = std::min<int64_t>(kS, last + 1 - key0);          // keys some row sees
-        const int64_t full = std::clamp<int64_t>(first + 1 - key0, 0, nt);  // every row sees
+        // Keys begin <= t < nt are some row's. Row p sees keys p - W + 1 .. p: those before
+        // `shared` lie outside the windows of the group's later rows (the window's lower
+        // edge), those from `full` past the positions of its earlier rows; every row sees
+        // those between. Without a window, begin = shared = 0.
+        const int64_t nt = std::min<int64_t>(kS, last + 1 - key0);
+        int64_t begin = 0, shared = 0;
+        if (W) {
+          begin = std::clamp<int64_t>(first - W + 1 - key0, 0, nt);
+          if (begin == nt) continue;
+          shared = std::clamp<int64_t>(last - W + 1 - key0, begin, nt);
+        }
+        const int64_t full = std::clamp<int64_t>(first + 1 - key0, shared, nt);
         const int64_t group = k * ng + gi;
         const float* qg = qt + group * kH * kL;
         float* ag = acc + group * kH * kL;
         const v16 pos = load16(qpos + gi * kL);
-        // Scores of keys t < nt (a tile past nt reads the page's stale rows; masked below).
-        for (int64_t t0 = 0; t0 < nt; t0 += kKeyTile) {
+        // Scores of keys begin <= t < nt (a tile outside reads the page's stale rows or
+        // ones no row sees; never used).
+        for (int64_t t0 = begin & -kKeyTile; t0 < nt; t0 += kKeyTile) {
           v16 a[kKeyTile];
           for (int u = 0; u < kKeyTile; ++u) a[u] = zero;
           const float* kt = keys + t0 * stride;
@@ -619,10 +688,19 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
           }
           for (int u = 0; u < kKeyTile; ++u) store16(s + (t0 + u) * kL, a[u]);
         }
-        // The online softmax, lane by lane: keys past a row's position score -inf.
+        if (pb.soft_cap > 0.0f)
+          for (int64_t t = begin; t < nt; ++t)
+            store16(s + t * kL, soft_cap16(load16(s + t * kL), pb.soft_cap));
+        // The online softmax, lane by lane: keys outside a row's window score -inf.
         const v16 m_old = load16(m + group * kL);
         v16 m_new = m_old;
-        for (int64_t t = 0; t < nt; ++t) {
+        for (int64_t t = begin; t < shared; ++t) {  // the lower edge: rows from p - W + 1
+          const v16 lo = pos - float(W - 1);
+          const v16 st = where_in(zero + float(key0 + t), lo, pos, load16(s + t * kL), minus_inf);
+          store16(s + t * kL, st);
+          m_new = max_v16(m_new, st);
+        }
+        for (int64_t t = shared; t < nt; ++t) {
           const v16 st = where_le(zero + float(key0 + t), pos, load16(s + t * kL), minus_inf);
           store16(s + t * kL, st);
           m_new = max_v16(m_new, st);
@@ -630,7 +708,7 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
         // Rows that see no key yet keep m = -inf; they subtract 0 instead (no -inf - -inf).
         const v16 base = where_le(m_new, minus_inf, zero, m_new);
         v16 sum = zero;
-        for (int64_t t = 0; t < nt; ++t) {
+        for (int64_t t = begin; t < nt; ++t) {
           const v16 st = load16(s + t * kL);
           const v16 p = where_le(st, minus_inf, zero, exp16(st - base));
           store16(s + t * kL, p);
@@ -639,13 +717,13 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
         const v16 alpha = exp16(m_old - base);
         store16(l + group * kL, load16(l + group * kL) * alpha + sum);
         store16(m + group * kL, m_new);
-        // acc = acc * alpha + sum_t p_t v_t. Past `full`, a row that does not see key t
-        // keeps its sum as it was: its p is 0, but a later position's non-finite value
-        // times 0 would be NaN.
+        // acc = acc * alpha + sum_t p_t v_t. Outside shared .. full, a row that does not see
+        // key t keeps its sum as it was: its p is 0, but another position's non-finite value
+        // times 0 would be NaN. The window's lower edge takes a pass of its own, after.
         for (int64_t h0 = 0; h0 < kH; h0 += kDimTile) {
           v16 a[kDimTile];
           for (int u = 0; u < kDimTile; ++u) a[u] = load16(ag + (h0 + u) * kL) * alpha;
-          for (int64_t t = 0; t < full; ++t) {
+          for (int64_t t = shared; t < full; ++t) {
             const v16 p = in_registers(load16(s + t * kL));
             const float* vt = values + t * stride + h0;
             for (int u = 0; u < kDimTile; ++u) a[u] += vt[u] * p;
@@ -658,6 +736,21 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
               a[u] = where_le(seen, pos, a[u] + vt[u] * p, a[u]);
           }
           for (int u = 0; u < kDimTile; ++u) store16(ag + (h0 + u) * kL, a[u]);
+        }
+        if (begin < shared) {
+          const v16 lo = pos - float(W - 1);
+          for (int64_t h0 = 0; h0 < kH; h0 += kDimTile) {
+            v16 a[kDimTile];
+            for (int u = 0; u < kDimTile; ++u) a[u] = load16(ag + (h0 + u) * kL);
+            for (int64_t t = begin; t < shared; ++t) {
+              const v16 p = load16(s + t * kL);
+              const v16 seen = zero + float(key0 + t);
+              const float* vt = values + t * stride + h0;
+              for (int u = 0; u < kDimTile; ++u)
+                a[u] = where_in(seen, lo, pos, a[u] + vt[u] * p, a[u]);
+            }
+            for (int u = 0; u < kDimTile; ++u) store16(ag + (h0 + u) * kL, a[u]);
+          }
         }
       }
     }
@@ -739,15 +832,21 @@ inline v16 fold16(const v16* v) {
 #endif
 
 // The online softmax's step for one row over one page of a decode: the page's 16 partial
-// dot products folded into scores (times `scale`), tokens from `nt` on masked out. Returns
-// the page's probabilities (0 past nt), updates the row's running max m and denominator l,
-// and sets alpha, the factor that rescales the row's accumulator.
-inline v16 page_softmax(const v16* part, int64_t nt, float scale, float& m, float& l,
-                        float& alpha) {
+// dot products folded into scores (times `scale`, then soft-capped at `cap` unless it is 0),
+// tokens outside t0 .. nt - 1 masked out (t0 > 0 only on a sliding window's first page).
+// Returns the page's probabilities (0 outside), updates the row's running max m and
+// denominator l, and sets alpha, the factor that rescales the row's accumulator.
+inline v16 page_softmax(const v16* part, int64_t t0, int64_t nt, float scale, float cap,
+                        float& m, float& l, float& alpha) {
   const v16 zero = {};
-  const v16 sv = first_lanes(nt, fold16(part) * scale, zero - INFINITY);
+  v16 sv = fold16(part) * scale;
+  if (cap > 0.0f) sv = soft_cap16(sv, cap);
+  auto keys = [t0, nt](v16 a, v16 b) {
+    return t0 ? lanes_between(t0, nt, a, b) : first_lanes(nt, a, b);
+  };
+  sv = keys(sv, zero - INFINITY);
   const float m_new = std::max(m, max16(sv));
-  const v16 pv = first_lanes(nt, exp16(sv - m_new), zero);
+  const v16 pv = keys(exp16(sv - m_new), zero);
   alpha = exp_nonpositive(m - m_new);
   l = l * alpha + sum16(pv);
   m = m_new;
@@ -759,10 +858,11 @@ constexpr int64_t kDecodeMaxG = 16;
 
 // A decode item's place in its request and its rows' online-softmax state, for both decode
 // paths (block size 16). The item's one query is its request's last (a decode row, or a
-// prefill's last block of one): it sits at kv_lens[r] - 1 and sees every key.
+// prefill's last block of one): it sits at kv_lens[r] - 1 and sees every key from kv_lo
+// (0, or the start of its sliding window), pages first_page .. num_pages - 1.
 struct DecodeRow {
   static constexpr int64_t kS = 16;
-  int64_t q_row, kv_end, num_pages, row_elems, page_elems;
+  int64_t q_row, kv_lo, kv_end, first_page, num_pages, row_elems, page_elems;
   const int32_t* table;
   float* acc;  // [N, H], from `state` (N * H + 2 * N floats)
   float* m;    // [N] running max
@@ -771,6 +871,8 @@ struct DecodeRow {
     const int64_t r = it.request, N = pb.K * pb.G;
     q_row = int64_t(pb.query_start[r]) + it.first_query;
     kv_end = int64_t(pb.kv_lens[r]) - pb.query_lens[r] + it.first_query + 1;
+    kv_lo = first_key(pb, kv_end - 1);
+    first_page = kv_lo / kS;
     num_pages = (kv_end + kS - 1) / kS;
     row_elems = 2 * pb.K * H;
     page_elems = kS * row_elems;
@@ -783,6 +885,7 @@ struct DecodeRow {
     std::fill(l, l + N, 0.0f);
   }
   int64_t tokens(int64_t page) const { return std::min<int64_t>(kS, kv_end - page * kS); }
+  int64_t first_token(int64_t page) const { return std::max<int64_t>(0, kv_lo - page * kS); }
   float inverse_sum(int64_t j) const { return l[j] > 0.0f ? 1.0f / l[j] : 0.0f; }
 };
 
@@ -830,10 +933,10 @@ void run_decode(const Problem& pb, const Item& it, std::vector<float>& scratch) 
   const int64_t page_bytes = row.page_elems * int64_t(sizeof(Ct));
   v16 part[kDecodeMaxG][DecodeRow::kS];
   v16 prob[kDecodeMaxG];
-  for (int64_t pi = 0; pi < row.num_pages; ++pi) {
+  for (int64_t pi = row.first_page; pi < row.num_pages; ++pi) {
     const Ct* page = cache + int64_t(row.table[pi]) * row.page_elems;
     const char* next = next_page(cache, row.table, pi, row.num_pages, row.page_elems);
-    const int64_t nt = row.tokens(pi);
+    const int64_t t0 = row.first_token(pi), nt = row.tokens(pi);
     for (int64_t k = 0; k < K; ++k) {
       const float* qk = qf + k * G * kH;
       page_partials(part, G, nt, k, K, next, page_bytes, [&](int64_t t) {
@@ -851,7 +954,8 @@ void run_decode(const Problem& pb, const Item& it, std::vector<float>& scratch) 
       float alpha[kDecodeMaxG];
       for (int64_t g = 0; g < G; ++g) {
         const int64_t j = k * G + g;
-        prob[g] = page_softmax(part[g], nt, 1.0f, m[j], l[j], alpha[g]);  // q was scaled
+        // q was scaled; the soft cap applies to the scaled scores.
+        prob[g] = page_softmax(part[g], t0, nt, 1.0f, pb.soft_cap, m[j], l[j], alpha[g]);
       }
       // acc = acc * alpha + sum_t p_t v_t over the page's tokens, a head at a time in
       // registers (a head's kV accumulators; the value rows come from L1 after the first).
@@ -859,7 +963,7 @@ void run_decode(const Problem& pb, const Item& it, std::vector<float>& scratch) 
         float* aj = acc + (k * G + g) * kH;
         v16 a[kV];
         for (int u = 0; u < kV; ++u) a[u] = load16(aj + 16 * u) * alpha[g];
-        for (int64_t t = 0; t < nt; ++t) {
+        for (int64_t t = t0; t < nt; ++t) {
           const Ct* vp = page + t * row.row_elems + (2 * k + 1) * kH;
           const float p = prob[g][t];
           for (int u = 0; u < kV; ++u) a[u] += p * C::load16(vp + 16 * u);
@@ -896,10 +1000,10 @@ void run_decode_bf16(const Problem& pb, const Item& it, std::vector<float>& scra
   const int64_t row_elems = row.row_elems, page_bytes = row.page_elems * 2;
   v16 part[kDecodeMaxG][DecodeRow::kS];
   alignas(64) uint16_t prob[kDecodeMaxG][DecodeRow::kS];  // bf16 probabilities
-  for (int64_t pi = 0; pi < row.num_pages; ++pi) {
+  for (int64_t pi = row.first_page; pi < row.num_pages; ++pi) {
     const uint16_t* page = cache + int64_t(row.table[pi]) * row.page_elems;
     const char* next = next_page(cache, row.table, pi, row.num_pages, row.page_elems);
-    const int64_t nt = row.tokens(pi);
+    const int64_t t0 = row.first_token(pi), nt = row.tokens(pi);
     for (int64_t k = 0; k < K; ++k) {
       const uint16_t* qk = q + k * G * kH;
       page_partials(part, G, nt, k, K, next, page_bytes, [&](int64_t t) {
@@ -917,7 +1021,7 @@ void run_decode_bf16(const Problem& pb, const Item& it, std::vector<float>& scra
       float alpha[kDecodeMaxG];
       for (int64_t g = 0; g < G; ++g) {
         const int64_t j = k * G + g;
-        const v16 pv = page_softmax(part[g], nt, pb.scale, m[j], l[j], alpha[g]);
+        const v16 pv = page_softmax(part[g], t0, nt, pb.scale, pb.soft_cap, m[j], l[j], alpha[g]);
         __m512 pf;
         std::memcpy(&pf, &pv, sizeof(pf));
         _mm256_store_si256(reinterpret_cast<__m256i*>(prob[g]), (__m256i)_mm512_cvtneps_pbh(pf));
@@ -927,7 +1031,19 @@ void run_decode_bf16(const Problem& pb, const Item& it, std::vector<float>& scra
         const __m512 scale = _mm512_set1_ps(alpha[g]);
         __m512 a[kV];
         for (int u = 0; u < kV; ++u) a[u] = _mm512_mul_ps(_mm512_loadu_ps(aj + 16 * u), scale);
-        for (int64_t t = 0; t < nt; t += 2) {
+        if (t0 & 1) {  // a window from an odd token: it pairs with zeros (p = 0 before it)
+          int32_t pair;
+          std::memcpy(&pair, &prob[g][t0 - 1], 4);
+          const __m512bh p2 = (__m512bh)_mm512_set1_epi32(pair);
+          const uint16_t* v1 = page + t0 * row_elems + (2 * k + 1) * kH;
+          for (int u = 0; u < kP; ++u) {
+            const __m512i r0 = _mm512_setzero_si512(), r1 = _mm512_loadu_si512(v1 + 32 * u);
+            a[2 * u] = _mm512_dpbf16_ps(a[2 * u], p2, (__m512bh)_mm512_unpacklo_epi16(r0, r1));
+            a[2 * u + 1] =
+                _mm512_dpbf16_ps(a[2 * u + 1], p2, (__m512bh)_mm512_unpackhi_epi16(r0, r1));
+          }
+        }
+        for (int64_t t = (t0 + 1) & -2; t < nt; t += 2) {
           int32_t pair;
           std::memcpy(&pair, &prob[g][t], 4);  // prob[g][nt] is 0 when nt is odd
           const __m512bh p2 = (__m512bh)_mm512_set1_epi32(pair);
@@ -994,7 +1110,8 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_c
                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> kv_lens,
                      ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> query_start,
                      ffi::Buffer<ffi::S32> query_lens, ffi::Buffer<ffi::S32> num_seqs,
-                     ffi::Result<ffi::AnyBuffer> out, float sm_scale, int64_t fp8_bytes) {
+                     ffi::Result<ffi::AnyBuffer> out, float sm_scale, int64_t fp8_bytes,
+                     int64_t sliding_window, float soft_cap) {
   const auto qd = q.dimensions();
   const auto cd = kv_cache.dimensions();
   if (qd.size() != 3 || cd.size() != 5)
@@ -1012,6 +1129,8 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_c
   const int64_t num_layers = cd[0], B = cd[1], S = cd[2], K2 = cd[3], H = cd[4];
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= num_layers) return ffi::Error::InvalidArgument("layer out of range");
+  if (sliding_window < 0 || !(soft_cap >= 0.0f))
+    return ffi::Error::InvalidArgument("sliding_window and soft_cap must be positive, or 0: none");
   Problem pb;
   pb.q = q.untyped_data();
   pb.cache = static_cast<const char*>(kv_cache.untyped_data()) +
@@ -1027,6 +1146,8 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_c
   pb.H = H;
   pb.P = block_tables.dimensions()[1];
   pb.scale = sm_scale;
+  pb.window = sliding_window;
+  pb.soft_cap = soft_cap;
 
   std::memset(out->untyped_data(), 0, out->size_bytes());
   const int64_t R = std::min<int64_t>(num_seqs.typed_data()[0], kv_lens.dimensions()[0]);
@@ -1079,4 +1200,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmRaggedPagedAttention, Attention,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs [1]
                                   .Ret<ffi::AnyBuffer>()         // out [T, N, H]
                                   .Attr<float>("sm_scale")
-                                  .Attr<int64_t>("fp8"));  // a uint8 cache's format
+                                  .Attr<int64_t>("fp8")              // a uint8 cache's format
+                                  .Attr<int64_t>("sliding_window")   // 0: none
+                                  .Attr<float>("soft_cap"));         // 0: none

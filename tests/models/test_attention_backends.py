@@ -14,7 +14,7 @@ import pytest
 from oracle import SMALL, prompt_ids
 
 from jllm import LLM, SamplingParams
-from jllm.attention import BACKENDS, get_backend
+from jllm.attention import BACKENDS, AttentionBackend, get_backend
 from jllm.attention.xla import kv_chunk_pages, tile_attention
 from jllm.config import ATTENTION_BACKENDS
 from jllm.engine.platform import resolve_backend
@@ -217,10 +217,65 @@ def test_backends_declare_what_they_run():
     assert get_backend("xla").supports_window and get_backend("xla").supports_soft_cap
     assert get_backend("pallas_gpu").supports_window and get_backend("pallas").supports_soft_cap
     cpu = get_backend("cpu_kernel")
-    with pytest.raises(ValueError, match="'cpu_kernel' has no sliding window"):
-        cpu.check(window=4096)
-    with pytest.raises(ValueError, match="'cpu_kernel' has no attention soft cap"):
-        cpu.check(soft_cap=50.0)
-    cpu.check()
+    assert cpu.supports_window and cpu.supports_soft_cap
+    cpu.check(window=4096, soft_cap=50.0)
+    plain = AttentionBackend("plain")  # a backend that declares neither option
+    with pytest.raises(ValueError, match="'plain' has no sliding window"):
+        plain.check(window=4096)
+    with pytest.raises(ValueError, match="'plain' has no attention soft cap"):
+        plain.check(soft_cap=50.0)
+    plain.check()
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         get_backend("flash")
+
+
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (6, None), (None, 2.0), (13, 1.5)])
+def test_cpu_kernel_backend_attends_as_xla_with_window_and_soft_cap(window, soft_cap):
+    """One step's batch (decodes, a prefill chunk after cached tokens, a fresh prefill), each
+    backend with the metadata the step builder makes for it, the same q, k, v and stacked
+    cache: the C++ kernel's attention (window and soft cap passed through) is the XLA one's."""
+    from jllm.runner.input_batch import InputBatch
+    from jllm.runner.inputs import BatchLayout, build_step
+    from jllm.sampling_params import SamplingParams
+    from jllm.scheduler_output import NewRequestData, SchedulerOutput
+
+    S, K, G, H = 4, 2, 3, 16
+    layout = BatchLayout.create(
+        block_size=S,
+        num_blocks=64,
+        tile_size=4,
+        max_model_len=64,
+        max_num_seqs=8,
+        budget=64,
+        kv_token_bytes=2 * K * H * 4,
+    )
+    out, batch = SchedulerOutput(), InputBatch(8, 64, layout.max_pages)
+    for i, (computed, new) in enumerate([(29, 1), (40, 1), (20, 17), (0, 9)]):
+        blocks = list(range(1 + 12 * i, 1 + 12 * i + -(-(computed + new) // S)))
+        ids = list(range(1, computed + new + 1))
+        batch.add(NewRequestData(f"r{i}", ids, [], SamplingParams(), i, None, (blocks,), computed))
+        out.num_scheduled_tokens[f"r{i}"] = new
+    steps = {
+        name: build_step(batch, out, layout, get_backend(name))[0] for name in ("cpu_kernel", "xla")
+    }
+    slots = steps["xla"].attn[0].slot_mapping
+    np.testing.assert_array_equal(steps["cpu_kernel"].attn[0].slot_mapping, slots)
+    rng = np.random.default_rng(0)
+    cache = jnp.asarray(rng.normal(size=(2, 64, S, 2 * K, H)), jnp.float32)  # [L, B, S, 2K, H]
+    q = jnp.asarray(rng.normal(size=(len(slots), K * G, H)), jnp.float32)
+    k, v = jnp.asarray(rng.normal(size=(2, len(slots), K, H)), jnp.float32)
+    outs, caches = {}, {}
+    for name, inputs in steps.items():
+        backend = get_backend(name)
+        attend = jax.jit(
+            lambda q, k, v, cache, md, b=backend: b.attend(
+                q, k, v, cache, 1, md, scale=H**-0.5, window=window, soft_cap=soft_cap
+            )
+        )
+        outs[name], caches[name] = attend(q, k, v, cache, inputs.attn[0])
+    real = slots < 64 * S  # the step's tokens, not padding
+    assert real.sum() == 1 + 1 + 17 + 9
+    np.testing.assert_array_equal(caches["cpu_kernel"], caches["xla"])
+    np.testing.assert_allclose(
+        np.asarray(outs["cpu_kernel"])[real], np.asarray(outs["xla"])[real], atol=1e-5, rtol=1e-5
+    )

@@ -389,3 +389,166 @@ def test_cpu_kernel_under_shard_map_matches_reference(tp, n, k):
     out = run(q, stacked, jnp.int32(0), *meta)
     assert out.sharding.spec == P(None, MODEL_AXIS, None)
     assert_matches(out, ref, args, jnp.float32)
+
+
+# Sliding windows and soft caps in the C++ kernel, on the mix plus requests of many pages:
+# decode rows and prefill chunks of several 16-query blocks. Windows of 1 and 5 lie inside a
+# block; 20 and 37 span several, and chunks' queries straddle a window's edge (the chunk of
+# 40 at positions 110..149 sees keys 74..149 with a window of 37: its blocks start at
+# different pages); 1000 exceeds every context.
+WINDOW_MIX = [*MIX, (100, 1), (150, 40), (70, 33), (64, 64), (48, 16), (90, 1)]
+WINDOW_OPTIONS = [
+    (1, None),
+    (5, None),
+    (20, None),
+    (37, None),
+    (1000, None),
+    (None, 1.5),
+    (37, 2.0),
+    (5, 0.5),
+]
+
+
+@pytest.mark.parametrize("sliding_window,soft_cap", WINDOW_OPTIONS)
+def test_window_options_change_the_reference(sliding_window, soft_cap):
+    """Each option of WINDOW_OPTIONS has an effect on WINDOW_MIX (but a window longer than
+    every context)."""
+    args, _ = make_batch(WINDOW_MIX, n=4, k=2, h=16, s=8, dtype=jnp.float32, seed=1)
+    opts = dict(sliding_window=sliding_window, soft_cap=soft_cap, sm_scale=0.3)
+    ref = np.asarray(ragged_paged_attention_reference(*args, **opts))
+    plain = np.asarray(ragged_paged_attention_reference(*args, sm_scale=0.3))
+    if sliding_window == 1000:
+        np.testing.assert_allclose(ref, plain, atol=1e-6)
+    else:
+        assert not np.allclose(ref, plain, atol=1e-3)
+
+
+# h=16 or s=8: the generic loop; s=16 with h=64 or 128: the vector paths (run_prefill, with
+# padding lanes for 9/3 heads and for single queries of 32/1; run_decode, and its AVX512-BF16
+# twin for bfloat16 where the CPU has it).
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("sliding_window,soft_cap", WINDOW_OPTIONS)
+@pytest.mark.parametrize(
+    "n,k,h,s", [(4, 4, 16, 8), (8, 2, 64, 16), (9, 3, 64, 16), (32, 1, 64, 16), (6, 1, 128, 16)]
+)
+def test_cpu_kernel_window_and_soft_cap_match_reference(
+    dtype, sliding_window, soft_cap, n, k, h, s
+):
+    args, _ = make_batch(WINDOW_MIX, n=n, k=k, h=h, s=s, dtype=dtype, seed=n + h + s)
+    opts = dict(sliding_window=sliding_window, soft_cap=soft_cap, sm_scale=0.3)
+    out = ragged_paged_attention_cpu(*args, **opts)
+    assert out.dtype == dtype
+    assert_matches(out, ragged_paged_attention_reference(*args, **opts), args, dtype)
+
+
+@pytest.mark.parametrize("sliding_window,soft_cap", [(5, None), (37, 2.0)])
+@pytest.mark.parametrize("h,s", [(16, 8), (64, 16)])
+@pytest.mark.parametrize("kv_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+@pytest.mark.parametrize("dtype,as_bytes", [(jnp.float32, False), (jnp.bfloat16, True)])
+def test_cpu_kernel_fp8_cache_window_and_soft_cap(
+    dtype, as_bytes, kv_dtype, h, s, sliding_window, soft_cap
+):
+    args, _ = make_batch(WINDOW_MIX, n=8, k=2, h=h, s=s, dtype=dtype, seed=h, kv_dtype=kv_dtype)
+    opts = dict(sliding_window=sliding_window, soft_cap=soft_cap)
+    if as_bytes:
+        q, cache, *meta = args
+        args = (q, jax.lax.bitcast_convert_type(cache, jnp.uint8), *meta)
+        opts["fp8_dtype"] = kv_dtype
+    out = ragged_paged_attention_cpu(*args, **opts)
+    assert out.dtype == dtype
+    assert_matches(out, ragged_paged_attention_reference(*args, **opts), args, dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("n,k,h,s", [(4, 4, 16, 8), (8, 2, 64, 16), (32, 1, 64, 16)])
+def test_cpu_kernel_keys_before_the_window_never_reach_a_query(dtype, n, k, h, s):
+    """K and V are NaN at every position no query of its request sees (before its first
+    query's window): in the pages the kernel skips, and in the first page it reads, where a
+    decode row's window may start at an odd token (the bf16 decode pairs value rows). The
+    output is the reference's on the clean cache."""
+    window = 21
+    args, _ = make_batch(WINDOW_MIX, n=n, k=k, h=h, s=s, dtype=dtype, seed=n + h)
+    q, cache, kv_lens, tables, query_start, query_lens, num_seqs = args
+    poisoned, tables = np.array(cache.astype(jnp.float32)), np.asarray(tables)
+    for r in range(int(num_seqs[0])):
+        first = int(kv_lens[r] - query_lens[r])  # the first query's position
+        for pos in range(max(0, first - window + 1)):
+            poisoned[tables[r, pos // s], pos % s] = np.nan
+    bad = (q, jnp.asarray(poisoned).astype(dtype), *args[2:])
+    out = ragged_paged_attention_cpu(*bad, sliding_window=window)
+    ref = ragged_paged_attention_reference(*args, sliding_window=window)
+    assert_matches(out, ref, args, dtype)
+
+
+@pytest.mark.parametrize("n,k,h", [(8, 8, 64), (8, 1, 64), (8, 1, 32)])
+def test_cpu_kernel_values_outside_a_window_never_reach_its_query(n, k, h):
+    # An infinite V at position 3 of a prefill must not reach queries from position 11 on,
+    # whose windows of 8 start after it, through 0 * inf: in the vector path they share
+    # query blocks (and lane groups) with queries that see it.
+    args, _ = make_batch([(40, 40)], n=n, k=k, h=h, s=16, dtype=jnp.float32, seed=4)
+    q, cache, kv_lens, tables, *rest = args
+    cache = cache.at[tables[0, 0], 3, 1::2].set(jnp.inf)
+    args = (q, cache, kv_lens, tables, *rest)
+    out = np.asarray(ragged_paged_attention_cpu(*args, sliding_window=8))
+    ref = np.asarray(ragged_paged_attention_reference(*args, sliding_window=8))
+    q0 = int(args[4][0])
+    np.testing.assert_allclose(out[q0 + 11 : q0 + 40], ref[q0 + 11 : q0 + 40], atol=1e-5, rtol=1e-5)
+    assert np.isfinite(out[q0 + 11 : q0 + 40]).all()
+    assert not np.isfinite(out[q0 + 3 : q0 + 11]).all()  # the queries that see it
+
+
+def test_cpu_kernel_window_and_soft_cap_on_a_stacked_cache_under_jit():
+    args, _ = make_batch(WINDOW_MIX, n=8, k=2, h=64, s=16, dtype=jnp.bfloat16, seed=6)
+    q, cache, *meta = args
+    nan = jnp.full_like(cache, jnp.nan)
+    stacked = jnp.stack([nan, cache])  # [L=2, B, S, 2K, H]: only layer 1 is real
+    opts = dict(sliding_window=20, soft_cap=1.5)
+    run = jax.jit(lambda q, c, layer, *m: ragged_paged_attention_cpu(q, c, *m, layer=layer, **opts))
+    out = run(q, stacked, jnp.int32(1), *meta)
+    assert_matches(out, ragged_paged_attention_reference(*args, **opts), args, jnp.bfloat16)
+
+
+def test_cpu_kernel_under_shard_map_with_window_and_soft_cap():
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from sharding import MODEL_AXIS, make_mesh
+
+    mesh = make_mesh(2)
+    args, _ = make_batch(WINDOW_MIX, n=8, k=2, h=64, s=16, dtype=jnp.float32, seed=9)
+    opts = dict(sliding_window=37, soft_cap=2.0)
+    ref = ragged_paged_attention_reference(*args, **opts)
+    q, cache, *meta = args
+    q = jax.device_put(q, NamedSharding(mesh, P(None, MODEL_AXIS, None)))
+    stacked = jax.device_put(
+        cache[None], NamedSharding(mesh, P(None, None, None, MODEL_AXIS, None))
+    )
+    run = jax.jit(functools.partial(ragged_paged_attention_cpu_sharded, mesh, MODEL_AXIS, **opts))
+    out = run(q, stacked, jnp.int32(0), *meta)
+    assert out.sharding.spec == P(None, MODEL_AXIS, None)
+    assert_matches(out, ref, args, jnp.float32)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(sliding_window=0),
+        dict(sliding_window=-4),
+        dict(sliding_window=2.5),
+        dict(soft_cap=0.0),
+        dict(soft_cap=-1.0),
+        dict(sm_scale=0.0),
+    ],
+    ids=str,
+)
+def test_cpu_kernel_rejects_bad_options(bad):
+    from sharding import MODEL_AXIS, make_mesh
+
+    args, _ = make_batch(MIX[:2], n=4, k=2, h=8, s=8, dtype=jnp.float32)
+    q, cache, *meta = args
+    with pytest.raises(ValueError):
+        ragged_paged_attention_cpu(*args, **bad)
+    with pytest.raises(ValueError):
+        ragged_paged_attention_cpu_sharded(
+            make_mesh(2), MODEL_AXIS, q, cache[None], 0, *meta, **bad
+        )
