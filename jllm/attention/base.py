@@ -6,7 +6,11 @@ A backend is a frozen dataclass (hashable: the step's jit takes it as a static a
   softmax scale, and optionally a sliding window and a soft cap on the scores;
 - declares what it supports: where it runs and which dtypes and shapes it takes
   (`unsupported` gives the reason it cannot; `prepare` builds its kernel), and its options
-  (`supports_window`, `supports_soft_cap`; `check` refuses the rest by name).
+  (`supports_window`, `supports_soft_cap`; `check` refuses the rest by name);
+- declares the batch layout it reads (`prefill_tile`): rows of several tokens packed back to
+  back after the decode rows (None: the ragged kernels read any row at any offset), or each
+  starting on, and filling, tiles of that many tokens (the XLA path's tiles). The step
+  builder lays the batch out so, and the scheduler charges its budget so.
 
 Both write the new K/V into the cache first (padding tokens write to an out-of-range slot
 that is dropped), so every query sees its own chunk and any block shared in the same step.
@@ -48,6 +52,7 @@ class AttentionBackend:
     name: str
     supports_window = False
     supports_soft_cap = False
+    prefill_tile = None  # the tile rows of several tokens fill (an int), or None: packed
 
     def check(self, window: int | None = None, soft_cap: float | None = None) -> None:
         """Refuses, naming the option, what this backend does not implement."""

@@ -190,23 +190,32 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool
-    # Prefill chunks occupy whole tiles of this many token slots in the device batch, so
-    # they are charged to the budget rounded up to it (decodes cost one token).
+    # With an attention backend that lays prefill chunks out in tiles (the XLA path), a
+    # chunk occupies whole tiles of this many token slots in the device batch, so it is
+    # charged to the budget rounded up to it (decodes cost one token); 1 where rows are
+    # packed back to back (the ragged kernels).
     tile_size: int = 1
     num_lookahead_slots: int = 0  # at most this many drafts per request per step
     policy: str = "fcfs"  # or "priority" (engine/request_queue.py)
     # Slots allocated past each step's tokens, where a draft model writes its drafts.
     num_draft_lookahead: int = 0
+    # Rows of several tokens a step may hold (packed rows: the device batch has a row per
+    # 16-token bucket unit); None: no cap beyond the budget (tiles: each row costs a tile).
+    max_partial_rows: int | None = None
 
 
 def resolve_scheduler_config(
-    args: EngineArgs, max_model_len: int, tile_size: int
+    args: EngineArgs, max_model_len: int, tile_size: int, tiles: bool = True
 ) -> SchedulerConfig:
+    """`tile_size`: the device batch's unit of prefill token slots; `tiles`: whether the
+    attention backend lays each prefill row out in whole tiles of it (else rows are packed,
+    and a step holds at most one row of several tokens per unit of its budget)."""
     max_num_seqs = args.max_num_seqs or 256
     budget = args.max_num_batched_tokens or 2048
     if not args.enable_chunked_prefill:
         # Without chunking every prompt must fit one step.
         budget = max(budget, -(-max_model_len // tile_size) * tile_size)
+    rows = None if tiles else -(-budget // tile_size)
     if budget < max_num_seqs:
         raise ValueError(
             f"max_num_batched_tokens ({budget}) must be at least max_num_seqs ({max_num_seqs})."
@@ -222,8 +231,9 @@ def resolve_scheduler_config(
         budget,
         max_model_len,
         args.enable_chunked_prefill,
-        tile_size,
+        tile_size if tiles else 1,
         slots,
         args.scheduling_policy,
         ahead,
+        rows,
     )

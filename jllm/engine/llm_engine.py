@@ -15,6 +15,7 @@ import time
 
 import jax
 
+from jllm.attention import get_backend
 from jllm.config import EngineArgs, resolve_scheduler_config
 from jllm.distributed import ProcessLostError, initialize_distributed, open_step_channel
 from jllm.engine.core import EngineCore
@@ -47,8 +48,9 @@ from jllm.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("jllm")
 
-# Prefill chunks are laid out in tiles of this many tokens (see jllm/attention/xla.py).
-PREFILL_TILE = 16
+# The device batch's prefill token slots come in units of this many tokens (its bucket
+# unit) where the attention backend has no tile of its own (the ragged kernels).
+PREFILL_UNIT = 16
 
 
 class LLMEngine:
@@ -64,20 +66,6 @@ class LLMEngine:
         m = load_engine_model(args, platform)
         cfg, dtype, self.max_model_len = m.config, m.dtype, m.max_model_len
         self.model_config, self.dtype, self.tokenizer = cfg, dtype, m.tokenizer
-        sched_cfg = resolve_scheduler_config(args, self.max_model_len, PREFILL_TILE)
-        kv_dtype, kv_fp8 = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, platform)
-        layout = BatchLayout.create(
-            args.block_size,
-            0,  # blocks: set once the cache is sized
-            PREFILL_TILE,
-            self.max_model_len,
-            sched_cfg.max_num_seqs,
-            sched_cfg.max_num_batched_tokens,
-            kv_token_bytes=2 * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize,
-            min_rows=min_dot_rows(dtype, platform),
-            num_spec_tokens=sched_cfg.num_lookahead_slots,
-            kv_fp8=kv_fp8,
-        )
         backend = resolve_backend(
             args.attention_backend,
             platform,
@@ -85,6 +73,24 @@ class LLMEngine:
             cfg.head_dim,
             args.block_size,
             fp8_cache=args.kv_cache_dtype != "auto",
+        )
+        # The backend's batch layout: prefill rows in its tiles, or packed back to back.
+        tile = get_backend(backend).prefill_tile
+        unit = tile or PREFILL_UNIT
+        sched_cfg = resolve_scheduler_config(args, self.max_model_len, unit, tile is not None)
+        kv_dtype, kv_fp8 = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, platform)
+        layout = BatchLayout.create(
+            args.block_size,
+            0,  # blocks: set once the cache is sized
+            unit,
+            self.max_model_len,
+            sched_cfg.max_num_seqs,
+            sched_cfg.max_num_batched_tokens,
+            kv_token_bytes=2 * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize,
+            min_rows=min_dot_rows(dtype, platform),
+            num_spec_tokens=sched_cfg.num_lookahead_slots,
+            kv_fp8=kv_fp8,
+            tiles=tile is not None,
         )
         draft = None
         if args.speculative_config is not None:

@@ -2,13 +2,15 @@
 in numpy, padded to buckets.
 
 Layout of the flat batch (see `jllm/attention/`): Rd decode rows (one query each,
-gathered from the input batch without a Python loop), then the rows of several tokens
-(prefill chunks), each starting on a tile boundary. A verification row (the decode token
-then its k drafts) is k + 1 decode rows while they fit the largest decode bucket, else a
-row of tiles. Sample rows: one per request whose row reaches its last known token, k+1
-(consecutive) for a row verifying k drafts. Everything is padded: tokens
-write to the dropped slot B*S, request rows have kv_len 0, sample rows read the input batch's
-padding row and the host ignores them. The attention backend's builder
+gathered from the input batch without a Python loop), then Tt units of C token slots for the
+rows of several tokens (prefill chunks), laid out as the attention backend asks
+(`prefill_tile`): each row on whole tiles of C (the XLA path), or packed back to back (the
+ragged kernels; Tt then also covers one request row per row). A verification row (the
+decode token then its k drafts) is k + 1 decode rows while they fit the largest decode
+bucket, else a row of several tokens. Sample rows: one per request whose row reaches its
+last known token, k+1 (consecutive) for a row verifying k drafts. Everything is padded:
+tokens write to the dropped slot B*S, request rows have kv_len 0, sample rows read the input
+batch's padding row and the host ignores them. The attention backend's builder
 (`AttentionBackend.build_metadata`, jllm/attention/) keeps only what that backend reads.
 """
 
@@ -84,6 +86,9 @@ class BatchLayout:
     sample_buckets: list[int]  # Rs
     num_spec_tokens: int = 0  # K: drafts a row may verify
     kv_fp8: str | None = None  # the float8 format whose bytes (uint8) the cache holds
+    # Whether rows of several tokens start on, and fill, tiles of `tile_size` tokens (the
+    # attention backend's `prefill_tile`), or are packed back to back.
+    tiles: bool = True
 
     @staticmethod
     def create(
@@ -97,6 +102,7 @@ class BatchLayout:
         min_rows=1,
         num_spec_tokens=0,
         kv_fp8=None,
+        tiles=True,
     ):
         """`min_rows`: the smallest decode and sample bucket (see `min_dot_rows`)."""
         chunk_pages = max_kv_chunk_pages(block_size)
@@ -112,6 +118,7 @@ class BatchLayout:
             sample_buckets=pow2_buckets(max_num_seqs * (1 + num_spec_tokens), min_rows),
             num_spec_tokens=num_spec_tokens,
             kv_fp8=kv_fp8,
+            tiles=tiles,
         )
 
     def sample_rows(self, rd: int, tt: int) -> int:
@@ -243,7 +250,10 @@ def _plan_rows(batch: InputBatch, out: SchedulerOutput, layout: BatchLayout, sha
     d_req, d_off = d_req[order], d_off[order]
     m_idx = np.flatnonzero(~(single | verify))
     if shape is None:
-        n_tiles = int(sum(cdiv(int(counts[i]), C) for i in m_idx))
+        if layout.tiles:
+            n_tiles = int(sum(cdiv(int(counts[i]), C) for i in m_idx))
+        else:  # packed: enough slots for the tokens, and a request row per row
+            n_tiles = max(cdiv(int(counts[m_idx].sum()), C), len(m_idx))
         shape = (bucket(len(d_req), layout.decode_buckets), bucket(n_tiles, layout.tile_buckets))
     return _Rows(ids, rows, counts, verify, d_req, d_off, m_idx, shape)
 
@@ -316,7 +326,8 @@ def _place_decodes(p: _Placed, batch: InputBatch, plan: _Rows, spec: dict) -> No
 
 
 def _place_rows(p: _Placed, batch: InputBatch, plan: _Rows, layout: BatchLayout, spec) -> None:
-    """Rows of several tokens (prefill chunks and verification rows), tile-aligned."""
+    """Rows of several tokens (prefill chunks and verification rows): each on whole tiles
+    (`layout.tiles`), or packed back to back."""
     C = layout.tile_size
     Rd = plan.shape[0]
     flat, known = p.flat, batch.num_tokens + batch.num_pending
@@ -336,13 +347,16 @@ def _place_rows(p: _Placed, batch: InputBatch, plan: _Rows, layout: BatchLayout,
         p.tok_row[start : start + n] = p.req_row[row] = r
         flat.query_start[row], flat.query_lens[row], flat.kv_lens[row] = start, n, nc + n
         p.flat_start[rid] = start
+        if nc + k_known == known[r]:
+            p.sample(rid, r, list(range(start + k_known - 1, start + n)), batch, drafts)
+        if not layout.tiles:
+            start += n
+            continue
         k = cdiv(n, C)
         flat.tile_row[tile : tile + k] = row
         padded = np.full(k * C, -1, np.int32)
         padded[:n] = pos
         flat.tile_q_pos[tile : tile + k] = padded.reshape(k, C)
-        if nc + k_known == known[r]:
-            p.sample(rid, r, list(range(start + k_known - 1, start + n)), batch, drafts)
         tile += k
         start += k * C
 

@@ -3,6 +3,8 @@ rows gathered from the batch, and a verification row's sample rows (pure numpy).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from jllm.attention import get_backend
@@ -174,3 +176,24 @@ def test_each_kv_cache_group_reads_its_own_block_tables():
     assert not set(first.slot_mapping[:1]) & set(second.slot_mapping[:1])  # own blocks
     for name in ("kv_lens", "query_start", "query_lens"):
         np.testing.assert_array_equal(getattr(first, name), getattr(second, name))
+
+
+def test_packed_rows_sit_back_to_back():
+    """For the ragged kernels (no prefill tile) rows of several tokens are packed after the
+    decode rows, and the bucket holds a request row for each: three 3-token chunks take 9
+    slots of one 16-token unit but need Tt = 4 (three rows, bucketed)."""
+    layout = dataclasses.replace(BatchLayout.create(S, 512, 16, 256, 64, 512, 1 << 12), tiles=False)
+    out, batch = SchedulerOutput(), InputBatch(64, 256, layout.max_pages)
+    schedule(out, batch, 0, 30, 1, 31)  # a decode
+    for i in (1, 2, 3):
+        schedule(out, batch, i, 0, 3, 3)
+    inputs, _, groups, shape, _ = build_step(batch, out, layout, get_backend("cpu_kernel"))
+    (md,) = inputs.attn
+    assert shape == (1, 4)
+    np.testing.assert_array_equal(md.query_start[:4], [0, 1, 4, 7])
+    np.testing.assert_array_equal(md.query_lens[:4], [1, 3, 3, 3])
+    np.testing.assert_array_equal(inputs.token_ids[1:10], [1, 2, 3] * 3)
+    np.testing.assert_array_equal(inputs.positions[1:10], [0, 1, 2] * 3)
+    np.testing.assert_array_equal(inputs.logits_indices[:4], [0, 3, 6, 9])
+    assert (md.slot_mapping[10:] == layout.num_blocks * S).all()  # padding
+    assert [g.req_id for g in groups] == ["r0", "r1", "r2", "r3"]
