@@ -13,6 +13,9 @@ Engines:
   arithmetic, not vLLM's own CPU attention.
 `--kv-cache-dtype fp8_e4m3 fp8_e5m2` adds the same cases over a float8 cache (the kernel
 decodes its bytes as it reads them; torch gets the decoded values in the query's dtype).
+`--sliding-window W` and `--soft-cap C` time the kernel with a layer's window and score cap
+(torch is then not run: its timing would be of other work); `--decode-context` sets the
+decode rows' context range, e.g. 2048 2049 to see what a window saves.
 Per case: the median and best of `--repeats` timings of all 30 layers, the kernel's rate in
 GFLOP/s of the causal work (2 x 2 x pairs x heads x head dim), torch / kernel at the best,
 and the kernel's largest difference from the float32 jnp reference on one layer.
@@ -20,6 +23,7 @@ and the kernel's largest difference from the float32 jnp reference on one layer.
     python benchmarks/attention.py                      # float32 and bfloat16
     python benchmarks/attention.py --dtype float32 --cases prefill
     python benchmarks/attention.py --cases decode --kv-cache-dtype auto fp8_e4m3 fp8_e5m2
+    python benchmarks/attention.py --cases decode --decode-context 2048 2049 --sliding-window 128
 """
 
 from __future__ import annotations
@@ -54,14 +58,14 @@ def prefill_lengths(rng, total=2048) -> list[int]:
     return lens
 
 
-def build(case: str, dtype, rng, kv_dtype=None):
+def build(case: str, dtype, rng, kv_dtype=None, decode_context=(129, 193)):
     """The kernel's arguments and the per-request (query count, context length) pairs; the
     cache in `kv_dtype` (a float8 dtype) or, by default, the queries' dtype."""
     if case == "prefill":
         kv_lens = prefill_lengths(rng)
         q_lens = kv_lens
     else:
-        kv_lens = [int(n) for n in rng.integers(129, 193, 64)]
+        kv_lens = [int(n) for n in rng.integers(*decode_context, 64)]
         q_lens = [1] * len(kv_lens)
     r = len(kv_lens)
     pages = max(-(-n // BLOCK) for n in kv_lens)
@@ -96,11 +100,12 @@ def timings(fn, repeats: int) -> list[float]:
     return out
 
 
-def kernel_runner(q, cache, meta):
+def kernel_runner(q, cache, meta, **options):
+    """`options`: the layer's sliding_window and soft_cap (None: off)."""
     kv_lens, tables, starts, q_lens, r = meta
     call = jax.jit(
         lambda q, cache, layer: ragged_paged_attention_cpu(
-            q, cache, kv_lens, tables, starts, q_lens, r, layer=layer
+            q, cache, kv_lens, tables, starts, q_lens, r, layer=layer, **options
         )
     )
 
@@ -112,7 +117,14 @@ def kernel_runner(q, cache, meta):
     def error() -> float:
         out = call(q, cache, 3).astype(jnp.float32)
         ref = ragged_paged_attention_reference(
-            q.astype(jnp.float32), cache[3].astype(jnp.float32), kv_lens, tables, starts, q_lens, r
+            q.astype(jnp.float32),
+            cache[3].astype(jnp.float32),
+            kv_lens,
+            tables,
+            starts,
+            q_lens,
+            r,
+            **options,
         )
         return float(jnp.max(jnp.abs(out - ref)))
 
@@ -180,7 +192,11 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=["prefill", "decode"])
     parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=list(KV_DTYPES))
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--sliding-window", type=int, default=None)
+    parser.add_argument("--soft-cap", type=float, default=None)
+    parser.add_argument("--decode-context", type=int, nargs=2, default=[129, 193])
     args = parser.parse_args()
+    options = dict(sliding_window=args.sliding_window, soft_cap=args.soft_cap)
     try:
         import torch  # noqa: F401
 
@@ -188,6 +204,9 @@ def main() -> None:
     except ImportError:
         have_torch = False
     print(f"jax {jax.__version__}, {os.cpu_count()} cores; 30 layers per timing, ms")
+    if args.sliding_window or args.soft_cap:
+        have_torch = False
+        print(f"sliding window {args.sliding_window}, soft cap {args.soft_cap}")
     print(
         "| case | dtype | kernel median / best | GFLOP/s | torch median / best | torch / kernel |"
     )
@@ -196,15 +215,18 @@ def main() -> None:
         for name, kv in ((n, kv) for n in args.dtype for kv in args.kv_cache_dtype):
             dtype = jnp.dtype(name)
             rng = np.random.default_rng(0)
-            q, cache, meta, requests, tables = build(case, dtype, rng, KV_DTYPES[kv])
+            q, cache, meta, requests, tables = build(
+                case, dtype, rng, KV_DTYPES[kv], tuple(args.decode_context)
+            )
             if kv != "auto":
                 name = f"{name}, kv {kv}"
-            run, error = kernel_runner(q, cache, meta)
+            run, error = kernel_runner(q, cache, meta, **options)
             err = error()
             ts = timings(run, args.repeats)
             flops = causal_flops(requests)
             row = f"| {case} | {name} | {np.median(ts) * 1e3:.1f} / {min(ts) * 1e3:.1f} | "
-            row += f"{flops / min(ts) / 1e9:.1f} | "
+            # (a window skips most of the causal work the rate counts)
+            row += "- | " if args.sliding_window else f"{flops / min(ts) / 1e9:.1f} | "
             if have_torch:
                 tt = timings(torch_runner(case, q, cache, requests, tables), args.repeats)
                 row += (
