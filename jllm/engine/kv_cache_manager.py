@@ -207,11 +207,17 @@ class KVCacheManager:
         `lookahead` slots past them (where a draft model writes its drafts), after the
         prefix-cache hits `new_computed_blocks` (one list per group, from
         `get_computed_blocks`); None, changing nothing, if any group's pool is short."""
-        hits = new_computed_blocks or self.no_blocks()
-        blocks = self.req_blocks.setdefault(req.request_id, self.no_blocks())
-        num_hit = len(hits[0])
+        blocks = self.req_blocks.get(req.request_id)
+        if blocks is None:
+            blocks = self.req_blocks[req.request_id] = self.no_blocks()
+        num_hit = len(new_computed_blocks[0]) if new_computed_blocks else 0
         total = req.num_computed_tokens + num_hit * self.block_size + num_new_tokens
         need = cdiv(total + lookahead, self.block_size)
+        if not num_hit and min(map(len, blocks)) >= need:  # a decode inside its blocks
+            if self.enable_prefix_caching:
+                self._cache_full_blocks(req, blocks, min(total, req.num_tokens))
+            return blocks
+        hits = new_computed_blocks or self.no_blocks()
         grow = []
         for pool, held, hit in zip(self.pools, blocks, hits, strict=True):
             n = max(0, need - len(held) - len(hit))

@@ -268,9 +268,10 @@ class Scheduler:
             else:
                 cached.req_ids.append(rid)
                 sent = self._sent_blocks[rid]
-                cached.new_block_ids.append(tuple(b[n:] for b, n in zip(blocks, sent, strict=True)))
+                new = [b[n:] for b, n in zip(blocks, sent, strict=True)]
+                cached.new_block_ids.append(tuple(new))
                 cached.num_computed_tokens.append(req.num_computed_tokens)
-            self._sent_blocks[rid] = tuple(len(b) for b in blocks)
+            self._sent_blocks[rid] = tuple(map(len, blocks))
             out.num_scheduled_tokens[rid] = num_new
             out.total_num_scheduled_tokens += num_new
             if drafts:
