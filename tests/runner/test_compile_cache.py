@@ -1,0 +1,50 @@
+"""The persistent compilation cache: a second start of the same configuration compiles
+nothing, with jllm's own directory and with one the operator set (JAX_COMPILATION_CACHE_DIR),
+where JAX's default threshold (keep only executables that took a second) used to skip every
+small bucket."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+START = """
+import json, sys
+import jax
+events = []
+jax.monitoring.register_event_listener(lambda event, **kw: events.append(event))
+from jllm import LLM
+llm = LLM(sys.argv[1], dtype="float32", max_num_seqs=2, max_num_batched_tokens=32,
+          max_model_len=64, kv_cache_memory_bytes=4 << 20, disable_log_stats=True)
+print(json.dumps({
+    "compiles": events.count("/jax/compilation_cache/cache_misses"),
+    "loaded": events.count("/jax/compilation_cache/cache_hits"),
+    "dir": jax.config.jax_compilation_cache_dir,
+}))
+"""
+
+
+def start(model: str, env: dict) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")} | env
+    out = subprocess.run(
+        [sys.executable, "-c", START, model], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("where", ["jllm", "operator"])
+def test_second_start_compiles_nothing(llama_dir, tmp_path, where):
+    if where == "jllm":
+        env, cache = {"XDG_CACHE_HOME": str(tmp_path)}, tmp_path / "jllm" / "xla"
+    else:
+        cache = tmp_path / "operator-cache"
+        env = {"XDG_CACHE_HOME": str(tmp_path / "unused"), "JAX_COMPILATION_CACHE_DIR": str(cache)}
+    first = start(llama_dir, env)
+    assert first["dir"] == str(cache) and first["compiles"] > 10
+    second = start(llama_dir, env)  # every executable from the cache, none compiled
+    assert second == {"compiles": 0, "loaded": first["compiles"], "dir": str(cache)}
