@@ -64,6 +64,7 @@ class LLMEngine:
         enable_compilation_cache()
         platform = jax.devices()[0].platform
         m = load_engine_model(args, platform)
+        loaded = time.perf_counter()
         cfg, dtype, self.max_model_len = m.config, m.dtype, m.max_model_len
         self.model_config, self.dtype, self.tokenizer = cfg, dtype, m.tokenizer
         backend = resolve_backend(
@@ -112,6 +113,7 @@ class LLMEngine:
             self.logits_processors,
             draft,
         )
+        sizing = time.perf_counter()
         caches, num_blocks = create_kv_cache(
             [m.kv_caches] if draft is None else [m.kv_caches, draft.kv_caches],
             block_size=args.block_size,
@@ -131,7 +133,9 @@ class LLMEngine:
         self.runner.attach_kv_cache(kv_cache, num_blocks)
         if draft is not None:
             draft.attach(caches[1], layout)
+        compiling = time.perf_counter()
         self.runner.compile_all()
+        compiled = time.perf_counter()
         self.channel = open_step_channel(args, self.rank)
         if self.channel is not None and self.rank == 0:
             self.runner.channel = self.channel
@@ -170,7 +174,16 @@ class LLMEngine:
             self.tokenizer, self.max_model_len, cfg.vocab_size, args.max_logprobs
         )
         self._rng = random.Random(args.seed)
-        logger.info("Engine ready in %.1f seconds.", time.perf_counter() - start)
+        done = time.perf_counter()
+        logger.info(
+            "Engine ready in %.1f seconds: loading the model %.1f s, sizing the KV cache "
+            "(profile and allocation) %.1f s, compiling %.1f s, the rest %.1f s.",
+            done - start,
+            loaded - start,
+            compiling - sizing,
+            compiled - compiling,
+            done - start - (loaded - start) - (compiling - sizing) - (compiled - compiling),
+        )
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:

@@ -26,6 +26,26 @@ _KEEP_ALL = {
 }
 
 
+# Executables compiled and loaded from the cache in this process (JAX's monitoring events).
+CACHE_EVENTS = {"/jax/compilation_cache/cache_misses": 0, "/jax/compilation_cache/cache_hits": 0}
+
+
+def _count(event: str, **kwargs) -> None:
+    if event in CACHE_EVENTS:
+        CACHE_EVENTS[event] += 1
+
+
+jax.monitoring.register_event_listener(_count)
+
+
+def cache_counts() -> tuple[int, int]:
+    """(executables compiled, executables loaded from the cache) so far in this process."""
+    return (
+        CACHE_EVENTS["/jax/compilation_cache/cache_misses"],
+        CACHE_EVENTS["/jax/compilation_cache/cache_hits"],
+    )
+
+
 def enable_compilation_cache() -> str | None:
     """Turn the cache on; returns its directory (logged), or None when it cannot be made."""
     path = jax.config.jax_compilation_cache_dir

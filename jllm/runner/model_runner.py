@@ -29,6 +29,7 @@ from flax import nnx
 
 from jllm.attention import get_backend
 from jllm.models.context import StepContext
+from jllm.runner.compile_cache import cache_counts
 from jllm.runner.input_batch import InputBatch
 from jllm.runner.inputs import BatchLayout, build_step, grammar_rows
 from jllm.runner.logit_bias import bias_vector, write_bias
@@ -163,6 +164,8 @@ class ModelRunner:
         self._write_exe: dict[int, object] = {}
         self.compile_guard = False
         self.channel = None  # process 0 of a multi-process engine: a StepChannel
+        self._first_step: float | None = None  # when the first step was dispatched
+        self._first_logged = False
 
     # ---- the KV cache --------------------------------------------------------------------
     def profile_step_bytes(self, abstract_cache) -> int:
@@ -316,6 +319,7 @@ class ModelRunner:
             len(self.layout.sample_buckets),
         )
         start = time.perf_counter()
+        compiled_before, loaded_before = cache_counts()
         progress = itertools.count(1)  # next() is atomic: the threads share it
 
         def forward(shape):
@@ -345,7 +349,14 @@ class ModelRunner:
         self._bias_executable(*self._put_bias_write(0, np.zeros(self.vocab_size, np.float32)))
         if self.draft is not None:
             self.draft.compile_all(self)
-        logger.info("Graph compilation finished in %.1f secs.", time.perf_counter() - start)
+        compiled, loaded = cache_counts()
+        logger.info(
+            "Graph compilation finished in %.1f secs (%d executables compiled, %d loaded from "
+            "the compilation cache).",
+            time.perf_counter() - start,
+            compiled - compiled_before,
+            loaded - loaded_before,
+        )
         self.compile_guard = True
 
     # ---- the step ------------------------------------------------------------------------
@@ -425,6 +436,8 @@ class ModelRunner:
     def dispatch(self, out: SchedulerOutput):
         """Start one step on the device and return without waiting for it: a handle for
         `fetch`. The rows that sample hold a pending token until then."""
+        if self._first_step is None:
+            self._first_step = time.perf_counter()
         writes, bias_writes = self._apply(out)
         inputs, md, groups, key, prompt_rows = build_step(
             self.batch, out, self.layout, self.attention
@@ -444,6 +457,9 @@ class ModelRunner:
         appended to their rows (unless a row changed hands since)."""
         packed, groups, prompt_packed, prompt_rows = handle
         packed = np.asarray(packed.addressable_shards[0].data)  # replicated: the whole array
+        if not self._first_logged:
+            self._first_logged = True
+            logger.info("First step took %.2f s.", time.perf_counter() - self._first_step)
         tokens, lp, rank, emitted, top_ids, top_lp = unpack_result(packed, self.max_logprobs)
         result = ModelRunnerOutput()
         batch = self.batch

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -34,7 +35,7 @@ def start(model: str, env: dict) -> dict:
         [sys.executable, "-c", START, model], env=env, capture_output=True, text=True
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1]) | {"log": out.stderr}
 
 
 @pytest.mark.parametrize("where", ["jllm", "operator"])
@@ -46,5 +47,8 @@ def test_second_start_compiles_nothing(llama_dir, tmp_path, where):
         env = {"XDG_CACHE_HOME": str(tmp_path / "unused"), "JAX_COMPILATION_CACHE_DIR": str(cache)}
     first = start(llama_dir, env)
     assert first["dir"] == str(cache) and first["compiles"] > 10
+    assert f"XLA compilation cache: {cache}" in first["log"]
     second = start(llama_dir, env)  # every executable from the cache, none compiled
-    assert second == {"compiles": 0, "loaded": first["compiles"], "dir": str(cache)}
+    assert (second["compiles"], second["loaded"]) == (0, first["compiles"])
+    assert re.search(r"\(0 executables compiled, [1-9]\d* loaded from the comp", second["log"])
+    assert re.search(r"Engine ready in [\d.]+ seconds: loading the model [\d.]+ s, ", second["log"])
