@@ -27,7 +27,13 @@ import os
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.cpu.build import INCLUDE, CpuKernelUnavailable, FfiKernel, cpu_flags
+from pallas_kernels.cpu.build import (
+    INCLUDE,
+    CpuKernelUnavailable,
+    FfiKernel,
+    cpu_flags,
+    tracing_for_cpu,
+)
 
 logger = logging.getLogger("jllm")
 
@@ -75,8 +81,9 @@ def enabled() -> bool:
 
 def applies(dtype) -> bool:
     """Whether a model of activation dtype `dtype` runs its layer products on the kernel
-    here: bfloat16, `enabled`, and no mesh of several devices (checked at trace time)."""
-    return jnp.dtype(dtype) == jnp.bfloat16 and enabled() and one_device()
+    here: bfloat16, `enabled`, and no mesh of several devices nor a lowering for another
+    platform (checked at trace time)."""
+    return jnp.dtype(dtype) == jnp.bfloat16 and enabled() and one_device() and tracing_for_cpu()
 
 
 def one_device() -> bool:

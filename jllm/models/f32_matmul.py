@@ -31,7 +31,13 @@ import jax
 import jax.numpy as jnp
 
 from jllm.models.bf16_matmul import check_live, one_device
-from pallas_kernels.cpu.build import INCLUDE, CpuKernelUnavailable, FfiKernel, cpu_flags
+from pallas_kernels.cpu.build import (
+    INCLUDE,
+    CpuKernelUnavailable,
+    FfiKernel,
+    cpu_flags,
+    tracing_for_cpu,
+)
 
 logger = logging.getLogger("jllm")
 
@@ -81,9 +87,11 @@ def applies(dtype) -> bool:
     kernel here: `enabled`, no mesh of several devices (checked at trace time), and float32,
     or bfloat16 on a CPU whose bf16 products have nothing better (`widens_bf16`)."""
     dtype = jnp.dtype(dtype)
+    if not (one_device() and tracing_for_cpu()):  # a mesh, or a lowering for TPU or CUDA
+        return False
     if dtype == jnp.bfloat16:
-        return widens_bf16() and enabled() and one_device()
-    return dtype == jnp.float32 and enabled() and one_device()
+        return widens_bf16() and enabled()
+    return dtype == jnp.float32 and enabled()
 
 
 def widens_bf16() -> bool:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cpu.build import INCLUDE, CpuKernelUnavailable, FfiKernel
+from pallas_kernels.cpu.build import INCLUDE, CpuKernelUnavailable, FfiKernel, tracing_for_cpu
 
 TARGET = "jllm_quantized_matmul_cpu"
 SOURCE = os.path.join(INCLUDE, "quantized_matmul.cc")
@@ -37,7 +37,7 @@ KERNEL = FfiKernel(
 def applies(x: jax.Array, w) -> bool:
     """Whether `matmul` takes the kernel: CPU, one device, at most MAX_ROWS float32/bf16
     rows, groups of whole 16-input chunks, and a kernel that could be built."""
-    if jax.default_backend() != "cpu" or x.ndim != 2 or x.shape[0] > MAX_ROWS:
+    if not tracing_for_cpu() or x.ndim != 2 or x.shape[0] > MAX_ROWS:
         return False
     if x.dtype not in (jnp.float32, jnp.bfloat16) or w.codes.ndim != 2:
         return False

@@ -71,7 +71,7 @@ def fp8_values(codes: jax.Array, dtype) -> jax.Array:
     convert is scalar code (about 17x slower than the product it feeds), so there the value
     is built with integer operations: |v| * 2^9 = (8 * [e > 0] + m) << max(e - 1, 0) for
     exponent e and mantissa m."""
-    if jax.default_backend() != "cpu":
+    if not cpu_kernel.tracing_for_cpu():
         return jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(dtype)
     bits = jax.lax.bitcast_convert_type(codes, jnp.int8).astype(jnp.int32)
     e, m = (bits >> 3) & 15, bits & 7

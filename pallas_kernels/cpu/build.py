@@ -54,6 +54,16 @@ class CpuKernelUnavailable(RuntimeError):
     """The kernel could not be built here (no C++ compiler, or it failed)."""
 
 
+def tracing_for_cpu() -> bool:
+    """Whether the computation being traced will run on the CPU, so that a CPU kernel may be
+    called in it: JAX's default backend is the CPU, and the abstract mesh, where it names a
+    device (as a lowering for TPU or CUDA from a CPU host does), names a CPU."""
+    if jax.default_backend() != "cpu":
+        return False
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return device is None or device.platform == "cpu"
+
+
 def _cpu_fingerprint() -> str:
     # -march=native makes the library specific to this CPU's instruction set.
     try:
