@@ -1,7 +1,7 @@
 """Every step executable lowers for TPU and for CUDA from this CPU host (no accelerator
 needed): the forward of every bucket with the attention kernel `auto` picks there (the
 Pallas TPU kernel through Mosaic, the Pallas GPU kernel through Triton), and the sampler of
-every row bucket, on an abstract mesh naming the target device. A lowering error on any
+every row bucket, on an abstract mesh naming the target device, at TP=1 and TP=4. A lowering error on any
 bucket fails here instead of on a user's TPU or GPU, and no CPU kernel leaks into a step
 traced for another platform."""
 
@@ -25,34 +25,51 @@ TARGETS = {
 }
 
 
-def abstract(tree):
-    """Shapes and dtypes only: the CPU arrays' shardings name the CPU mesh."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+def on(mesh):
+    """Each array's shape, dtype and partitioning, on the abstract `mesh` (the engine's arrays
+    name the CPU mesh)."""
+
+    def one(a):
+        spec = getattr(getattr(a, "sharding", None), "spec", None)
+        sharding = None if spec is None else jax.sharding.NamedSharding(mesh, spec)
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+
+    return lambda tree: jax.tree.map(one, tree)
 
 
 @pytest.fixture(scope="module")
 def runners(llama_dir):
-    """An engine per dtype: on this CPU a float32 model's products run in a C++ kernel, which
-    a step traced for TPU or CUDA must not call."""
-    return {dtype: LLM(llama_dir, dtype=dtype, **SMALL).llm_engine.runner for dtype in DTYPES}
-
-
-DTYPES = ("bfloat16", "float32")
+    """An engine per dtype and tensor-parallel size (on fake CPU devices): on this CPU a
+    float32 model's products run in a C++ kernel, which a step traced for TPU or CUDA must
+    not call; under TP=4 the attention kernel runs in a shard_map over the heads."""
+    cases = {("bfloat16", 1), ("float32", 1), ("bfloat16", 4)}
+    return {
+        (dtype, tp): LLM(llama_dir, dtype=dtype, tensor_parallel_size=tp, **SMALL).llm_engine.runner
+        for dtype, tp in cases
+    }
 
 
 @pytest.mark.parametrize(
-    "platform,dtype", [("tpu", "bfloat16"), ("cuda", "bfloat16"), ("cuda", "float32")]
+    "platform,dtype,tp",
+    [
+        ("tpu", "bfloat16", 1),
+        ("cuda", "bfloat16", 1),
+        ("cuda", "float32", 1),
+        ("tpu", "bfloat16", 4),
+        ("cuda", "bfloat16", 4),
+    ],
 )
-def test_every_bucket_lowers_for_the_accelerator(runners, platform, dtype):
-    runner = runners[dtype]
+def test_every_bucket_lowers_for_the_accelerator(runners, platform, dtype, tp):
+    runner = runners[dtype, tp]
     device, backend, kernel = TARGETS[platform]
     auto = jax.sharding.AxisType.Auto
     mesh = jax.sharding.AbstractMesh(
-        (1, 1),
+        (1, tp),
         ("data", "model"),
         axis_types=(auto, auto),
         abstract_device=jax.sharding.AbstractDevice(*device),
     )
+    abstract = on(mesh)
     lower = {"lowering_platforms": (platform,)}
     sampled = set()
     with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
