@@ -1,23 +1,34 @@
 """Every step executable lowers for TPU and for CUDA from this CPU host (no accelerator
 needed): the forward of every bucket with the attention kernel `auto` picks there (the
 Pallas TPU kernel through Mosaic, the Pallas GPU kernel through Triton), and the sampler of
-every row bucket, on an abstract mesh naming the target device, at TP=1 and TP=4. A lowering error on any
-bucket fails here instead of on a user's TPU or GPU, and no CPU kernel leaks into a step
-traced for another platform."""
+every row bucket, on an abstract mesh naming the target device, at TP=1 and TP=4, for a tiny
+model and for Llama-3.1-8B's shapes. A lowering error fails here instead of on a user's TPU
+or GPU, and no CPU kernel leaks into a step traced for another platform."""
 
 from __future__ import annotations
 
 import re
 import warnings
+from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
+from flax import nnx
 from oracle import SMALL
+from transformers import AutoConfig
 
 from jllm import LLM
 from jllm.attention import get_backend
-from jllm.runner.model_runner import forward_step
+from jllm.models import registry
+from jllm.models.loader import _axes, abstract_model
+from jllm.runner.inputs import BatchLayout
+from jllm.runner.kv_cache import CACHE_AXES, CacheSpec
+from jllm.runner.model_runner import ModelRunner, forward_step
 from jllm.runner.sampler import sample
+from sharding import make_mesh, named_sharding
+
+CONFIGS = Path(__file__).parents[2] / "benchmarks" / "gpu" / "configs"
 
 TARGETS = {
     "tpu": (("TPU v5 lite", 1, "tpu"), "pallas", "tpu_custom_call"),
@@ -103,3 +114,70 @@ def test_every_bucket_lowers_for_the_accelerator(runners, platform, dtype, tp):
             )
             assert "custom_call @" not in sampler.lower(**lower).as_text()
     assert sampled == {runner.layout.sample_rows(*key) for key in runner.layout.shapes()}
+
+
+@pytest.fixture(scope="module")
+def llama_8b():
+    """Llama-3.1-8B's shapes from its config alone (benchmarks/gpu/configs), every parameter
+    abstract: nothing the size of the model is allocated."""
+    hf = AutoConfig.from_pretrained(CONFIGS / "llama-3.1-8b")
+    arch = registry.resolve(hf)
+    cfg = arch.config(hf)
+    model = abstract_model(arch, cfg, jnp.bfloat16)
+    graphdef, state = nnx.split(model)
+    return arch, cfg, graphdef, state
+
+
+@pytest.mark.parametrize("platform", list(TARGETS))
+@pytest.mark.parametrize("tp", [1, 4])
+def test_llama_8b_shapes_lower_for_the_accelerator(llama_8b, platform, tp):
+    """The real shapes (32 heads over 8 kv heads of 128, a 128256-token vocabulary) at the
+    engine's default limits (256 sequences, 2048 batched tokens), on TP=1 and TP=4: the
+    bucket grid's corners and a mixed step (the tiny model above lowers every bucket)."""
+    arch, cfg, graphdef, state = llama_8b
+    device, backend, kernel = TARGETS[platform]
+    auto = jax.sharding.AxisType.Auto
+    mesh = jax.sharding.AbstractMesh(
+        (1, tp),
+        ("data", "model"),
+        axis_types=(auto, auto),
+        abstract_device=jax.sharding.AbstractDevice(*device),
+    )
+    flat = dict(nnx.to_flat_state(state))
+    params = nnx.from_flat_state(
+        {
+            path: jax.ShapeDtypeStruct(
+                var.shape, var.dtype, sharding=named_sharding(mesh, _axes(var), var.shape)
+            )
+            for path, var in flat.items()
+        }
+    )
+    kv_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    layout = BatchLayout.create(16, 4096, 16, 8192, 256, 2048, kv_bytes, tiles=False)
+    specs = CacheSpec.groups_of(arch.module, cfg)
+    runner = ModelRunner(
+        graphdef, params, layout, cfg.vocab_size, 256, 20, "cpu_kernel", True, make_mesh(), specs
+    )
+    shapes = [(s.num_layers, 4096, 16, 2 * s.num_kv_heads, s.head_dim) for s in specs]
+    caches = tuple(
+        jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=named_sharding(mesh, CACHE_AXES, shape))
+        for shape in shapes
+    )
+    last = jax.ShapeDtypeStruct((257,), jnp.int32)
+    shapes = layout.shapes()
+    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for key in (shapes[0], shapes[len(shapes) // 2], shapes[-1]):
+            buf, step_layout, _ = runner._packed_inputs(*key)
+            traced = forward_step.trace(
+                params,
+                caches,
+                last,
+                jax.ShapeDtypeStruct(buf.shape, buf.dtype),
+                layout=step_layout,
+                graphdef=graphdef,
+                backend=get_backend(backend),
+                logits_sharding=jax.sharding.PartitionSpec(None, "model"),
+            )
+            text = traced.lower(lowering_platforms=(platform,)).as_text()
+            assert re.findall(r"custom_call @([\w$.]+)", text) == [kernel], key
