@@ -6,8 +6,8 @@ settings loads the executables from disk instead of compiling them again. The di
 (JAX_COMPILATION_CACHE_DIR or jax.config), which wins: TPU users keep it on a persistent
 disk. Either way every executable is written, however fast it compiled: JAX's defaults only
 keep those that took a second or more, and most buckets of a small model compile faster, so a
-warm restart compiled them again. A threshold the user set through JAX's own environment
-variables is left alone.
+warm restart compiled them again. A threshold the user set (JAX's environment variable, or
+`jax.config.update` to other than JAX's default) is left alone.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ import jax
 
 logger = logging.getLogger(__name__)
 
-# JAX's settings that decide which executables the cache keeps: jllm keeps every one.
+# JAX's settings that decide which executables the cache keeps: (JAX's default, jllm's, which
+# keeps every one).
 _KEEP_ALL = {
-    "jax_persistent_cache_min_compile_time_secs": 0.0,
-    "jax_persistent_cache_min_entry_size_bytes": 0,
+    "jax_persistent_cache_min_compile_time_secs": (1.0, 0.0),
+    "jax_persistent_cache_min_entry_size_bytes": (0, 0),
 }
 
 
@@ -58,8 +59,8 @@ def enable_compilation_cache() -> str | None:
             logger.warning("No XLA compilation cache (%s): every start compiles.", e)
             return None
         jax.config.update("jax_compilation_cache_dir", path)
-    for name, value in _KEEP_ALL.items():
-        if name.upper() not in os.environ:
+    for name, (default, value) in _KEEP_ALL.items():
+        if name.upper() not in os.environ and getattr(jax.config, name) == default:
             jax.config.update(name, value)
     logger.info("XLA compilation cache: %s (JAX_COMPILATION_CACHE_DIR sets another).", path)
     return path

@@ -11,7 +11,10 @@ import re
 import subprocess
 import sys
 
+import jax
 import pytest
+
+from jllm.runner.compile_cache import enable_compilation_cache
 
 START = """
 import json, sys
@@ -52,3 +55,18 @@ def test_second_start_compiles_nothing(llama_dir, tmp_path, where):
     assert (second["compiles"], second["loaded"]) == (0, first["compiles"])
     assert re.search(r"\(0 executables compiled, [1-9]\d* loaded from the comp", second["log"])
     assert re.search(r"Engine ready in [\d.]+ seconds: loading the model [\d.]+ s, ", second["log"])
+
+
+def test_a_threshold_the_user_set_is_kept():
+    """jllm lowers JAX's default threshold, not one the user chose."""
+    name = "jax_persistent_cache_min_compile_time_secs"
+    before = getattr(jax.config, name)
+    try:
+        jax.config.update(name, 5.0)
+        enable_compilation_cache()
+        assert getattr(jax.config, name) == 5.0
+        jax.config.update(name, 1.0)  # JAX's default
+        enable_compilation_cache()
+        assert getattr(jax.config, name) == 0.0
+    finally:
+        jax.config.update(name, before)
