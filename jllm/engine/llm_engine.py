@@ -182,7 +182,7 @@ class LLMEngine:
             loaded - start,
             compiling - sizing,
             compiled - compiling,
-            done - start - (loaded - start) - (compiling - sizing) - (compiled - compiling),
+            (sizing - loaded) + (done - compiled),
         )
 
     @classmethod

@@ -36,6 +36,17 @@ TARGETS = {
 }
 
 
+def target_mesh(device, tp: int) -> jax.sharding.AbstractMesh:
+    """The engine's (data, model) mesh of `tp` devices of the target kind, abstract."""
+    auto = jax.sharding.AxisType.Auto
+    return jax.sharding.AbstractMesh(
+        (1, tp),
+        ("data", "model"),
+        axis_types=(auto, auto),
+        abstract_device=jax.sharding.AbstractDevice(*device),
+    )
+
+
 def on(mesh):
     """Each array's shape, dtype and partitioning, on the abstract `mesh` (the engine's arrays
     name the CPU mesh)."""
@@ -73,13 +84,7 @@ def runners(llama_dir):
 def test_every_bucket_lowers_for_the_accelerator(runners, platform, dtype, tp):
     runner = runners[dtype, tp]
     device, backend, kernel = TARGETS[platform]
-    auto = jax.sharding.AxisType.Auto
-    mesh = jax.sharding.AbstractMesh(
-        (1, tp),
-        ("data", "model"),
-        axis_types=(auto, auto),
-        abstract_device=jax.sharding.AbstractDevice(*device),
-    )
+    mesh = target_mesh(device, tp)
     abstract = on(mesh)
     lower = {"lowering_platforms": (platform,)}
     sampled = set()
@@ -136,13 +141,7 @@ def test_llama_8b_shapes_lower_for_the_accelerator(llama_8b, platform, tp):
     bucket grid's corners and a mixed step (the tiny model above lowers every bucket)."""
     arch, cfg, graphdef, state = llama_8b
     device, backend, kernel = TARGETS[platform]
-    auto = jax.sharding.AxisType.Auto
-    mesh = jax.sharding.AbstractMesh(
-        (1, tp),
-        ("data", "model"),
-        axis_types=(auto, auto),
-        abstract_device=jax.sharding.AbstractDevice(*device),
-    )
+    mesh = target_mesh(device, tp)
     flat = dict(nnx.to_flat_state(state))
     params = nnx.from_flat_state(
         {
