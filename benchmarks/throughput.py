@@ -87,23 +87,35 @@ class StepTimer:
     Async steps (`dispatch` of step N+1, then `fetch` of step N): the wait is the time
     `fetch` blocks. When it blocks, step N was still running, and step N+1 was already
     queued behind it, so the device had no gap before N+1; the share of steps that did
-    not block bounds how often the device could have waited for the host."""
+    not block bounds how often the device could have waited for the host.
+    Padding: every step's token slots and sample rows (its buckets) against its scheduled
+    tokens and live sample rows, summed over a workload."""
 
     def __init__(self, runner, async_mode: bool):
-        names = ("dispatch", "fetch") if async_mode else ("execute", "run_step")
+        names = ("dispatch", "fetch", "run_step") if async_mode else ("execute", "run_step")
         self.inner = {n: getattr(runner, n) for n in names}
         for n in names:
             setattr(runner, n, getattr(self, n))
+        self.async_mode = async_mode
+        self.pad_row = runner.batch.pad
         self.records = []
+        self.padding = np.zeros(4, np.int64)  # token slots, live tokens, sample rows, live
         self._wait = self._idle = 0.0
         self._last_end = None
         self._decodes = self._total = 0
+        self._live = 0  # the scheduled tokens of the step being dispatched
 
-    def run_step(self, *args, **kwargs):
+    def run_step(self, key, step, *args, **kwargs):
+        inputs, md = step  # the padded step: count its slots and rows against the live ones
+        rows = np.asarray(md.batch_row)
+        live_rows = int(np.sum(rows != self.pad_row))
+        self.padding += (len(inputs.token_ids), self._live, len(rows), live_rows)
+        if self.async_mode:
+            return self.inner["run_step"](key, step, *args, **kwargs)
         t0 = time.perf_counter()
         if self._last_end is not None:
             self._idle = t0 - self._last_end
-        result = self.inner["run_step"](*args, **kwargs)
+        result = self.inner["run_step"](key, step, *args, **kwargs)
         jax.block_until_ready(result)  # synchronous: the device part ends here
         self._last_end = time.perf_counter()
         self._wait = self._last_end - t0
@@ -116,6 +128,7 @@ class StepTimer:
         return sum(1 for s in out.scheduled if s.num_new_tokens == 1), out.total_num_tokens
 
     def execute(self, out):
+        self._live = self._shape(out)[1]
         t0 = time.perf_counter()
         result = self.inner["execute"](out)
         dt = time.perf_counter() - t0
@@ -132,6 +145,7 @@ class StepTimer:
             )
         self._last_end = now
         self._decodes, self._total = self._shape(out)
+        self._live = self._total
         self._wait = 0.0
         return self.inner["dispatch"](out)
 
@@ -402,7 +416,9 @@ def main() -> None:
     results = {}
     for w in reqs:
         timer.records.clear()
+        timer.padding[:] = 0
         results[w] = {"jllm": run_jllm(llm, reqs[w], w)}
+        results[w]["padding"] = timer.padding.copy()
         if w == "W1":
             results[w]["decode64"] = timer.decode_rate(64)
             results[w]["host64"] = timer.host_profile(64)
@@ -429,6 +445,10 @@ def main() -> None:
             if h:
                 line += f", hf {h['ttft'] * 1000:.0f} ms"
             print(line)
+    print("\npadding: token slots / scheduled tokens, sample rows / live sample rows")
+    for w in args.workloads:
+        slots, live, rows, live_rows = results[w]["padding"]
+        print(f"{w:8s}  {slots / live:.2f}  {rows / max(live_rows, 1):.2f}")
     if vllm:
         print(f"\nvLLM CPU backend, same requests, {llm.llm_engine.dtype.name}:")
         print("| workload | jllm tok/s | vLLM-cpu tok/s | jllm / vLLM |\n|---|---|---|---|")

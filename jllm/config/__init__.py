@@ -199,23 +199,20 @@ class SchedulerConfig:
     policy: str = "fcfs"  # or "priority" (engine/request_queue.py)
     # Slots allocated past each step's tokens, where a draft model writes its drafts.
     num_draft_lookahead: int = 0
-    # Rows of several tokens a step may hold (packed rows: the device batch has a row per
-    # 16-token bucket unit); None: no cap beyond the budget (tiles: each row costs a tile).
-    max_partial_rows: int | None = None
 
 
 def resolve_scheduler_config(
-    args: EngineArgs, max_model_len: int, tile_size: int, tiles: bool = True
+    args: EngineArgs, max_model_len: int, tile_size: int | None = None
 ) -> SchedulerConfig:
-    """`tile_size`: the device batch's unit of prefill token slots; `tiles`: whether the
-    attention backend lays each prefill row out in whole tiles of it (else rows are packed,
-    and a step holds at most one row of several tokens per unit of its budget)."""
+    """`tile_size`: the tile the attention backend lays each row of several tokens out in
+    (its `prefill_tile`), charged whole to the budget; None: rows are packed back to back
+    and cost their tokens."""
     max_num_seqs = args.max_num_seqs or 256
     budget = args.max_num_batched_tokens or 2048
+    tile = tile_size or 1
     if not args.enable_chunked_prefill:
         # Without chunking every prompt must fit one step.
-        budget = max(budget, -(-max_model_len // tile_size) * tile_size)
-    rows = None if tiles else -(-budget // tile_size)
+        budget = max(budget, -(-max_model_len // tile) * tile)
     if budget < max_num_seqs:
         raise ValueError(
             f"max_num_batched_tokens ({budget}) must be at least max_num_seqs ({max_num_seqs})."
@@ -231,9 +228,8 @@ def resolve_scheduler_config(
         budget,
         max_model_len,
         args.enable_chunked_prefill,
-        tile_size if tiles else 1,
+        tile,
         slots,
         args.scheduling_policy,
         ahead,
-        rows,
     )

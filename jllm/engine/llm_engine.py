@@ -12,6 +12,7 @@ import atexit
 import logging
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 
@@ -39,7 +40,7 @@ from jllm.logits_process import LogitsProcessorConfig, load_logits_processors
 from jllm.metrics.stats import LoggingStatLogger
 from jllm.runner.compile_cache import enable_compilation_cache
 from jllm.runner.inputs import BatchLayout
-from jllm.runner.kv_cache import create_kv_cache, resolve_kv_cache_dtype
+from jllm.runner.kv_cache import allocate_kv_caches, resolve_kv_cache_dtype, size_kv_cache
 from jllm.runner.model_runner import ModelRunner
 from jllm.sampling_params import SamplingParams
 from jllm.scheduler_output import PROMPT_LOGPROB_ROWS
@@ -47,10 +48,6 @@ from jllm.spec_decode import make_proposer
 from jllm.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("jllm")
-
-# The device batch's prefill token slots come in units of this many tokens (its bucket
-# unit) where the attention backend has no tile of its own (the ragged kernels).
-PREFILL_UNIT = 16
 
 
 class LLMEngine:
@@ -77,13 +74,12 @@ class LLMEngine:
         )
         # The backend's batch layout: prefill rows in its tiles, or packed back to back.
         tile = get_backend(backend).prefill_tile
-        unit = tile or PREFILL_UNIT
-        sched_cfg = resolve_scheduler_config(args, self.max_model_len, unit, tile is not None)
+        sched_cfg = resolve_scheduler_config(args, self.max_model_len, tile)
         kv_dtype, kv_fp8 = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, platform)
         layout = BatchLayout.create(
             args.block_size,
             0,  # blocks: set once the cache is sized
-            unit,
+            tile or 1,
             self.max_model_len,
             sched_cfg.max_num_seqs,
             sched_cfg.max_num_batched_tokens,
@@ -114,7 +110,7 @@ class LLMEngine:
             draft,
         )
         sizing = time.perf_counter()
-        caches, num_blocks = create_kv_cache(
+        specs, num_blocks = size_kv_cache(
             [m.kv_caches] if draft is None else [m.kv_caches, draft.kv_caches],
             block_size=args.block_size,
             tp=args.tensor_parallel_size,
@@ -127,14 +123,16 @@ class LLMEngine:
             utilization=args.gpu_memory_utilization,
             profile=self.runner.profile_step_bytes,
         )
-        kv_cache = caches[0]
-        if args.tensor_parallel_size > 1:
-            log_split(m.mesh, m.state, kv_cache, m.kv_replicas)
-        self.runner.attach_kv_cache(kv_cache, num_blocks)
-        if draft is not None:
-            draft.attach(caches[1], layout)
         compiling = time.perf_counter()
-        self.runner.compile_all()
+        # The caches are zeroed on a thread while the steps compile against their shapes.
+        with ThreadPoolExecutor(1, "jllm-kv-cache") as pool:
+            allocated = pool.submit(allocate_kv_caches, specs)
+            self._attach_kv_caches(specs, num_blocks, draft, layout)
+            self.runner.compile_all()
+            caches = allocated.result()
+        self._attach_kv_caches(caches, num_blocks, draft, layout)
+        if args.tensor_parallel_size > 1:
+            log_split(m.mesh, m.state, caches[0], m.kv_replicas)
         compiled = time.perf_counter()
         self.channel = open_step_channel(args, self.rank)
         if self.channel is not None and self.rank == 0:
@@ -177,13 +175,19 @@ class LLMEngine:
         done = time.perf_counter()
         logger.info(
             "Engine ready in %.1f seconds: loading the model %.1f s, sizing the KV cache "
-            "(profile and allocation) %.1f s, compiling %.1f s, the rest %.1f s.",
+            "(profile) %.1f s, compiling (while the cache is allocated) %.1f s, the rest %.1f s.",
             done - start,
             loaded - start,
             compiling - sizing,
             compiled - compiling,
             (sizing - loaded) + (done - compiled),
         )
+
+    def _attach_kv_caches(self, caches, num_blocks: int, draft, layout) -> None:
+        """The model's caches (and the draft's), real or their shapes while compiling."""
+        self.runner.attach_kv_cache(caches[0], num_blocks)
+        if draft is not None:
+            draft.attach(caches[1], layout)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:

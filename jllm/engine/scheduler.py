@@ -105,12 +105,6 @@ class Scheduler:
         tile = self.config.tile_size
         return n if n == 1 else cdiv(n, tile) * tile
 
-    def _rows_full(self, partial_rows: int) -> bool:
-        """Whether the step holds as many rows of several tokens as the device batch has
-        room for (packed rows; with tiles the budget bounds them)."""
-        cap = self.config.max_partial_rows
-        return cap is not None and partial_rows >= cap
-
     def _fit(self, remaining: int, budget: int) -> int:
         """How many of `remaining` tokens fit in `budget` (0 if none)."""
         if self._cost(remaining) <= budget:
@@ -154,7 +148,6 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         preempted = False
         lp_room = PROMPT_LOGPROB_ROWS  # prompt tokens with prompt logprobs this step
-        partial = 0  # rows of several tokens
         scheduled: list[tuple[Request, int, list[int], bool]] = []
         # 1. Running requests, in admission order; preempt from the back when short.
         i = 0
@@ -172,8 +165,6 @@ class Scheduler:
                 drafts, num_new = [], self._fit(known, budget)
             if num_new == 0:
                 break
-            if num_new > 1 and self._rows_full(partial):  # one token: a decode row
-                drafts, num_new = [], 1
             num_new = self._cap_prompt_logprobs(
                 req, req.num_computed_tokens, num_new, lp_room, budget
             )
@@ -191,7 +182,6 @@ class Scheduler:
                     k = next(n for n, s in enumerate(scheduled) if s[0] is victim)
                     num_back = scheduled.pop(k)[1]
                     budget += self._cost(num_back)
-                    partial -= num_back > 1
                     lp_room += self._listed(victim, victim.num_computed_tokens, num_back)
                     i -= 1
                 self._preempt(victim)
@@ -202,7 +192,6 @@ class Scheduler:
             if blocks is None:
                 break
             scheduled.append((req, num_new, drafts, False))
-            partial += num_new > 1
             budget -= self._cost(num_new)
             lp_room -= self._listed(req, req.num_computed_tokens, num_new)
             i += 1
@@ -221,8 +210,6 @@ class Scheduler:
                 num_new < req.num_tokens - num_hit and not self.config.enable_chunked_prefill
             ):
                 break
-            if num_new > 1 and self._rows_full(partial):
-                break
             req.num_computed_tokens = 0
             blocks = self._allocate(req, num_new, hit_blocks, num_hit)
             if blocks is None:
@@ -237,7 +224,6 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled.append((req, num_new, [], True))
-            partial += num_new > 1
             budget -= self._cost(num_new)
             lp_room -= self._listed(req, num_hit, num_new)
         self._fill_output(out, scheduled)

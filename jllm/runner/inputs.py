@@ -1,17 +1,23 @@
 """Build one step's device inputs from the persistent input batch and a `SchedulerOutput`,
 in numpy, padded to buckets.
 
-Layout of the flat batch (see `jllm/attention/`): Rd decode rows (one query each,
-gathered from the input batch without a Python loop), then Tt units of C token slots for the
-rows of several tokens (prefill chunks), laid out as the attention backend asks
-(`prefill_tile`): each row on whole tiles of C (the XLA path), or packed back to back (the
-ragged kernels; Tt then also covers one request row per row). A verification row (the
-decode token then its k drafts) is k + 1 decode rows while they fit the largest decode
-bucket, else a row of several tokens. Sample rows: one per request whose row reaches its
-last known token, k+1 (consecutive) for a row verifying k drafts. Everything is padded:
-tokens write to the dropped slot B*S, request rows have kv_len 0, sample rows read the input
-batch's padding row and the host ignores them. The attention backend's builder
-(`AttentionBackend.build_metadata`, jllm/attention/) keeps only what that backend reads.
+Layout of the flat batch (see `jllm/attention/`), as the attention backend asks
+(`prefill_tile`):
+- tiles (the XLA path): Rd decode rows (one query each, gathered from the input batch
+  without a Python loop), then Tt tiles of C token slots, each row of several tokens
+  (prefill chunks) on whole tiles. A verification row (the decode token then its k drafts)
+  is k + 1 decode rows while they fit the largest decode bucket, else a row of several
+  tokens. The key is (Rd, Tt).
+- packed (the ragged kernels): the decodes, then the rows of several tokens back to back
+  (verification rows among them), in T token slots and R = min(T, max_num_seqs) request
+  rows. The key is (T,): one axis.
+Sample rows: one per request whose row reaches its last known token, k+1 (consecutive) for a
+row verifying k drafts, padded to their own bucket Rs; the forward gathers the hidden states
+of `logit_rows` tokens whatever its key, and the sampler's executable takes the first Rs.
+Everything is padded: tokens write to the dropped slot B*S, request rows have kv_len 0,
+sample rows read the input batch's padding row and the host ignores them. The attention
+backend's builder (`AttentionBackend.build_metadata`, jllm/attention/) keeps only what that
+backend reads.
 """
 
 from __future__ import annotations
@@ -47,7 +53,8 @@ from jllm.utils import cdiv
 class StepInputs:
     token_ids: jax.Array  # [T]
     positions: jax.Array  # [T]
-    logits_indices: jax.Array  # [Rs] flat index of the token each sample row follows
+    # [logit_rows] flat index of the token each sample row follows (padding: 0)
+    logits_indices: jax.Array
     # [T] the input-batch row whose last sampled token, still on the device (async
     # scheduling), this token is; -1: the token is in token_ids
     from_device: jax.Array
@@ -74,16 +81,27 @@ def pow2_buckets(limit: int, start: int = 1) -> list[int]:
 
 @dataclasses.dataclass
 class BatchLayout:
-    """Static facts the input builder needs from the runner."""
+    """Static facts the input builder needs from the runner, and the bucket policy: which
+    step shapes (keys) are compiled.
+
+    With tiles (the XLA backend), a step's key is (Rd, Tt): Rd decode rows, then Tt tiles
+    of `tile_size` token slots. Packed (the ragged kernels: C++ on the CPU, Pallas on TPU and
+    GPU, which take any mix of rows at any offset), it is (T,): T token slots and
+    R = min(T, max_rows) request rows, one axis that grows with log(budget). Either way the
+    sampler has its own axis, the sample rows Rs, and the forward hands it the hidden states
+    of `logit_rows` tokens whatever the bucket, so the two never multiply."""
 
     block_size: int
     num_blocks: int
     tile_size: int
     max_pages: int  # block table width, a multiple of the largest KV chunk in pages
     kv_token_bytes: int  # one token's K and V in one layer
-    decode_buckets: list[int]  # Rd
-    tile_buckets: list[int]  # Tt
+    decode_buckets: list[int]  # Rd (tiles), and the draft model's decode steps
+    tile_buckets: list[int]  # Tt (tiles)
+    token_buckets: list[int]  # T (packed)
     sample_buckets: list[int]  # Rs
+    max_rows: int = 1  # request rows a step holds at most (max_num_seqs)
+    budget: int = 1  # tokens a step holds at most (max_num_batched_tokens)
     num_spec_tokens: int = 0  # K: drafts a row may verify
     kv_fp8: str | None = None  # the float8 format whose bytes (uint8) the cache holds
     # Whether rows of several tokens start on, and fill, tiles of `tile_size` tokens (the
@@ -104,9 +122,12 @@ class BatchLayout:
         kv_fp8=None,
         tiles=True,
     ):
-        """`min_rows`: the smallest decode and sample bucket (see `min_dot_rows`)."""
+        """`min_rows`: the smallest decode, token and sample bucket (see `min_dot_rows`).
+        Buckets stop at what the limits can reach: a step holds at most `budget` tokens
+        and `max_num_seqs` requests, each sampling at most 1 + K rows."""
         chunk_pages = max_kv_chunk_pages(block_size)
         max_pages = cdiv(cdiv(max_model_len, block_size), chunk_pages) * chunk_pages
+        rows = min(max_num_seqs * (1 + num_spec_tokens), budget)
         return BatchLayout(
             block_size=block_size,
             num_blocks=num_blocks,
@@ -114,21 +135,57 @@ class BatchLayout:
             max_pages=max_pages,
             kv_token_bytes=kv_token_bytes,
             decode_buckets=[0] + pow2_buckets(max_num_seqs, min_rows),
-            tile_buckets=[0] + pow2_buckets(cdiv(budget, tile_size)),
-            sample_buckets=pow2_buckets(max_num_seqs * (1 + num_spec_tokens), min_rows),
+            tile_buckets=[0] + pow2_buckets(cdiv(budget, tile_size)) if tiles else [0],
+            token_buckets=[] if tiles else pow2_buckets(budget, min_rows),
+            sample_buckets=pow2_buckets(rows, min_rows),
+            max_rows=max_num_seqs,
+            budget=budget,
             num_spec_tokens=num_spec_tokens,
             kv_fp8=kv_fp8,
             tiles=tiles,
         )
 
-    def sample_rows(self, rd: int, tt: int) -> int:
-        """Rs for an (Rd, Tt) bucket: a tile samples at most 1 + K rows."""
-        n = rd + tt * (1 + self.num_spec_tokens)
-        return bucket(min(n, self.sample_buckets[-1]), self.sample_buckets)
+    @property
+    def logit_rows(self) -> int:
+        """The tokens whose hidden states every forward hands the sampler: the most sample
+        rows a step can have."""
+        return self.sample_buckets[-1]
 
-    def shapes(self):
-        """Every (Rd, Tt) pair a step can have."""
-        return [(d, t) for d in self.decode_buckets for t in self.tile_buckets if d or t]
+    def dims(self, key: tuple) -> tuple[int, int, int, int]:
+        """(T tokens, R request rows, Rd decode rows, Tt tiles) of a forward key."""
+        if self.tiles:
+            rd, tt = key
+            return rd + tt * self.tile_size, rd + tt, rd, tt
+        (t,) = key
+        return t, min(t, self.max_rows), 0, 0
+
+    def decode_key(self, rd: int) -> tuple:
+        """The key of a step of `rd` one-token rows (the draft model's steps)."""
+        return (rd, 0) if self.tiles else (rd,)
+
+    def largest(self) -> tuple:
+        """The forward key with the most tokens (start-up memory profiling)."""
+        if self.tiles:
+            return self.decode_buckets[-1], self.tile_buckets[-1]
+        return (self.token_buckets[-1],)
+
+    def shapes(self) -> list[tuple]:
+        """Every forward key a step can have at these limits. With tiles, the (Rd, Tt)
+        pairs whose fewest tokens (one more decode and one more tile than the buckets
+        below) fit the budget: the scheduler charges a tile its whole size."""
+        if not self.tiles:
+            return [(t,) for t in self.token_buckets]
+
+        def least(buckets, b):  # the fewest of a bucket's contents: one past the one below
+            return 0 if b == 0 else buckets[buckets.index(b) - 1] + 1
+
+        d, t = self.decode_buckets, self.tile_buckets
+        return [
+            (rd, tt)
+            for rd in d
+            for tt in t
+            if (rd or tt) and least(d, rd) + least(t, tt) * self.tile_size <= self.budget
+        ]
 
 
 @dataclasses.dataclass
@@ -155,11 +212,11 @@ class SampleGroup:
     drafts: list[int] = dataclasses.field(default_factory=list)  # the k drafts verified
 
 
-def padded_flat_batch(layout: BatchLayout, Rd: int, Tt: int) -> FlatBatch:
-    """An (Rd, Tt) bucket's flat batch, all padding: tokens write to the dropped slot B*S,
+def padded_flat_batch(layout: BatchLayout, key: tuple) -> FlatBatch:
+    """A forward key's flat batch, all padding: tokens write to the dropped slot B*S,
     rows have no queries and kv_len 0, tile positions are -1. Builders fill it in place."""
     S, C = layout.block_size, layout.tile_size
-    T, R = Rd + Tt * C, Rd + Tt
+    T, R, Rd, Tt = layout.dims(key)
     return FlatBatch(
         slot_mapping=np.full(T, layout.num_blocks * S, np.int32),
         query_start=np.zeros(R, np.int32),
@@ -210,8 +267,8 @@ def group_metadata(
 @dataclasses.dataclass
 class _Rows:
     """Which scheduled requests take which rows of the step: the decode entries (a request
-    and an offset in its row: a verification row is k + 1 decode entries), longest context
-    first, then the rows of several tokens; and the (Rd, Tt) bucket."""
+    and an offset in its row; with tiles a verification row is k + 1 decode entries),
+    longest context first, then the rows of several tokens; and the forward key."""
 
     ids: list[str]  # scheduled request ids, in the scheduler's order
     rows: np.ndarray  # their input-batch rows
@@ -220,7 +277,7 @@ class _Rows:
     d_req: np.ndarray  # each decode entry's scheduled request
     d_off: np.ndarray  # its offset in that request's row
     m_idx: np.ndarray  # the scheduled requests of several tokens
-    shape: tuple[int, int]  # (Rd, Tt)
+    shape: tuple  # the forward key: (Rd, Tt) with tiles, (T,) packed
 
 
 def _plan_rows(batch: InputBatch, out: SchedulerOutput, layout: BatchLayout, shape) -> _Rows:
@@ -229,12 +286,13 @@ def _plan_rows(batch: InputBatch, out: SchedulerOutput, layout: BatchLayout, sha
     rows = np.array([batch.index[r] for r in ids], np.int32)
     counts = np.array(list(out.num_scheduled_tokens.values()), np.int32)
     single = counts == 1
-    # A verification row (its last token, then its drafts) is laid out as decode rows of one
-    # query each, at consecutive positions (each sees the K/V written before it in the step),
-    # while they fit the largest decode bucket: in tiles its k + 1 tokens would take C slots.
+    # With tiles, a verification row (its last token, then its drafts) is laid out as decode
+    # rows of one query each, at consecutive positions (each sees the K/V written before it
+    # in the step), while they fit the largest decode bucket: in tiles its k + 1 tokens
+    # would take C slots. Packed, it is a row like any other.
     spec = out.scheduled_spec_decode_tokens
     verify = np.zeros(len(ids), bool)
-    if spec and shape is None:
+    if spec and shape is None and layout.tiles:
         room = layout.decode_buckets[-1] - int(single.sum())
         for i in np.flatnonzero(~single):
             n = int(counts[i])
@@ -249,12 +307,11 @@ def _plan_rows(batch: InputBatch, out: SchedulerOutput, layout: BatchLayout, sha
     order = np.argsort(-(batch.num_computed[rows[d_req]] + d_off), kind="stable")
     d_req, d_off = d_req[order], d_off[order]
     m_idx = np.flatnonzero(~(single | verify))
-    if shape is None:
-        if layout.tiles:
-            n_tiles = int(sum(cdiv(int(counts[i]), C) for i in m_idx))
-        else:  # packed: enough slots for the tokens, and a request row per row
-            n_tiles = max(cdiv(int(counts[m_idx].sum()), C), len(m_idx))
+    if shape is None and layout.tiles:
+        n_tiles = int(sum(cdiv(int(counts[i]), C) for i in m_idx))
         shape = (bucket(len(d_req), layout.decode_buckets), bucket(n_tiles, layout.tile_buckets))
+    elif shape is None:  # packed: R = min(T, max_rows) rows hold every scheduled request
+        shape = (bucket(int(counts.sum()), layout.token_buckets),)
     return _Rows(ids, rows, counts, verify, d_req, d_off, m_idx, shape)
 
 
@@ -273,15 +330,15 @@ class _Placed:
     flat_start: dict[str, int] = dataclasses.field(default_factory=dict)  # req -> first token
 
     @classmethod
-    def padded(cls, layout: BatchLayout, Rd: int, Tt: int) -> _Placed:
-        T = Rd + Tt * layout.tile_size
+    def padded(cls, layout: BatchLayout, key: tuple) -> _Placed:
+        T, R, _, _ = layout.dims(key)
         return cls(
             token_ids=np.zeros(T, np.int32),
             from_device=np.full(T, -1, np.int32),
             positions=np.zeros(T, np.int32),
             tok_row=np.full(T, -1, np.int32),
-            req_row=np.full(Rd + Tt, -1, np.int32),
-            flat=padded_flat_batch(layout, Rd, Tt),
+            req_row=np.full(R, -1, np.int32),
+            flat=padded_flat_batch(layout, key),
         )
 
     def sample(self, req_id, row, at, batch: InputBatch, drafts=()) -> None:
@@ -327,11 +384,11 @@ def _place_decodes(p: _Placed, batch: InputBatch, plan: _Rows, spec: dict) -> No
 
 def _place_rows(p: _Placed, batch: InputBatch, plan: _Rows, layout: BatchLayout, spec) -> None:
     """Rows of several tokens (prefill chunks and verification rows): each on whole tiles
-    (`layout.tiles`), or packed back to back."""
+    after the Rd decode rows (`layout.tiles`), or packed back to back after the decodes."""
     C = layout.tile_size
-    Rd = plan.shape[0]
+    first = layout.dims(plan.shape)[2] if layout.tiles else len(plan.d_req)
     flat, known = p.flat, batch.num_tokens + batch.num_pending
-    start, tile = Rd, 0
+    start, tile = first, 0
     for j, i in enumerate(plan.m_idx):
         r, n, rid = int(plan.rows[i]), int(plan.counts[i]), plan.ids[i]
         nc = int(batch.num_computed[r])
@@ -339,7 +396,7 @@ def _place_rows(p: _Placed, batch: InputBatch, plan: _Rows, layout: BatchLayout,
         k_known = n - len(drafts)
         if nc + k_known > batch.num_tokens[r]:
             raise RuntimeError(f"{rid}: a row of several tokens needs its tokens on the host")
-        row = Rd + j
+        row = first + j
         pos = np.arange(nc, nc + n, dtype=np.int32)
         p.token_ids[start : start + k_known] = batch.token_ids[r, nc : nc + k_known]
         p.token_ids[start + k_known : start + n] = drafts
@@ -366,19 +423,20 @@ def build_step(
     out: SchedulerOutput,
     layout: BatchLayout,
     backend: AttentionBackend,
-    shape: tuple[int, int] | None = None,
+    shape: tuple | None = None,
+    sample_rows: int | None = None,
 ):
-    """Returns (StepInputs and SamplingMetadata in numpy, the sample groups, the (Rd, Tt)
-    bucket, the prompt-logprob rows or None). `shape` forces the bucket (warm-up)."""
+    """Returns (StepInputs and SamplingMetadata in numpy, the sample groups, the forward
+    key, the prompt-logprob rows or None). `shape` and `sample_rows` force the forward key
+    and the sample-row bucket (warm-up)."""
     plan = _plan_rows(batch, out, layout, shape)
-    Rd, Tt = plan.shape
-    p = _Placed.padded(layout, Rd, Tt)
+    p = _Placed.padded(layout, plan.shape)
     spec = out.scheduled_spec_decode_tokens
     _place_decodes(p, batch, plan, spec)
     _place_rows(p, batch, plan, layout, spec)
 
-    Rs = layout.sample_rows(Rd, Tt)
-    logits_indices = np.zeros(Rs, np.int32)
+    Rs = sample_rows or bucket(max(len(p.sample_at), 1), layout.sample_buckets)
+    logits_indices = np.zeros(layout.logit_rows, np.int32)
     logits_indices[: len(p.sample_at)] = p.sample_at
     md = sampling_metadata(batch, p.groups, Rs, max(1, layout.num_spec_tokens))
     for g in p.groups:

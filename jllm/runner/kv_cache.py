@@ -156,7 +156,18 @@ def allocate_kv_cache(spec: jax.ShapeDtypeStruct) -> jax.Array:
     return jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype), out_shardings=spec.sharding)()
 
 
-def create_kv_cache(
+def allocate_kv_caches(specs):
+    """`allocate_kv_cache` over a tree of specs (`size_kv_cache`'s), waiting until every
+    cache is zeroed: the engine runs it on a thread while it compiles (XLA's CPU backend
+    zeroes 4 GiB in about 2 s and releases the GIL meanwhile)."""
+    return jax.block_until_ready(
+        jax.tree.map(
+            allocate_kv_cache, specs, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct)
+        )
+    )
+
+
+def size_kv_cache(
     models: list[tuple[CacheSpec, ...]],
     *,
     block_size: int,
@@ -170,12 +181,13 @@ def create_kv_cache(
     utilization: float,
     profile=None,
 ):
-    """Size the caches from memory (per device: they are split on their kv-head axis), log
-    them as vLLM does, and allocate them. `models`: the model's KV-cache groups, then a
+    """Size the caches from memory (per device: they are split on their kv-head axis) and
+    log them as vLLM does. `models`: the model's KV-cache groups, then a
     speculative draft model's if any; every group has `num_blocks` blocks.
     `profile(abstract caches) -> bytes`: what the largest step needs
     (`ModelRunner.profile_step_bytes`; with a draft, the pair (target's, draft's)). Returns
-    (each model's tuple of group caches, num_blocks)."""
+    (each model's tuple of group caches, abstract: `allocate_kv_caches` makes them, and
+    num_blocks)."""
     specs = [spec for groups in models for spec in groups]
     per_block = sum(
         bytes_per_block(s.num_layers, block_size, s.num_kv_heads // tp, s.head_dim, dtype)
@@ -203,10 +215,7 @@ def create_kv_cache(
         (num_blocks - 1) * block_size / max_model_len,
     )
     caches = [
-        tuple(
-            allocate_kv_cache(abstract_kv_cache(s, num_blocks, block_size, dtype, mesh))
-            for s in groups
-        )
+        tuple(abstract_kv_cache(s, num_blocks, block_size, dtype, mesh) for s in groups)
         for groups in models
     ]
     return caches, num_blocks

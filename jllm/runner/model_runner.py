@@ -1,10 +1,12 @@
 """The model runner: the only owner of device arrays (weights, KV cache, penalty state).
 
 It owns the persistent input batch (`runner/input_batch.py`): each engine step applies the
-scheduler's deltas to it, builds the padded flat batch from it in numpy, packs that into one
-buffer for one host-to-device transfer, runs the compiled forward for the batch's (Rd, Tt)
-bucket and the compiled sampler for its row bucket, and fetches one packed array back (the
-sampled ids, whether each was emitted, and logprobs when asked). It appends the tokens it
+scheduler's deltas to it, builds the padded flat batch from it in numpy, packs the step's
+inputs and its sampling metadata into two buffers sent in one host-to-device transfer, runs
+the compiled forward for the batch's key (`BatchLayout`: (T,) tokens on the ragged kernels,
+(Rd, Tt) with the XLA path's tiles) and the compiled sampler (LM head included) for its
+sample rows, and fetches one packed array back (the sampled ids, whether each was emitted,
+and logprobs when asked). It appends the tokens it
 emits to its own rows: the scheduler never sends them back. Nothing here imports
 `jllm.engine`.
 
@@ -21,6 +23,7 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -59,19 +62,19 @@ def _forward(
     layout,
     graphdef,
     backend,
-    logits_sharding,
     draft_graphdef=None,
 ):
-    """One packed buffer in: the step's inputs and its sampling metadata, which is passed
-    on to the sampler as an output (no second transfer). Tokens sampled by the previous
-    step are read from `last_tokens` on the device. Also hands on the hidden states of the
-    tokens listed for prompt logprobs ([PROMPT_LOGPROB_ROWS, D], runner/prompt_logprobs.py).
+    """One packed buffer in: the step's inputs. Tokens sampled by the previous step are read
+    from `last_tokens` on the device. Hands on the hidden states of the tokens sample rows
+    follow ([logit_rows, D], whatever the key: the sampler's executable takes the rows it
+    samples) and of the tokens listed for prompt logprobs ([PROMPT_LOGPROB_ROWS, D],
+    runner/prompt_logprobs.py).
 
     `kv_cache`: the model's KV-cache groups (a tuple of stacked caches). With a speculative
     draft model (`draft_graphdef`), `state` and `kv_cache` are pairs (target, draft): the
     draft runs over the same tokens, into its own caches through the same slots
     (spec_decode/draft_model.py)."""
-    batch, md = unpack(buf, layout)
+    batch = unpack(buf, layout)
     on_device = last_tokens[jnp.maximum(batch.from_device, 0)]
     token_ids = jnp.where(batch.from_device >= 0, on_device, batch.token_ids)
     if draft_graphdef is not None:
@@ -85,19 +88,63 @@ def _forward(
     hidden, kv_cache = model(token_ids, ctx, kv_cache)
     if draft_graphdef is not None:
         kv_cache = (kv_cache, draft_cache)
-    # Padding sample rows belong to the input batch's padding row, the last.
-    sampled = md.batch_row < last_tokens.shape[0] - 1
-    logits = model.compute_logits(hidden[batch.logits_indices], sampled)  # [Rs, V]
-    # One fixed layout for the sampler, whatever the bucket (vocab-split under TP).
-    logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
-    return logits, kv_cache, md, hidden[batch.prompt_lp_indices]
+    return hidden[batch.logits_indices], kv_cache, hidden[batch.prompt_lp_indices]
 
 
 forward_step = jax.jit(
     _forward,
-    static_argnames=("layout", "graphdef", "backend", "logits_sharding", "draft_graphdef"),
+    static_argnames=("layout", "graphdef", "backend", "draft_graphdef"),
     donate_argnames=("kv_cache",),
 )
+
+
+@partial(
+    jax.jit,
+    static_argnames=(
+        "layout",
+        "graphdef",
+        "logits_sharding",
+        "num_logprobs",
+        "logits_processors",
+    ),
+    donate_argnames=("counts", "last_tokens"),
+)
+def sample_step(
+    state,
+    hidden,
+    buf,
+    counts,
+    prompt_mask,
+    bias,
+    last_tokens,
+    bitmask,
+    *,
+    layout,
+    graphdef,
+    logits_sharding,
+    num_logprobs,
+    logits_processors,
+):
+    """The LM head on the first Rs of the forward's [logit_rows, D] hidden states (Rs: the
+    rows of the packed sampling metadata `buf`), then the sampler (runner/sampler.py)."""
+    md = unpack(buf, layout)
+    model = nnx.merge(graphdef, state)
+    # Padding sample rows belong to the input batch's padding row, the last.
+    sampled = md.batch_row < last_tokens.shape[0] - 1
+    logits = model.compute_logits(hidden[: sampled.shape[0]], sampled)  # [Rs, V]
+    # One fixed layout for the sampler, whatever the bucket (vocab-split under TP).
+    logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
+    return sample(
+        logits,
+        md,
+        counts,
+        prompt_mask,
+        bias,
+        last_tokens,
+        bitmask,
+        num_logprobs=num_logprobs,
+        logits_processors=logits_processors,
+    )
 
 
 class ModelRunner:
@@ -159,7 +206,7 @@ class ModelRunner:
         # The last token each input-batch row sampled, where the next step reads it.
         last = np.zeros(max_num_seqs + 1, np.int32)
         self.last_tokens = jax.device_put(last, self.replicated)
-        self._forward_exe: dict[tuple[int, int], object] = {}
+        self._forward_exe: dict[tuple, object] = {}
         self._sample_exe: dict[int, object] = {}
         self._write_exe: dict[int, object] = {}
         self.compile_guard = False
@@ -170,24 +217,24 @@ class ModelRunner:
     # ---- the KV cache --------------------------------------------------------------------
     def profile_step_bytes(self, abstract_cache) -> int:
         """Device memory the largest step needs besides weights and cache: the working
-        memory XLA assigns to the largest forward bucket, the largest sampler and the
+        memory XLA assigns to the largest forward key, the largest sampler and the
         prompt-logprob step, compiled
         against a stand-in cache of a few blocks (the cache's size does not change it)."""
-        rd, tt = self.layout.decode_buckets[-1], self.layout.tile_buckets[-1]
-        buf, layout, _ = self._packed_inputs(rd, tt)
+        buf, layout = pack(self._warmup_step(self.layout.largest())[0])
         buf = jax.ShapeDtypeStruct(buf.shape, buf.dtype, sharding=self.replicated)
         fwd = self._compile_forward(abstract_cache, buf, layout)
-        logits, _, md, hidden = fwd.out_info
-        smp = self._compile_sampler(logits, md)
-        prompt_lp = self._prompt_lp_executable(hidden)
-        # The logits live from one executable to the other; the rest of their outputs are
-        # the cache and state they update in place.
-        logits_bytes = logits.size * logits.dtype.itemsize
+        hidden, _, prompt_hidden = fwd.out_info
+        # The sampler and the prompt-logprob step do not read the cache: kept for serving.
+        smp = self._sample_executable(self.layout.sample_buckets[-1], hidden)
+        prompt_lp = self._prompt_lp_executable(prompt_hidden)
+        # The hidden states live from one executable to the other; the rest of their
+        # outputs are the cache and state they update in place.
+        passed = hidden.size * hidden.dtype.itemsize
         temp = sum(exe.memory_analysis().temp_size_in_bytes for exe in (fwd, smp, prompt_lp))
-        return int(temp + logits_bytes)
+        return int(temp + passed)
 
     def attach_kv_cache(self, kv_cache: tuple, num_blocks: int) -> None:
-        """The model's KV-cache groups' caches, once sized."""
+        """The model's KV-cache groups' caches, once sized (their shapes while compiling)."""
         self.kv_cache = kv_cache
         self.layout.num_blocks = num_blocks
 
@@ -201,15 +248,14 @@ class ModelRunner:
         return (self.state, self.draft.state), kv_cache
 
     # ---- compilation ---------------------------------------------------------------------
-    def _packed_inputs(self, rd: int, tt: int):
-        """The packed zero inputs of the (Rd, Tt) bucket, built by the same code as real
-        steps, and the sampler's row bucket."""
+    def _warmup_step(self, key: tuple, sample_rows: int | None = None):
+        """The zero inputs of forward key `key` and sampler bucket `sample_rows`, built by
+        the same code as real steps: (StepInputs, SamplingMetadata) in numpy."""
         empty = InputBatch(0, 1, self.layout.max_pages, self.logits_processors, len(self.kv_groups))
         inputs, md, _, _, _ = build_step(
-            empty, SchedulerOutput(), self.layout, self.attention, (rd, tt)
+            empty, SchedulerOutput(), self.layout, self.attention, key, sample_rows
         )
-        buf, layout = pack((inputs, md))
-        return buf, layout, md.want_logprobs.shape[0]
+        return inputs, md
 
     def _compile_forward(self, kv_cache, buf, layout: Layout):
         """`kv_cache`: the target's, or the pair (target, draft) with a draft model."""
@@ -221,43 +267,55 @@ class ModelRunner:
                 layout=layout,
                 graphdef=self.graphdef,
                 backend=self.attention,
-                logits_sharding=self.logits_sharding,
                 draft_graphdef=None if self.draft is None else self.draft.graphdef,
             ).compile()
 
     def _sampler_state(self, bitmask) -> tuple:
-        """The sampler's arguments after the logits and metadata: the penalty state, the
-        logit-bias table, the last tokens and the grammar bitmask."""
+        """The sampler's arguments after the hidden states and metadata: the penalty state,
+        the logit-bias table, the last tokens and the grammar bitmask."""
         return self.counts, self.prompt_mask, self.bias, self.last_tokens, bitmask
 
-    def _compile_sampler(self, logits, md):
+    def _compile_sampler(self, rs: int, hidden, buf, layout: Layout):
         bitmask = jax.ShapeDtypeStruct(
-            (logits.shape[0], self.bitmask_width), jnp.int32, sharding=self.replicated
+            (rs, self.bitmask_width), jnp.int32, sharding=self.replicated
         )
         with jax.set_mesh(self.mesh):
-            return sample.lower(
-                logits,
-                md,
+            return sample_step.lower(
+                self.state,
+                hidden,
+                buf,
                 *self._sampler_state(bitmask),
+                layout=layout,
+                graphdef=self.graphdef,
+                logits_sharding=self.logits_sharding,
                 num_logprobs=self.max_logprobs,
                 logits_processors=self.logits_processors,
             ).compile()
 
-    def _forward_executable(self, key: tuple[int, int], buf, layout: Layout):
+    def _forward_executable(self, key: tuple, buf, layout: Layout):
         exe = self._forward_exe.get(key)
         if exe is None:
             if self.compile_guard:
-                rd, tt = key
-                raise CompileAfterWarmupError(f"forward bucket (Rd={rd}, Tt={tt}) not compiled")
+                raise CompileAfterWarmupError(f"forward bucket {key} not compiled")
             exe = self._forward_exe[key] = self._compile_forward(self._caches(), buf, layout)
         return exe
 
-    def _sample_executable(self, rs: int, logits, md):
+    def forward_for(self, key: tuple):
+        """The forward executable of `key`, compiled now when missing (and allowed)."""
+        buf, layout = pack(self._warmup_step(key)[0])
+        return self._forward_executable(key, jax.device_put(buf, self.replicated), layout)
+
+    def _sample_executable(self, rs: int, hidden, buf=None, layout: Layout | None = None):
+        """The sampler of `rs` rows; `buf` and `layout`: its packed metadata (built here from
+        zero inputs when not given)."""
         exe = self._sample_exe.get(rs)
         if exe is None:
             if self.compile_guard:
-                raise CompileAfterWarmupError(f"sampler bucket (R={rs}) not compiled")
-            exe = self._sample_exe[rs] = self._compile_sampler(logits, md)
+                raise CompileAfterWarmupError(f"sampler bucket (Rs={rs}) not compiled")
+            if buf is None:
+                buf, layout = pack(self._warmup_step(self.layout.shapes()[0], rs)[1])
+                buf = jax.ShapeDtypeStruct(buf.shape, buf.dtype, sharding=self.replicated)
+            exe = self._sample_exe[rs] = self._compile_sampler(rs, hidden, buf, layout)
         return exe
 
     def _write_executable(self, w):
@@ -298,51 +356,60 @@ class ModelRunner:
         return self._prompt_lp_exe
 
     def compile_all(self) -> None:
-        """Compile every forward and sampler bucket before serving (skipped when eager).
+        """Compile every forward key and sampler bucket before serving (skipped when eager).
 
-        Forward buckets compile on `compile_workers` threads (XLA releases the GIL while it
-        compiles; each compile sets the mesh itself). On the CPU one at a time: a thread per
-        core was slower on the 2-core CPU, 100 s against 92 s for the 89 SmolLM2 buckets,
-        since XLA's CPU compiler already uses the cores. On a GPU host the cores wait for
-        LLVM and ptxas of one module at a time, so several compile at once."""
+        They compile on `compile_workers` threads (XLA releases the GIL while it compiles;
+        each compile sets the mesh itself). On the CPU one at a time: a thread per core was
+        slower on the 2-core CPU, 100 s against 92 s for the 89 SmolLM2 buckets, since XLA's
+        CPU compiler already uses the cores. On a GPU host the cores wait for LLVM and
+        ptxas of one module at a time, so several compile at once."""
         if self.enforce_eager:
             logger.info("enforce_eager=True: buckets compile on first use.")
             return
-        shapes = self.layout.shapes()
+        layout, keys = self.layout, self.layout.shapes()
+        if layout.tiles:
+            grid = (
+                f"decode rows {layout.decode_buckets} x prefill tiles of {layout.tile_size} "
+                f"tokens {layout.tile_buckets}, the pairs the token budget reaches"
+            )
+        else:
+            grid = f"tokens {layout.token_buckets}"
         logger.info(
-            "Compiling %d forward buckets (decode rows %s x prefill tiles of %d tokens %s) "
-            "and %d sampler buckets.",
-            len(shapes),
-            self.layout.decode_buckets,
-            self.layout.tile_size,
-            self.layout.tile_buckets,
-            len(self.layout.sample_buckets),
+            "Compiling %d forward buckets (%s) and %d sampler buckets (rows %s).",
+            len(keys),
+            grid,
+            len(layout.sample_buckets),
+            layout.sample_buckets,
         )
         start = time.perf_counter()
         compiled_before, loaded_before = cache_counts()
         progress = itertools.count(1)  # next() is atomic: the threads share it
+        total = len(keys) + len(layout.sample_buckets)
 
-        def forward(shape):
-            buf, layout, rs = self._packed_inputs(*shape)
-            t0 = time.perf_counter()
-            buf = jax.device_put(buf, self.replicated)
-            fwd = self._forward_executable(shape, buf, layout)
-            logger.debug("Compiled (Rd=%d, Tt=%d) in %.2fs", *shape, time.perf_counter() - t0)
-            done = next(progress)
-            if done % 16 == 0 or done == len(shapes):
-                logger.info("Compiled %d/%d buckets.", done, len(shapes))
-            return fwd, rs
+        def done(what):
+            n = next(progress)
+            logger.debug("Compiled %s in %.2fs", what, time.perf_counter() - start)
+            if n % 16 == 0 or n == total:
+                logger.info("Compiled %d/%d buckets.", n, total)
 
-        if self.compile_workers > 1:
+        def forward(key):
+            exe = self.forward_for(key)
+            done(f"forward {key}")
+            return exe
+
+        def sampler(rs):
+            self._sample_executable(rs, hidden)
+            done(f"sampler (Rs={rs})")
+
+        def run_all(fn, items):
+            if self.compile_workers == 1:
+                return [fn(x) for x in items]
             with ThreadPoolExecutor(self.compile_workers, "jllm-compile") as pool:
-                compiled = list(pool.map(forward, shapes))
-        else:
-            compiled = [forward(shape) for shape in shapes]
-        for fwd, rs in compiled:
-            if rs not in self._sample_exe:
-                logits, _, md, prompt_hidden = fwd.out_info  # shapes and shardings
-                self._sample_executable(rs, logits, md)
-                self._prompt_lp_executable(prompt_hidden)  # one shape: compiled once
+                return list(pool.map(fn, items))
+
+        hidden, _, prompt_hidden = run_all(forward, keys)[0].out_info  # shapes and shardings
+        run_all(sampler, layout.sample_buckets)
+        self._prompt_lp_executable(prompt_hidden)  # one shape: compiled once
         for W in self.penalties.write_buckets:
             w = self.penalties.empty_write(W)
             self._write_executable(jax.device_put(w, self.replicated))
@@ -381,7 +448,8 @@ class ModelRunner:
         admitted rows' penalty and logit-bias writes; with `prompt_targets`, also the packed
         prompt logprobs (else None); `bitmask`: the step's grammar bitmask [Rs, W], or None.
         Every process of a multi-process engine runs it with the same inputs."""
-        buf, layout = pack(step)
+        inputs, md = step
+        (buf, layout), (md_buf, md_layout) = pack(inputs), pack(md)
         for w in writes:
             w = jax.device_put(w, self.replicated)
             exe = self._write_executable(w)
@@ -389,21 +457,25 @@ class ModelRunner:
         for row, vector in bias_writes:
             row, vector = self._put_bias_write(row, vector)
             self.bias = self._bias_executable(row, vector)(self.bias, row, vector)
-        buf = jax.device_put(buf, self.replicated)
+        buf, md_buf = jax.device_put((buf, md_buf), self.replicated)
         fwd = self._forward_executable(key, buf, layout)
-        logits, caches, md, hidden = fwd(*self._forward_args(self._caches()), self.last_tokens, buf)
+        hidden, caches, prompt_hidden = fwd(
+            *self._forward_args(self._caches()), self.last_tokens, buf
+        )
         if self.draft is None:
             self.kv_cache = caches
         else:
             self.kv_cache, self.draft.kv_cache = caches
-        smp = self._sample_executable(logits.shape[0], logits, md)
+        rs = md.batch_row.shape[0]
+        smp = self._sample_executable(rs, hidden, md_buf, md_layout)
         packed, self.counts, self.last_tokens = smp(
-            logits, md, *self._sampler_state(self._bitmask(logits.shape[0], bitmask))
+            self.state, hidden, md_buf, *self._sampler_state(self._bitmask(rs, bitmask))
         )
         prompt_packed = None
         if prompt_targets is not None:
             targets = jax.device_put(prompt_targets, self.replicated)
-            prompt_packed = self._prompt_lp_executable(hidden)(self.state, hidden, targets)
+            prompt_lp = self._prompt_lp_executable(prompt_hidden)
+            prompt_packed = prompt_lp(self.state, prompt_hidden, targets)
         return packed, prompt_packed
 
     def follow(self, channel) -> None:

@@ -1,6 +1,8 @@
-"""One host-to-device transfer per step: a pytree of 32-bit (or bool) numpy arrays packed into
-one int32 buffer on the host, unpacked by slicing and bitcasting inside the jitted step. (The
-way back is one array too: see `runner/sampler.py`'s packed result.)
+"""One host-to-device transfer per executable input: a pytree of 32-bit (or bool) numpy arrays
+packed into one int32 buffer on the host, unpacked by slicing and bitcasting inside the
+jitted step. A step sends two, its inputs (the forward's) and its sampling metadata (the
+sampler's), in one `device_put`. (The way back is one array: see `runner/sampler.py`'s
+packed result.)
 
 `pack` returns the buffer and its `Layout` (tree structure, shapes, dtypes), which is static:
 it depends only on the step's bucket, so it is part of the executable's key, never traced.

@@ -136,7 +136,7 @@ def draft_inputs(batch, rows: np.ndarray, step: int, layout: BatchLayout, backen
     pos = batch.num_tokens[rows] - 1 + step
     positions = np.zeros(Rd, np.int32)
     positions[:n] = pos
-    flat = padded_flat_batch(layout, Rd, 0)
+    flat = padded_flat_batch(layout, layout.decode_key(Rd))
     fill_decode_rows(flat, pos)
     row = np.full(Rd, batch.pad, np.int32)
     row[:n] = rows

@@ -58,11 +58,8 @@ def make_core(
     caching=True,
     lookahead=0,
     policy="fcfs",
-    partial_rows=None,
 ):
-    config = SchedulerConfig(
-        max_seqs, budget, 128, True, tile, lookahead, policy, max_partial_rows=partial_rows
-    )
+    config = SchedulerConfig(max_seqs, budget, 128, True, tile, lookahead, policy)
     sched = Scheduler(config, KVCacheManager(num_blocks, block_size, caching))
     runner = MockRunner()
     return EngineCore(sched, runner, None, 128, eos_token_id=999), sched, runner
@@ -130,27 +127,6 @@ def test_tiles_round_the_budget():
     # 30 tokens cost 32 > 20: the chunk is cut to whole tiles (16), then 14 (costs 16).
     assert runner.steps[0] == [("a", 16)]
     assert runner.steps[1] == [("a", 14)]
-
-
-def test_packed_rows_are_capped_per_step():
-    """Packed rows (the ragged kernels' layout) cost their tokens, and a step holds at most
-    `max_partial_rows` rows of several tokens: past it no request is admitted with several,
-    and a running row verifying drafts runs without them (one token: a decode row)."""
-    core, _, runner = make_core(budget=32, partial_rows=2)
-    for i, rid in enumerate("abc"):
-        core.add_request(rid, list(range(10 * i, 10 * i + 5)), params(3))
-    core.step()
-    assert runner.steps[0] == [("a", 5), ("b", 5)]  # c waits: no row left for 5 tokens
-    core.step()
-    assert runner.steps[1] == [("a", 1), ("b", 1), ("c", 5)]
-
-    core, _, runner = make_core(budget=12, partial_rows=1, lookahead=3)
-    core.proposer = Proposer(wrong=False)
-    core.add_request("a", list(range(10)), params(10))
-    core.add_request("b", [500], params(10))  # a one-token prompt: a decode row
-    core.step()
-    core.step()
-    assert runner.steps == [[("a", 10), ("b", 1)], [("a", 4), ("b", 1)]]
 
 
 def test_max_num_seqs_caps_running():

@@ -182,8 +182,7 @@ def test_step_reads_the_stacked_cache_in_place(llama_dir, backend):
     each layer per layer per step); the detector itself fires on a step that does."""
     llm = LLM(llama_dir, **{**SMALL, "attention_backend": backend})
     runner = llm.llm_engine.runner
-    buf, layout, _ = runner._packed_inputs(2, 1)
-    text = runner._forward_executable((2, 1), jax.device_put(buf), layout).as_text()
+    text = runner.forward_for(runner.layout.shapes()[-1]).as_text()
     (cache,) = runner.kv_cache  # one KV-cache group
     shape = cache.shape
     assert not layer_sized(text, shape)

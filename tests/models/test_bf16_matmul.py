@@ -171,8 +171,7 @@ def test_engine_on_the_kernel_against_fp32_oracle(bf16_qwen3, monkeypatch, on):
     jax.clear_caches()  # the decision is made at trace time: no trace of the other choice
     llm = LLM(bf16_qwen3, dtype="bfloat16", **SMALL)
     runner = llm.llm_engine.runner
-    buf, layout, _ = runner._packed_inputs(2, 1)
-    text = runner._forward_executable((2, 1), jax.device_put(buf), layout).as_text()
+    text = runner.forward_for(runner.layout.shapes()[-1]).as_text()
     assert ("jllm_bf16_matmul_cpu" in text) == on
     assert ("jllm_bf16_gated_matmul_cpu" in text) == on
     gate_shape = (64, 128)  # gate_proj's [D, F]

@@ -312,19 +312,23 @@ def test_refuses_what_it_cannot_multiply():
 
 
 def assert_steps_on_the_kernel(llm, dtype: str):
-    """A decode and a prefill bucket of the tiny Qwen3 each run q, k, v, o and down on the
-    kernel, gate and up in one gated call, the tied LM head once, transposed, and nothing on
-    the bf16 kernel; no layer's weights are copied out of the stack."""
+    """The smallest and the largest forward bucket of the tiny Qwen3 each run q, k, v, o and
+    down on the kernel, gate and up in one gated call, and nothing on the bf16 kernel; no
+    layer's weights are copied out of the stack. The sampler's step runs the tied LM head
+    once, transposed."""
     runner = llm.llm_engine.runner
     gate_shape = (64, 128)  # gate_proj's [D, F]
-    for key in ((2, 0), (0, 1)):
-        buf, layout, _ = runner._packed_inputs(*key)
-        text = runner._forward_executable(key, jax.device_put(buf), layout).as_text()
-        assert text.count('custom_call_target="jllm_f32_matmul_cpu"') == 6, key
+    keys = runner.layout.shapes()
+    for key in (keys[0], keys[-1]):
+        text = runner.forward_for(key).as_text()
+        assert text.count('custom_call_target="jllm_f32_matmul_cpu"') == 5, key
         assert text.count('custom_call_target="jllm_f32_gated_matmul_cpu"') == 1, key
-        assert text.count("w_transposed = true") == 1, key
         assert "jllm_bf16" not in text, key
         assert not weight_copies(text, dtype, gate_shape), key
+    hidden = runner.forward_for(keys[0]).out_info[0]
+    text = runner._sample_executable(runner.layout.sample_buckets[0], hidden).as_text()
+    assert text.count('custom_call_target="jllm_f32_matmul_cpu"') == 1
+    assert text.count("w_transposed = true") == 1
 
 
 @pytest.fixture(scope="module")

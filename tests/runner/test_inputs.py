@@ -3,15 +3,13 @@ rows gathered from the batch, and a verification row's sample rows (pure numpy).
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from jllm.attention import get_backend
 from jllm.attention.metadata import build_ragged
 from jllm.attention.xla import build_xla, kv_bands, kv_chunk_pages
 from jllm.runner.input_batch import NO_TOKEN, InputBatch
-from jllm.runner.inputs import BatchLayout, build_step
+from jllm.runner.inputs import BatchLayout, bucket, build_step
 from jllm.sampling_params import SamplingParams
 from jllm.scheduler_output import NewRequestData, SchedulerOutput
 
@@ -180,16 +178,17 @@ def test_each_kv_cache_group_reads_its_own_block_tables():
 
 def test_packed_rows_sit_back_to_back():
     """For the ragged kernels (no prefill tile) rows of several tokens are packed after the
-    decode rows, and the bucket holds a request row for each: three 3-token chunks take 9
-    slots of one 16-token unit but need Tt = 4 (three rows, bucketed)."""
-    layout = dataclasses.replace(BatchLayout.create(S, 512, 16, 256, 64, 512, 1 << 12), tiles=False)
+    decodes, on one axis: a decode and three 3-token chunks are 10 tokens, key (T=16,),
+    with min(16, max_num_seqs) request rows."""
+    layout = BatchLayout.create(S, 512, 1, 256, 64, 512, 1 << 12, tiles=False)
     out, batch = SchedulerOutput(), InputBatch(64, 256, layout.max_pages)
     schedule(out, batch, 0, 30, 1, 31)  # a decode
     for i in (1, 2, 3):
         schedule(out, batch, i, 0, 3, 3)
     inputs, _, groups, shape, _ = build_step(batch, out, layout, get_backend("cpu_kernel"))
     (md,) = inputs.attn
-    assert shape == (1, 4)
+    assert shape == (16,) and layout.dims(shape) == (16, 16, 0, 0)
+    assert len(md.kv_lens) == 16 and len(inputs.token_ids) == 16
     np.testing.assert_array_equal(md.query_start[:4], [0, 1, 4, 7])
     np.testing.assert_array_equal(md.query_lens[:4], [1, 3, 3, 3])
     np.testing.assert_array_equal(inputs.token_ids[1:10], [1, 2, 3] * 3)
@@ -197,3 +196,30 @@ def test_packed_rows_sit_back_to_back():
     np.testing.assert_array_equal(inputs.logits_indices[:4], [0, 3, 6, 9])
     assert (md.slot_mapping[10:] == layout.num_blocks * S).all()  # padding
     assert [g.req_id for g in groups] == ["r0", "r1", "r2", "r3"]
+
+
+def test_buckets_grow_with_log_batch_and_cover_every_step():
+    """Packed rows: one token axis (12 forward keys at the defaults, 256 sequences and 2048
+    batched tokens, against 89 (Rd, Tt) pairs with tiles) and 9 sample-row buckets, and
+    every step the limits allow has its key. With tiles, pairs whose fewest tokens exceed
+    the budget are not compiled, and every reachable (decodes, tiles) mix has its pair."""
+    packed = BatchLayout.create(16, 64, 1, 8192, 256, 2048, 1 << 12, tiles=False)
+    assert packed.shapes() == [(1 << i,) for i in range(12)]
+    assert packed.sample_buckets == [1 << i for i in range(9)]
+    assert packed.dims((8,)) == (8, 8, 0, 0) and packed.dims((2048,)) == (2048, 256, 0, 0)
+    assert len(BatchLayout.create(16, 64, 16, 8192, 256, 2048, 1 << 12).shapes()) == 89
+    for tokens in range(1, 2049):
+        assert (bucket(tokens, packed.token_buckets),) in packed.shapes()
+
+    tiles = BatchLayout.create(16, 64, 16, 1024, 64, 64, 1 << 12, num_spec_tokens=2)
+    keys = set(tiles.shapes())
+    full = {(d, t) for d in tiles.decode_buckets for t in tiles.tile_buckets if d or t}
+    # 33 decodes (the fewest in the 64 bucket) and 2 tiles are 65 tokens: never
+    assert full - keys == {(64, 2), (64, 4), (32, 4)}
+    for decodes in range(65):
+        for n_tiles in range(5):
+            if (decodes or n_tiles) and decodes + 16 * n_tiles <= 64:
+                key = (bucket(decodes, tiles.decode_buckets), bucket(n_tiles, tiles.tile_buckets))
+                assert key in keys, (decodes, n_tiles)
+    # sample rows: up to max_num_seqs x (1 + drafts), within the budget
+    assert tiles.sample_buckets[-1] == 64 == tiles.logit_rows

@@ -68,7 +68,5 @@ def test_profile_of_the_largest_bucket(llama_llm):
     spec = CacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
     cache = abstract_kv_cache(spec, 4, runner.layout.block_size, engine.dtype, runner.mesh)
     assert isinstance(cache, jax.ShapeDtypeStruct) and cache.shape[:2] == (cfg.num_layers, 4)
-    largest_rs = runner.layout.sample_rows(
-        runner.layout.decode_buckets[-1], runner.layout.tile_buckets[-1]
-    )
+    largest_rs = runner.layout.sample_buckets[-1]
     assert runner.profile_step_bytes((cache,)) >= largest_rs * cfg.vocab_size * 4

@@ -7,6 +7,7 @@ or GPU, and no CPU kernel leaks into a step traced for another platform."""
 
 from __future__ import annotations
 
+import copy
 import re
 import warnings
 from pathlib import Path
@@ -24,8 +25,8 @@ from jllm.models import registry
 from jllm.models.loader import _axes, abstract_model
 from jllm.runner.inputs import BatchLayout
 from jllm.runner.kv_cache import CACHE_AXES, CacheSpec
-from jllm.runner.model_runner import ModelRunner, forward_step
-from jllm.runner.sampler import sample
+from jllm.runner.model_runner import ModelRunner, forward_step, sample_step
+from jllm.runner.transfer import pack
 from sharding import make_mesh, named_sharding
 
 CONFIGS = Path(__file__).parents[2] / "benchmarks" / "gpu" / "configs"
@@ -71,6 +72,69 @@ def runners(llama_dir):
     }
 
 
+def lower_every_step(runner, layout: BatchLayout, state, caches, mesh, platform) -> int:
+    """Lowers the forward of every key of `layout` and the sampler of every row bucket for
+    `platform` on the abstract `mesh`, with the attention kernel `auto` picks there;
+    `state` and `caches` abstract. Returns how many executables it lowered."""
+    device, backend, kernel = TARGETS[platform]
+    abstract = on(mesh)
+    target = copy.copy(runner)  # the runner's warm-up inputs, at the target's layout
+    target.layout = layout
+    lower = {"lowering_platforms": (platform,)}
+    last = abstract(runner.last_tokens)
+    keys = layout.shapes()
+    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
+        warnings.simplefilter("ignore", DeprecationWarning)  # the Triton backend's notice
+        for key in keys:
+            buf, step_layout = pack(target._warmup_step(key)[0])
+            traced = forward_step.trace(
+                state,
+                caches,
+                last,
+                abstract(buf),
+                layout=step_layout,
+                graphdef=runner.graphdef,
+                backend=get_backend(backend),
+            )
+            text = traced.lower(**lower).as_text()
+            # one attention kernel (the scan's body), nothing else foreign
+            assert re.findall(r"custom_call @([\w$.]+)", text) == [kernel], key
+            hidden = traced.out_info[0]
+        for rows in layout.sample_buckets:
+            buf, md_layout = pack(target._warmup_step(keys[0], rows)[1])
+            bitmask = jax.ShapeDtypeStruct((rows, runner.bitmask_width), jnp.int32)
+            sampler = sample_step.trace(
+                state,
+                hidden,
+                abstract(buf),
+                *abstract(runner._sampler_state(None)[:4]),
+                bitmask,
+                layout=md_layout,
+                graphdef=runner.graphdef,
+                logits_sharding=runner.logits_sharding.spec,
+                num_logprobs=runner.max_logprobs,
+                logits_processors=runner.logits_processors,
+            )
+            assert "custom_call @" not in sampler.lower(**lower).as_text(), rows
+    return len(keys) + len(layout.sample_buckets)
+
+
+def accelerator_layout(layout: BatchLayout, max_model_len: int) -> BatchLayout:
+    """The layout an engine of the same limits builds on TPU or GPU: packed rows (the Pallas
+    kernels are ragged) and buckets from one row."""
+    return BatchLayout.create(
+        layout.block_size,
+        layout.num_blocks,
+        1,
+        max_model_len,
+        layout.max_rows,
+        layout.budget,
+        layout.kv_token_bytes,
+        num_spec_tokens=layout.num_spec_tokens,
+        tiles=False,
+    )
+
+
 @pytest.mark.parametrize(
     "platform,dtype,tp",
     [
@@ -83,42 +147,11 @@ def runners(llama_dir):
 )
 def test_every_bucket_lowers_for_the_accelerator(runners, platform, dtype, tp):
     runner = runners[dtype, tp]
-    device, backend, kernel = TARGETS[platform]
-    mesh = target_mesh(device, tp)
-    abstract = on(mesh)
-    lower = {"lowering_platforms": (platform,)}
-    sampled = set()
-    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
-        warnings.simplefilter("ignore", DeprecationWarning)  # the Triton backend's notice
-        for key in runner.layout.shapes():
-            buf, layout, rows = runner._packed_inputs(*key)
-            traced = forward_step.trace(
-                abstract(runner.state),
-                abstract(runner.kv_cache),
-                abstract(runner.last_tokens),
-                abstract(buf),
-                layout=layout,
-                graphdef=runner.graphdef,
-                backend=get_backend(backend),
-                logits_sharding=runner.logits_sharding.spec,
-            )
-            text = traced.lower(**lower).as_text()
-            # one attention kernel (the scan's body), nothing else foreign
-            assert re.findall(r"custom_call @([\w$.]+)", text) == [kernel], key
-            if rows in sampled:
-                continue
-            sampled.add(rows)
-            logits, _, md, _ = traced.out_info
-            state = runner._sampler_state(abstract(runner._bitmask(rows, None)))
-            sampler = sample.trace(
-                logits,
-                md,
-                *abstract(state),
-                num_logprobs=runner.max_logprobs,
-                logits_processors=runner.logits_processors,
-            )
-            assert "custom_call @" not in sampler.lower(**lower).as_text()
-    assert sampled == {runner.layout.sample_rows(*key) for key in runner.layout.shapes()}
+    mesh = target_mesh(TARGETS[platform][0], tp)
+    layout = accelerator_layout(runner.layout, runner.layout.max_pages * runner.layout.block_size)
+    state, caches = on(mesh)(runner.state), on(mesh)(runner.kv_cache)
+    n = lower_every_step(runner, layout, state, caches, mesh, platform)
+    assert n == len(layout.token_buckets) + len(layout.sample_buckets)
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +170,8 @@ def llama_8b():
 @pytest.mark.parametrize("tp", [1, 4])
 def test_llama_8b_shapes_lower_for_the_accelerator(llama_8b, platform, tp):
     """The real shapes (32 heads over 8 kv heads of 128, a 128256-token vocabulary) at the
-    engine's default limits (256 sequences, 2048 batched tokens), on TP=1 and TP=4: the
-    bucket grid's corners and a mixed step (the tiny model above lowers every bucket)."""
+    engine's default limits (256 sequences, 2048 batched tokens), on TP=1 and TP=4: every
+    forward key and sampler bucket."""
     arch, cfg, graphdef, state = llama_8b
     device, backend, kernel = TARGETS[platform]
     mesh = target_mesh(device, tp)
@@ -152,7 +185,7 @@ def test_llama_8b_shapes_lower_for_the_accelerator(llama_8b, platform, tp):
         }
     )
     kv_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * 2
-    layout = BatchLayout.create(16, 4096, 16, 8192, 256, 2048, kv_bytes, tiles=False)
+    layout = BatchLayout.create(16, 4096, 1, 8192, 256, 2048, kv_bytes, tiles=False)
     specs = CacheSpec.groups_of(arch.module, cfg)
     runner = ModelRunner(
         graphdef, params, layout, cfg.vocab_size, 256, 20, "cpu_kernel", True, make_mesh(), specs
@@ -162,21 +195,6 @@ def test_llama_8b_shapes_lower_for_the_accelerator(llama_8b, platform, tp):
         jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=named_sharding(mesh, CACHE_AXES, shape))
         for shape in shapes
     )
-    last = jax.ShapeDtypeStruct((257,), jnp.int32)
-    shapes = layout.shapes()
-    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
-        warnings.simplefilter("ignore", DeprecationWarning)
-        for key in (shapes[0], shapes[len(shapes) // 2], shapes[-1]):
-            buf, step_layout, _ = runner._packed_inputs(*key)
-            traced = forward_step.trace(
-                params,
-                caches,
-                last,
-                jax.ShapeDtypeStruct(buf.shape, buf.dtype),
-                layout=step_layout,
-                graphdef=graphdef,
-                backend=get_backend(backend),
-                logits_sharding=jax.sharding.PartitionSpec(None, "model"),
-            )
-            text = traced.lower(lowering_platforms=(platform,)).as_text()
-            assert re.findall(r"custom_call @([\w$.]+)", text) == [kernel], key
+    n = lower_every_step(runner, layout, params, caches, mesh, platform)
+    # the token axis 1 .. 2048 and the sample rows 1 .. 256
+    assert n == 12 + 9
