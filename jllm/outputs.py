@@ -51,6 +51,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     encoder_prompt: None = None
-    lora_request: None = None
+    lora_request: object | None = None  # the LoRARequest it ran with (jllm/lora/request.py)
     kv_transfer_params: None = None
     extra: dict = field(default_factory=dict, repr=False)

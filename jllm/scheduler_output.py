@@ -29,6 +29,8 @@ class NewRequestData:
     eos_token_id: int | None
     block_ids: tuple[list[int], ...]  # one list per KV-cache group
     num_computed_tokens: int  # before this step (the prefix-cache hit)
+    lora_slot: int = 0  # the device slot of its LoRA adapter (1-based; 0: none)
+    lora: object | None = None  # that adapter (jllm/lora/peft.py:LoraAdapter)
 
 
 @dataclass

@@ -24,6 +24,9 @@ LOGICAL_RULES: dict[str, str | None] = {
     "head_dim": None,
     "mlp": MODEL_AXIS,
     "norm": None,
+    # LoRA slot arrays [L, S, *in, R] and [L, S, R, *out] (jllm/lora/layers.py)
+    "lora_slots": None,
+    "lora_rank": None,
     # KV cache [L, B, S, 2K, H]
     "cache_blocks": None,
     "cache_slots": None,

@@ -22,7 +22,7 @@ from jllm.config.structured_outputs import StructuredOutputsConfig
 # default raises instead of being silently ignored.
 SCHEDULING_POLICIES = ("fcfs", "priority")
 UNSUPPORTED_ARGS = {
-    "enable_lora": False,
+    "fully_sharded_loras": False,
     "cpu_offload_gb": 0,
     "swap_space": None,
     "pipeline_parallel_size": 1,
@@ -47,6 +47,10 @@ ATTENTION_BACKENDS = {
     "pallas_gpu",
     "pallas_gpu_interpret",
 }
+
+# vLLM's max_lora_rank values, and lora_dtype's ("auto": the model's dtype).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+LORA_DTYPES = {"auto", "float16", "bfloat16", "float32"}
 
 # vLLM's CPU backend sizes its cache from VLLM_CPU_KVCACHE_SPACE (default 4 GiB).
 DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
@@ -104,6 +108,13 @@ class EngineArgs:
     structured_outputs_config: dict | None = None
     guided_decoding_backend: str | None = None
     disable_log_stats: bool = False
+    # Multi-LoRA (jllm/lora/): adapters on the device at once, the largest rank they may
+    # have, the host cache of loaded adapters (None: max_loras), the slots' dtype.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
     tensor_parallel_size: int = 1
     # Several processes (hosts) serving one model: vLLM's multi-node names, mapped onto
     # jax.distributed (coordinator master_addr:master_port; the step channel uses port + 1).
@@ -111,6 +122,22 @@ class EngineArgs:
     node_rank: int = 0
     master_addr: str | None = None  # None: JAX detects the cluster (Cloud TPU, Slurm, ...)
     master_port: int = 29501
+
+    def _check_lora(self) -> None:
+        if self.max_lora_rank not in LORA_RANKS:
+            raise ValueError(f"max_lora_rank ({self.max_lora_rank}) must be one of {LORA_RANKS}.")
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras ({self.max_loras}) must be >= 1.")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        elif self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})."
+            )
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ValueError(
+                f"lora_dtype must be one of {sorted(LORA_DTYPES)}, got {self.lora_dtype!r}."
+            )
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:
@@ -174,6 +201,7 @@ class EngineArgs:
                 f"node_rank must be in [0, nnodes); got node_rank={self.node_rank}, "
                 f"nnodes={self.nnodes}."
             )
+        self._check_lora()
         if self.num_lookahead_slots < 0:
             raise ValueError(
                 f"num_lookahead_slots must be at least 0, got {self.num_lookahead_slots}."

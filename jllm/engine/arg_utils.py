@@ -15,6 +15,7 @@ from jllm.config import (
     DTYPES,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
+    LORA_DTYPES,
     SCHEDULING_POLICIES,
     TOKENIZER_MODES,
     UNSUPPORTED_ARGS,
@@ -81,6 +82,11 @@ HELP = {
     "disable_fallback, disable_any_whitespace, disable_additional_properties.",
     "guided_decoding_backend": "vLLM's older name for the structured outputs backend.",
     "disable_log_stats": "Do not log throughput and cache statistics.",
+    "enable_lora": "Serve LoRA adapters beside the base model (docs/lora.md).",
+    "max_loras": "LoRA adapters on the device at once (a step holds at most this many).",
+    "max_lora_rank": "The largest LoRA rank an adapter may have.",
+    "max_cpu_loras": "LoRA adapters kept loaded in host memory (default: max_loras).",
+    "lora_dtype": "dtype of the LoRA slot arrays ('auto': the model's).",
     "tensor_parallel_size": "Devices of this host to split the model over (heads, MLP and "
     "vocabulary on the mesh's 'model' axis). With several nodes: all devices of all nodes.",
     "nnodes": "Number of processes (hosts) serving this model together.",
@@ -98,6 +104,7 @@ CHOICES = {
     "attention_backend": ATTENTION_BACKENDS,
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "scheduling_policy": SCHEDULING_POLICIES,
+    "lora_dtype": LORA_DTYPES,
 }
 
 

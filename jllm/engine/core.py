@@ -88,9 +88,10 @@ class EngineCore:
         seed: int = 0,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora=None,
     ) -> None:
         """Admit a validated request; its `n` sequences get seeds `seed`, `seed + 1`, ...
-        and share its `cache_salt` and `priority`."""
+        and share its `cache_salt`, `priority` and LoRA adapter (`lora`)."""
         if request_id in self.parents:
             raise ValueError(f"Request id {request_id!r} is already running.")
         if params.structured_outputs is not None:
@@ -110,6 +111,7 @@ class EngineCore:
                 now,
                 cache_salt,
                 priority,
+                lora,
             )
             parent.children.append(child)
             if params.detokenize and self.tokenizer is not None:

@@ -17,9 +17,11 @@ gets none.
 Prefix caching: every full block of a request has a key chained from its parent's key and
 its own token ids: sha256(parent key || the block's token ids as int64 || extra keys), where
 the first block's parent is a random per-process root (from PYTHONHASHSEED when set, as in
-vLLM) and its extra key is the request's `cache_salt`. A hit is trusted, so the key must not
-be forgeable: Python's `hash` of the token tuple, used before, is neither wide nor keyed, and
-requests with different salts (tenants) must never share a block.
+vLLM) and its extra keys are the request's LoRA adapter (a digest of its files: an adapter
+reloaded under the same name with other weights gets other keys) and its `cache_salt`. A hit
+is trusted, so the key must not be forgeable: Python's `hash` of the token tuple, used
+before, is neither wide nor keyed, and requests with different salts (tenants) or adapters
+must never share a block.
 
 A full block is registered under its key as soon as it is allocated (its KV is written in
 the same step that first reads it, and every layer writes before it attends), so even
@@ -53,11 +55,16 @@ def _root_key() -> bytes:
 ROOT_KEY = _root_key()
 
 
-def block_key(parent: bytes | None, tokens, cache_salt: str | None = None) -> bytes:
+def block_key(
+    parent: bytes | None, tokens, cache_salt: str | None = None, lora: bytes | None = None
+) -> bytes:
     """The prefix-cache key of a full block: a 32-byte sha256 digest. Blocks have a fixed
-    token count, so the encoding is unambiguous with the salt last."""
+    token count, so the encoding is unambiguous with the extra keys last: the LoRA
+    adapter's 32-byte digest, then the salt."""
     h = hashlib.sha256(ROOT_KEY if parent is None else parent)
     h.update(np.asarray(tokens, np.int64).tobytes())
+    if parent is None and lora is not None:
+        h.update(b"lora:" + lora)
     if parent is None and cache_salt is not None:
         h.update(b"cache_salt:" + cache_salt.encode())
     return h.digest()
@@ -174,7 +181,7 @@ class KVCacheManager:
         for i in range(len(req.block_hashes), num_tokens // size):
             parent = req.block_hashes[i - 1] if i else None
             block = tokens[i * size : (i + 1) * size]
-            req.block_hashes.append(block_key(parent, block, req.cache_salt))
+            req.block_hashes.append(block_key(parent, block, req.cache_salt, req.lora_digest))
 
     def get_computed_blocks(self, req: Request) -> tuple[tuple[list[int], ...], int]:
         """The longest prefix of `req` that every group holds cached, in whole blocks and

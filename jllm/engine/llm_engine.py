@@ -37,6 +37,7 @@ from jllm.engine.platform import (
 from jllm.engine.processor import Processor
 from jllm.engine.scheduler import Scheduler
 from jllm.logits_process import LogitsProcessorConfig, load_logits_processors
+from jllm.lora.manager import LoraCache, LoraSlots
 from jllm.metrics.stats import LoggingStatLogger
 from jllm.runner.compile_cache import enable_compilation_cache
 from jllm.runner.inputs import BatchLayout
@@ -108,6 +109,7 @@ class LLMEngine:
             m.kv_caches,
             self.logits_processors,
             draft,
+            m.lora,
         )
         sizing = time.perf_counter()
         specs, num_blocks = size_kv_cache(
@@ -141,7 +143,14 @@ class LLMEngine:
         kv = KVCacheManager(
             num_blocks, args.block_size, args.enable_prefix_caching, len(self.runner.kv_groups)
         )
-        self.scheduler = Scheduler(sched_cfg, kv)
+        self.lora_cache = None
+        slots = None
+        if m.lora is not None:
+            self.lora_cache = LoraCache(
+                m.lora.targets, cfg.num_layers, args.max_lora_rank, args.max_cpu_loras
+            )
+            slots = LoraSlots(args.max_loras)
+        self.scheduler = Scheduler(sched_cfg, kv, slots)
         self.eos_token_id = eos = eos_token_id(self.tokenizer, m.source.hf_config)
         gen_config = model_generation_config(m.source)
         self.extra_stop_ids = extra_eos_ids(gen_config, eos)
@@ -218,8 +227,9 @@ class LLMEngine:
         logger.info("Process 0 stopped; process %d is done.", self.rank)
 
     # ---- requests ------------------------------------------------------------------------
-    def prepare(self, prompt, params: SamplingParams):
-        """Validate and tokenize without touching engine state (raises ValueError)."""
+    def prepare(self, prompt, params: SamplingParams, lora_request=None):
+        """Validate and tokenize without touching engine state (raises ValueError); with a
+        `lora_request`, also load and check its adapter (the host cache keeps it)."""
         if self.is_follower:
             raise RuntimeError(
                 f"This is process {self.rank} of a {self.args.nnodes}-process engine; only "
@@ -229,6 +239,13 @@ class LLMEngine:
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.extra_stop_ids
         processed = self.processor.process_prompt(prompt, params)
+        if lora_request is not None:
+            if self.lora_cache is None:
+                raise ValueError(
+                    f"LoRA adapter {getattr(lora_request, 'lora_name', lora_request)!r} was "
+                    "requested, but LoRA is not enabled: start the engine with enable_lora=True."
+                )
+            processed.lora = self.lora_cache.get(lora_request)
         for proc in self.logits_processors:
             proc.validate_params(params)
         if params.structured_outputs is not None:
@@ -264,6 +281,7 @@ class LLMEngine:
             seed=seed,
             cache_salt=processed.cache_salt,
             priority=priority,
+            lora=processed.lora,
         )
 
     def abort_request(self, request_ids: list[str]) -> None:

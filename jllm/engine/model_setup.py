@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from jllm.config import EngineArgs
 from jllm.engine.platform import resolve_backend, resolve_dtype
+from jllm.lora.layers import with_lora_slots
 from jllm.model_loader import resolve_model
 from jllm.models import registry
 from jllm.models.loader import load_model
@@ -35,6 +36,8 @@ class EngineModel:
     state: object
     tokenizer: object | None
     kv_caches: tuple  # one CacheSpec per KV-cache group (runner/kv_cache.py)
+    # With enable_lora: the model's LoRA slots (jllm/lora/layers.py:LoraSpec).
+    lora: object | None = None
 
 
 def replicate_kv_heads(cfg, tp: int):
@@ -107,6 +110,12 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
         kv_replicas=replicas,
         quantization=quantization,
     )
+    lora = None
+    if args.enable_lora:
+        lora_dtype = dtype if args.lora_dtype == "auto" else jnp.dtype(args.lora_dtype)
+        graphdef, state, lora = with_lora_slots(
+            graphdef, state, args.max_loras, args.max_lora_rank, lora_dtype, mesh, replicas
+        )
     return EngineModel(
         source,
         cfg,
@@ -118,6 +127,7 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
         state,
         tokenizer,
         CacheSpec.groups_of(arch.module, cfg),
+        lora,
     )
 
 

@@ -149,4 +149,5 @@ class OutputProcessor:
             finished=parent.finished,
             metrics=metrics,
             num_cached_tokens=max(first.num_cached_tokens, 0),
+            lora_request=None if first.lora is None else first.lora.request,
         )

@@ -24,6 +24,7 @@ class ProcessedPrompt:
     prompt: str | None
     prompt_token_ids: list[int]
     cache_salt: str | None = None
+    lora: object | None = None  # the LoRA adapter (jllm/lora/peft.py:LoraAdapter), if any
 
 
 def cache_salt_of(prompt) -> str | None:

@@ -46,8 +46,13 @@ class Request:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora=None,
     ) -> None:
         self.request_id = request_id
+        # Its LoRA adapter (jllm/lora/peft.py:LoraAdapter) or None, and the device slot it
+        # pins while running (1-based; 0: none).
+        self.lora = lora
+        self.lora_slot = 0
         self.priority = priority  # lower first, under scheduling_policy="priority"
         # vLLM's format: None for the first prompt token, then {token id: Logprob} per
         # position, filled as the prompt's chunks are computed.
@@ -66,6 +71,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit of the first schedule
         self.cache_salt = cache_salt  # only requests with the same salt share cached blocks
+        # ... and the same adapter, by the digest of its files
+        self.lora_digest = None if lora is None else lora.digest
         self.block_hashes: list[bytes] = []
         # Draft tokens a proposer wrote for the next step, to be verified there.
         self.spec_token_ids: list[int] = []

@@ -29,6 +29,7 @@ from jllm.config import SchedulerConfig
 from jllm.engine.kv_cache_manager import KVCacheManager
 from jllm.engine.request import Request, RequestStatus
 from jllm.engine.request_queue import create_request_queue, priority_key
+from jllm.lora.manager import LoraSlots
 from jllm.scheduler_output import PROMPT_LOGPROB_ROWS, NewRequestData, SchedulerOutput
 from jllm.utils import cdiv
 
@@ -36,9 +37,13 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache: KVCacheManager, lora_slots: LoraSlots | None = None
+    ) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        # With LoRA: the device slots running requests pin (jllm/lora/manager.py).
+        self.lora_slots = lora_slots
         self.waiting = create_request_queue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -56,8 +61,14 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _release_lora(self, req: Request) -> None:
+        if req.lora_slot:
+            self.lora_slots.release(req.lora_slot)
+            req.lora_slot = 0
+
     def _preempt(self, req: Request) -> None:
         self.kv_cache.free(req)
+        self._release_lora(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.spec_token_ids = []
@@ -196,6 +207,8 @@ class Scheduler:
             lp_room -= self._listed(req, req.num_computed_tokens, num_new)
             i += 1
         # 2. Waiting requests, first come first served, unless this step already preempted.
+        # One whose adapter cannot get a device slot waits; those behind it may go first.
+        skipped: list[Request] = []
         while (
             self.waiting
             and budget > 0
@@ -203,6 +216,9 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting.peek()
+            if req.lora is not None and not self.lora_slots.available(req.lora):
+                skipped.append(self.waiting.pop())
+                continue
             hit_blocks, num_hit = self.kv_cache.get_computed_blocks(req)
             num_new = self._fit(req.num_tokens - num_hit, budget)
             num_new = self._cap_prompt_logprobs(req, num_hit, num_new, lp_room, budget)
@@ -215,6 +231,8 @@ class Scheduler:
             if blocks is None:
                 break
             self.waiting.pop()
+            if req.lora is not None:
+                req.lora_slot = self.lora_slots.acquire(req.lora)
             self.kv_cache.record_prefix_lookup(req.num_tokens, num_hit)
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
@@ -226,6 +244,8 @@ class Scheduler:
             scheduled.append((req, num_new, [], True))
             budget -= self._cost(num_new)
             lp_room -= self._listed(req, num_hit, num_new)
+        for req in reversed(skipped):
+            self.waiting.prepend(req)
         self._fill_output(out, scheduled)
         return out
 
@@ -249,6 +269,8 @@ class Scheduler:
                         req.eos_token_id,
                         tuple(list(b) for b in blocks),
                         req.num_computed_tokens,
+                        req.lora_slot,
+                        req.lora,
                     )
                 )
             else:
@@ -280,6 +302,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv_cache.free(req)
+        self._release_lora(req)
         self.requests.pop(req.request_id, None)
         if self._sent_blocks.pop(req.request_id, None) is not None:
             self._finished_ids.add(req.request_id)

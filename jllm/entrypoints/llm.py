@@ -35,6 +35,18 @@ def _priorities(priority, n: int) -> list[int]:
     return list(priority)
 
 
+def _per_prompt(value, n: int, name: str) -> list:
+    """vLLM's per-prompt arguments (`lora_request`): None or one value for every prompt, or
+    a list of one per prompt."""
+    if not isinstance(value, (list, tuple)):
+        return [value] * n
+    if len(value) != n:
+        raise ValueError(
+            f"The lengths of prompts ({n}) and {name} ({len(value)}) must be the same."
+        )
+    return list(value)
+
+
 class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
         setup_logging()
@@ -62,12 +74,11 @@ class LLM:
         lora_request=None,
         priority=None,
     ) -> list[RequestOutput]:
-        if lora_request is not None:
-            raise ValueError("lora_request is not supported by jllm yet.")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
         priority = _priorities(priority, len(prompts))
+        loras = _per_prompt(lora_request, len(prompts), "lora_request")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -81,7 +92,8 @@ class LLM:
                 )
         # Validate everything before the first request enters the engine.
         prepared = [
-            self.llm_engine.prepare(p, sp) for p, sp in zip(prompts, params_list, strict=True)
+            self.llm_engine.prepare(p, sp, lora)
+            for p, sp, lora in zip(prompts, params_list, loras, strict=True)
         ]
         return self._run(prepared, use_tqdm, priority)
 
@@ -154,6 +166,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        lora_request=None,
     ) -> list[RequestOutput]:
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
@@ -173,7 +186,7 @@ class LLM:
             )
             ids = tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt_token_ids": ids, "prompt": text})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run(self, prepared, use_tqdm: bool, priority: list[int]) -> list[RequestOutput]:
         engine = self.llm_engine

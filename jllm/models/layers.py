@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jllm.lora.layers import lora_delta
 from jllm.models import bf16_matmul, f32_matmul
 from jllm.quantization.weights import QuantizedWeight, matmul
 
@@ -60,6 +61,7 @@ class Linear(nnx.Module):
         self.spec = spec
         inputs, output = spec.replace(" ", "").split("->")
         self.contract = len(set(inputs.split(",")[1]) - set(output))
+        self.in_shape = tuple(shape[: self.contract])
         self.out_shape = tuple(shape[self.contract :])
         self.weight = param(rngs, shape, axes, dtype, contract=self.contract)
         self.use_bias = bias_dims > 0
@@ -72,14 +74,26 @@ class Linear(nnx.Module):
         w = self.weight.get_value()
         if isinstance(w, StackedWeight):
             y = self._stacked_product(x, w, ctx, out_dtype)
-            return y + self.bias[...] if self.use_bias else y
-        if isinstance(w, QuantizedWeight):
+        elif isinstance(w, QuantizedWeight):
             lead = x.shape[: x.ndim - self.contract]
             y = matmul(x.reshape(-1, w.shape[-1]), w, out_dtype)
             y = y.reshape(*lead, *self.out_shape)
         else:
             y = jnp.einsum(self.spec, x, w, preferred_element_type=out_dtype)
-        return y + self.bias[...] if self.use_bias else y
+        if self.use_bias:
+            y = y + self.bias[...]
+        if self.has_lora(ctx, x):
+            y = y + lora_delta(x, self.lora_a[...], self.lora_b[...], ctx.lora_slots).astype(
+                y.dtype
+            )
+        return y
+
+    def has_lora(self, ctx, x=None) -> bool:
+        """Whether this projection adds LoRA deltas in this step: it has slot arrays
+        (jllm/lora/layers.py) and the context carries a slot per row of x."""
+        if getattr(self, "lora_a", None) is None or ctx is None or ctx.lora_slots is None:
+            return False
+        return x is None or x.shape[0] == ctx.lora_slots.shape[0]
 
     def in_place(self, x, out_dtype=None) -> bool:
         """Whether a kernel multiplies x by this Linear's weight in the stack: the weight is
@@ -150,6 +164,7 @@ def gated_product(gate: Linear, up: Linear, x, ctx=None):
     biases, the two products and the SiLU otherwise. Takes the step context as `Linear`
     does (a LoRA delta joins each product before the SiLU)."""
     both = gate.in_place(x) and up.in_place(x) and not (gate.use_bias or up.use_bias)
+    both = both and not (gate.has_lora(ctx, x) or up.has_lora(ctx, x))
     if not both:
         return jax.nn.silu(gate(x, ctx)) * up(x, ctx)
     up_stack = up.stack_2d()

@@ -66,6 +66,7 @@ class InputBatch:
         self.want_logprobs = np.zeros(rows, bool)
         self.prompt_logprobs = np.zeros(rows, bool)  # the request asked for them
         self.bias_row = np.zeros(rows, np.int32)  # row in the logit-bias table (0: none)
+        self.lora_slot = np.zeros(rows, np.int32)  # its LoRA adapter's device slot (0: none)
         # Bad words of several tokens by row: their last token is masked per step when the
         # output ends with the rest.
         self.bad_words: dict[int, list[list[int]]] = {}
@@ -111,6 +112,7 @@ class InputBatch:
         # A request resumed with outputs already has its prompt logprobs.
         self.prompt_logprobs[r] = p.prompt_logprobs is not None and not new.output_token_ids
         self.bias_row[r] = r + 1 if p.has_bias else 0
+        self.lora_slot[r] = new.lora_slot
         self.bad_words.pop(r, None)
         for proc, active, state in zip(
             self.logits_processors, self.proc_active, self.proc_state, strict=True

@@ -46,6 +46,7 @@ from jllm.utils import cdiv
         "from_device",
         "prompt_lp_indices",
         "attn",
+        "lora_slots",
     ],
     meta_fields=[],
 )
@@ -62,6 +63,7 @@ class StepInputs:
     # logprobs (runner/prompt_logprobs.py); padding: 0
     prompt_lp_indices: jax.Array
     attn: tuple  # the backend's metadata (jllm/attention/) of each KV-cache group
+    lora_slots: jax.Array  # [T] each token's LoRA slot (0: none; runner/input_batch.py)
 
 
 def bucket(n: int, buckets: list[int]) -> int:
@@ -450,8 +452,9 @@ def build_step(
     )
     every_group = range(len(batch.block_table))
     attn = group_metadata(backend, p.flat, batch, every_group, p.tok_row, p.positions, p.req_row)
+    lora_slots = np.where(p.tok_row >= 0, batch.lora_slot[p.tok_row], 0).astype(np.int32)
     inputs = StepInputs(
-        p.token_ids, p.positions, logits_indices, p.from_device, prompt_lp_indices, attn
+        p.token_ids, p.positions, logits_indices, p.from_device, prompt_lp_indices, attn, lora_slots
     )
     return inputs, md, p.groups, plan.shape, prompt_rows
 

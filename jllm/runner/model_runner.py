@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from jllm.attention import get_backend
+from jllm.lora.layers import lora_paths, write_slot
 from jllm.models.context import StepContext
 from jllm.runner.compile_cache import cache_counts
 from jllm.runner.input_batch import InputBatch
@@ -84,7 +85,8 @@ def _forward(
         ctx = StepContext(batch.positions, draft_attn, backend)
         _, draft_cache = draft(token_ids, ctx, draft_cache)
     model = nnx.merge(graphdef, state)
-    ctx = StepContext(batch.positions, batch.attn[: len(kv_cache)], backend)
+    attn = batch.attn[: len(kv_cache)]
+    ctx = StepContext(batch.positions, attn, backend, lora_slots=batch.lora_slots)
     hidden, kv_cache = model(token_ids, ctx, kv_cache)
     if draft_graphdef is not None:
         kv_cache = (kv_cache, draft_cache)
@@ -147,6 +149,14 @@ def sample_step(
     )
 
 
+def _without_slot_axis(array) -> jax.sharding.NamedSharding:
+    """The sharding of one slot of a LoRA slot array [L, S, ...]: the array's without axis 1."""
+    spec = tuple(array.sharding.spec) + (None,) * (array.ndim - len(array.sharding.spec))
+    return jax.sharding.NamedSharding(
+        array.sharding.mesh, jax.sharding.PartitionSpec(spec[0], *spec[2:])
+    )
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -162,8 +172,15 @@ class ModelRunner:
         kv_caches: tuple,
         logits_processors: tuple = (),
         draft=None,
+        lora=None,
     ) -> None:
         self.graphdef = graphdef
+        # LoRA (jllm/lora/layers.py): the slot arrays' paths in the state, and which
+        # adapter (digest) each slot holds.
+        self.lora = lora
+        self.lora_paths = [] if lora is None else lora_paths(state)
+        self.lora_owner: list[bytes | None] = [None] * (0 if lora is None else lora.max_loras)
+        self._lora_exe = None
         self.draft = draft  # a speculative DraftModel (spec_decode/draft_model.py), or None
         # The KV-cache groups (a CacheSpec each, runner/kv_cache.py): the model's, then the
         # draft model's. Every step carries each group's attention metadata.
@@ -329,6 +346,29 @@ class ModelRunner:
             exe = self._write_exe[W] = lowered.compile()
         return exe
 
+    def _lora_arrays(self) -> list:
+        flat = dict(nnx.to_flat_state(self.state))
+        return [flat[p] for p in self.lora_paths]
+
+    def write_lora(self, slot: int, adapter) -> None:
+        """Write `adapter` (a LoraAdapter, or None: zeros) into device slot `slot` (1-based)
+        of every slot array, in place."""
+        variables = self._lora_arrays()
+        arrays = [v.get_value() for v in variables]
+        values = self.lora.slot_values(self.lora_paths, adapter, arrays)
+        values = [
+            jax.device_put(v, _without_slot_axis(a)) for v, a in zip(values, arrays, strict=True)
+        ]
+        index = jax.device_put(np.int32(slot - 1), self.replicated)
+        if self._lora_exe is None:
+            if self.compile_guard:
+                raise CompileAfterWarmupError("LoRA slot write not compiled")
+            with jax.set_mesh(self.mesh):
+                self._lora_exe = write_slot.lower(arrays, index, values).compile()
+        for var, new in zip(variables, self._lora_exe(arrays, index, values), strict=True):
+            var.set_value(new)
+        self.lora_owner[slot - 1] = None if adapter is None else adapter.digest
+
     def _bias_executable(self, row, vector):
         if self._bias_exe is None:
             if self.compile_guard:
@@ -414,6 +454,8 @@ class ModelRunner:
             w = self.penalties.empty_write(W)
             self._write_executable(jax.device_put(w, self.replicated))
         self._bias_executable(*self._put_bias_write(0, np.zeros(self.vocab_size, np.float32)))
+        if self.lora is not None:
+            self.write_lora(1, None)  # compiles the slot write
         if self.draft is not None:
             self.draft.compile_all(self)
         compiled, loaded = cache_counts()
@@ -496,6 +538,8 @@ class ModelRunner:
             self.batch.remove(rid)
         admitted, bias_writes = [], []
         for new in out.scheduled_new_reqs:
+            if new.lora_slot and self.lora_owner[new.lora_slot - 1] != new.lora.digest:
+                self.write_lora(new.lora_slot, new.lora)
             row = self.batch.add(new)
             p = new.sampling_params
             if p.has_penalties:

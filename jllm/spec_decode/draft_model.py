@@ -149,6 +149,7 @@ def draft_inputs(batch, rows: np.ndarray, step: int, layout: BatchLayout, backen
         from_device=row,
         prompt_lp_indices=np.zeros(PROMPT_LOGPROB_ROWS, np.int32),
         attn=group_metadata(backend, flat, batch, groups, placed, positions, placed),
+        lora_slots=np.zeros(Rd, np.int32),  # the draft has no adapters
     )
     counter = np.zeros(Rd, np.int32)
     counter[:n] = batch.num_tokens[rows] - batch.num_prompt[rows] + step

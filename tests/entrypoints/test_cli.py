@@ -33,9 +33,9 @@ def test_serve_help_lists_vllm_flags():
 
 def test_unsupported_flag_is_a_clear_error(tmp_path):
     out = subprocess.run(
-        [*JLLM, "serve", str(tmp_path), "--enable-lora", "true"], capture_output=True, text=True
+        [*JLLM, "serve", str(tmp_path), "--cpu-offload-gb", "4"], capture_output=True, text=True
     )
-    assert out.returncode != 0 and "--enable-lora is not supported" in out.stderr
+    assert out.returncode != 0 and "--cpu-offload-gb is not supported" in out.stderr
     out = subprocess.run(
         [*JLLM, "serve", str(tmp_path), "--quantization", "int3"], capture_output=True, text=True
     )

@@ -1,0 +1,257 @@
+"""Multi-LoRA against PEFT: adapters made by PEFT on the tiny Llama (random, non-zero B),
+served from one engine mixed with the base model in one batch; each request's greedy tokens
+and logprobs are transformers' with that adapter merged (`merge_and_unload`), in float32."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+from flax import nnx
+from oracle import prompt_ids, teacher_forced_logprobs
+
+from jllm import LLM, SamplingParams
+from jllm.lora.request import LoRARequest
+
+peft = pytest.importorskip("peft")  # a test dependency: `make test` installs it
+
+ADAPTERS = {  # name: (rank, alpha, targets, rsLoRA)
+    "all8": (
+        8,
+        16,
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        False,
+    ),
+    "attn4": (4, 8, ["q_proj", "v_proj"], False),
+    "mlp16": (16, 32, ["gate_proj", "up_proj", "down_proj"], True),
+}
+
+
+@pytest.fixture(scope="module")
+def adapters(llama_dir, tmp_path_factory):
+    """Each adapter's PEFT folder and the merged model's folder (the oracle)."""
+    root = tmp_path_factory.mktemp("lora")
+    out = {}
+    for i, (name, (r, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
+        base = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+        config = peft.LoraConfig(
+            r=r,
+            lora_alpha=alpha,
+            target_modules=targets,
+            init_lora_weights=False,  # random A and B: a real delta
+            use_rslora=rslora,
+        )
+        torch.manual_seed(100 + i)
+        model = peft.get_peft_model(base, config)
+        with torch.no_grad():  # deltas the size of the weights: outputs really change
+            for pname, p in model.named_parameters():
+                if "lora_" in pname:
+                    p.mul_(3.0)
+        model.save_pretrained(root / name)
+        merged = model.merge_and_unload()
+        merged.save_pretrained(root / f"{name}-merged")
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(f"{llama_dir}/{f}", root / f"{name}-merged")
+        out[name] = (str(root / name), str(root / f"{name}-merged"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_llm(llama_dir):
+    return LLM(
+        llama_dir,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=16,
+        max_cpu_loras=2,
+        kv_cache_memory_bytes=32 << 20,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        enforce_eager=True,
+        disable_log_stats=True,
+    )
+
+
+def oracle(model_dir, prompts, outs):
+    """transformers' greedy tokens for `prompts`, and the engine's worst logprob error
+    teacher-forced on its own tokens."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    worst = 0.0
+    for ids, out in zip(prompts, outs, strict=True):
+        gen = out.outputs[0]
+        with torch.no_grad():
+            want = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=len(gen.token_ids),
+                do_sample=False,
+                pad_token_id=0,
+            )[0, len(ids) :].tolist()
+        assert gen.token_ids == want
+        ref = teacher_forced_logprobs(model, ids, gen.token_ids)
+        for step, token in enumerate(gen.token_ids):
+            worst = max(worst, abs(gen.logprobs[step][token].logprob - ref[step, token].item()))
+    return worst
+
+
+def test_mixed_batch_matches_merged_peft(lora_llm, adapters, llama_dir):
+    """One batch: base, all8, attn4 (two adapters on the device at once, max_loras=2), then
+    a second call with mlp16 (a third adapter: a slot is reused), the same prompts under
+    different adapters; every request equals its merged model."""
+    prompts = prompt_ids(6, 9, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    names = [None, "all8", "attn4", "all8", None, "attn4"]
+    requests = {
+        name: LoRARequest(name, i + 1, adapters[name][0]) for i, name in enumerate(ADAPTERS)
+    }
+    lora = [None if n is None else requests[n] for n in names]
+    outs = lora_llm.generate([{"prompt_token_ids": p} for p in prompts], params, False, lora)
+    for name in (None, "all8", "attn4"):
+        idx = [i for i, n in enumerate(names) if n == name]
+        model_dir = llama_dir if name is None else adapters[name][1]
+        assert oracle(model_dir, [prompts[i] for i in idx], [outs[i] for i in idx]) < 2e-3
+    assert outs[1].lora_request == requests["all8"] and outs[0].lora_request is None
+    # the same prompt under different adapters gives different tokens
+    assert outs[1].outputs[0].token_ids != outs[0].outputs[0].token_ids
+
+    same = [prompts[1]] * 3
+    lora = [requests["mlp16"], requests["all8"], None]
+    outs2 = lora_llm.generate([{"prompt_token_ids": p} for p in same], params, False, lora)
+    assert oracle(adapters["mlp16"][1], same[:1], outs2[:1]) < 2e-3
+    assert outs2[1].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    assert oracle(llama_dir, same[2:], outs2[2:]) < 2e-3
+
+
+def test_more_adapters_than_slots_in_one_call(lora_llm, adapters):
+    """Three adapters and the base in one call with two slots: a request whose adapter has
+    no slot waits for one, none is lost and each still matches its merged model."""
+    prompts = prompt_ids(4, 7, seed=8)
+    names = ["all8", "attn4", "mlp16", None]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    lora = [
+        None if n is None else LoRARequest(n, i + 1, adapters[n][0]) for i, n in enumerate(names)
+    ]
+    outs = lora_llm.generate([{"prompt_token_ids": p} for p in prompts], params, False, lora)
+    for i, name in enumerate(names[:3]):
+        assert oracle(adapters[name][1], prompts[i : i + 1], outs[i : i + 1]) < 2e-3
+
+
+def test_prefix_cache_never_crosses_adapters(lora_llm, adapters):
+    """A prompt cached under one adapter is no hit for another adapter or the base, and a
+    hit under the same adapter."""
+    prompt = {"prompt_token_ids": prompt_ids(1, 40, seed=11)[0]}
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    a = LoRARequest("all8", 1, adapters["all8"][0])
+    b = LoRARequest("attn4", 2, adapters["attn4"][0])
+    first = lora_llm.generate(prompt, params, False, a)[0]
+    again = lora_llm.generate(prompt, params, False, a)[0]
+    other = lora_llm.generate(prompt, params, False, b)[0]
+    base = lora_llm.generate(prompt, params, False)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens > 0
+    assert other.num_cached_tokens == 0 and base.num_cached_tokens == 0
+
+
+def test_bad_adapters_are_clear_errors(lora_llm, adapters, llama_dir, tmp_path):
+    params = SamplingParams(max_tokens=2)
+    bad = tmp_path / "bad"
+    shutil.copytree(adapters["all8"][0], bad)
+    config = json.loads((bad / "adapter_config.json").read_text())
+
+    def check(match, request):
+        with pytest.raises(ValueError, match=match):
+            lora_llm.generate("hi", params, False, request)
+
+    check("is not a directory", LoRARequest("x", 9, str(tmp_path / "missing")))
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "r": 64}))
+    check("greater than max_lora_rank 16", LoRARequest("x", 9, str(bad)))
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["lm_head"]}))
+    check(r"target modules \['lm_head'\]", LoRARequest("x", 9, str(bad)))
+    (bad / "adapter_config.json").write_text("{not json")
+    check("adapter_config.json", LoRARequest("x", 9, str(bad)))
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    check("DoRA", LoRARequest("x", 9, str(bad)))
+    (bad / "adapter_config.json").write_text(json.dumps(config))
+    (bad / "adapter_model.safetensors").write_bytes(b"\0" * 10)
+    check("cannot be read", LoRARequest("x", 9, str(bad)))
+    with pytest.raises(ValueError, match="id must be > 0"):
+        LoRARequest("x", 0, str(bad))
+    # the engine still serves
+    assert lora_llm.generate("hi", params, False)[0].outputs[0].token_ids
+
+
+def test_adapter_for_another_model_is_refused(lora_llm, tmp_path):
+    other = transformers.LlamaConfig(
+        vocab_size=lora_llm.llm_engine.model_config.vocab_size,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    model = peft.get_peft_model(
+        transformers.LlamaForCausalLM(other), peft.LoraConfig(r=4, target_modules=["q_proj"])
+    )
+    model.save_pretrained(tmp_path / "other")
+    with pytest.raises(ValueError, match="an adapter for another model"):
+        lora_llm.generate(
+            "hi", SamplingParams(max_tokens=2), False, LoRARequest("o", 5, str(tmp_path / "other"))
+        )
+
+
+def test_lora_needs_enable_lora(llama_llm, adapters):
+    with pytest.raises(ValueError, match="enable_lora=True"):
+        llama_llm.generate(
+            "hi", SamplingParams(max_tokens=2), False, LoRARequest("a", 1, adapters["all8"][0])
+        )
+
+
+def test_engine_arguments_checked():
+    from jllm.config import EngineArgs
+
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        EngineArgs(max_lora_rank=12)
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        EngineArgs(max_loras=4, max_cpu_loras=2)
+    assert EngineArgs(max_loras=3).max_cpu_loras == 3
+    with pytest.raises(ValueError, match="fully_sharded_loras"):
+        EngineArgs.from_kwargs(fully_sharded_loras=True)
+
+
+def test_tensor_parallel_and_no_compile_after_warmup(llama_dir, adapters):
+    """TP = 2 on fake devices (A and B split as their projections: the test checks the
+    output, the sharding is the rules'), every bucket compiled at start-up with the slot
+    arrays in the step, and a workload that swaps adapters through the slots compiles
+    nothing: writing a slot is one executable compiled at start-up."""
+    from jllm.runner.compile_guard import count_compiles
+
+    llm = LLM(
+        llama_dir,
+        enable_lora=True,
+        max_loras=1,
+        max_lora_rank=16,
+        tensor_parallel_size=2,
+        kv_cache_memory_bytes=16 << 20,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        disable_log_stats=True,
+    )
+    runner = llm.llm_engine.runner
+    (q_b,) = [
+        v.get_value() for p, v in nnx.to_flat_state(runner.state) if p[-2:] == ("q_proj", "lora_b")
+    ]
+    assert "model" in tuple(q_b.sharding.spec)  # B of a column-parallel projection is split
+    prompts = prompt_ids(3, 7, seed=21)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=1)
+    names = ["mlp16", "all8", None]
+    lora = [
+        None if n is None else LoRARequest(n, i + 1, adapters[n][0]) for i, n in enumerate(names)
+    ]
+    with count_compiles() as events:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, False, lora)
+    assert events == []
+    for i, name in enumerate(names):
+        model_dir = llama_dir if name is None else adapters[name][1]
+        assert oracle(model_dir, prompts[i : i + 1], outs[i : i + 1]) < 2e-3
