@@ -18,6 +18,7 @@ prompts with left padding, each batch generating up to its longest max_tokens.
     python benchmarks/throughput.py --peer vllm-cpu --skip-hf   # beside vLLM's CPU backend
     python benchmarks/throughput.py --quantization gguf tpu_int8 fp8  # against the float engine
     python benchmarks/throughput.py --workloads W3 --phases --skip-hf --peer vllm-cpu
+    python benchmarks/throughput.py --lora 0 1 4   # W1 with LoRA adapters (benchmarks/lora.py)
 
 `--peer vllm-cpu` runs vLLM's CPU backend (set up by ../shared/peers/vllm_cpu/setup.sh, found
 under $JLLM_PEERS, default ~/.cache/jllm-peers) on exactly the same requests in the same
@@ -368,6 +369,13 @@ def main() -> None:
         help="with --quantization: also the float weights over a float8 KV cache",
     )
     ap.add_argument(
+        "--lora",
+        nargs="+",
+        type=int,
+        help="only W1, with these counts of distinct LoRA adapters against no LoRA "
+        "(benchmarks/lora.py)",
+    )
+    ap.add_argument(
         "--phases", action="store_true", help="also W3's prefill and decode phases (needs W3)"
     )
     ap.add_argument("--seed", type=int, default=0)
@@ -390,6 +398,11 @@ def main() -> None:
         reqs["W3 prefill"], reqs["W3 cached"] = w3_phases(reqs["W3"], np.random.default_rng(7))
 
     print(f"host: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
+    if args.lora is not None:
+        from lora import run as run_lora
+
+        run_lora(args.lora, args.dtype, w1(rng))
+        return
     if args.quantization is not None:
         from quantization import run as run_quantization
 

@@ -45,10 +45,10 @@ class AsyncLLM:
         return cls(LLMEngine.from_engine_args(args), stat_loggers)
 
     # ---- front end (event loop) ----------------------------------------------------------
-    def prepare(self, prompt, params: SamplingParams):
+    def prepare(self, prompt, params: SamplingParams, lora_request=None):
         """Validate and tokenize (raises ValueError); nothing reaches the engine yet."""
         self.check_health()
-        return self.engine.prepare(prompt, params)
+        return self.engine.prepare(prompt, params, lora_request)
 
     async def generate(
         self,

@@ -22,7 +22,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -40,6 +40,7 @@ from jllm.entrypoints.openai.protocol import (
 from jllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jllm.entrypoints.openai.serving_engine import OpenAIError, error_response, off_loop
+from jllm.entrypoints.openai.serving_models import ServingModels
 from jllm.logger import setup_logging
 from jllm.metrics.prometheus import PrometheusStatLogger
 
@@ -69,6 +70,16 @@ async def with_cancellation(request: Request, work):
     return task.result()
 
 
+async def _json_object(raw: Request) -> dict:
+    try:
+        body = await raw.json()
+    except ValueError:
+        raise OpenAIError("The request body is not valid JSON.", 400) from None
+    if not isinstance(body, dict):
+        raise OpenAIError("The request body must be a JSON object.", 400)
+    return body
+
+
 def served_model_names(args: argparse.Namespace) -> list[str]:
     """--served-model-name, else the --model argument, else the embedded model's hub id."""
     return args.served_model_name or [args.model or EMBEDDED_MODEL_NAME]
@@ -76,10 +87,13 @@ def served_model_names(args: argparse.Namespace) -> list[str]:
 
 def build_app(args: argparse.Namespace, engine: AsyncLLM, metrics: PrometheusStatLogger):
     names = served_model_names(args)
+    root = args.model or EMBEDDED_MODEL_NAME
+    models = ServingModels(engine, names, root, args.lora_modules or ())
     common = dict(
         served_model_names=names,
         log_requests=not args.disable_log_requests,
         max_log_len=args.max_log_len,
+        models=models,
     )
     completions = OpenAIServingCompletion(engine, **common)
     chat = OpenAIServingChat(
@@ -162,22 +176,24 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM, metrics: PrometheusSta
 
     @app.get("/v1/models")
     async def list_models():
-        root = args.model or EMBEDDED_MODEL_NAME
         return {
             "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": completions.created(),
-                    "owned_by": "jllm",
-                    "root": root,
-                    "parent": None,
-                    "max_model_len": engine.max_model_len,
-                }
-                for name in names
-            ],
+            "data": models.cards(completions.created(), engine.max_model_len),
         }
+
+    if os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"):
+        logger.warning(
+            "LoRA adapters can be loaded and unloaded at run time "
+            "(VLLM_ALLOW_RUNTIME_LORA_UPDATING): do not expose this server to untrusted clients."
+        )
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(raw: Request):
+            return PlainTextResponse(await off_loop(models.load, await _json_object(raw)))
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(raw: Request):
+            return PlainTextResponse(models.unload(await _json_object(raw)))
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw: Request):

@@ -7,6 +7,7 @@ import argparse
 import json
 
 from jllm.engine.arg_utils import add_engine_args
+from jllm.entrypoints.openai.serving_models import parse_lora_module
 from jllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 
@@ -38,6 +39,14 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
         help="Model name(s) the API answers to; the first is the one reported. "
         "Default: the --model argument (or 'HuggingFaceTB/SmolLM2-135M-Instruct' for the "
         "embedded model).",
+    )
+    server.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=parse_lora_module,
+        default=None,
+        help="LoRA adapters to serve (needs --enable-lora): name=path, or the JSON form "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\'. A request\'s model picks one.',
     )
     server.add_argument(
         "--chat-template",

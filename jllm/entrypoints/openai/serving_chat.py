@@ -218,7 +218,7 @@ class OpenAIServingChat(OpenAIServing):
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 
     async def create_chat_completion(self, request: ChatCompletionRequest):
-        self.check_request(request)
+        lora = self.check_request(request)
         mode = self.tool_mode(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError(
@@ -251,7 +251,7 @@ class OpenAIServingChat(OpenAIServing):
         prompt = {"prompt_token_ids": ids, "prompt": text}
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
-        prepared = [await off_loop(self.prepare, request_id, prompt, params)]
+        prepared = [await off_loop(self.prepare, request_id, prompt, params, lora)]
         role = (
             self.response_role
             if request.add_generation_prompt

@@ -37,7 +37,7 @@ def normalize_prompts(prompt, cache_salt: str | None = None) -> list[dict]:
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest):
-        self.check_request(request)
+        lora = self.check_request(request)
         if request.suffix is not None:
             raise OpenAIError("suffix is not supported by jllm yet.", 400, "suffix")
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -53,7 +53,7 @@ class OpenAIServingCompletion(OpenAIServing):
             check_beam_search(params)
         prompts = normalize_prompts(request.prompt, request.cache_salt)
         prepared = [
-            await off_loop(self.prepare, f"{request_id}-{i}", p, params)
+            await off_loop(self.prepare, f"{request_id}-{i}", p, params, lora)
             for i, p in enumerate(prompts)
         ]
         if request.use_beam_search:

@@ -157,17 +157,25 @@ class OpenAIServing:
         served_model_names: list[str],
         log_requests: bool = True,
         max_log_len: int | None = None,
+        models=None,
     ) -> None:
         self.engine = engine
+        self.models = models  # ServingModels (serving_models.py): base names and adapters
         self.served_model_names = served_model_names
         self.model_name = served_model_names[0]
         self.log_requests = log_requests
         self.max_log_len = max_log_len
         self.tokenizer = engine.get_tokenizer()
 
-    def check_request(self, request) -> None:
-        if request.model is not None and request.model not in self.served_model_names:
+    def check_request(self, request):
+        """Refuses what the request asks that this server cannot do; returns the LoRA
+        adapter its `model` names, or None for the base model."""
+        if self.models is not None:
+            lora = self.models.resolve(request.model)
+        elif request.model is not None and request.model not in self.served_model_names:
             raise OpenAIError(f"The model `{request.model}` does not exist.", 404, "model")
+        else:
+            lora = None
         field = request.unsupported_field()
         if field is not None:
             raise OpenAIError(f"{field} is not supported by jllm yet.", 400, field)
@@ -186,10 +194,11 @@ class OpenAIServing:
             raise OpenAIError(
                 "prompt_logprobs are not available when stream is enabled.", 400, "prompt_logprobs"
             )
+        return lora
 
-    def prepare(self, request_id: str, prompt, params: SamplingParams):
+    def prepare(self, request_id: str, prompt, params: SamplingParams, lora=None):
         try:
-            prepared = self.engine.prepare(prompt, params)
+            prepared = self.engine.prepare(prompt, params, lora)
         except ValueError as e:
             raise OpenAIError(str(e), 400) from e
         num_prompt = len(prepared[0].prompt_token_ids)

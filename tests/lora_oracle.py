@@ -1,0 +1,71 @@
+"""The LoRA tests' oracle: adapters made by PEFT on the tiny Llama (random, non-zero B), and
+transformers running each merged into the base model."""
+
+from __future__ import annotations
+
+import shutil
+
+import peft
+import torch
+import transformers
+from oracle import teacher_forced_logprobs
+
+ADAPTERS = {  # name: (rank, alpha, targets, rsLoRA)
+    "all8": (
+        8,
+        16,
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        False,
+    ),
+    "attn4": (4, 8, ["q_proj", "v_proj"], False),
+    "mlp16": (16, 32, ["gate_proj", "up_proj", "down_proj"], True),
+}
+
+
+def make_adapters(llama_dir, root):
+    """Each adapter's PEFT folder and the merged model's folder (the oracle)."""
+    out = {}
+    for i, (name, (r, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
+        base = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+        config = peft.LoraConfig(
+            r=r,
+            lora_alpha=alpha,
+            target_modules=targets,
+            init_lora_weights=False,  # random A and B: a real delta
+            use_rslora=rslora,
+        )
+        torch.manual_seed(100 + i)
+        model = peft.get_peft_model(base, config)
+        with torch.no_grad():  # deltas the size of the weights: outputs really change
+            for pname, p in model.named_parameters():
+                if "lora_" in pname:
+                    p.mul_(3.0)
+        model.save_pretrained(root / name)
+        merged = model.merge_and_unload()
+        merged.save_pretrained(root / f"{name}-merged")
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(f"{llama_dir}/{f}", root / f"{name}-merged")
+        out[name] = (str(root / name), str(root / f"{name}-merged"))
+    return out
+
+
+def oracle(model_dir, prompts, outs):
+    """transformers' greedy tokens for `prompts`, and the engine's worst logprob error
+    teacher-forced on its own tokens."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    worst = 0.0
+    for ids, out in zip(prompts, outs, strict=True):
+        gen = out.outputs[0]
+        with torch.no_grad():
+            want = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=len(gen.token_ids),
+                do_sample=False,
+                pad_token_id=0,
+            )[0, len(ids) :].tolist()
+        assert gen.token_ids == want
+        ref = teacher_forced_logprobs(model, ids, gen.token_ids)
+        for step, token in enumerate(gen.token_ids):
+            worst = max(worst, abs(gen.logprobs[step][token].logprob - ref[step, token].item()))
+    return worst
