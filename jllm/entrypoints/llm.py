@@ -110,7 +110,7 @@ class LLM:
         live beam of every prompt, all in one batch; beams share KV blocks through prefix
         caching. Returns the best `beam_width` sequences per prompt, best first."""
         if lora_request is not None:
-            raise ValueError("lora_request is not supported by jllm yet.")
+            raise ValueError("beam_search with a lora_request is not supported by jllm yet.")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)

@@ -73,6 +73,7 @@ def test_models_routing_and_runtime_updates(lora_server, adapters, llama_dir):
         out = client.completions.create(
             model=model, prompt=prompt, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
         )
+        assert out.model == model  # the adapter's name, as vLLM reports it
         return out.choices[0].text
 
     assert served("all8") == offline_text("all8") != served(MODEL_NAME)
@@ -102,4 +103,4 @@ def test_models_routing_and_runtime_updates(lora_server, adapters, llama_dir):
     chat = client.chat.completions.create(
         model="all8", messages=[{"role": "user", "content": "hi"}], max_tokens=3
     )
-    assert chat.choices[0].message.content is not None
+    assert chat.choices[0].message.content is not None and chat.model == "all8"

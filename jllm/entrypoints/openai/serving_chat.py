@@ -290,7 +290,7 @@ class OpenAIServingChat(OpenAIServing):
             for j, (beam, _, text) in enumerate(beams)
         ]
         num_generated = sum(len(tokens) for _, tokens, _ in beams)
-        return self._response(request_id, choices, item[0].prompt_token_ids, num_generated)
+        return self._response(request, request_id, choices, item[0].prompt_token_ids, num_generated)
 
     def _echo(self, request, role: str) -> str:
         last = request.messages[-1]
@@ -341,16 +341,18 @@ class OpenAIServingChat(OpenAIServing):
                 }
             )
         num_generated = sum(len(c.token_ids) for c in final.outputs)
-        response = self._response(request_id, choices, final.prompt_token_ids, num_generated)
+        response = self._response(
+            request, request_id, choices, final.prompt_token_ids, num_generated
+        )
         response["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
         return response
 
-    def _response(self, request_id, choices, prompt_token_ids, num_generated: int) -> dict:
+    def _response(self, request, request_id, choices, prompt_token_ids, num_generated: int) -> dict:
         return {
             "id": request_id,
             "object": "chat.completion",
             "created": self.created(),
-            "model": self.model_name,
+            "model": self.served_name(request),
             "choices": choices,
             "usage": usage(len(prompt_token_ids), num_generated),
         }
@@ -366,7 +368,7 @@ class OpenAIServingChat(OpenAIServing):
                 "id": request_id,
                 "object": "chat.completion.chunk",
                 "created": created,
-                "model": self.model_name,
+                "model": self.served_name(request),
                 "choices": choices,
             }
             if include_usage:

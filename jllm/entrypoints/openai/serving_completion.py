@@ -83,7 +83,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         "stop_reason": beam.stop_reason,
                     }
                 )
-        return self._response(request_id, prepared, choices, num_generated)
+        return self._response(request, request_id, prepared, choices, num_generated)
 
     def _echo(self, prepared) -> str:
         processed = prepared[0]
@@ -159,14 +159,14 @@ class OpenAIServingCompletion(OpenAIServing):
                         "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs),
                     }
                 )
-        return self._response(request_id, prepared, choices, num_generated)
+        return self._response(request, request_id, prepared, choices, num_generated)
 
-    def _response(self, request_id, prepared, choices, num_generated: int) -> dict:
+    def _response(self, request, request_id, prepared, choices, num_generated: int) -> dict:
         return {
             "id": request_id,
             "object": "text_completion",
             "created": self.created(),
-            "model": self.model_name,
+            "model": self.served_name(request),
             "choices": choices,
             "usage": usage(sum(len(p[0].prompt_token_ids) for p in prepared), num_generated),
         }
@@ -205,7 +205,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     "id": request_id,
                     "object": "text_completion",
                     "created": created,
-                    "model": self.model_name,
+                    "model": self.served_name(request),
                     "choices": [
                         {
                             "index": index,
@@ -230,7 +230,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     "id": request_id,
                     "object": "text_completion",
                     "created": created,
-                    "model": self.model_name,
+                    "model": self.served_name(request),
                     "choices": [],
                     "usage": usage(num_prompt, sum(generated.values())),
                 }

@@ -196,6 +196,13 @@ class OpenAIServing:
             )
         return lora
 
+    def served_name(self, request) -> str:
+        """The model name a response reports: the adapter the request named, else the
+        base model's first name."""
+        if self.models is not None and request.model in self.models.loras:
+            return request.model
+        return self.model_name
+
     def prepare(self, request_id: str, prompt, params: SamplingParams, lora=None):
         try:
             prepared = self.engine.prepare(prompt, params, lora)
