@@ -192,3 +192,30 @@ def test_tensor_parallel_and_no_compile_after_warmup(llama_dir, adapters):
     for i, name in enumerate(names):
         model_dir = llama_dir if name is None else adapters[name][1]
         assert oracle(model_dir, prompts[i : i + 1], outs[i : i + 1]) < 2e-3
+
+
+def test_chunked_prefill_and_preemption_keep_the_adapter(llama_dir, adapters):
+    """Prompts longer than the step budget (chunked prefill) and a block pool too small for
+    every request at once (preemption, then recompute, possibly into another slot): each
+    request still equals its merged model."""
+    llm = LLM(
+        llama_dir,
+        enable_lora=True,
+        max_loras=2,
+        num_gpu_blocks_override=10,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        enforce_eager=True,
+        disable_log_stats=True,
+    )
+    names = ["all8", "attn4", None, "mlp16"]
+    prompts = prompt_ids(4, 30, seed=31)
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=1)
+    lora = [
+        None if n is None else LoRARequest(n, i + 1, adapters[n][0]) for i, n in enumerate(names)
+    ]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, False, lora)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    for i, name in enumerate(names):
+        model_dir = llama_dir if name is None else adapters[name][1]
+        assert oracle(model_dir, prompts[i : i + 1], outs[i : i + 1]) < 2e-3
