@@ -27,6 +27,10 @@ LOGICAL_RULES: dict[str, str | None] = {
     # LoRA slot arrays [L, S, *in, R] and [L, S, R, *out] (jllm/lora/layers.py)
     "lora_slots": None,
     "lora_rank": None,
+    # with fully_sharded_loras: A's rank of a column-parallel projection, B's output of a
+    # row-parallel one
+    "lora_rank_split": MODEL_AXIS,
+    "lora_out_split": MODEL_AXIS,
     # KV cache [L, B, S, 2K, H]
     "cache_blocks": None,
     "cache_slots": None,

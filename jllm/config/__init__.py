@@ -22,7 +22,6 @@ from jllm.config.structured_outputs import StructuredOutputsConfig
 # default raises instead of being silently ignored.
 SCHEDULING_POLICIES = ("fcfs", "priority")
 UNSUPPORTED_ARGS = {
-    "fully_sharded_loras": False,
     "cpu_offload_gb": 0,
     "swap_space": None,
     "pipeline_parallel_size": 1,
@@ -115,6 +114,7 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_dtype: str = "auto"
+    fully_sharded_loras: bool = False  # also split A of column- and B of row-parallel ones
     tensor_parallel_size: int = 1
     # Several processes (hosts) serving one model: vLLM's multi-node names, mapped onto
     # jax.distributed (coordinator master_addr:master_port; the step channel uses port + 1).

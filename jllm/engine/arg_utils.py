@@ -87,6 +87,8 @@ HELP = {
     "max_lora_rank": "The largest LoRA rank an adapter may have.",
     "max_cpu_loras": "LoRA adapters kept loaded in host memory (default: max_loras).",
     "lora_dtype": "dtype of the LoRA slot arrays ('auto': the model's).",
+    "fully_sharded_loras": "Under tensor parallelism, split both LoRA factors of every "
+    "projection (by default only the half its weight's split implies).",
     "tensor_parallel_size": "Devices of this host to split the model over (heads, MLP and "
     "vocabulary on the mesh's 'model' axis). With several nodes: all devices of all nodes.",
     "nnodes": "Number of processes (hosts) serving this model together.",

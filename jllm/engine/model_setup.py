@@ -114,7 +114,14 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
     if args.enable_lora:
         lora_dtype = dtype if args.lora_dtype == "auto" else jnp.dtype(args.lora_dtype)
         graphdef, state, lora = with_lora_slots(
-            graphdef, state, args.max_loras, args.max_lora_rank, lora_dtype, mesh, replicas
+            graphdef,
+            state,
+            args.max_loras,
+            args.max_lora_rank,
+            lora_dtype,
+            mesh,
+            replicas,
+            args.fully_sharded_loras,
         )
     return EngineModel(
         source,

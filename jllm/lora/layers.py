@@ -32,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 from jllm.lora.peft import LoraTarget
+from sharding import LOGICAL_RULES, MODEL_AXIS
 
 
 class LoraA(nnx.Variable):
@@ -77,9 +78,20 @@ def _linears(module):
             yield tuple(str(p) for p in path), node
 
 
-def add_lora_slots(model, max_loras: int, max_rank: int, dtype, kv_replicas: int = 1):
+def _split(axes) -> bool:
+    """Whether any of these logical axes is split over the devices (tensor parallelism)."""
+    return any(LOGICAL_RULES.get(a) == MODEL_AXIS for a in axes)
+
+
+def add_lora_slots(
+    model, max_loras: int, max_rank: int, dtype, kv_replicas: int = 1, fully_sharded=False
+):
     """Adds zeroed slot arrays to every projection of the decoder layers; returns the
-    targets an adapter may name: {module name: LoraTarget}."""
+    targets an adapter may name: {module name: LoraTarget}. Under tensor parallelism B of a
+    column-parallel projection splits on its output and A of a row-parallel one on its
+    input, as the weight does; `fully_sharded` (vLLM's `fully_sharded_loras`) also splits
+    the other half: A of a column-parallel projection on its rank, B of a row-parallel one
+    on its output (XLA gathers the rank-sized x @ A, or the output, as the layouts need)."""
     targets: dict[str, LoraTarget] = {}
     for _, stack in _stacks(model):
         for path, linear in _linears(stack):
@@ -88,10 +100,15 @@ def add_lora_slots(model, max_loras: int, max_rank: int, dtype, kv_replicas: int
             in_shape, out_shape = linear.in_shape, linear.out_shape
             axes = tuple(linear.weight.get_metadata()["logical_axes"])
             in_axes, out_axes = axes[: linear.contract], axes[linear.contract :]
+            rank_axis = "lora_rank"
+            if fully_sharded and _split(out_axes):
+                rank_axis = "lora_rank_split"
+            elif fully_sharded and _split(in_axes):
+                out_axes = (*out_axes[:-1], "lora_out_split")
             a_shape = (count, max_loras, *in_shape, max_rank)
             b_shape = (count, max_loras, max_rank, *out_shape)
             linear.lora_a = LoraA(
-                jnp.zeros(a_shape, dtype), logical_axes=("lora_slots", *in_axes, "lora_rank")
+                jnp.zeros(a_shape, dtype), logical_axes=("lora_slots", *in_axes, rank_axis)
             )
             linear.lora_b = LoraB(
                 jnp.zeros(b_shape, dtype), logical_axes=("lora_slots", "lora_rank", *out_axes)
@@ -134,14 +151,16 @@ def _write(arrays, slot, values):
 write_slot = jax.jit(_write, donate_argnums=0)
 
 
-def with_lora_slots(graphdef, state, max_loras: int, max_rank: int, dtype, mesh, kv_replicas=1):
+def with_lora_slots(
+    graphdef, state, max_loras: int, max_rank: int, dtype, mesh, kv_replicas=1, fully_sharded=False
+):
     """The loaded model with zeroed slot arrays on every projection of its layers, each on
     its sharding: (graphdef, state, LoraSpec)."""
     from jllm.models.loader import _axes
     from sharding import named_sharding
 
     model = nnx.merge(graphdef, state)
-    targets = add_lora_slots(model, max_loras, max_rank, dtype, kv_replicas)
+    targets = add_lora_slots(model, max_loras, max_rank, dtype, kv_replicas, fully_sharded)
     graphdef, state = nnx.split(model)
     for _, var in nnx.to_flat_state(state):
         if isinstance(var, (LoraA, LoraB)):

@@ -153,8 +153,6 @@ def test_engine_arguments_checked():
     with pytest.raises(ValueError, match="max_cpu_loras"):
         EngineArgs(max_loras=4, max_cpu_loras=2)
     assert EngineArgs(max_loras=3).max_cpu_loras == 3
-    with pytest.raises(ValueError, match="fully_sharded_loras"):
-        EngineArgs.from_kwargs(fully_sharded_loras=True)
 
 
 def test_tensor_parallel_and_no_compile_after_warmup(llama_dir, adapters):
@@ -216,6 +214,43 @@ def test_chunked_prefill_and_preemption_keep_the_adapter(llama_dir, adapters):
     ]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, False, lora)
     assert llm.llm_engine.scheduler.num_preemptions > 0
+    for i, name in enumerate(names):
+        model_dir = llama_dir if name is None else adapters[name][1]
+        assert oracle(model_dir, prompts[i : i + 1], outs[i : i + 1]) < 2e-3
+
+
+def test_fully_sharded_loras(llama_dir, adapters):
+    """fully_sharded_loras at TP = 2: A of a column-parallel projection splits on its rank
+    and B of a row-parallel one on its output (besides the halves the weights imply), and
+    the outputs still equal the merged models."""
+    llm = LLM(
+        llama_dir,
+        enable_lora=True,
+        max_loras=2,
+        fully_sharded_loras=True,
+        tensor_parallel_size=2,
+        kv_cache_memory_bytes=16 << 20,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        enforce_eager=True,
+        disable_log_stats=True,
+    )
+    specs = {
+        p[-2:]: tuple(v.get_value().sharding.spec)
+        for p, v in nnx.to_flat_state(llm.llm_engine.runner.state)
+        if p[-1] in ("lora_a", "lora_b")
+    }
+    assert specs["q_proj", "lora_a"][-1] == "model"  # [L, S, D, R]: the rank
+    assert specs["q_proj", "lora_b"][3] == "model"  # [L, S, R, N, H]: the heads
+    assert specs["o_proj", "lora_a"][2] == "model"  # [L, S, N, H, R]: the heads
+    assert specs["down_proj", "lora_b"][-1] == "model"  # [L, S, R, D]: the output
+    prompts = prompt_ids(3, 7, seed=41)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=1)
+    names = ["all8", "mlp16", None]
+    lora = [
+        None if n is None else LoRARequest(n, i + 1, adapters[n][0]) for i, n in enumerate(names)
+    ]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, False, lora)
     for i, name in enumerate(names):
         model_dir = llama_dir if name is None else adapters[name][1]
         assert oracle(model_dir, prompts[i : i + 1], outs[i : i + 1]) < 2e-3
