@@ -108,16 +108,16 @@ class LLM:
     ) -> list[BeamSearchOutput]:
         """vLLM's beam search (`jllm/beam_search.py`): per step, one single-token request per
         live beam of every prompt, all in one batch; beams share KV blocks through prefix
-        caching. Returns the best `beam_width` sequences per prompt, best first."""
-        if lora_request is not None:
-            raise ValueError("beam_search with a lora_request is not supported by jllm yet.")
+        caching. Returns the best `beam_width` sequences per prompt, best first. A
+        `lora_request` (one, or one per prompt) runs each prompt's beams with its adapter."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
+        loras = _per_prompt(lora_request, len(prompts), "lora_request")
         engine = self.llm_engine
         searches = []
-        for p in prompts:
-            processed, _ = engine.prepare(p, SamplingParams(max_tokens=1))
+        for p, lora in zip(prompts, loras, strict=True):
+            processed, _ = engine.prepare(p, SamplingParams(max_tokens=1), lora)
             ids = processed.prompt_token_ids
             if len(ids) + params.max_tokens > engine.max_model_len:
                 raise ValueError(
@@ -129,18 +129,24 @@ class LLM:
         priority = _priorities(priority, len(searches))
         limit = concurrency_limit or len(searches)
         for lo in range(0, len(searches), limit):
-            group = list(zip(searches[lo : lo + limit], priority[lo : lo + limit], strict=True))
-            while any(not s.done for s, _ in group):
-                live = [(s, prio) for s, prio in group if not s.done]
-                sizes = [len(s.beams) for s, _ in live]
-                step_prompts = [q for s, _ in live for q in s.prompts()]
+            chunk = slice(lo, lo + limit)
+            group = list(zip(searches[chunk], priority[chunk], loras[chunk], strict=True))
+            while any(not s.done for s, _, _ in group):
+                live = [g for g in group if not g[0].done]
+                sizes = [len(s.beams) for s, _, _ in live]
+                step_prompts = [q for s, _, _ in live for q in s.prompts()]
                 step_params = live[0][0].step_params()
-                step_prio = [
-                    prio for (_, prio), n in zip(live, sizes, strict=True) for _ in range(n)
-                ]
-                outs = self.generate(step_prompts, step_params, use_tqdm=False, priority=step_prio)
+                step_prio = [p for (_, p, _), n in zip(live, sizes, strict=True) for _ in range(n)]
+                step_lora = [a for (_, _, a), n in zip(live, sizes, strict=True) for _ in range(n)]
+                outs = self.generate(
+                    step_prompts,
+                    step_params,
+                    use_tqdm=False,
+                    lora_request=step_lora,
+                    priority=step_prio,
+                )
                 at = 0
-                for (s, _), n in zip(live, sizes, strict=True):
+                for (s, _, _), n in zip(live, sizes, strict=True):
                     s.advance(outs[at : at + n])
                     at += n
         tokenizer = self.get_tokenizer()

@@ -254,3 +254,28 @@ def test_fully_sharded_loras(llama_dir, adapters):
     for i, name in enumerate(names):
         model_dir = llama_dir if name is None else adapters[name][1]
         assert oracle(model_dir, prompts[i : i + 1], outs[i : i + 1]) < 2e-3
+
+
+def test_beam_search_with_an_adapter(lora_llm, adapters):
+    """LLM.beam_search with a lora_request per prompt gives the beams of the same search on
+    the merged model (a second engine over PEFT's merged folder)."""
+    from jllm import BeamSearchParams
+
+    prompts = [{"prompt_token_ids": p} for p in prompt_ids(2, 8, seed=51)]
+    params = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
+    lora = [LoRARequest("all8", 1, adapters["all8"][0]), None]
+    got = lora_llm.beam_search(prompts, params, lora_request=lora)
+    merged = LLM(
+        adapters["all8"][1],
+        kv_cache_memory_bytes=16 << 20,
+        enforce_eager=True,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        disable_log_stats=True,
+    )
+    want = merged.beam_search(prompts[:1], params)
+    assert [s.tokens for s in got[0].sequences] == [s.tokens for s in want[0].sequences]
+    for a, b in zip(got[0].sequences, want[0].sequences, strict=True):
+        assert a.cum_logprob == pytest.approx(b.cum_logprob, abs=1e-3)
+    base = lora_llm.beam_search(prompts[1:], params)
+    assert [s.tokens for s in got[1].sequences] == [s.tokens for s in base[0].sequences]
