@@ -2,7 +2,8 @@
 
 `LoraCache` (the engine's, host memory): adapters loaded from their PEFT folders by
 `lora_int_id`, least recently used first out past `max_cpu_loras`. A request holds its
-adapter object, so eviction never takes one from a request that uses it.
+adapter object, so eviction never takes one from a request that uses it. The server reads it
+from worker threads (requests' preparation, runtime loads), so one lock guards it.
 
 `LoraSlots` (the scheduler's): `max_loras` device slots. A running request pins its
 adapter's slot; a waiting request whose adapter has no slot takes a free one (the least
@@ -14,6 +15,7 @@ requests). The runner writes an adapter into its slot when the slot's content ch
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 from jllm.lora.peft import LoraAdapter, LoraTarget, load_peft_adapter
@@ -27,12 +29,17 @@ class LoraCache:
         self.targets, self.num_layers = targets, num_layers
         self.max_rank, self.capacity = max_rank, capacity
         self._adapters: OrderedDict[int, LoraAdapter] = OrderedDict()
+        self._lock = threading.Lock()
 
     def get(self, request: LoRARequest) -> LoraAdapter:
         """The adapter of `request`, loaded (and checked) on first use; ValueError if its
         folder is missing, malformed or made for another model."""
         if not isinstance(request, LoRARequest):
             raise TypeError(f"lora_request must be a LoRARequest, not {type(request).__name__}.")
+        with self._lock:
+            return self._get(request)
+
+    def _get(self, request: LoRARequest) -> LoraAdapter:
         adapter = self._adapters.get(request.lora_int_id)
         if adapter is not None and (adapter.name, adapter.path) != (
             request.lora_name,
@@ -56,7 +63,8 @@ class LoraCache:
         return adapter
 
     def remove(self, lora_int_id: int) -> bool:
-        return self._adapters.pop(lora_int_id, None) is not None
+        with self._lock:
+            return self._adapters.pop(lora_int_id, None) is not None
 
     def __contains__(self, lora_int_id: int) -> bool:
         return lora_int_id in self._adapters

@@ -57,7 +57,6 @@ class LoraAdapter:
     name: str
     int_id: int
     path: str
-    rank: int
     digest: bytes
     weights: dict[str, tuple[np.ndarray, np.ndarray]]
     request: object = None  # the LoRARequest it was loaded for (outputs name it)
@@ -187,5 +186,4 @@ def load_peft_adapter(
     if not weights:
         raise ValueError(f"{where}: adapter_model.safetensors holds no LoRA weights.")
     digest = _digest(folder, [folder / "adapter_config.json", weights_path])
-    rank = max([config["r"], *(config.get("rank_pattern") or {}).values()])
-    return LoraAdapter(name, int_id, str(path), rank, digest, weights)
+    return LoraAdapter(name, int_id, str(path), digest, weights)

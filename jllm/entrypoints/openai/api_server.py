@@ -90,10 +90,9 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM, metrics: PrometheusSta
     root = args.model or EMBEDDED_MODEL_NAME
     models = ServingModels(engine, names, root, args.lora_modules or ())
     common = dict(
-        served_model_names=names,
+        models=models,
         log_requests=not args.disable_log_requests,
         max_log_len=args.max_log_len,
-        models=models,
     )
     completions = OpenAIServingCompletion(engine, **common)
     chat = OpenAIServingChat(

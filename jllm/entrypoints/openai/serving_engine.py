@@ -154,15 +154,13 @@ class OpenAIServing:
     def __init__(
         self,
         engine: AsyncLLM,
-        served_model_names: list[str],
+        models,
         log_requests: bool = True,
         max_log_len: int | None = None,
-        models=None,
     ) -> None:
         self.engine = engine
         self.models = models  # ServingModels (serving_models.py): base names and adapters
-        self.served_model_names = served_model_names
-        self.model_name = served_model_names[0]
+        self.model_name = models.base_names[0]
         self.log_requests = log_requests
         self.max_log_len = max_log_len
         self.tokenizer = engine.get_tokenizer()
@@ -170,12 +168,7 @@ class OpenAIServing:
     def check_request(self, request):
         """Refuses what the request asks that this server cannot do; returns the LoRA
         adapter its `model` names, or None for the base model."""
-        if self.models is not None:
-            lora = self.models.resolve(request.model)
-        elif request.model is not None and request.model not in self.served_model_names:
-            raise OpenAIError(f"The model `{request.model}` does not exist.", 404, "model")
-        else:
-            lora = None
+        lora = self.models.resolve(request.model)
         field = request.unsupported_field()
         if field is not None:
             raise OpenAIError(f"{field} is not supported by jllm yet.", 400, field)
@@ -199,7 +192,7 @@ class OpenAIServing:
     def served_name(self, request) -> str:
         """The model name a response reports: the adapter the request named, else the
         base model's first name."""
-        if self.models is not None and request.model in self.models.loras:
+        if request.model in self.models.loras:
             return request.model
         return self.model_name
 

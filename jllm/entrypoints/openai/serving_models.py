@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import threading
 
 from jllm.entrypoints.openai.serving_engine import OpenAIError
 from jllm.lora.request import LoRARequest
@@ -43,6 +44,7 @@ class ServingModels:
         self.base_names, self.root = list(base_names), root
         self.loras: dict[str, LoRARequest] = {}
         self._next_id = 1
+        self._lock = threading.Lock()  # runtime loads and unloads run on worker threads
         if lora_modules and self._cache is None:
             raise ValueError("--lora-modules needs --enable-lora.")
         for m in lora_modules:
@@ -87,12 +89,13 @@ class ServingModels:
             raise OpenAIError("Both 'lora_name' and 'lora_path' must be provided.", 400)
         if self._cache is None:
             raise OpenAIError("LoRA is not enabled: start the server with --enable-lora.", 400)
-        if name in self.loras or name in self.base_names:
-            raise OpenAIError(f"The lora adapter '{name}' has already been loaded.", 400)
-        try:
-            self.add(name, path, body.get("base_model_name"))
-        except (ValueError, TypeError) as e:
-            raise OpenAIError(str(e), 400) from e
+        with self._lock:
+            if name in self.loras or name in self.base_names:
+                raise OpenAIError(f"The lora adapter '{name}' has already been loaded.", 400)
+            try:
+                self.add(name, path, body.get("base_model_name"))
+            except (ValueError, TypeError) as e:
+                raise OpenAIError(str(e), 400) from e
         logger.info("Loaded LoRA adapter %r from %s.", name, path)
         return f"Success: LoRA adapter '{name}' added successfully."
 
@@ -100,7 +103,8 @@ class ServingModels:
         name = body.get("lora_name")
         if not name:
             raise OpenAIError("'lora_name' needs to be provided to unload a LoRA adapter.", 400)
-        request = self.loras.pop(name, None)
+        with self._lock:
+            request = self.loras.pop(name, None)
         if request is None:
             raise OpenAIError(f"The lora adapter '{name}' cannot be found.", 404)
         self._cache.remove(request.lora_int_id)  # running requests keep their copy
