@@ -12,7 +12,7 @@ import pytest
 import transformers
 from flax import nnx
 from lora_oracle import ADAPTERS, oracle
-from oracle import prompt_ids
+from oracle import SMALL, prompt_ids
 
 from jllm import LLM, SamplingParams
 from jllm.lora.request import LoRARequest
@@ -20,18 +20,7 @@ from jllm.lora.request import LoRARequest
 
 @pytest.fixture(scope="module")
 def lora_llm(llama_dir):
-    return LLM(
-        llama_dir,
-        enable_lora=True,
-        max_loras=2,
-        max_lora_rank=16,
-        max_cpu_loras=2,
-        kv_cache_memory_bytes=32 << 20,
-        max_num_seqs=16,
-        max_num_batched_tokens=256,
-        enforce_eager=True,
-        disable_log_stats=True,
-    )
+    return LLM(llama_dir, enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=2, **SMALL)
 
 
 def test_mixed_batch_matches_merged_peft(lora_llm, adapters, llama_dir):
@@ -196,16 +185,8 @@ def test_chunked_prefill_and_preemption_keep_the_adapter(llama_dir, adapters):
     """Prompts longer than the step budget (chunked prefill) and a block pool too small for
     every request at once (preemption, then recompute, possibly into another slot): each
     request still equals its merged model."""
-    llm = LLM(
-        llama_dir,
-        enable_lora=True,
-        max_loras=2,
-        num_gpu_blocks_override=10,
-        max_num_seqs=4,
-        max_num_batched_tokens=16,
-        enforce_eager=True,
-        disable_log_stats=True,
-    )
+    small = {**SMALL, "max_num_seqs": 4, "max_num_batched_tokens": 16}
+    llm = LLM(llama_dir, enable_lora=True, max_loras=2, num_gpu_blocks_override=10, **small)
     names = ["all8", "attn4", None, "mlp16"]
     prompts = prompt_ids(4, 30, seed=31)
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=1)
@@ -229,11 +210,7 @@ def test_fully_sharded_loras(llama_dir, adapters):
         max_loras=2,
         fully_sharded_loras=True,
         tensor_parallel_size=2,
-        kv_cache_memory_bytes=16 << 20,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        enforce_eager=True,
-        disable_log_stats=True,
+        **SMALL,
     )
     specs = {
         p[-2:]: tuple(v.get_value().sharding.spec)
@@ -265,14 +242,7 @@ def test_beam_search_with_an_adapter(lora_llm, adapters):
     params = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
     lora = [LoRARequest("all8", 1, adapters["all8"][0]), None]
     got = lora_llm.beam_search(prompts, params, lora_request=lora)
-    merged = LLM(
-        adapters["all8"][1],
-        kv_cache_memory_bytes=16 << 20,
-        enforce_eager=True,
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        disable_log_stats=True,
-    )
+    merged = LLM(adapters["all8"][1], **SMALL)
     want = merged.beam_search(prompts[:1], params)
     assert [s.tokens for s in got[0].sequences] == [s.tokens for s in want[0].sequences]
     for a, b in zip(got[0].sequences, want[0].sequences, strict=True):

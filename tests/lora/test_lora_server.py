@@ -11,7 +11,7 @@ import openai
 import pytest
 from lora_oracle import ADAPTERS
 from openai_server import MODEL_NAME, RunningServer, server_args
-from oracle import prompt_ids
+from oracle import SMALL, prompt_ids
 
 from jllm import LLM, SamplingParams
 from jllm.entrypoints.openai.api_server import build_app, build_engine
@@ -48,15 +48,7 @@ def test_models_routing_and_runtime_updates(lora_server, adapters, llama_dir):
     assert cards["attn4"].parent == "x"
 
     prompt = prompt_ids(1, 9, seed=3)[0]
-    offline = LLM(
-        llama_dir,
-        enable_lora=True,
-        max_loras=2,
-        enforce_eager=True,
-        kv_cache_memory_bytes=16 << 20,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-    )
+    offline = LLM(llama_dir, enable_lora=True, max_loras=2, **SMALL)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
     def offline_text(name):
