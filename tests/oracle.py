@@ -71,6 +71,70 @@ ARCHS = {
         transformers.LlamaForCausalLM,
         {"head_dim": 64, "vocab_size": 1024},
     ),
+    # Sliding windows shorter than the test prompts (WINDOW tokens), mixed with full layers.
+    "mistral-window": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        {"sliding_window": 24},
+    ),
+    "qwen2-window": (
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        {
+            "use_sliding_window": True,
+            "sliding_window": 24,
+            "max_window_layers": 1,  # layer 0 full, the rest sliding
+            "num_hidden_layers": 3,
+        },
+    ),
+    # Soft caps low enough to bind with these wide random weights; scores scaled by a
+    # query_pre_attn_scalar that is not the head dim.
+    "gemma2": (
+        transformers.Gemma2Config,
+        transformers.Gemma2ForCausalLM,
+        {
+            "head_dim": 16,
+            "num_hidden_layers": 4,
+            "sliding_window": 24,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 4.0,
+            "final_logit_softcapping": 8.0,
+        },
+    ),
+    # Gemma 3's 2:1 pattern of local and global layers, each with its own RoPE (linear
+    # scaling on the global ones).
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        {
+            "head_dim": 16,
+            "num_hidden_layers": 6,
+            "sliding_window": 24,
+            "sliding_window_pattern": 3,
+            "query_pre_attn_scalar": 16,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        },
+    ),
+    # LongRoPE (short factors up to 64 positions, long beyond) on a partial rotation, and a
+    # window on every layer.
+    "phi3": (
+        transformers.Phi3Config,
+        transformers.Phi3ForCausalLM,
+        {
+            "sliding_window": 24,
+            "original_max_position_embeddings": 64,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.1, 1.3, 1.6],
+                "long_factor": [1.5, 2.0, 3.0, 5.0],
+            },
+        },
+    ),
 }
 
 

@@ -7,7 +7,8 @@ a backend ignores.
 
 - `RaggedMetadata` (`cpu_kernel` and the `pallas*` backends): the ragged paged attention
   kit's view: per request row its query start and length, context length and block table.
-- `XlaMetadata` (`xla.py`): decode rows and prefill tiles, sorted longest first into bands.
+- `XlaMetadata` (`xla.py`): decode rows and prefill tiles, sorted longest first into bands,
+  each band looping over the KV chunks its rows need (from their sliding window's start).
 
 Both carry `slot_mapping`, the flat cache slot every token's K/V is written to.
 Glossary: T tokens, R request rows (Rd decode rows, then prefill/verification rows), Tt
@@ -38,6 +39,9 @@ class FlatBatch:
     block_size: int
     kv_token_bytes: int
     kv_fp8: str | None = None  # the float8 format whose bytes (uint8) the cache holds
+    # The sliding window of the KV-cache group this batch is for: the XLA path reads only the
+    # pages inside it (the ragged kernels take the window from the layer).
+    window: int | None = None
 
 
 @partial(

@@ -5,8 +5,13 @@ one request. Each tile gathers its request's pages in chunks with a dynamic trip
 bucket depends on sequence length, and folds them in with an online softmax. Rows are sorted
 longest first (decode rows by context length, prefill tiles by causal horizon) and split into
 bands with a trip count each, so a short context does not loop to the longest one in the
-batch. It is the CPU's fallback (`cpu_kernel` is the default there) and what a platform
-without a kernel for a layer's options runs.
+batch. With a sliding window (`FlatBatch.window`) a band's loop also starts late, at the
+first chunk any of its rows sees, so the chunks before it are never gathered; and the values
+of keys no query of a tile sees are zeroed, so the pages a band still gathers before a row's
+window (freed, perhaps reused by another request, or the null block) never reach the result.
+
+It is the CPU's fallback (`cpu_kernel` is the default there) and what a platform without a
+kernel for a layer's options runs.
 
 Glossary: T tokens, R requests, N query heads, K kv heads, G = N / K, H head dim, B blocks,
 S block size, P pages per request, Tt tiles, C tile size, L keys in a chunk.
@@ -74,13 +79,23 @@ def kv_chunk_pages(block_size: int, rows: int, kv_token_bytes: int, queries_per_
     return 1 << (pages.bit_length() - 1)  # a power of two, so it divides the table width
 
 
-def band_chunks(kv_lens: np.ndarray, block_size: int, kv_token_bytes: int, queries: int):
-    """[bands] KV chunks each band of rows (sorted longest first) loops over."""
-    bands = kv_bands(len(kv_lens))
-    rows = len(kv_lens) // bands
+def band_chunks(
+    kv_ends: np.ndarray, kv_starts: np.ndarray, block_size: int, kv_token_bytes: int, queries: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The KV chunks each band of rows (sorted longest first) loops over, from the keys each
+    row needs (`kv_starts` .. `kv_ends` - 1, [rows]): ([bands] first chunk, [bands] end).
+    A row that needs no keys (padding) does not move its band's first chunk."""
+    bands = kv_bands(len(kv_ends))
+    rows = len(kv_ends) // bands
     chunk = kv_chunk_pages(block_size, rows, kv_token_bytes, queries) * block_size
-    longest = kv_lens.reshape(bands, rows).max(axis=1) if len(kv_lens) else np.zeros(1)
-    return (-(-longest // chunk)).astype(np.int32)
+    if not len(kv_ends):
+        return np.zeros(1, np.int32), np.zeros(1, np.int32)
+    ends = kv_ends.reshape(bands, rows).astype(np.int64)
+    end = -(-ends.max(axis=1) // chunk)
+    starts = kv_starts.reshape(bands, rows).astype(np.int64)
+    starts = np.where(ends > 0, starts, np.iinfo(np.int64).max)
+    first = np.minimum(starts.min(axis=1) // chunk, end)
+    return first.astype(np.int32), end.astype(np.int32)
 
 
 @partial(
@@ -96,6 +111,8 @@ def band_chunks(kv_lens: np.ndarray, block_size: int, kv_token_bytes: int, queri
         "tile_inverse",
         "decode_chunks",
         "tile_chunks",
+        "decode_first",
+        "tile_first",
     ],
     meta_fields=["kv_fp8"],
 )
@@ -112,6 +129,9 @@ class XlaMetadata:
     tile_inverse: jax.Array  # [Tt] the sorted position of each of the flat batch's tiles
     decode_chunks: jax.Array  # [kv_bands(Rd)] KV chunks each band of decode rows needs
     tile_chunks: jax.Array  # [kv_bands(Tt)] KV chunks each band of prefill tiles needs
+    # The first chunk each band needs: the earliest key in its rows' sliding windows (0 without)
+    decode_first: jax.Array  # [kv_bands(Rd)]
+    tile_first: jax.Array  # [kv_bands(Tt)]
     kv_fp8: str | None = None  # the float8 format whose bytes (uint8) the cache holds
 
 
@@ -127,6 +147,15 @@ def build_xla(b: FlatBatch) -> XlaMetadata:
     inverse = np.empty_like(order)
     inverse[order] = np.arange(Tt, dtype=np.int32)
     rows = b.tile_row[order]
+    # A window starts each row's keys at the first its first query sees (a decode row's query
+    # sits at kv_len - 1); padding rows need no keys, whatever their start.
+    dec_start, tile_start = np.zeros(Rd, np.int64), np.zeros(Tt, np.int64)
+    if b.window is not None:
+        dec_start = np.maximum(dec_kv.astype(np.int64) - b.window, 0)
+        first_q = np.where(b.tile_q_pos >= 0, b.tile_q_pos, np.iinfo(np.int32).max).min(axis=1)
+        tile_start = np.maximum(first_q.astype(np.int64) - b.window + 1, 0)
+    decode_first, decode_chunks = band_chunks(dec_kv, dec_start, S, kv_bytes, 1)
+    tile_first, tile_chunks = band_chunks(tile_need[order], tile_start[order], S, kv_bytes, C)
     return XlaMetadata(
         slot_mapping=b.slot_mapping,
         decode_block_table=b.block_tables[:Rd],
@@ -136,8 +165,10 @@ def build_xla(b: FlatBatch) -> XlaMetadata:
         tile_q_pos=b.tile_q_pos[order],
         tile_order=order,
         tile_inverse=inverse,
-        decode_chunks=band_chunks(dec_kv, S, kv_bytes, 1),
-        tile_chunks=band_chunks(tile_need[order], S, kv_bytes, C),
+        decode_chunks=decode_chunks,
+        tile_chunks=tile_chunks,
+        decode_first=decode_first,
+        tile_first=tile_first,
         kv_fp8=b.kv_fp8,
     )
 
@@ -154,14 +185,17 @@ def tile_attention(
     fp8_dtype=None,
     window: int | None = None,
     soft_cap: float | None = None,
+    first_chunk=0,
 ):
     """Attention for tiles of C queries that each belong to one request.
 
     q [Tt, C, N, H], block_table [Tt, P], kv_lens [Tt], q_pos [Tt, C] -> [Tt, C, N, H].
     Scores are q . k * sm_scale, then soft_cap * tanh(score / soft_cap) when soft_cap is set;
-    a query at position p sees keys at positions (p - window, p] when window is set (the
-    masked keys are still gathered: reading only the window's pages is the sliding-window
-    work's).
+    a query at position p sees keys at positions (p - window, p] when window is set. The loop
+    gathers chunks first_chunk .. num_chunks - 1 of L keys: with a window, `build_xla` starts
+    it at the first chunk any tile sees. The pages it gathers before a tile's window (or past
+    its context) may hold anything, NaN included: their keys score -inf and, with a window,
+    their values are zeroed, since 0 * NaN would be NaN.
     """
     Tt, C, N, H = q.shape
     _, B, S, K2, _ = kv_cache.shape
@@ -186,6 +220,7 @@ def tile_attention(
         )  # [Tt, C, L]
         if window is not None:
             mask &= k_pos[None, None, :] > q_pos[:, :, None] - window
+            v = jnp.where(mask.any(axis=1)[:, :, None, None], v, 0.0)
         s = jnp.where(mask[:, None, None], s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -200,15 +235,18 @@ def tile_attention(
         jnp.zeros((Tt, K, G, C), jnp.float32),
         jnp.zeros((Tt, K, G, C, H), jnp.float32),
     )
-    _, denom, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+    _, denom, acc = jax.lax.fori_loop(first_chunk, num_chunks, body, init)
     out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # [Tt, K, G, C, H]
     return out.transpose(0, 3, 1, 2, 4).reshape(Tt, C, N, H).astype(q.dtype)
 
 
-def banded_attention(q, kv_cache, layer, block_table, kv_lens, q_pos, band_chunks, **options):
-    """`tile_attention` over consecutive bands of rows, each looping over its own chunks;
-    `options`: tile_attention's sm_scale, fp8_dtype, window and soft_cap."""
-    bands = band_chunks.shape[0]
+def banded_attention(
+    q, kv_cache, layer, block_table, kv_lens, q_pos, first_chunks, end_chunks, **options
+):
+    """`tile_attention` over consecutive bands of rows, each looping over its own chunks
+    (`first_chunks` .. `end_chunks` - 1, [bands]); `options`: tile_attention's sm_scale,
+    fp8_dtype, window and soft_cap."""
+    bands = end_chunks.shape[0]
     rows = q.shape[0] // bands
     outs = [
         tile_attention(
@@ -218,7 +256,8 @@ def banded_attention(q, kv_cache, layer, block_table, kv_lens, q_pos, band_chunk
             block_table[b * rows : (b + 1) * rows],
             kv_lens[b * rows : (b + 1) * rows],
             q_pos[b * rows : (b + 1) * rows],
-            band_chunks[b],
+            end_chunks[b],
+            first_chunk=first_chunks[b],
             **options,
         )
         for b in range(bands)
@@ -251,6 +290,7 @@ class XlaBackend(AttentionBackend):
                 md.decode_block_table,
                 md.decode_kv_lens,
                 (md.decode_kv_lens - 1)[:, None],
+                md.decode_first,
                 md.decode_chunks,
                 **options,
             )
@@ -263,6 +303,7 @@ class XlaBackend(AttentionBackend):
                 md.tile_block_table,
                 md.tile_kv_lens,
                 md.tile_q_pos,
+                md.tile_first,
                 md.tile_chunks,
                 **options,
             )

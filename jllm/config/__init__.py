@@ -72,6 +72,9 @@ class EngineArgs:
     quantization: str | None = None
     seed: int | None = 0
     max_model_len: int | None = None
+    # Attend over the whole context on sliding-window layers, capping max_model_len at the
+    # window (vLLM's flag).
+    disable_sliding_window: bool = False
     # Cache.
     block_size: int = 16
     gpu_memory_utilization: float = 0.9

@@ -46,6 +46,8 @@ HELP = {
     "'gptq_marlin' are accepted as the same).",
     "seed": "Random seed for requests without their own seed.",
     "max_model_len": "Context length (prompt + output); default: the model's.",
+    "disable_sliding_window": "Turn sliding windows off (full attention on every layer) and "
+    "cap max_model_len at the window.",
     "block_size": "Tokens per KV-cache block (a power of two).",
     "gpu_memory_utilization": "Fraction of accelerator memory for weights, activations and "
     "the KV cache (TPU/GPU; see --kv-cache-memory-bytes on CPU).",

@@ -5,14 +5,20 @@ Blocks are the unit of the device cache (`block_size` token slots each). Block 0
 reserved null block that padding tokens write into; it is never handed out.
 
 KV-cache groups (vLLM V1's hybrid KV cache manager, in our own shape): the layers of one
-attention kind share a group, and each group has its own block pool (`BlockPool`), its own
-cache arrays on the device and its own block table per request. A model of one attention
-kind is one group; a speculative draft model's layers are a group of their own. Every
-group here is full attention: a request holds, in each group, the blocks of its whole
-context (a sliding-window group will hold only those its window still sees). A request's
-blocks are a tuple with one list per group; it is admitted, grown, hit in the prefix cache,
-preempted and freed in every group at once: a step that cannot get blocks in every group
-gets none.
+attention kind share a group, and each group has its own block pool (`BlockPool`, sized per
+group), its own cache arrays on the device and its own block table per request. A model of
+one attention kind is one group; a speculative draft model's layers are a group of their
+own. A request's blocks are a tuple with one list per group, where list index = logical
+block index; it is admitted, grown, hit in the prefix cache, preempted and freed in every
+group at once: a step that cannot get blocks in every group gets none.
+
+A full-attention group holds the blocks of a request's whole context. A sliding-window group
+(window W: the query at position p reads keys p-W+1..p) holds only those its window can
+still see: a step computing positions c.. reads keys from c-W+1 on, and positions never move
+back (a rejected draft is recomputed from past the step's first position), so each step
+releases the blocks wholly before c-W+1 and puts NULL_BLOCK in their place. The runner's
+block tables keep the old ids there, which the window masks. A request then holds a bounded
+span of blocks (`max_blocks_per_request`), however long it runs.
 
 Prefix caching: every full block of a request has a key chained from its parent's key and
 its own token ids: sha256(parent key || the block's token ids as int64 || extra keys), where
@@ -27,9 +33,11 @@ A full block is registered under its key as soon as it is allocated (its KV is w
 the same step that first reads it, and every layer writes before it attends), so even
 requests scheduled in the same step share it. Only known tokens count: the slots a step
 computes for draft tokens are not a block's content until the drafts are accepted (and
-appended), so a rejected draft never enters the cache. Freed blocks keep their key and stay
-in an LRU free queue until the pool needs them back. Each group caches its own blocks under
-the request's keys; a hit is the prefix every group holds.
+appended), so a rejected draft never enters the cache. Freed blocks (a window's too) keep
+their key and stay in an LRU free queue until the pool needs them back. Each group caches
+its own blocks under the request's keys. A hit of n blocks (the next position n*S) needs, in
+a full group, all n cached, and in a sliding group only those its window reads from there;
+a hit is the longest n every group accepts (vLLM's rule).
 Host-side only: no JAX import.
 """
 
@@ -38,6 +46,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -70,9 +79,24 @@ def block_key(
     return h.digest()
 
 
+def max_blocks_per_request(
+    num_tokens: int, block_size: int, window: int | None, max_step_tokens: int
+) -> int:
+    """The most blocks one group holds for a request of `num_tokens` tokens (lookahead slots
+    included) when a step computes at most `max_step_tokens` of them (drafts and lookahead
+    included): what the engine checks a pool against and sizes it by. Full attention: the
+    whole context. Sliding window W: a step from position c holds c-W+1 .. c+n-1, a span of
+    W-1+n tokens, which straddles at most cdiv(span - 1, S) + 1 blocks."""
+    full = cdiv(num_tokens, block_size)
+    if window is None:
+        return full
+    return min(full, cdiv(window + max_step_tokens - 2, block_size) + 1)
+
+
 class BlockPool:
     """One KV-cache group's blocks: ref counts, the prefix cache's keys, and the LRU queue
-    of free blocks (the front is reused first)."""
+    of free blocks (the front is reused first). NULL_BLOCK entries of a request's list (a
+    window's skipped blocks) are neither taken nor released."""
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -85,16 +109,22 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self.free_queue)
 
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free / (self.num_blocks - 1)
+
     def take(self, blocks: list[int]) -> None:
         """Hold prefix-cache hits: blocks that may sit in the free queue."""
         for b in blocks:
+            if b == NULL_BLOCK:
+                continue
             if self.ref_cnt[b] == 0:
                 del self.free_queue[b]
             self.ref_cnt[b] += 1
 
     def num_reused_free(self, blocks: list[int]) -> int:
         """How many of the hits `blocks` are free blocks (taking them shrinks the pool)."""
-        return sum(1 for b in blocks if self.ref_cnt[b] == 0)
+        return sum(1 for b in blocks if b != NULL_BLOCK and self.ref_cnt[b] == 0)
 
     def allocate(self, n: int) -> list[int]:
         """`n` fresh blocks, evicting their old keys."""
@@ -128,6 +158,8 @@ class BlockPool:
     def release(self, blocks: list[int]) -> None:
         """Give blocks back; tail blocks go first in the eviction order."""
         for b in reversed(blocks):
+            if b == NULL_BLOCK:
+                continue
             self.ref_cnt[b] -= 1
             if self.ref_cnt[b] == 0:
                 self.free_queue[b] = None
@@ -141,14 +173,36 @@ class BlockPool:
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_groups: int = 1
+        self,
+        num_blocks: int | Sequence[int],
+        block_size: int,
+        enable_prefix_caching: bool,
+        num_groups: int | None = None,
+        windows: Sequence[int | None] | None = None,
     ) -> None:
-        if num_blocks < 2:
-            raise ValueError(f"The KV cache needs at least 2 blocks, got {num_blocks}.")
-        self.num_blocks = num_blocks
+        """`num_blocks`: each group's pool size (an int: every group's); `windows`: each
+        group's sliding window in tokens, None for full attention (the default for all).
+        The number of groups is `num_groups`, else the length of a list given, else 1."""
+        scalar = np.ndim(num_blocks) == 0
+        if num_groups is None:
+            num_groups = 1 if scalar and windows is None else len(windows if scalar else num_blocks)
+        num_blocks = [int(num_blocks)] * num_groups if scalar else [int(n) for n in num_blocks]
+        windows = [None] * num_groups if windows is None else list(windows)
+        if len(num_blocks) != num_groups or len(windows) != num_groups:
+            raise ValueError(
+                f"{num_groups} KV-cache groups need {num_groups} block counts and windows, "
+                f"got {list(num_blocks)} and {windows}."
+            )
+        if min(num_blocks) < 2:
+            raise ValueError(f"The KV cache needs at least 2 blocks, got {min(num_blocks)}.")
+        if any(w is not None and w < 1 for w in windows):
+            raise ValueError(f"A sliding window must be at least 1 token, got {windows}.")
+        self.group_num_blocks = tuple(num_blocks)
+        self.windows = tuple(windows)
+        self.num_blocks = max(num_blocks)  # the largest pool (the runner's padding slot)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pools = [BlockPool(num_blocks) for _ in range(num_groups)]
+        self.pools = [BlockPool(n) for n in num_blocks]
         self.req_blocks: dict[str, tuple[list[int], ...]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_queries = 0  # tokens looked up in the prefix cache
@@ -161,18 +215,30 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
-        """Free blocks of the group with the fewest (every group grows together)."""
+        """Free blocks of the group with the fewest: a step that needs no more than this in
+        any group fits (`group_num_free` has each group's)."""
         return min(pool.num_free for pool in self.pools)
 
     @property
+    def group_num_free(self) -> tuple[int, ...]:
+        return tuple(pool.num_free for pool in self.pools)
+
+    @property
+    def all_blocks_free(self) -> bool:
+        """No request holds a block in any group (with unequal pools `num_free_blocks` cannot
+        tell: it is the smallest group's count)."""
+        return all(pool.num_free == pool.num_blocks - 1 for pool in self.pools)
+
+    @property
     def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
+        """The fullest group's share of its blocks in use: the group that runs out first."""
+        return max(pool.usage for pool in self.pools)
 
     def no_blocks(self) -> tuple[list[int], ...]:
         return tuple([] for _ in self.pools)
 
     def block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        """The request's blocks: one list per group."""
+        """The request's blocks: one list per group (NULL_BLOCK where a window left)."""
         return self.req_blocks.get(request_id) or self.no_blocks()
 
     def _update_hashes(self, req: Request, num_tokens: int) -> None:
@@ -183,18 +249,50 @@ class KVCacheManager:
             block = tokens[i * size : (i + 1) * size]
             req.block_hashes.append(block_key(parent, block, req.cache_salt, req.lora_digest))
 
+    def _window_blocks(self, window: int) -> int:
+        """How many blocks before block n a window reads from position n*S."""
+        return cdiv(window - 1, self.block_size)
+
+    def _hit_length(self, g: int, keys: list[bytes], n: int) -> int:
+        """The longest hit of at most `n` blocks group `g` accepts: a full group needs every
+        block cached, a sliding one the last `_window_blocks` (or all, when fewer). The
+        accepted lengths of a sliding group are not a prefix, hence the scan down from n."""
+        pool, window = self.pools[g], self.windows[g]
+        if window is None:
+            return len(pool.hits(keys[:n]))
+        need, run = self._window_blocks(window), 0
+        if need == 0:
+            return n
+        for i in range(n - 1, -1, -1):
+            if keys[i] not in pool.cached:
+                run = 0
+                continue
+            run += 1
+            if run == need:
+                return i + need
+        return run  # blocks 0 .. run-1, all the window reads from position run*S
+
     def get_computed_blocks(self, req: Request) -> tuple[tuple[list[int], ...], int]:
-        """The longest prefix of `req` that every group holds cached, in whole blocks and
-        leaving one token to compute: (each group's blocks, the tokens they hold). A request
-        asking for prompt logprobs reads none (vLLM's rule: they are computed for the whole
-        prompt); its blocks are still cached for others."""
+        """The longest prefix of `req` that every group accepts as a hit, in whole blocks
+        and leaving one token to compute: (each group's blocks, NULL_BLOCK where a window
+        does not read, and the tokens they hold). A request asking for prompt logprobs reads
+        none (vLLM's rule: they are computed for the whole prompt); its blocks are still
+        cached for others."""
         if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
             return self.no_blocks(), 0
         self._update_hashes(req, req.num_tokens - 1)
         keys = req.block_hashes[: (req.num_tokens - 1) // self.block_size]
-        hits = [pool.hits(keys) for pool in self.pools]
-        n = min(len(h) for h in hits)
-        return tuple(h[:n] for h in hits), n * self.block_size
+        n = len(keys)
+        while True:  # a fixed point, as vLLM's hybrid coordinator: each group may cut n
+            m = min(self._hit_length(g, keys, n) for g in range(self.num_groups))
+            if m == n:
+                break
+            n = m
+        hits = []
+        for pool, window in zip(self.pools, self.windows, strict=True):
+            skip = 0 if window is None else max(0, n - self._window_blocks(window))
+            hits.append([NULL_BLOCK] * skip + [pool.cached[k] for k in keys[skip:n]])
+        return tuple(hits), n * self.block_size
 
     def record_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
         """Count one admitted request's lookup (retries of a blocked request don't count)."""
@@ -213,13 +311,16 @@ class KVCacheManager:
         """Make room, in every group, for `num_new_tokens` more tokens of `req`, and
         `lookahead` slots past them (where a draft model writes its drafts), after the
         prefix-cache hits `new_computed_blocks` (one list per group, from
-        `get_computed_blocks`); None, changing nothing, if any group's pool is short."""
+        `get_computed_blocks`); None if any group's pool is short, having changed nothing
+        but released the blocks that fell out of a window (which no later step reads)."""
         blocks = self.req_blocks.get(req.request_id)
         if blocks is None:
             blocks = self.req_blocks[req.request_id] = self.no_blocks()
         num_hit = len(new_computed_blocks[0]) if new_computed_blocks else 0
-        total = req.num_computed_tokens + num_hit * self.block_size + num_new_tokens
+        start = req.num_computed_tokens + num_hit * self.block_size
+        total = start + num_new_tokens
         need = cdiv(total + lookahead, self.block_size)
+        self._free_skipped(blocks, start)
         if not num_hit and min(map(len, blocks)) >= need:  # a decode inside its blocks
             if self.enable_prefix_caching:
                 self._cache_full_blocks(req, blocks, min(total, req.num_tokens))
@@ -239,6 +340,21 @@ class KVCacheManager:
             self._cache_full_blocks(req, blocks, min(total, req.num_tokens))
         return blocks
 
+    def _free_skipped(self, blocks: tuple[list[int], ...], start: int) -> None:
+        """In each sliding group, release the blocks wholly before the window of a step
+        computing from position `start`. A list's NULL_BLOCKs are a prefix (hits skip the
+        same way), so the scan stops at the first one."""
+        for pool, held, window in zip(self.pools, blocks, self.windows, strict=True):
+            if window is None:
+                continue
+            i = min(len(held), max(0, start - window + 1) // self.block_size)
+            dead = []
+            while i > 0 and held[i - 1] != NULL_BLOCK:
+                i -= 1
+                dead.append(held[i])
+                held[i] = NULL_BLOCK
+            pool.release(dead[::-1])  # the later blocks are evicted first, as a tail
+
     def _cache_full_blocks(self, req: Request, blocks, num_tokens: int) -> None:
         start = self.num_cached_blocks.get(req.request_id, 0)
         end = num_tokens // self.block_size
@@ -247,7 +363,8 @@ class KVCacheManager:
         self._update_hashes(req, num_tokens)
         for pool, held in zip(self.pools, blocks, strict=True):
             for i in range(start, end):
-                pool.cache(held[i], req.block_hashes[i])
+                if held[i] != NULL_BLOCK:
+                    pool.cache(held[i], req.block_hashes[i])
         self.num_cached_blocks[req.request_id] = end
 
     def free(self, req: Request) -> None:
@@ -260,7 +377,7 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any request holds blocks."""
-        if any(pool.num_free != self.num_blocks - 1 for pool in self.pools):
+        if not self.all_blocks_free:
             return False
         for pool in self.pools:
             pool.reset()

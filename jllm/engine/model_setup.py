@@ -60,13 +60,18 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
     )
     arch = registry.resolve(source.hf_config)
     cfg = arch.config(source.hf_config)
-    derived_len = cfg.max_position_embeddings
+    derived_len, key = cfg.max_position_embeddings, "max_position_embeddings"
+    window = registry.sliding_window(cfg)
+    if args.disable_sliding_window and window is not None and window < derived_len:
+        # vLLM's rule: without the window, no sequence may outgrow it.
+        derived_len, key = window, "sliding_window, with disable_sliding_window"
     max_model_len = args.max_model_len or derived_len
     if max_model_len > derived_len:
         raise ValueError(
             f"User-specified max_model_len ({max_model_len}) is greater than the derived "
-            f"max_model_len (max_position_embeddings={derived_len} in the model's config)."
+            f"max_model_len ({key}={derived_len} in the model's config)."
         )
+    cfg = registry.settle(cfg, max_model_len, args.disable_sliding_window)
     quantization = resolve_quantization(args.quantization, source)
     dtype = resolve_dtype(args.dtype, source.checkpoint_dtype, platform)
     logger.info(

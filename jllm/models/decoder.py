@@ -4,7 +4,8 @@ A family is a subclass that names its layer module (`layer_cls`, built as
 `layer_cls(cfg, dtype, rngs, kind)` and called as `layer(x, ctx, kv_caches)` with the step
 context, `models/context.py`) and, where its layers differ, each layer's kind (`layer_kinds`):
 Gemma 3's local and global attention layers, or Qwen3-MoE's dense and sparse MLPs, and each
-kind's attention kind (`attention_kind`: layers of one attention kind share a KV-cache group).
+kind's attention kind (`attention_kind`: its sliding window, or None for full attention;
+layers of one attention kind share a KV-cache group).
 Everything else is here: the embedding (with the family's optional scale, and embedding
 overrides from the context), the layer scans, the final norm, the LM head and an optional
 final soft cap.
@@ -19,6 +20,8 @@ global are ((local x 5, global), 4) then ((local,), 2) at `blocks[s][j]`.
 
 KV-cache groups (`kv_cache_groups`): the layers of one attention kind, in order of first
 appearance; a layer's row in its group's stacked cache is its rank among the group's layers.
+A sliding-window group's blocks that left the window are freed by the KV-cache manager
+(`engine/kv_cache_manager.py`), so that group holds about `window` tokens per request.
 Within a segment a pattern position's group is fixed and its row grows by a fixed stride per
 repeat, so the scan body computes it from the repeat index.
 
@@ -47,10 +50,10 @@ from jllm.quantization.weights import QuantizedWeight, matmul, take_rows
 
 @dataclass(frozen=True)
 class KVCacheGroup:
-    """The layers of one attention kind (`kind`: None for full attention), which share a
-    block table and a stacked cache."""
+    """The layers of one attention kind (their sliding `window`, None for full attention),
+    which share a block table and a stacked cache."""
 
-    kind: Hashable
+    window: int | None
     layers: tuple[int, ...]
 
 
@@ -118,10 +121,10 @@ def _stays_stacked(dtype):
 
 class CausalLM(nnx.Module):
     """The shared decoder. `cfg` needs vocab_size, hidden_size, num_layers, rms_norm_eps and
-    tie_word_embeddings; `embed_scale` and `final_logit_softcap` are optional."""
+    tie_word_embeddings; `embed_scale`, `final_logit_softcap` and `norm_unit_offset` are
+    optional."""
 
     layer_cls: type  # the family's decoder layer
-    norm_cls: type = RMSNorm  # the family's final norm
 
     @classmethod
     def layer_kinds(cls, cfg) -> tuple[Hashable, ...]:
@@ -129,18 +132,19 @@ class CausalLM(nnx.Module):
         return (None,) * cfg.num_layers
 
     @classmethod
-    def attention_kind(cls, cfg, kind) -> Hashable:
-        """The attention kind of a layer of `kind` (full attention, or a sliding window of W
-        tokens): the layers of one attention kind share a KV-cache group."""
+    def attention_kind(cls, cfg, kind) -> int | None:
+        """The attention kind of a layer of `kind`: its sliding window W (a query at p sees
+        keys p - W + 1 .. p), or None for full attention. The layers of one attention kind
+        share a KV-cache group."""
         return None
 
     @classmethod
     def kv_cache_groups(cls, cfg) -> tuple[KVCacheGroup, ...]:
         """The model's KV-cache groups, in order of their first layer."""
-        groups: dict[Hashable, list[int]] = {}
+        groups: dict[int | None, list[int]] = {}
         for i, kind in enumerate(cls.layer_kinds(cfg)):
             groups.setdefault(cls.attention_kind(cfg, kind), []).append(i)
-        return tuple(KVCacheGroup(kind, tuple(layers)) for kind, layers in groups.items())
+        return tuple(KVCacheGroup(w, tuple(layers)) for w, layers in groups.items())
 
     def __init__(self, cfg, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -164,7 +168,8 @@ class CausalLM(nnx.Module):
             self.blocks = nnx.List(
                 nnx.List(stack(kind, s.repeats) for kind in s.pattern) for s in self.segments
             )
-        self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        unit_offset = getattr(cfg, "norm_unit_offset", False)  # Gemma's (1 + w)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, unit_offset)
         if not cfg.tie_word_embeddings:
             shape, axes = (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab")
             self.lm_head = Linear("RD,DV->RV", shape, axes, dtype, rngs)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -158,15 +159,32 @@ def on_bf16_kernel(x) -> bool:
     return x.dtype == jnp.bfloat16 and bf16_matmul.enabled()
 
 
-def gated_product(gate: Linear, up: Linear, x, ctx=None):
-    """silu(gate(x)) * up(x), a gated MLP's first half: in one pass of a kernel (the bf16
-    one, or the float32 one, widening bf16) where both weights are read in place without
-    biases, the two products and the SiLU otherwise. Takes the step context as `Linear`
-    does (a LoRA delta joins each product before the SiLU)."""
+# A gated MLP's activation, by transformers' `hidden_act` / `hidden_activation` name.
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": partial(jax.nn.gelu, approximate=True),  # Gemma's GeGLU
+    "gelu_tanh": partial(jax.nn.gelu, approximate=True),
+}
+
+
+def activation(name: str):
+    if name not in ACTIVATIONS:
+        raise ValueError(
+            f"MLP activation {name!r} is not supported by jllm yet (supported: "
+            f"{', '.join(sorted(ACTIVATIONS))})."
+        )
+    return ACTIVATIONS[name]
+
+
+def gated_product(gate: Linear, up: Linear, x, ctx=None, act: str = "silu"):
+    """act(gate(x)) * up(x), a gated MLP's first half: for SiLU in one pass of a kernel (the
+    bf16 one, or the float32 one, widening bf16) where both weights are read in place without
+    biases, the two products and the activation otherwise. Takes the step context as `Linear`
+    does (a LoRA delta joins each product before the activation)."""
     both = gate.in_place(x) and up.in_place(x) and not (gate.use_bias or up.use_bias)
-    both = both and not (gate.has_lora(ctx, x) or up.has_lora(ctx, x))
+    both = both and act == "silu" and not (gate.has_lora(ctx, x) or up.has_lora(ctx, x))
     if not both:
-        return jax.nn.silu(gate(x, ctx)) * up(x, ctx)
+        return activation(act)(gate(x, ctx)) * up(x, ctx)
     up_stack = up.stack_2d()
     if on_bf16_kernel(x):
         product = bf16_matmul.bf16_gated_matmul
@@ -178,13 +196,20 @@ def gated_product(gate: Linear, up: Linear, x, ctx=None):
 
 
 class RMSNorm(nnx.Module):
-    """Over the last axis, in float32 (x [..., dim])."""
+    """Over the last axis, in float32 (x [..., dim]). Llama's scales the normalised x, cast
+    back to x's dtype, by `w`; Gemma's (`unit_offset`) scales it by `1 + w` in float32 and
+    casts after, as each family's checkpoints were trained."""
 
-    def __init__(self, dim: int, eps: float, dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype), logical_axes=("norm",))
+    def __init__(self, dim: int, eps: float, dtype, unit_offset: bool = False):
+        init = jnp.zeros if unit_offset else jnp.ones
+        self.weight = nnx.Param(init((dim,), dtype), logical_axes=("norm",))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
-        return (x32 * jax.lax.rsqrt(var + self.eps)).astype(x.dtype) * self.weight[...]
+        normed = x32 * jax.lax.rsqrt(var + self.eps)
+        if self.unit_offset:
+            return (normed * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+        return normed.astype(x.dtype) * self.weight[...]

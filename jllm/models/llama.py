@@ -1,6 +1,8 @@
 """The Llama-family decoder in Flax NNX: Llama 2/3 (llama3 RoPE scaling), SmolLM2, Mistral
-(no sliding window), Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm). Tied or untied
-embeddings. `models/registry.py` maps a checkpoint's config to this module and its flags.
+(with its sliding window), Qwen2 (q/k/v bias; a window on the layers from
+`max_window_layers` when `use_sliding_window`), Qwen3 (per-head q/k RMSNorm) and Phi-3 (its
+fused projections split on load, LongRoPE, partial rotary). Tied or untied embeddings.
+`models/registry.py` maps a checkpoint's config to this module and its flags.
 
 The family is its config and its decoder layer; the embedding, the layer scan, the final norm
 and the LM head are the shared decoder's (`models/decoder.py`). The forward runs over a flat
@@ -44,11 +46,26 @@ class LlamaConfig:
     o_bias: bool = False  # Llama's attention_bias
     mlp_bias: bool = False  # Llama's mlp_bias
     qk_norm: bool = False  # Qwen3
+    sliding_window: int | None = None  # the window of the layers marked "sliding_attention"
+    # Per layer: "sliding_attention" or "full_attention" (transformers' `layer_types`).
+    layer_types: tuple[str, ...] | None = None
+    hidden_act: str = "silu"  # the gated MLP's activation (Gemma: tanh GELU)
+    # Gemma's flags (models/gemma.py): scores scaled by query_pre_attn_scalar ** -0.5 instead
+    # of head_dim ** -0.5 and soft-capped; RMSNorm scaling by (1 + w); the sliding layers'
+    # own rotation (Gemma 3's local base); embeddings times sqrt(hidden); logits soft-capped.
+    query_pre_attn_scalar: float | None = None
+    attn_soft_cap: float | None = None
+    norm_unit_offset: bool = False
+    local_rope: RopeConfig | None = None
+    embed_scale: float | None = None
+    final_logit_softcap: float | None = None
 
     @classmethod
     def from_hf(cls, hf, **flags) -> LlamaConfig:
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        flags.setdefault("rope", RopeConfig.from_hf(hf, head_dim))
+        flags.setdefault("hidden_act", getattr(hf, "hidden_act", None) or "silu")
         return cls(
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
@@ -58,7 +75,6 @@ class LlamaConfig:
             num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
             rms_norm_eps=hf.rms_norm_eps,
-            rope=RopeConfig.from_hf(hf, head_dim),
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             max_position_embeddings=hf.max_position_embeddings,
             **flags,
@@ -66,10 +82,16 @@ class LlamaConfig:
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs):
+    """`kind`: the layer's entry in `layer_types`; a "sliding_attention" layer attends over
+    the config's window (unless windows are off) with the sliding layers' rotation."""
+
+    def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs, kind=None):
         D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.cfg = cfg
-        self.scale = H**-0.5
+        sliding = kind == "sliding_attention"
+        self.window = cfg.sliding_window if sliding else None
+        self.rope = cfg.local_rope if sliding and cfg.local_rope is not None else cfg.rope
+        self.scale = (cfg.query_pre_attn_scalar or H) ** -0.5
         qkv_bias = 2 if cfg.qkv_bias else 0
         q_axes, kv_axes = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
         self.q_proj = Linear("TD,DNH->TNH", (D, N, H), q_axes, dtype, rngs, qkv_bias)
@@ -78,17 +100,25 @@ class Attention(nnx.Module):
         o_axes = ("heads", "head_dim", "embed")
         self.o_proj = Linear("TNH,NHD->TD", (N, H, D), o_axes, dtype, rngs, int(cfg.o_bias))
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(H, cfg.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(H, cfg.rms_norm_eps, dtype)
+            self.q_norm = RMSNorm(H, cfg.rms_norm_eps, dtype, cfg.norm_unit_offset)
+            self.k_norm = RMSNorm(H, cfg.rms_norm_eps, dtype, cfg.norm_unit_offset)
 
     def __call__(self, x, ctx: StepContext, kv_caches):
         q, k, v = self.q_proj(x, ctx), self.k_proj(x, ctx), self.v_proj(x, ctx)  # [T, N|K, H]
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, ctx.positions, self.cfg.rope)
-        k = apply_rope(k, ctx.positions, self.cfg.rope)
-        o, kv_caches = ctx.attend(q, k, v, kv_caches, scale=self.scale)  # [T, N, H]
-        return self.o_proj(o, ctx), kv_caches
+        q = apply_rope(q, ctx.positions, self.rope)
+        k = apply_rope(k, ctx.positions, self.rope)
+        o, kv_caches = ctx.attend(
+            q,
+            k,
+            v,
+            kv_caches,
+            scale=self.scale,
+            window=self.window,
+            soft_cap=self.cfg.attn_soft_cap,
+        )
+        return self.o_proj(o, ctx), kv_caches  # o: [T, N, H]
 
 
 class MLP(nnx.Module):
@@ -97,15 +127,19 @@ class MLP(nnx.Module):
         self.gate_proj = Linear("TD,DF->TF", (D, F), ("embed", "mlp"), dtype, rngs, b)
         self.up_proj = Linear("TD,DF->TF", (D, F), ("embed", "mlp"), dtype, rngs, b)
         self.down_proj = Linear("TF,FD->TD", (F, D), ("mlp", "embed"), dtype, rngs, b)
+        self.act = cfg.hidden_act
 
     def __call__(self, x, ctx: StepContext):  # [T, D]
-        return self.down_proj(gated_product(self.gate_proj, self.up_proj, x, ctx), ctx)
+        h = gated_product(self.gate_proj, self.up_proj, x, ctx, self.act)
+        return self.down_proj(h, ctx)
 
 
 class DecoderLayer(nnx.Module):
+    """`kind`: the layer's entry in `layer_types` (None: full attention)."""
+
     def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs, kind=None):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, rngs)
+        self.self_attn = Attention(cfg, dtype, rngs, kind)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
@@ -117,3 +151,11 @@ class DecoderLayer(nnx.Module):
 
 class LlamaForCausalLM(CausalLM):
     layer_cls = DecoderLayer
+
+    @classmethod
+    def layer_kinds(cls, cfg: LlamaConfig):
+        return cfg.layer_types or (None,) * cfg.num_layers
+
+    @classmethod
+    def attention_kind(cls, cfg: LlamaConfig, kind):
+        return cfg.sliding_window if kind == "sliding_attention" else None

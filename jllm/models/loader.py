@@ -52,6 +52,24 @@ def _convert(w: np.ndarray, kind: str | None, shape: tuple[int, ...]) -> np.ndar
     return w
 
 
+def _split_fused(name: str, w, fused: dict):
+    """[(name, tensor)]: a fused layer tensor (`Architecture.fused_weights`) split by rows
+    (the output axis, also a QuantizedWeight's) into its parts, or the tensor as it is."""
+    m = _LAYER.fullmatch(name)
+    parts = fused.get(m.group(2)) if m else None
+    if parts is None:
+        return [(name, w)]
+    rows = sum(n for _, n in parts)
+    if w.shape[0] != rows:
+        raise ValueError(f"Checkpoint tensor {name} has {w.shape[0]} rows, expected {rows}.")
+    out, start = [], 0
+    for part, n in parts:
+        piece = jax.tree.map(lambda a, s=start, n=n: a[s : s + n], w)
+        out.append((f"model.layers.{m.group(1)}.{part}", piece))
+        start += n
+    return out
+
+
 def _map_name(name: str, layer_weights: dict, top_weights: dict, layer_slot):
     """-> (our parameter path, index in its layer stack or None, conversion kind), or None
     when the architecture does not name the tensor. layer_slot: the model's (checkpoint layer
@@ -306,8 +324,10 @@ def _checkpoint_values(t: _Target, arch: Architecture, cfg, source) -> dict:
     flat, mesh, shardings, packed_checkpoint = t.flat, t.mesh, t.shardings, t.packed_checkpoint
     values: dict[tuple, jax.Array | QuantizedWeight] = {}
     layered: dict[tuple, dict[int, np.ndarray]] = {}
-    layer_weights = arch.layer_weights(cfg)
-    for name, w in source.iter_weights(keep_quantized=t.quantization == "gguf"):
+    layer_weights, fused = arch.layer_weights(cfg), arch.fused_weights(cfg)
+    for name, w in _fused_parts(
+        source.iter_weights(keep_quantized=t.quantization == "gguf"), fused
+    ):
         if IGNORED.fullmatch(name):
             continue
         mapped = _map_name(name, layer_weights, arch.top_weights, t.model.layer_slot)
@@ -341,6 +361,11 @@ def _checkpoint_values(t: _Target, arch: Architecture, cfg, source) -> dict:
     if missing:
         raise ValueError(f"The checkpoint lacks weights for: {', '.join(missing[:8])}.")
     return values
+
+
+def _fused_parts(weights, fused: dict):
+    for name, w in weights:
+        yield from _split_fused(name, w, fused)
 
 
 def _host_weight(t: _Target, name: str, w, path, layer, kind):

@@ -6,18 +6,30 @@ layer, or at the top level) and how its layout converts to ours; a tensor that n
 and that is not a known leftover is an error that names it, never silently dropped (a
 checkpoint with biases the module lacks must not load without them).
 
+A checkpoint that fuses projections (Phi-3's `qkv_proj` and `gate_up_proj`) names each
+fused tensor's parts (`fused_weights`): the loader splits it by rows into the projections the
+module has, so that tensor parallelism shards each part as it shards Llama's.
+
 Adding a family: one file under models/ with its config and its decoder layer (a subclass of
 `decoder.CausalLM` naming `layer_cls`, and `layer_kinds` where its layers differ), and its
-config builder and weight map here. Families that differ from one by flags (Qwen2, Qwen3 and
-Mistral from Llama) are flags on its config, not files.
+config builder and weight map here. Families that differ from one by flags (Qwen2, Qwen3,
+Mistral and Phi-3 from Llama, Gemma's blocks) are flags on its config, not files.
+
+Sliding windows follow transformers: a layer whose `layer_types` entry is
+"sliding_attention" attends over the config's `sliding_window` (Mistral's and Phi-3's every
+layer when the config has a window; Qwen2's layers from `max_window_layers` when
+`use_sliding_window`). `settle` fixes what depends on the engine: `max_model_len` (a window
+that long never binds and is dropped; LongRoPE's factors) and `disable_sliding_window`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from jllm.models.gemma import GemmaForCausalLM, gemma_config
 from jllm.models.llama import LlamaConfig, LlamaForCausalLM
 
 # Tensors some checkpoints carry that hold no weights: buffers transformers once saved.
@@ -31,6 +43,8 @@ class Architecture:
     module: type
     layer_weights: Callable[[object], dict[str, str | None]]  # our config -> {name: layout}
     top_weights: dict[str, tuple[tuple[str, ...], str | None]]  # name -> (our path, layout)
+    # A fused layer tensor -> its parts' names and row counts, in order (our config -> map).
+    fused_weights: Callable[[object], dict[str, tuple[tuple[str, int], ...]]] = lambda cfg: {}
 
 
 def _llama_layer_weights(cfg: LlamaConfig) -> dict[str, str | None]:
@@ -65,38 +79,73 @@ _LLAMA_TOP = {
 }
 
 
-def _no_sliding_window(hf, family: str) -> None:
+def _windows(hf) -> dict:
+    """The config's sliding window and per-layer types, as transformers reads them (Qwen2 and
+    Qwen3 drop their window without `use_sliding_window`)."""
     window = getattr(hf, "sliding_window", None)
-    uses = getattr(hf, "use_sliding_window", window is not None)
-    if uses and window and window < hf.max_position_embeddings:
-        raise ValueError(f"{family} with a sliding window is not supported by jllm yet.")
+    if not getattr(hf, "use_sliding_window", True):
+        window = None
+    if window is None:
+        return {}
+    types = getattr(hf, "layer_types", None) or ("sliding_attention",) * hf.num_hidden_layers
+    return dict(sliding_window=int(window), layer_types=tuple(types))
 
 
 def _llama(hf) -> LlamaConfig:
     bias = bool(getattr(hf, "attention_bias", False))
     return LlamaConfig.from_hf(
-        hf, qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(hf, "mlp_bias", False))
+        hf,
+        qkv_bias=bias,
+        o_bias=bias,
+        mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+        **_windows(hf),
     )
 
 
 def _mistral(hf) -> LlamaConfig:
-    _no_sliding_window(hf, "Mistral")
-    return LlamaConfig.from_hf(hf)
+    return LlamaConfig.from_hf(hf, **_windows(hf))
 
 
 def _qwen2(hf) -> LlamaConfig:
-    _no_sliding_window(hf, "Qwen2")
-    return LlamaConfig.from_hf(hf, qkv_bias=True)
+    return LlamaConfig.from_hf(hf, qkv_bias=True, **_windows(hf))
 
 
 def _qwen3(hf) -> LlamaConfig:
-    _no_sliding_window(hf, "Qwen3")
     bias = bool(getattr(hf, "attention_bias", False))
-    return LlamaConfig.from_hf(hf, qkv_bias=bias, o_bias=bias, qk_norm=True)
+    return LlamaConfig.from_hf(hf, qkv_bias=bias, o_bias=bias, qk_norm=True, **_windows(hf))
 
 
-def _arch(name, config) -> Architecture:
-    return Architecture(name, config, LlamaForCausalLM, _llama_layer_weights, _LLAMA_TOP)
+def _phi3(hf) -> LlamaConfig:
+    return LlamaConfig.from_hf(hf, **_windows(hf))
+
+
+def _phi3_fused(cfg: LlamaConfig) -> dict[str, tuple[tuple[str, int], ...]]:
+    q, kv, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    return {
+        "self_attn.qkv_proj.weight": (
+            ("self_attn.q_proj.weight", q),
+            ("self_attn.k_proj.weight", kv),
+            ("self_attn.v_proj.weight", kv),
+        ),
+        "mlp.gate_up_proj.weight": (("mlp.gate_proj.weight", f), ("mlp.up_proj.weight", f)),
+    }
+
+
+def _gemma_layer_weights(cfg: LlamaConfig) -> dict[str, str | None]:
+    names = _llama_layer_weights(cfg)
+    names |= {"pre_feedforward_layernorm.weight": None, "post_feedforward_layernorm.weight": None}
+    return names
+
+
+def _arch(name, config, **kw) -> Architecture:
+    return Architecture(name, config, LlamaForCausalLM, _llama_layer_weights, _LLAMA_TOP, **kw)
+
+
+def _gemma(name, gemma3: bool) -> Architecture:
+    def config(hf):
+        return gemma_config(hf, gemma3)
+
+    return Architecture(name, config, GemmaForCausalLM, _gemma_layer_weights, _LLAMA_TOP)
 
 
 REGISTRY: dict[str, Architecture] = {
@@ -104,6 +153,9 @@ REGISTRY: dict[str, Architecture] = {
     "mistral": _arch("MistralForCausalLM", _mistral),
     "qwen2": _arch("Qwen2ForCausalLM", _qwen2),
     "qwen3": _arch("Qwen3ForCausalLM", _qwen3),
+    "phi3": _arch("Phi3ForCausalLM", _phi3, fused_weights=_phi3_fused),
+    "gemma2": _gemma("Gemma2ForCausalLM", gemma3=False),
+    "gemma3_text": _gemma("Gemma3ForCausalLM", gemma3=True),
 }
 _BY_CLASS = {a.name: a for a in REGISTRY.values()}
 
@@ -123,3 +175,23 @@ def resolve(hf_config) -> Architecture:
             f"{', '.join(sorted(REGISTRY))})."
         )
     return arch
+
+
+def sliding_window(cfg) -> int | None:
+    """The model's largest sliding window, or None when no layer slides."""
+    return getattr(cfg, "sliding_window", None) if getattr(cfg, "layer_types", None) else None
+
+
+def settle(cfg, max_model_len: int, disable_sliding_window: bool = False):
+    """`cfg` for an engine of `max_model_len`: LongRoPE's short or long factors; windows off
+    with `disable_sliding_window` (the engine caps `max_model_len` at the window first) or
+    when no request can outgrow them (they would mask nothing)."""
+    changes = {}
+    for name in ("rope", "local_rope"):
+        rope = getattr(cfg, name, None)
+        if rope is not None:
+            changes[name] = rope.for_length(max_model_len)
+    window = sliding_window(cfg)
+    if window is not None and (disable_sliding_window or window >= max_model_len):
+        changes["sliding_window"] = None
+    return dataclasses.replace(cfg, **changes)

@@ -1,13 +1,23 @@
-"""Rotary position embeddings: default, linear and llama3 frequency scaling.
+"""Rotary position embeddings: default, linear, llama3 and LongRoPE (Phi-3's `longrope`, once
+`su`) frequency scaling, over the whole head or its first `partial_rotary_factor` share.
 
 Frequencies are computed once on the host (numpy) from the Hugging Face config, in the
-rotate-half layout Hugging Face checkpoints use.
+rotate-half layout Hugging Face checkpoints use. A config whose layers differ (Gemma 3's local
+and global layers) keeps one parameter dict per layer type in `rope_parameters`; `from_hf`
+takes the type.
+
+LongRoPE has two sets of per-frequency factors: short ones for contexts up to the model's
+`original_max_position_embeddings`, long ones beyond. transformers switches per forward pass
+on the longest position it sees, so a sequence's early keys keep the short rotation once it
+grows past the boundary, and one request's rotation depends on its neighbours in a batch.
+Here the choice is made once for the engine, by `max_model_len` (`for_length`): the short
+factors when no request can pass the original length, the long ones otherwise.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax.numpy as jnp
 import numpy as np
@@ -15,25 +25,67 @@ import numpy as np
 
 @dataclass(frozen=True)
 class RopeConfig:
-    inv_freq: tuple[float, ...]  # [H/2]
+    inv_freq: tuple[float, ...]  # [R/2]: R rotated dims of the head's first
     attention_scaling: float = 1.0
+    # LongRoPE: the long factors' frequencies and the length beyond which they apply.
+    long_inv_freq: tuple[float, ...] | None = None
+    original_max_position: int | None = None
 
     @classmethod
-    def from_hf(cls, hf, head_dim: int) -> RopeConfig:
+    def from_hf(cls, hf, head_dim: int, layer_type: str | None = None) -> RopeConfig:
         params = dict(getattr(hf, "rope_parameters", None) or {})
+        if layer_type is not None and layer_type in params:
+            params = dict(params[layer_type])
         legacy = getattr(hf, "rope_scaling", None) or {}
-        params = {**legacy, **params}
+        if layer_type is None:
+            params = {**legacy, **params}
         theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
         rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-        dim = int(head_dim * getattr(hf, "partial_rotary_factor", 1.0))
-        inv_freq = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+        partial = params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))
+        dim = int(head_dim * (partial or 1.0))
+        exponents = np.arange(0, dim, 2, dtype=np.float64) / dim
+        inv_freq = 1.0 / (theta**exponents)
         if rope_type == "linear":
-            inv_freq = inv_freq / params["factor"]
-        elif rope_type == "llama3":
-            inv_freq = _llama3(inv_freq, params)
-        elif rope_type != "default":
+            return cls(_tuple(inv_freq / params["factor"]))
+        if rope_type == "llama3":
+            return cls(_tuple(_llama3(inv_freq, params)))
+        if rope_type in ("longrope", "su"):
+            return _longrope(hf, params, theta, exponents)
+        if rope_type != "default":
             raise ValueError(f"RoPE scaling {rope_type!r} is not supported by jllm yet.")
-        return cls(tuple(float(f) for f in inv_freq))
+        return cls(_tuple(inv_freq))
+
+    def for_length(self, max_model_len: int) -> RopeConfig:
+        """The rotation an engine of `max_model_len` uses: LongRoPE's short or long factors."""
+        if self.long_inv_freq is None:
+            return self
+        if max_model_len > self.original_max_position:
+            return replace(self, inv_freq=self.long_inv_freq, long_inv_freq=None)
+        return replace(self, long_inv_freq=None)
+
+
+def _tuple(a: np.ndarray) -> tuple[float, ...]:
+    return tuple(float(f) for f in a)
+
+
+def _longrope(hf, params: dict, theta: float, exponents: np.ndarray) -> RopeConfig:
+    original = params.get("original_max_position_embeddings") or getattr(
+        hf, "original_max_position_embeddings", hf.max_position_embeddings
+    )
+    factor = params.get("factor") or hf.max_position_embeddings / original
+    scaling = params.get("attention_factor")
+    if scaling is None:
+        scaling = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    base = theta**exponents
+    short, long = (np.asarray(params[k], np.float64) for k in ("short_factor", "long_factor"))
+    if short.shape != base.shape or long.shape != base.shape:
+        raise ValueError(
+            f"LongRoPE factors must have {len(base)} entries (rotated dims / 2), got "
+            f"{len(short)} short and {len(long)} long."
+        )
+    return RopeConfig(
+        _tuple(1.0 / (short * base)), float(scaling), _tuple(1.0 / (long * base)), original
+    )
 
 
 def _llama3(inv_freq: np.ndarray, p: dict) -> np.ndarray:
@@ -49,9 +101,9 @@ def _llama3(inv_freq: np.ndarray, p: dict) -> np.ndarray:
 
 
 def apply_rope(x, positions, rope: RopeConfig):
-    """x [T, N, H] rotated by positions [T] (rotate-half layout)."""
-    inv_freq = jnp.asarray(rope.inv_freq, jnp.float32)  # [H/2]
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
+    """x [T, N, H] rotated by positions [T] (rotate-half layout over the first R dims)."""
+    inv_freq = jnp.asarray(rope.inv_freq, jnp.float32)  # [R/2]
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, R/2]
     cos = (jnp.cos(freqs) * rope.attention_scaling)[:, None, :]
     sin = (jnp.sin(freqs) * rope.attention_scaling)[:, None, :]
     half = inv_freq.shape[0]

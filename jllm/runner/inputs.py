@@ -109,6 +109,9 @@ class BatchLayout:
     # Whether rows of several tokens start on, and fill, tiles of `tile_size` tokens (the
     # attention backend's `prefill_tile`), or are packed back to back.
     tiles: bool = True
+    # Each KV-cache group's sliding window (None: full attention), in the runner's group
+    # order: a backend reads only the pages inside it.
+    windows: tuple = ()
 
     @staticmethod
     def create(
@@ -243,25 +246,39 @@ def fill_decode_rows(flat: FlatBatch, pos: np.ndarray) -> None:
     flat.kv_lens[:n] = pos + 1
 
 
-def in_group(flat: FlatBatch, table: np.ndarray, tok_row, positions, req_row) -> FlatBatch:
+def in_group(
+    flat: FlatBatch, table: np.ndarray, tok_row, positions, req_row, window=None
+) -> FlatBatch:
     """The flat batch as one KV-cache group sees it, from the group's block tables `table`
     [rows, P] (`InputBatch.block_table[g]`): each token's slot (from its input-batch row
-    `tok_row` [T] and position; -1: padding, which keeps the dropped slot) and each request
-    row's block table (`req_row` [R]: its input-batch row; -1: padding, an empty table)."""
+    `tok_row` [T] and position; -1: padding, which keeps the dropped slot), each request
+    row's block table (`req_row` [R]: its input-batch row; -1: padding, an empty table) and
+    the group's sliding window (a sliding group's table holds freed or null blocks before
+    the window, which the backends never read)."""
     S = flat.block_size
     live, has = tok_row >= 0, req_row >= 0
     r, p = np.where(live, tok_row, 0), np.where(live, positions, 0)
     slots = np.where(live, table[r, p // S] * S + p % S, flat.slot_mapping).astype(np.int32)
     tables = np.where(has[:, None], table[np.where(has, req_row, 0)], 0).astype(np.int32)
-    return dataclasses.replace(flat, slot_mapping=slots, block_tables=tables)
+    return dataclasses.replace(flat, slot_mapping=slots, block_tables=tables, window=window)
 
 
 def group_metadata(
-    backend, flat: FlatBatch, batch: InputBatch, groups, tok_row, positions, req_row
+    backend, flat: FlatBatch, batch: InputBatch, groups, tok_row, positions, req_row, windows=()
 ):
-    """The backend's attention metadata of each KV-cache group in `groups`, as a tuple."""
+    """The backend's attention metadata of each KV-cache group in `groups`, as a tuple
+    (`windows`: every group's sliding window, by group index)."""
     return tuple(
-        backend.build_metadata(in_group(flat, batch.block_table[g], tok_row, positions, req_row))
+        backend.build_metadata(
+            in_group(
+                flat,
+                batch.block_table[g],
+                tok_row,
+                positions,
+                req_row,
+                windows[g] if g < len(windows) else None,
+            )
+        )
         for g in groups
     )
 
@@ -451,7 +468,9 @@ def build_step(
         np.zeros(PROMPT_LOGPROB_ROWS, np.int32) if prompt_rows is None else prompt_rows.indices
     )
     every_group = range(len(batch.block_table))
-    attn = group_metadata(backend, p.flat, batch, every_group, p.tok_row, p.positions, p.req_row)
+    attn = group_metadata(
+        backend, p.flat, batch, every_group, p.tok_row, p.positions, p.req_row, layout.windows
+    )
     lora_slots = np.where(p.tok_row >= 0, batch.lora_slot[p.tok_row], 0).astype(np.int32)
     inputs = StepInputs(
         p.token_ids, p.positions, logits_indices, p.from_device, prompt_lp_indices, attn, lora_slots

@@ -31,18 +31,21 @@ CACHE_AXES = ("layers", "cache_blocks", "cache_slots", "cache_kv_heads", "head_d
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """One KV-cache group's stacked cache: how many layers it holds, and their K/V heads."""
+    """One KV-cache group's stacked cache: how many layers it holds, their K/V heads, and
+    their sliding window (None: full attention)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    window: int | None = None
 
     @classmethod
     def groups_of(cls, module, cfg) -> tuple[CacheSpec, ...]:
         """The caches of a decoder `module` (models/decoder.py) of config `cfg`: one per
         KV-cache group."""
         return tuple(
-            cls(len(g.layers), cfg.num_kv_heads, cfg.head_dim) for g in module.kv_cache_groups(cfg)
+            cls(len(g.layers), cfg.num_kv_heads, cfg.head_dim, g.window)
+            for g in module.kv_cache_groups(cfg)
         )
 
 

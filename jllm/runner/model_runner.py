@@ -192,6 +192,7 @@ class ModelRunner:
         self.state = state
         self.kv_cache = None  # attach_kv_cache, once sized
         self.layout = layout
+        layout.windows = tuple(spec.window for spec in self.kv_groups)
         self.backend = backend  # the attention_backend name
         self.attention = get_backend(backend)
         self.enforce_eager = enforce_eager

@@ -148,7 +148,9 @@ def draft_inputs(batch, rows: np.ndarray, step: int, layout: BatchLayout, backen
         logits_indices=np.arange(Rd, dtype=np.int32),
         from_device=row,
         prompt_lp_indices=np.zeros(PROMPT_LOGPROB_ROWS, np.int32),
-        attn=group_metadata(backend, flat, batch, groups, placed, positions, placed),
+        attn=group_metadata(
+            backend, flat, batch, groups, placed, positions, placed, layout.windows
+        ),
         lora_slots=np.zeros(Rd, np.int32),  # the draft has no adapters
     )
     counter = np.zeros(Rd, np.int32)

@@ -1,5 +1,5 @@
-"""Block pool, ref counts, prefix-cache keys (sha256, cache_salt) and LRU eviction, in pure
-Python."""
+"""Block pool, ref counts, prefix-cache keys (sha256, cache_salt), LRU eviction and
+sliding-window groups, in pure Python."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import sys
 import pytest
 
 from jllm.engine import kv_cache_manager as kv_module
-from jllm.engine.kv_cache_manager import KVCacheManager
+from jllm.engine.kv_cache_manager import NULL_BLOCK, KVCacheManager, max_blocks_per_request
 from jllm.engine.request import Request
 from jllm.sampling_params import SamplingParams
+from jllm.utils import cdiv
 
 
 def req(rid: str, tokens: list[int], **params) -> Request:
@@ -183,3 +184,218 @@ def test_groups_share_a_prefix_both_hold():
         assert b_blocks[g][:2] == a_blocks[g][:2] and b_blocks[g][2] != a_blocks[g][2]
         assert kv.pools[g].ref_cnt[a_blocks[g][0]] == 2
     assert not kv.reset_prefix_cache()  # requests hold blocks
+
+
+# ---- sliding-window groups -----------------------------------------------------------------
+def check_window(kv: KVCacheManager, r: Request, num_new: int, max_step: int) -> None:
+    """What a step computing `num_new` tokens of `r` from its computed position c reads is
+    live in every group (a window's: keys from c-W+1 on); a window's earlier entries are
+    NULL_BLOCK, and a group holds no more real blocks than `max_blocks_per_request`."""
+    c, size = r.num_computed_tokens, kv.block_size
+    for held, window in zip(kv.block_ids(r.request_id), kv.windows, strict=True):
+        first = 0 if window is None else max(0, c - window + 1) // size
+        assert len(held) >= cdiv(c + num_new, size)
+        assert all(b == NULL_BLOCK for b in held[:first])
+        assert NULL_BLOCK not in held[first:]
+        bound = max_blocks_per_request(r.num_tokens + max_step, size, window, max_step)
+        assert len(held) - first <= bound
+
+
+def grow(kv: KVCacheManager, r: Request, num_steps: int, chunk: int = 1) -> list[int]:
+    """Run `r` as the scheduler would: its unknown tokens in chunks of `chunk`, a sampled
+    token (its position's number) after each step that reaches the end. Returns each step's
+    real block count of the last group."""
+    held = []
+    for _ in range(num_steps):
+        n = min(chunk, r.num_tokens - r.num_computed_tokens)
+        assert kv.allocate_slots(r, n) is not None
+        check_window(kv, r, n, chunk)
+        held.append(sum(b != NULL_BLOCK for b in kv.block_ids(r.request_id)[-1]))
+        r.num_computed_tokens += n
+        if r.num_computed_tokens == r.num_tokens:
+            r.append_output_token(r.num_tokens)
+    return held
+
+
+def evict(kv: KVCacheManager, group: int, key: bytes) -> None:
+    """Drop one block from a group's prefix cache, as a reuse of the block there would."""
+    pool = kv.pools[group]
+    pool.block_hash[pool.cached.pop(key)] = None
+
+
+def test_max_blocks_per_request_is_the_widest_span():
+    """The bound against every step position c and size n: the blocks c-W+1 .. c+n-1 touch."""
+    for size, window, max_step in [(4, 1, 1), (4, 5, 1), (4, 8, 3), (16, 20, 7), (4, 20, 4)]:
+        widest = max(
+            cdiv(c + n, size) - max(0, c - window + 1) // size
+            for c in range(200)
+            for n in range(1, max_step + 1)
+        )
+        assert max_blocks_per_request(10_000, size, window, max_step) == widest
+        assert max_blocks_per_request(10, size, window, max_step) <= cdiv(10, size)
+    assert max_blocks_per_request(1000, 16, None, 8) == 63
+
+
+@pytest.mark.parametrize("window, chunk", [(1, 1), (4, 1), (6, 1), (13, 1), (13, 3), (20, 8)])
+def test_sliding_group_holds_only_its_window(window, chunk):
+    kv = KVCacheManager(64, 4, enable_prefix_caching=False, windows=[window])
+    r = req("a", list(range(10)))
+    held = grow(kv, r, 150, chunk)
+    assert r.num_tokens > 150 and len(kv.block_ids("a")[0]) > 35  # logical blocks
+    if chunk == 1:  # every position and alignment occurs: the bound is reached
+        assert max(held[10:]) == max_blocks_per_request(10_000, 4, window, 1)
+    assert kv.num_free_blocks == 63 - held[-1]
+    kv.free(r)
+    assert kv.num_free_blocks == 63 and not any(kv.pools[0].ref_cnt)
+
+
+def test_blocks_out_of_the_window_are_reused():
+    """W=8, S=4: a request running through 10 logical blocks cycles through 3 block ids, and
+    a block its window lets go is the next one any request gets."""
+    kv = KVCacheManager(8, 4, enable_prefix_caching=False, windows=[8])
+    a = req("a", [1, 2, 3])
+    seen = set()
+    for _ in range(38):
+        grow(kv, a, 1)
+        seen |= set(kv.block_ids("a")[0])
+    held = list(kv.block_ids("a")[0])
+    assert len(held) == 10 and seen == {NULL_BLOCK, *held[7:]} and kv.num_free_blocks == 4
+    grow(kv, a, 2)  # from position 39 the window starts in block 8: block 7 goes back
+    assert kv.block_ids("a")[0][7] == NULL_BLOCK and kv.num_free_blocks == 5
+    assert kv.allocate_slots(req("b", [7, 7, 7, 7]), 4) == ([held[7]],)
+
+
+def test_eight_blocks_serve_a_long_generation_in_a_window():
+    """W=20, S=4, steps of at most 4 tokens: 7 blocks live at most, where full attention
+    would need 110 for a 40-token prompt and 400 generated tokens."""
+    assert max_blocks_per_request(440, 4, 20, 4) == 7
+    assert max_blocks_per_request(440, 4, None, 4) == 110
+    kv = KVCacheManager(8, 4, enable_prefix_caching=True, windows=[20])
+    r = req("a", list(range(40)))
+    grow(kv, r, 10 + 399, chunk=4)  # the prefill in 10 chunks gives the first token
+    assert r.num_output_tokens == 400 and r.num_computed_tokens == 439
+    assert KVCacheManager(8, 4, False).allocate_slots(req("b", list(range(40))), 40) is None
+
+
+def test_prefix_hit_with_full_and_sliding_groups():
+    """W=8, S=4: a hit of n blocks goes on from position 4n, whose window starts in block
+    n-2; the sliding group needs only blocks n-2 and n-1 cached and returns the rest NULL."""
+    kv = KVCacheManager(32, 4, enable_prefix_caching=True, windows=[None, 8])
+    tokens = list(range(21))  # 5 full blocks and one more token
+    a = req("a", tokens)
+    full, sliding = kv.allocate_slots(a, 21)
+    keys = a.block_hashes  # its 5 full blocks' keys
+    b = req("b", tokens)
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 20 and hits == (full[:5], [0, 0, 0, *sliding[3:5]])
+    b_full, b_sliding = kv.allocate_slots(b, 1, hits)
+    assert b_full[:5] == full[:5] and b_sliding[:5] == [0, 0, 0, *sliding[3:5]]
+    assert [kv.pools[1].ref_cnt[x] for x in sliding[:5]] == [1, 1, 1, 2, 2]
+    assert kv.group_num_free == (31 - 6 - 1, 31 - 6 - 1)
+    # The sliding group loses its earliest blocks: no hit is shorter for it.
+    evict(kv, 1, keys[0])
+    evict(kv, 1, keys[1])
+    assert kv.get_computed_blocks(req("c", tokens))[1] == 20
+    # It loses block 4: the hit shortens to 4 blocks, whose window reads blocks 2 and 3.
+    evict(kv, 1, keys[4])
+    assert kv.get_computed_blocks(req("c", tokens)) == ((full[:4], [0, 0, *sliding[2:4]]), 16)
+    evict(kv, 1, keys[2])  # only block 3 left: no n has its window's blocks
+    assert kv.get_computed_blocks(req("c", tokens)) == (([], []), 0)
+    # With blocks 0, 1 and 3 cached (not a prefix, and a hit of 5 blocks not taken):
+    # from position 20 the window reads 3 and 4; from 16, 2 and 3; from 12, 1 and 2; from
+    # 8, 0 and 1.
+    for i, block in enumerate(sliding[:2]):
+        kv.pools[1].cache(block, keys[i])
+    assert kv.get_computed_blocks(req("c", tokens)) == ((full[:2], sliding[:2]), 8)
+
+
+def test_prefix_hit_is_a_length_every_window_accepts():
+    """Groups full, W=8 (reads 2 blocks back) and W=4 (1 block back). At 5 blocks the W=4
+    group lacks block 4, so it offers 4; at 4 the W=8 group lacks block 2, so it offers 2,
+    which the others accept: the fixed point, not the smallest first answer (4)."""
+    kv = KVCacheManager(32, 4, enable_prefix_caching=True, windows=[None, 8, 4])
+    tokens = list(range(21))
+    a = req("a", tokens)
+    blocks = kv.allocate_slots(a, 21)
+    evict(kv, 2, a.block_hashes[4])
+    evict(kv, 1, a.block_hashes[2])
+    hits, n = kv.get_computed_blocks(req("b", tokens))
+    assert n == 8 and hits == (blocks[0][:2], blocks[1][:2], [0, blocks[2][1]])
+
+
+def test_blocks_a_window_lets_go_stay_cached():
+    """Released out of the window, a block keeps its key until reused: a later request with
+    the same prefix takes it back from the free queue."""
+    kv = KVCacheManager(64, 4, enable_prefix_caching=True, windows=[8])
+    a = req("a", list(range(10)))
+    grow(kv, a, 30)  # from position 29 the window starts in block 5
+    (held,) = kv.block_ids("a")
+    assert held[:5] == [NULL_BLOCK] * 5 and kv.num_free_blocks == 63 - 3
+    b = req("b", a.all_token_ids[:21])
+    hits, n = kv.get_computed_blocks(b)
+    released = [kv.pools[0].cached[key] for key in a.block_hashes[3:5]]
+    assert n == 20 and hits == ([0, 0, 0, *released],)
+    assert not any(kv.pools[0].ref_cnt[x] for x in released)
+    assert kv.allocate_slots(b, 1, hits) is not None
+    assert kv.num_free_blocks == 63 - 3 - 3  # the two hits and a new block
+
+
+def test_preempted_sliding_request_is_readmitted_from_its_hit():
+    """Preemption frees every group; the request comes back from its prefix-cache hit
+    (a window's blocks before it NULL) and runs on."""
+    kv = KVCacheManager([64, 6], 4, enable_prefix_caching=True, windows=[None, 8])
+    a = req("a", list(range(10)))
+    grow(kv, a, 49)
+    assert kv.block_ids("a")[1][0] == NULL_BLOCK and a.num_tokens == 50
+    kv.free(a)  # preempted: recomputed from its prefix-cache hit
+    a.num_computed_tokens = 0
+    assert kv.group_num_free == (63, 5) and kv.block_ids("a") == ([], [])
+    assert not any(kv.pools[0].ref_cnt) and not any(kv.pools[1].ref_cnt)
+    hits, n = kv.get_computed_blocks(a)
+    assert n == 48 and NULL_BLOCK not in hits[0]
+    assert hits[1][:10] == [NULL_BLOCK] * 10 and NULL_BLOCK not in hits[1][10:]
+    assert kv.allocate_slots(a, 2, hits) is not None
+    a.num_computed_tokens = n
+    check_window(kv, a, 2, 2)
+    a.num_computed_tokens += 2
+    a.append_output_token(50)
+    grow(kv, a, 30)
+    assert a.num_tokens == 81
+
+
+def test_reset_prefix_cache_with_unequal_pools():
+    kv = KVCacheManager([16, 6], 4, enable_prefix_caching=True, windows=[None, 8])
+    a = req("a", list(range(13)))
+    kv.allocate_slots(a, 13)
+    assert not kv.reset_prefix_cache()
+    kv.free(a)
+    assert kv.get_computed_blocks(req("b", list(range(13))))[1] == 12
+    assert kv.reset_prefix_cache()
+    assert kv.get_computed_blocks(req("b", list(range(13)))) == (([], []), 0)
+    assert not kv.pools[0].cached and not kv.pools[1].cached
+
+
+def test_unequal_pools_and_their_usage():
+    kv = KVCacheManager([10, 4], 4, enable_prefix_caching=False, windows=[None, 4])
+    assert kv.num_groups == 2 and kv.group_num_blocks == (10, 4) and kv.windows == (None, 4)
+    assert kv.num_blocks == 10
+    a = req("a", list(range(20)))
+    assert kv.allocate_slots(a, 20) is None  # 5 blocks: the sliding group has 3
+    assert kv.group_num_free == (9, 3) and kv.block_ids("a") == ([], [])
+    grow(kv, a, 5, chunk=4)  # 4 tokens a step: at most 3 blocks in the window's group
+    assert kv.group_num_free == (4, 1) and kv.num_free_blocks == 1
+    assert kv.usage == pytest.approx(2 / 3)  # the fuller group: 2 of 3
+    assert not kv.all_blocks_free
+    kv.free(a)
+    assert kv.usage == 0.0 and kv.num_free_blocks == 3 and kv.all_blocks_free
+
+
+def test_group_arguments_are_checked():
+    assert KVCacheManager(8, 4, False, 2).group_num_blocks == (8, 8)  # the old call
+    assert KVCacheManager(8, 4, False, windows=[None, 16]).num_groups == 2
+    with pytest.raises(ValueError, match="3 KV-cache groups"):
+        KVCacheManager([8, 8], 4, False, num_groups=3)
+    with pytest.raises(ValueError, match="at least 2 blocks"):
+        KVCacheManager([8, 1], 4, False)
+    with pytest.raises(ValueError, match="at least 1 token"):
+        KVCacheManager(8, 4, False, windows=[0])

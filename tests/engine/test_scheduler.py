@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from jllm.config import SchedulerConfig
 from jllm.engine.core import EngineCore
-from jllm.engine.kv_cache_manager import KVCacheManager, block_key
+from jllm.engine.kv_cache_manager import KVCacheManager, block_key, max_blocks_per_request
 from jllm.engine.scheduler import Scheduler
 from jllm.runner.sampled import SampledToken
 from jllm.sampling_params import SamplingParams
 from jllm.scheduler_output import ModelRunnerOutput
+from jllm.utils import cdiv
 
 
 class MockRunner:
@@ -279,3 +280,67 @@ def test_draft_lookahead_slots_are_a_wish():
     # Its next decodes want slots up to 13 (a 4th block): they run in the 3 it has.
     assert run(core)["a"].outputs[0].token_ids == [10, 11, 12, 13]
     assert sched.num_preemptions == 0
+
+
+class WindowRunner(MockRunner):
+    """Keeps each request's block tables from the deltas, as the real runner does, and
+    checks before each step that every block a row reads is live: in a sliding group from
+    c-W+1 on (the entries before it NULL in the scheduler's lists, stale ids in the tables),
+    the tables agreeing there, and no request holding more than `max_blocks_per_request`."""
+
+    def __init__(self, kv, max_step):
+        super().__init__()
+        self.kv, self.max_step = kv, max_step
+        self.tables: dict[str, list[list[int]]] = {}
+        self.null_hits = 0  # requests admitted from a hit with skipped (NULL) blocks
+
+    def execute(self, out):
+        for rid in out.finished_req_ids | out.preempted_req_ids:
+            self.tables.pop(rid)
+        start = {}
+        for new in out.scheduled_new_reqs:
+            self.tables[new.req_id] = [list(b) for b in new.block_ids]
+            start[new.req_id] = new.num_computed_tokens
+            self.null_hits += new.num_computed_tokens > 0 and 0 in new.block_ids[-1]
+        cached = out.scheduled_cached_reqs
+        for rid, ids, c in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            for table, new_ids in zip(self.tables[rid], ids, strict=True):
+                table.extend(new_ids)
+            start[rid] = c
+        size = self.kv.block_size
+        for rid, n in out.num_scheduled_tokens.items():
+            c = start[rid]
+            groups = zip(self.kv.block_ids(rid), self.tables[rid], self.kv.windows, strict=True)
+            for held, table, window in groups:
+                first = 0 if window is None else max(0, c - window + 1) // size
+                assert len(table) == len(held) >= cdiv(c + n, size)
+                assert set(held[:first]) <= {0} and 0 not in held[first:]
+                assert table[first:] == held[first:]
+                bound = max_blocks_per_request(10**6, size, window, self.max_step)
+                assert len(held) - first <= bound
+        return super().execute(out)
+
+
+def test_sliding_window_requests_keep_their_window_live():
+    """A full and a sliding group (W=8, S=4, a small pool for the window): requests with
+    drafts (right, or all rejected), lookahead slots, a shared prompt admitted from a hit
+    whose early sliding blocks are NULL, and preemptions, give the rule's tokens."""
+    expected = {"a": list(range(40, 100)), "b": list(range(40, 100)), "c": list(range(130, 190))}
+    for wrong in (False, True):
+        config = SchedulerConfig(4, 12, 512, True, 1, 3, "fcfs", num_draft_lookahead=3)
+        kv = KVCacheManager([40, 16], 4, True, windows=[None, 8])
+        sched = Scheduler(config, kv)
+        runner = WindowRunner(kv, max_step=12 + 3)
+        core = EngineCore(sched, runner, None, 512, eos_token_id=999)
+        core.proposer = Proposer(wrong)
+        core.add_request("a", list(range(40)), params(60))
+        core.add_request("c", list(range(100, 130)), params(60))
+        for _ in range(4):
+            core.step()
+        core.add_request("b", list(range(40)), params(60))
+        done = run(core)
+        assert {k: v.outputs[0].token_ids for k, v in done.items()} == expected
+        assert runner.null_hits and sched.num_preemptions
+        assert kv.group_num_free == (39, 15)

@@ -5,6 +5,7 @@ reference, and `auto` picks each platform's kernel or falls back to XLA with the
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -14,7 +15,7 @@ import pytest
 from oracle import SMALL, prompt_ids
 
 from jllm import LLM, SamplingParams
-from jllm.attention import BACKENDS, AttentionBackend, get_backend
+from jllm.attention import BACKENDS, AttentionBackend, get_backend, write_kv
 from jllm.attention.xla import kv_chunk_pages, tile_attention
 from jllm.config import ATTENTION_BACKENDS
 from jllm.engine.platform import resolve_backend
@@ -278,3 +279,113 @@ def test_cpu_kernel_backend_attends_as_xla_with_window_and_soft_cap(window, soft
     np.testing.assert_allclose(
         np.asarray(outs["cpu_kernel"])[real], np.asarray(outs["xla"])[real], atol=1e-5, rtol=1e-5
     )
+
+
+def windowed_flat_batch(rng, S, C, P, W, kv_token_bytes, decodes, prefills):
+    """A step's flat batch with tiles of C queries, for a KV-cache group with sliding window W:
+    decode rows of context lengths `decodes` (longest first) and a padding decode row, then
+    each prefill row ((cached, new) tokens) on tiles of its own, a padding tile and a padding
+    row. Each request's blocks come from a shuffled pool; block 0 is the null block.
+    -> (FlatBatch, B blocks, [R] the first key each row's window holds)."""
+    from jllm.attention.metadata import FlatBatch
+
+    rows = [(kv - 1, 1) for kv in decodes] + [None] + list(prefills)  # None: padding
+    Rd, R = len(decodes) + 1, len(rows) + 1
+    B = 1 + sum(-(-(d + n) // S) for d, n in filter(None, rows))
+    pool = iter(rng.permutation(np.arange(1, B)))
+    tiles = sum(-(-n // C) for _, n in prefills) + 1
+    T = Rd + tiles * C
+    flat = FlatBatch(
+        slot_mapping=np.full(T, B * S, np.int32),  # padding writes to a dropped slot
+        query_start=np.zeros(R, np.int32),
+        query_lens=np.zeros(R, np.int32),
+        kv_lens=np.zeros(R, np.int32),
+        block_tables=np.zeros((R, P), np.int32),
+        tile_row=np.full(tiles, R - 1, np.int32),
+        tile_q_pos=np.full((tiles, C), -1, np.int32),
+        num_decode_rows=Rd,
+        block_size=S,
+        kv_token_bytes=kv_token_bytes,
+        window=W,
+    )
+    q0, tile = Rd, 0
+    for r, row in enumerate(rows):
+        if row is None:
+            continue
+        done, new = row
+        pages = -(-(done + new) // S)
+        flat.block_tables[r, :pages] = [next(pool) for _ in range(pages)]
+        start = r if r < Rd else q0
+        pos = np.arange(done, done + new)
+        flat.query_start[r], flat.query_lens[r], flat.kv_lens[r] = start, new, done + new
+        flat.slot_mapping[start : start + new] = flat.block_tables[r, pos // S] * S + pos % S
+        if r >= Rd:
+            n = -(-new // C)
+            flat.tile_row[tile : tile + n] = r
+            flat.tile_q_pos[tile : tile + n].reshape(-1)[:new] = pos
+            q0, tile = q0 + n * C, tile + n
+    return flat, B, np.maximum(flat.kv_lens - flat.query_lens - W + 1, 0)
+
+
+@pytest.mark.parametrize(
+    "backend", ["xla", "cpu_kernel", "pallas_interpret", "pallas_gpu_interpret"]
+)
+def test_pages_before_the_window_are_never_read(backend):
+    """Decodes and prefill chunks far past a sliding window: every slot of a row's pages
+    outside its window holds NaN (a freed block may hold anything), the pages wholly before
+    it may be the null block 0, itself NaN, as is the layer the step does not attend; each
+    backend's output is the reference's on the clean cache, and finite. The XLA path starts
+    its loops past the chunk it can skip."""
+    S, C, K, G, H, P, W = 16, 4, 2, 2, 16, 48, 40
+    impl = get_backend(backend)
+    reason = impl.unsupported("cpu", jnp.float32, H, S, False)
+    if reason:
+        pytest.skip(reason)
+    try:
+        impl.prepare()
+    except cpu_kernel.CpuKernelUnavailable as e:
+        pytest.skip(str(e))
+    rng = np.random.default_rng(3)
+    flat, B, win_start = windowed_flat_batch(
+        rng, S, C, P, W, 2 * K * H * 4, decodes=[600, 530, 400], prefills=[(500, 20), (300, 9)]
+    )
+    T = len(flat.slot_mapping)
+    clean = rng.normal(size=(2, B, S, 2 * K, H)).astype(np.float32)  # [L, B, S, 2K, H]
+    q = jnp.asarray(rng.normal(size=(T, K * G, H)), jnp.float32)
+    k, v = jnp.asarray(rng.normal(size=(2, T, K, H)), jnp.float32)
+
+    cache, tables = clean.copy(), flat.block_tables.copy()
+    cache[0] = np.nan
+    cache[1, 0] = np.nan
+    for r, (lo, kv) in enumerate(zip(win_start, flat.kv_lens, strict=True)):
+        # Every slot of the row's pages outside its window: before it, or past its context.
+        pos = np.arange(-(-kv // S) * S)
+        pos = pos[(pos < lo) | (pos >= kv)]
+        cache[1, tables[r, pos // S], pos % S] = np.nan
+        if r % 2:  # the entries of freed blocks may as well be the null block
+            tables[r, : lo // S] = 0
+    assert np.isnan(cache[1]).any(axis=(1, 2, 3)).sum() > B // 2
+    md = impl.build_metadata(dataclasses.replace(flat, block_tables=tables))
+    if backend == "xla":  # every band starts past the first chunk (256 keys)
+        assert list(md.decode_first) == [1] and list(md.tile_first) == [1]
+    attend = jax.jit(
+        lambda q, k, v, cache, md: impl.attend(
+            q, k, v, cache, 1, md, scale=H**-0.5, window=W, soft_cap=3.0
+        )
+    )
+    out = np.asarray(attend(q, k, v, jnp.asarray(cache), md)[0])
+
+    written = write_kv(jnp.asarray(clean), 1, k, v, jnp.asarray(flat.slot_mapping))[1]
+    ref = ragged_paged_attention_reference(
+        q,
+        written,
+        *map(jnp.asarray, (flat.kv_lens, flat.block_tables, flat.query_start, flat.query_lens)),
+        jnp.asarray([len(flat.kv_lens)], np.int32),
+        sm_scale=H**-0.5,
+        sliding_window=W,
+        soft_cap=3.0,
+    )
+    real = flat.slot_mapping < B * S
+    assert real.sum() == 3 + 20 + 9
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out[real], np.asarray(ref)[real], atol=2e-5, rtol=1e-5)

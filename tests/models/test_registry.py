@@ -3,7 +3,6 @@ take are refused by name instead of loading without them."""
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import numpy as np
@@ -23,6 +22,9 @@ from jllm.models import registry
         ("mistral", "MistralForCausalLM"),
         ("qwen2", "Qwen2ForCausalLM"),
         ("qwen3", "Qwen3ForCausalLM"),
+        ("phi3", "Phi3ForCausalLM"),
+        ("gemma2", "Gemma2ForCausalLM"),
+        ("gemma3_text", "Gemma3ForCausalLM"),
     ],
 )
 def test_resolve_by_model_type(model_type, name):
@@ -75,10 +77,44 @@ def test_known_leftovers_are_ignored(llama_dir, tmp_path):
     assert LLM(model, **SMALL).llm_engine.model_config.num_layers == 2
 
 
-def test_sliding_window_is_refused(llama_dir, tmp_path):
-    shutil.copytree(llama_dir, tmp_path / "m")
-    config = json.loads((tmp_path / "m" / "config.json").read_text())
-    config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=64)
-    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="sliding window"):
-        LLM(str(tmp_path / "m"), **SMALL)
+def test_windows_follow_transformers():
+    """Which layers slide, as transformers reads each config: Qwen2 only with
+    use_sliding_window and from max_window_layers on; Mistral every layer; Gemma 3 by its
+    pattern; a window no request can outgrow is dropped, and disable_sliding_window drops
+    every window."""
+    qwen2 = transformers.Qwen2Config(num_hidden_layers=4, sliding_window=32)
+    assert registry.resolve(qwen2).config(qwen2).sliding_window is None
+    qwen2 = transformers.Qwen2Config(
+        num_hidden_layers=4, use_sliding_window=True, sliding_window=32, max_window_layers=2
+    )
+    cfg = registry.resolve(qwen2).config(qwen2)
+    assert cfg.sliding_window == 32 and cfg.layer_types[1:3] == (
+        "full_attention",
+        "sliding_attention",
+    )
+    mistral = transformers.MistralConfig(num_hidden_layers=3, sliding_window=64)
+    cfg = registry.resolve(mistral).config(mistral)
+    assert cfg.layer_types == ("sliding_attention",) * 3
+    assert registry.settle(cfg, 64).sliding_window is None  # never binds at 64 tokens
+    assert registry.settle(cfg, 65).sliding_window == 64
+    assert registry.settle(cfg, 65, disable_sliding_window=True).sliding_window is None
+    gemma3 = transformers.Gemma3TextConfig(num_hidden_layers=8, sliding_window=16)
+    cfg = registry.resolve(gemma3).config(gemma3)
+    groups = registry.resolve(gemma3).module.kv_cache_groups(cfg)
+    assert [(g.window, g.layers) for g in groups] == [(16, (0, 1, 2, 3, 4, 6, 7)), (None, (5,))]
+    assert cfg.local_rope.inv_freq != cfg.rope.inv_freq  # local base 10k, global 1M
+
+
+def test_phi3_long_rope_follows_max_model_len():
+    """LongRoPE's short factors while no request can pass the original length, its long
+    ones otherwise (and its attention scaling either way)."""
+    short, long = [1.0] * 48, [4.0] * 48
+    phi3 = transformers.Phi3Config(
+        max_position_embeddings=8192,
+        original_max_position_embeddings=4096,
+        rope_parameters={"rope_type": "longrope", "short_factor": short, "long_factor": long},
+    )
+    cfg = registry.resolve(phi3).config(phi3)
+    at_4k, at_8k = registry.settle(cfg, 4096).rope, registry.settle(cfg, 8192).rope
+    np.testing.assert_allclose(np.array(at_4k.inv_freq), 4.0 * np.array(at_8k.inv_freq))
+    assert at_4k.attention_scaling == at_8k.attention_scaling > 1.0

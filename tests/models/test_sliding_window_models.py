@@ -1,0 +1,111 @@
+"""Gemma 2, Gemma 3, Phi-3, and Mistral and Qwen2 with their sliding windows, against
+transformers (eager attention, float32) on tiny random models whose windows (24 tokens) are
+shorter than the prompts: greedy tokens equal and logprobs within 1e-4, alone, with chunked
+prefill, prefix-cache hits, preemption and tensor parallelism; and a long generation that
+fits a pool a few blocks wide because the sliding layers free what left their window."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from oracle import SMALL, prompt_ids, teacher_forced_logprobs
+
+from jllm import LLM, SamplingParams
+
+WINDOWED = ["mistral-window", "qwen2-window", "gemma2", "gemma3", "phi3"]
+# Past Phi-3's original 64 positions, so that transformers rotates with LongRoPE's long
+# factors, as the engine does at its default max_model_len (512).
+PROMPTS = prompt_ids(2, 66) + prompt_ids(1, 90, seed=1)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+
+
+def eager(model_dir: str, **config):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, attn_implementation="eager", **config
+    ).eval()
+
+
+def oracle_tokens(model, prompts, max_tokens: int) -> list[list[int]]:
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        return [
+            model.generate(
+                torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
+            )[0, len(p) :].tolist()
+            for p in prompts
+        ]
+
+
+def assert_matches(model, prompts, outs) -> None:
+    """Greedy tokens equal the oracle's, and each chosen token's logprob is within 1e-4 of
+    the oracle's, teacher-forced on those tokens."""
+    expected = oracle_tokens(model, prompts, len(outs[0].outputs[0].token_ids))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    for prompt, out in zip(prompts, outs, strict=True):
+        gen = out.outputs[0]
+        ref = teacher_forced_logprobs(model, prompt, gen.token_ids)
+        got = [gen.logprobs[i][t].logprob for i, t in enumerate(gen.token_ids)]
+        want = [ref[i, t].item() for i, t in enumerate(gen.token_ids)]
+        np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def generate(llm, prompts, params=GREEDY):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("arch", WINDOWED)
+def test_windowed_families_match_transformers(tiny_models, arch):
+    """Alone and then again with the prompts' prefixes cached."""
+    llm = LLM(tiny_models[arch], **SMALL)
+    model = eager(tiny_models[arch])
+    assert_matches(model, PROMPTS, generate(llm, PROMPTS))
+    again = [p[:50] + q[50:] for p, q in zip(PROMPTS, prompt_ids(3, 66, seed=7), strict=False)]
+    outs = generate(llm, again)
+    assert all(o.num_cached_tokens >= 48 for o in outs)  # the first 3 blocks were hits
+    assert_matches(model, again, outs)
+
+
+def test_the_window_matters(tiny_models):
+    """Without its window transformers' answer changes: the tests above would see a model
+    that ignored it."""
+    prompts = PROMPTS[:2]
+    windowed = oracle_tokens(eager(tiny_models["mistral-window"]), prompts, 8)
+    full = oracle_tokens(eager(tiny_models["mistral-window"], sliding_window=None), prompts, 8)
+    assert windowed != full
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"max_num_batched_tokens": 16, "enable_prefix_caching": False},  # chunked prefill
+        {"num_gpu_blocks_override": 12},  # preemption
+        {"tensor_parallel_size": 2},
+    ],
+    ids=["chunked", "preempting", "tp2"],
+)
+@pytest.mark.parametrize("arch", ["gemma3", "mistral-window"])
+def test_windows_under_chunking_preemption_and_tp(tiny_models, arch, settings):
+    llm = LLM(tiny_models[arch], **{**SMALL, **settings})
+    prompts = PROMPTS + prompt_ids(3, 30, seed=4)
+    assert_matches(eager(tiny_models[arch]), prompts, generate(llm, prompts))
+
+
+def test_phi3_short_factors_below_the_original_length(tiny_models):
+    """With max_model_len at Phi-3's original 64 positions, LongRoPE's short factors, as
+    transformers uses for sequences that short."""
+    llm = LLM(tiny_models["phi3"], **{**SMALL, "max_model_len": 64})
+    prompts = prompt_ids(2, 40, seed=2)
+    assert_matches(eager(tiny_models["phi3"]), prompts, generate(llm, prompts))
+
+
+def test_disable_sliding_window_caps_max_model_len(tiny_models):
+    """vLLM's rule: full attention everywhere, and no sequence longer than the window (where
+    full attention and the window agree)."""
+    llm = LLM(tiny_models["gemma2"], **{**SMALL, "disable_sliding_window": True})
+    assert llm.llm_engine.max_model_len == 24
+    prompts = prompt_ids(2, 8, seed=5)  # 8 and 15 tokens: with 8 more, inside the window
+    assert_matches(eager(tiny_models["gemma2"]), prompts, generate(llm, prompts))
+    with pytest.raises(ValueError, match="sliding_window, with disable_sliding_window=24"):
+        LLM(tiny_models["gemma2"], **{**SMALL, "disable_sliding_window": True, "max_model_len": 32})
