@@ -19,6 +19,7 @@ prompts with left padding, each batch generating up to its longest max_tokens.
     python benchmarks/throughput.py --quantization gguf tpu_int8 fp8  # against the float engine
     python benchmarks/throughput.py --workloads W3 --phases --skip-hf --peer vllm-cpu
     python benchmarks/throughput.py --lora 0 1 4   # W1 with LoRA adapters (benchmarks/lora.py)
+    python benchmarks/throughput.py --sliding-window   # Gemma-3-1B shape, windows on and off
 
 `--peer vllm-cpu` runs vLLM's CPU backend (set up by ../shared/peers/vllm_cpu/setup.sh, found
 under $JLLM_PEERS, default ~/.cache/jllm-peers) on exactly the same requests in the same
@@ -45,6 +46,7 @@ import time
 
 import jax
 import numpy as np
+import sliding_window
 
 from jllm import LLM, SamplingParams
 
@@ -386,9 +388,16 @@ def main() -> None:
         "(benchmarks/lora.py)",
     )
     ap.add_argument(
+        "--sliding-window",
+        action="store_true",
+        help="only a Gemma-3-1B-shaped model with and without its windows at --context tokens "
+        "(benchmarks/sliding_window.py)",
+    )
+    ap.add_argument(
         "--phases", action="store_true", help="also W3's prefill and decode phases (needs W3)"
     )
     ap.add_argument("--seed", type=int, default=0)
+    sliding_window.add_args(ap)
     ap.add_argument("--dtype", default="auto", help="jllm's dtype (transformers gets the same)")
     ap.add_argument(
         "--async-scheduling",
@@ -408,6 +417,9 @@ def main() -> None:
         reqs["W3 prefill"], reqs["W3 cached"] = w3_phases(reqs["W3"], np.random.default_rng(7))
 
     print(f"host: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
+    if args.sliding_window:
+        sliding_window.run(args)
+        return
     if args.lora is not None:
         from lora import run as run_lora
 

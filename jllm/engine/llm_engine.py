@@ -112,7 +112,7 @@ class LLMEngine:
             m.lora,
         )
         sizing = time.perf_counter()
-        specs, num_blocks = size_kv_cache(
+        specs, group_blocks = size_kv_cache(
             [m.kv_caches] if draft is None else [m.kv_caches, draft.kv_caches],
             block_size=args.block_size,
             tp=args.tensor_parallel_size,
@@ -120,11 +120,14 @@ class LLMEngine:
             mesh=m.mesh,
             platform=platform,
             max_model_len=self.max_model_len,
+            max_num_seqs=sched_cfg.max_num_seqs,
+            max_step_tokens=sched_cfg.max_num_batched_tokens + sched_cfg.num_lookahead_slots,
             override=args.num_gpu_blocks_override,
             memory_bytes=args.kv_cache_memory_bytes,
             utilization=args.gpu_memory_utilization,
             profile=self.runner.profile_step_bytes,
         )
+        num_blocks = max(group_blocks)  # the padding tokens' slot lies past every group's
         compiling = time.perf_counter()
         # The caches are zeroed on a thread while the steps compile against their shapes.
         with ThreadPoolExecutor(1, "jllm-kv-cache") as pool:
@@ -141,7 +144,10 @@ class LLMEngine:
             self.runner.channel = self.channel
             atexit.register(self.shutdown)
         kv = KVCacheManager(
-            num_blocks, args.block_size, args.enable_prefix_caching, len(self.runner.kv_groups)
+            group_blocks,
+            args.block_size,
+            args.enable_prefix_caching,
+            windows=[spec.window for spec in self.runner.kv_groups],
         )
         self.lora_cache = None
         slots = None

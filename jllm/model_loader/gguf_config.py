@@ -2,14 +2,17 @@
 
 transformers can do this itself (`AutoConfig.from_pretrained(dir, gguf_file=...)`), but for the
 llama and qwen2 architectures its GGUF reader imports torch, which jllm does not depend on at run
-time. The metadata is small and regular, so we map it ourselves; tests check the result against
-transformers' own reading.
+time, and for Gemma and Phi-3 it drops what the file states (rope scaling, LongRoPE factors) or
+what llama.cpp infers (Gemma's score scale). The metadata is small and regular, so we map it
+ourselves; tests check the result against transformers' own reading where it reads a field.
 
 What the file states: sizes, head counts, context length, norm epsilon, rope base and scaling, and
 the special token ids. What it implies: `tie_word_embeddings` (llama.cpp writes `output.weight`
 only when the output projection is not the embedding matrix), `attention_bias` (q/k/v biases are
 present), the vocabulary size (the embedding's row count), and Llama 3.1-style rope scaling,
 which llama.cpp stores as a `rope_freqs` tensor of per-frequency divisors instead of parameters.
+The families' own keys and what llama.cpp assumes where its files are silent are in
+`_gemma` and `_phi3`.
 """
 
 import math
@@ -19,10 +22,14 @@ from transformers import AutoConfig, PretrainedConfig
 
 from jllm.model_loader.gguf_io import GgufFile
 
+# llama.cpp architecture -> transformers model_type and class.
 _MODEL_TYPES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
 }
 
 # Meta's llama3 rope scaling parameters, the same in every Llama 3.1/3.2/3.3 release; only the
@@ -33,9 +40,25 @@ _LLAMA3_ROPE = {
     "original_max_position_embeddings": 8192,
 }
 
+# What llama.cpp assumes where a Gemma file is silent (llama-hparams.h, llama-model.cpp): Gemma 2's
+# window and soft caps, Gemma 3's local rope base, and which layers are global: the last of every
+# N, a period fixed per family that it does not read from the file. Its score scale is
+# `query_pre_attn_scalar ** -0.5` in transformers' terms, a value no GGUF key carries: llama.cpp
+# takes the head dim, except for the 27B models (known by their layer count), whose hidden size
+# over heads (144, 168) it takes instead, as Google's configs do.
+_GEMMA2_DEFAULTS = {
+    "attention.sliding_window": 4096,
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+}
+_GEMMA3_LOCAL_THETA = 10000.0
+_GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
 
 def gguf_hf_config(gf: GgufFile) -> PretrainedConfig:
-    """The transformers config (LlamaConfig, Qwen2Config, Qwen3Config) a GGUF file describes."""
+    """The transformers config (LlamaConfig, Qwen2Config, Qwen3Config, Gemma2Config,
+    Gemma3TextConfig, Phi3Config) a GGUF file describes."""
     arch = gf.architecture
     if gf.arch_key("expert_count"):
         raise ValueError(f"{gf.path} is a mixture-of-experts GGUF; jllm loads dense models only.")
@@ -46,8 +69,9 @@ def gguf_hf_config(gf: GgufFile) -> PretrainedConfig:
     hidden_size = int(gf.arch_key("embedding_length"))
     head_dim = int(gf.arch_key("attention.key_length", hidden_size // num_heads))
     names = set(gf.tensors)
+    model_type, class_name = _MODEL_TYPES[arch]
     kwargs = {
-        "architectures": [_MODEL_TYPES[arch]],
+        "architectures": [class_name],
         "vocab_size": int(gf.tensors["token_embd.weight"].shape[-1]),
         "hidden_size": hidden_size,
         "intermediate_size": int(gf.arch_key("feed_forward_length")),
@@ -56,18 +80,23 @@ def gguf_hf_config(gf: GgufFile) -> PretrainedConfig:
         "num_key_value_heads": int(num_kv_heads),
         "max_position_embeddings": int(gf.arch_key("context_length")),
         "rms_norm_eps": _f32(gf.arch_key("attention.layer_norm_rms_epsilon")),
-        "rope_parameters": _rope_parameters(gf, head_dim),
         "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": gf.metadata.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": gf.metadata.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": gf.metadata.get("tokenizer.ggml.padding_token_id"),
     }
-    if arch in ("llama", "qwen3"):
+    if arch in ("llama", "qwen3", "gemma2", "gemma3"):
         kwargs["head_dim"] = head_dim
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
     if arch == "llama":
         kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in names
-    return AutoConfig.for_model(arch, **kwargs)
+    if arch in ("gemma2", "gemma3"):
+        kwargs |= _gemma(gf, head_dim)
+    elif arch == "phi3":
+        kwargs |= _phi3(gf, head_dim)
+    else:
+        kwargs["rope_parameters"] = _rope_parameters(gf, head_dim)
+    return AutoConfig.for_model(model_type, **kwargs)
 
 
 def _f32(value: float) -> float:
@@ -116,3 +145,100 @@ def _llama3_rope(divisors: np.ndarray, theta: float, head_dim: int, path: str) -
             f"(factor {factor}, {_LLAMA3_ROPE}); jllm cannot load this rope variant."
         )
     return {"rope_type": "llama3", "rope_theta": theta, "factor": factor, **_LLAMA3_ROPE}
+
+
+def _gemma(gf: GgufFile, head_dim: int) -> dict:
+    """Gemma 2's and Gemma 3's own fields: score scale, soft caps, window, layer types, and
+    Gemma 3's two rotations (global layers: the file's base and scaling; local: no scaling)."""
+    arch = gf.architecture
+    layers = int(gf.arch_key("block_count"))
+    hidden, heads = int(gf.arch_key("embedding_length")), int(gf.arch_key("attention.head_count"))
+    out = {
+        "query_pre_attn_scalar": hidden // heads if layers == _GEMMA_27B_LAYERS[arch] else head_dim
+    }
+    rope = _rope_parameters(gf, head_dim)
+    if arch == "gemma2":
+        out["rope_parameters"] = rope
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            out[key] = _f32(gf.arch_key(key, _GEMMA2_DEFAULTS[key]))
+        window = gf.arch_key(
+            "attention.sliding_window", _GEMMA2_DEFAULTS["attention.sliding_window"]
+        )
+    else:
+        theta = _f32(gf.arch_key("rope.freq_base_swa", _GEMMA3_LOCAL_THETA))
+        local = {"rope_type": "default", "rope_theta": theta}
+        out["rope_parameters"] = {"full_attention": rope, "sliding_attention": local}
+        cap = gf.arch_key("final_logit_softcapping")
+        out["final_logit_softcapping"] = _f32(cap) if cap else None
+        window = gf.arch_key("attention.sliding_window")
+    if not window:  # llama.cpp: without a window every layer is global
+        return out | {"sliding_window": None, "layer_types": ["full_attention"] * layers}
+    return out | {"sliding_window": int(window), "layer_types": _layer_types(gf, layers)}
+
+
+def _layer_types(gf: GgufFile, layers: int) -> list[str]:
+    """transformers' `layer_types`: the file's `attention.sliding_window_pattern` (a period, or
+    one flag per layer, true where it slides) if it has one, else the family's period."""
+    pattern = gf.arch_key("attention.sliding_window_pattern", _GEMMA_GLOBAL_EVERY[gf.architecture])
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise ValueError(
+                f"{gf.path} has a sliding_window_pattern of {len(pattern)} layers for {layers}."
+            )
+        sliding = [bool(flag) for flag in pattern]
+    else:  # llama.cpp's period: the last layer of each is global; 0 makes every layer slide
+        period = int(pattern)
+        sliding = [period == 0 or (i + 1) % period != 0 for i in range(layers)]
+    return ["sliding_attention" if s else "full_attention" for s in sliding]
+
+
+def _phi3(gf: GgufFile, head_dim: int) -> dict:
+    """Phi-3's own fields: the context it was trained at before LongRoPE, the rotated share of
+    each head, LongRoPE's factors (stored as tensors), and its window (0 for none: Phi-4).
+
+    llama.cpp ignores Phi-3's window (its converters wrote no layer pattern); we keep it, as
+    transformers and jllm's safetensors loading do, so a file runs as the model it came from."""
+    context = int(gf.arch_key("context_length"))
+    original = int(gf.arch_key("rope.scaling.original_context_length", context))
+    rope = {
+        "rope_type": "default",
+        "rope_theta": _f32(gf.arch_key("rope.freq_base", 10000.0)),
+        "partial_rotary_factor": int(gf.arch_key("rope.dimension_count", head_dim)) / head_dim,
+    }
+    factors = [f"rope_factors_{kind}.weight" for kind in ("long", "short")]
+    present = [name in gf.tensors for name in factors]
+    scaling = gf.arch_key("rope.scaling.type", "none")
+    if scaling not in ("none", "longrope") or any(present) != all(present):
+        raise ValueError(
+            f"{gf.path} is a phi3 GGUF with rope scaling {scaling!r} and rope factor tensors "
+            f"{[n for n, p in zip(factors, present, strict=True) if p]}; jllm loads Phi-3 files "
+            "with no rope scaling or with LongRoPE's long and short factors."
+        )
+    if all(present):
+        rope |= _longrope(gf, context, original)
+    window = int(gf.arch_key("attention.sliding_window", 0))
+    return {
+        "rope_parameters": rope,
+        "original_max_position_embeddings": original,
+        "sliding_window": window or None,
+    }
+
+
+def _longrope(gf: GgufFile, context: int, original: int) -> dict:
+    """LongRoPE's parameters from the factor tensors. llama.cpp scales the rotation by
+    `rope.scaling.attn_factor`, which its converter sets to LongRoPE's default for the two
+    lengths (what transformers derives itself); a different value is kept as
+    `attention_factor`."""
+    long, short = (gf.tensor(f"rope_factors_{kind}.weight") for kind in ("long", "short"))
+    params = {
+        "rope_type": "longrope",
+        "long_factor": [_f32(f) for f in long],
+        "short_factor": [_f32(f) for f in short],
+        "original_max_position_embeddings": original,
+    }
+    scale = context / original
+    default = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+    attn_factor = gf.arch_key("rope.scaling.attn_factor")
+    if attn_factor is not None and not math.isclose(attn_factor, default, rel_tol=1e-6):
+        params["attention_factor"] = _f32(attn_factor)
+    return params

@@ -1,17 +1,26 @@
 """Reading GGUF files (llama.cpp's format) as Hugging Face named float32 numpy arrays.
 
 Every tensor is dequantized on load with gguf-py's numpy kernels (Q4_0/Q4_1/Q8_0/K-quants/F16/...),
-renamed from llama.cpp's names to transformers' and left in transformers' layout. Two things in a
-GGUF differ from the Hugging Face checkpoint it was converted from, and both are undone here:
+renamed from llama.cpp's names to transformers' and left in transformers' layout. Three things in a
+GGUF differ from the Hugging Face checkpoint it was converted from, and all are undone here:
 
-- Names: `blk.N.attn_q.weight` is `model.layers.N.self_attn.q_proj.weight`, and so on.
+- Names: `blk.N.attn_q.weight` is `model.layers.N.self_attn.q_proj.weight`, and so on. A few
+  names mean different modules in different families: Gemma's `ffn_norm` is the norm before its
+  MLP (`pre_feedforward_layernorm`), Llama's the norm after attention; Phi-3's `attn_qkv` and
+  `ffn_up` hold its fused `qkv_proj` and `gate_up_proj` (gate rows first), which the model
+  loader splits by rows as it splits the safetensors checkpoint's.
 - Row order of the query and key projections, for the `llama` architecture only. transformers
   rotates the two halves of each head (`rotate_half`: dimension i pairs with i + H/2); llama.cpp's
   llama kernel rotates adjacent pairs (2i with 2i + 1). Its converter therefore reorders the rows
   of each head of q_proj and k_proj, including their biases, from
   `[x_0 .. x_{H/2-1}, y_0 .. y_{H/2-1}]` to `[x_0, y_0, x_1, y_1, ...]`. We read each head's rows
-  as `[H/2, 2]` and transpose to `[2, H/2]` to get the halves back. Qwen2/Qwen3 use the
-  half-rotation layout in llama.cpp too, so their rows are stored unchanged.
+  as `[H/2, 2]` and transpose to `[2, H/2]` to get the halves back. Qwen2/Qwen3, Gemma and Phi-3
+  use the half-rotation layout in llama.cpp too, so their rows are stored unchanged.
+- Gemma's RMSNorm weights. Gemma scales by `1 + w` and stores `w`; llama.cpp's norm scales by
+  `w`, so its converter adds 1 to every `*norm.weight` (the layers' four, the q/k norms of
+  Gemma 3, the final norm). We subtract it again, as transformers' own GGUF reader does. The
+  addition was made in the checkpoint's dtype (bfloat16 for most Gemma releases), so what comes
+  back is the weight llama.cpp runs with, within bfloat16's rounding of `1 + w`.
 
 The metadata is read once, with `gguf.GGUFReader` (a memory map: tensor data is only touched when
 it is dequantized).
@@ -28,10 +37,8 @@ from gguf.quants import dequantize
 from jllm.quantization.formats import GGUF_KEPT, gguf_weight
 from jllm.quantization.weights import QuantizedWeight
 
-# llama.cpp architectures we can load, and whether its converter permuted q/k rows for them.
-ARCHITECTURES: dict[str, bool] = {"llama": True, "qwen2": False, "qwen3": False}
-
-# llama.cpp tensor names -> transformers module names.
+# llama.cpp tensor names -> transformers module names, as llama names them; then the llama.cpp
+# architectures we load, each with the layer names its family reads differently.
 _TOP_LEVEL = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -50,10 +57,27 @@ _PER_LAYER = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_GEMMA_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+ARCHITECTURES: dict[str, dict[str, str]] = {
+    "llama": {},
+    "qwen2": {},
+    "qwen3": {},
+    "gemma2": _GEMMA_NAMES,
+    "gemma3": _GEMMA_NAMES,
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+# The architectures whose converter interleaved q/k rows, and those that stored norms as 1 + w.
+_PERMUTED = {"llama"}
+_NORM_PLUS_ONE = {"gemma2", "gemma3"}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 # Tensors that carry configuration rather than weights: read by `gguf_config`, never yielded.
-CONFIG_TENSORS = {"rope_freqs.weight"}
+# rope_freqs: Llama 3.1's rope scaling; rope_factors_*: Phi-3's LongRoPE factors.
+CONFIG_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 
 class GgufFile:
@@ -74,6 +98,7 @@ class GgufFile:
                 "safetensors checkpoint instead."
             )
         self.tensors = {t.name: t for t in self.reader.tensors}
+        self._layer_names = {**_PER_LAYER, **ARCHITECTURES[self.architecture]}
 
     def arch_key(self, name: str, default=None):
         """Architecture-scoped metadata: `arch_key("block_count")` reads `llama.block_count`."""
@@ -90,9 +115,9 @@ class GgufFile:
         if stem in _TOP_LEVEL:
             return f"{_TOP_LEVEL[stem]}.{suffix}"
         match = _LAYER_NAME.fullmatch(gguf_name)
-        if match and match.group(2) in _PER_LAYER:
+        if match and match.group(2) in self._layer_names:
             layer, part, suffix = match.groups()
-            return f"model.layers.{layer}.{_PER_LAYER[part]}.{suffix}"
+            return f"model.layers.{layer}.{self._layer_names[part]}.{suffix}"
         raise ValueError(
             f"{self.path} holds a tensor {gguf_name!r} that jllm does not know how to load for "
             f"architecture {self.architecture!r}."
@@ -108,7 +133,8 @@ class GgufFile:
         keep_quantized: yield the matrices of the types `formats.GGUF_KEPT` lists as
         `QuantizedWeight`s (numpy arrays, rows are output channels) instead of dequantizing
         them (quantization="gguf"); see `_kept_tensors` for which."""
-        permute = ARCHITECTURES[self.architecture]
+        permute = self.architecture in _PERMUTED
+        plus_one = self.architecture in _NORM_PLUS_ONE
         num_heads = self.arch_key("attention.head_count")
         num_kv_heads = self.arch_key("attention.head_count_kv", num_heads)
         kept = self._kept_tensors() if keep_quantized else set()
@@ -123,6 +149,8 @@ class GgufFile:
                 array = unpermute_rope_rows(array, num_heads)
             elif permute and ".attn_k." in gguf_name:
                 array = unpermute_rope_rows(array, num_kv_heads)
+            elif plus_one and hf_name.endswith("norm.weight"):
+                array = array - np.float32(1.0)
             yield hf_name, array
 
     def _kept_tensors(self) -> set[str]:

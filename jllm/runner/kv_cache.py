@@ -9,6 +9,15 @@ utilization is a share of the whole device: on GPU, JAX's allocator holds only
 memory stats) it takes an explicit size, `kv_cache_memory_bytes` (vLLM's CPU backend reads
 VLLM_CPU_KVCACHE_SPACE; default 4 GiB).
 `num_gpu_blocks_override` wins over both.
+
+KV-cache groups (one per attention kind, `CacheSpec`) have pools of their own sizes: a
+full-attention group holds a request's whole context, a sliding-window group only what its
+window still sees (`engine/kv_cache_manager.py`). A sliding group's pool is capped at the
+most that `max_num_seqs` requests can hold in it at once (`sliding_pool_cap`), and the
+memory it does not need goes to the full-attention groups, which all get one count (a model
+whose every layer slides has no cap: spare blocks keep more prefixes cached). Sized from
+memory, every group must hold one request of `max_model_len` tokens, a sliding group by its
+window, or start-up fails with the numbers (vLLM's check).
 """
 
 from __future__ import annotations
@@ -21,6 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from jllm.config import DEFAULT_CPU_KV_CACHE_BYTES
+from jllm.engine.kv_cache_manager import max_blocks_per_request
+from jllm.utils import cdiv
 from pallas_kernels.ragged_paged_attention import kv_cache_shape
 from sharding import named_sharding
 
@@ -75,11 +86,27 @@ def determine_num_blocks(
     stats: dict | None = None,
     fraction: float = 1.0,
 ) -> int:
-    """`step_bytes()`: what the largest step needs, only asked when sizing from device
-    memory. `stats`: the device's memory stats (default: the first device's). `fraction`:
-    the share of the device the stats' `bytes_limit` is (`allocator_fraction`)."""
+    """Blocks of `per_block` bytes in the cache's memory (`kv_cache_budget`), or the
+    override."""
     if override is not None:
         return override
+    memory_bytes = kv_cache_budget(memory_bytes, utilization, step_bytes, stats, fraction)
+    num_blocks = memory_bytes // per_block
+    if num_blocks < 2:
+        raise ValueError(
+            f"The KV cache memory ({memory_bytes} bytes) holds fewer than 2 blocks of "
+            f"{per_block} bytes; give it more memory."
+        )
+    return int(num_blocks)
+
+
+def kv_cache_budget(
+    memory_bytes: int | None, utilization: float, step_bytes, stats=None, fraction=1.0
+) -> int:
+    """The bytes the KV cache may take: `memory_bytes` when given, else what the device has
+    left. `step_bytes()`: what the largest step needs, only asked when sizing from device
+    memory. `stats`: the device's memory stats (default: the first device's). `fraction`:
+    the share of the device the stats' `bytes_limit` is (`allocator_fraction`)."""
     if memory_bytes is None:
         stats = (jax.devices()[0].memory_stats() or {}) if stats is None else stats
         limit = stats.get("bytes_limit")
@@ -109,13 +136,31 @@ def determine_num_blocks(
                 )
         else:
             memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
-    num_blocks = memory_bytes // per_block
-    if num_blocks < 2:
-        raise ValueError(
-            f"The KV cache memory ({memory_bytes} bytes) holds fewer than 2 blocks of "
-            f"{per_block} bytes; give it more memory."
-        )
-    return int(num_blocks)
+    return memory_bytes
+
+
+def sliding_pool_cap(window: int, block_size: int, max_num_seqs: int, max_step_tokens: int):
+    """The most blocks a sliding-window group's requests hold at once, the null block
+    included: each of `max_num_seqs` requests keeps the W - 1 keys before its step plus the
+    step's own tokens (all of them together at most `max_step_tokens`), two partial blocks
+    at either end."""
+    span = max_num_seqs * (window - 1) + max_step_tokens
+    return cdiv(span, block_size) + 2 * max_num_seqs + 1
+
+
+def split_blocks(budget: int, sizes: list[int], caps: list[int | None]) -> list[int]:
+    """Block counts of groups whose blocks take `sizes` bytes, filling `budget` bytes:
+    capped groups get their cap, or the uncapped groups' count where that is smaller; the
+    uncapped groups share one count."""
+    capped = {g for g, cap in enumerate(caps) if cap is not None}
+    while True:
+        rest = budget - sum(caps[g] * sizes[g] for g in capped)
+        per_block = sum(size for g, size in enumerate(sizes) if g not in capped)
+        n = max(rest, 0) // per_block
+        over = {g for g in capped if caps[g] > n}
+        if not over:
+            return [caps[g] if g in capped else n for g in range(len(sizes))]
+        capped -= over
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype, platform: str):
@@ -179,46 +224,90 @@ def size_kv_cache(
     mesh,
     platform: str,
     max_model_len: int,
+    max_num_seqs: int,
+    max_step_tokens: int,
     override: int | None,
     memory_bytes: int | None,
     utilization: float,
     profile=None,
 ):
     """Size the caches from memory (per device: they are split on their kv-head axis) and
-    log them as vLLM does. `models`: the model's KV-cache groups, then a
-    speculative draft model's if any; every group has `num_blocks` blocks.
-    `profile(abstract caches) -> bytes`: what the largest step needs
-    (`ModelRunner.profile_step_bytes`; with a draft, the pair (target's, draft's)). Returns
-    (each model's tuple of group caches, abstract: `allocate_kv_caches` makes them, and
-    num_blocks)."""
+    log them as vLLM does. `models`: the model's KV-cache groups, then a speculative draft
+    model's if any. `max_step_tokens`: the most tokens a step computes for one request
+    (drafts included). `profile(abstract caches) -> bytes`: what the largest step needs
+    (`ModelRunner.profile_step_bytes`; with a draft, the pair (target's, draft's)).
+    `override` (num_gpu_blocks_override): every full-attention group's count, and a sliding
+    group's up to its cap. Returns (each model's tuple of group caches, abstract:
+    `allocate_kv_caches` makes them, and every group's block count, in order)."""
     specs = [spec for groups in models for spec in groups]
-    per_block = sum(
+    sizes = [
         bytes_per_block(s.num_layers, block_size, s.num_kv_heads // tp, s.head_dim, dtype)
         for s in specs
-    )
+    ]
+    caps = [None] * len(specs)
+    if any(s.window is None for s in specs):  # spare memory goes to full attention
+        caps = [
+            None
+            if s.window is None
+            else sliding_pool_cap(s.window, block_size, max_num_seqs, max_step_tokens)
+            for s in specs
+        ]
 
     def step_bytes():
         small = [tuple(abstract_kv_cache(s, 4, block_size, dtype, mesh) for s in g) for g in models]
         return profile(small[0] if len(small) == 1 else tuple(small))
 
-    num_blocks = determine_num_blocks(
-        per_block,
-        override=override,
-        memory_bytes=memory_bytes,
-        utilization=utilization,
-        step_bytes=step_bytes,
-        fraction=allocator_fraction(platform),
-    )
-    logger.info(
-        "# %s blocks: %d (%.2f GiB KV cache); maximum concurrency for %d tokens per request: %.2fx",
-        platform.upper(),
-        num_blocks,
-        num_blocks * per_block / 2**30,
-        max_model_len,
-        (num_blocks - 1) * block_size / max_model_len,
-    )
-    caches = [
-        tuple(abstract_kv_cache(s, num_blocks, block_size, dtype, mesh) for s in groups)
-        for groups in models
+    if override is not None:
+        counts = [override if cap is None else min(override, cap) for cap in caps]
+    else:
+        budget = kv_cache_budget(
+            memory_bytes, utilization, step_bytes, fraction=allocator_fraction(platform)
+        )
+        counts = split_blocks(budget, sizes, caps)
+        if min(counts) < 2:
+            raise ValueError(
+                f"The KV cache memory ({budget} bytes) holds fewer than 2 blocks of "
+                f"{sum(sizes)} bytes; give it more memory."
+            )
+    needs = [
+        max_blocks_per_request(max_model_len, block_size, s.window, max_step_tokens) for s in specs
     ]
-    return caches, num_blocks
+    # Requests of max_model_len tokens the pools hold at once while they decode (a sliding
+    # group's need while a step computes many tokens is the start-up check's, below).
+    decoding = [max_blocks_per_request(max_model_len, block_size, s.window, 1) for s in specs]
+    concurrency = min((n - 1) / need for n, need in zip(counts, decoding, strict=True))
+    total = sum(n * size for n, size in zip(counts, sizes, strict=True))
+    logger.info(
+        "# %s blocks: %s (%.2f GiB KV cache); maximum concurrency for %d tokens per request: %.2fx",
+        platform.upper(),
+        ", ".join(_group_line(s, n, block_size) for s, n in zip(specs, counts, strict=True)),
+        total / 2**30,
+        max_model_len,
+        concurrency,
+    )
+    if any(n - 1 < need for n, need in zip(counts, needs, strict=True)) and override is None:
+        short = [
+            f"{need} blocks of {s.num_layers} layers where it holds {n - 1}"
+            for s, n, need in zip(specs, counts, needs, strict=True)
+            if n - 1 < need
+        ]
+        raise ValueError(
+            f"One request of max_model_len={max_model_len} tokens needs {'; '.join(short)} "
+            f"({total / 2**30:.3f} GiB of KV cache in all). Give the cache more memory "
+            "(gpu_memory_utilization, kv_cache_memory_bytes) or lower max_model_len."
+        )
+    caches, start = [], 0
+    for groups in models:
+        caches.append(
+            tuple(
+                abstract_kv_cache(s, n, block_size, dtype, mesh)
+                for s, n in zip(groups, counts[start : start + len(groups)], strict=True)
+            )
+        )
+        start += len(groups)
+    return caches, counts
+
+
+def _group_line(spec: CacheSpec, num_blocks: int, block_size: int) -> str:
+    kind = "full attention" if spec.window is None else f"sliding window {spec.window}"
+    return f"{num_blocks} blocks of {spec.num_layers} layers ({kind})"

@@ -103,10 +103,13 @@ def test_segments_answer_as_one_scan(seven_layers, monkeypatch):
     got = [o.outputs[0] for o in split.generate(prompts, params, use_tqdm=False)]
     same_outputs(got, expected, logprob_tol=1e-5)
 
-    # Each kind's layers a KV-cache group of their own: two caches of 4 and 3 layers, two
-    # block pools and tables; the same answers, and again from the prefix cache.
+    # Each kind's layers a KV-cache group of their own (b's a sliding window longer than any
+    # context here): two caches of 4 and 3 layers, two block pools and tables; the same
+    # answers, and again from the prefix cache.
     monkeypatch.setattr(
-        LlamaForCausalLM, "attention_kind", classmethod(lambda cls, cfg, kind: kind)
+        LlamaForCausalLM,
+        "attention_kind",
+        classmethod(lambda cls, cfg, kind: None if kind == "a" else 4096),
     )
     groups = LLM(seven_layers, **settings)
     engine = groups.llm_engine

@@ -109,3 +109,47 @@ def test_disable_sliding_window_caps_max_model_len(tiny_models):
     assert_matches(eager(tiny_models["gemma2"]), prompts, generate(llm, prompts))
     with pytest.raises(ValueError, match="sliding_window, with disable_sliding_window=24"):
         LLM(tiny_models["gemma2"], **{**SMALL, "disable_sliding_window": True, "max_model_len": 32})
+
+
+def test_a_long_generation_fits_a_pool_of_eight_blocks(tiny_models):
+    """40 + 400 tokens need 28 blocks of 16 at full attention; every layer of this model
+    slides over 24 tokens, so it holds at most 3 blocks at a time and finishes in 8 with the
+    oracle's tokens."""
+    settings = {**SMALL, "num_gpu_blocks_override": 8, "max_num_batched_tokens": 64}
+    llm = LLM(tiny_models["mistral-window"], **settings)
+    kv = llm.llm_engine.scheduler.kv_cache
+    assert kv.group_num_blocks == (8,) and kv.windows == (24,)
+    prompt = prompt_ids(1, 40, seed=6)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    out = generate(llm, [prompt], params)[0].outputs[0]
+    model = eager(tiny_models["mistral-window"])
+    assert out.token_ids == oracle_tokens(model, [prompt], 400)[0]
+    assert kv.all_blocks_free
+
+
+def test_mixed_model_pools_and_what_a_request_holds(tiny_models):
+    """Gemma 3's sliding group gets a pool capped at what max_num_seqs requests can hold in
+    its window, and the memory it leaves goes to the global layers' group. A request of 200
+    tokens holds its whole context in the global group and, in the sliding one, only the
+    blocks its 24-token window still sees (the rest are the null block)."""
+    llm = LLM(tiny_models["gemma3"], **SMALL)
+    engine = llm.llm_engine
+    kv = engine.scheduler.kv_cache
+    assert kv.windows == (24, None)
+    sliding, full = kv.group_num_blocks
+    assert sliding < full
+    prompt = {"prompt_token_ids": prompt_ids(1, 200, seed=8)[0]}
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    engine.add_request("long", *engine.prepare(prompt, params))
+    for _ in range(20):  # the prompt in 256-token steps, then decodes
+        engine.step()
+    local, full_blocks = kv.block_ids("long")
+    live = [b for b in local if b != 0]
+    assert len(full_blocks) == len(local) >= 14  # 200 + 19 tokens, 16 a block
+    assert 0 not in full_blocks and 2 <= len(live) <= 3  # 24 keys straddle 2 or 3 blocks
+    assert local[-len(live) :] == live  # the live ones are the last
+    expected = max(len(live) / (sliding - 1), len(full_blocks) / (full - 1))
+    assert kv.usage == pytest.approx(expected)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert kv.all_blocks_free

@@ -35,6 +35,7 @@ ARGS = dict(
     max_num_seqs=4,
     max_num_batched_tokens=128,
     kv_cache_memory_bytes=64 << 20,
+    max_model_len=1024,  # what 64 MiB holds of one request (the start-up check)
     enforce_eager=True,
     disable_log_stats=True,
 )

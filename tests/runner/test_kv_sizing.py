@@ -7,7 +7,14 @@ from __future__ import annotations
 import jax
 import pytest
 
-from jllm.runner.kv_cache import CacheSpec, abstract_kv_cache, determine_num_blocks
+from jllm.runner.kv_cache import (
+    CacheSpec,
+    abstract_kv_cache,
+    determine_num_blocks,
+    size_kv_cache,
+    sliding_pool_cap,
+    split_blocks,
+)
 
 GiB = 1 << 30
 
@@ -70,3 +77,49 @@ def test_profile_of_the_largest_bucket(llama_llm):
     assert isinstance(cache, jax.ShapeDtypeStruct) and cache.shape[:2] == (cfg.num_layers, 4)
     largest_rs = runner.layout.sample_buckets[-1]
     assert runner.profile_step_bytes((cache,)) >= largest_rs * cfg.vocab_size * 4
+
+
+def test_groups_split_the_memory_by_what_they_can_use():
+    """A sliding group gets at most what max_num_seqs requests can hold in its window; the
+    rest of the memory goes to full attention. Groups that can use more than an equal share
+    are not capped below it."""
+    cap = sliding_pool_cap(window=24, block_size=16, max_num_seqs=4, max_step_tokens=64)
+    assert cap == -(-(4 * 23 + 64) // 16) + 2 * 4 + 1 == 19
+    sizes = [5 * 1024, 1024]  # 5 sliding layers, 1 full (Gemma 3's pattern)
+    counts = split_blocks(1000 * 1024, sizes, [cap, None])
+    assert counts == [19, (1000 - 19 * 5)]
+    # Little memory: an equal count is below the cap, so both share it.
+    assert split_blocks(60 * 1024, sizes, [cap, None]) == [10, 10]
+    assert split_blocks(60 * 1024, sizes, [None, None]) == [10, 10]
+
+
+def _size(specs, **kw):
+    args = dict(
+        block_size=16,
+        tp=1,
+        dtype="float32",
+        mesh=jax.sharding.Mesh(jax.devices()[:1], ("model",)),
+        platform="cpu",
+        max_num_seqs=4,
+        max_step_tokens=64,
+        override=None,
+        utilization=0.9,
+    )
+    return size_kv_cache([specs], **{**args, **kw})
+
+
+def test_one_request_must_fit_counting_a_window_by_its_span():
+    """A 4096-token request needs 256 blocks of full attention but only its window's in a
+    sliding group: a cache too small for the first passes for the second."""
+    full, sliding = CacheSpec(2, 2, 16), CacheSpec(2, 2, 16, window=32)
+    per_block = 2 * 16 * 2 * 2 * 16 * 4  # layers x slots x K/V x heads x head dim x float32
+    memory = 100 * per_block
+    with pytest.raises(
+        ValueError, match="4096 tokens needs 256 blocks of 2 layers where it holds 99"
+    ):
+        _size((full,), max_model_len=4096, memory_bytes=memory)
+    _, counts = _size((sliding,), max_model_len=4096, memory_bytes=memory)
+    assert counts == [100]
+    # An explicit block count is taken as it is (preemption tests run on tiny pools).
+    _, counts = _size((full,), max_model_len=4096, memory_bytes=None, override=12)
+    assert counts == [12]
