@@ -23,6 +23,7 @@ LOGICAL_RULES: dict[str, str | None] = {
     "kv_heads": MODEL_AXIS,
     "head_dim": None,
     "mlp": MODEL_AXIS,
+    "experts": None,  # tensor parallelism splits each expert's "mlp" axis
     "norm": None,
     # LoRA slot arrays [L, S, *in, R] and [L, S, R, *out] (jllm/lora/layers.py)
     "lora_slots": None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import shutil
 
+import numpy as np
 import torch
 import transformers
 
@@ -116,6 +117,36 @@ ARCHS = {
                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
             },
+        },
+    ),
+    # Mixtures of experts: 8 experts, 2 per token; Qwen3-MoE with a dense layer between
+    # sparse ones (decoder_sparse_step 2 and mlp_only_layers), in both routings.
+    "mixtral": (
+        transformers.MixtralConfig,
+        transformers.MixtralForCausalLM,
+        {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 48},
+    ),
+    "qwen3-moe": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "num_hidden_layers": 4,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [2],
+            "norm_topk_prob": True,
+        },
+    ),
+    "qwen3-moe-unnormed": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "norm_topk_prob": False,
         },
     ),
     # LongRoPE (short factors up to 64 positions, long beyond) on a partial rotation, and a
@@ -306,3 +337,40 @@ def weight_copies(hlo: str, dtype: str, shape) -> list[str]:
     HLO element type `dtype` ("bf16", "f32"): the layer scan's copies out of the stack."""
     pattern = re.compile(rf"= {dtype}\[{','.join(map(str, shape))}\]")
     return [line.strip() for line in hlo.splitlines() if pattern.search(line)]
+
+
+def eager(model_dir: str, **config):
+    """transformers' model in float32 with eager attention (exact, and soft caps apply)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, attn_implementation="eager", **config
+    ).eval()
+
+
+def oracle_tokens(model, prompts, max_tokens: int) -> list[list[int]]:
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        return [
+            model.generate(
+                torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
+            )[0, len(p) :].tolist()
+            for p in prompts
+        ]
+
+
+def assert_matches(model, prompts, outs) -> None:
+    """Greedy tokens equal the oracle's, and each chosen token's logprob is within 1e-4 of
+    the oracle's, teacher-forced on those tokens."""
+    expected = oracle_tokens(model, prompts, len(outs[0].outputs[0].token_ids))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    for prompt, out in zip(prompts, outs, strict=True):
+        gen = out.outputs[0]
+        ref = teacher_forced_logprobs(model, prompt, gen.token_ids)
+        got = [gen.logprobs[i][t].logprob for i, t in enumerate(gen.token_ids)]
+        want = [ref[i, t].item() for i, t in enumerate(gen.token_ids)]
+        np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def generate(llm, prompts, params=None):
+    """Token-id prompts through `llm`; default greedy, 8 tokens, the chosen tokens' logprobs."""
+    params = params or SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

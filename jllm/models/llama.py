@@ -26,6 +26,7 @@ from flax import nnx
 from jllm.models.context import StepContext
 from jllm.models.decoder import CausalLM
 from jllm.models.layers import Linear, RMSNorm, gated_product
+from jllm.models.moe import MoE
 from jllm.models.rope import RopeConfig, apply_rope
 
 
@@ -59,6 +60,14 @@ class LlamaConfig:
     local_rope: RopeConfig | None = None
     embed_scale: float | None = None
     final_logit_softcap: float | None = None
+    # Mixtures of experts (models/moe.py): per layer whether its MLP is sparse (None: none
+    # is), the experts, how many each token takes, their width, and whether the top-k
+    # routing weights are renormalised (Mixtral always; Qwen3-MoE's norm_topk_prob).
+    moe_layers: tuple[bool, ...] | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
 
     @classmethod
     def from_hf(cls, hf, **flags) -> LlamaConfig:
@@ -134,14 +143,30 @@ class MLP(nnx.Module):
         return self.down_proj(h, ctx)
 
 
+def mlp_block(cfg: LlamaConfig, dtype, rngs: nnx.Rngs, sparse: bool):
+    """A layer's MLP: the dense gated one, or the mixture of experts."""
+    if not sparse:
+        return MLP(cfg, dtype, rngs)
+    D, F, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    k, norm = cfg.num_experts_per_tok, cfg.norm_topk_prob
+    return MoE(D, F, E, k, norm, cfg.hidden_act, dtype, rngs)
+
+
+def split_kind(kind) -> tuple:
+    """A layer kind -> (its `layer_types` entry or None, whether its MLP is sparse)."""
+    return kind if isinstance(kind, tuple) else (kind, False)
+
+
 class DecoderLayer(nnx.Module):
-    """`kind`: the layer's entry in `layer_types` (None: full attention)."""
+    """`kind`: the layer's entry in `layer_types` (None: full attention), paired with
+    whether its MLP is a mixture of experts in a model that has some."""
 
     def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs, kind=None):
+        attn_kind, sparse = split_kind(kind)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, rngs, kind)
+        self.self_attn = Attention(cfg, dtype, rngs, attn_kind)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, rngs)
+        self.mlp = mlp_block(cfg, dtype, rngs, sparse)
 
     def __call__(self, x, ctx: StepContext, kv_caches):
         h, kv_caches = self.self_attn(self.input_layernorm(x), ctx, kv_caches)
@@ -154,8 +179,11 @@ class LlamaForCausalLM(CausalLM):
 
     @classmethod
     def layer_kinds(cls, cfg: LlamaConfig):
-        return cfg.layer_types or (None,) * cfg.num_layers
+        types = cfg.layer_types or (None,) * cfg.num_layers
+        if cfg.moe_layers is None:
+            return types
+        return tuple(zip(types, cfg.moe_layers, strict=True))
 
     @classmethod
     def attention_kind(cls, cfg: LlamaConfig, kind):
-        return cfg.sliding_window if kind == "sliding_attention" else None
+        return cfg.sliding_window if split_kind(kind)[0] == "sliding_attention" else None

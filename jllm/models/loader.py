@@ -70,20 +70,32 @@ def _split_fused(name: str, w, fused: dict):
     return out
 
 
+_EXPERT = re.compile(r"(.+)\.experts\.(\d+)\.(.+)")
+
+
 def _map_name(name: str, layer_weights: dict, top_weights: dict, layer_slot):
-    """-> (our parameter path, index in its layer stack or None, conversion kind), or None
-    when the architecture does not name the tensor. layer_slot: the model's (checkpoint layer
-    -> (stacked module path, index))."""
+    """-> (our parameter path, index in its layer stack or None, conversion kind, expert
+    index or None), or None when the architecture does not name the tensor. layer_slot: the
+    model's (checkpoint layer -> (stacked module path, index)). A layer weight's entry is a
+    layout, or (our name, layout) where our name differs; one expert's tensor
+    (`...experts.7.w1.weight`) is named with `*` for its index and goes to its place in the
+    stacked experts."""
     m = _LAYER.fullmatch(name)
     if m:
-        if m.group(2) not in layer_weights:
+        local, expert = m.group(2), None
+        e = _EXPERT.fullmatch(local)
+        if local not in layer_weights and e:
+            local, expert = f"{e.group(1)}.experts.*.{e.group(3)}", int(e.group(2))
+        if local not in layer_weights:
             return None
+        entry = layer_weights[local]
+        ours, kind = entry if isinstance(entry, tuple) else (local, entry)
         prefix, index = layer_slot(int(m.group(1)))
-        return (*prefix, *m.group(2).split(".")), index, layer_weights[m.group(2)]
+        return (*prefix, *ours.split(".")), index, kind, expert
     if name not in top_weights:
         return None
     path, kind = top_weights[name]
-    return path, None, kind
+    return path, None, kind, None
 
 
 def _axes(var) -> tuple:
@@ -324,6 +336,7 @@ def _checkpoint_values(t: _Target, arch: Architecture, cfg, source) -> dict:
     flat, mesh, shardings, packed_checkpoint = t.flat, t.mesh, t.shardings, t.packed_checkpoint
     values: dict[tuple, jax.Array | QuantizedWeight] = {}
     layered: dict[tuple, dict[int, np.ndarray]] = {}
+    experts: dict[tuple, dict[int, np.ndarray]] = {}  # (path, layer) -> expert -> weight
     layer_weights, fused = arch.layer_weights(cfg), arch.fused_weights(cfg)
     for name, w in _fused_parts(
         source.iter_weights(keep_quantized=t.quantization == "gguf"), fused
@@ -341,13 +354,27 @@ def _checkpoint_values(t: _Target, arch: Architecture, cfg, source) -> dict:
                 f"Checkpoint tensor {name} is not used by jllm's {arch.name} with this "
                 "config; refusing to load the model without it."
             )
-        path, layer, kind = mapped
+        path, layer, kind, expert = mapped
         if path not in flat:
             if path == ("lm_head", "weight") and cfg.tie_word_embeddings:
                 continue
             raise ValueError(f"Checkpoint tensor {name} has no place in the model.")
         var = flat[path]
-        host = _host_weight(t, name, w, path, layer, kind)
+        if expert is not None:  # stacked on the expert axis once the layer has them all
+            num_experts = var.shape[1]
+            if expert >= num_experts:
+                raise ValueError(f"Checkpoint tensor {name}: the model has {num_experts} experts.")
+            host = _convert(np.asarray(w), kind, var.shape[2:]).astype(t.dtype)
+            if host.shape != var.shape[2:]:
+                raise ValueError(f"Checkpoint tensor {name} has shape {w.shape}.")
+            got = experts.setdefault((path, layer), {})
+            got[expert] = host
+            if len(got) < num_experts:
+                continue
+            host = np.stack([got[i] for i in range(num_experts)])
+            del experts[(path, layer)]
+        else:
+            host = _host_weight(t, name, w, path, layer, kind)
         if layer is None:
             values[path] = _put(host, var, shardings[path], mesh)
         else:
@@ -357,6 +384,11 @@ def _checkpoint_values(t: _Target, arch: Architecture, cfg, source) -> dict:
                 stacked = _stack([layered[path][i] for i in range(count)], ".".join(map(str, path)))
                 values[path] = _put(stacked, var, shardings[path], mesh)
                 del layered[path]
+    for (path, _), got in experts.items():
+        absent = sorted(set(range(flat[path].shape[1])) - set(got))
+        raise ValueError(
+            f"The checkpoint lacks experts {absent} of {'.'.join(map(str, path))} in a layer."
+        )
     missing = [".".join(map(str, p)) for p in flat if p not in values]
     if missing:
         raise ValueError(f"The checkpoint lacks weights for: {', '.join(missing[:8])}.")

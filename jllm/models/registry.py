@@ -115,6 +115,71 @@ def _qwen3(hf) -> LlamaConfig:
     return LlamaConfig.from_hf(hf, qkv_bias=bias, o_bias=bias, qk_norm=True, **_windows(hf))
 
 
+def _moe_flags(hf, sparse: tuple[bool, ...], num_experts: int, width: int, norm: bool) -> dict:
+    """The mixture-of-experts flags of a config (models/moe.py); routers other than a
+    softmax over a linear gate are refused."""
+    scoring = getattr(hf, "scoring_func", "softmax")
+    if scoring != "softmax" or getattr(hf, "topk_method", None) not in (None, "greedy"):
+        raise ValueError(
+            f"MoE router {scoring!r} / {getattr(hf, 'topk_method', None)!r} is not supported by "
+            "jllm yet (supported: softmax over a linear gate, then top-k)."
+        )
+    return dict(
+        moe_layers=sparse,
+        num_experts=int(num_experts),
+        num_experts_per_tok=int(hf.num_experts_per_tok),
+        moe_intermediate_size=int(width),
+        norm_topk_prob=bool(norm),
+    )
+
+
+def _mixtral(hf) -> LlamaConfig:
+    sparse = (True,) * hf.num_hidden_layers
+    flags = _moe_flags(hf, sparse, hf.num_local_experts, hf.intermediate_size, True)
+    return LlamaConfig.from_hf(hf, **flags, **_windows(hf))
+
+
+def _qwen3_moe(hf) -> LlamaConfig:
+    only_dense = set(getattr(hf, "mlp_only_layers", None) or [])
+    step = hf.decoder_sparse_step
+    sparse = tuple(
+        i not in only_dense and hf.num_experts > 0 and (i + 1) % step == 0
+        for i in range(hf.num_hidden_layers)
+    )
+    flags = _moe_flags(hf, sparse, hf.num_experts, hf.moe_intermediate_size, hf.norm_topk_prob)
+    bias = bool(getattr(hf, "attention_bias", False))
+    return LlamaConfig.from_hf(
+        hf, qkv_bias=bias, o_bias=bias, qk_norm=True, **flags, **_windows(hf)
+    )
+
+
+def _moe_layer_weights(cfg: LlamaConfig, checkpoint: dict[str, str]) -> dict:
+    """Llama's names, plus the router and the experts' (`checkpoint`: our expert
+    projection -> the checkpoint's name for it, `*` for the expert index) for a model with
+    sparse layers; a model with dense layers too keeps the dense MLP's names."""
+    names = _llama_layer_weights(cfg)
+    if all(cfg.moe_layers):
+        names = {k: v for k, v in names.items() if not k.startswith("mlp.")}
+    router = checkpoint.pop("gate")
+    names[router] = ("mlp.gate.weight", "t")
+    for ours, theirs in checkpoint.items():
+        names[theirs] = (f"mlp.experts.{ours}", "t")
+    return names
+
+
+def _mixtral_weights(cfg: LlamaConfig) -> dict:
+    experts = {p: f"block_sparse_moe.experts.*.{w}.weight" for p, w in _MIXTRAL_EXPERTS.items()}
+    return _moe_layer_weights(cfg, {"gate": "block_sparse_moe.gate.weight", **experts})
+
+
+_MIXTRAL_EXPERTS = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+
+
+def _qwen3_moe_weights(cfg: LlamaConfig) -> dict:
+    experts = {p: f"mlp.experts.*.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+    return _moe_layer_weights(cfg, {"gate": "mlp.gate.weight", **experts})
+
+
 def _phi3(hf) -> LlamaConfig:
     return LlamaConfig.from_hf(hf, **_windows(hf))
 
@@ -137,8 +202,8 @@ def _gemma_layer_weights(cfg: LlamaConfig) -> dict[str, str | None]:
     return names
 
 
-def _arch(name, config, **kw) -> Architecture:
-    return Architecture(name, config, LlamaForCausalLM, _llama_layer_weights, _LLAMA_TOP, **kw)
+def _arch(name, config, weights=_llama_layer_weights, **kw) -> Architecture:
+    return Architecture(name, config, LlamaForCausalLM, weights, _LLAMA_TOP, **kw)
 
 
 def _gemma(name, gemma3: bool) -> Architecture:
@@ -154,6 +219,8 @@ REGISTRY: dict[str, Architecture] = {
     "qwen2": _arch("Qwen2ForCausalLM", _qwen2),
     "qwen3": _arch("Qwen3ForCausalLM", _qwen3),
     "phi3": _arch("Phi3ForCausalLM", _phi3, fused_weights=_phi3_fused),
+    "mixtral": _arch("MixtralForCausalLM", _mixtral, _mixtral_weights),
+    "qwen3_moe": _arch("Qwen3MoeForCausalLM", _qwen3_moe, _qwen3_moe_weights),
     "gemma2": _gemma("Gemma2ForCausalLM", gemma3=False),
     "gemma3_text": _gemma("Gemma3ForCausalLM", gemma3=True),
 }

@@ -6,11 +6,8 @@ fits a pool a few blocks wide because the sliding layers free what left their wi
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-import torch
-import transformers
-from oracle import SMALL, prompt_ids, teacher_forced_logprobs
+from oracle import SMALL, assert_matches, eager, generate, oracle_tokens, prompt_ids
 
 from jllm import LLM, SamplingParams
 
@@ -18,41 +15,6 @@ WINDOWED = ["mistral-window", "qwen2-window", "gemma2", "gemma3", "phi3"]
 # Past Phi-3's original 64 positions, so that transformers rotates with LongRoPE's long
 # factors, as the engine does at its default max_model_len (512).
 PROMPTS = prompt_ids(2, 66) + prompt_ids(1, 90, seed=1)
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
-
-
-def eager(model_dir: str, **config):
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, attn_implementation="eager", **config
-    ).eval()
-
-
-def oracle_tokens(model, prompts, max_tokens: int) -> list[list[int]]:
-    model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        return [
-            model.generate(
-                torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
-            )[0, len(p) :].tolist()
-            for p in prompts
-        ]
-
-
-def assert_matches(model, prompts, outs) -> None:
-    """Greedy tokens equal the oracle's, and each chosen token's logprob is within 1e-4 of
-    the oracle's, teacher-forced on those tokens."""
-    expected = oracle_tokens(model, prompts, len(outs[0].outputs[0].token_ids))
-    assert [o.outputs[0].token_ids for o in outs] == expected
-    for prompt, out in zip(prompts, outs, strict=True):
-        gen = out.outputs[0]
-        ref = teacher_forced_logprobs(model, prompt, gen.token_ids)
-        got = [gen.logprobs[i][t].logprob for i, t in enumerate(gen.token_ids)]
-        want = [ref[i, t].item() for i, t in enumerate(gen.token_ids)]
-        np.testing.assert_allclose(got, want, atol=1e-4)
-
-
-def generate(llm, prompts, params=GREEDY):
-    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
 @pytest.mark.parametrize("arch", WINDOWED)

@@ -1,0 +1,131 @@
+"""The mixture-of-experts MLP: a router, top-k experts per token, one grouped product per
+projection over the tokens sorted by expert, and the weighted sum back per token.
+
+Routing (`route`): softmax over the router's logits in float32, the top k, and (Mixtral
+always; Qwen3-MoE with `norm_topk_prob`) the k weights renormalised to sum to one, which is
+the same as a softmax over the top k logits.
+
+Dispatch (`sort_by_expert`): the T * k (token, expert) pairs sorted by expert with a stable
+argsort of the flattened expert ids, and each expert's row count; every product then reads
+one expert's weights for a contiguous run of rows.
+
+The grouped product (`grouped_ffn`), act(x W_gate) * (x W_up) W_down over each expert's
+run:
+- "ragged": `jax.lax.ragged_dot`, which TPU and GPU lower to grouped matrix products;
+- "tiles" (the CPU's): ragged_dot's CPU lowering multiplies every row by every expert, so
+  each expert's run is padded to whole tiles of `TILE` rows and a loop runs only the tiles
+  in use, each one product against its expert's weights: the work is that of the routed
+  rows (plus at most one partial tile per expert), and an expert that no token chose is
+  never read. The tile count is static per bucket (cdiv(T * k, TILE) + min(E, T * k)), the
+  trip count is the tiles in use.
+
+Glossary: T tokens, D model dim, F expert ffn dim, E experts, k experts per token, N = T * k
+routed rows, M tile rows.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jllm.models.layers import Linear, activation, param
+
+TILE = 16  # rows per tile of the CPU's grouped product
+
+
+def route(logits, k: int, normalize: bool):
+    """logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int32)."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, k)
+    if normalize:
+        weights = weights / weights.sum(-1, keepdims=True)
+    return weights, ids.astype(jnp.int32)
+
+
+def sort_by_expert(ids, num_experts: int):
+    """ids [T, k] -> (order [N]: the flat (token, slot) index of each sorted row,
+    group_sizes [E] int32)."""
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.zeros(num_experts, jnp.int32).at[flat].add(1)
+    return order, sizes
+
+
+def grouped_ffn(x, w_gate, w_up, w_down, group_sizes, act: str, method: str):
+    """x [N, D] sorted by expert, w_gate/w_up [E, D, F], w_down [E, F, D], group_sizes [E]
+    -> [N, D]: each row through its expert's gated MLP."""
+    f = activation(act)
+    if method == "ragged":
+        gate = jax.lax.ragged_dot(x, w_gate, group_sizes)
+        up = jax.lax.ragged_dot(x, w_up, group_sizes)
+        return jax.lax.ragged_dot((f(gate) * up).astype(x.dtype), w_down, group_sizes)
+    if method != "tiles":
+        raise ValueError(f"grouped product method must be 'ragged' or 'tiles', got {method!r}")
+    return _tiled_ffn(x, w_gate, w_up, w_down, group_sizes, f)
+
+
+def _tiled_ffn(x, w_gate, w_up, w_down, sizes, f):
+    N, D = x.shape
+    E = w_gate.shape[0]
+    M = TILE
+    num_tiles = -(-N // M) + min(E, N)  # each expert adds at most one partial tile
+    tiles = (sizes + M - 1) // M  # [E]
+    tile_end = jnp.cumsum(tiles)
+    tile_start = tile_end - tiles
+    row_start = jnp.cumsum(sizes) - sizes
+    expert = jnp.repeat(jnp.arange(E), sizes, total_repeat_length=N)  # [N] each row's
+    slot = tile_start[expert] * M + jnp.arange(N) - row_start[expert]  # [N] padded row
+    padded = jnp.zeros((num_tiles * M, D), x.dtype).at[slot].set(x)
+    tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(num_tiles), "right"), E - 1)
+
+    def body(t, out):
+        rows = jax.lax.dynamic_slice_in_dim(padded, t * M, M)  # [M, D]
+        e = tile_expert[t]
+        h = f(rows @ w_gate[e]) * (rows @ w_up[e])  # [M, F]
+        return jax.lax.dynamic_update_slice_in_dim(out, (h.astype(x.dtype) @ w_down[e]), t * M, 0)
+
+    out = jax.lax.fori_loop(0, tile_end[-1], body, jnp.zeros_like(padded))
+    return out[slot]
+
+
+def dense_ffn_reference(x, weights, ids, w_gate, w_up, w_down, act: str):
+    """The test oracle: every expert on every token, weighted by the routing (zero where not
+    chosen). x [T, D] -> [T, D]."""
+    f = activation(act)
+    h = f(jnp.einsum("TD,EDF->ETF", x, w_gate)) * jnp.einsum("TD,EDF->ETF", x, w_up)
+    y = jnp.einsum("ETF,EFD->ETD", h, w_down)  # [E, T, D]
+    E = w_gate.shape[0]
+    mix = (jax.nn.one_hot(ids, E, dtype=jnp.float32) * weights[..., None]).sum(1)  # [T, E]
+    return jnp.einsum("TE,ETD->TD", mix, y.astype(jnp.float32)).astype(x.dtype)
+
+
+class Experts(nnx.Module):
+    """E experts' gated MLPs, stacked on a leading expert axis."""
+
+    def __init__(self, E: int, D: int, F: int, dtype, rngs: nnx.Rngs):
+        self.gate_proj = param(rngs, (E, D, F), ("experts", "embed", "mlp"), dtype)
+        self.up_proj = param(rngs, (E, D, F), ("experts", "embed", "mlp"), dtype)
+        self.down_proj = param(rngs, (E, F, D), ("experts", "mlp", "embed"), dtype)
+
+
+class MoE(nnx.Module):
+    """The sparse MLP block: `gate` (the router, a Linear [D, E]) and `experts`."""
+
+    def __init__(self, D: int, F: int, E: int, k: int, normalize: bool, act: str, dtype, rngs):
+        self.gate = Linear("TD,DE->TE", (D, E), ("embed", None), dtype, rngs)
+        self.experts = Experts(E, D, F, dtype, rngs)
+        self.num_experts, self.k, self.normalize, self.act = E, k, normalize, act
+
+    def __call__(self, x, ctx=None):  # [T, D]
+        T, D = x.shape
+        weights, ids = route(self.gate(x, ctx, out_dtype=jnp.float32), self.k, self.normalize)
+        order, sizes = sort_by_expert(ids, self.num_experts)
+        token = order // self.k  # [N] the token of each sorted row
+        method = "tiles" if jax.default_backend() == "cpu" else "ragged"
+        e = self.experts
+        y = grouped_ffn(
+            x[token], e.gate_proj[...], e.up_proj[...], e.down_proj[...], sizes, self.act, method
+        )
+        y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
+        return jnp.zeros((T, D), y.dtype).at[token].add(y)
