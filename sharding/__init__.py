@@ -24,6 +24,7 @@ LOGICAL_RULES: dict[str, str | None] = {
     "head_dim": None,
     "mlp": MODEL_AXIS,
     "experts": None,  # tensor parallelism splits each expert's "mlp" axis
+    "experts_split": MODEL_AXIS,  # expert parallelism: whole experts per device
     "norm": None,
     # LoRA slot arrays [L, S, *in, R] and [L, S, R, *out] (jllm/lora/layers.py)
     "lora_slots": None,

@@ -119,6 +119,9 @@ class EngineArgs:
     lora_dtype: str = "auto"
     fully_sharded_loras: bool = False  # also split A of column- and B of row-parallel ones
     tensor_parallel_size: int = 1
+    # Mixtures of experts: whole experts per device over the tensor-parallel devices,
+    # instead of every expert split (vLLM's flag).
+    enable_expert_parallel: bool = False
     # Several processes (hosts) serving one model: vLLM's multi-node names, mapped onto
     # jax.distributed (coordinator master_addr:master_port; the step channel uses port + 1).
     nnodes: int = 1

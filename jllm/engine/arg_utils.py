@@ -48,6 +48,8 @@ HELP = {
     "max_model_len": "Context length (prompt + output); default: the model's.",
     "disable_sliding_window": "Turn sliding windows off (full attention on every layer) and "
     "cap max_model_len at the window.",
+    "enable_expert_parallel": "Mixtures of experts: place whole experts on the "
+    "tensor-parallel devices instead of splitting every expert.",
     "block_size": "Tokens per KV-cache block (a power of two).",
     "gpu_memory_utilization": "Fraction of accelerator memory for weights, activations and "
     "the KV cache (TPU/GPU; see --kv-cache-memory-bytes on CPU).",

@@ -49,6 +49,22 @@ def replicate_kv_heads(cfg, tp: int):
     return cfg, replicas
 
 
+def expert_parallel(cfg, enabled: bool, tp: int):
+    """cfg with its experts placed whole over the `tp` devices (`enable_expert_parallel`);
+    a model without experts ignores the flag, as vLLM does."""
+    experts = getattr(cfg, "num_experts", 0)
+    if not enabled or not experts:
+        if enabled:
+            logger.info("enable_expert_parallel: the model has no experts; ignored.")
+        return cfg
+    if experts % tp:
+        raise ValueError(
+            f"enable_expert_parallel places {experts} experts on {tp} devices: the expert "
+            "count must be divisible by tensor_parallel_size."
+        )
+    return dataclasses.replace(cfg, expert_parallel=True)
+
+
 def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
     source = resolve_model(
         args.model,
@@ -103,6 +119,7 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
             f"of the cluster; got tensor_parallel_size={tp}."
         )
     mesh = make_mesh(tp)
+    cfg = expert_parallel(cfg, args.enable_expert_parallel, tp)
     cfg, replicas = replicate_kv_heads(cfg, tp)
     graphdef, state = load_model(
         arch,

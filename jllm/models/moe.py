@@ -19,6 +19,16 @@ run:
   never read. The tile count is static per bucket (cdiv(T * k, TILE) + min(E, T * k)), the
   trip count is the tiles in use.
 
+Parallelism: tensor parallelism splits each expert's intermediate axis F over the mesh's model
+axis, as for a dense MLP (the down product's partial sums are reduced by XLA). Expert
+parallelism (`enable_expert_parallel`) places whole experts instead: device i holds experts
+[i E/n, (i+1) E/n). The step's activations are replicated on every device already (the
+attention's heads are split, its output is not), so no token needs to travel: each device
+routes every token, runs the sorted rows of its own experts (a contiguous run), and one
+all-reduce (`psum`) sums the devices' partial outputs. An all-to-all dispatch would move
+only the routed rows, but it pays when the tokens start split over devices, which they do
+not here.
+
 Glossary: T tokens, D model dim, F expert ffn dim, E experts, k experts per token, N = T * k
 routed rows, M tile rows.
 """
@@ -28,8 +38,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jllm.models.layers import Linear, activation, param
+from sharding import MODEL_AXIS
 
 TILE = 16  # rows per tile of the CPU's grouped product
 
@@ -76,7 +88,9 @@ def _tiled_ffn(x, w_gate, w_up, w_down, sizes, f):
     row_start = jnp.cumsum(sizes) - sizes
     expert = jnp.repeat(jnp.arange(E), sizes, total_repeat_length=N)  # [N] each row's
     slot = tile_start[expert] * M + jnp.arange(N) - row_start[expert]  # [N] padded row
-    padded = jnp.zeros((num_tiles * M, D), x.dtype).at[slot].set(x)
+    # Rows past the groups (expert parallelism's run of local rows is shorter) go nowhere.
+    slot = jnp.where(jnp.arange(N) < sizes.sum(), slot, num_tiles * M)
+    padded = jnp.zeros((num_tiles * M, D), x.dtype).at[slot].set(x, mode="drop")
     tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(num_tiles), "right"), E - 1)
 
     def body(t, out):
@@ -86,7 +100,7 @@ def _tiled_ffn(x, w_gate, w_up, w_down, sizes, f):
         return jax.lax.dynamic_update_slice_in_dim(out, (h.astype(x.dtype) @ w_down[e]), t * M, 0)
 
     out = jax.lax.fori_loop(0, tile_end[-1], body, jnp.zeros_like(padded))
-    return out[slot]
+    return out.at[slot].get(mode="fill", fill_value=0)
 
 
 def dense_ffn_reference(x, weights, ids, w_gate, w_up, w_down, act: str):
@@ -101,31 +115,70 @@ def dense_ffn_reference(x, weights, ids, w_gate, w_up, w_down, act: str):
 
 
 class Experts(nnx.Module):
-    """E experts' gated MLPs, stacked on a leading expert axis."""
+    """E experts' gated MLPs, stacked on a leading expert axis: under tensor parallelism each
+    expert's F axis is split, under expert parallelism (`split`) the expert axis."""
 
-    def __init__(self, E: int, D: int, F: int, dtype, rngs: nnx.Rngs):
-        self.gate_proj = param(rngs, (E, D, F), ("experts", "embed", "mlp"), dtype)
-        self.up_proj = param(rngs, (E, D, F), ("experts", "embed", "mlp"), dtype)
-        self.down_proj = param(rngs, (E, F, D), ("experts", "mlp", "embed"), dtype)
+    def __init__(self, E: int, D: int, F: int, dtype, rngs: nnx.Rngs, split: bool = False):
+        experts, mlp = ("experts_split", None) if split else ("experts", "mlp")
+        self.gate_proj = param(rngs, (E, D, F), (experts, "embed", mlp), dtype)
+        self.up_proj = param(rngs, (E, D, F), (experts, "embed", mlp), dtype)
+        self.down_proj = param(rngs, (E, F, D), (experts, mlp, "embed"), dtype)
 
 
 class MoE(nnx.Module):
     """The sparse MLP block: `gate` (the router, a Linear [D, E]) and `experts`."""
 
-    def __init__(self, D: int, F: int, E: int, k: int, normalize: bool, act: str, dtype, rngs):
+    def __init__(
+        self, D, F, E, k, normalize: bool, act: str, dtype, rngs, expert_parallel: bool = False
+    ):
         self.gate = Linear("TD,DE->TE", (D, E), ("embed", None), dtype, rngs)
-        self.experts = Experts(E, D, F, dtype, rngs)
+        self.experts = Experts(E, D, F, dtype, rngs, expert_parallel)
         self.num_experts, self.k, self.normalize, self.act = E, k, normalize, act
+        self.expert_parallel = expert_parallel
 
     def __call__(self, x, ctx=None):  # [T, D]
-        T, D = x.shape
         weights, ids = route(self.gate(x, ctx, out_dtype=jnp.float32), self.k, self.normalize)
         order, sizes = sort_by_expert(ids, self.num_experts)
         token = order // self.k  # [N] the token of each sorted row
-        method = "tiles" if jax.default_backend() == "cpu" else "ragged"
+        row_weight = weights.reshape(-1)[order]  # [N]
         e = self.experts
-        y = grouped_ffn(
-            x[token], e.gate_proj[...], e.up_proj[...], e.down_proj[...], sizes, self.act, method
-        )
-        y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
-        return jnp.zeros((T, D), y.dtype).at[token].add(y)
+        w = (e.gate_proj[...], e.up_proj[...], e.down_proj[...])
+        mesh = jax.sharding.get_abstract_mesh()
+        devices = 1 if mesh.empty else mesh.shape.get(MODEL_AXIS, 1)
+        if self.expert_parallel and devices > 1:
+            return self._expert_parallel(x, token, row_weight, sizes, w, mesh)
+        return _combine(x, token, row_weight, sizes, w, self.act, x.shape[0])
+
+    def _expert_parallel(self, x, token, row_weight, sizes, w, mesh):
+        T, N = x.shape[0], token.shape[0]
+        act = self.act
+
+        def per_device(x, token, row_weight, sizes, w_gate, w_up, w_down):
+            local = w_gate.shape[0]
+            first = jax.lax.axis_index(MODEL_AXIS) * local
+            start = (jnp.cumsum(sizes) - sizes)[first]  # the local experts' run of rows
+            mine = jax.lax.dynamic_slice_in_dim(sizes, first, local)
+            pad = lambda a: jnp.concatenate([a, jnp.zeros((N, *a.shape[1:]), a.dtype)])  # noqa: E731
+            run = lambda a: jax.lax.dynamic_slice_in_dim(pad(a), start, N)  # noqa: E731
+            part = _combine(x, run(token), run(row_weight), mine, (w_gate, w_up, w_down), act, T)
+            return jax.lax.psum(part, MODEL_AXIS)
+
+        split = P(MODEL_AXIS, None, None)
+        return jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=(P(), P(), P(), P(), split, split, split),
+            out_specs=P(),
+            check_vma=False,
+        )(x, token, row_weight, sizes, *w)
+
+
+def _combine(x, token, row_weight, sizes, w, act: str, T: int):
+    """The sorted rows (`token` [N] their tokens, `row_weight` [N] their routing weights;
+    only the first sum(sizes) are routed) through their experts, summed back per token
+    -> [T, D]."""
+    method = "tiles" if jax.default_backend() == "cpu" else "ragged"
+    y = grouped_ffn(x[token], *w, sizes, act, method)  # [N, D]
+    live = jnp.arange(token.shape[0]) < sizes.sum()
+    y = y * jnp.where(live, row_weight, 0.0)[:, None].astype(y.dtype)
+    return jnp.zeros((T, x.shape[1]), y.dtype).at[token].add(y)

@@ -119,3 +119,27 @@ def test_bad_moe_checkpoints_are_refused(tiny_models, tmp_path):
     with pytest.raises(ValueError, match="MoE router 'sigmoid'"):
         LLM(router, **SMALL)
     assert jax.devices()  # the failed loads left the process usable
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_expert_parallel_equals_one_device(tiny_models, devices):
+    """Whole experts per device (4 or 2 of the 8 each), tokens replicated, partial outputs
+    summed: the same tokens and logprobs as one device."""
+    prompts = prompt_ids(4, 18, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    one = generate(LLM(tiny_models["mixtral"], **SMALL), prompts, params)
+    llm = LLM(
+        tiny_models["mixtral"], **SMALL, tensor_parallel_size=devices, enable_expert_parallel=True
+    )
+    experts = llm.llm_engine.runner.state["layers"]["mlp"]["experts"]["gate_proj"].get_value()
+    assert experts.sharding.shard_shape(experts.shape)[1] == 8 // devices
+    for a, b in zip(one, generate(llm, prompts, params), strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            for t in la:
+                assert la[t].logprob == pytest.approx(lb[t].logprob, abs=1e-4)
+
+
+def test_expert_parallel_needs_divisible_experts(tiny_models):
+    with pytest.raises(ValueError, match="8 experts on 3 devices"):
+        LLM(tiny_models["mixtral"], **SMALL, tensor_parallel_size=3, enable_expert_parallel=True)
