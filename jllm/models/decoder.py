@@ -28,7 +28,8 @@ repeat, so the scan body computes it from the repeat index.
 The projections a CPU kernel runs (bf16 or float32) stay stacked, outside the scan's inputs:
 each layer's Linear gets the whole stack and its index (`StackedWeight`), so that the scan
 never copies those weights out per layer; the kernels skip the step's padding tokens (those
-whose K/V write is dropped).
+whose K/V write is dropped). A mixture of experts' stacked experts stay so on every
+platform: a layer reads only the experts its tokens chose.
 
 Glossary: T tokens, R rows, D model dim, V vocab, L layers.
 """
@@ -106,12 +107,19 @@ def segment_rows(seg: Segment, rows: list[tuple[int, int]]) -> list[tuple[int, i
     return out
 
 
-def _stays_stacked(dtype):
-    """A filter for a Linear's weight of `dtype` (not quantized): a CPU kernel reads it in
-    the stack."""
+def _stays_stacked(dtype, kernel: bool):
+    """A filter for the weights a layer reads from the whole stack (`StackedWeight`) instead
+    of the scan's per-layer slice: a Linear's weight of `dtype` (not quantized) when a CPU
+    kernel runs the products (`kernel`), and stacked experts always (models/moe.py): a
+    layer reads only its routed experts, where the scan's slice would copy all of them."""
 
     def stays(path, variable) -> bool:
-        if not isinstance(variable, nnx.Param) or variable.get_metadata().get("contract") is None:
+        if not isinstance(variable, nnx.Param):
+            return False
+        meta = variable.get_metadata()
+        if meta.get("stacked_experts"):
+            return True
+        if not kernel or meta.get("contract") is None:
             return False
         value = variable.get_value()
         return isinstance(value, jax.Array) and value.dtype == dtype
@@ -207,7 +215,7 @@ class CausalLM(nnx.Module):
         KV-cache group, [Lg, B, S, 2K, H]."""
         x = self.embed(token_ids, ctx)
         kernel = bf16_matmul.applies(self.dtype) or f32_matmul.applies(self.dtype)
-        in_place = _stays_stacked(jnp.dtype(self.dtype)) if kernel else nnx.Nothing
+        in_place = _stays_stacked(jnp.dtype(self.dtype), bool(kernel))
         cache = kv_caches[0]
         ctx = ctx.replace(live=ctx.attn[0].slot_mapping < cache.shape[1] * cache.shape[2])
         rows = layer_rows(self.kv_cache_groups(self.cfg))

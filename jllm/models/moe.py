@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jllm.models.layers import Linear, activation, param
+from jllm.models.layers import Linear, StackedWeight, activation, param
 from sharding import MODEL_AXIS
 
 TILE = 16  # rows per tile of the CPU's grouped product
@@ -66,9 +66,11 @@ def sort_by_expert(ids, num_experts: int):
 
 def grouped_ffn(x, w_gate, w_up, w_down, group_sizes, act: str, method: str):
     """x [N, D] sorted by expert, w_gate/w_up [E, D, F], w_down [E, F, D], group_sizes [E]
-    -> [N, D]: each row through its expert's gated MLP."""
+    -> [N, D]: each row through its expert's gated MLP. The weights may be the layer's view
+    of the stacked experts (`StackedWeight`)."""
     f = activation(act)
     if method == "ragged":
+        w_gate, w_up, w_down = _layer(w_gate), _layer(w_up), _layer(w_down)
         gate = jax.lax.ragged_dot(x, w_gate, group_sizes)
         up = jax.lax.ragged_dot(x, w_up, group_sizes)
         return jax.lax.ragged_dot((f(gate) * up).astype(x.dtype), w_down, group_sizes)
@@ -77,9 +79,19 @@ def grouped_ffn(x, w_gate, w_up, w_down, group_sizes, act: str, method: str):
     return _tiled_ffn(x, w_gate, w_up, w_down, group_sizes, f)
 
 
+def _expert(w, e):
+    """Expert e's weight, from [E, ...] or from the layer stack (`StackedWeight`)."""
+    return w.stack[w.layer, e] if isinstance(w, StackedWeight) else w[e]
+
+
+def _layer(w):
+    """The whole [E, ...] of a layer (a copy when it comes from the stack)."""
+    return w.stack[w.layer] if isinstance(w, StackedWeight) else w
+
+
 def _tiled_ffn(x, w_gate, w_up, w_down, sizes, f):
     N, D = x.shape
-    E = w_gate.shape[0]
+    E = sizes.shape[0]
     M = TILE
     num_tiles = -(-N // M) + min(E, N)  # each expert adds at most one partial tile
     tiles = (sizes + M - 1) // M  # [E]
@@ -96,8 +108,9 @@ def _tiled_ffn(x, w_gate, w_up, w_down, sizes, f):
     def body(t, out):
         rows = jax.lax.dynamic_slice_in_dim(padded, t * M, M)  # [M, D]
         e = tile_expert[t]
-        h = f(rows @ w_gate[e]) * (rows @ w_up[e])  # [M, F]
-        return jax.lax.dynamic_update_slice_in_dim(out, (h.astype(x.dtype) @ w_down[e]), t * M, 0)
+        h = f(rows @ _expert(w_gate, e)) * (rows @ _expert(w_up, e))  # [M, F]
+        y = h.astype(x.dtype) @ _expert(w_down, e)
+        return jax.lax.dynamic_update_slice_in_dim(out, y, t * M, 0)
 
     out = jax.lax.fori_loop(0, tile_end[-1], body, jnp.zeros_like(padded))
     return out.at[slot].get(mode="fill", fill_value=0)
@@ -120,9 +133,11 @@ class Experts(nnx.Module):
 
     def __init__(self, E: int, D: int, F: int, dtype, rngs: nnx.Rngs, split: bool = False):
         experts, mlp = ("experts_split", None) if split else ("experts", "mlp")
-        self.gate_proj = param(rngs, (E, D, F), (experts, "embed", mlp), dtype)
-        self.up_proj = param(rngs, (E, D, F), (experts, "embed", mlp), dtype)
-        self.down_proj = param(rngs, (E, F, D), (experts, mlp, "embed"), dtype)
+        # Read from the layer stack in place (decoder.py), one routed expert at a time.
+        kw = dict(stacked_experts=True)
+        self.gate_proj = param(rngs, (E, D, F), (experts, "embed", mlp), dtype, **kw)
+        self.up_proj = param(rngs, (E, D, F), (experts, "embed", mlp), dtype, **kw)
+        self.down_proj = param(rngs, (E, F, D), (experts, mlp, "embed"), dtype, **kw)
 
 
 class MoE(nnx.Module):
@@ -142,7 +157,7 @@ class MoE(nnx.Module):
         token = order // self.k  # [N] the token of each sorted row
         row_weight = weights.reshape(-1)[order]  # [N]
         e = self.experts
-        w = (e.gate_proj[...], e.up_proj[...], e.down_proj[...])
+        w = (e.gate_proj.get_value(), e.up_proj.get_value(), e.down_proj.get_value())
         mesh = jax.sharding.get_abstract_mesh()
         devices = 1 if mesh.empty else mesh.shape.get(MODEL_AXIS, 1)
         if self.expert_parallel and devices > 1:
@@ -170,7 +185,7 @@ class MoE(nnx.Module):
             in_specs=(P(), P(), P(), P(), split, split, split),
             out_specs=P(),
             check_vma=False,
-        )(x, token, row_weight, sizes, *w)
+        )(x, token, row_weight, sizes, *(_layer(a) for a in w))
 
 
 def _combine(x, token, row_weight, sizes, w, act: str, T: int):
