@@ -116,6 +116,8 @@ def _quantized_axes(var) -> tuple:
     [vocab, embed] is already [Out, In]."""
     meta = var.get_metadata()
     axes, contract = tuple(meta["logical_axes"]), meta.get("contract")
+    if meta.get("stacked_experts"):  # [E, In, Out] -> [E, Out, In]
+        return ("layers", axes[0], axes[2], axes[1])
     pair = axes if contract is None else (axes[contract], axes[0])
     return ("layers", *pair) if len(axes) < len(var.shape) else pair
 
@@ -215,6 +217,8 @@ def _dummy_quantized(key, var, method: str, mesh, layered: bool) -> QuantizedWei
     devices."""
     out, width = _quantized_in_out(var, layered)
     shape = (var.shape[0], out, width) if layered else (out, width)
+    if var.get_metadata().get("stacked_experts"):  # [L, E, In, Out] -> [L, E, Out, In]
+        shape = (*var.shape[:2], var.shape[3], var.shape[2])
     axes = _quantized_axes(var)
     codes_sharding = named_sharding(mesh, axes, shape)
     scale_sharding = named_sharding(mesh, axes, (*shape[:-1], 1))
@@ -241,7 +245,9 @@ class _Target:
     kv_replicas: int
 
     def online(self, path) -> bool:  # quantized on load ("fp8", "tpu_int8")
-        return self.quantization in ONLINE_METHODS and "contract" in self.meta(path)
+        meta = self.meta(path)
+        quantized = "contract" in meta or meta.get("stacked_experts", False)
+        return self.quantization in ONLINE_METHODS and quantized
 
     def packed(self, path) -> bool:  # an AWQ/GPTQ checkpoint's projections (never lm_head)
         return self.packed_checkpoint and _in_layers(path) and "contract" in self.meta(path)
@@ -364,14 +370,19 @@ def _checkpoint_values(t: _Target, arch: Architecture, cfg, source) -> dict:
             num_experts = var.shape[1]
             if expert >= num_experts:
                 raise ValueError(f"Checkpoint tensor {name}: the model has {num_experts} experts.")
-            host = _convert(np.asarray(w), kind, var.shape[2:]).astype(t.dtype)
-            if host.shape != var.shape[2:]:
+            if t.online(path):  # transformers' [Out, In], quantized per output channel
+                expected = var.shape[3], var.shape[2]
+                host = quantize_online(np.asarray(w, np.float32), t.quantization)
+            else:
+                expected = var.shape[2:]
+                host = _convert(np.asarray(w), kind, expected).astype(t.dtype)
+            if tuple(host.shape) != tuple(expected):
                 raise ValueError(f"Checkpoint tensor {name} has shape {w.shape}.")
             got = experts.setdefault((path, layer), {})
             got[expert] = host
             if len(got) < num_experts:
                 continue
-            host = np.stack([got[i] for i in range(num_experts)])
+            host = _stack([got[i] for i in range(num_experts)], name)
             del experts[(path, layer)]
         else:
             host = _host_weight(t, name, w, path, layer, kind)

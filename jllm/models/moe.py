@@ -19,6 +19,11 @@ run:
   never read. The tile count is static per bucket (cdiv(T * k, TILE) + min(E, T * k)), the
   trip count is the tiles in use.
 
+Quantized experts (`quantization="fp8"` or `"tpu_int8"`, made on load per output channel)
+are QuantizedWeights [E, F, D] / [E, D, F] in transformers' [Out, In] layout: the tiled
+product multiplies each tile by its expert's codes (`quantization.weights.matmul`); the
+ragged one dequantizes the layer's experts first.
+
 Parallelism: tensor parallelism splits each expert's intermediate axis F over the mesh's model
 axis, as for a dense MLP (the down product's partial sums are reduced by XLA). Expert
 parallelism (`enable_expert_parallel`) places whole experts instead: device i holds experts
@@ -41,6 +46,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jllm.models.layers import Linear, StackedWeight, activation, param
+from jllm.quantization.weights import QuantizedWeight, dequantize, matmul
 from sharding import MODEL_AXIS
 
 TILE = 16  # rows per tile of the CPU's grouped product
@@ -70,7 +76,7 @@ def grouped_ffn(x, w_gate, w_up, w_down, group_sizes, act: str, method: str):
     of the stacked experts (`StackedWeight`)."""
     f = activation(act)
     if method == "ragged":
-        w_gate, w_up, w_down = _layer(w_gate), _layer(w_up), _layer(w_down)
+        w_gate, w_up, w_down = (_layer(w, x.dtype) for w in (w_gate, w_up, w_down))
         gate = jax.lax.ragged_dot(x, w_gate, group_sizes)
         up = jax.lax.ragged_dot(x, w_up, group_sizes)
         return jax.lax.ragged_dot((f(gate) * up).astype(x.dtype), w_down, group_sizes)
@@ -79,14 +85,28 @@ def grouped_ffn(x, w_gate, w_up, w_down, group_sizes, act: str, method: str):
     return _tiled_ffn(x, w_gate, w_up, w_down, group_sizes, f)
 
 
+def _is_view(a) -> bool:
+    return isinstance(a, StackedWeight)
+
+
 def _expert(w, e):
-    """Expert e's weight, from [E, ...] or from the layer stack (`StackedWeight`)."""
-    return w.stack[w.layer, e] if isinstance(w, StackedWeight) else w[e]
+    """Expert e's weight, from [E, ...] or from the layer stack (`StackedWeight`), float or
+    quantized (a QuantizedWeight whose arrays are such views)."""
+    return jax.tree.map(lambda a: a.stack[a.layer, e] if _is_view(a) else a[e], w, is_leaf=_is_view)
 
 
-def _layer(w):
-    """The whole [E, ...] of a layer (a copy when it comes from the stack)."""
-    return w.stack[w.layer] if isinstance(w, StackedWeight) else w
+def _layer(w, dtype):
+    """The whole [E, In, Out] of a layer in `dtype` (a copy when it comes from the stack;
+    quantized experts dequantized, [E, Out, In] -> [E, In, Out])."""
+    w = jax.tree.map(lambda a: a.stack[a.layer] if _is_view(a) else a, w, is_leaf=_is_view)
+    if isinstance(w, QuantizedWeight):
+        return jnp.swapaxes(dequantize(w, dtype), -1, -2)
+    return w
+
+
+def _dot(x, w):
+    """x [M, In] times one expert's weight: float [In, Out], or quantized [Out, In]."""
+    return matmul(x, w) if isinstance(w, QuantizedWeight) else x @ w
 
 
 def _tiled_ffn(x, w_gate, w_up, w_down, sizes, f):
@@ -108,8 +128,8 @@ def _tiled_ffn(x, w_gate, w_up, w_down, sizes, f):
     def body(t, out):
         rows = jax.lax.dynamic_slice_in_dim(padded, t * M, M)  # [M, D]
         e = tile_expert[t]
-        h = f(rows @ _expert(w_gate, e)) * (rows @ _expert(w_up, e))  # [M, F]
-        y = h.astype(x.dtype) @ _expert(w_down, e)
+        h = f(_dot(rows, _expert(w_gate, e))) * _dot(rows, _expert(w_up, e))  # [M, F]
+        y = _dot(h.astype(x.dtype), _expert(w_down, e))
         return jax.lax.dynamic_update_slice_in_dim(out, y, t * M, 0)
 
     out = jax.lax.fori_loop(0, tile_end[-1], body, jnp.zeros_like(padded))
@@ -185,7 +205,7 @@ class MoE(nnx.Module):
             in_specs=(P(), P(), P(), P(), split, split, split),
             out_specs=P(),
             check_vma=False,
-        )(x, token, row_weight, sizes, *(_layer(a) for a in w))
+        )(x, token, row_weight, sizes, *(_layer(a, x.dtype) for a in w))
 
 
 def _combine(x, token, row_weight, sizes, w, act: str, T: int):

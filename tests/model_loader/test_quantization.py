@@ -14,6 +14,7 @@ import torch
 import transformers
 from gguf.quants import dequantize as gguf_dequantize
 from oracle import SMALL, worst_teacher_forced_gaps
+from oracle import prompt_ids as oracle_prompts
 
 from jllm import LLM, SamplingParams
 from jllm.model_loader import resolve_model
@@ -96,10 +97,10 @@ def dequantized_copy(model_dir: str, method: str, dest) -> str:
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.ndim != 2 or "embed_tokens" in name:
-                continue
+            if param.ndim not in (2, 3) or "embed_tokens" in name:
+                continue  # 3: stacked experts [E, Out, In], per output channel too
             w = param.numpy()
-            absmax = np.abs(w).max(axis=1, keepdims=True)
+            absmax = np.abs(w).max(axis=-1, keepdims=True)
             scale = (np.maximum(absmax, 1e-5) / BOUND[method]).astype(np.float32)
             codes = reference_codes(w, scale, method)
             param.copy_(torch.from_numpy((codes * scale).astype(np.float32)))
@@ -130,6 +131,27 @@ def test_online_methods_match_transformers_on_the_quantized_values(method, save_
     state = llm.llm_engine.runner.state
     assert isinstance(state["layers"]["mlp"]["up_proj"]["weight"].get_value(), QuantizedWeight)
     assert not isinstance(state["embed_tokens"].get_value(), QuantizedWeight)
+
+
+@pytest.mark.parametrize("method", ["tpu_int8", "fp8"])
+def test_quantized_experts_match_transformers_on_the_quantized_values(
+    method, tiny_models, tmp_path
+):
+    """A mixture of experts quantized on load, experts included (each expert's output
+    channels scaled alone): transformers on the same quantized values chooses the same
+    tokens and gives the same logprobs."""
+    path = tiny_models["mixtral"]
+    reference = dequantized_copy(path, method, tmp_path / "reference")
+    llm = LLM(path, quantization=method, dtype="float32", **SMALL)
+    prompts = oracle_prompts(3, 12, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(reference).eval()
+    runs = [(p, o.outputs[0]) for p, o in zip(prompts, outs, strict=True)]
+    gap, error = worst_teacher_forced_gaps(model, runs)
+    assert gap == 0.0 and error < 1e-4, (gap, error)
+    experts = llm.llm_engine.runner.state["layers"]["mlp"]["experts"]
+    assert isinstance(experts["down_proj"].get_value(), QuantizedWeight)
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,8 @@ from safetensors.numpy import load_file, save_file
 
 from jllm import LLM, SamplingParams
 from jllm.models.moe import dense_ffn_reference, grouped_ffn, route, sort_by_expert
+from jllm.quantization.formats import quantize_online, stack_layers
+from jllm.quantization.weights import dequantize
 from jllm.runner.compile_guard import count_compiles
 
 MOE = ["mixtral", "qwen3-moe", "qwen3-moe-unnormed"]
@@ -143,3 +145,30 @@ def test_expert_parallel_equals_one_device(tiny_models, devices):
 def test_expert_parallel_needs_divisible_experts(tiny_models):
     with pytest.raises(ValueError, match="8 experts on 3 devices"):
         LLM(tiny_models["mixtral"], **SMALL, tensor_parallel_size=3, enable_expert_parallel=True)
+
+
+@pytest.mark.parametrize("method", ["tiles", "ragged"])
+@pytest.mark.parametrize("quantization", ["fp8", "tpu_int8"])
+def test_grouped_product_of_quantized_experts(method, quantization):
+    """Experts quantized per output channel ([E, Out, In] codes): the grouped product
+    equals the dense reference on their dequantized values."""
+    rng = np.random.default_rng(5)
+    T, E, k, D, F = 9, 8, 2, 32, 48
+    floats = [rng.normal(size=s).astype(np.float32) * 0.2 for s in ((E, D, F),) * 2]
+    floats.append(rng.normal(size=(E, F, D)).astype(np.float32) * 0.2)
+    quantized = [  # each expert's [Out, In] = our [In, Out] transposed
+        stack_layers(
+            [quantize_online(np.ascontiguousarray(w[e].T), quantization) for e in range(E)]
+        )
+        for w in floats
+    ]
+    quantized = [jax.tree.map(jnp.asarray, q) for q in quantized]
+    values = [jnp.swapaxes(dequantize(q, jnp.float32), -1, -2) for q in quantized]
+    x = jnp.asarray(rng.normal(size=(T, D)), jnp.float32)
+    weights, ids = route(jnp.asarray(rng.normal(size=(T, E)), jnp.float32), k, True)
+    order, sizes = sort_by_expert(ids, E)
+    token = order // k
+    y = grouped_ffn(x[token], *quantized, sizes, "silu", method)
+    out = jnp.zeros((T, D)).at[token].add(y * weights.reshape(-1)[order][:, None])
+    ref = dense_ffn_reference(x, weights, ids, *values, "silu")
+    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=1e-5)
