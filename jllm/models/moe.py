@@ -193,8 +193,11 @@ class MoE(nnx.Module):
             first = jax.lax.axis_index(MODEL_AXIS) * local
             start = (jnp.cumsum(sizes) - sizes)[first]  # the local experts' run of rows
             mine = jax.lax.dynamic_slice_in_dim(sizes, first, local)
-            pad = lambda a: jnp.concatenate([a, jnp.zeros((N, *a.shape[1:]), a.dtype)])  # noqa: E731
-            run = lambda a: jax.lax.dynamic_slice_in_dim(pad(a), start, N)  # noqa: E731
+
+            def run(a):  # [N] -> the N entries from `start` (zeros past the end)
+                padded = jnp.concatenate([a, jnp.zeros((N, *a.shape[1:]), a.dtype)])
+                return jax.lax.dynamic_slice_in_dim(padded, start, N)
+
             part = _combine(x, run(token), run(row_weight), mine, (w_gate, w_up, w_down), act, T)
             return jax.lax.psum(part, MODEL_AXIS)
 
