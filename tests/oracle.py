@@ -139,6 +139,17 @@ ARCHS = {
             "norm_topk_prob": True,
         },
     ),
+    # Qwen2-MoE: a shared expert beside the routed ones, q/k/v biases, unnormalised routing.
+    "qwen2-moe": (
+        transformers.Qwen2MoeConfig,
+        transformers.Qwen2MoeForCausalLM,
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "shared_expert_intermediate_size": 96,
+        },
+    ),
     "qwen3-moe-unnormed": (
         transformers.Qwen3MoeConfig,
         transformers.Qwen3MoeForCausalLM,

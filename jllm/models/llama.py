@@ -68,6 +68,7 @@ class LlamaConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
     expert_parallel: bool = False  # whole experts per device (enable_expert_parallel)
 
     @classmethod
@@ -150,7 +151,8 @@ def mlp_block(cfg: LlamaConfig, dtype, rngs: nnx.Rngs, sparse: bool):
         return MLP(cfg, dtype, rngs)
     D, F, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
     k, norm = cfg.num_experts_per_tok, cfg.norm_topk_prob
-    return MoE(D, F, E, k, norm, cfg.hidden_act, dtype, rngs, cfg.expert_parallel)
+    shared = cfg.shared_expert_intermediate_size
+    return MoE(D, F, E, k, norm, cfg.hidden_act, dtype, rngs, cfg.expert_parallel, shared)
 
 
 def split_kind(kind) -> tuple:

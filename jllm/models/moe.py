@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jllm.models.layers import Linear, StackedWeight, activation, param
+from jllm.models.layers import Linear, StackedWeight, activation, gated_product, param
 from jllm.quantization.weights import QuantizedWeight, dequantize, matmul
 from sharding import MODEL_AXIS
 
@@ -160,18 +160,53 @@ class Experts(nnx.Module):
         self.down_proj = param(rngs, (E, F, D), (experts, mlp, "embed"), dtype, **kw)
 
 
+class SharedExpert(nnx.Module):
+    """Qwen2-MoE's expert every token takes: a dense gated MLP of width `F`."""
+
+    def __init__(self, D: int, F: int, act: str, dtype, rngs: nnx.Rngs):
+        self.gate_proj = Linear("TD,DF->TF", (D, F), ("embed", "mlp"), dtype, rngs)
+        self.up_proj = Linear("TD,DF->TF", (D, F), ("embed", "mlp"), dtype, rngs)
+        self.down_proj = Linear("TF,FD->TD", (F, D), ("mlp", "embed"), dtype, rngs)
+        self.act = act
+
+    def __call__(self, x, ctx=None):  # [T, D]
+        return self.down_proj(gated_product(self.gate_proj, self.up_proj, x, ctx, self.act), ctx)
+
+
 class MoE(nnx.Module):
-    """The sparse MLP block: `gate` (the router, a Linear [D, E]) and `experts`."""
+    """The sparse MLP block: `gate` (the router, a Linear [D, E]) and `experts`; with
+    `shared` > 0 also a shared expert of that width, added to every token's output through
+    a sigmoid gate of its own (`shared_expert_gate`, Qwen2-MoE's)."""
 
     def __init__(
-        self, D, F, E, k, normalize: bool, act: str, dtype, rngs, expert_parallel: bool = False
+        self,
+        D,
+        F,
+        E,
+        k,
+        normalize: bool,
+        act: str,
+        dtype,
+        rngs,
+        expert_parallel: bool = False,
+        shared: int = 0,
     ):
         self.gate = Linear("TD,DE->TE", (D, E), ("embed", None), dtype, rngs)
         self.experts = Experts(E, D, F, dtype, rngs, expert_parallel)
         self.num_experts, self.k, self.normalize, self.act = E, k, normalize, act
         self.expert_parallel = expert_parallel
+        if shared:
+            self.shared_expert = SharedExpert(D, shared, act, dtype, rngs)
+            self.shared_expert_gate = Linear("TD,DO->TO", (D, 1), ("embed", None), dtype, rngs)
 
     def __call__(self, x, ctx=None):  # [T, D]
+        out = self._routed(x, ctx)
+        if getattr(self, "shared_expert", None) is not None:
+            gate = jax.nn.sigmoid(self.shared_expert_gate(x, ctx).astype(jnp.float32))
+            out = out + (gate * self.shared_expert(x, ctx).astype(jnp.float32)).astype(out.dtype)
+        return out
+
+    def _routed(self, x, ctx):
         weights, ids = route(self.gate(x, ctx, out_dtype=jnp.float32), self.k, self.normalize)
         order, sizes = sort_by_expert(ids, self.num_experts)
         token = order // self.k  # [N] the token of each sorted row

@@ -139,13 +139,31 @@ def _mixtral(hf) -> LlamaConfig:
     return LlamaConfig.from_hf(hf, **flags, **_windows(hf))
 
 
-def _qwen3_moe(hf) -> LlamaConfig:
+def _qwen_sparse_layers(hf) -> tuple[bool, ...]:
+    """Qwen-MoE's sparse layers: every `decoder_sparse_step`-th but `mlp_only_layers`."""
     only_dense = set(getattr(hf, "mlp_only_layers", None) or [])
     step = hf.decoder_sparse_step
-    sparse = tuple(
+    return tuple(
         i not in only_dense and hf.num_experts > 0 and (i + 1) % step == 0
         for i in range(hf.num_hidden_layers)
     )
+
+
+def _qwen2_moe(hf) -> LlamaConfig:
+    sparse = _qwen_sparse_layers(hf)
+    flags = _moe_flags(hf, sparse, hf.num_experts, hf.moe_intermediate_size, hf.norm_topk_prob)
+    shared = int(hf.shared_expert_intermediate_size or 0)
+    return LlamaConfig.from_hf(
+        hf,
+        qkv_bias=bool(getattr(hf, "qkv_bias", True)),
+        shared_expert_intermediate_size=shared,
+        **flags,
+        **_windows(hf),
+    )
+
+
+def _qwen3_moe(hf) -> LlamaConfig:
+    sparse = _qwen_sparse_layers(hf)
     flags = _moe_flags(hf, sparse, hf.num_experts, hf.moe_intermediate_size, hf.norm_topk_prob)
     bias = bool(getattr(hf, "attention_bias", False))
     return LlamaConfig.from_hf(
@@ -177,7 +195,11 @@ _MIXTRAL_EXPERTS = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
 
 def _qwen3_moe_weights(cfg: LlamaConfig) -> dict:
     experts = {p: f"mlp.experts.*.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
-    return _moe_layer_weights(cfg, {"gate": "mlp.gate.weight", **experts})
+    names = _moe_layer_weights(cfg, {"gate": "mlp.gate.weight", **experts})
+    if cfg.shared_expert_intermediate_size:  # Qwen2-MoE
+        names |= {f"mlp.shared_expert.{p}_proj.weight": "t" for p in ("gate", "up", "down")}
+        names["mlp.shared_expert_gate.weight"] = "t"
+    return names
 
 
 def _phi3(hf) -> LlamaConfig:
@@ -220,6 +242,7 @@ REGISTRY: dict[str, Architecture] = {
     "qwen3": _arch("Qwen3ForCausalLM", _qwen3),
     "phi3": _arch("Phi3ForCausalLM", _phi3, fused_weights=_phi3_fused),
     "mixtral": _arch("MixtralForCausalLM", _mixtral, _mixtral_weights),
+    "qwen2_moe": _arch("Qwen2MoeForCausalLM", _qwen2_moe, _qwen3_moe_weights),
     "qwen3_moe": _arch("Qwen3MoeForCausalLM", _qwen3_moe, _qwen3_moe_weights),
     "gemma2": _gemma("Gemma2ForCausalLM", gemma3=False),
     "gemma3_text": _gemma("Gemma3ForCausalLM", gemma3=True),

@@ -1,8 +1,9 @@
 """Mixtures of experts: the grouped product against the dense every-expert reference, and
-tiny random Mixtral and Qwen3-MoE models (8 experts, top-2, both routings, a dense layer among
-the sparse ones) against transformers in float32: greedy tokens equal and logprobs within
-1e-4, chunked and from the prefix cache; TP = 2 equal to TP = 1; no compile after start-up;
-bad configs and checkpoints refused before serving."""
+tiny random Mixtral, Qwen3-MoE and Qwen2-MoE models (8 experts, top-2, both routings, a dense
+layer among the sparse ones, a shared expert) against transformers in float32: greedy tokens
+equal and logprobs within 1e-4, chunked and from the prefix cache; TP = 2 and expert
+parallelism equal to TP = 1; no compile after start-up; bad configs and checkpoints refused
+before serving."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from jllm.quantization.formats import quantize_online, stack_layers
 from jllm.quantization.weights import dequantize
 from jllm.runner.compile_guard import count_compiles
 
-MOE = ["mixtral", "qwen3-moe", "qwen3-moe-unnormed"]
+MOE = ["mixtral", "qwen3-moe", "qwen3-moe-unnormed", "qwen2-moe"]
 
 
 @pytest.mark.parametrize("method", ["tiles", "ragged"])
@@ -123,16 +124,15 @@ def test_bad_moe_checkpoints_are_refused(tiny_models, tmp_path):
     assert jax.devices()  # the failed loads left the process usable
 
 
-@pytest.mark.parametrize("devices", [2, 4])
-def test_expert_parallel_equals_one_device(tiny_models, devices):
+@pytest.mark.parametrize("arch,devices", [("mixtral", 2), ("mixtral", 4), ("qwen2-moe", 2)])
+def test_expert_parallel_equals_one_device(tiny_models, arch, devices):
     """Whole experts per device (4 or 2 of the 8 each), tokens replicated, partial outputs
-    summed: the same tokens and logprobs as one device."""
+    summed (Qwen2-MoE's shared expert split as a dense MLP beside them): the same tokens
+    and logprobs as one device."""
     prompts = prompt_ids(4, 18, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
-    one = generate(LLM(tiny_models["mixtral"], **SMALL), prompts, params)
-    llm = LLM(
-        tiny_models["mixtral"], **SMALL, tensor_parallel_size=devices, enable_expert_parallel=True
-    )
+    one = generate(LLM(tiny_models[arch], **SMALL), prompts, params)
+    llm = LLM(tiny_models[arch], **SMALL, tensor_parallel_size=devices, enable_expert_parallel=True)
     experts = llm.llm_engine.runner.state["layers"]["mlp"]["experts"]["gate_proj"].get_value()
     assert experts.sharding.shard_shape(experts.shape)[1] == 8 // devices
     for a, b in zip(one, generate(llm, prompts, params), strict=True):
