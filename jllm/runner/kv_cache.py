@@ -76,30 +76,6 @@ def allocator_fraction(platform: str) -> float:
     return float(value) if value else 0.75
 
 
-def determine_num_blocks(
-    per_block: int,
-    *,
-    override: int | None,
-    memory_bytes: int | None,
-    utilization: float,
-    step_bytes,
-    stats: dict | None = None,
-    fraction: float = 1.0,
-) -> int:
-    """Blocks of `per_block` bytes in the cache's memory (`kv_cache_budget`), or the
-    override."""
-    if override is not None:
-        return override
-    memory_bytes = kv_cache_budget(memory_bytes, utilization, step_bytes, stats, fraction)
-    num_blocks = memory_bytes // per_block
-    if num_blocks < 2:
-        raise ValueError(
-            f"The KV cache memory ({memory_bytes} bytes) holds fewer than 2 blocks of "
-            f"{per_block} bytes; give it more memory."
-        )
-    return int(num_blocks)
-
-
 def kv_cache_budget(
     memory_bytes: int | None, utilization: float, step_bytes, stats=None, fraction=1.0
 ) -> int:

@@ -10,7 +10,7 @@ import pytest
 from jllm.runner.kv_cache import (
     CacheSpec,
     abstract_kv_cache,
-    determine_num_blocks,
+    kv_cache_budget,
     size_kv_cache,
     sliding_pool_cap,
     split_blocks,
@@ -20,7 +20,6 @@ GiB = 1 << 30
 
 
 def test_sizing_from_memory_stats_subtracts_the_profiled_step():
-    per_block = 1 << 20
     asked = []
 
     def step_bytes():
@@ -28,42 +27,25 @@ def test_sizing_from_memory_stats_subtracts_the_profiled_step():
         return 3 * GiB
 
     stats = {"bytes_limit": 80 * GiB, "bytes_in_use": 16 * GiB}
-    n = determine_num_blocks(
-        per_block,
-        override=None,
-        memory_bytes=None,
-        utilization=0.9,
-        step_bytes=step_bytes,
-        stats=stats,
-    )
-    assert asked and n == (int(80 * GiB * 0.9) - 16 * GiB - 3 * GiB) // per_block
-    # An explicit size or block count never profiles.
-    for kw in ({"override": 7, "memory_bytes": None}, {"override": None, "memory_bytes": GiB}):
-        asked.clear()
-        determine_num_blocks(per_block, utilization=0.9, step_bytes=step_bytes, stats=stats, **kw)
-        assert not asked
+    budget = kv_cache_budget(None, 0.9, step_bytes, stats)
+    assert asked and budget == int(80 * GiB * 0.9) - 16 * GiB - 3 * GiB
+    # An explicit size never profiles (nor does a block count: `size_kv_cache` below).
+    asked.clear()
+    assert kv_cache_budget(GiB, 0.9, step_bytes, stats) == GiB
+    assert not asked
     with pytest.raises(ValueError, match="No device memory is left"):
-        determine_num_blocks(
-            per_block,
-            override=None,
-            memory_bytes=None,
-            utilization=0.2,
-            step_bytes=step_bytes,
-            stats=stats,
-        )
+        kv_cache_budget(None, 0.2, step_bytes, stats)
 
 
 def test_utilization_is_a_share_of_the_whole_device(caplog):
     """JAX's allocator limit is `fraction` of the device: 0.9 of an 80 GiB device is 72 GiB,
     and a utilization above the allocator's share is capped at its limit, with a warning."""
-    per_block = 1 << 20
     stats = {"bytes_limit": 76 * GiB, "bytes_in_use": 16 * GiB}  # 0.95 of 80 GiB
-    kw = dict(override=None, memory_bytes=None, step_bytes=lambda: 3 * GiB, stats=stats)
-    n = determine_num_blocks(per_block, utilization=0.9, fraction=0.95, **kw)
-    assert n == (int(80 * GiB * 0.9) - 16 * GiB - 3 * GiB) // per_block
+    budget = kv_cache_budget(None, 0.9, lambda: 3 * GiB, stats, fraction=0.95)
+    assert budget == int(80 * GiB * 0.9) - 16 * GiB - 3 * GiB
     with caplog.at_level("WARNING"):
-        n = determine_num_blocks(per_block, utilization=0.9, fraction=0.75, **kw)
-    assert n == (76 * GiB - 16 * GiB - 3 * GiB) // per_block
+        budget = kv_cache_budget(None, 0.9, lambda: 3 * GiB, stats, fraction=0.75)
+    assert budget == 76 * GiB - 16 * GiB - 3 * GiB
     assert "XLA_CLIENT_MEM_FRACTION" in caplog.text
 
 
@@ -120,6 +102,7 @@ def test_one_request_must_fit_counting_a_window_by_its_span():
         _size((full,), max_model_len=4096, memory_bytes=memory)
     _, counts = _size((sliding,), max_model_len=4096, memory_bytes=memory)
     assert counts == [100]
-    # An explicit block count is taken as it is (preemption tests run on tiny pools).
+    # An explicit block count is taken as it is (preemption tests run on tiny pools), and
+    # never profiles (`_size` passes no profile: asking would fail).
     _, counts = _size((full,), max_model_len=4096, memory_bytes=None, override=12)
     assert counts == [12]
