@@ -109,6 +109,18 @@ def dequantized_copy(model_dir: str, method: str, dest) -> str:
     return str(dest)
 
 
+def generate_like_reference(llm, reference: str, prompts, params):
+    """`llm`'s outputs for `prompts`, checked against transformers on the `reference`
+    checkpoint (the quantized values in float32, `dequantized_copy`): greedy is its argmax,
+    and the reported logprobs are within 1e-4 of its own."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(reference).eval()
+    runs = [(p, o.outputs[0]) for p, o in zip(prompts, outs, strict=True)]
+    gap, error = worst_teacher_forced_gaps(model, runs)
+    assert gap == 0.0 and error < 1e-4, (gap, error)  # greedy = transformers' argmax
+    return outs
+
+
 @pytest.mark.parametrize("method", ["tpu_int8", "fp8"])
 def test_online_methods_match_transformers_on_the_quantized_values(method, save_tiny, tmp_path):
     path, _ = save_tiny("llama", tie=False)  # an untied lm_head is quantized too
@@ -116,11 +128,7 @@ def test_online_methods_match_transformers_on_the_quantized_values(method, save_
     llm = LLM(path, quantization=method, dtype="float32", **SMALL)
     prompts = prompt_ids(4, 5, seed=3)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    model = transformers.AutoModelForCausalLM.from_pretrained(reference).eval()
-    runs = [(p, o.outputs[0]) for p, o in zip(prompts, outs, strict=True)]
-    gap, error = worst_teacher_forced_gaps(model, runs)
-    assert gap == 0.0 and error < 1e-4, (gap, error)  # greedy = transformers' argmax
+    outs = generate_like_reference(llm, reference, prompts, params)
     # float16 activations: the codes' values (fp8's reach 448) and the unscaled products
     # stay in range (float32 accumulation), so the tokens are the same
     half = LLM(path, quantization=method, dtype="float16", **SMALL)
@@ -145,11 +153,7 @@ def test_quantized_experts_match_transformers_on_the_quantized_values(
     llm = LLM(path, quantization=method, dtype="float32", **SMALL)
     prompts = oracle_prompts(3, 12, seed=4)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    model = transformers.AutoModelForCausalLM.from_pretrained(reference).eval()
-    runs = [(p, o.outputs[0]) for p, o in zip(prompts, outs, strict=True)]
-    gap, error = worst_teacher_forced_gaps(model, runs)
-    assert gap == 0.0 and error < 1e-4, (gap, error)
+    generate_like_reference(llm, reference, prompts, params)
     experts = llm.llm_engine.runner.state["layers"]["mlp"]["experts"]
     assert isinstance(experts["down_proj"].get_value(), QuantizedWeight)
 
