@@ -61,6 +61,11 @@ class SchedulerOutput:
     # their matchers) each one's bitmask rows [1 + drafts, ceil(V / 32)] int32.
     structured_output_request_ids: set[str] = field(default_factory=set)
     grammar_bitmask: dict = field(default_factory=dict)
+    # Images: (encoder-cache slot, pixels [C, H, W]) of each image to encode before this
+    # step, and per request the (first token, token count, slot) of every image its
+    # scheduled tokens touch (engine/encoder_cache.py).
+    encoder_inputs: list[tuple[int, object]] = field(default_factory=list)
+    mm_slots: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return not self.num_scheduled_tokens

@@ -42,6 +42,10 @@ class FlatBatch:
     # The sliding window of the KV-cache group this batch is for: the XLA path reads only the
     # pages inside it (the ragged kernels take the window from the layer).
     window: int | None = None
+    # [T] the last key position each token sees, for a model whose image tokens attend to
+    # each other in both directions (an image token's is its image's last token, any other
+    # token's its own position); None: causal.
+    q_horizon: np.ndarray | None = None
 
 
 @partial(
@@ -53,6 +57,7 @@ class FlatBatch:
         "query_start",
         "query_lens",
         "num_seqs",
+        "q_horizon",
     ],
     meta_fields=["kv_fp8"],
 )
@@ -65,6 +70,7 @@ class RaggedMetadata:
     query_lens: jax.Array  # [R]
     num_seqs: jax.Array  # [1]
     kv_fp8: str | None = None  # the float8 format whose bytes (uint8) the cache holds
+    q_horizon: jax.Array | None = None  # [T] (FlatBatch.q_horizon), None: causal
 
 
 def build_ragged(b: FlatBatch) -> RaggedMetadata:
@@ -77,4 +83,5 @@ def build_ragged(b: FlatBatch) -> RaggedMetadata:
         b.query_lens,
         np.array([R], np.int32),
         b.kv_fp8,
+        b.q_horizon,
     )

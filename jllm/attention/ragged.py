@@ -79,6 +79,8 @@ class CpuKernelBackend(_Ragged):
         if not is_fp8_cache(kv_cache.dtype, fp8):  # q in the cache's float dtype
             q = q.astype(kv_cache.dtype)
         options = dict(sm_scale=scale, sliding_window=window, soft_cap=soft_cap, fp8_dtype=fp8)
+        if md.q_horizon is not None:  # image tokens that attend both ways (Gemma 3)
+            options["q_horizon"] = md.q_horizon
         mesh = _model_mesh()
         if mesh is not None:
             out = ragged_paged_attention_cpu_sharded(
@@ -122,6 +124,8 @@ class PallasBackend(_Ragged):
             interpret=self.name.endswith("_interpret"),
             fp8_dtype=fp8,
         )
+        if md.q_horizon is not None:  # image tokens that attend both ways (Gemma 3)
+            options["q_horizon"] = md.q_horizon
         mesh = _model_mesh()
         if mesh is not None:
             out = ragged_paged_attention_sharded(mesh, MODEL_AXIS, *args, kernel=kernel, **options)

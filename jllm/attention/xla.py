@@ -113,6 +113,7 @@ def band_chunks(
         "tile_chunks",
         "decode_first",
         "tile_first",
+        "tile_q_horizon",
     ],
     meta_fields=["kv_fp8"],
 )
@@ -133,6 +134,8 @@ class XlaMetadata:
     decode_first: jax.Array  # [kv_bands(Rd)]
     tile_first: jax.Array  # [kv_bands(Tt)]
     kv_fp8: str | None = None  # the float8 format whose bytes (uint8) the cache holds
+    # [Tt, C] the last key each query sees (FlatBatch.q_horizon), None: causal (q_pos)
+    tile_q_horizon: jax.Array | None = None
 
 
 def build_xla(b: FlatBatch) -> XlaMetadata:
@@ -142,7 +145,11 @@ def build_xla(b: FlatBatch) -> XlaMetadata:
     dec_kv = b.kv_lens[:Rd]
     # A prefill tile needs the keys up to its last query (causal), not its request's whole
     # context; the bands take tiles in that order, longest first.
-    tile_need = b.tile_q_pos.max(axis=1, initial=-1) + 1
+    horizon = None
+    if b.q_horizon is not None:  # rows of several tokens follow the Rd decode rows in tiles
+        horizon = b.q_horizon[Rd:].reshape(Tt, C)
+        horizon = np.where(b.tile_q_pos >= 0, np.maximum(horizon, b.tile_q_pos), -1)
+    tile_need = (b.tile_q_pos if horizon is None else horizon).max(axis=1, initial=-1) + 1
     order = np.argsort(-tile_need, kind="stable").astype(np.int32)
     inverse = np.empty_like(order)
     inverse[order] = np.arange(Tt, dtype=np.int32)
@@ -170,6 +177,7 @@ def build_xla(b: FlatBatch) -> XlaMetadata:
         decode_first=decode_first,
         tile_first=tile_first,
         kv_fp8=b.kv_fp8,
+        tile_q_horizon=None if horizon is None else horizon[order].astype(np.int32),
     )
 
 
@@ -186,12 +194,15 @@ def tile_attention(
     window: int | None = None,
     soft_cap: float | None = None,
     first_chunk=0,
+    q_horizon=None,
 ):
     """Attention for tiles of C queries that each belong to one request.
 
     q [Tt, C, N, H], block_table [Tt, P], kv_lens [Tt], q_pos [Tt, C] -> [Tt, C, N, H].
     Scores are q . k * sm_scale, then soft_cap * tanh(score / soft_cap) when soft_cap is set;
-    a query at position p sees keys at positions (p - window, p] when window is set. The loop
+    a query at position p sees keys at positions (p - window, p] when window is set, up to
+    its `q_horizon` [Tt, C] instead of p when given (an image token in a model whose image
+    tokens attend to each other in both directions). The loop
     gathers chunks first_chunk .. num_chunks - 1 of L keys: with a window, `build_xla` starts
     it at the first chunk any tile sees. The pages it gathers before a tile's window (or past
     its context) may hold anything, NaN included: their keys score -inf and, with a window,
@@ -215,7 +226,8 @@ def tile_attention(
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         k_pos = c * L + jnp.arange(L)  # [L]
-        mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (
+        last = q_pos if q_horizon is None else q_horizon
+        mask = (k_pos[None, None, :] <= last[:, :, None]) & (
             k_pos[None, None, :] < kv_lens[:, None, None]
         )  # [Tt, C, L]
         if window is not None:
@@ -241,13 +253,26 @@ def tile_attention(
 
 
 def banded_attention(
-    q, kv_cache, layer, block_table, kv_lens, q_pos, first_chunks, end_chunks, **options
+    q,
+    kv_cache,
+    layer,
+    block_table,
+    kv_lens,
+    q_pos,
+    first_chunks,
+    end_chunks,
+    q_horizon=None,
+    **options,
 ):
     """`tile_attention` over consecutive bands of rows, each looping over its own chunks
     (`first_chunks` .. `end_chunks` - 1, [bands]); `options`: tile_attention's sm_scale,
     fp8_dtype, window and soft_cap."""
     bands = end_chunks.shape[0]
     rows = q.shape[0] // bands
+
+    def band(a, b):
+        return None if a is None else a[b * rows : (b + 1) * rows]
+
     outs = [
         tile_attention(
             q[b * rows : (b + 1) * rows],
@@ -258,6 +283,7 @@ def banded_attention(
             q_pos[b * rows : (b + 1) * rows],
             end_chunks[b],
             first_chunk=first_chunks[b],
+            q_horizon=band(q_horizon, b),
             **options,
         )
         for b in range(bands)
@@ -305,6 +331,7 @@ class XlaBackend(AttentionBackend):
                 md.tile_q_pos,
                 md.tile_first,
                 md.tile_chunks,
+                q_horizon=md.tile_q_horizon,
                 **options,
             )
             parts.append(pre[md.tile_inverse].reshape(Tt * C, N, H))

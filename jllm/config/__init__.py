@@ -27,10 +27,30 @@ UNSUPPORTED_ARGS = {
     "pipeline_parallel_size": 1,
     "data_parallel_size": 1,
     "hf_overrides": None,
-    "mm_processor_kwargs": None,
-    "limit_mm_per_prompt": None,
     "enable_sleep_mode": False,
 }
+# The seeds' image flags, which vLLM removed: refused with a message that says so
+# (engine/multimodal.py).
+REMOVED_IMAGE_ARGS = (
+    "image_input_type",
+    "image_token_id",
+    "image_input_shape",
+    "image_feature_size",
+)
+
+
+def refuse_removed_image_flags(given: dict) -> None:
+    """ValueError naming the first of the seeds' image flags in `given` (removed from vLLM
+    when it began reading them from the model's config and processor)."""
+    for name in REMOVED_IMAGE_ARGS:
+        if given.get(name) is not None:
+            raise ValueError(
+                f"{name} (--{name.replace('_', '-')}) was removed from vLLM: the image "
+                "token, its count and the input shape come from the model's config and its "
+                "Hugging Face processor. Pass images with multi_modal_data={'image': ...} or "
+                "as image_url content parts."
+            )
+
 
 DTYPES = {"auto", "half", "float16", "bfloat16", "float", "float32"}
 # vLLM's kv_cache_dtype values: "auto" (the model's dtype) and float8 (e4m3 for "fp8").
@@ -128,6 +148,14 @@ class EngineArgs:
     node_rank: int = 0
     master_addr: str | None = None  # None: JAX detects the cluster (Cloud TPU, Slurm, ...)
     master_port: int = 29501
+    # Image inputs (vision-language models, engine/multimodal.py): vLLM's per-prompt limit
+    # ({"image": N}), the processor's keyword arguments (under each request's own), the
+    # folder whose files `file://` image URLs may read, and the domains whose http(s)
+    # image URLs are fetched (none by default: such a URL is refused).
+    limit_mm_per_prompt: dict | None = None
+    mm_processor_kwargs: dict | None = None
+    allowed_local_media_path: str = ""
+    allowed_media_domains: list | None = None
 
     def _check_lora(self) -> None:
         if self.max_lora_rank not in LORA_RANKS:
@@ -148,11 +176,12 @@ class EngineArgs:
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:
         names = {f.name for f in dataclasses.fields(cls)}
+        refuse_removed_image_flags(kwargs)
         for key, value in kwargs.items():
             if key in UNSUPPORTED_ARGS:
                 if value != UNSUPPORTED_ARGS[key]:
                     raise ValueError(f"{key}={value!r} is not supported by jllm yet.")
-            elif key not in names:
+            elif key not in names and key not in REMOVED_IMAGE_ARGS:
                 raise TypeError(f"Unknown engine argument {key!r}.")
         return cls(**{k: v for k, v in kwargs.items() if k in names})
 

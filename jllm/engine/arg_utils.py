@@ -16,6 +16,7 @@ from jllm.config import (
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     LORA_DTYPES,
+    REMOVED_IMAGE_ARGS,
     SCHEDULING_POLICIES,
     TOKENIZER_MODES,
     UNSUPPORTED_ARGS,
@@ -101,6 +102,14 @@ HELP = {
     "the cluster (Cloud TPU metadata and TPU_* variables, Slurm, Open MPI, "
     "JAX_COORDINATOR_ADDRESS).",
     "master_port": "Port of JAX's coordinator on process 0; the step channel uses the next.",
+    "limit_mm_per_prompt": "Images a prompt may carry, as JSON: '{\"image\": 4}' (default: "
+    "no limit with this flag unset).",
+    "mm_processor_kwargs": "Keyword arguments for the model's Hugging Face processor, as "
+    "JSON; a request's own mm_processor_kwargs override them.",
+    "allowed_local_media_path": "A folder whose files image URLs (file://...) may read; "
+    "empty: none.",
+    "allowed_media_domains": "Domains whose http(s) image URLs the server fetches; none by "
+    "default (such a URL is a 400 at once).",
 }
 
 CHOICES = {
@@ -135,7 +144,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if f.name == "logits_processors":
             group.add_argument(flag(f.name), nargs="*", default=None, help=help_text)
             continue
-        if f.name in ("structured_outputs_config", "speculative_config"):
+        if f.name == "allowed_media_domains":
+            group.add_argument(flag(f.name), nargs="*", default=None, help=help_text)
+            continue
+        if f.name in (
+            "structured_outputs_config",
+            "speculative_config",
+            "limit_mm_per_prompt",
+            "mm_processor_kwargs",
+        ):
             group.add_argument(flag(f.name), type=json.loads, default=None, help=help_text)
             continue
         if kind is bool:
@@ -154,11 +171,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     # the error can say so (see engine_args_from_namespace).
     for name in UNSUPPORTED_ARGS:
         group.add_argument(flag(name), nargs="?", const=True, default=None, help=argparse.SUPPRESS)
+    removed = parser.add_argument_group(
+        "removed image flags",
+        "vLLM's first LLaVA flags, refused: the model's config and processor give them now.",
+    )
+    for name in REMOVED_IMAGE_ARGS:
+        removed.add_argument(flag(name), default=None, help="Removed; refused with a message.")
 
 
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
     """EngineArgs from parsed flags; vLLM flags jllm cannot honour yet raise ValueError."""
     kwargs = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)}
+    kwargs |= {name: getattr(ns, name, None) for name in REMOVED_IMAGE_ARGS}
     for name in UNSUPPORTED_ARGS:
         value = getattr(ns, name, None)
         if value is not None and str(value) != str(UNSUPPORTED_ARGS[name]):

@@ -89,9 +89,11 @@ class EngineCore:
         cache_salt: str | None = None,
         priority: int = 0,
         lora=None,
+        mm_items=(),
     ) -> None:
         """Admit a validated request; its `n` sequences get seeds `seed`, `seed + 1`, ...
-        and share its `cache_salt`, `priority` and LoRA adapter (`lora`)."""
+        and share its `cache_salt`, `priority`, LoRA adapter (`lora`) and images
+        (`mm_items`)."""
         if request_id in self.parents:
             raise ValueError(f"Request id {request_id!r} is already running.")
         if params.structured_outputs is not None:
@@ -112,6 +114,7 @@ class EngineCore:
                 cache_salt,
                 priority,
                 lora,
+                mm_items,
             )
             parent.children.append(child)
             if params.detokenize and self.tokenizer is not None:

@@ -65,13 +65,20 @@ ROOT_KEY = _root_key()
 
 
 def block_key(
-    parent: bytes | None, tokens, cache_salt: str | None = None, lora: bytes | None = None
+    parent: bytes | None,
+    tokens,
+    cache_salt: str | None = None,
+    lora: bytes | None = None,
+    images: tuple[bytes, ...] = (),
 ) -> bytes:
     """The prefix-cache key of a full block: a 32-byte sha256 digest. Blocks have a fixed
-    token count, so the encoding is unambiguous with the extra keys last: the LoRA
-    adapter's 32-byte digest, then the salt."""
+    token count, so the encoding is unambiguous with the extra keys last: the content hash
+    of each image whose tokens the block holds (32 bytes each; the placeholder tokens are
+    the same for every image), the LoRA adapter's 32-byte digest, then the salt."""
     h = hashlib.sha256(ROOT_KEY if parent is None else parent)
     h.update(np.asarray(tokens, np.int64).tobytes())
+    for image in images:
+        h.update(b"image:" + image)
     if parent is None and lora is not None:
         h.update(b"lora:" + lora)
     if parent is None and cache_salt is not None:
@@ -247,7 +254,10 @@ class KVCacheManager:
         for i in range(len(req.block_hashes), num_tokens // size):
             parent = req.block_hashes[i - 1] if i else None
             block = tokens[i * size : (i + 1) * size]
-            req.block_hashes.append(block_key(parent, block, req.cache_salt, req.lora_digest))
+            images = tuple(it.hash for it in req.mm_items if it.overlaps(i * size, (i + 1) * size))
+            req.block_hashes.append(
+                block_key(parent, block, req.cache_salt, req.lora_digest, images)
+            )
 
     def _window_blocks(self, window: int) -> int:
         """How many blocks before block n a window reads from position n*S."""

@@ -20,6 +20,7 @@ from jllm.attention import get_backend
 from jllm.config import EngineArgs, resolve_scheduler_config
 from jllm.distributed import ProcessLostError, initialize_distributed, open_step_channel
 from jllm.engine.core import EngineCore
+from jllm.engine.encoder_cache import EncoderCache
 from jllm.engine.generation_config import (
     eos_token_id,
     extra_eos_ids,
@@ -28,6 +29,7 @@ from jllm.engine.generation_config import (
 )
 from jllm.engine.kv_cache_manager import KVCacheManager
 from jllm.engine.model_setup import load_draft_model, load_engine_model
+from jllm.engine.multimodal import MultiModalProcessor, encoder_slots
 from jllm.engine.platform import (
     log_split,
     min_dot_rows,
@@ -40,6 +42,7 @@ from jllm.logits_process import LogitsProcessorConfig, load_logits_processors
 from jllm.lora.manager import LoraCache, LoraSlots
 from jllm.metrics.stats import LoggingStatLogger
 from jllm.runner.compile_cache import enable_compilation_cache
+from jllm.runner.encoder import ImageEncoder
 from jllm.runner.inputs import BatchLayout
 from jllm.runner.kv_cache import allocate_kv_caches, resolve_kv_cache_dtype, size_kv_cache
 from jllm.runner.model_runner import ModelRunner
@@ -47,6 +50,7 @@ from jllm.sampling_params import SamplingParams
 from jllm.scheduler_output import PROMPT_LOGPROB_ROWS
 from jllm.spec_decode import make_proposer
 from jllm.structured_output import StructuredOutputManager
+from sharding import replicated
 
 logger = logging.getLogger("jllm")
 
@@ -90,6 +94,15 @@ class LLMEngine:
             kv_fp8=kv_fp8,
             tiles=tile is not None,
         )
+        vision = getattr(cfg, "vision", None)
+        encoder, encoder_cache = None, None
+        if vision is not None:
+            layout.image_tokens, layout.image_spans = vision.tokens_per_image, vision.bidirectional
+            slots, per_step = encoder_slots(
+                vision.tokens_per_image, sched_cfg.max_num_batched_tokens
+            )
+            encoder = ImageEncoder(m.graphdef, vision, slots, per_step, dtype, replicated(m.mesh))
+            encoder_cache = EncoderCache(slots)
         draft = None
         if args.speculative_config is not None:
             draft = load_draft_model(args, m, backend, platform, layout, kv_dtype.itemsize)
@@ -110,6 +123,7 @@ class LLMEngine:
             self.logits_processors,
             draft,
             m.lora,
+            encoder,
         )
         sizing = time.perf_counter()
         specs, group_blocks = size_kv_cache(
@@ -156,7 +170,9 @@ class LLMEngine:
                 m.lora.targets, cfg.num_layers, args.max_lora_rank, args.max_cpu_loras
             )
             slots = LoraSlots(args.max_loras)
-        self.scheduler = Scheduler(sched_cfg, kv, slots)
+        self.scheduler = Scheduler(
+            sched_cfg, kv, slots, encoder_cache, vision is not None and vision.bidirectional
+        )
         self.eos_token_id = eos = eos_token_id(self.tokenizer, m.source.hf_config)
         gen_config = model_generation_config(m.source)
         self.extra_stop_ids = extra_eos_ids(gen_config, eos)
@@ -183,8 +199,18 @@ class LLMEngine:
             structured=self.structured,
             proposer=make_proposer(args.speculative_config),
         )
+        mm = None
+        if vision is not None:
+            mm = MultiModalProcessor(
+                m.source.path,
+                vision,
+                args.limit_mm_per_prompt,
+                args.mm_processor_kwargs,
+                sched_cfg.max_num_batched_tokens,
+                args.trust_remote_code,
+            )
         self.processor = Processor(
-            self.tokenizer, self.max_model_len, cfg.vocab_size, args.max_logprobs
+            self.tokenizer, self.max_model_len, cfg.vocab_size, args.max_logprobs, mm
         )
         self._rng = random.Random(args.seed)
         done = time.perf_counter()
@@ -288,6 +314,7 @@ class LLMEngine:
             cache_salt=processed.cache_salt,
             priority=priority,
             lora=processed.lora,
+            mm_items=processed.mm_items,
         )
 
     def abort_request(self, request_ids: list[str]) -> None:

@@ -1,20 +1,23 @@
 """Turn user prompts and sampling parameters into validated engine inputs.
 
 Accepts vLLM's prompt forms (a string, `{"prompt": ...}`, `{"prompt_token_ids": [...]}`,
-either dict with vLLM's `cache_salt`), tokenizes, truncates on request and rejects what the
+either dict with vLLM's `cache_salt`, and for a vision-language model `multi_modal_data` and
+`mm_processor_kwargs`, which go through the model's processor: `engine/multimodal.py`),
+tokenizes, truncates on request and rejects what the
 engine cannot serve with a ValueError that names the problem, before anything reaches the
 scheduler. Host-side only: no JAX import.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jllm.sampling_params import MAX_SUPPRESS, SamplingParams
 
 # Prompt-dict keys vLLM defines that jllm cannot honour yet: refused by name, never ignored.
-UNSUPPORTED_PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids")
-PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+UNSUPPORTED_PROMPT_KEYS = ("multi_modal_uuids",)
+MULTIMODAL_KEYS = ("multi_modal_data", "mm_processor_kwargs")
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt", *MULTIMODAL_KEYS)
 # vLLM's cap on the token sequences `bad_words` may tokenize to.
 MAX_BAD_WORDS = 128
 
@@ -25,6 +28,7 @@ class ProcessedPrompt:
     prompt_token_ids: list[int]
     cache_salt: str | None = None
     lora: object | None = None  # the LoRA adapter (jllm/lora/peft.py:LoraAdapter), if any
+    mm_items: list = field(default_factory=list)  # its images (engine/multimodal.py)
 
 
 def cache_salt_of(prompt) -> str | None:
@@ -45,14 +49,21 @@ def cache_salt_of(prompt) -> str | None:
 
 
 class Processor:
-    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, max_logprobs: int):
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, max_logprobs: int, mm=None):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs
+        self.mm = mm  # a vision-language model's MultiModalProcessor, else None
 
-    def process_prompt(self, prompt, params: SamplingParams) -> ProcessedPrompt:
+    def process_prompt(
+        self, prompt, params: SamplingParams, add_special_tokens: bool = True
+    ) -> ProcessedPrompt:
+        """`add_special_tokens`: whether a text prompt's tokenization adds the tokenizer's
+        special tokens (False for a chat template's output, which holds them)."""
         salt = cache_salt_of(prompt)
+        if isinstance(prompt, dict) and any(k in prompt for k in MULTIMODAL_KEYS):
+            return self._process_multimodal(prompt, params, salt, add_special_tokens)
         text = None
         if isinstance(prompt, str):
             text = prompt
@@ -69,11 +80,37 @@ class Processor:
         if not (isinstance(prompt, dict) and "prompt_token_ids" in prompt):
             if self.tokenizer is None:
                 raise ValueError("Text prompts need a tokenizer; skip_tokenizer_init is set.")
-            ids = self.tokenizer.encode(text)
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         if params.truncate_prompt_tokens is not None:
             ids = ids[-params.truncate_prompt_tokens :]
         self.validate(ids, params)
         return ProcessedPrompt(text, ids, salt)
+
+    def _process_multimodal(self, prompt: dict, params, salt, add_special_tokens: bool):
+        if self.mm is None:
+            raise ValueError(
+                "multi_modal_data was given, but this model takes text only (image inputs: "
+                "LLaVA-1.5 and Gemma 3 families)."
+            )
+        kwargs = prompt.get("mm_processor_kwargs")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ValueError("mm_processor_kwargs must be a dict.")
+        images = self.mm.images(prompt.get("multi_modal_data") or {})
+        ids = prompt.get("prompt_token_ids")
+        text = prompt.get("prompt")
+        if ids is None and text is None:
+            raise ValueError("A prompt with images needs 'prompt' or 'prompt_token_ids'.")
+        ids, items = self.mm.process(
+            text if ids is None else None,
+            None if ids is None else [int(t) for t in ids],
+            images,
+            kwargs,
+            add_special_tokens,
+        )
+        if params.truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens would cut a prompt with images.")
+        self.validate(ids, params)
+        return ProcessedPrompt(text, ids, salt, mm_items=items)
 
     def validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:

@@ -47,8 +47,11 @@ class Request:
         cache_salt: str | None = None,
         priority: int = 0,
         lora=None,
+        mm_items=(),
     ) -> None:
         self.request_id = request_id
+        # Its images (engine/multimodal.py:ImageItem), in prompt order.
+        self.mm_items = list(mm_items)
         # Its LoRA adapter (jllm/lora/peft.py:LoraAdapter) or None, and the device slot it
         # pins while running (1-based; 0: none).
         self.lora = lora

@@ -17,6 +17,13 @@ A running request with draft tokens (`Request.spec_token_ids`, written by a prop
 each step) is scheduled with them: 1 + k tokens whose row samples after each one. The step's
 `SchedulerOutput` carries each request's full data once and deltas after that (see
 `jllm/scheduler_output.py`).
+
+Images (a vision-language model's `Request.mm_items`): a chunk's tokens that fall on an
+image need its embeddings in the encoder cache (`engine/encoder_cache.py`); a chunk whose
+images do not fit is cut before the first that does not. The step lists the images to
+encode and, per request, the slot of every image its tokens touch. When an image's tokens
+attend to each other in both directions (Gemma 3), a chunk never ends inside an image:
+it stops before it, or takes the rest of it whole.
 Host-side only: no JAX import.
 """
 
@@ -26,6 +33,7 @@ import logging
 import time
 
 from jllm.config import SchedulerConfig
+from jllm.engine.encoder_cache import EncoderCache
 from jllm.engine.kv_cache_manager import KVCacheManager
 from jllm.engine.request import Request, RequestStatus
 from jllm.engine.request_queue import create_request_queue, priority_key
@@ -38,10 +46,19 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv_cache: KVCacheManager, lora_slots: LoraSlots | None = None
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        lora_slots: LoraSlots | None = None,
+        encoder_cache: EncoderCache | None = None,
+        bidirectional_images: bool = False,
     ) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        # With images: the device's image embeddings, and whether an image's tokens attend
+        # to each other in both directions (its tokens are computed in one step).
+        self.encoder_cache = encoder_cache
+        self.bidirectional_images = bidirectional_images
         # With LoRA: the device slots running requests pin (jllm/lora/manager.py).
         self.lora_slots = lora_slots
         self.waiting = create_request_queue(config.policy)
@@ -66,9 +83,35 @@ class Scheduler:
             self.lora_slots.release(req.lora_slot)
             req.lora_slot = 0
 
+    def _release_images(self, req: Request) -> None:
+        if self.encoder_cache is not None:
+            self.encoder_cache.release_all(req.request_id)
+
+    def _fit_images(self, req: Request, start: int, num_new: int, step_images: set) -> int:
+        """`num_new` cut so that the images its tokens touch fit the encoder cache beside
+        the step's others (`step_images`, which it joins), and, with bidirectional images,
+        so that it does not end inside an image; 0 when nothing fits."""
+        if not req.mm_items or self.encoder_cache is None:
+            return num_new
+        end = start + num_new
+        if self.bidirectional_images:
+            for item in req.mm_items:
+                if item.offset < end < item.end:
+                    end = item.offset
+        while True:
+            if end <= start:
+                return 0
+            touched = [it for it in req.mm_items if it.overlaps(start, end)]
+            needed = {it.hash for it in touched}
+            if self.encoder_cache.can_take(step_images | needed):
+                step_images |= needed
+                return end - start
+            end = max(it.offset for it in touched)
+
     def _preempt(self, req: Request) -> None:
         self.kv_cache.free(req)
         self._release_lora(req)
+        self._release_images(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.spec_token_ids = []
@@ -159,6 +202,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         preempted = False
         lp_room = PROMPT_LOGPROB_ROWS  # prompt tokens with prompt logprobs this step
+        step_images: set[bytes] = set()  # the images this step's tokens touch
         scheduled: list[tuple[Request, int, list[int], bool]] = []
         # 1. Running requests, in admission order; preempt from the back when short.
         i = 0
@@ -179,7 +223,9 @@ class Scheduler:
             num_new = self._cap_prompt_logprobs(
                 req, req.num_computed_tokens, num_new, lp_room, budget
             )
-            if num_new == 0:  # its prompt logprobs wait for the next step
+            if num_new and req.mm_items:
+                num_new = self._fit_images(req, req.num_computed_tokens, num_new, step_images)
+            if num_new == 0:  # its prompt logprobs or its images wait for the next step
                 i += 1
                 continue
             while True:
@@ -222,6 +268,8 @@ class Scheduler:
             hit_blocks, num_hit = self.kv_cache.get_computed_blocks(req)
             num_new = self._fit(req.num_tokens - num_hit, budget)
             num_new = self._cap_prompt_logprobs(req, num_hit, num_new, lp_room, budget)
+            if num_new and req.mm_items:
+                num_new = self._fit_images(req, num_hit, num_new, step_images)
             if num_new == 0 or (
                 num_new < req.num_tokens - num_hit and not self.config.enable_chunked_prefill
             ):
@@ -255,6 +303,8 @@ class Scheduler:
         out.finished_req_ids, self._finished_ids = self._finished_ids, set()
         out.preempted_req_ids, self._preempted_ids = self._preempted_ids, set()
         cached = out.scheduled_cached_reqs
+        if self.encoder_cache is not None:
+            self._place_images(out, scheduled)
         for req, num_new, drafts, new in scheduled:
             rid = req.request_id
             blocks = self.kv_cache.block_ids(rid)
@@ -291,6 +341,26 @@ class Scheduler:
                 if req.sampling_params.structured_outputs is not None:
                     out.structured_output_request_ids.add(rid)
             req.num_computed_tokens += num_new
+            if req.mm_items and self.encoder_cache is not None:
+                self.encoder_cache.release_passed(rid, req.mm_items, req.num_computed_tokens)
+
+    def _place_images(self, out: SchedulerOutput, scheduled) -> None:
+        """Hold the images each scheduled chunk touches (the cached ones first, so that a
+        new one never evicts an image this step reads), list the new ones to encode, and
+        tell the runner each touched image's slot."""
+        touched = [
+            (req, item)
+            for req, num_new, _, _ in scheduled
+            for item in req.mm_items
+            if item.overlaps(req.num_computed_tokens, req.num_computed_tokens + num_new)
+        ]
+        cache = self.encoder_cache
+        touched.sort(key=lambda pair: pair[1].hash not in cache.slot_of)
+        for req, item in touched:
+            slot, new = cache.acquire(req.request_id, item.hash)
+            if new:
+                out.encoder_inputs.append((slot, item.pixels))
+            out.mm_slots.setdefault(req.request_id, []).append((item.offset, item.length, slot))
 
     def finish_request(self, req: Request, status: RequestStatus) -> None:
         """End `req` (stop, length or abort) and give its blocks back."""
@@ -303,6 +373,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv_cache.free(req)
         self._release_lora(req)
+        self._release_images(req)
         self.requests.pop(req.request_id, None)
         if self._sent_blocks.pop(req.request_id, None) is not None:
             self._finished_ids.add(req.request_id)

@@ -70,6 +70,8 @@ class LlamaConfig:
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
     expert_parallel: bool = False  # whole experts per device (enable_expert_parallel)
+    # A vision-language model's encoder, projector and image placeholders (models/vision.py)
+    vision: object | None = None
 
     @classmethod
     def from_hf(cls, hf, **flags) -> LlamaConfig:

@@ -49,6 +49,8 @@ def _convert(w: np.ndarray, kind: str | None, shape: tuple[int, ...]) -> np.ndar
         return w.reshape(shape)
     if kind == "t":
         return w.T
+    if kind == "patch":  # a Conv2d of stride = kernel [E, C, p, p] -> [C*p*p, E]
+        return w.reshape(w.shape[0], -1).T
     return w
 
 
@@ -71,6 +73,10 @@ def _split_fused(name: str, w, fused: dict):
 
 
 _EXPERT = re.compile(r"(.+)\.experts\.(\d+)\.(.+)")
+# A vision-language model's encoder and projector (models/vision.py) sit at transformers'
+# names (after `Architecture.rename`); the encoder's layers are stacked.
+_VISION = ("vision_tower.", "multi_modal_projector.")
+_VISION_LAYER = re.compile(r"vision_tower\.encoder\.layers\.(\d+)\.(.+)")
 
 
 def _map_name(name: str, layer_weights: dict, top_weights: dict, layer_slot):
@@ -80,6 +86,16 @@ def _map_name(name: str, layer_weights: dict, top_weights: dict, layer_slot):
     layout, or (our name, layout) where our name differs; one expert's tensor
     (`...experts.7.w1.weight`) is named with `*` for its index and goes to its place in the
     stacked experts."""
+    if name.startswith(_VISION):  # converted by the parameter's own form (`_host_weight`)
+        v = _VISION_LAYER.fullmatch(name)
+        if v:
+            return (
+                ("vision_tower", "encoder", "layers", *v.group(2).split(".")),
+                int(v.group(1)),
+                "vision",
+                None,
+            )
+        return tuple(name.split(".")), None, "vision", None
     m = _LAYER.fullmatch(name)
     if m:
         local, expert = m.group(2), None
@@ -246,6 +262,8 @@ class _Target:
 
     def online(self, path) -> bool:  # quantized on load ("fp8", "tpu_int8")
         meta = self.meta(path)
+        if meta.get("vision"):  # an image encoder's weights stay in the model's dtype
+            return False
         quantized = "contract" in meta or meta.get("stacked_experts", False)
         return self.quantization in ONLINE_METHODS and quantized
 
@@ -345,7 +363,7 @@ def _checkpoint_values(t: _Target, arch: Architecture, cfg, source) -> dict:
     experts: dict[tuple, dict[int, np.ndarray]] = {}  # (path, layer) -> expert -> weight
     layer_weights, fused = arch.layer_weights(cfg), arch.fused_weights(cfg)
     for name, w in _fused_parts(
-        source.iter_weights(keep_quantized=t.quantization == "gguf"), fused
+        _renamed(arch, source.iter_weights(keep_quantized=t.quantization == "gguf")), fused
     ):
         if IGNORED.fullmatch(name):
             continue
@@ -406,6 +424,16 @@ def _checkpoint_values(t: _Target, arch: Architecture, cfg, source) -> dict:
     return values
 
 
+def _renamed(arch: Architecture, weights):
+    """The checkpoint's tensors under the names the maps use (`Architecture.rename`: a
+    vision-language model's language model at the text family's names), without those it
+    marks unused."""
+    for name, w in weights:
+        name = arch.rename(name)
+        if name is not None:
+            yield name, w
+
+
 def _fused_parts(weights, fused: dict):
     for name, w in weights:
         yield from _split_fused(name, w, fused)
@@ -416,6 +444,9 @@ def _host_weight(t: _Target, name: str, w, path, layer, kind):
     quantized so), its kv heads repeated where there are fewer than devices."""
     var = t.flat[path]
     shape = var.shape[1:] if layer is not None else var.shape
+    if kind == "vision":  # transformers' nn.Linear [out, in], Conv2d, or as it is
+        linear = "contract" in t.meta(path)
+        kind = "patch" if np.ndim(w) == 4 else ("t" if linear else None)
     kv_replicas = t.kv_replicas
     replicate = kv_replicas > 1 and len(path) > 1 and path[-2] in _KV_PROJ
     if replicate:  # kv-head axis is the one before head_dim

@@ -31,6 +31,12 @@ from dataclasses import dataclass
 
 from jllm.models.gemma import GemmaForCausalLM, gemma_config
 from jllm.models.llama import LlamaConfig, LlamaForCausalLM
+from jllm.models.vision import (
+    VisionConfig,
+    gemma3_vision_config,
+    llava_vision_config,
+    vision_model,
+)
 
 # Tensors some checkpoints carry that hold no weights: buffers transformers once saved.
 IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
@@ -45,6 +51,9 @@ class Architecture:
     top_weights: dict[str, tuple[tuple[str, ...], str | None]]  # name -> (our path, layout)
     # A fused layer tensor -> its parts' names and row counts, in order (our config -> map).
     fused_weights: Callable[[object], dict[str, tuple[tuple[str, int], ...]]] = lambda cfg: {}
+    # A checkpoint name -> the name the maps use, or None for a tensor the model does not
+    # use (a vision-language model's: `_vision_rename`).
+    rename: Callable[[str], str | None] = lambda name: name
 
 
 def _llama_layer_weights(cfg: LlamaConfig) -> dict[str, str | None]:
@@ -249,9 +258,67 @@ REGISTRY: dict[str, Architecture] = {
 }
 _BY_CLASS = {a.name: a for a in REGISTRY.values()}
 
+# Vision-language models: a text family's architecture, its config's `vision` set, the
+# encoder and projector beside its decoder (models/vision.py).
+MULTIMODAL: dict[str, tuple[str, Callable[[object], VisionConfig]]] = {
+    "llava": ("LlavaForConditionalGeneration", llava_vision_config),
+    "gemma3": ("Gemma3ForConditionalGeneration", gemma3_vision_config),
+}
+_PREFIXES = (
+    ("model.language_model.", "model."),  # transformers >= 4.52's layout
+    ("language_model.model.", "model."),  # the hub's LLaVA-1.5 and Gemma 3 checkpoints
+    ("language_model.lm_head.", "lm_head."),
+    ("model.vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+)
+
+
+def _vision_rename(vision: VisionConfig):
+    """A vision-language checkpoint's names -> the text family's and the vision modules'
+    (`vision_tower.vision_model.X` -> `vision_tower.X`); None for what the model does not run:
+    SigLIP's pooling head, CLIP's post_layernorm, and the layers past LLaVA's feature layer."""
+    layer = re.compile(r"vision_tower\.encoder\.layers\.(\d+)\..+")
+
+    def rename(name: str) -> str | None:
+        for old, new in _PREFIXES:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        if name.startswith("vision_tower.vision_model."):
+            name = "vision_tower." + name[len("vision_tower.vision_model.") :]
+        if name.startswith("vision_tower.head."):
+            return None
+        if name.startswith("vision_tower.post_layernorm.") and not vision.post_norm:
+            return None
+        m = layer.fullmatch(name)
+        if m and int(m.group(1)) >= vision.num_layers:
+            return None
+        return name
+
+    return rename
+
+
+def _multimodal(hf_config) -> Architecture:
+    name, vision_config = MULTIMODAL[hf_config.model_type]
+    text = resolve(hf_config.text_config)
+    vision = vision_config(hf_config)
+
+    def config(hf):
+        return dataclasses.replace(text.config(hf.text_config), vision=vision_config(hf))
+
+    return dataclasses.replace(
+        text,
+        name=name,
+        config=config,
+        module=vision_model(text.module),
+        rename=_vision_rename(vision),
+    )
+
 
 def resolve(hf_config) -> Architecture:
     """The architecture of a transformers config, by `model_type`, else `architectures`."""
+    if getattr(hf_config, "model_type", None) in MULTIMODAL:
+        return _multimodal(hf_config)
     arch = REGISTRY.get(getattr(hf_config, "model_type", None))
     if arch is None:
         for name in getattr(hf_config, "architectures", None) or []:
@@ -262,7 +329,7 @@ def resolve(hf_config) -> Architecture:
         kind = getattr(hf_config, "model_type", None) or getattr(hf_config, "architectures", None)
         raise ValueError(
             f"Model type {kind!r} is not supported by jllm yet (supported: "
-            f"{', '.join(sorted(REGISTRY))})."
+            f"{', '.join(sorted([*REGISTRY, *MULTIMODAL]))})."
         )
     return arch
 

@@ -47,6 +47,7 @@ from jllm.utils import cdiv
         "prompt_lp_indices",
         "attn",
         "lora_slots",
+        "embed_index",
     ],
     meta_fields=[],
 )
@@ -64,6 +65,9 @@ class StepInputs:
     prompt_lp_indices: jax.Array
     attn: tuple  # the backend's metadata (jllm/attention/) of each KV-cache group
     lora_slots: jax.Array  # [T] each token's LoRA slot (0: none; runner/input_batch.py)
+    # [T] with images: the row of the encoder cache (flattened [slots * P, D]) whose
+    # embedding replaces each token's (-1: its own); None for a text-only model
+    embed_index: jax.Array | None = None
 
 
 def bucket(n: int, buckets: list[int]) -> int:
@@ -112,6 +116,10 @@ class BatchLayout:
     # Each KV-cache group's sliding window (None: full attention), in the runner's group
     # order: a backend reads only the pages inside it.
     windows: tuple = ()
+    # A vision-language model's tokens per image (0: text only), and whether an image's
+    # tokens attend to each other in both directions (each token's `q_horizon`).
+    image_tokens: int = 0
+    image_spans: bool = False
 
     @staticmethod
     def create(
@@ -234,6 +242,7 @@ def padded_flat_batch(layout: BatchLayout, key: tuple) -> FlatBatch:
         block_size=S,
         kv_token_bytes=layout.kv_token_bytes,
         kv_fp8=layout.kv_fp8,
+        q_horizon=np.zeros(T, np.int32) if layout.image_spans else None,
     )
 
 
@@ -467,15 +476,45 @@ def build_step(
     prompt_lp_indices = (
         np.zeros(PROMPT_LOGPROB_ROWS, np.int32) if prompt_rows is None else prompt_rows.indices
     )
+    embed_index = place_images(p, batch, out, layout) if layout.image_tokens else None
     every_group = range(len(batch.block_table))
     attn = group_metadata(
         backend, p.flat, batch, every_group, p.tok_row, p.positions, p.req_row, layout.windows
     )
     lora_slots = np.where(p.tok_row >= 0, batch.lora_slot[p.tok_row], 0).astype(np.int32)
     inputs = StepInputs(
-        p.token_ids, p.positions, logits_indices, p.from_device, prompt_lp_indices, attn, lora_slots
+        p.token_ids,
+        p.positions,
+        logits_indices,
+        p.from_device,
+        prompt_lp_indices,
+        attn,
+        lora_slots,
+        embed_index,
     )
     return inputs, md, p.groups, plan.shape, prompt_rows
+
+
+def place_images(p: _Placed, batch: InputBatch, out: SchedulerOutput, layout: BatchLayout):
+    """Each token's row in the encoder cache ([T], -1: none) from the slots of the images
+    the step's tokens touch (`out.mm_slots`), and with bidirectional images each query's
+    horizon (the flat batch's `q_horizon`: an image token's is its image's last token)."""
+    P = layout.image_tokens
+    index = np.full(len(p.token_ids), -1, np.int32)
+    horizon = p.flat.q_horizon
+    if horizon is not None:
+        horizon[:] = p.positions
+    for rid, images in out.mm_slots.items():
+        start, r = p.flat_start[rid], batch.index[rid]
+        nc, n = int(batch.num_computed[r]), int(out.num_scheduled_tokens[rid])
+        pos = np.arange(nc, nc + n)
+        for offset, length, slot in images:
+            inside = (pos >= offset) & (pos < offset + length)
+            at = start + np.flatnonzero(inside)
+            index[at] = slot * P + pos[inside] - offset
+            if horizon is not None:
+                horizon[at] = offset + length - 1
+    return index
 
 
 def grammar_rows(groups: list[SampleGroup], bitmasks: dict, Rs: int, width: int):

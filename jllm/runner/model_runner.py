@@ -59,6 +59,7 @@ def _forward(
     kv_cache,
     last_tokens,
     buf,
+    images=None,
     *,
     layout,
     graphdef,
@@ -74,7 +75,8 @@ def _forward(
     `kv_cache`: the model's KV-cache groups (a tuple of stacked caches). With a speculative
     draft model (`draft_graphdef`), `state` and `kv_cache` are pairs (target, draft): the
     draft runs over the same tokens, into its own caches through the same slots
-    (spec_decode/draft_model.py)."""
+    (spec_decode/draft_model.py). `images`: a vision-language model's encoder cache
+    [slots, P, D] (runner/encoder.py), whose rows replace the image tokens' embeddings."""
     batch = unpack(buf, layout)
     on_device = last_tokens[jnp.maximum(batch.from_device, 0)]
     token_ids = jnp.where(batch.from_device >= 0, on_device, batch.token_ids)
@@ -87,6 +89,10 @@ def _forward(
     model = nnx.merge(graphdef, state)
     attn = batch.attn[: len(kv_cache)]
     ctx = StepContext(batch.positions, attn, backend, lora_slots=batch.lora_slots)
+    if images is not None:
+        rows = images.reshape(-1, images.shape[-1])  # [slots * P, D]
+        index = batch.embed_index
+        ctx = ctx.replace(embeds=rows[jnp.maximum(index, 0)], embeds_mask=index >= 0)
     hidden, kv_cache = model(token_ids, ctx, kv_cache)
     if draft_graphdef is not None:
         kv_cache = (kv_cache, draft_cache)
@@ -173,8 +179,11 @@ class ModelRunner:
         logits_processors: tuple = (),
         draft=None,
         lora=None,
+        encoder=None,
     ) -> None:
         self.graphdef = graphdef
+        # A vision-language model's image encoder and its cache (runner/encoder.py).
+        self.encoder = encoder
         # LoRA (jllm/lora/layers.py): the slot arrays' paths in the state, and which
         # adapter (digest) each slot holds.
         self.lora = lora
@@ -275,6 +284,9 @@ class ModelRunner:
         )
         return inputs, md
 
+    def _images(self):
+        return None if self.encoder is None else self.encoder.pool
+
     def _compile_forward(self, kv_cache, buf, layout: Layout):
         """`kv_cache`: the target's, or the pair (target, draft) with a draft model."""
         with jax.set_mesh(self.mesh):
@@ -282,6 +294,7 @@ class ModelRunner:
                 *self._forward_args(kv_cache),
                 self.last_tokens,
                 buf,
+                self._images(),
                 layout=layout,
                 graphdef=self.graphdef,
                 backend=self.attention,
@@ -459,6 +472,10 @@ class ModelRunner:
             self.write_lora(1, None)  # compiles the slot write
         if self.draft is not None:
             self.draft.compile_all(self)
+        if self.encoder is not None:
+            with jax.set_mesh(self.mesh):
+                self.encoder.compile_all(self.state)
+            self.encoder.compile_guard = True
         compiled, loaded = cache_counts()
         logger.info(
             "Graph compilation finished in %.1f secs (%d executables compiled, %d loaded from "
@@ -485,12 +502,25 @@ class ModelRunner:
             zeros = self._no_bitmask[rows] = jax.device_put(zeros, self.replicated)
         return zeros
 
-    def run_step(self, key, step, writes=(), bias_writes=(), prompt_targets=None, bitmask=None):
+    def run_step(
+        self,
+        key,
+        step,
+        writes=(),
+        bias_writes=(),
+        prompt_targets=None,
+        bitmask=None,
+        encoder_inputs=(),
+    ):
         """The device part of a step, from the host inputs (StepInputs, SamplingMetadata) to
         the packed result, still on the device (JAX dispatches asynchronously), after the
         admitted rows' penalty and logit-bias writes; with `prompt_targets`, also the packed
-        prompt logprobs (else None); `bitmask`: the step's grammar bitmask [Rs, W], or None.
+        prompt logprobs (else None); `bitmask`: the step's grammar bitmask [Rs, W], or None;
+        `encoder_inputs`: the images to encode first ((slot, pixels) each).
         Every process of a multi-process engine runs it with the same inputs."""
+        if encoder_inputs:
+            with jax.set_mesh(self.mesh):
+                self.encoder.run(self.state, list(encoder_inputs))
         inputs, md = step
         (buf, layout), (md_buf, md_layout) = pack(inputs), pack(md)
         for w in writes:
@@ -503,7 +533,7 @@ class ModelRunner:
         buf, md_buf = jax.device_put((buf, md_buf), self.replicated)
         fwd = self._forward_executable(key, buf, layout)
         hidden, caches, prompt_hidden = fwd(
-            *self._forward_args(self._caches()), self.last_tokens, buf
+            *self._forward_args(self._caches()), self.last_tokens, buf, self._images()
         )
         if self.draft is None:
             self.kv_cache = caches
@@ -527,9 +557,9 @@ class ModelRunner:
             message = channel.recv()
             if message[0] == "stop":
                 return
-            _, key, step, writes, bias_writes, prompt_targets, bitmask = message
+            _, key, step, writes, bias_writes, prompt_targets, bitmask, images = message
             jax.block_until_ready(
-                self.run_step(key, step, writes, bias_writes, prompt_targets, bitmask)
+                self.run_step(key, step, writes, bias_writes, prompt_targets, bitmask, images)
             )
 
     def _apply(self, out: SchedulerOutput):
@@ -562,9 +592,12 @@ class ModelRunner:
         targets = None if prompt_rows is None else prompt_rows.targets
         bitmask = grammar_rows(groups, out.grammar_bitmask, len(md.masked), self.bitmask_width)
         step = (inputs, md)
+        images = out.encoder_inputs
         if self.channel is not None:  # the other processes run the same step
-            self.channel.send(("step", key, step, writes, bias_writes, targets, bitmask))
-        packed, prompt_packed = self.run_step(key, step, writes, bias_writes, targets, bitmask)
+            self.channel.send(("step", key, step, writes, bias_writes, targets, bitmask, images))
+        packed, prompt_packed = self.run_step(
+            key, step, writes, bias_writes, targets, bitmask, images
+        )
         for g in groups:
             self.batch.num_pending[g.row] += 1
         return packed, groups, prompt_packed, prompt_rows

@@ -30,6 +30,7 @@ def ragged_paged_attention_reference(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     fp8_dtype=None,
+    q_horizon=None,
 ) -> jnp.ndarray:
     """Attention of a flat ragged batch of queries over a paged KV cache.
 
@@ -37,6 +38,12 @@ def ragged_paged_attention_reference(
     query_start, query_lens [R]; block_tables [R, P]; only requests r < num_seqs are used.
     Returns [T, N, H] in q's dtype, zero on rows no valid request owns. A float8 cache
     (a float8 array, or uint8 bytes with ``fp8_dtype``) is read as float32.
+
+    ``q_horizon`` [T] int32 (optional): the last key position each query sees, for a model
+    whose image tokens attend to each other in both directions (Gemma 3): a query inside an
+    image's span sees up to the span's last token, any other query its own position (None:
+    causal for every query). A sliding window still counts back from the query's own
+    position, and no query sees past its request's context.
     """
     validate_inputs(
         q, kv_cache, kv_lens, block_tables, query_start, query_lens, num_seqs, fp8_dtype
@@ -69,7 +76,8 @@ def ragged_paged_attention_reference(
     kv = kv_cache[block_tables].reshape(r_total, p * s, 2 * k_heads, h)  # [R, L, 2K, H]
     kv = from_cache(kv[req], jnp.float32, fp8_dtype)  # [T, L, 2K, H]: each row's own request
     kv_pos = jnp.arange(p * s)[None, :]  # [1, L]
-    mask = (kv_pos <= q_pos[:, None]) & owned[:, None]  # [T, L]
+    horizon = q_pos if q_horizon is None else np.maximum(np.asarray(q_horizon), q_pos)
+    mask = (kv_pos <= horizon[:, None]) & (kv_pos < kv_lens[req][:, None]) & owned[:, None]
     if sliding_window is not None:
         mask &= kv_pos > q_pos[:, None] - sliding_window
     k = jnp.repeat(kv[:, :, 0::2], n // k_heads, axis=2)  # [T, L, N, H]

@@ -200,7 +200,8 @@ def test_cache_salt_separates_prefix_cache_hits(llama_llm):
         ({"prompt": "hi", "cache_salt": ""}, "cache_salt"),
         ({"prompt": "hi", "cache_salt": 5}, "cache_salt"),
         ({"prompt": "hi", "salt": "x"}, "Unknown prompt field 'salt'"),
-        ({"prompt": "hi", "multi_modal_data": {}}, "'multi_modal_data' is not supported"),
+        ({"prompt": "hi", "multi_modal_data": {}}, "this model takes text only"),
+        ({"prompt": "hi", "multi_modal_uuids": {}}, "'multi_modal_uuids' is not supported"),
     ],
 )
 def test_bad_prompt_dicts_are_refused(llama_llm, prompt, match):
