@@ -45,10 +45,12 @@ class AsyncLLM:
         return cls(LLMEngine.from_engine_args(args), stat_loggers)
 
     # ---- front end (event loop) ----------------------------------------------------------
-    def prepare(self, prompt, params: SamplingParams, lora_request=None):
+    def prepare(
+        self, prompt, params: SamplingParams, lora_request=None, add_special_tokens: bool = True
+    ):
         """Validate and tokenize (raises ValueError); nothing reaches the engine yet."""
         self.check_health()
-        return self.engine.prepare(prompt, params, lora_request)
+        return self.engine.prepare(prompt, params, lora_request, add_special_tokens)
 
     async def generate(
         self,

@@ -259,9 +259,12 @@ class LLMEngine:
         logger.info("Process 0 stopped; process %d is done.", self.rank)
 
     # ---- requests ------------------------------------------------------------------------
-    def prepare(self, prompt, params: SamplingParams, lora_request=None):
+    def prepare(
+        self, prompt, params: SamplingParams, lora_request=None, add_special_tokens: bool = True
+    ):
         """Validate and tokenize without touching engine state (raises ValueError); with a
-        `lora_request`, also load and check its adapter (the host cache keeps it)."""
+        `lora_request`, also load and check its adapter (the host cache keeps it).
+        `add_special_tokens`: False for a chat template's output."""
         if self.is_follower:
             raise RuntimeError(
                 f"This is process {self.rank} of a {self.args.nnodes}-process engine; only "
@@ -270,7 +273,7 @@ class LLMEngine:
         params = params.clone()
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.extra_stop_ids
-        processed = self.processor.process_prompt(prompt, params)
+        processed = self.processor.process_prompt(prompt, params, add_special_tokens)
         if lora_request is not None:
             if self.lora_cache is None:
                 raise ValueError(

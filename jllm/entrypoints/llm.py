@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from jllm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from jllm.config import EngineArgs
 from jllm.engine.llm_engine import LLMEngine
+from jllm.entrypoints.media import MediaConnector, chat_messages_with_images
 from jllm.logger import setup_logging
 from jllm.outputs import RequestOutput
 from jllm.sampling_params import RequestOutputKind, SamplingParams
@@ -74,6 +75,17 @@ class LLM:
         lora_request=None,
         priority=None,
     ) -> list[RequestOutput]:
+        return self._generate(prompts, sampling_params, use_tqdm, lora_request, priority)
+
+    def _generate(
+        self,
+        prompts,
+        sampling_params,
+        use_tqdm: bool,
+        lora_request=None,
+        priority=None,
+        add_special_tokens: bool = True,
+    ) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -92,7 +104,7 @@ class LLM:
                 )
         # Validate everything before the first request enters the engine.
         prepared = [
-            self.llm_engine.prepare(p, sp, lora)
+            self.llm_engine.prepare(p, sp, lora, add_special_tokens)
             for p, sp, lora in zip(prompts, params_list, loras, strict=True)
         ]
         return self._run(prepared, use_tqdm, priority)
@@ -180,8 +192,11 @@ class LLM:
         conversations = messages
         if not messages or isinstance(messages[0], dict):
             conversations = [messages]
+        args = self.llm_engine.args
+        media = MediaConnector(args.allowed_local_media_path, args.allowed_media_domains)
         prompts = []
         for conv in conversations:
+            conv, images = chat_messages_with_images(conv, media)
             text = tokenizer.apply_chat_template(
                 conv,
                 tokenize=False,
@@ -190,9 +205,14 @@ class LLM:
                 chat_template=chat_template,
                 **(chat_template_kwargs or {}),
             )
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            prompts.append({"prompt_token_ids": ids, "prompt": text})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+            if images:  # the model's processor expands each image's placeholder
+                prompts.append({"prompt": text, "multi_modal_data": {"image": images}})
+            else:
+                ids = tokenizer.encode(text, add_special_tokens=False)
+                prompts.append({"prompt_token_ids": ids, "prompt": text})
+        return self._generate(
+            prompts, sampling_params, use_tqdm, lora_request, add_special_tokens=False
+        )
 
     def _run(self, prepared, use_tqdm: bool, priority: list[int]) -> list[RequestOutput]:
         engine = self.llm_engine

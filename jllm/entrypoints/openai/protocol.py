@@ -258,6 +258,7 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None  # merged over the engine's
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import uuid
 
+from jllm.entrypoints.media import MediaConnector, chat_messages_with_images
 from jllm.entrypoints.openai.protocol import ChatCompletionRequest
 from jllm.entrypoints.openai.serving_engine import (
     OpenAIError,
@@ -59,7 +60,11 @@ def message_text(content) -> str:
 def _template_message(m: dict) -> dict:
     """A message as chat templates expect it: text content, and tool-call arguments as
     objects (OpenAI sends them as JSON strings), as vLLM passes them."""
-    out = {**m, "content": message_text(m.get("content"))}
+    content = m.get("content")
+    with_images = isinstance(content, list) and any(
+        isinstance(p, dict) and p.get("type") == "image" for p in content
+    )  # parts with image placeholders (media.chat_messages_with_images) stay parts
+    out = {**m, "content": content if with_images else message_text(content)}
     calls = m.get("tool_calls")
     if isinstance(calls, list):
         out["tool_calls"] = []
@@ -189,19 +194,25 @@ class OpenAIServingChat(OpenAIServing):
         """`tool_parser`: the parser of tool_choice "auto" (the server's
         `--tool-call-parser` under `--enable-auto-tool-choice`); None: "auto" is refused."""
         super().__init__(*args, **kwargs)
+        args = self.engine.engine.args
+        self.media = MediaConnector(args.allowed_local_media_path, args.allowed_media_domains)
         self.chat_template = chat_template
         self.response_role = response_role
         self.tool_parser = None if tool_parser is None else TOOL_PARSERS[tool_parser]()
 
-    def render(self, request) -> tuple[str, list[int]]:
-        """Apply the chat template; returns the prompt text and its token ids."""
+    def render(self, request) -> tuple[str, list[int], list]:
+        """Apply the chat template; returns the prompt text, its token ids (None with
+        images: the model's processor expands their placeholders) and the images."""
         if self.tokenizer is None:
             raise OpenAIError("Chat needs a tokenizer; the server runs without one.", 400)
-        messages = []
         for m in request.messages:
             if not isinstance(m, dict) or "role" not in m:
                 raise OpenAIError("Each message needs a 'role'.", 400, "messages")
-            messages.append(_template_message(m))
+        try:
+            with_parts, images = chat_messages_with_images(request.messages, self.media)
+        except ValueError as e:
+            raise OpenAIError(str(e), 400, "messages") from e
+        messages = [_template_message(m) for m in with_parts]
         tools = request.tools if request.tools else None
         try:
             text = self.tokenizer.apply_chat_template(
@@ -215,7 +226,9 @@ class OpenAIServingChat(OpenAIServing):
             )
         except Exception as e:  # noqa: BLE001 - template errors are the request's fault
             raise OpenAIError(f"Could not apply the chat template: {e}", 400, "messages") from e
-        return text, self.tokenizer.encode(text, add_special_tokens=False)
+        if images:
+            return text, None, images
+        return text, self.tokenizer.encode(text, add_special_tokens=False), []
 
     async def create_chat_completion(self, request: ChatCompletionRequest):
         lora = self.check_request(request)
@@ -227,7 +240,7 @@ class OpenAIServingChat(OpenAIServing):
         if not request.messages:
             raise OpenAIError("messages cannot be empty.", 400, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        text, ids = await off_loop(self.render, request)
+        text, ids, images = await off_loop(self.render, request)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens or request.max_tokens
         try:
@@ -249,9 +262,13 @@ class OpenAIServingChat(OpenAIServing):
         if mode.choice == "auto" and not mode.plain and not self.tool_parser.skip_special_tokens:
             params.skip_special_tokens = False
         prompt = {"prompt_token_ids": ids, "prompt": text}
+        if images:
+            prompt = {"prompt": text, "multi_modal_data": {"image": images}}
+            if request.mm_processor_kwargs is not None:
+                prompt["mm_processor_kwargs"] = request.mm_processor_kwargs
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
-        prepared = [await off_loop(self.prepare, request_id, prompt, params, lora)]
+        prepared = [await off_loop(self.prepare, request_id, prompt, params, lora, False)]
         role = (
             self.response_role
             if request.add_generation_prompt

@@ -196,9 +196,16 @@ class OpenAIServing:
             return request.model
         return self.model_name
 
-    def prepare(self, request_id: str, prompt, params: SamplingParams, lora=None):
+    def prepare(
+        self,
+        request_id: str,
+        prompt,
+        params: SamplingParams,
+        lora=None,
+        add_special_tokens: bool = True,
+    ):
         try:
-            prepared = self.engine.prepare(prompt, params, lora)
+            prepared = self.engine.prepare(prompt, params, lora, add_special_tokens)
         except ValueError as e:
             raise OpenAIError(str(e), 400) from e
         num_prompt = len(prepared[0].prompt_token_ids)

@@ -1,0 +1,134 @@
+"""Images named by OpenAI content parts (`{"type": "image_url", "image_url": {"url": ...}}`),
+loaded as vLLM's media connector does, under the operator's rules:
+
+- `data:image/...;base64,...`: decoded in place;
+- `file://...`: only under `allowed_local_media_path` (refused when it is unset);
+- `http(s)://...`: only from `allowed_media_domains` (none by default: refused at once, never
+  a hang on a network that is not there), with a timeout and a size cap.
+
+Every refusal is a ValueError naming the rule (a 400 in the server). The bytes go to Pillow,
+which reads image formats only: nothing received is executed or unpickled.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+import urllib.parse
+import urllib.request
+
+FETCH_TIMEOUT_S = 5.0  # vLLM's VLLM_IMAGE_FETCH_TIMEOUT
+MAX_IMAGE_BYTES = 64 << 20
+
+
+def decode_image(data: bytes):
+    """A PIL image from encoded bytes (PNG, JPEG, ...), fully read; ValueError if not."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise ValueError(f"The image could not be decoded: {e}") from e
+    return image
+
+
+class MediaConnector:
+    def __init__(self, allowed_local_media_path: str = "", allowed_media_domains=None) -> None:
+        self.local_root = (
+            os.path.realpath(allowed_local_media_path) if allowed_local_media_path else None
+        )
+        self.domains = {d.lower() for d in (allowed_media_domains or [])}
+
+    def fetch_image(self, url: str):
+        if not isinstance(url, str) or not url:
+            raise ValueError("An image_url needs a 'url' string.")
+        parsed = urllib.parse.urlparse(url)
+        if parsed.scheme == "data":
+            return decode_image(self._data_url(parsed.path))
+        if parsed.scheme == "file":
+            return decode_image(self._local(urllib.parse.unquote(parsed.path)))
+        if parsed.scheme in ("http", "https"):
+            return decode_image(self._fetch(url, parsed))
+        raise ValueError(
+            f"Image URL scheme {parsed.scheme!r} is not supported (data:, file:, http(s):)."
+        )
+
+    @staticmethod
+    def _data_url(path: str) -> bytes:
+        media, _, payload = path.partition(",")
+        if not media.startswith("image/") or not media.endswith(";base64"):
+            raise ValueError("A data URL image must be 'data:image/<format>;base64,<data>'.")
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise ValueError(f"The data URL's base64 is malformed: {e}") from e
+
+    def _local(self, path: str) -> bytes:
+        if self.local_root is None:
+            raise ValueError(
+                "Loading local files (file:// image URLs) is disabled: start the engine with "
+                "allowed_local_media_path (--allowed-local-media-path) set to their folder."
+            )
+        real = os.path.realpath(path)
+        if os.path.commonpath([real, self.local_root]) != self.local_root:
+            raise ValueError(
+                f"The file {path!r} is outside allowed_local_media_path ({self.local_root})."
+            )
+        try:
+            with open(real, "rb") as f:
+                return f.read(MAX_IMAGE_BYTES + 1)
+        except OSError as e:
+            raise ValueError(f"The image file could not be read: {e}") from e
+
+    def _fetch(self, url: str, parsed) -> bytes:
+        host = (parsed.hostname or "").lower()
+        if host not in self.domains:
+            raise ValueError(
+                f"The domain {host!r} of the image URL is not allowed; the server fetches "
+                "images only from --allowed-media-domains"
+                + (f" ({', '.join(sorted(self.domains))})." if self.domains else " (none set).")
+            )
+        try:
+            with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT_S) as response:  # noqa: S310
+                data = response.read(MAX_IMAGE_BYTES + 1)
+        except OSError as e:
+            raise ValueError(f"The image at {url} could not be fetched: {e}") from e
+        if len(data) > MAX_IMAGE_BYTES:
+            raise ValueError(f"The image at {url} is larger than {MAX_IMAGE_BYTES} bytes.")
+        return data
+
+
+def chat_messages_with_images(messages: list, media: MediaConnector) -> tuple[list, list]:
+    """OpenAI chat messages -> (the messages as chat templates take them, the images in
+    order). A message whose content has image_url parts keeps a list of parts with each
+    image as `{"type": "image"}` (the placeholder the model's template writes); text-only
+    content is left as it is."""
+    out, images = [], []
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        has_image = isinstance(content, list) and any(
+            isinstance(p, dict) and p.get("type") in ("image_url", "image_pil") for p in content
+        )
+        if not has_image:
+            out.append(m)
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                parts.append({"type": "text", "text": part.get("text", "")})
+            elif kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                images.append(media.fetch_image(url))
+                parts.append({"type": "image"})
+            elif kind == "image_pil":  # vLLM's offline form: a PIL image as it is
+                images.append(part.get("image_pil"))
+                parts.append({"type": "image"})
+            else:
+                raise ValueError(f"Message content of type {kind!r} is not supported.")
+        out.append({**m, "content": parts})
+    return out, images

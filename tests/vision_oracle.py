@@ -1,0 +1,181 @@
+"""Tiny random vision-language models with their Hugging Face processors, saved as folders
+(LLaVA-1.5 with a small CLIP tower, Gemma 3 with a small SigLIP tower), and transformers as
+the oracle for them."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import transformers
+from PIL import Image
+
+# A chat template that writes an image part as the model's placeholder (as the real
+# models' templates do).
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'].upper() }}: {% if m['content'] is string %}"
+    "{{ m['content'] }}{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
+    "PLACEHOLDER{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+LLAVA_IMAGE = "<image>"
+GEMMA3_IMAGE = "<start_of_image>"
+
+
+def _text(vocab: int, cls, **kw):
+    return cls(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.25,
+        **kw,
+    )
+
+
+def save_llava(path: str, tokenizer_dir: str) -> str:
+    """LLaVA-1.5: CLIP (28x28 images in 7x7 patches: 16 image tokens), features of its
+    second-to-last layer, the linear-GELU-linear projector, a Llama."""
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.add_tokens([LLAVA_IMAGE], special_tokens=True)
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        image_size=28,
+        patch_size=7,
+        projection_dim=16,
+    )
+    text = _text(
+        len(tok), transformers.LlamaConfig, num_hidden_layers=2, bos_token_id=1, eos_token_id=2
+    )
+    cfg = transformers.LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=tok.convert_tokens_to_ids(LLAVA_IMAGE),
+        image_seq_length=16,
+    )
+    torch.manual_seed(0)
+    transformers.LlavaForConditionalGeneration(cfg).save_pretrained(path)
+    images = transformers.CLIPImageProcessor(
+        size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}
+    )
+    transformers.LlavaProcessor(
+        image_processor=images,
+        tokenizer=tok,
+        patch_size=7,
+        num_additional_image_tokens=1,
+        vision_feature_select_strategy="default",
+        chat_template=TEMPLATE.replace("PLACEHOLDER", LLAVA_IMAGE + "\n"),
+    ).save_pretrained(path)
+    return path
+
+
+def save_gemma3(path: str, tokenizer_dir: str) -> str:
+    """Gemma 3: SigLIP (32x32 images in 4x4 patches, average-pooled to 16 tokens), the
+    projector's weights made non-zero, a Gemma 3 text model whose local window (24) is
+    longer than an image."""
+    tok = transformers.AutoTokenizer.from_pretrained(
+        tokenizer_dir,
+        extra_special_tokens={
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+            "image_token": "<image_soft_token>",
+        },
+    )
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=4,
+    )
+    text = _text(
+        len(tok),
+        transformers.Gemma3TextConfig,
+        num_hidden_layers=3,
+        head_dim=16,
+        sliding_window=24,
+        sliding_window_pattern=2,
+        query_pre_attn_scalar=16,
+    )
+    cfg = transformers.Gemma3Config(
+        vision_config=vision,
+        text_config=text,
+        mm_tokens_per_image=16,
+        boi_token_index=tok.boi_token_id,
+        eoi_token_index=tok.eoi_token_id,
+        image_token_index=tok.image_token_id,
+    )
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(cfg)
+    with torch.no_grad():
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.25)
+        model.model.multi_modal_projector.mm_soft_emb_norm.weight.normal_(0, 0.5)
+    model.save_pretrained(path)
+    transformers.Gemma3Processor(
+        image_processor=transformers.Gemma3ImageProcessor(size={"height": 32, "width": 32}),
+        tokenizer=tok,
+        image_seq_length=16,
+        chat_template=TEMPLATE.replace("PLACEHOLDER", GEMMA3_IMAGE),
+    ).save_pretrained(path)
+    return path
+
+
+def random_images(count: int, seed: int = 0) -> list:
+    """RGB images of different sizes (the processor resizes them)."""
+    rng = np.random.default_rng(seed)
+    return [
+        Image.fromarray(rng.integers(0, 255, (30 + 9 * i, 40 + 5 * i, 3), dtype=np.uint8))
+        for i in range(count)
+    ]
+
+
+class VisionOracle:
+    """transformers' model and processor of a saved folder, in float32, eager attention."""
+
+    def __init__(self, path: str) -> None:
+        self.processor = transformers.AutoProcessor.from_pretrained(path)
+        self.model = transformers.AutoModelForImageTextToText.from_pretrained(
+            path, attn_implementation="eager"
+        ).eval()
+
+    def inputs(self, prompt: str, images: list):
+        return self.processor(text=prompt, images=images or None, return_tensors="pt")
+
+    def greedy(self, prompt: str, images: list, max_tokens: int) -> list[int]:
+        inputs = self.inputs(prompt, images)
+        with torch.no_grad():
+            out = self.model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+        return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+    def logprobs(self, prompt: str, images: list, tokens: list[int]) -> np.ndarray:
+        """Teacher-forced log-softmax [len(tokens), V] at each generated position."""
+        inputs = self.inputs(prompt, images)
+        n = inputs["input_ids"].shape[1]
+        ids = torch.cat([inputs["input_ids"], torch.tensor([tokens[:-1]])], dim=1)
+        extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+        if "token_type_ids" in extra:  # Gemma 3: the generated tokens are text
+            pad = torch.zeros((1, len(tokens) - 1), dtype=extra["token_type_ids"].dtype)
+            extra["token_type_ids"] = torch.cat([extra["token_type_ids"], pad], dim=1)
+        with torch.no_grad():
+            logits = self.model(input_ids=ids, **extra).logits[0, n - 1 :].float()
+        return torch.log_softmax(logits, -1).numpy()
+
+
+def assert_matches_oracle(oracle: VisionOracle, prompt: str, images: list, out) -> None:
+    """Greedy tokens equal the oracle's and their logprobs are within 1e-4, up to the first
+    step where the oracle's top two are within 1e-3 (a near-tie of a tiny random model)."""
+    got = out.outputs[0].token_ids
+    ref = oracle.logprobs(prompt, images, got)
+    top2 = np.sort(ref, axis=-1)[:, -2:]
+    ties = np.flatnonzero(top2[:, 1] - top2[:, 0] < 1e-3)
+    upto = int(ties[0]) if len(ties) else len(got)
+    assert upto > 0
+    expected = oracle.greedy(prompt, images, len(got))
+    assert got[:upto] == expected[:upto]
+    lp = [out.outputs[0].logprobs[i][t].logprob for i, t in enumerate(got[:upto])]
+    np.testing.assert_allclose(lp, [ref[i, t] for i, t in enumerate(got[:upto])], atol=1e-4)
