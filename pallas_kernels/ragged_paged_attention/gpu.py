@@ -19,6 +19,12 @@ attend to (causal limit, sliding window) are read. Scores, the running max and n
 and the accumulator are float32 (online softmax); positions the rows cannot see are masked
 out of the scores and zeroed in V, so NaN or stale data in unused slots cannot leak.
 
+Horizon. With ``q_horizon`` (Gemma 3's image tokens attending to each other both ways) a
+row sees up to ``max(its position, q_horizon[token])`` instead of its position, never past
+the request's context: the wrapper lays the horizons out as q's rows (``[T * G]``), a tile
+loads its ``block_m`` of them beside its queries, and its KV walk (and the split of it)
+runs to the furthest of them. Without it the kernel is compiled exactly as before.
+
 Split KV (flash decoding). With few query tiles (a small decode batch), ``K`` programs
 would leave most of the GPU idle while each walks a long context. ``num_kv_splits`` > 1
 cuts each request's KV range into that many contiguous parts, one program each; every
@@ -43,7 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .cache import from_cache, is_fp8_cache
-from .validation import as_stacked, validate_inputs, validate_options
+from .validation import as_stacked, validate_inputs, validate_options, validate_q_horizon
 
 
 def _pow2(x: int) -> bool:
@@ -96,6 +102,7 @@ def ragged_paged_attention_gpu(
     num_stages: int = 2,
     interpret: bool = False,
     fp8_dtype=None,
+    q_horizon: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of a flat ragged batch of queries over a paged KV cache (Pallas GPU).
 
@@ -104,12 +111,15 @@ def ragged_paged_attention_gpu(
     block_tables [R, P] int32; num_seqs an int32 scalar or [1]. Tiling left as None follows
     `default_tiling`. Returns [T, N, H] in q's dtype, zero on rows no valid request owns. A
     float8 cache (``FP8_DTYPES``, or its bytes with ``fp8_dtype``) is read into q's dtype.
+    ``q_horizon`` [T] int32 (optional): the last key position each query row sees when past
+    its own (an image's span, seen both ways), as in `ragged_paged_attention_reference`.
     """
     kv_cache, layer, layer_view = as_stacked(kv_cache, layer)
     validate_inputs(
         q, layer_view, kv_lens, block_tables, query_start, query_lens, num_seqs, fp8_dtype
     )
     validate_options(sm_scale, sliding_window, soft_cap)
+    validate_q_horizon(q_horizon, q.shape[0])
     t, n, h = q.shape
     _, _, s, two_k, _ = kv_cache.shape
     k = two_k // 2
@@ -143,6 +153,7 @@ def ragged_paged_attention_gpu(
     rows = t * group + block_m
     qg = jnp.pad(qg, ((0, 0), (0, block_m), (0, 0)))
     split = num_kv_splits > 1
+    horizon = q_horizon is not None
     out_dtype = jnp.float32 if split else q.dtype
     out_shape = [jax.ShapeDtypeStruct((num_kv_splits, k, rows, h), out_dtype)]
     inits = [jnp.zeros((num_kv_splits, k, rows, h), out_dtype)]
@@ -162,8 +173,9 @@ def ragged_paged_attention_gpu(
         num_requests=r,
         split=split,
         fp8_dtype=fp8_dtype,
+        horizon=horizon,
     )
-    inputs = (
+    inputs = [
         tile_req,
         tile_tok,
         kv_lens,
@@ -173,7 +185,9 @@ def ragged_paged_attention_gpu(
         jnp.asarray(layer, jnp.int32).reshape(1),
         qg,
         kv_cache,
-    )
+    ]
+    if horizon:  # [T*G] as q's rows (row t * G + g: token t), padded like them
+        inputs.append(jnp.pad(jnp.repeat(q_horizon, group), (0, block_m)))
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -218,8 +232,7 @@ def _kernel(
     layer_ref,  # [1]
     q_ref,  # [K, rows, H]
     kv_ref,  # [L, B, S, 2K, H]
-    _o_init,  # aliased to o_ref
-    *refs,  # (o_ref [splits, K, rows, H], lse_ref [splits, K, rows]) or with lse init
+    *refs,  # [hz_ref [rows]], the output inits, their aliases: o_ref [, lse_ref]
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
@@ -230,11 +243,14 @@ def _kernel(
     num_requests: int,
     split: bool,
     fp8_dtype,
+    horizon: bool,
 ):
+    if horizon:
+        hz_ref, *refs = refs
     if split:
-        _lse_init, o_ref, lse_ref = refs
+        _o_init, _lse_init, o_ref, lse_ref = refs  # lse_ref [splits, K, rows]
     else:
-        (o_ref,) = refs
+        _o_init, o_ref = refs
     tile, kh, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_blocks = kv_ref.shape[1]
     num_parts = pl.num_programs(2)
@@ -254,6 +270,12 @@ def _kernel(
         row_ok = m < n_tok * group  # [M]
         q_pos = kv_len - q_len + tok0 + m // group  # [M]
         last_pos = kv_len - q_len + tok0 + n_tok - 1
+        sees_to = q_pos  # [M]: each row's last key position
+        if horizon:
+            lowest = jnp.iinfo(jnp.int32).min
+            hz = plgpu.load(hz_ref.at[pl.ds(row0, block_m)], mask=row_ok, other=lowest)  # [M]
+            sees_to = jnp.maximum(q_pos, hz)
+            last_pos = jnp.maximum(last_pos, jnp.minimum(jnp.max(hz), kv_len - 1))
         first_pos = 0
         if sliding_window is not None:
             first_pos = jnp.maximum(kv_len - q_len + tok0 - sliding_window + 1, 0)
@@ -310,7 +332,7 @@ def _kernel(
             scores = scores * sm_scale
             if soft_cap is not None:
                 scores = soft_cap * jnp.tanh(scores / soft_cap)
-            mask = seen[None, :] & (kv_pos[None, :] <= q_pos[:, None])
+            mask = seen[None, :] & (kv_pos[None, :] <= sees_to[:, None])
             if sliding_window is not None:
                 mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
             scores = jnp.where(mask, scores, -jnp.inf)

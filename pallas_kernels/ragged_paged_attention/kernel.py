@@ -26,6 +26,14 @@ other requests (clamping, a short last block), so the write is read-modify-write
 the window in, ``jnp.where`` the step's own rows over it, copy it back. Both grid
 dimensions are "arbitrary", i.e. sequential, so these read-modify-writes never race.
 
+Horizon. With ``q_horizon`` (Gemma 3's image tokens attending to each other both ways) a
+row sees up to ``max(its position, q_horizon[row])`` instead of its position, never past
+the request's context. The wrapper adds two operands: a ``[T]`` table in SMEM of the
+largest horizon of the ``block_q`` rows from each row on, which moves the step's last
+position (the end of its kv walk) out to the furthest horizon of its rows, and the
+horizons themselves as ``[1, T, 1]`` in HBM, of which the step copies its window to mask
+row by row. Without it the kernel is compiled exactly as before.
+
 Known costs: the grid has R * cdiv(T, block_q) steps and most of them are empty for a
 large batch (each costs only the SMEM reads and a branch); the output window is copied
 in and out once per non-empty step.
@@ -40,9 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .cache import from_cache, is_fp8_cache
-from .validation import as_stacked, validate_inputs, validate_options
-
-_NUM_SCALAR_PREFETCH = 6
+from .validation import as_stacked, validate_inputs, validate_options, validate_q_horizon
 
 
 def ragged_paged_attention(
@@ -62,6 +68,7 @@ def ragged_paged_attention(
     pages_per_chunk: int = 8,
     interpret: bool | pltpu.InterpretParams = False,
     fp8_dtype=None,
+    q_horizon: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of a flat ragged batch of queries over a paged KV cache (Pallas TPU).
 
@@ -71,13 +78,16 @@ def ragged_paged_attention(
     [R, P] int32; num_seqs int32 scalar or [1]. Returns [T, N, H] in q's dtype, zero on rows
     no valid request owns. ``interpret=True`` runs the kernel in TPU interpret mode (CPU); an
     ``pltpu.InterpretParams`` is passed through as is. A float8 cache (``FP8_DTYPES``, or its
-    bytes with ``fp8_dtype``: cache.py) is read into q's dtype.
+    bytes with ``fp8_dtype``: cache.py) is read into q's dtype. ``q_horizon`` [T] int32
+    (optional): the last key position each query row sees when past its own (an image's
+    span, seen both ways), as in `ragged_paged_attention_reference`; None is causal.
     """
     kv_cache, layer, layer_view = as_stacked(kv_cache, layer)
     validate_inputs(
         q, layer_view, kv_lens, block_tables, query_start, query_lens, num_seqs, fp8_dtype
     )
     validate_options(sm_scale, sliding_window, soft_cap)
+    validate_q_horizon(q_horizon, q.shape[0])
     if block_q < 1 or pages_per_chunk < 1:
         raise ValueError(f"block_q={block_q} and pages_per_chunk={pages_per_chunk} must be >= 1")
     t, n, h = q.shape
@@ -89,6 +99,7 @@ def ragged_paged_attention(
         sm_scale = 1.0 / math.sqrt(h)
     if interpret is True:
         interpret = pltpu.InterpretParams()
+    horizon = q_horizon is not None
 
     kernel = functools.partial(
         _kernel,
@@ -97,43 +108,58 @@ def ragged_paged_attention(
         soft_cap=soft_cap,
         pages_per_seq=p,
         fp8_dtype=fp8_dtype,
+        horizon=horizon,
     )
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=_NUM_SCALAR_PREFETCH,
-        grid=(r, pl.cdiv(t, bq)),
-        in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * 3,
-        out_specs=pl.BlockSpec(memory_space=pl.ANY),
-        scratch_shapes=[
-            pltpu.VMEM((n, bq, h), q.dtype),  # q window
-            pltpu.VMEM((n, bq, h), q.dtype),  # output window
-            pltpu.VMEM((2, ppc, s, two_k, h), kv_cache.dtype),  # kv chunks, double-buffered
-            pltpu.VMEM((n, bq, h), jnp.float32),  # accumulator
-            pltpu.VMEM((n, bq, 1), jnp.float32),  # running max
-            pltpu.VMEM((n, bq, 1), jnp.float32),  # running normaliser
-            pltpu.SemaphoreType.DMA((2, ppc)),  # one per page slot
-            pltpu.SemaphoreType.DMA((2,)),  # q window, output window
-        ],
-    )
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((n, t, h), q.dtype),
-        grid_spec=grid_spec,
-        input_output_aliases={_NUM_SCALAR_PREFETCH + 2: 0},
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
-        interpret=interpret,
-        name="ragged_paged_attention",
-    )(
+    prefetch = [
         kv_lens,
         block_tables.reshape(-1),  # 1-D in SMEM: no padding of a 2-D table
         query_start,
         query_lens,
         jnp.asarray(num_seqs, jnp.int32).reshape(1),
         jnp.asarray(layer, jnp.int32).reshape(1),
-        jnp.swapaxes(q, 0, 1),  # [N, T, H]
-        kv_cache,
-        jnp.zeros((n, t, h), q.dtype),  # [N, T, H], aliased to the output
+    ]
+    inputs = [jnp.swapaxes(q, 0, 1), kv_cache]  # [N, T, H], [L, B, S, 2K, H]
+    scratch = [
+        pltpu.VMEM((n, bq, h), q.dtype),  # q window
+        pltpu.VMEM((n, bq, h), q.dtype),  # output window
+        pltpu.VMEM((2, ppc, s, two_k, h), kv_cache.dtype),  # kv chunks, double-buffered
+        pltpu.VMEM((n, bq, h), jnp.float32),  # accumulator
+        pltpu.VMEM((n, bq, 1), jnp.float32),  # running max
+        pltpu.VMEM((n, bq, 1), jnp.float32),  # running normaliser
+        pltpu.SemaphoreType.DMA((2, ppc)),  # one per page slot
+        pltpu.SemaphoreType.DMA((2 + horizon,)),  # q window, output window[, horizon window]
+    ]
+    if horizon:
+        prefetch.append(_horizon_ahead(q_horizon, bq))  # [T]
+        inputs.append(q_horizon.reshape(1, t, 1))
+        scratch.append(pltpu.VMEM((1, bq, 1), jnp.int32))  # horizon window
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(prefetch),
+        grid=(r, pl.cdiv(t, bq)),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * (len(inputs) + 1),
+        out_specs=pl.BlockSpec(memory_space=pl.ANY),
+        scratch_shapes=scratch,
     )
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((n, t, h), q.dtype),
+        grid_spec=grid_spec,
+        input_output_aliases={len(prefetch) + len(inputs): 0},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )(*prefetch, *inputs, jnp.zeros((n, t, h), q.dtype))  # the zeros are aliased to the output
     return jnp.swapaxes(out, 0, 1)  # [T, N, H]
+
+
+def _horizon_ahead(q_horizon: jax.Array, bq: int) -> jax.Array:
+    """[T] int32: the largest horizon of rows t .. t + bq - 1 (those within T). At a step's
+    first row it is that of the step's rows, exactly when they are bq; a request's last step
+    may own fewer and pick up other rows' horizons, which the clip to the context undoes (its
+    causal limit is the context's end already)."""
+    lowest = jnp.iinfo(jnp.int32).min
+    padded = jnp.pad(q_horizon, (0, bq - 1), constant_values=lowest)
+    return jax.lax.reduce_window(padded, lowest, jax.lax.max, (bq,), (1,), "VALID")
 
 
 def _kernel(
@@ -144,27 +170,23 @@ def _kernel(
     query_lens_ref,
     num_seqs_ref,
     layer_ref,
-    # HBM
-    q_hbm,  # [N, T, H]
-    kv_hbm,  # [L, B, S, 2K, H]
-    _out_init_hbm,  # aliased to out_hbm
-    out_hbm,  # [N, T, H]
-    # scratch
-    q_buf,  # [N, bq, H]
-    o_buf,  # [N, bq, H]
-    kv_buf,  # [2, ppc, S, 2K, H]
-    acc_ref,  # [N, bq, H] f32
-    m_ref,  # [N, bq, 1] f32
-    l_ref,  # [N, bq, 1] f32
-    kv_sems,  # [2, ppc]
-    io_sems,  # [2]
-    *,
+    *refs,
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
     pages_per_seq: int,
     fp8_dtype,
+    horizon: bool,
 ):
+    if horizon:  # the horizon's operands: one more of each kind, last of each
+        ahead_ref, q_hbm, kv_hbm, hz_hbm, _out_init_hbm, out_hbm, *scratch, hz_buf = refs
+    else:
+        q_hbm, kv_hbm, _out_init_hbm, out_hbm, *scratch = refs
+    # ahead_ref [T] (SMEM); q_hbm [N, T, H]; kv_hbm [L, B, S, 2K, H]; hz_hbm [1, T, 1];
+    # _out_init_hbm aliased to out_hbm [N, T, H]; hz_buf [1, bq, 1] int32.
+    q_buf, o_buf, kv_buf, acc_ref, m_ref, l_ref, kv_sems, io_sems = scratch
+    # q_buf, o_buf [N, bq, H]; kv_buf [2, ppc, S, 2K, H]; acc_ref [N, bq, H] f32;
+    # m_ref, l_ref [N, bq, 1] f32; kv_sems [2, ppc]; io_sems [2] (or [3], with the horizon)
     req, qblk = pl.program_id(0), pl.program_id(1)
     n, bq, h = q_buf.shape
     _, ppc, s, two_k, _ = kv_buf.shape
@@ -184,6 +206,9 @@ def _kernel(
     window = jnp.minimum(row_lo, t - bq)  # first row of the static-size window
     ctx = kv_len - q_len  # kv positions before the request's first query
     last_pos = ctx + (row_hi - q0) - 1  # furthest position any owned row attends to
+    if horizon:  # out to the furthest horizon of its rows (row_lo < T on a step that runs)
+        ahead = ahead_ref[jnp.minimum(row_lo, t - 1)]
+        last_pos = jnp.maximum(last_pos, jnp.minimum(ahead, kv_len - 1))
     first_pos = ctx + (row_lo - q0)
     lo_pos = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
 
@@ -193,6 +218,9 @@ def _kernel(
         o_read = pltpu.make_async_copy(out_hbm.at[:, pl.ds(window, bq)], o_buf, io_sems.at[1])
         q_copy.start()
         o_read.start()
+        if horizon:
+            hz_copy = pltpu.make_async_copy(hz_hbm.at[:, pl.ds(window, bq)], hz_buf, io_sems.at[2])
+            hz_copy.start()
 
         def page_copy(c, slot, j):
             page_idx = jnp.minimum(c * ppc + j, pages_per_seq - 1)
@@ -218,6 +246,10 @@ def _kernel(
         # Query positions of the window's rows; rows the step does not own get
         # arbitrary positions and are dropped at the write.
         q_pos = ctx - q0 + window + jax.lax.broadcasted_iota(jnp.int32, (1, bq, 1), 1)
+        sees_to = q_pos  # [1, bq, 1]: each row's last key position
+        if horizon:
+            hz_copy.wait()
+            sees_to = jnp.maximum(q_pos, hz_buf[...])
         q_copy.wait()
 
         def chunk_body(c, carry):
@@ -230,7 +262,7 @@ def _kernel(
             for_chunk_pages(c, slot, lambda cp: cp.wait())
             kv_pos = c * chunk + jax.lax.broadcasted_iota(jnp.int32, (1, 1, chunk), 2)
             col_ok = (kv_pos >= lo_pos) & (kv_pos <= last_pos)  # [1, 1, C]
-            mask = col_ok & (kv_pos <= q_pos)  # [1, bq, C]
+            mask = col_ok & (kv_pos <= sees_to)  # [1, bq, C]
             if sliding_window is not None:
                 mask &= kv_pos > q_pos - sliding_window
             v_pos = c * chunk + jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)

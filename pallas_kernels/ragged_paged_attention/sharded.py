@@ -3,10 +3,10 @@
 Each device runs the kernel on its own query heads and the kv heads they read: q
 [T, N, H] is split on N and the cache [B, S, 2K, H] (or stacked, [L, B, S, 2K, H]) on 2K
 (K/V interleaved, so a device's slice holds whole kv heads), with the ragged metadata
-replicated. Heads never talk to each other in attention, so no collective is needed; GQA
-groups stay intact as long as N and K divide by the axis size (what
-`sharding.kv_head_replicas` enforces). ``kernel`` picks the flavour: the TPU kernel by
-default, or `ragged_paged_attention_gpu`.
+(and ``q_horizon``, when given) replicated. Heads never talk to each other in attention,
+so no collective is needed; GQA groups stay intact as long as N and K divide by the axis
+size (what `sharding.kv_head_replicas` enforces). ``kernel`` picks the flavour: the TPU
+kernel by default, or `ragged_paged_attention_gpu`.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ def ragged_paged_attention_sharded(
     num_seqs,
     layer=None,
     kernel=ragged_paged_attention,
+    q_horizon=None,
     **kernel_options,
 ):
     """`kernel` (a ragged paged attention flavour) with heads split over `mesh` axis `axis`;
@@ -38,23 +39,22 @@ def ragged_paged_attention_sharded(
     kv_cache, layer, _ = as_stacked(kv_cache, layer)
     heads = P(None, axis, None)
     cache = P(None, None, None, axis, None)
+    metadata = [kv_lens, block_tables, query_start, query_lens, num_seqs]
+    # The layer and the horizon travel as arguments: they are traced in the model's scan.
+    metadata.append(jnp.asarray(layer, jnp.int32))
+    if q_horizon is not None:
+        metadata.append(q_horizon)
 
-    def per_device(*args):  # the layer travels as an argument: it is traced in the model's scan
-        return kernel(*args[:-1], layer=args[-1], **kernel_options)
+    def per_device(q, kv_cache, *metadata):
+        options = dict(kernel_options, layer=metadata[5])
+        if q_horizon is not None:
+            options["q_horizon"] = metadata[6]
+        return kernel(q, kv_cache, *metadata[:5], **options)
 
     return jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(heads, cache, P(), P(), P(), P(), P(), P()),
+        in_specs=(heads, cache, *[P()] * len(metadata)),
         out_specs=heads,
         check_vma=False,
-    )(
-        q,
-        kv_cache,
-        kv_lens,
-        block_tables,
-        query_start,
-        query_lens,
-        num_seqs,
-        jnp.asarray(layer, jnp.int32),
-    )
+    )(q, kv_cache, *metadata)

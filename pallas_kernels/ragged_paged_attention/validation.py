@@ -80,6 +80,16 @@ def validate_inputs(
         )
 
 
+def validate_q_horizon(q_horizon, num_tokens: int) -> None:
+    """Raises ValueError unless `q_horizon` is None or an int32 [T] array, T = `num_tokens`
+    (q's rows)."""
+    if q_horizon is not None and _int32("q_horizon", q_horizon, 1) != (num_tokens,):
+        raise ValueError(
+            f"q_horizon must be [T={num_tokens}] (one per query row), got shape "
+            f"{tuple(q_horizon.shape)}"
+        )
+
+
 def as_stacked(kv_cache, layer):
     """A kernel's cache argument as (stacked cache [L, B, S, 2K, H], the layer to read, that
     layer's shape and dtype for `validate_inputs`). A stacked cache needs ``layer``; a

@@ -176,3 +176,50 @@ def test_no_compile_after_warmup_with_images(llava):
     assert np.all(
         [b in llava.llm_engine.runner.encoder._exe for b in llava.llm_engine.runner.encoder.buckets]
     )
+
+
+def test_server_chat_with_data_url_equals_llm_chat(llava, llava_dir):
+    """The openai client against the server: an image as a data URL answers as LLM.chat;
+    an http URL from a domain not allowed is a 400 at once, and the server goes on."""
+    import openai
+    from openai_server import MODEL_NAME, RunningServer, server_args
+
+    from jllm.entrypoints.openai.api_server import build_app, build_engine
+
+    image = random_images(1, seed=5)[0]
+    content = [
+        {"type": "text", "text": "What is it? "},
+        {"type": "image_url", "image_url": {"url": data_url(image)}},
+    ]
+    messages = [{"role": "user", "content": content}]
+    expected = llava.chat(messages, GREEDY, use_tqdm=False)[0].outputs[0].text
+    args = server_args(llava_dir, "--limit-mm-per-prompt", '{"image": 1}')
+    engine, metrics = build_engine(args)
+    running = RunningServer(build_app(args, engine, metrics), engine)
+    try:
+        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="x", max_retries=0)
+        reply = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=messages,
+            max_tokens=GREEDY.max_tokens,
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )
+        assert reply.choices[0].message.content == expected
+        far = {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}
+        with pytest.raises(openai.BadRequestError, match="not allowed"):
+            client.chat.completions.create(
+                model=MODEL_NAME, messages=[{"role": "user", "content": [far]}], max_tokens=2
+            )
+        two = [*content, content[1]]
+        with pytest.raises(openai.BadRequestError, match="At most 1 image"):
+            client.chat.completions.create(
+                model=MODEL_NAME, messages=[{"role": "user", "content": two}], max_tokens=2
+            )
+        again = client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, max_tokens=2, temperature=0.0
+        )
+        assert again.choices[0].finish_reason == "length"
+    finally:
+        running.stop()
+        engine.shutdown()

@@ -159,6 +159,89 @@ def test_kv_cache_shape():
         kv_cache_shape(10, 0, 4, 64)
 
 
+# Gemma 3's image tokens attend to each other both ways (q_horizon): per request
+# (kv_len, query_len, image spans as (first, last) key positions within its query rows). A
+# fresh prefill with two images, a chunk continuing an image begun in the previous chunk, an
+# image ending at the context's end, one reaching past it (clipped to the context), beside
+# decodes and a text-only chunk. With 8-row query blocks and 8-position pages, the spans'
+# rows see pages past their blocks' last causal position.
+HORIZON_SEQS = [
+    (5, 1, []),
+    (40, 40, [(3, 20), (26, 37)]),
+    (50, 19, [(28, 45)]),
+    (17, 1, []),
+    (30, 10, [(21, 29)]),
+    (21, 3, []),
+    (25, 12, [(14, 30)]),
+]
+
+
+def horizon_batch(dtype, *, n=8, k=2, h=16, s=8, seed=0):
+    """`make_batch` over HORIZON_SEQS, and its q_horizon [T]: a span's rows see up to its
+    last position, the other rows of a request get a horizon at or before their own position
+    (so none), and the rows no request owns anything."""
+    seqs = [(kv_len, q_len) for kv_len, q_len, _ in HORIZON_SEQS]
+    args, contiguous = make_batch(seqs, n=n, k=k, h=h, s=s, dtype=dtype, seed=seed)
+    rng = np.random.default_rng(seed)
+    horizon = rng.integers(-1000, 10_000, args[0].shape[0])
+    query_start = np.asarray(args[4])[: len(seqs)]
+    for (kv_len, q_len, spans), q0 in zip(HORIZON_SEQS, query_start, strict=True):
+        pos = kv_len - q_len + np.arange(q_len)
+        rows = rng.integers(-5, pos + 1)
+        for first, last in spans:
+            rows = np.where((pos >= first) & (pos <= last), last, rows)
+        horizon[q0 : q0 + q_len] = rows
+    return args, contiguous, jnp.asarray(horizon, jnp.int32)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 24])  # 24: longer than every span
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_q_horizon_matches_reference(dtype, sliding_window):
+    args, _, horizon = horizon_batch(dtype, seed=1)
+    opts = dict(sliding_window=sliding_window)
+    ref = ragged_paged_attention_reference(*args, q_horizon=horizon, **opts)
+    causal = ragged_paged_attention_reference(*args, **opts)
+    assert not np.allclose(ref.astype(jnp.float32), causal.astype(jnp.float32), atol=0.1)
+    out = ragged_paged_attention(
+        *args, q_horizon=horizon, **opts, block_q=8, pages_per_chunk=1, interpret=True
+    )
+    assert out.dtype == dtype
+    assert_matches(out, ref, args, dtype)
+
+
+def test_reference_q_horizon_matches_naive_attention():
+    """The oracle's horizon: a span's rows see the span's keys both ways, no further than
+    the context."""
+    h = 16
+    args, contiguous, horizon = horizon_batch(jnp.float32, n=4, k=2, h=h, seed=2)
+    out = np.asarray(ragged_paged_attention_reference(*args, q_horizon=horizon))
+    q, query_start, horizon = np.asarray(args[0]), np.asarray(args[4]), np.asarray(horizon)
+    for (kv_len, q_len, _), q0, kv in zip(HORIZON_SEQS, query_start, contiguous, strict=False):
+        for j in range(q_len):
+            sees = min(max(kv_len - q_len + j, horizon[q0 + j]), kv_len - 1)
+            expected = naive_attention(q[q0 + j][None], kv[: sees + 1], sm_scale=1 / math.sqrt(h))
+            np.testing.assert_allclose(out[q0 + j], expected[0], atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_q_horizon_under_jit_and_strict_interpreter():
+    args, _, horizon = horizon_batch(jnp.float32, seed=3)
+    ref = ragged_paged_attention_reference(*args, q_horizon=horizon, sliding_window=24)
+    strict = pltpu.InterpretParams(dma_execution_mode="eager", detect_races=True)
+    run = functools.partial(
+        ragged_paged_attention, block_q=8, pages_per_chunk=2, interpret=strict, sliding_window=24
+    )
+    out = jax.jit(lambda *a: run(*a[:-1], q_horizon=a[-1]))(*args, horizon)
+    assert_matches(out, ref, args, jnp.float32)
+
+
+def test_q_horizon_is_validated():
+    args, _, horizon = horizon_batch(jnp.float32)
+    for bad in (horizon[:-1], horizon.astype(jnp.float32), horizon[:, None]):
+        for kernel in (ragged_paged_attention, ragged_paged_attention_gpu):
+            with pytest.raises(ValueError, match="q_horizon"):
+                kernel(*args, q_horizon=bad, interpret=True)
+
+
 # The TPU kernel and the GPU one (`ragged_paged_attention_gpu`), each in interpret mode.
 FLAVOURS = {
     "tpu": dict(block_q=8, pages_per_chunk=2, interpret=True),
@@ -188,6 +271,31 @@ def test_kernel_under_shard_map_matches_reference(tp, n, k, flavour):
     out = run(q, cache, *meta)
     assert out.sharding.spec == P(None, MODEL_AXIS, None)
     assert out.addressable_shards[0].data.shape == (q.shape[0], n // tp, 16)
+    assert_matches(out, ref, args, jnp.float32)
+
+
+@pytest.mark.parametrize("flavour", list(FLAVOURS))
+def test_kernel_q_horizon_under_shard_map_matches_reference(flavour):
+    """q_horizon replicated beside the metadata, on 2 fake devices."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention_sharded
+    from sharding import MODEL_AXIS, make_mesh
+
+    mesh = make_mesh(2)
+    args, _, horizon = horizon_batch(jnp.float32, seed=4)
+    ref = ragged_paged_attention_reference(*args, q_horizon=horizon)
+    q, cache, *meta = args
+    q = jax.device_put(q, NamedSharding(mesh, P(None, MODEL_AXIS, None)))
+    cache = jax.device_put(cache, NamedSharding(mesh, P(None, None, MODEL_AXIS, None)))
+    sharded = functools.partial(
+        ragged_paged_attention_sharded, mesh, MODEL_AXIS, **FLAVOURS[flavour]
+    )
+    out = jax.jit(lambda q, cache, *m: sharded(q, cache, *m[:-1], q_horizon=m[-1]))(
+        q, cache, *meta, horizon
+    )
+    assert out.sharding.spec == P(None, MODEL_AXIS, None)
     assert_matches(out, ref, args, jnp.float32)
 
 

@@ -25,6 +25,7 @@ from pallas_kernels.ragged_paged_attention import (
     unsupported_shape,
 )
 from pallas_kernels.ragged_paged_attention.gpu import _tile_table, default_tiling
+from tests.pallas_kernels.test_ragged_paged_attention import horizon_batch
 
 interpret = functools.partial(ragged_paged_attention_gpu, interpret=True)
 
@@ -61,6 +62,24 @@ def test_window_and_soft_cap(sliding_window, soft_cap, splits):
     ref = ragged_paged_attention_reference(*args, **options)
     out = interpret(*args, **options, num_kv_splits=splits, pages_per_tile=2)
     assert_matches(out, ref, args, jnp.float32)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 24])  # 24: longer than every span
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_q_horizon_matches_reference(dtype, sliding_window):
+    # Tiles of 4 tokens (G = 4) over 16 KV positions: a span's rows read KV tiles past their
+    # tile's last causal position, in one part or split over 3.
+    args, _, horizon = horizon_batch(dtype, seed=5)
+    options = dict(sliding_window=sliding_window)
+    ref = ragged_paged_attention_reference(*args, q_horizon=horizon, **options)
+    causal = ragged_paged_attention_reference(*args, **options)
+    assert not np.allclose(ref.astype(jnp.float32), causal.astype(jnp.float32), atol=0.1)
+    for splits in (1, 3):
+        out = interpret(
+            *args, q_horizon=horizon, **options, block_m=16, pages_per_tile=2, num_kv_splits=splits
+        )
+        assert out.dtype == dtype
+        assert_matches(out, ref, args, dtype)
 
 
 def test_long_contexts_split_over_the_kv():
@@ -147,8 +166,9 @@ MODEL_SHAPES = {
 }
 
 
+@pytest.mark.parametrize("horizon", [False, True], ids=["causal", "q_horizon"])
 @pytest.mark.parametrize("name", list(MODEL_SHAPES))
-def test_lowers_to_triton_for_an_h100(name):
+def test_lowers_to_triton_for_an_h100(name, horizon):
     """Lowering (no GPU needed) for an abstract H100: every operation of the kernel has a
     Triton lowering with the shapes Triton takes, and the result is one Triton call."""
     n, k, h, t, r = MODEL_SHAPES[name]
@@ -167,10 +187,12 @@ def test_lowers_to_triton_for_an_h100(name):
         i32((r,)),
         i32((1,)),
         i32(()),
+        i32((t,)),
     )
 
     def run(q, cache, *meta):
-        return ragged_paged_attention_gpu(q, cache, *meta[:-1], layer=meta[-1])
+        q_horizon = meta[6] if horizon else None
+        return ragged_paged_attention_gpu(q, cache, *meta[:5], layer=meta[5], q_horizon=q_horizon)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # the Triton backend's notice
@@ -194,4 +216,17 @@ def test_on_gpu_matches_reference(dtype, n, k, h):
         ref = ragged_paged_attention_reference(*args)
     for splits in (None, 1, 4):
         out = jax.jit(functools.partial(ragged_paged_attention_gpu, num_kv_splits=splits))(*args)
+        assert_matches(out, ref, args, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_gpu(), reason="needs a CUDA GPU (benchmarks/gpu/run.sh runs it)")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_on_gpu_q_horizon_matches_reference(dtype):
+    args, _, horizon = horizon_batch(dtype, n=32, k=8, h=128, s=16, seed=6)
+    with jax.default_matmul_precision("highest"):
+        ref = ragged_paged_attention_reference(*args, q_horizon=horizon, sliding_window=24)
+    run = jax.jit(functools.partial(ragged_paged_attention_gpu, sliding_window=24))
+    for splits in (None, 1, 4):
+        out = run(*args, q_horizon=horizon, num_kv_splits=splits)
         assert_matches(out, ref, args, dtype)
