@@ -8,7 +8,8 @@ float32 registers. It is built once per machine and cached by the CPU kernels' m
 
 It takes the whole stacked cache ``[L, B, S, 2K, H]`` and a layer index rather than one
 layer's slice, so that a model's scan over layers never copies a layer out of the cache.
-Same arguments and results as ``ragged_paged_attention_reference`` otherwise.
+Same arguments and results as ``ragged_paged_attention_reference`` otherwise, ``q_horizon``
+included: without one the kernel gets an empty buffer in its place and attends causally.
 """
 
 from __future__ import annotations
@@ -69,6 +70,19 @@ def _checked_args(
     return q, kv_cache, layer, kv_lens, block_tables, query_start, query_lens, num_seqs
 
 
+def _horizon(q, q_horizon) -> jax.Array:
+    """q_horizon checked, as the FFI call's last argument: int32 [T], or [0] for None."""
+    if q_horizon is None:
+        return jnp.zeros((0,), jnp.int32)
+    shape, dtype = getattr(q_horizon, "shape", None), getattr(q_horizon, "dtype", None)
+    if shape != (q.shape[0],) or dtype != jnp.int32:
+        raise ValueError(
+            f"q_horizon must be int32 [T={q.shape[0]}] (one per row of q), got "
+            f"{dtype}{list(shape) if shape is not None else type(q_horizon).__name__}"
+        )
+    return q_horizon
+
+
 def _options(q, sm_scale, sliding_window, soft_cap) -> dict:
     """The checked options as the kernel's attributes (0 for an option that is off)."""
     validate_options(sm_scale, sliding_window, soft_cap)
@@ -106,19 +120,21 @@ def ragged_paged_attention_cpu(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     fp8_dtype=None,
+    q_horizon: jax.Array | None = None,
 ) -> jax.Array:
     """Ragged paged attention on the CPU; the reference's arguments and result.
 
     kv_cache is one layer [B, S, 2K, H], or the stacked cache [L, B, S, 2K, H] with `layer`
     (an int or an int32 scalar array, traced or not) picking the layer to read; of q's
     dtype, or float8 (an array of that dtype, or uint8 bytes with `fp8_dtype`). With a
-    sliding window only the pages inside it are read.
+    sliding window only the pages inside it are read. q_horizon [T] int32: the last key
+    each query sees where later than its own position (None: causal), as in the reference.
     """
     args = _checked_args(
         q, kv_cache, layer, kv_lens, block_tables, query_start, query_lens, num_seqs, fp8_dtype
     )
     options = _options(q, sm_scale, sliding_window, soft_cap)
-    return _call(*args, fp8_dtype=fp8_dtype, **options)
+    return _call(*args, _horizon(q, q_horizon), fp8_dtype=fp8_dtype, **options)
 
 
 def ragged_paged_attention_cpu_sharded(
@@ -137,19 +153,21 @@ def ragged_paged_attention_cpu_sharded(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     fp8_dtype=None,
+    q_horizon=None,
 ):
     """The CPU kernel with heads split over `mesh` axis `axis` (as in sharded.py): each device
-    runs it on its own query heads and kv heads; kv_cache is the stacked cache."""
+    runs it on its own query heads and kv heads; kv_cache is the stacked cache. The metadata,
+    q_horizon included, is replicated."""
     args = _checked_args(
         q, kv_cache, layer, kv_lens, block_tables, query_start, query_lens, num_seqs, fp8_dtype
     )
     options = _options(q, sm_scale, sliding_window, soft_cap)
     heads = P(None, axis, None)
-    replicated = (P(),) * 6
+    replicated = (P(),) * 7
     return jax.shard_map(
         functools.partial(_call, fp8_dtype=fp8_dtype, **options),
         mesh=mesh,
         in_specs=(heads, P(None, None, None, axis, None), *replicated),
         out_specs=heads,
         check_vma=False,
-    )(*args)
+    )(*args, _horizon(q, q_horizon))

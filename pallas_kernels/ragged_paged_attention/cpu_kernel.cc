@@ -10,7 +10,10 @@
 // the `fp8` attribute naming the format); accumulation in float32. Two options, each 0 when
 // off: `sliding_window` W (a query at position p sees keys p - W + 1 .. p; only the pages
 // that hold some of those are read) and `soft_cap` c (scaled scores s become c * tanh(s / c)
-// before the mask and the softmax).
+// before the mask and the softmax). An optional q_horizon [T] (a [0] buffer for none: causal)
+// moves each query's last key from its position p to max(p, q_horizon[t]), clipped to its
+// request's kv_len - 1 (bidirectional spans, Gemma 3's images); a window still counts back
+// from p.
 //
 // One work item is one request's block of up to kQueryBlock queries with all its heads,
 // reading the request's pages front to back. Items are shared out over XLA's intra-op thread
@@ -375,6 +378,7 @@ struct Problem {
   const int32_t* block_tables;
   const int32_t* query_start;
   const int32_t* query_lens;
+  const int32_t* horizon;  // [T] q_horizon, null for causal attention
   int64_t S, K, G, H, P;
   float scale;
   int64_t window;  // sliding window W, 0 for none
@@ -384,6 +388,13 @@ struct Problem {
 // The first key position a query at `pos` sees: pos - W + 1, or 0 without a window.
 inline int64_t first_key(const Problem& pb, int64_t pos) {
   return pb.window ? std::max<int64_t>(0, pos - pb.window + 1) : 0;
+}
+
+// The last key position the query of row `q_row` at `pos` of request r sees: pos, or its
+// horizon when that is later, up to the request's last position.
+inline int64_t last_key(const Problem& pb, int64_t r, int64_t q_row, int64_t pos) {
+  if (!pb.horizon) return pos;
+  return std::clamp<int64_t>(pb.horizon[q_row], pos, int64_t(pb.kv_lens[r]) - 1);
 }
 
 constexpr int kQueryBlock = 16;
@@ -426,13 +437,16 @@ void run_item(const Problem& pb, const Item& it, std::vector<float>& scratch) {
 
   const int64_t r = it.request;
   const int64_t q_row0 = int64_t(pb.query_start[r]) + it.first_query;
-  // Position of the block's first query; query i sits at pos0 + i and sees keys <= pos0 + i.
+  // Position of the block's first query; query i sits at pos0 + i and sees keys up to
+  // last_key (pos0 + i when causal).
   const int64_t pos0 = int64_t(pb.kv_lens[r]) - pb.query_lens[r] + it.first_query;
   const St* q = static_cast<const St*>(pb.q) + q_row0 * N * H;
   for (int64_t j = 0; j < rows; ++j)
     for (int64_t h = 0; h < H; ++h) qf[j * H + h] = D::load(q[j * H + h]) * pb.scale;
 
-  const int64_t kv_end = pos0 + it.num_queries;  // keys [kv_lo, kv_end) are read
+  int64_t kv_end = 0;  // keys [kv_lo, kv_end) are read
+  for (int64_t i = 0; i < it.num_queries; ++i)
+    kv_end = std::max(kv_end, last_key(pb, r, q_row0 + i, pos0 + i) + 1);
   const int64_t kv_lo = first_key(pb, pos0);
   const int64_t num_pages = (kv_end + S - 1) / S;
   const int32_t* table = pb.block_tables + r * pb.P;
@@ -452,7 +466,8 @@ void run_item(const Problem& pb, const Item& it, std::vector<float>& scratch) {
         for (int64_t h = 0; h < H; ++h) vf[t * H + h] = C::load(kp[H + h]);
       }
       for (int64_t i = 0; i < it.num_queries; ++i) {
-        const int64_t visible = std::min(nt, pos0 + i - key0 + 1);  // keys t < visible
+        const int64_t last = last_key(pb, r, q_row0 + i, pos0 + i);
+        const int64_t visible = std::min(nt, last - key0 + 1);  // keys t < visible
         const int64_t t0 = std::max<int64_t>(0, first_key(pb, pos0 + i) - key0);  // and t >= t0
         if (visible <= t0) continue;
         for (int64_t g = 0; g < G; ++g) {
@@ -585,20 +600,22 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
   const int64_t G = pb.G, K = pb.K, K2 = 2 * pb.K, N = K * G;
   const int64_t nr = it.num_queries * G, ng = (nr + kL - 1) / kL;  // rows, lane groups
   const int64_t groups = K * ng;  // (kv head, lane group) pairs, each with its own state
-  scratch.resize(size_t(groups * kL * (2 * kH + 2) + ng * kL + kS * kL + 2 * kS * kH));
+  scratch.resize(
+      size_t(groups * kL * (2 * kH + 2) + 2 * ng * kL + 2 * ng + kS * kL + 2 * kS * kH));
   float* qt = scratch.data();          // [K, ng, H, 16] queries, scaled; lane = row
   float* acc = qt + groups * kH * kL;  // [K, ng, H, 16]
   float* m = acc + groups * kH * kL;   // [K, ng, 16] running max
   float* l = m + groups * kL;          // [K, ng, 16] running denominator
   float* qpos = l + groups * kL;       // [ng, 16] the row's position; -1 for padding lanes
-  float* s = qpos + ng * kL;           // [16 keys, 16] scores, then probabilities
+  float* qlast = qpos + ng * kL;       // [ng, 16] the row's last key (last_key); -1 likewise
+  float* reach = qlast + ng * kL;      // [ng, 2] the least and the most of a group's qlast
+  float* s = reach + 2 * ng;           // [16 keys, 16] scores, then probabilities
   float* kf = s + kS * kL;             // [16, H] a page's keys of one kv head, widened
   float* vf = kf + kS * kH;            // [16, H] values
 
   const int64_t r = it.request;
   const int64_t q_row0 = int64_t(pb.query_start[r]) + it.first_query;
   const int64_t pos0 = int64_t(pb.kv_lens[r]) - pb.query_lens[r] + it.first_query;
-  const int64_t num_pages = (pos0 + it.num_queries - 1) / kS + 1;
   const int64_t kv_lo = first_key(pb, pos0), W = pb.window;  // the first key some row sees
   const int32_t* table = pb.block_tables + r * pb.P;
   const Ct* cache = static_cast<const Ct*>(pb.cache);
@@ -608,7 +625,23 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
   St* out = static_cast<St*>(pb.out) + q_row0 * N * kH;
   const v16 zero = zero_vector(), minus_inf = zero - INFINITY;
 
-  for (int64_t row = 0; row < ng * kL; ++row) qpos[row] = row < nr ? float(pos0 + row / G) : -1;
+  // Rows' positions and last keys (exact as floats below 2^24), and each group's least and
+  // most last key: its first and last query's positions when causal.
+  int64_t kv_end = 0;  // keys before it are read
+  for (int64_t gi = 0; gi < ng; ++gi) {
+    int64_t lo = INT64_MAX, hi = -1;
+    for (int64_t row = gi * kL; row < gi * kL + kL; ++row) {
+      const int64_t i = row / G, last = row < nr ? last_key(pb, r, q_row0 + i, pos0 + i) : -1;
+      qpos[row] = row < nr ? float(pos0 + i) : -1;
+      qlast[row] = float(last);
+      if (row < nr) lo = std::min(lo, last);
+      hi = std::max(hi, last);
+    }
+    reach[2 * gi] = float(lo);
+    reach[2 * gi + 1] = float(hi);
+    kv_end = std::max(kv_end, hi + 1);
+  }
+  const int64_t num_pages = (kv_end + kS - 1) / kS;
   // Each kv head's queries into lanes, 8 rows by 8 head dims at a time; padding rows 0.
   for (int64_t k = 0; k < K; ++k)
     for (int64_t row0 = 0; row0 < ng * kL; row0 += 8) {
@@ -641,7 +674,7 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
         values = keys + kH;
         stride = row_elems;
       } else {  // the tokens some row sees
-        const int64_t nt = std::min<int64_t>(kS, pos0 + it.num_queries - key0);
+        const int64_t nt = std::min<int64_t>(kS, kv_end - key0);
         for (int64_t t = std::max<int64_t>(0, kv_lo - key0); t < nt; ++t) {
           const Ct* kp = page + t * row_elems + 2 * k * kH;
           for (int64_t h = 0; h < kH; h += 16) {
@@ -654,28 +687,29 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
         stride = kH;
       }
       for (int64_t gi = 0; gi < ng; ++gi) {
-        // Rows go query by query: the group's rows see keys up to its last query's position,
-        // and all of them the keys up to its first query's.
+        // Rows go query by query: the group's first and last query's positions bound its
+        // windows; its rows see keys up to `any`, and all of them the keys up to `all`.
         const int64_t first = pos0 + gi * kL / G;
         const int64_t last = pos0 + (std::min(gi * kL + kL, nr) - 1) / G;
+        const int64_t all = int64_t(reach[2 * gi]), any = int64_t(reach[2 * gi + 1]);
         if (next) prefetch_share(next, page_bytes, k * ng + gi, K * ng);
-        if (key0 > last) continue;
-        // Keys begin <= t < nt are some row's. Row p sees keys p - W + 1 .. p: those before
-        // `shared` lie outside the windows of the group's later rows (the window's lower
-        // edge), those from `full` past the positions of its earlier rows; every row sees
-        // those between. Without a window, begin = shared = 0.
-        const int64_t nt = std::min<int64_t>(kS, last + 1 - key0);
+        if (key0 > any) continue;
+        // Keys begin <= t < nt are some row's. Row p sees keys p - W + 1 .. last_key: those
+        // before `shared` lie outside the windows of the group's later rows (the window's
+        // lower edge), those from `full` past the last keys of some of its rows; every row
+        // sees those between. Without a window, begin = shared = 0.
+        const int64_t nt = std::min<int64_t>(kS, any + 1 - key0);
         int64_t begin = 0, shared = 0;
         if (W) {
           begin = std::clamp<int64_t>(first - W + 1 - key0, 0, nt);
           if (begin == nt) continue;
           shared = std::clamp<int64_t>(last - W + 1 - key0, begin, nt);
         }
-        const int64_t full = std::clamp<int64_t>(first + 1 - key0, shared, nt);
+        const int64_t full = std::clamp<int64_t>(all + 1 - key0, shared, nt);
         const int64_t group = k * ng + gi;
         const float* qg = qt + group * kH * kL;
         float* ag = acc + group * kH * kL;
-        const v16 pos = load16(qpos + gi * kL);
+        const v16 pos = load16(qpos + gi * kL), upto = load16(qlast + gi * kL);
         // Scores of keys begin <= t < nt (a tile outside reads the page's stale rows or
         // ones no row sees; never used).
         for (int64_t t0 = begin & -kKeyTile; t0 < nt; t0 += kKeyTile) {
@@ -696,12 +730,12 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
         v16 m_new = m_old;
         for (int64_t t = begin; t < shared; ++t) {  // the lower edge: rows from p - W + 1
           const v16 lo = pos - float(W - 1);
-          const v16 st = where_in(zero + float(key0 + t), lo, pos, load16(s + t * kL), minus_inf);
+          const v16 st = where_in(zero + float(key0 + t), lo, upto, load16(s + t * kL), minus_inf);
           store16(s + t * kL, st);
           m_new = max_v16(m_new, st);
         }
         for (int64_t t = shared; t < nt; ++t) {
-          const v16 st = where_le(zero + float(key0 + t), pos, load16(s + t * kL), minus_inf);
+          const v16 st = where_le(zero + float(key0 + t), upto, load16(s + t * kL), minus_inf);
           store16(s + t * kL, st);
           m_new = max_v16(m_new, st);
         }
@@ -733,7 +767,7 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
             const v16 seen = zero + float(key0 + t);
             const float* vt = values + t * stride + h0;
             for (int u = 0; u < kDimTile; ++u)
-              a[u] = where_le(seen, pos, a[u] + vt[u] * p, a[u]);
+              a[u] = where_le(seen, upto, a[u] + vt[u] * p, a[u]);
           }
           for (int u = 0; u < kDimTile; ++u) store16(ag + (h0 + u) * kL, a[u]);
         }
@@ -747,7 +781,7 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
               const v16 seen = zero + float(key0 + t);
               const float* vt = values + t * stride + h0;
               for (int u = 0; u < kDimTile; ++u)
-                a[u] = where_in(seen, lo, pos, a[u] + vt[u] * p, a[u]);
+                a[u] = where_in(seen, lo, upto, a[u] + vt[u] * p, a[u]);
             }
             for (int u = 0; u < kDimTile; ++u) store16(ag + (h0 + u) * kL, a[u]);
           }
@@ -858,8 +892,9 @@ constexpr int64_t kDecodeMaxG = 16;
 
 // A decode item's place in its request and its rows' online-softmax state, for both decode
 // paths (block size 16). The item's one query is its request's last (a decode row, or a
-// prefill's last block of one): it sits at kv_lens[r] - 1 and sees every key from kv_lo
-// (0, or the start of its sliding window), pages first_page .. num_pages - 1.
+// prefill's last block of one): it sits at kv_lens[r] - 1 (so a horizon, clipped there, is
+// its position) and sees every key from kv_lo (0, or the start of its sliding window), pages
+// first_page .. num_pages - 1.
 struct DecodeRow {
   static constexpr int64_t kS = 16;
   int64_t q_row, kv_lo, kv_end, first_page, num_pages, row_elems, page_elems;
@@ -870,8 +905,9 @@ struct DecodeRow {
   DecodeRow(const Problem& pb, const Item& it, int64_t H, float* state) {
     const int64_t r = it.request, N = pb.K * pb.G;
     q_row = int64_t(pb.query_start[r]) + it.first_query;
-    kv_end = int64_t(pb.kv_lens[r]) - pb.query_lens[r] + it.first_query + 1;
-    kv_lo = first_key(pb, kv_end - 1);
+    const int64_t pos = int64_t(pb.kv_lens[r]) - pb.query_lens[r] + it.first_query;
+    kv_end = last_key(pb, r, q_row, pos) + 1;
+    kv_lo = first_key(pb, pos);
     first_page = kv_lo / kS;
     num_pages = (kv_end + kS - 1) / kS;
     row_elems = 2 * pb.K * H;
@@ -1110,8 +1146,8 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_c
                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> kv_lens,
                      ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> query_start,
                      ffi::Buffer<ffi::S32> query_lens, ffi::Buffer<ffi::S32> num_seqs,
-                     ffi::Result<ffi::AnyBuffer> out, float sm_scale, int64_t fp8_bytes,
-                     int64_t sliding_window, float soft_cap) {
+                     ffi::Buffer<ffi::S32> q_horizon, ffi::Result<ffi::AnyBuffer> out,
+                     float sm_scale, int64_t fp8_bytes, int64_t sliding_window, float soft_cap) {
   const auto qd = q.dimensions();
   const auto cd = kv_cache.dimensions();
   if (qd.size() != 3 || cd.size() != 5)
@@ -1131,6 +1167,9 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_c
   if (l < 0 || l >= num_layers) return ffi::Error::InvalidArgument("layer out of range");
   if (sliding_window < 0 || !(soft_cap >= 0.0f))
     return ffi::Error::InvalidArgument("sliding_window and soft_cap must be positive, or 0: none");
+  const int64_t horizons = int64_t(q_horizon.element_count());
+  if (horizons != 0 && horizons != qd[0])
+    return ffi::Error::InvalidArgument("q_horizon must be [T], or [0] for causal attention");
   Problem pb;
   pb.q = q.untyped_data();
   pb.cache = static_cast<const char*>(kv_cache.untyped_data()) +
@@ -1140,6 +1179,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_c
   pb.block_tables = block_tables.typed_data();
   pb.query_start = query_start.typed_data();
   pb.query_lens = query_lens.typed_data();
+  pb.horizon = horizons ? q_horizon.typed_data() : nullptr;
   pb.S = S;
   pb.K = K2 / 2;
   pb.G = qd[1] / pb.K;
@@ -1198,6 +1238,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmRaggedPagedAttention, Attention,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start [R]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_lens [R]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs [1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_horizon [T], or [0]
                                   .Ret<ffi::AnyBuffer>()         // out [T, N, H]
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("fp8")              // a uint8 cache's format
