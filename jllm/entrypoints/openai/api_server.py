@@ -43,6 +43,7 @@ from jllm.entrypoints.openai.serving_engine import OpenAIError, error_response, 
 from jllm.entrypoints.openai.serving_models import ServingModels
 from jllm.logger import setup_logging
 from jllm.metrics.prometheus import PrometheusStatLogger
+from jllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("jllm.entrypoints.openai")
 
@@ -218,7 +219,16 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM, metrics: PrometheusSta
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError("Give exactly one of prompt and messages.", 400, "prompt")
         if body.messages is not None:
-            _, ids = await off_loop(chat.render, body)
+            text, ids, images = await off_loop(chat.render, body)
+            if images:  # the model's processor expands each image's placeholder
+                prompt = {"prompt": text, "multi_modal_data": {"image": images}}
+                try:
+                    processed, _ = await off_loop(
+                        engine.prepare, prompt, SamplingParams(max_tokens=1), None, False
+                    )
+                except ValueError as e:
+                    raise OpenAIError(str(e), 400, "messages") from e
+                ids = processed.prompt_token_ids
         else:
             encode = functools.partial(tokenizer.encode, add_special_tokens=body.add_special_tokens)
             ids = await off_loop(encode, body.prompt)

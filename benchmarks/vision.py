@@ -1,0 +1,158 @@
+"""Image inputs on the CPU: images per second through the vision encoder, and time to first
+token for one image plus 64 text tokens, jllm beside transformers in one run.
+
+The model is LLaVA-1.5-7B's shape scaled to this machine: its CLIP-L/336 tower (width 1024,
+16 heads, 336x336 images in 14x14 patches: 576 image tokens) with 4 layers instead of 24,
+and a Llama of width 1024 and 4 layers (16 heads) instead of 4096 and 32; random weights
+from a config alone (`load_format="dummy"` for jllm, `from_config` for transformers), float32
+for both. The embedded SmolLM2 tokenizer with an `<image>` token stands in for LLaVA's.
+
+    python benchmarks/vision.py [--images 8] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import jax
+import numpy as np
+import torch
+import transformers
+from PIL import Image
+
+from jllm import LLM, SamplingParams
+from jllm.model_loader import resolve_model
+
+
+def make_model(path: str) -> None:
+    tok = resolve_model(None).load_tokenizer()
+    tok.add_tokens(["<image>"], special_tokens=True)
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        image_size=336,
+        patch_size=14,
+    )
+    text = transformers.LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        max_position_embeddings=4096,
+    )
+    cfg = transformers.LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=tok.convert_tokens_to_ids("<image>"),
+        image_seq_length=576,
+    )
+    cfg.save_pretrained(path)
+    images = transformers.CLIPImageProcessor(
+        size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336}
+    )
+    transformers.LlavaProcessor(
+        image_processor=images,
+        tokenizer=tok,
+        patch_size=14,
+        num_additional_image_tokens=1,
+        vision_feature_select_strategy="default",
+    ).save_pretrained(path)
+
+
+def images(n: int, seed: int) -> list:
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 255, (480, 640, 3), dtype=np.uint8)) for _ in range(n)]
+
+
+def timed(fn, repeats: int) -> float:
+    fn()  # warm
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--images", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    path = tempfile.mkdtemp(prefix="jllm-llava-scaled-")
+    make_model(path)
+    proc = transformers.AutoProcessor.from_pretrained(path)
+    pixels = proc.image_processor(images=images(args.images, 0), return_tensors="np")[
+        "pixel_values"
+    ]
+    text = "USER: <image>\n" + " ".join(["word"] * 60) + " ASSISTANT:"
+
+    llm = LLM(
+        path,
+        load_format="dummy",
+        dtype="float32",
+        max_model_len=1024,
+        max_num_batched_tokens=1024,
+        enable_prefix_caching=False,
+        max_num_seqs=8,
+    )
+    encoder = llm.llm_engine.runner.encoder
+    state = llm.llm_engine.runner.state
+    batch = [(i % encoder.num_slots, px) for i, px in enumerate(pixels)]
+
+    def jllm_encode():
+        encoder.run(state, batch)
+        jax.block_until_ready(encoder.pool)
+
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    seed = iter(range(1, 1000))
+
+    def jllm_ttft():  # a new image each time: no cache hit
+        llm.generate(
+            {"prompt": text, "multi_modal_data": {"image": images(1, next(seed))}},
+            one,
+            use_tqdm=False,
+        )
+
+    torch.set_num_threads(os.cpu_count())
+    hf = transformers.LlavaForConditionalGeneration(transformers.AutoConfig.from_pretrained(path))
+    hf = hf.eval()
+    px = torch.tensor(pixels)
+
+    def hf_encode():
+        with torch.no_grad():
+            hf.model.get_image_features(
+                px, vision_feature_layer=-2, vision_feature_select_strategy="default"
+            )
+
+    def hf_ttft():
+        inputs = proc(text=text, images=images(1, next(seed)), return_tensors="pt")
+        with torch.no_grad():
+            hf.generate(**inputs, max_new_tokens=1, do_sample=False)
+
+    rows = {
+        "encoder images/s": (
+            args.images / timed(jllm_encode, args.repeats),
+            args.images / timed(hf_encode, args.repeats),
+        ),
+        "TTFT, 1 image + 64 tokens (s)": (
+            timed(jllm_ttft, args.repeats),
+            timed(hf_ttft, args.repeats),
+        ),
+    }
+    print(f"{'':32} {'jllm':>10} {'transformers':>14} {'ratio':>8}")
+    for name, (ours, theirs) in rows.items():
+        ratio = ours / theirs if "images/s" in name else theirs / ours
+        print(f"{name:32} {ours:10.3f} {theirs:14.3f} {ratio:7.2f}x")
+
+
+if __name__ == "__main__":
+    main()
