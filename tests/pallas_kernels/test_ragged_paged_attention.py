@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
-from ragged_batches import MIX, assert_matches, make_batch
+from ragged_batches import HORIZON_SEQS, MIX, assert_matches, horizon_batch, make_batch
 
 from pallas_kernels.ragged_paged_attention import (
     kv_cache_bytes,
@@ -157,41 +157,6 @@ def test_kv_cache_shape():
     assert kv_cache_bytes(10, 16, 4, 64, jnp.bfloat16) == 10 * 16 * 8 * 64 * 2
     with pytest.raises(ValueError):
         kv_cache_shape(10, 0, 4, 64)
-
-
-# Gemma 3's image tokens attend to each other both ways (q_horizon): per request
-# (kv_len, query_len, image spans as (first, last) key positions within its query rows). A
-# fresh prefill with two images, a chunk continuing an image begun in the previous chunk, an
-# image ending at the context's end, one reaching past it (clipped to the context), beside
-# decodes and a text-only chunk. With 8-row query blocks and 8-position pages, the spans'
-# rows see pages past their blocks' last causal position.
-HORIZON_SEQS = [
-    (5, 1, []),
-    (40, 40, [(3, 20), (26, 37)]),
-    (50, 19, [(28, 45)]),
-    (17, 1, []),
-    (30, 10, [(21, 29)]),
-    (21, 3, []),
-    (25, 12, [(14, 30)]),
-]
-
-
-def horizon_batch(dtype, *, n=8, k=2, h=16, s=8, seed=0):
-    """`make_batch` over HORIZON_SEQS, and its q_horizon [T]: a span's rows see up to its
-    last position, the other rows of a request get a horizon at or before their own position
-    (so none), and the rows no request owns anything."""
-    seqs = [(kv_len, q_len) for kv_len, q_len, _ in HORIZON_SEQS]
-    args, contiguous = make_batch(seqs, n=n, k=k, h=h, s=s, dtype=dtype, seed=seed)
-    rng = np.random.default_rng(seed)
-    horizon = rng.integers(-1000, 10_000, args[0].shape[0])
-    query_start = np.asarray(args[4])[: len(seqs)]
-    for (kv_len, q_len, spans), q0 in zip(HORIZON_SEQS, query_start, strict=True):
-        pos = kv_len - q_len + np.arange(q_len)
-        rows = rng.integers(-5, pos + 1)
-        for first, last in spans:
-            rows = np.where((pos >= first) & (pos <= last), last, rows)
-        horizon[q0 : q0 + q_len] = rows
-    return args, contiguous, jnp.asarray(horizon, jnp.int32)
 
 
 @pytest.mark.parametrize("sliding_window", [None, 24])  # 24: longer than every span

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ragged_batches import MIX, assert_matches, make_batch
+from ragged_batches import MIX, assert_matches, horizon_batch, make_batch
 
 from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention_gpu,
@@ -25,7 +25,6 @@ from pallas_kernels.ragged_paged_attention import (
     unsupported_shape,
 )
 from pallas_kernels.ragged_paged_attention.gpu import _tile_table, default_tiling
-from tests.pallas_kernels.test_ragged_paged_attention import horizon_batch
 
 interpret = functools.partial(ragged_paged_attention_gpu, interpret=True)
 
