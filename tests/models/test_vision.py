@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 
+import jax
 import numpy as np
 import pytest
 from vision_oracle import (
@@ -72,7 +73,7 @@ def test_llava_matches_transformers(llava, llava_dir):
         assert_matches_oracle(oracle, prompt, images, out)
 
 
-@pytest.mark.parametrize("backend", ["cpu_kernel", "xla"])
+@pytest.mark.parametrize("backend", ["cpu_kernel", "xla", "pallas_interpret", "pallas_gpu_interpret"])
 def test_gemma3_matches_transformers(gemma3_dir, backend):
     llm = LLM(gemma3_dir, attention_backend=backend, **ENGINE)
     oracle = VisionOracle(gemma3_dir)
@@ -223,3 +224,41 @@ def test_server_chat_with_data_url_equals_llm_chat(llava, llava_dir):
     finally:
         running.stop()
         engine.shutdown()
+
+
+def test_tensor_parallel_replicates_the_encoder(gemma3_dir):
+    """TP = 2 on fake CPU devices: the vision tower and projector are whole on every device
+    (replicated), the language model split, and the answers equal transformers'."""
+    llm = LLM(gemma3_dir, tensor_parallel_size=2, **ENGINE)
+    state = llm.llm_engine.runner.state
+    tower = state["vision_tower"]["encoder"]["layers"]["self_attn"]["q_proj"]["weight"]
+    assert tower.get_value().sharding.is_fully_replicated
+    q = state["layers" if "layers" in state else "blocks"]
+    assert not all(a.sharding.is_fully_replicated for a in jax.tree.leaves(q))
+    oracle = VisionOracle(gemma3_dir)
+    cases, outs = run(llm, GEMMA3_IMAGE, seed=20)
+    for (prompt, images), out in zip(cases, outs, strict=True):
+        assert_matches_oracle(oracle, prompt, images, out)
+
+
+def test_token_prompts_need_expanded_placeholders(llava):
+    """A token-id prompt holds each image's placeholder tokens already expanded (16 here);
+    one placeholder for an image is refused by jllm's own check."""
+    image_id = llava.llm_engine.model_config.vision.image_token_id
+    image = random_images(1, seed=4)
+    with pytest.raises(ValueError, match="image placeholder tokens"):
+        llava.generate(
+            {"prompt_token_ids": [1, 5, image_id, 7], "multi_modal_data": {"image": image}},
+            GREEDY,
+        )
+    text = llava.generate(
+        {"prompt": f"see {LLAVA_IMAGE} now", "multi_modal_data": {"image": image}},
+        GREEDY,
+        use_tqdm=False,
+    )[0]
+    tokens = llava.generate(
+        {"prompt_token_ids": text.prompt_token_ids, "multi_modal_data": {"image": image}},
+        GREEDY,
+        use_tqdm=False,
+    )[0]
+    assert tokens.outputs[0].token_ids == text.outputs[0].token_ids
