@@ -66,6 +66,11 @@ class SchedulerOutput:
     # scheduled tokens touch (engine/encoder_cache.py).
     encoder_inputs: list[tuple[int, object]] = field(default_factory=list)
     mm_slots: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
+    # The host KV tier (engine/host_kv_tier.py): blocks to copy before this step, device to
+    # host (device block, host block) for blocks evicted from the device's prefix cache,
+    # then host to device (host block, device block) for host hits.
+    kv_stores: list[tuple[int, int]] = field(default_factory=list)
+    kv_loads: list[tuple[int, int]] = field(default_factory=list)
 
     def is_empty(self) -> bool:
         return not self.num_scheduled_tokens

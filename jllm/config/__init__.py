@@ -12,18 +12,20 @@ Host-side only: no JAX import.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 from jllm.config.quantization import check_method
 from jllm.config.speculative import SpeculativeConfig
 from jllm.config.structured_outputs import StructuredOutputsConfig
 
+logger = logging.getLogger("jllm")
+
 # vLLM arguments jllm recognises but cannot honour yet: setting them to anything but the
 # default raises instead of being silently ignored.
 SCHEDULING_POLICIES = ("fcfs", "priority")
 UNSUPPORTED_ARGS = {
     "cpu_offload_gb": 0,
-    "swap_space": None,
     "pipeline_parallel_size": 1,
     "data_parallel_size": 1,
     "hf_overrides": None,
@@ -101,6 +103,13 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
+    # The host-memory KV tier (engine/host_kv_tier.py): GiB of host memory that keep blocks
+    # evicted from the device's prefix cache (vLLM's CPU offloading); None or 0: off. Its
+    # only backend is "native". `swap_space` (GiB), the seeds' name, sets the same pool with a
+    # deprecation warning.
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str = "native"
+    swap_space: float | None = None
     # Scheduler.
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
@@ -173,6 +182,25 @@ class EngineArgs:
                 f"lora_dtype must be one of {sorted(LORA_DTYPES)}, got {self.lora_dtype!r}."
             )
 
+    def _check_offloading(self) -> None:
+        if self.kv_offloading_backend != "native":
+            raise ValueError(
+                f"kv_offloading_backend {self.kv_offloading_backend!r} is not supported by "
+                "jllm: its host KV tier is 'native' (LMCache and other connectors are not)."
+            )
+        if self.swap_space is not None:
+            logger.warning(
+                "swap_space is deprecated (vLLM V1 replaced swapping with CPU offloading of "
+                "the prefix cache): use kv_offloading_size (--kv-offloading-size) instead; "
+                "swap_space=%s GiB sizes that host tier now.",
+                self.swap_space,
+            )
+            if self.kv_offloading_size is None:
+                self.kv_offloading_size = self.swap_space
+        size = self.kv_offloading_size
+        if size is not None and size < 0:
+            raise ValueError(f"kv_offloading_size must be >= 0 GiB, got {size}.")
+
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:
         names = {f.name for f in dataclasses.fields(cls)}
@@ -198,6 +226,7 @@ class EngineArgs:
                 f"got {self.scheduling_policy!r}."
             )
         check_method(self.quantization)
+        self._check_offloading()
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}.")
         if self.load_format not in LOAD_FORMATS:

@@ -102,6 +102,11 @@ HELP = {
     "the cluster (Cloud TPU metadata and TPU_* variables, Slurm, Open MPI, "
     "JAX_COORDINATOR_ADDRESS).",
     "master_port": "Port of JAX's coordinator on process 0; the step channel uses the next.",
+    "kv_offloading_size": "GiB of host memory for a second KV tier: blocks evicted from the "
+    "device's prefix cache are kept there and copied back on a prefix hit (vLLM's CPU "
+    "offloading). 0 or unset: off.",
+    "kv_offloading_backend": "The host KV tier's backend: 'native' (the only one).",
+    "swap_space": "Deprecated (vLLM V1): sizes the host KV tier like --kv-offloading-size.",
     "limit_mm_per_prompt": "Images a prompt may carry, as JSON: '{\"image\": 4}' (default: "
     "no limit with this flag unset).",
     "mm_processor_kwargs": "Keyword arguments for the model's Hugging Face processor, as "

@@ -50,6 +50,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jllm.engine.host_kv_tier import HostKVTier
 from jllm.engine.request import Request
 from jllm.utils import cdiv
 
@@ -107,6 +108,8 @@ class BlockPool:
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
+        # Called with (block, key) when a cached block's key is evicted (the host tier).
+        self.on_evict = None
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
@@ -142,6 +145,8 @@ class BlockPool:
             if h is not None:
                 if self.cached.get(h) == b:
                     del self.cached[h]
+                    if self.on_evict is not None:
+                        self.on_evict(b, h)
                 self.block_hash[b] = None
             self.ref_cnt[b] = 1
             out.append(b)
@@ -186,10 +191,12 @@ class KVCacheManager:
         enable_prefix_caching: bool,
         num_groups: int | None = None,
         windows: Sequence[int | None] | None = None,
+        host: HostKVTier | None = None,
     ) -> None:
         """`num_blocks`: each group's pool size (an int: every group's); `windows`: each
         group's sliding window in tokens, None for full attention (the default for all).
-        The number of groups is `num_groups`, else the length of a list given, else 1."""
+        The number of groups is `num_groups`, else the length of a list given, else 1.
+        `host`: the host-memory tier (one full-attention group only), or None."""
         scalar = np.ndim(num_blocks) == 0
         if num_groups is None:
             num_groups = 1 if scalar and windows is None else len(windows if scalar else num_blocks)
@@ -214,6 +221,33 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
+        self.host = host
+        self.host_hits: list[int] = []  # the last lookup's host blocks (get_computed_blocks)
+        # The copies the next step makes: (device block, host block) stores of evicted
+        # blocks, and (host block, device block) loads of host hits.
+        self.kv_stores: list[tuple[int, int]] = []
+        self.kv_loads: list[tuple[int, int]] = []
+        if host is not None:
+            if len(self.pools) != 1 or self.windows[0] is not None or not enable_prefix_caching:
+                raise ValueError(
+                    "The host KV tier (kv_offloading_size) needs prefix caching and one "
+                    "KV-cache group of full attention; this model has "
+                    f"{len(self.pools)} group(s) with windows {list(self.windows)}."
+                )
+            self.pools[0].on_evict = self._store
+
+    def _store(self, block: int, key: bytes) -> None:
+        host_block = self.host.store(key)
+        if host_block is not None:
+            self.kv_stores.append((block, host_block))
+
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The stores and loads gathered since the last call, for the step that runs next."""
+        stores, loads = self.kv_stores, self.kv_loads
+        self.kv_stores, self.kv_loads = [], []
+        if self.host is not None:
+            self.host.step_scheduled()
+        return stores, loads
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -287,7 +321,9 @@ class KVCacheManager:
         and leaving one token to compute: (each group's blocks, NULL_BLOCK where a window
         does not read, and the tokens they hold). A request asking for prompt logprobs reads
         none (vLLM's rule: they are computed for the whole prompt); its blocks are still
-        cached for others."""
+        cached for others. With the host tier, `host_hits` has the host blocks of the keys
+        that follow the device's hits (their tokens are not counted here)."""
+        self.host_hits = []
         if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
             return self.no_blocks(), 0
         self._update_hashes(req, req.num_tokens - 1)
@@ -302,7 +338,16 @@ class KVCacheManager:
         for pool, window in zip(self.pools, self.windows, strict=True):
             skip = 0 if window is None else max(0, n - self._window_blocks(window))
             hits.append([NULL_BLOCK] * skip + [pool.cached[k] for k in keys[skip:n]])
+        if self.host is not None:
+            self.host_hits = self.host.lookup(keys[n:])
         return tuple(hits), n * self.block_size
+
+    def record_host_lookup(self, req: Request, num_device_hit: int, host_hits: list[int]):
+        """Count one admitted request's host lookup: the tokens past the device's hits."""
+        if self.host is not None and self.enable_prefix_caching:
+            looked = max(0, (req.num_tokens - 1) // self.block_size * self.block_size)
+            self.host.queries += max(0, looked - num_device_hit)
+            self.host.hits += len(host_hits) * self.block_size
 
     def record_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
         """Count one admitted request's lookup (retries of a blocked request don't count)."""
@@ -317,21 +362,25 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: tuple[list[int], ...] = (),
         lookahead: int = 0,
+        host_hits: Sequence[int] = (),
     ) -> tuple[list[int], ...] | None:
         """Make room, in every group, for `num_new_tokens` more tokens of `req`, and
         `lookahead` slots past them (where a draft model writes its drafts), after the
         prefix-cache hits `new_computed_blocks` (one list per group, from
-        `get_computed_blocks`); None if any group's pool is short, having changed nothing
-        but released the blocks that fell out of a window (which no later step reads)."""
+        `get_computed_blocks`) and the host tier's hits `host_hits` after them (loaded into
+        fresh blocks before the step); None if any group's pool is short, having changed
+        nothing but released the blocks that fell out of a window (which no later step
+        reads)."""
         blocks = self.req_blocks.get(req.request_id)
         if blocks is None:
             blocks = self.req_blocks[req.request_id] = self.no_blocks()
         num_hit = len(new_computed_blocks[0]) if new_computed_blocks else 0
-        start = req.num_computed_tokens + num_hit * self.block_size
+        num_loaded = len(host_hits)
+        start = req.num_computed_tokens + (num_hit + num_loaded) * self.block_size
         total = start + num_new_tokens
         need = cdiv(total + lookahead, self.block_size)
         self._free_skipped(blocks, start)
-        if not num_hit and min(map(len, blocks)) >= need:  # a decode inside its blocks
+        if not num_hit and not num_loaded and min(map(len, blocks)) >= need:  # a decode
             if self.enable_prefix_caching:
                 self._cache_full_blocks(req, blocks, min(total, req.num_tokens))
             return blocks
@@ -345,7 +394,14 @@ class KVCacheManager:
         for pool, held, hit, n in zip(self.pools, blocks, hits, grow, strict=True):
             pool.take(hit)
             held.extend(hit)
-            held.extend(pool.allocate(n))
+            fresh = pool.allocate(n)
+            if num_loaded:  # the first fresh blocks take the host hits' contents
+                self.kv_loads.extend(zip(host_hits, fresh[:num_loaded], strict=True))
+                first = len(held)
+                self._update_hashes(req, (first + num_loaded) * self.block_size)
+                self.host.touch(req.block_hashes[first : first + num_loaded])
+                self.host.loads += num_loaded
+            held.extend(fresh)
         if self.enable_prefix_caching:
             self._cache_full_blocks(req, blocks, min(total, req.num_tokens))
         return blocks
@@ -377,6 +433,23 @@ class KVCacheManager:
                     pool.cache(held[i], req.block_hashes[i])
         self.num_cached_blocks[req.request_id] = end
 
+    def forget_uncomputed(self, req: Request, num_computed: int) -> None:
+        """Drop the prefix-cache keys of `req`'s blocks past its first `num_computed`
+        tokens: blocks registered when a step was scheduled that will not run them (the
+        request is taken back out of the step), whose contents were never written."""
+        blocks = self.req_blocks.get(req.request_id, self.no_blocks())
+        first = num_computed // self.block_size
+        for pool, held in zip(self.pools, blocks, strict=True):
+            for i in range(first, min(len(held), len(req.block_hashes))):
+                b, key = held[i], req.block_hashes[i]
+                if b != NULL_BLOCK and pool.block_hash[b] == key and pool.cached.get(key) == b:
+                    del pool.cached[key]
+                    pool.block_hash[b] = None
+        if req.request_id in self.num_cached_blocks:
+            self.num_cached_blocks[req.request_id] = min(
+                first, self.num_cached_blocks[req.request_id]
+            )
+
     def free(self, req: Request) -> None:
         """Release `req`'s blocks in every group; tail blocks go first in the eviction
         order."""
@@ -386,9 +459,12 @@ class KVCacheManager:
             pool.release(held)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; refused (False) while any request holds blocks."""
+        """Forget every cached hash (the host tier's too); refused (False) while any
+        request holds blocks."""
         if not self.all_blocks_free:
             return False
         for pool in self.pools:
             pool.reset()
+        if self.host is not None:
+            self.host.reset()
         return True

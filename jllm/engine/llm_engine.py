@@ -27,6 +27,7 @@ from jllm.engine.generation_config import (
     generation_defaults,
     model_generation_config,
 )
+from jllm.engine.host_kv_tier import HostKVTier
 from jllm.engine.kv_cache_manager import KVCacheManager
 from jllm.engine.model_setup import load_draft_model, load_engine_model
 from jllm.engine.multimodal import MultiModalProcessor, encoder_slots
@@ -43,6 +44,7 @@ from jllm.lora.manager import LoraCache, LoraSlots
 from jllm.metrics.stats import LoggingStatLogger
 from jllm.runner.compile_cache import enable_compilation_cache
 from jllm.runner.encoder import ImageEncoder
+from jllm.runner.host_kv import HostKVCache, host_tier_blocks
 from jllm.runner.inputs import BatchLayout
 from jllm.runner.kv_cache import allocate_kv_caches, resolve_kv_cache_dtype, size_kv_cache
 from jllm.runner.model_runner import ModelRunner
@@ -142,6 +144,18 @@ class LLMEngine:
             profile=self.runner.profile_step_bytes,
         )
         num_blocks = max(group_blocks)  # the padding tokens' slot lies past every group's
+        host_tier = None
+        host_blocks = host_tier_blocks(args.kv_offloading_size, specs[0], args.nnodes)
+        if host_blocks:
+            self.runner.host_kv = HostKVCache(host_blocks, specs[0], replicated(m.mesh))
+            host_tier = HostKVTier(host_blocks, HostKVCache.block_bytes(specs[0]))
+            logger.info(
+                "Host KV tier: %d blocks (%.2f GiB of this host's memory, every shard of the "
+                "%d device(s)).",
+                host_blocks,
+                host_blocks * HostKVCache.block_bytes(specs[0]) / 2**30,
+                args.tensor_parallel_size,
+            )
         compiling = time.perf_counter()
         # The caches are zeroed on a thread while the steps compile against their shapes.
         with ThreadPoolExecutor(1, "jllm-kv-cache") as pool:
@@ -162,6 +176,7 @@ class LLMEngine:
             args.block_size,
             args.enable_prefix_caching,
             windows=[spec.window for spec in self.runner.kv_groups],
+            host=host_tier,
         )
         self.lora_cache = None
         slots = None

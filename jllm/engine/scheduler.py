@@ -182,7 +182,7 @@ class Scheduler:
         room = min(self._limit(req) - req.num_tokens - 1, self.config.num_lookahead_slots)
         return req.spec_token_ids[: max(0, room)]
 
-    def _allocate(self, req: Request, num_new: int, hit_blocks, start: int):
+    def _allocate(self, req: Request, num_new: int, hit_blocks, start: int, host_hits=()):
         """Slots for `num_new` tokens from position `start`, and, when the step makes the
         request sample, the slots past them that a draft model writes its drafts at (vLLM's
         lookahead), within what could still be emitted. The lookahead is a wish: without
@@ -192,10 +192,10 @@ class Scheduler:
         if ahead and end >= req.num_tokens + req.num_output_placeholders:
             ahead = max(0, min(ahead, self._limit(req) - end))
             if ahead:
-                blocks = self.kv_cache.allocate_slots(req, num_new, hit_blocks, ahead)
+                blocks = self.kv_cache.allocate_slots(req, num_new, hit_blocks, ahead, host_hits)
                 if blocks is not None:
                     return blocks
-        return self.kv_cache.allocate_slots(req, num_new, hit_blocks)
+        return self.kv_cache.allocate_slots(req, num_new, hit_blocks, host_hits=host_hits)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -241,6 +241,8 @@ class Scheduler:
                     budget += self._cost(num_back)
                     lp_room += self._listed(victim, victim.num_computed_tokens, num_back)
                     i -= 1
+                    # Its blocks registered for this step's tokens will not be computed.
+                    self.kv_cache.forget_uncomputed(victim, victim.num_computed_tokens)
                 self._preempt(victim)
                 out.num_preempted += 1
                 preempted = True
@@ -265,7 +267,9 @@ class Scheduler:
             if req.lora is not None and not self.lora_slots.available(req.lora):
                 skipped.append(self.waiting.pop())
                 continue
-            hit_blocks, num_hit = self.kv_cache.get_computed_blocks(req)
+            hit_blocks, num_device_hit = self.kv_cache.get_computed_blocks(req)
+            host_hits = self.kv_cache.host_hits  # loaded from host memory into fresh blocks
+            num_hit = num_device_hit + len(host_hits) * self.kv_cache.block_size
             num_new = self._fit(req.num_tokens - num_hit, budget)
             num_new = self._cap_prompt_logprobs(req, num_hit, num_new, lp_room, budget)
             if num_new and req.mm_items:
@@ -275,13 +279,14 @@ class Scheduler:
             ):
                 break
             req.num_computed_tokens = 0
-            blocks = self._allocate(req, num_new, hit_blocks, num_hit)
+            blocks = self._allocate(req, num_new, hit_blocks, num_hit, host_hits)
             if blocks is None:
                 break
             self.waiting.pop()
             if req.lora is not None:
                 req.lora_slot = self.lora_slots.acquire(req.lora)
-            self.kv_cache.record_prefix_lookup(req.num_tokens, num_hit)
+            self.kv_cache.record_prefix_lookup(req.num_tokens, num_device_hit)
+            self.kv_cache.record_host_lookup(req, num_device_hit, host_hits)
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
@@ -300,6 +305,7 @@ class Scheduler:
     def _fill_output(self, out: SchedulerOutput, scheduled) -> None:
         if not scheduled:  # no step runs: the runner hears of these with the next one
             return
+        out.kv_stores, out.kv_loads = self.kv_cache.take_copies()
         out.finished_req_ids, self._finished_ids = self._finished_ids, set()
         out.preempted_req_ids, self._preempted_ids = self._preempted_ids, set()
         cached = out.scheduled_cached_reqs

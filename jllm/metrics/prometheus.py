@@ -80,6 +80,27 @@ class PrometheusStatLogger:
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of tokens."
         )
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
+        # The host KV tier (vLLM's CPU offloading names; the usage gauge is jllm's).
+        self.external_queries = counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries (the host KV tier), in terms of number of queried "
+            "tokens.",
+        )
+        self.external_hits = counter(
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits (the host KV tier), in terms of number of cached tokens.",
+        )
+        self.offload_store_bytes = counter(
+            "vllm:kv_offload_store_bytes", "Total bytes stored from the device to host memory."
+        )
+        self.offload_load_bytes = counter(
+            "vllm:kv_offload_load_bytes", "Total bytes loaded from host memory to the device."
+        )
+        self.host_usage = gauge(
+            "jllm:kv_offload_host_usage_perc",
+            "Host KV tier usage: the share of its blocks holding a cached block. 1 means 100 "
+            "percent usage.",
+        )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
@@ -149,6 +170,13 @@ class PrometheusStatLogger:
         self.prefix_queries.inc(sched.prefix_cache_queries - self._seen.prefix_cache_queries)
         self.prefix_hits.inc(sched.prefix_cache_hits - self._seen.prefix_cache_hits)
         self.preemptions.inc(sched.num_preemptions - self._seen.num_preemptions)
+        if sched.host_usage is not None:
+            seen = self._seen
+            self.external_queries.inc(sched.host_queries - seen.host_queries)
+            self.external_hits.inc(sched.host_hits - seen.host_hits)
+            self.offload_store_bytes.inc(sched.host_store_bytes - seen.host_store_bytes)
+            self.offload_load_bytes.inc(sched.host_load_bytes - seen.host_load_bytes)
+            self.host_usage.set(sched.host_usage)
         self._seen = sched
         self.prompt_tokens.inc(step.num_prompt_tokens)
         self.generation_tokens.inc(step.num_generation_tokens)

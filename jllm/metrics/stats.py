@@ -73,11 +73,19 @@ class SchedulerStats:
     prefix_cache_queries: int  # cumulative tokens looked up
     prefix_cache_hits: int  # cumulative tokens found
     num_preemptions: int  # cumulative
+    # The host KV tier (engine/host_kv_tier.py), cumulative: tokens looked up there (past
+    # the device's hits) and found (vLLM's external prefix cache), bytes stored and loaded;
+    # and its usage. None when there is no host tier.
+    host_queries: int = 0
+    host_hits: int = 0
+    host_store_bytes: int = 0
+    host_load_bytes: int = 0
+    host_usage: float | None = None
 
     @classmethod
     def from_scheduler(cls, scheduler) -> SchedulerStats:
         kv = scheduler.kv_cache
-        return cls(
+        stats = cls(
             len(scheduler.running),
             len(scheduler.waiting),
             kv.usage,
@@ -85,6 +93,13 @@ class SchedulerStats:
             kv.prefix_hits,
             scheduler.num_preemptions,
         )
+        host = kv.host
+        if host is not None:
+            stats.host_queries, stats.host_hits = host.queries, host.hits
+            stats.host_store_bytes = host.stores * host.block_bytes
+            stats.host_load_bytes = host.loads * host.block_bytes
+            stats.host_usage = host.usage
+        return stats
 
 
 class LoggingStatLogger:
@@ -122,6 +137,16 @@ class LoggingStatLogger:
             hit_rate * 100,
             sched.num_preemptions,
         )
+        if sched.host_usage is not None:
+            queries = sched.host_queries
+            logger.info(
+                "External prefix cache hit rate: %.1f%%, Host KV cache usage: %.1f%%, "
+                "stored %.1f MiB, loaded %.1f MiB",
+                (sched.host_hits / queries if queries else 0.0) * 100,
+                sched.host_usage * 100,
+                sched.host_store_bytes / 2**20,
+                sched.host_load_bytes / 2**20,
+            )
         spec = self._spec
         if spec.num_drafts:
             logger.info(

@@ -182,6 +182,7 @@ class ModelRunner:
         encoder=None,
     ) -> None:
         self.graphdef = graphdef
+        self.host_kv = None  # the host KV tier's arrays and copies (runner/host_kv.py)
         # A vision-language model's image encoder and its cache (runner/encoder.py).
         self.encoder = encoder
         # LoRA (jllm/lora/layers.py): the slot arrays' paths in the state, and which
@@ -476,6 +477,9 @@ class ModelRunner:
             with jax.set_mesh(self.mesh):
                 self.encoder.compile_all(self.state)
             self.encoder.compile_guard = True
+        if self.host_kv is not None:
+            self.host_kv.compile_all(self.kv_cache)
+            self.host_kv.compile_guard = True
         compiled, loaded = cache_counts()
         logger.info(
             "Graph compilation finished in %.1f secs (%d executables compiled, %d loaded from "
@@ -586,6 +590,8 @@ class ModelRunner:
         if self._first_step is None:
             self._first_step = time.perf_counter()
         writes, bias_writes = self._apply(out)
+        if self.host_kv is not None and (out.kv_stores or out.kv_loads):
+            self.kv_cache = self.host_kv.copy(self.kv_cache, out.kv_stores, out.kv_loads)
         inputs, md, groups, key, prompt_rows = build_step(
             self.batch, out, self.layout, self.attention
         )

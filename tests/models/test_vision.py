@@ -73,7 +73,9 @@ def test_llava_matches_transformers(llava, llava_dir):
         assert_matches_oracle(oracle, prompt, images, out)
 
 
-@pytest.mark.parametrize("backend", ["cpu_kernel", "xla", "pallas_interpret", "pallas_gpu_interpret"])
+@pytest.mark.parametrize(
+    "backend", ["cpu_kernel", "xla", "pallas_interpret", "pallas_gpu_interpret"]
+)
 def test_gemma3_matches_transformers(gemma3_dir, backend):
     llm = LLM(gemma3_dir, attention_backend=backend, **ENGINE)
     oracle = VisionOracle(gemma3_dir)
