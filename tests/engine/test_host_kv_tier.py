@@ -8,7 +8,7 @@ import logging
 
 import numpy as np
 import pytest
-from oracle import prompt_ids
+from oracle import prometheus_value, prompt_ids, with_metrics
 
 from jllm import LLM, SamplingParams
 from jllm.engine.host_kv_tier import HostKVTier
@@ -76,11 +76,18 @@ def test_evicted_prefixes_come_back_from_host(tiered, plain):
     """Six prompts that overflow the device pool, run twice: the second run finds blocks in
     host memory (cached tokens), and answers as the first and as an engine without the tier,
     which finds nothing."""
+    prom = with_metrics(tiered)
     first = tiered.generate(requests(PROMPTS), PARAMS, use_tqdm=False)
     second = tiered.generate(requests(PROMPTS), PARAMS, use_tqdm=False)
     without = [plain.generate(requests(PROMPTS), PARAMS, use_tqdm=False) for _ in range(2)]
     host = tiered.llm_engine.scheduler.kv_cache.host
     assert host.loads > 0 and host.hits > 0
+    block_bytes = host.block_bytes
+    assert prometheus_value(prom, "vllm:external_prefix_cache_hits_total") == host.hits
+    assert prometheus_value(prom, "vllm:external_prefix_cache_queries_total") == host.queries
+    assert prometheus_value(prom, "vllm:kv_offload_load_bytes_total") == host.loads * block_bytes
+    assert prometheus_value(prom, "vllm:kv_offload_store_bytes_total") == host.stores * block_bytes
+    assert 0 < prometheus_value(prom, "jllm:kv_offload_host_usage_perc") <= 1
     assert sum(o.num_cached_tokens for o in second) > 0
     assert all(o.num_cached_tokens == 0 for o in without[1])
     assert_same(second, first)
