@@ -9,9 +9,10 @@ them: without the tier the next turn recomputes them, with it the prefix comes b
 host memory. Reported for the turns after the first: mean time to first token and the
 prompt tokens computed (prompt minus cached).
 
-Preempting: `--conversations` requests of `--history` tokens and 64 output tokens on the
-same small pool; reported: the tokens computed in all (a preempted request recomputes what
-it lost, or reloads it) and the time.
+Preempting: `--conversations` requests of `--history` / 2 prompt tokens and 256 output
+tokens on the same small pool (8 running requests outgrow it while they decode); reported:
+the preemptions, the tokens computed in all (a preempted request recomputes what it lost,
+or reloads it) and the time.
 
 What to expect: a load copies a block (16 tokens x 30 layers x 2 x 3 x 64 x 2 bytes =
 360 KiB in bf16) in tens of microseconds, where recomputing it costs 16 tokens of prefill
@@ -53,7 +54,7 @@ def chat(llm, histories, turns: int, rng) -> tuple[float, int]:
     return statistics.mean(ttfts), computed
 
 
-def preempting(llm, prompts) -> tuple[float, int]:
+def preempting(llm, prompts) -> tuple[float, int, int]:
     scheduler = llm.llm_engine.scheduler
     schedule, total = scheduler.schedule, [0]
 
@@ -63,12 +64,13 @@ def preempting(llm, prompts) -> tuple[float, int]:
         return out
 
     scheduler.schedule = counted
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
+    before = scheduler.num_preemptions
     start = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     del scheduler.schedule
-    return elapsed, total[0]
+    return elapsed, total[0], scheduler.num_preemptions - before
 
 
 def main() -> None:
@@ -81,7 +83,7 @@ def main() -> None:
     per_conv = (args.history + args.turns * 96) // BLOCK + 1
     pool = max(8, args.conversations * per_conv // 4)  # a quarter of the histories
     common = dict(
-        max_model_len=args.history + args.turns * 96 + 64,
+        max_model_len=args.history + args.turns * 96 + 256,
         num_gpu_blocks_override=pool,
         max_num_seqs=8,
         disable_log_stats=True,
@@ -102,11 +104,9 @@ def main() -> None:
         ]
         ttft, computed = chat(llm, histories, args.turns, rng)
         llm.reset_prefix_cache()
-        prompts = [
-            rng.integers(100, 40000, args.history).tolist() for _ in range(args.conversations)
-        ]
-        elapsed, total = preempting(llm, prompts)
-        preemptions = llm.llm_engine.scheduler.num_preemptions
+        half = args.history // 2
+        prompts = [rng.integers(100, 40000, half).tolist() for _ in range(args.conversations)]
+        elapsed, total, preemptions = preempting(llm, prompts)
         rows.append((name, ttft, computed, elapsed, total, preemptions))
         del llm
     print(

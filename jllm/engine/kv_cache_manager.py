@@ -467,4 +467,5 @@ class KVCacheManager:
             pool.reset()
         if self.host is not None:
             self.host.reset()
+            self.kv_stores.clear()  # stores not sent yet: their keys are forgotten too
         return True
