@@ -11,12 +11,13 @@ step channel.
 from __future__ import annotations
 
 import logging
+import secrets
 import socket
 
 import jax
 import numpy as np
 
-from jllm.distributed.channel import StepChannel
+from jllm.distributed.channel import TOKEN_BYTES, StepChannel
 
 logger = logging.getLogger("jllm")
 
@@ -83,6 +84,16 @@ def open_step_channel(args, rank: int):
         return None
     port = args.master_port + 1
     host = leader_address(args.master_addr)  # a collective: every process takes part
+    token = channel_token()  # likewise
     if rank == 0:
-        return StepChannel.serve("0.0.0.0", port, args.nnodes - 1)
-    return StepChannel.connect(host, port, rank)
+        return StepChannel.serve("0.0.0.0", port, args.nnodes - 1, token)
+    return StepChannel.connect(host, port, rank, token)
+
+
+def channel_token() -> bytes:
+    """The step channel's shared secret: 32 random bytes process 0 draws, sent to every
+    process of the JAX cluster by JAX's own broadcast (no other party learns it)."""
+    from jax.experimental import multihost_utils
+
+    mine = np.frombuffer(secrets.token_bytes(TOKEN_BYTES), np.uint8)
+    return bytes(np.asarray(multihost_utils.broadcast_one_to_all(mine)).astype(np.uint8))

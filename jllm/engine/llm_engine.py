@@ -19,6 +19,7 @@ import jax
 from jllm.attention import get_backend
 from jllm.config import EngineArgs, resolve_scheduler_config
 from jllm.distributed import ProcessLostError, initialize_distributed, open_step_channel
+from jllm.distributed.codec import MalformedMessage
 from jllm.engine.core import EngineCore
 from jllm.engine.encoder_cache import EncoderCache
 from jllm.engine.generation_config import (
@@ -269,6 +270,15 @@ class LLMEngine:
             self.runner.follow(self.channel)
         except ProcessLostError as e:
             logger.error("%s Stopping.", e)
+            raise
+        except MalformedMessage as e:
+            logger.error(
+                "Process %d received a malformed step-channel message (%s); stopping. "
+                "Process 0 reports this process's exit.",
+                self.rank,
+                e,
+            )
+            self.channel.hang_up()
             raise
         self.channel.hang_up()
         logger.info("Process 0 stopped; process %d is done.", self.rank)

@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from jllm.attention import get_backend
+from jllm.distributed.codec import MalformedMessage
 from jllm.lora.layers import lora_paths, write_slot
 from jllm.models.context import StepContext
 from jllm.runner.compile_cache import cache_counts
@@ -42,6 +43,7 @@ from jllm.runner.prompt_logprobs import prompt_logprobs_step
 from jllm.runner.prompt_logprobs import unpack as unpack_prompt_logprobs
 from jllm.runner.sampled import SampledToken
 from jllm.runner.sampler import sample, unpack_result
+from jllm.runner.step_message import from_message, to_message
 from jllm.runner.transfer import Layout, pack, unpack
 from jllm.scheduler_output import PROMPT_LOGPROB_ROWS, ModelRunnerOutput, SchedulerOutput
 from jllm.structured_output.backends import bitmask_width
@@ -52,6 +54,11 @@ logger = logging.getLogger(__name__)
 
 class CompileAfterWarmupError(RuntimeError):
     pass
+
+
+def _sample_rows(md_layout: Layout) -> int:
+    """Rs of a packed SamplingMetadata: its leaves all lead with the sample-row axis."""
+    return md_layout.leaves[0][0][0]
 
 
 def _forward(
@@ -235,6 +242,7 @@ class ModelRunner:
         last = np.zeros(max_num_seqs + 1, np.int32)
         self.last_tokens = jax.device_put(last, self.replicated)
         self._forward_exe: dict[tuple, object] = {}
+        self._layouts: dict[tuple, tuple] = {}  # (key, Rs) -> packed layouts (followers)
         self._sample_exe: dict[int, object] = {}
         self._write_exe: dict[int, object] = {}
         self.compile_guard = False
@@ -506,27 +514,36 @@ class ModelRunner:
             zeros = self._no_bitmask[rows] = jax.device_put(zeros, self.replicated)
         return zeros
 
+    def step_layouts(self, key: tuple, rs: int) -> tuple[Layout, Layout]:
+        """The packed layouts of forward key `key` and sampler bucket `rs`, built by the same
+        code as real steps (a follower rebuilds a step message's with it)."""
+        cached = self._layouts.get((key, rs))
+        if cached is None:
+            inputs, md = self._warmup_step(key, rs)
+            cached = self._layouts[(key, rs)] = (pack(inputs)[1], pack(md)[1])
+        return cached
+
     def run_step(
         self,
         key,
-        step,
+        packed_step,
         writes=(),
         bias_writes=(),
         prompt_targets=None,
         bitmask=None,
         encoder_inputs=(),
     ):
-        """The device part of a step, from the host inputs (StepInputs, SamplingMetadata) to
-        the packed result, still on the device (JAX dispatches asynchronously), after the
-        admitted rows' penalty and logit-bias writes; with `prompt_targets`, also the packed
-        prompt logprobs (else None); `bitmask`: the step's grammar bitmask [Rs, W], or None;
-        `encoder_inputs`: the images to encode first ((slot, pixels) each).
-        Every process of a multi-process engine runs it with the same inputs."""
+        """The device part of a step, from the packed host inputs ((buf, layout) of the
+        StepInputs and of the SamplingMetadata, `runner/transfer.py`) to the packed result,
+        still on the device (JAX dispatches asynchronously), after the admitted rows'
+        penalty and logit-bias writes; with `prompt_targets`, also the packed prompt
+        logprobs (else None); `bitmask`: the step's grammar bitmask [Rs, W], or None;
+        `encoder_inputs`: the images to encode first ((slot, pixels) each). Every process
+        of a multi-process engine runs it with the same inputs."""
         if encoder_inputs:
             with jax.set_mesh(self.mesh):
                 self.encoder.run(self.state, list(encoder_inputs))
-        inputs, md = step
-        (buf, layout), (md_buf, md_layout) = pack(inputs), pack(md)
+        (buf, layout), (md_buf, md_layout) = packed_step
         for w in writes:
             w = jax.device_put(w, self.replicated)
             exe = self._write_executable(w)
@@ -543,7 +560,7 @@ class ModelRunner:
             self.kv_cache = caches
         else:
             self.kv_cache, self.draft.kv_cache = caches
-        rs = md.batch_row.shape[0]
+        rs = _sample_rows(md_layout)
         smp = self._sample_executable(rs, hidden, md_buf, md_layout)
         packed, self.counts, self.last_tokens = smp(
             self.state, hidden, md_buf, *self._sampler_state(self._bitmask(rs, bitmask))
@@ -556,15 +573,17 @@ class ModelRunner:
         return packed, prompt_packed
 
     def follow(self, channel) -> None:
-        """Processes other than 0: run the steps process 0 sends until it stops."""
+        """Processes other than 0: run the steps process 0 sends until it stops. A message
+        that is not a step of this engine's schema raises MalformedMessage (the process
+        stops; process 0 reports its exit)."""
         while True:
             message = channel.recv()
-            if message[0] == "stop":
+            if message["kind"] == "stop":
                 return
-            _, key, step, writes, bias_writes, prompt_targets, bitmask, images = message
-            jax.block_until_ready(
-                self.run_step(key, step, writes, bias_writes, prompt_targets, bitmask, images)
-            )
+            if message["kind"] != "step":
+                raise MalformedMessage(f"step channel: unknown message {message['kind']!r}")
+            step = from_message(message, self.step_layouts)
+            jax.block_until_ready(self.run_step(*step))
 
     def _apply(self, out: SchedulerOutput):
         """Bring the input batch up to date with the scheduler's output; returns the penalty
@@ -597,10 +616,15 @@ class ModelRunner:
         )
         targets = None if prompt_rows is None else prompt_rows.targets
         bitmask = grammar_rows(groups, out.grammar_bitmask, len(md.masked), self.bitmask_width)
-        step = (inputs, md)
+        step = pack(inputs), pack(md)
         images = out.encoder_inputs
         if self.channel is not None:  # the other processes run the same step
-            self.channel.send(("step", key, step, writes, bias_writes, targets, bitmask, images))
+            (buf, _), (md_buf, _) = step
+            rs = md.batch_row.shape[0]
+            message = to_message(
+                key, rs, buf, md_buf, writes, bias_writes, targets, bitmask, images
+            )
+            self.channel.send(message)
         packed, prompt_packed = self.run_step(
             key, step, writes, bias_writes, targets, bitmask, images
         )
