@@ -24,7 +24,7 @@ GENERATION_DEFAULT_FIELDS = (
 def model_generation_config(source):
     """The model's own generation_config.json (transformers' GenerationConfig), or None: GGUF
     files and directories without one have none. Read once at start-up."""
-    if source.kind != "hf":
+    if source.kind not in ("hf", "orbax"):
         return None
     from transformers import GenerationConfig
 

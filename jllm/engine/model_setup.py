@@ -89,6 +89,14 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
         )
     cfg = registry.settle(cfg, max_model_len, args.disable_sliding_window)
     quantization = resolve_quantization(args.quantization, source)
+    if source.kind == "orbax":  # converted weights are stored as they were quantized
+        stored = source.orbax_meta.get("quantization")
+        if args.quantization not in (None, stored):
+            raise ValueError(
+                f"{source.path} was converted with quantization={stored!r}, not "
+                f"{args.quantization!r}; convert the model again to change it."
+            )
+        quantization = stored
     dtype = resolve_dtype(args.dtype, source.checkpoint_dtype, platform)
     logger.info(
         "Initializing jllm engine with config: model=%r, dtype=%s, quantization=%s, "

@@ -9,7 +9,7 @@ import os
 
 from transformers import AutoConfig, PretrainedConfig
 
-from jllm.model_loader import locate
+from jllm.model_loader import locate, orbax_io
 from jllm.model_loader.gguf_config import gguf_hf_config
 from jllm.model_loader.gguf_io import GgufFile
 from jllm.model_loader.safetensors_io import checkpoint_files, dtype_name, read_header
@@ -44,6 +44,10 @@ def resolve_model(
     )
     kind, path = locate.classify(path)
     common = {"tokenizer": tokenizer, "download_dir": download_dir}
+    if kind == "hf" and orbax_io.is_checkpoint(path):  # `jllm convert`'s output
+        meta = orbax_io.read_meta(path)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        return ModelSource("orbax", path, config, meta["dtype"], orbax_meta=meta, **common)
     if kind == "gguf":
         gf = GgufFile(path)
         config = gguf_hf_config(gf)

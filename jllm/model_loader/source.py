@@ -26,7 +26,8 @@ from jllm.quantization.checkpoints import CheckpointQuantization, iter_quantized
 class ModelSource:
     """A model checkpoint found on local disk, from `resolve_model`.
 
-    kind: "hf" (a Hugging Face directory of *.safetensors) or "gguf" (one llama.cpp file).
+    kind: "hf" (a Hugging Face directory of *.safetensors), "gguf" (one llama.cpp file) or
+        "orbax" (a folder `jllm convert` wrote).
     path: the model directory (hf) or the .gguf file.
     hf_config: the transformers config; for GGUF rebuilt from the file's metadata.
     checkpoint_dtype: numpy/jnp dtype name of the stored weights ("bfloat16", "float32", ...);
@@ -37,7 +38,7 @@ class ModelSource:
     checkpoint_quantization: an AWQ/GPTQ checkpoint's `quantization_config`, checked.
     """
 
-    kind: Literal["hf", "gguf"]
+    kind: Literal["hf", "gguf", "orbax"]
     path: str
     hf_config: PretrainedConfig = field(repr=False)
     checkpoint_dtype: str
@@ -45,6 +46,8 @@ class ModelSource:
     download_dir: str | None = None
     gguf_file: GgufFile | None = field(default=None, repr=False, compare=False)
     checkpoint_quantization: CheckpointQuantization | None = None
+    # A jllm checkpoint's `jllm_checkpoint.json` (model_loader/orbax_io.py), kind "orbax".
+    orbax_meta: dict | None = None
 
     @property
     def weight_files(self) -> list[str]:

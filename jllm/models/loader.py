@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jllm.model_loader import orbax_io
 from jllm.models.registry import IGNORED, Architecture
 from jllm.quantization import ONLINE_METHODS
 from jllm.quantization.formats import (
@@ -315,6 +316,14 @@ def load_model(
     )
     if load_format == "dummy":
         values = _dummy_values(target, source, seed)
+    elif source.kind == "orbax":  # `jllm convert`'s checkpoint, read shard by shard
+        meta = source.orbax_meta
+        orbax_io.check(meta, source.path, architecture=arch.name, kv_replicas=kv_replicas)
+
+        def quantized_sharding(path, shape):
+            return named_sharding(mesh, _quantized_axes(flat[path]), shape)
+
+        values = orbax_io.restore(source.path, meta, flat, target.shardings, quantized_sharding)
     else:
         values = _checkpoint_values(target, arch, cfg, source)
     for path, var in flat.items():
