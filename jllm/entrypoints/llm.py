@@ -49,14 +49,19 @@ def _per_prompt(value, n: int, name: str) -> list:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **kwargs) -> None:
+    def __init__(self, model: str | None = None, *, _engine_args=None, **kwargs) -> None:
         setup_logging()
-        args = EngineArgs.from_kwargs(model=model, **kwargs)
+        args = _engine_args or EngineArgs.from_kwargs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(args)
         if self.llm_engine.is_follower:
             # vLLM's headless nodes: this process only runs process 0's steps.
             self.llm_engine.follow()
         self._counter = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
+        """vLLM's constructor from an EngineArgs (the bench commands build one from flags)."""
+        return cls(_engine_args=engine_args)
 
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
