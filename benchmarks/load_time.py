@@ -69,11 +69,17 @@ def main() -> None:
     tokenizer = resolve_model(None).load_tokenizer()  # beside every safetensors folder
     st = os.path.join(root, "smollm2-safetensors")
     hf = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(gguf), gguf_file=os.path.basename(gguf), dtype=torch.bfloat16
+        os.path.dirname(gguf), gguf_file=os.path.basename(gguf), dtype=torch.float32
     )
-    hf.save_pretrained(st)
+    cfg = hf.config  # transformers keeps GGUF weights packed: save a plain copy
+    if hasattr(cfg, "quantization_config"):
+        delattr(cfg, "quantization_config")
+    plain = type(hf)(cfg)
+    plain.load_state_dict(hf.state_dict())
+    plain.tie_weights()
+    plain.to(torch.bfloat16).save_pretrained(st)
     tokenizer.save_pretrained(st)
-    del hf
+    del hf, plain
     orb = convert(None, os.path.join(root, "smollm2-orbax"), dtype="bfloat16")
 
     one_b = os.path.join(root, "1b-safetensors")

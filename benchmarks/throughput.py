@@ -50,6 +50,7 @@ import numpy as np
 import sliding_window
 
 from jllm import LLM, SamplingParams
+from jllm.runner.transfer import unpack_host
 
 WORKLOADS = ("W1", "W2", "W3", "S1")
 
@@ -110,7 +111,8 @@ class StepTimer:
         self._live = 0  # the scheduled tokens of the step being dispatched
 
     def run_step(self, key, step, *args, **kwargs):
-        inputs, md = step  # the padded step: count its slots and rows against the live ones
+        # The padded step, packed: count its slots and rows against the live ones.
+        inputs, md = (unpack_host(buf, layout) for buf, layout in step)
         rows = np.asarray(md.batch_row)
         live_rows = int(np.sum(rows != self.pad_row))
         self.padding += (len(inputs.token_ids), self._live, len(rows), live_rows)

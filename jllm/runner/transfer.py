@@ -53,3 +53,14 @@ def unpack(buf: jax.Array, layout: Layout):
             x = jax.lax.bitcast_convert_type(x, jnp.dtype(dtype))
         leaves.append(x)
     return jax.tree_util.tree_unflatten(layout.treedef, leaves)
+
+
+def unpack_host(buf: np.ndarray, layout: Layout):
+    """`unpack` on the host, in numpy (for tools that read a packed step back)."""
+    leaves, offset = [], 0
+    for shape, dtype in layout.leaves:
+        n = math.prod(shape)
+        x = buf[offset : offset + n].reshape(shape)
+        offset += n
+        leaves.append(x != 0 if dtype == "bool" else x.view(np.dtype(dtype)))
+    return jax.tree_util.tree_unflatten(layout.treedef, leaves)
