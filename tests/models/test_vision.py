@@ -1,7 +1,7 @@
 """Image inputs against transformers: LLaVA-1.5 (CLIP) and Gemma 3 (SigLIP, image tokens
 attending to each other in both directions), tiny random models built by the test with their
-processors, in float32 on the C++, XLA and Pallas (interpret) attention paths; chunked prefill inside an image, the
-encoder and prefix caches, the chat API, and bad input."""
+processors, in float32 on the C++, XLA and Pallas (interpret) attention paths; chunked
+prefill inside an image, the encoder and prefix caches, the chat API, and bad input."""
 
 from __future__ import annotations
 
