@@ -15,6 +15,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
+from jllm.config.legacy import apply_legacy
 from jllm.config.quantization import check_method
 from jllm.config.speculative import SpeculativeConfig
 from jllm.config.structured_outputs import StructuredOutputsConfig
@@ -205,6 +206,7 @@ class EngineArgs:
     def from_kwargs(cls, **kwargs) -> EngineArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         refuse_removed_image_flags(kwargs)
+        kwargs = apply_legacy(kwargs)  # the seeds' older flag names (config/legacy.py)
         for key, value in kwargs.items():
             if key in UNSUPPORTED_ARGS:
                 if value != UNSUPPORTED_ARGS[key]:

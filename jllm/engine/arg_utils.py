@@ -22,6 +22,7 @@ from jllm.config import (
     UNSUPPORTED_ARGS,
     EngineArgs,
 )
+from jllm.config.legacy import LEGACY_FLAGS
 
 HELP = {
     "model": "Model: a Hugging Face directory, a hub id in the local HF cache, or a .gguf "
@@ -182,12 +183,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     for name in REMOVED_IMAGE_ARGS:
         removed.add_argument(flag(name), default=None, help="Removed; refused with a message.")
+    legacy = parser.add_argument_group(
+        "deprecated and unsupported flags",
+        "vLLM's older flags: mapped onto what replaced them, ignored with a warning, or "
+        "refused naming the replacement (docs/server.md).",
+    )
+    for name, kind in LEGACY_FLAGS.items():
+        if kind is bool:
+            legacy.add_argument(flag(name), action="store_const", const=True, default=None)
+        else:
+            legacy.add_argument(flag(name), type=kind, default=None)
 
 
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
     """EngineArgs from parsed flags; vLLM flags jllm cannot honour yet raise ValueError."""
     kwargs = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)}
     kwargs |= {name: getattr(ns, name, None) for name in REMOVED_IMAGE_ARGS}
+    kwargs |= {name: getattr(ns, name, None) for name in LEGACY_FLAGS}
     for name in UNSUPPORTED_ARGS:
         value = getattr(ns, name, None)
         if value is not None and str(value) != str(UNSUPPORTED_ARGS[name]):
