@@ -1,7 +1,7 @@
 """The seeds' older vLLM flags, table-driven: each parses on `jllm serve`'s command line and
 as an `LLM(...)` keyword, and does what its row says: a value reaches the config, a warning
 is logged, or the refusal names the replacement. (Rows for the flags still to build are
-added as they land: --rope-scaling/--rope-theta, --device, --ssl-*, --middleware,
+added as they land: --device, --ssl-*, --middleware,
 --otlp-traces-endpoint, --quantization-param-path, --model-loader-extra-config.)"""
 
 from __future__ import annotations
@@ -148,6 +148,16 @@ ROWS = [
         ["--image-input-type", "pixel_values"],
         dict(image_input_type="pixel_values"),
         ("refuse", None, "removed from vLLM"),
+    ),
+    (
+        ["--rope-theta", "20000"],
+        dict(rope_theta=20000.0),
+        ("config", lambda a: a.hf_overrides == {"rope_theta": 20000.0}, "--hf-overrides"),
+    ),
+    (
+        ["--rope-scaling", '{"rope_type": "linear", "factor": 2.0}'],
+        dict(rope_scaling={"rope_type": "linear", "factor": 2.0}),
+        ("config", lambda a: a.hf_overrides["rope_scaling"]["factor"] == 2.0, "--hf-overrides"),
     ),
     (
         ["--disable-sliding-window"],

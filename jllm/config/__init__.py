@@ -29,7 +29,6 @@ UNSUPPORTED_ARGS = {
     "cpu_offload_gb": 0,
     "pipeline_parallel_size": 1,
     "data_parallel_size": 1,
-    "hf_overrides": None,
     "enable_sleep_mode": False,
 }
 # The seeds' image flags, which vLLM removed: refused with a message that says so
@@ -95,6 +94,11 @@ class EngineArgs:
     quantization: str | None = None
     seed: int | None = 0
     max_model_len: int | None = None
+    # vLLM's hf_overrides: fields written over the checkpoint's config before the model is
+    # built (engine/model_setup.py). The seeds' rope_scaling and rope_theta are folded in.
+    hf_overrides: dict | None = None
+    rope_scaling: dict | None = None
+    rope_theta: float | None = None
     # Attend over the whole context on sliding-window layers, capping max_model_len at the
     # window (vLLM's flag).
     disable_sliding_window: bool = False
@@ -183,6 +187,22 @@ class EngineArgs:
                 f"lora_dtype must be one of {sorted(LORA_DTYPES)}, got {self.lora_dtype!r}."
             )
 
+    def _fold_rope(self) -> None:
+        """The seeds' rope_scaling / rope_theta become hf_overrides (vLLM moved them there)."""
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError("hf_overrides must be a dict of config fields.")
+        for name in ("rope_scaling", "rope_theta"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            logger.warning(
+                "%s is deprecated: vLLM takes it in hf_overrides (--hf-overrides "
+                "'{\"%s\": ...}'); folded in.",
+                name,
+                name,
+            )
+            self.hf_overrides = {**(self.hf_overrides or {}), name: value}
+
     def _check_offloading(self) -> None:
         if self.kv_offloading_backend != "native":
             raise ValueError(
@@ -229,6 +249,7 @@ class EngineArgs:
             )
         check_method(self.quantization)
         self._check_offloading()
+        self._fold_rope()
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}.")
         if self.load_format not in LOAD_FORMATS:

@@ -108,6 +108,10 @@ HELP = {
     "offloading). 0 or unset: off.",
     "kv_offloading_backend": "The host KV tier's backend: 'native' (the only one).",
     "swap_space": "Deprecated (vLLM V1): sizes the host KV tier like --kv-offloading-size.",
+    "hf_overrides": "Config fields written over the checkpoint's, as JSON (vLLM's): e.g. "
+    "'{\"rope_theta\": 500000}'.",
+    "rope_scaling": "Deprecated: RoPE scaling as JSON, folded into --hf-overrides.",
+    "rope_theta": "Deprecated: the RoPE base, folded into --hf-overrides.",
     "limit_mm_per_prompt": "Images a prompt may carry, as JSON: '{\"image\": 4}' (default: "
     "no limit with this flag unset).",
     "mm_processor_kwargs": "Keyword arguments for the model's Hugging Face processor, as "
@@ -158,6 +162,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             "speculative_config",
             "limit_mm_per_prompt",
             "mm_processor_kwargs",
+            "hf_overrides",
+            "rope_scaling",
         ):
             group.add_argument(flag(f.name), type=json.loads, default=None, help=help_text)
             continue

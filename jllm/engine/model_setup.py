@@ -65,6 +65,34 @@ def expert_parallel(cfg, enabled: bool, tp: int):
     return dataclasses.replace(cfg, expert_parallel=True)
 
 
+_ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
+
+
+def apply_hf_overrides(hf, overrides: dict) -> None:
+    """vLLM's hf_overrides on a transformers config, in place. RoPE fields go into
+    `rope_parameters` (every layer type's, where the config has several): `rope_theta` sets
+    the base, `rope_scaling` / `rope_parameters` update the scaling; a dict given for a
+    sub-config (`text_config`) updates it; anything else is set as it is."""
+    for key, value in overrides.items():
+        if key in _ROPE_KEYS:
+            params = dict(getattr(hf, "rope_parameters", None) or {})
+            by_type = bool(params) and all(isinstance(v, dict) for v in params.values())
+            for target in list(params.values()) if by_type else [params]:
+                if key == "rope_theta":
+                    target["rope_theta"] = float(value)
+                elif isinstance(value, dict):
+                    target.update(value)
+                else:
+                    raise ValueError(f"hf_overrides {key!r} must be a dict, got {value!r}.")
+            hf.rope_parameters = params
+            continue
+        current = getattr(hf, key, None)
+        if isinstance(value, dict) and hasattr(current, "to_dict"):
+            apply_hf_overrides(current, value)
+        else:
+            setattr(hf, key, value)
+
+
 def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
     source = resolve_model(
         args.model,
@@ -74,6 +102,8 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
         download_dir=args.download_dir,
         load_format=args.load_format,
     )
+    if args.hf_overrides:
+        apply_hf_overrides(source.hf_config, args.hf_overrides)
     arch = registry.resolve(source.hf_config)
     cfg = arch.config(source.hf_config)
     derived_len, key = cfg.max_position_embeddings, "max_position_embeddings"
