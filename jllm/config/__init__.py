@@ -130,6 +130,8 @@ class EngineArgs:
     # Schedule step N+1 while step N runs. None: the platform's default (engine/platform.py).
     async_scheduling: bool | None = None
     # Execution.
+    # vLLM's device: "auto" (JAX's default backend), "cpu", "cuda"/"gpu", "tpu".
+    device: str = "auto"
     enforce_eager: bool = False
     max_seq_len_to_capture: int = 8192
     attention_backend: str = "auto"

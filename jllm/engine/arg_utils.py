@@ -108,6 +108,8 @@ HELP = {
     "offloading). 0 or unset: off.",
     "kv_offloading_backend": "The host KV tier's backend: 'native' (the only one).",
     "swap_space": "Deprecated (vLLM V1): sizes the host KV tier like --kv-offloading-size.",
+    "device": "The platform to run on: auto (JAX's default backend), cpu, cuda (or gpu), tpu; "
+    "refused when this host's JAX lacks it.",
     "hf_overrides": "Config fields written over the checkpoint's, as JSON (vLLM's): e.g. "
     "'{\"rope_theta\": 500000}'.",
     "rope_scaling": "Deprecated: RoPE scaling as JSON, folded into --hf-overrides.",
@@ -123,6 +125,7 @@ HELP = {
 }
 
 CHOICES = {
+    "device": ("auto", "cpu", "cuda", "gpu", "tpu"),
     "dtype": DTYPES,
     "load_format": LOAD_FORMATS,
     "tokenizer_mode": TOKENIZER_MODES,

@@ -14,8 +14,6 @@ import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import jax
-
 from jllm.attention import get_backend
 from jllm.config import EngineArgs, resolve_scheduler_config
 from jllm.distributed import ProcessLostError, initialize_distributed, open_step_channel
@@ -37,6 +35,7 @@ from jllm.engine.platform import (
     min_dot_rows,
     resolve_async_scheduling,
     resolve_backend,
+    select_platform,
 )
 from jllm.engine.processor import Processor
 from jllm.engine.scheduler import Scheduler
@@ -67,7 +66,7 @@ class LLMEngine:
             args.nnodes, args.node_rank, args.master_addr, args.master_port
         )
         enable_compilation_cache()
-        platform = jax.devices()[0].platform
+        platform = select_platform(args.device)
         m = load_engine_model(args, platform)
         loaded = time.perf_counter()
         cfg, dtype, self.max_model_len = m.config, m.dtype, m.max_model_len

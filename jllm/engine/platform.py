@@ -40,6 +40,36 @@ CPU_BF16_ISAS = {
 }
 
 
+# vLLM's --device values -> JAX's platform names.
+DEVICES = {"auto": None, "cpu": "cpu", "cuda": "gpu", "gpu": "gpu", "tpu": "tpu"}
+
+
+def select_platform(device: str) -> str:
+    """The JAX platform the engine runs on for vLLM's `device` (`auto`: JAX's default);
+    ValueError when this host's JAX has no such backend, or has started on another one."""
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {sorted(DEVICES)}, got {device!r}.")
+    wanted = DEVICES[device]
+    if wanted is None:
+        return jax.devices()[0].platform
+    try:
+        jax.devices(wanted)
+    except RuntimeError as e:
+        extra = {"gpu": "jax[cuda]", "tpu": "jax[tpu]"}.get(wanted)
+        hint = f" (install jllm's `{extra.split('[')[1][:-1]}` extra: {extra})" if extra else ""
+        raise ValueError(
+            f"device={device!r} was asked for, but JAX has no {wanted} backend on this "
+            f"host{hint}: {e}"
+        ) from e
+    default = jax.devices()[0].platform
+    if default != wanted:
+        raise ValueError(
+            f"device={device!r}: JAX's default backend here is {default}; start the process "
+            f"with JAX_PLATFORMS={wanted} to run on {wanted}."
+        )
+    return wanted
+
+
 def cpu_bf16_isa() -> str | None:
     """This x86 CPU's best instruction set for bf16 (a key of CPU_BF16_ISAS), or None: AVX2
     counts only where the float32 kernel runs (FMA, and a compiler that built it)."""
