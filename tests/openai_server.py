@@ -30,10 +30,12 @@ def free_port() -> int:
 
 
 class RunningServer:
-    def __init__(self, app, engine) -> None:
+    def __init__(self, app, engine, **uvicorn_options) -> None:
         self.engine = engine
         self.port = free_port()
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, log_level="warning", **uvicorn_options
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

@@ -316,14 +316,24 @@ def run_server(args: argparse.Namespace) -> None:
             host=host,
             port=args.port,
             log_level=args.uvicorn_log_level,
-            ssl_keyfile=args.ssl_keyfile,
-            ssl_certfile=args.ssl_certfile,
             timeout_keep_alive=5,
+            **ssl_options(args),
         )
     except KeyboardInterrupt:
         logger.info("Shutting down.")
     finally:
         engine.shutdown()
+
+
+def ssl_options(args: argparse.Namespace) -> dict:
+    """uvicorn's TLS settings from the flags: key and certificate, and the CA certificates a
+    client certificate must chain to, with whether one is required (--ssl-cert-reqs)."""
+    return dict(
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
+    )
 
 
 def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> None:

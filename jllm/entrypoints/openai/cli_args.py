@@ -77,6 +77,18 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     server.add_argument("--allow-credentials", action="store_true", help="CORS credentials.")
     server.add_argument("--ssl-keyfile", default=None, help="SSL key file (serve HTTPS).")
     server.add_argument("--ssl-certfile", default=None, help="SSL certificate file.")
+    server.add_argument(
+        "--ssl-ca-certs",
+        default=None,
+        help="CA certificates that client certificates must chain to.",
+    )
+    server.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=0,
+        help="Whether a client certificate is required (Python's ssl: 0 none, 1 optional, "
+        "2 required), as vLLM's flag.",
+    )
     server.add_argument("--root-path", default=None, help="ASGI root path behind a proxy.")
     server.add_argument(
         "--uvicorn-log-level",
