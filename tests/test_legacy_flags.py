@@ -1,7 +1,7 @@
 """The seeds' older vLLM flags, table-driven: each parses on `jllm serve`'s command line and
 as an `LLM(...)` keyword, and does what its row says: a value reaches the config, a warning
 is logged, or the refusal names the replacement. (Rows for the flags still to build are
-added as they land: --middleware,
+added as they land:
 --otlp-traces-endpoint, --quantization-param-path, --model-loader-extra-config.)"""
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import importlib
+import inspect
 import logging
 import os
 import signal
@@ -112,6 +114,8 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM, metrics: PrometheusSta
         allow_methods=args.allowed_methods,
         allow_headers=args.allowed_headers,
     )
+    for name in getattr(args, "middleware", None) or ():
+        install_middleware(app, name)
     api_key = args.api_key or os.environ.get("JLLM_API_KEY")
     if api_key:
 
@@ -323,6 +327,24 @@ def run_server(args: argparse.Namespace) -> None:
         logger.info("Shutting down.")
     finally:
         engine.shutdown()
+
+
+def install_middleware(app, name: str) -> None:
+    """vLLM's --middleware: `module.attribute`, an ASGI middleware class (added with
+    `add_middleware`) or an async `(request, call_next)` function (an HTTP middleware)."""
+    module_name, _, attribute = name.rpartition(".")
+    try:
+        target = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"--middleware {name!r} could not be imported: {e}") from e
+    if inspect.isclass(target):
+        app.add_middleware(target)
+    elif inspect.iscoroutinefunction(target):
+        app.middleware("http")(target)
+    else:
+        raise ValueError(
+            f"--middleware {name!r} is neither an ASGI middleware class nor an async function."
+        )
 
 
 def ssl_options(args: argparse.Namespace) -> dict:

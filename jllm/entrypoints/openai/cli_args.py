@@ -78,6 +78,13 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     server.add_argument("--ssl-keyfile", default=None, help="SSL key file (serve HTTPS).")
     server.add_argument("--ssl-certfile", default=None, help="SSL certificate file.")
     server.add_argument(
+        "--middleware",
+        action="append",
+        default=[],
+        help="An ASGI middleware to install, as module.attribute: a class, or an async "
+        "(request, call_next) function (repeatable; vLLM's flag).",
+    )
+    server.add_argument(
         "--ssl-ca-certs",
         default=None,
         help="CA certificates that client certificates must chain to.",
