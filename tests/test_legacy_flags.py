@@ -2,7 +2,7 @@
 as an `LLM(...)` keyword, and does what its row says: a value reaches the config, a warning
 is logged, or the refusal names the replacement. (Rows for the flags still to build are
 added as they land:
---otlp-traces-endpoint, --quantization-param-path, --model-loader-extra-config.)"""
+--otlp-traces-endpoint, --quantization-param-path.)"""
 
 from __future__ import annotations
 
@@ -148,6 +148,11 @@ ROWS = [
         ["--image-input-type", "pixel_values"],
         dict(image_input_type="pixel_values"),
         ("refuse", None, "removed from vLLM"),
+    ),
+    (
+        ["--model-loader-extra-config", '{"n": 1}'],
+        dict(model_loader_extra_config='{"n": 1}'),
+        ("refuse", None, "no extra configuration"),
     ),
     (
         ["--rope-theta", "20000"],

@@ -32,6 +32,11 @@ IGNORED = {
     "max_parallel_loading_workers": "the loader streams one checkpoint file at a time onto "
     "the devices",
 }
+# Accepted when empty (what vLLM's default loader takes too), refused otherwise.
+EMPTY_ONLY = {
+    "model_loader_extra_config": "jllm's loaders (safetensors, GGUF, orbax, dummy) take no "
+    "extra configuration",
+}
 REFUSED = {
     "engine_use_ray": "vLLM removed Ray engines; jllm runs several hosts on jax.distributed: "
     "use --nnodes, --node-rank and --master-addr",
@@ -85,6 +90,7 @@ LEGACY_FLAGS: dict[str, type] = {
     "scheduler_delay_factor": float,
     "distributed_executor_backend": str,
     "preemption_mode": str,
+    "model_loader_extra_config": str,
 }
 
 
@@ -98,6 +104,10 @@ def apply_legacy(kwargs: dict) -> dict:
     out = {k: v for k, v in kwargs.items() if k not in LEGACY_FLAGS}
     given = {k: v for k, v in kwargs.items() if k in LEGACY_FLAGS and v not in (None, False)}
     for name, value in given.items():
+        if name in EMPTY_ONLY:
+            if value not in ("", "{}", {}):
+                raise ValueError(f"{flag(name)} is not supported: {EMPTY_ONLY[name]}.")
+            continue
         if name in REFUSED:
             raise ValueError(f"{flag(name)} is not supported: {REFUSED[name]}.")
         if name in BY_VALUE:
