@@ -64,8 +64,7 @@ class EncoderCache:
                 self.release(req_id, item.hash)
 
     def release_all(self, req_id: str) -> None:
-        for h in list(self.held.pop(req_id, ())):
-            self.held[req_id] = {h}
+        for h in list(self.held.get(req_id, ())):
             self.release(req_id, h)
         self.held.pop(req_id, None)
 

@@ -38,6 +38,7 @@ class EngineModel:
     kv_caches: tuple  # one CacheSpec per KV-cache group (runner/kv_cache.py)
     # With enable_lora: the model's LoRA slots (jllm/lora/layers.py:LoraSpec).
     lora: object | None = None
+    quantization: str | None = None  # the method the weights were loaded with
 
 
 def replicate_kv_heads(cfg, tp: int):
@@ -195,6 +196,7 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
         tokenizer,
         CacheSpec.groups_of(arch.module, cfg),
         lora,
+        quantization,
     )
 
 

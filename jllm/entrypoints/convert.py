@@ -32,7 +32,6 @@ def convert(
     from jllm.engine.model_setup import load_engine_model
     from jllm.model_loader import orbax_io
     from jllm.models import registry
-    from jllm.quantization import resolve_quantization
 
     if os.path.exists(out) and os.listdir(out):
         raise ValueError(f"{out} exists and is not empty; jllm convert writes a new folder.")
@@ -59,9 +58,7 @@ def convert(
     meta = {
         "architecture": registry.resolve(source.hf_config).name,
         "dtype": m.dtype.name,
-        "quantization": resolve_quantization(quantization, source)
-        if source.kind != "orbax"
-        else source.orbax_meta.get("quantization"),
+        "quantization": m.quantization,
         "kv_replicas": m.kv_replicas,
         "tensor_parallel_size": tensor_parallel_size,
         "source": source.path,

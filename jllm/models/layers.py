@@ -167,13 +167,15 @@ ACTIVATIONS = {
 }
 
 
-def activation(name: str):
-    if name not in ACTIVATIONS:
+def activation(name: str, table: dict = ACTIVATIONS, what: str = "MLP"):
+    """The function `table` has for transformers' activation `name`; ValueError naming the
+    supported ones (`what`: whose activations they are, for the message)."""
+    if name not in table:
         raise ValueError(
-            f"MLP activation {name!r} is not supported by jllm yet (supported: "
-            f"{', '.join(sorted(ACTIVATIONS))})."
+            f"{what} activation {name!r} is not supported by jllm yet (supported: "
+            f"{', '.join(sorted(table))})."
         )
-    return ACTIVATIONS[name]
+    return table[name]
 
 
 def gated_product(gate: Linear, up: Linear, x, ctx=None, act: str = "silu"):

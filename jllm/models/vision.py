@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jllm.models.layers import RMSNorm, param
+from jllm.models.layers import RMSNorm, activation, param
 
 ACTIVATIONS = {
     "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),  # CLIP's
@@ -37,12 +37,7 @@ ACTIVATIONS = {
 
 
 def _activation(name: str):
-    if name not in ACTIVATIONS:
-        raise ValueError(
-            f"Vision activation {name!r} is not supported by jllm yet (supported: "
-            f"{', '.join(sorted(ACTIVATIONS))})."
-        )
-    return ACTIVATIONS[name]
+    return activation(name, ACTIVATIONS, "Vision")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,11 @@ import contextlib
 
 import jax
 
+
+class CompileAfterWarmupError(RuntimeError):
+    """A step, encoder or copy needed an executable that was not compiled at start-up."""
+
+
 _EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
 _counters: list[list[str]] = []
 

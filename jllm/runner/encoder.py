@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jllm.runner.compile_guard import CompileAfterWarmupError
 from jllm.runner.inputs import pow2_buckets
 
 
@@ -48,8 +49,6 @@ class ImageEncoder:
         exe = self._exe.get(n)
         if exe is None:
             if self.compile_guard:
-                from jllm.runner.model_runner import CompileAfterWarmupError
-
                 raise CompileAfterWarmupError(f"image encoder bucket ({n} images) not compiled")
             pixels = jax.ShapeDtypeStruct(
                 (n, *self.pixel_shape), jnp.float32, sharding=self.sharding

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jllm.runner.compile_guard import CompileAfterWarmupError
 from jllm.runner.inputs import pow2_buckets
 
 # The most blocks one copy executable moves; longer lists go in several calls.
@@ -73,8 +74,6 @@ class HostKVCache:
         exe = table.get(key)
         if exe is None:
             if self.compile_guard:
-                from jllm.runner.model_runner import CompileAfterWarmupError
-
                 raise CompileAfterWarmupError(f"KV copy of {n} blocks not compiled")
             ids = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=self.replicated)
             exe = table[key] = fn.lower(cache, ids, *extra).compile()

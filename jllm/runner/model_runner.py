@@ -35,6 +35,7 @@ from jllm.distributed.codec import MalformedMessage
 from jllm.lora.layers import lora_paths, write_slot
 from jllm.models.context import StepContext
 from jllm.runner.compile_cache import cache_counts
+from jllm.runner.compile_guard import CompileAfterWarmupError
 from jllm.runner.input_batch import InputBatch
 from jllm.runner.inputs import BatchLayout, build_step, grammar_rows
 from jllm.runner.logit_bias import bias_vector, write_bias
@@ -50,10 +51,6 @@ from jllm.structured_output.backends import bitmask_width
 from sharding import named_sharding, replicated
 
 logger = logging.getLogger(__name__)
-
-
-class CompileAfterWarmupError(RuntimeError):
-    pass
 
 
 def _sample_rows(md_layout: Layout) -> int:

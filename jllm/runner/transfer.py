@@ -40,13 +40,19 @@ def pack(tree) -> tuple[np.ndarray, Layout]:
     return buf, layout
 
 
-def unpack(buf: jax.Array, layout: Layout):
-    """Inside jit: the pytree `pack` flattened, as device arrays."""
-    leaves, offset = [], 0
+def _slices(buf, layout: Layout):
+    """(each leaf's int32 words in its shape, its dtype name), in order."""
+    offset = 0
     for shape, dtype in layout.leaves:
         n = math.prod(shape)
-        x = buf[offset : offset + n].reshape(shape)
+        yield buf[offset : offset + n].reshape(shape), dtype
         offset += n
+
+
+def unpack(buf: jax.Array, layout: Layout):
+    """Inside jit: the pytree `pack` flattened, as device arrays."""
+    leaves = []
+    for x, dtype in _slices(buf, layout):
         if dtype == "bool":
             x = x != 0
         elif dtype != "int32":
@@ -57,10 +63,5 @@ def unpack(buf: jax.Array, layout: Layout):
 
 def unpack_host(buf: np.ndarray, layout: Layout):
     """`unpack` on the host, in numpy (for tools that read a packed step back)."""
-    leaves, offset = [], 0
-    for shape, dtype in layout.leaves:
-        n = math.prod(shape)
-        x = buf[offset : offset + n].reshape(shape)
-        offset += n
-        leaves.append(x != 0 if dtype == "bool" else x.view(np.dtype(dtype)))
+    leaves = [x != 0 if d == "bool" else x.view(np.dtype(d)) for x, d in _slices(buf, layout)]
     return jax.tree_util.tree_unflatten(layout.treedef, leaves)

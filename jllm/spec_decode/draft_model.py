@@ -44,6 +44,7 @@ import numpy as np
 from flax import nnx
 
 from jllm.models.context import StepContext
+from jllm.runner.compile_guard import CompileAfterWarmupError
 from jllm.runner.draw import filtered_draw, first_argmax, row_keys
 from jllm.runner.inputs import (
     BatchLayout,
@@ -53,7 +54,6 @@ from jllm.runner.inputs import (
     group_metadata,
     padded_flat_batch,
 )
-from jllm.runner.model_runner import CompileAfterWarmupError
 from jllm.runner.transfer import pack, unpack
 from jllm.sampling_params import SAMPLING_EPS
 from jllm.scheduler_output import PROMPT_LOGPROB_ROWS
