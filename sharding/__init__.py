@@ -1,9 +1,14 @@
 """Mesh axes and the logical-axis rules that place weights and KV cache on them.
 
-The mesh has two named axes, `data` and `model`. Layers annotate every weight with logical
-axis names where it is created (`logical_axes=` metadata on `nnx.Param`); `LOGICAL_RULES`
-maps each logical name to a mesh axis (or None: replicated). Only this module knows the
-mapping, so tensor parallelism changes here and nowhere else.
+The mesh has three named axes, `data`, `stage` and `model`. Layers annotate every weight with
+logical axis names where it is created (`logical_axes=` metadata on `nnx.Param`);
+`LOGICAL_RULES` maps each logical name to a mesh axis (or None: replicated). Only this
+module knows the mapping, so tensor parallelism changes here and nowhere else.
+
+Pipeline parallelism splits the stacked layer axis (`layers`: every layer stack's weights
+and every KV-cache group's rows) over `stage`: stage s holds the s-th run of consecutive
+layers on its own devices (`models/pipeline.py` runs them). With one stage the axis has size
+1 and places nothing.
 """
 
 from __future__ import annotations
@@ -13,10 +18,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 DATA_AXIS = "data"
+STAGE_AXIS = "stage"
 MODEL_AXIS = "model"
 
 LOGICAL_RULES: dict[str, str | None] = {
-    "layers": None,
+    "layers": STAGE_AXIS,
     "vocab": MODEL_AXIS,
     "embed": None,
     "heads": MODEL_AXIS,
@@ -40,15 +46,18 @@ LOGICAL_RULES: dict[str, str | None] = {
 }
 
 
-def make_mesh(tensor_parallel_size: int = 1, devices=None) -> Mesh:
+def make_mesh(tensor_parallel_size: int = 1, devices=None, pipeline_parallel_size: int = 1) -> Mesh:
+    """The first PP x TP devices as (1, PP, TP): stage s gets devices [s TP, (s + 1) TP), so
+    that with one process per host and TP devices each, a stage is a host."""
     devices = list(devices if devices is not None else jax.devices())
-    if tensor_parallel_size > len(devices):
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    if tp * pp > len(devices):
         raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} exceeds the {len(devices)} "
-            "available devices."
+            f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} exceeds the "
+            f"{len(devices)} available devices."
         )
-    grid = np.array(devices[:tensor_parallel_size]).reshape(1, tensor_parallel_size)
-    return Mesh(grid, (DATA_AXIS, MODEL_AXIS))
+    grid = np.array(devices[: tp * pp]).reshape(1, pp, tp)
+    return Mesh(grid, (DATA_AXIS, STAGE_AXIS, MODEL_AXIS))
 
 
 def partition_spec(
@@ -59,6 +68,8 @@ def partition_spec(
     spec = []
     for i, name in enumerate(logical_axes):
         axis = LOGICAL_RULES.get(name) if name else None
+        if axis is not None and mesh is not None and axis not in mesh.shape:
+            axis = None  # a mesh without that axis (e.g. a test's 1-D mesh)
         if axis is not None and shape is not None and shape[i] % mesh.shape[axis]:
             axis = None
         spec.append(axis)

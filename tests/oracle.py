@@ -64,6 +64,8 @@ ARCHS = {
         transformers.LlamaForCausalLM,
         {"num_attention_heads": 8, "num_key_value_heads": 8},
     ),
+    # Four layers: pipeline stages of 1, 2 and 4 layers (tests/sharding/test_pipeline_parallel.py).
+    "llama-l4": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"num_hidden_layers": 4}),
     # Head dim 64, as SmolLM2's: at block size 16 the CPU attention kernel runs decode rows
     # and prefill rows on two vectorized paths (the head dims above share its scalar path).
     # A small vocabulary, so that a request may ask for all of its logprobs.

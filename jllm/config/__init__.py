@@ -27,7 +27,6 @@ logger = logging.getLogger("jllm")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 UNSUPPORTED_ARGS = {
     "cpu_offload_gb": 0,
-    "pipeline_parallel_size": 1,
     "data_parallel_size": 1,
     "enable_sleep_mode": False,
 }
@@ -155,6 +154,7 @@ class EngineArgs:
     lora_dtype: str = "auto"
     fully_sharded_loras: bool = False  # also split A of column- and B of row-parallel ones
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # stages of consecutive layers (models/pipeline.py)
     # Mixtures of experts: whole experts per device over the tensor-parallel devices,
     # instead of every expert split (vLLM's flag).
     enable_expert_parallel: bool = False
@@ -281,6 +281,10 @@ class EngineArgs:
             )
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ValueError("num_gpu_blocks_override must be at least 2.")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(
+                f"pipeline_parallel_size must be at least 1, got {self.pipeline_parallel_size}."
+            )
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}."

@@ -97,6 +97,9 @@ HELP = {
     "projection (by default only the half its weight's split implies).",
     "tensor_parallel_size": "Devices of this host to split the model over (heads, MLP and "
     "vocabulary on the mesh's 'model' axis). With several nodes: all devices of all nodes.",
+    "pipeline_parallel_size": "Pipeline stages: the layers split into this many runs of "
+    "consecutive layers, each on its own tensor_parallel_size devices (the mesh's 'stage' "
+    "axis; docs/parallelism.md).",
     "nnodes": "Number of processes (hosts) serving this model together.",
     "node_rank": "This process's rank; 0 runs the scheduler and the API, the others follow.",
     "master_addr": "Address of process 0 (JAX's coordinator runs there). Unset: JAX detects "

@@ -132,6 +132,7 @@ class LLMEngine:
             [m.kv_caches] if draft is None else [m.kv_caches, draft.kv_caches],
             block_size=args.block_size,
             tp=args.tensor_parallel_size,
+            pp=args.pipeline_parallel_size,
             dtype=kv_dtype,
             mesh=m.mesh,
             platform=platform,
@@ -164,7 +165,7 @@ class LLMEngine:
             self.runner.compile_all()
             caches = allocated.result()
         self._attach_kv_caches(caches, num_blocks, draft, layout)
-        if args.tensor_parallel_size > 1:
+        if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
             log_split(m.mesh, m.state, caches[0], m.kv_replicas)
         compiled = time.perf_counter()
         self.channel = open_step_channel(args, self.rank)

@@ -16,6 +16,7 @@ from jllm.lora.layers import with_lora_slots
 from jllm.model_loader import resolve_model
 from jllm.models import registry
 from jllm.models.loader import load_model
+from jllm.models.pipeline import check_stages
 from jllm.quantization import resolve_quantization
 from jllm.runner.kv_cache import CacheSpec
 from jllm.spec_decode.draft_model import DraftModel
@@ -151,13 +152,14 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
         tokenizer = source.load_tokenizer(
             args.tokenizer_mode, args.trust_remote_code, args.tokenizer_revision
         )
-    tp = args.tensor_parallel_size
-    if args.nnodes > 1 and tp != jax.device_count():
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    if args.nnodes > 1 and tp * pp != jax.device_count():
         raise ValueError(
             f"With {args.nnodes} nodes the model must span all {jax.device_count()} devices "
-            f"of the cluster; got tensor_parallel_size={tp}."
+            f"of the cluster; got tensor_parallel_size={tp} x pipeline_parallel_size={pp}."
         )
-    mesh = make_mesh(tp)
+    check_stages(arch.module, cfg, pp)
+    mesh = make_mesh(tp, pipeline_parallel_size=pp)
     cfg = expert_parallel(cfg, args.enable_expert_parallel, tp)
     cfg, replicas = replicate_kv_heads(cfg, tp)
     graphdef, state = load_model(
@@ -215,6 +217,10 @@ def load_draft_model(
     if spec.method != "draft_model":
         return None
     tp = args.tensor_parallel_size
+    if args.pipeline_parallel_size > 1:
+        raise ValueError(
+            "A speculative draft model is not supported with pipeline_parallel_size > 1 yet."
+        )
     if spec.draft_tensor_parallel_size not in (None, tp):
         raise ValueError(
             f"draft_tensor_parallel_size={spec.draft_tensor_parallel_size} is not supported: "

@@ -174,13 +174,22 @@ def log_split(mesh, state, kv_cache: tuple, replicas: int) -> None:
     """`kv_cache`: the model's KV-cache groups' caches."""
     weights = jax.tree_util.tree_leaves(state)
     total = sum(w.nbytes for w in weights)
+    tp, pp = mesh.shape["model"], mesh.shape.get("stage", 1)
+    splits = []
+    if pp > 1:
+        splits.append(f"{pp} pipeline stages of {tp} device(s) each hold 1/{pp} of the layers")
+    if tp > 1:
+        replicated = f", each kv head replicated {replicas}x" if replicas > 1 else ""
+        splits.append(
+            f"tensor parallel over {tp} devices: heads, kv heads, MLP and vocabulary split on "
+            f"the 'model' axis{replicated}"
+        )
+    what = "; ".join(splits)
     logger.info(
-        "Tensor parallel over %d devices (%s): heads, kv heads, MLP and vocabulary split on "
-        "the 'model' axis%s; each device holds %.3f GiB of the %.3f GiB of weights and "
-        "%.3f GiB of the %.3f GiB KV cache.",
-        mesh.shape["model"],
+        "%s (%s); each device holds %.3f GiB of the %.3f GiB of weights and %.3f GiB of the "
+        "%.3f GiB KV cache.",
+        what[:1].upper() + what[1:],
         ", ".join(str(d) for d in mesh.devices.flat),
-        f", each kv head replicated {replicas}x" if replicas > 1 else "",
         per_device_bytes(weights) / 2**30,
         total / 2**30,
         per_device_bytes(kv_cache) / 2**30,

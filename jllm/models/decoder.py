@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jllm.models import bf16_matmul, f32_matmul
+from jllm.models import bf16_matmul, f32_matmul, pipeline
 from jllm.models.context import StepContext
 from jllm.models.layers import Linear, RMSNorm, StackedWeight, param
 from jllm.quantization.weights import QuantizedWeight, matmul, take_rows
@@ -147,6 +147,11 @@ class CausalLM(nnx.Module):
         return None
 
     @classmethod
+    def segments_of(cls, cfg) -> tuple[Segment, ...]:
+        """The model's layers as segments (`plan_segments`)."""
+        return plan_segments(cls.layer_kinds(cfg))
+
+    @classmethod
     def kv_cache_groups(cls, cfg) -> tuple[KVCacheGroup, ...]:
         """The model's KV-cache groups, in order of their first layer."""
         groups: dict[int | None, list[int]] = {}
@@ -160,7 +165,7 @@ class CausalLM(nnx.Module):
         self.embed_tokens = param(
             rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype
         )
-        self.segments = plan_segments(self.layer_kinds(cfg))
+        self.segments = self.segments_of(cfg)
 
         def stack(kind, count: int):
             @nnx.split_rngs(splits=count)
@@ -212,34 +217,50 @@ class CausalLM(nnx.Module):
 
     def __call__(self, token_ids, ctx: StepContext, kv_caches: tuple):
         """Hidden states [T, D] after the final norm, and the updated caches: one per
-        KV-cache group, [Lg, B, S, 2K, H]."""
+        KV-cache group, [Lg, B, S, 2K, H]. Under a mesh of several pipeline stages the
+        layers run as stages (`models/pipeline.py`)."""
         x = self.embed(token_ids, ctx)
         kernel = bf16_matmul.applies(self.dtype) or f32_matmul.applies(self.dtype)
         in_place = _stays_stacked(jnp.dtype(self.dtype), bool(kernel))
         cache = kv_caches[0]
         ctx = ctx.replace(live=ctx.attn[0].slot_mapping < cache.shape[1] * cache.shape[2])
-        rows = layer_rows(self.kv_cache_groups(self.cfg))
-        for s, seg in enumerate(self.segments):
-            modules = [self.layers] if self.uniform else list(self.blocks[s])
-            parts = [nnx.split(m, in_place, ...) for m in modules]
-            where = segment_rows(seg, rows)
-
-            def body(carry, inputs, parts=parts, where=where):
-                x, kv_caches = carry
-                states, repeat = inputs
-                for (graphdef, stacked, _), state, (g, row, per_repeat) in zip(
-                    parts, states, where, strict=True
-                ):
-                    views = jax.tree.map(lambda a: StackedWeight(a, repeat), stacked)
-                    layer = nnx.merge(graphdef, views, state)
-                    x, kv_caches = layer(x, ctx.at_layer(g, row + repeat * per_repeat), kv_caches)
-                return (x, kv_caches), None
-
-            states = tuple(state for _, _, state in parts)
-            # Not unrolled: with the stacked cache an unrolled scan copies the cache per layer.
-            carry = (x, tuple(kv_caches))
-            (x, kv_caches), _ = jax.lax.scan(body, carry, (states, jnp.arange(seg.repeats)))
+        kv_caches = tuple(kv_caches)
+        stages = pipeline.num_stages()
+        if stages > 1:
+            x, kv_caches = pipeline.run(self, x, ctx, kv_caches, stages, in_place)
+        else:
+            for s in range(len(self.segments)):
+                parts = self.segment_parts(s, in_place)
+                x, kv_caches = self.scan_segment(s, parts, x, ctx, kv_caches)
         return self.norm(x), kv_caches
+
+    def segment_parts(self, s: int, in_place) -> list[tuple]:
+        """Segment `s`'s stacked modules, each split as (graphdef, the weights its layers
+        read from the whole stack, the rest)."""
+        modules = [self.layers] if self.uniform else list(self.blocks[s])
+        return [nnx.split(m, in_place, ...) for m in modules]
+
+    def scan_segment(self, s: int, parts, x, ctx: StepContext, kv_caches: tuple):
+        """Segment `s`'s layers over x, as a scan over the repeats `parts` hold (all of
+        them, or a pipeline stage's; their cache rows then count from the stage's first)."""
+        where = segment_rows(self.segments[s], layer_rows(self.kv_cache_groups(self.cfg)))
+
+        def body(carry, inputs):
+            x, kv_caches = carry
+            states, repeat = inputs
+            for (graphdef, stacked, _), state, (g, row, per_repeat) in zip(
+                parts, states, where, strict=True
+            ):
+                views = jax.tree.map(lambda a: StackedWeight(a, repeat), stacked)
+                layer = nnx.merge(graphdef, views, state)
+                x, kv_caches = layer(x, ctx.at_layer(g, row + repeat * per_repeat), kv_caches)
+            return (x, kv_caches), None
+
+        states = tuple(state for _, _, state in parts)
+        repeats = jax.tree.leaves(states)[0].shape[0]
+        # Not unrolled: with the stacked cache an unrolled scan copies the cache per layer.
+        (x, kv_caches), _ = jax.lax.scan(body, (x, kv_caches), (states, jnp.arange(repeats)))
+        return x, kv_caches
 
     def compute_logits(self, hidden, live=None):
         """[R, D] -> [R, V] float32, whatever the model's dtype. live: [R] bool, the rows

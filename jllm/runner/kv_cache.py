@@ -197,6 +197,7 @@ def size_kv_cache(
     block_size: int,
     tp: int,
     dtype,
+    pp: int = 1,
     mesh,
     platform: str,
     max_model_len: int,
@@ -207,7 +208,8 @@ def size_kv_cache(
     utilization: float,
     profile=None,
 ):
-    """Size the caches from memory (per device: they are split on their kv-head axis) and
+    """Size the caches from memory (per device: they are split on their kv-head axis over
+    `tp` devices, and on their layer axis over `pp` pipeline stages) and
     log them as vLLM does. `models`: the model's KV-cache groups, then a speculative draft
     model's if any. `max_step_tokens`: the most tokens a step computes for one request
     (drafts included). `profile(abstract caches) -> bytes`: what the largest step needs
@@ -217,7 +219,7 @@ def size_kv_cache(
     `allocate_kv_caches` makes them, and every group's block count, in order)."""
     specs = [spec for groups in models for spec in groups]
     sizes = [
-        bytes_per_block(s.num_layers, block_size, s.num_kv_heads // tp, s.head_dim, dtype)
+        bytes_per_block(s.num_layers // pp, block_size, s.num_kv_heads // tp, s.head_dim, dtype)
         for s in specs
     ]
     caps = [None] * len(specs)

@@ -38,12 +38,12 @@ TARGETS = {
 
 
 def target_mesh(device, tp: int) -> jax.sharding.AbstractMesh:
-    """The engine's (data, model) mesh of `tp` devices of the target kind, abstract."""
+    """The engine's (data, stage, model) mesh of `tp` devices of the target kind, abstract."""
     auto = jax.sharding.AxisType.Auto
     return jax.sharding.AbstractMesh(
-        (1, tp),
-        ("data", "model"),
-        axis_types=(auto, auto),
+        (1, 1, tp),
+        ("data", "stage", "model"),
+        axis_types=(auto, auto, auto),
         abstract_device=jax.sharding.AbstractDevice(*device),
     )
 

@@ -75,8 +75,6 @@ def test_bad_tp_is_a_clear_error(tiny_models):
         LLM(tiny_models["llama"], tensor_parallel_size=8, **SMALL)  # 4 heads
     with pytest.raises(ValueError, match="exceeds the"):
         LLM(tiny_models["llama"], tensor_parallel_size=16, **SMALL)
-    with pytest.raises(ValueError, match="pipeline_parallel_size"):
-        LLM(tiny_models["llama"], pipeline_parallel_size=2, **SMALL)
 
 
 def test_no_compile_after_warmup_with_tp(tiny_models, reference):

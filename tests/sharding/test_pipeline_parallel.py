@@ -1,0 +1,160 @@
+"""Pipeline parallelism on fake CPU devices: PP = 2, 4 and PP = 2 x TP = 2 give the plain
+engine's greedy tokens and logprobs (float32), with chunked prefill, prefix caching,
+preemption and seeded sampling; each stage's devices hold only its layers' weights and
+cache rows; the splits jllm cannot run are refused with the reason; no compile after
+warm-up. (Two processes as two stages: tests/distributed/test_multihost.py.)"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from oracle import SMALL, prompt_ids
+
+from jllm import LLM, SamplingParams
+from jllm.runner.compile_guard import count_compiles
+from sharding import STAGE_AXIS
+
+# A 40-token prompt over a 16-token budget: chunked prefill, its chunks cut into micro-batches.
+ARGS = {**SMALL, "dtype": "float32", "max_num_batched_tokens": 16}
+PROMPTS = [{"prompt_token_ids": p} for p in prompt_ids(4, 6) + prompt_ids(1, 40, seed=2)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+SEEDED = [
+    SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=8, ignore_eos=True)
+    for i in range(len(PROMPTS))
+]
+
+
+def run(llm, params=GREEDY):
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [o.outputs[0] for o in outs]
+
+
+def assert_same(got, want):
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        if w.logprobs:
+            for lg, lw in zip(g.logprobs, w.logprobs, strict=True):
+                assert lg.keys() == lw.keys()
+                for t in lw:
+                    assert lg[t].logprob == pytest.approx(lw[t].logprob, abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models):
+    llm = LLM(tiny_models["llama-l4"], **ARGS)
+    return run(llm), [o.token_ids for o in run(llm, SEEDED)]
+
+
+def stage_of(mesh) -> dict:
+    """Device -> its pipeline stage."""
+    stages = mesh.devices.shape[list(mesh.axis_names).index(STAGE_AXIS)]
+    return {d: s for s in range(stages) for d in np.take(mesh.devices, s, axis=1).flat}
+
+
+def assert_stage_holds_its_layers(array, mesh, pp: int) -> None:
+    """Every shard of a layer-stacked array (leading layer axis) holds exactly the layers of
+    its device's stage."""
+    layers = array.shape[0]
+    stage = stage_of(mesh)
+    for shard in array.addressable_shards:
+        rows = range(layers)[shard.index[0]]
+        s = stage[shard.device]
+        assert list(rows) == list(range(s * layers // pp, (s + 1) * layers // pp))
+
+
+@pytest.mark.parametrize(("pp", "tp"), [(2, 1), (4, 1), (2, 2)])
+def test_greedy_and_logprobs_equal_pp1(tiny_models, reference, pp, tp):
+    llm = LLM(tiny_models["llama-l4"], pipeline_parallel_size=pp, tensor_parallel_size=tp, **ARGS)
+    assert_same(run(llm), reference[0])
+    engine = llm.llm_engine
+    mesh = engine.runner.mesh
+    assert mesh.shape[STAGE_AXIS] == pp and mesh.shape["model"] == tp
+    (cache,) = engine.runner.kv_cache
+    assert cache.addressable_shards[0].data.shape[0] == 4 // pp
+    assert_stage_holds_its_layers(cache, mesh, pp)
+    layer_weights = [
+        w
+        for path, w in jax.tree_util.tree_leaves_with_path(engine.runner.state)
+        if "layers" in jax.tree_util.keystr(path)
+    ]
+    assert len(layer_weights) == 9  # q, k, v, o, gate, up, down, two norms
+    for w in layer_weights:
+        assert_stage_holds_its_layers(w, mesh, pp)
+        assert w.addressable_shards[0].data.nbytes <= w.nbytes // pp
+
+
+def test_seeded_sampling_and_prefix_caching(tiny_models, reference):
+    llm = LLM(tiny_models["llama-l4"], pipeline_parallel_size=2, **ARGS)
+    assert [o.token_ids for o in run(llm, SEEDED)] == reference[1]
+    kv = llm.llm_engine.scheduler.kv_cache
+    hits = kv.prefix_hits
+    assert [o.token_ids for o in run(llm, SEEDED)] == reference[1]
+    assert kv.prefix_hits - hits >= 32  # the long prompt's two full blocks at least
+
+
+def test_preemption(tiny_models, reference):
+    llm = LLM(tiny_models["llama-l4"], pipeline_parallel_size=2, num_gpu_blocks_override=8, **ARGS)
+    assert_same(run(llm), reference[0])
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_two_kv_groups_gemma2(tiny_models):
+    """Gemma 2's (local, global) pattern twice over two stages: each stage holds one row of
+    each group's cache; soft caps and the sliding window as with one stage."""
+    prompts = PROMPTS
+    want = LLM(tiny_models["gemma2"], **ARGS).generate(prompts, GREEDY, use_tqdm=False)
+    llm = LLM(tiny_models["gemma2"], pipeline_parallel_size=2, **ARGS)
+    got = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert_same([o.outputs[0] for o in got], [o.outputs[0] for o in want])
+    for cache in llm.llm_engine.runner.kv_cache:
+        assert_stage_holds_its_layers(cache, llm.llm_engine.runner.mesh, 2)
+
+
+def test_no_compile_after_warmup(tiny_models, reference):
+    args = {**ARGS, "enforce_eager": False, "max_num_seqs": 8}
+    llm = LLM(tiny_models["llama-l4"], pipeline_parallel_size=2, **args)
+    assert llm.llm_engine.runner.compile_guard
+    with count_compiles() as events:
+        assert_same(run(llm), reference[0])
+    assert events == []
+
+
+@pytest.mark.parametrize(
+    ("model", "kwargs", "env", "message"),
+    [
+        ("llama-l4", dict(pipeline_parallel_size=3), None, r"must divide the model's 4 layers"),
+        ("llama-l4", dict(pipeline_parallel_size=8), None, r"exceeds the model's 4 layers"),
+        (
+            "llama-l4",
+            dict(pipeline_parallel_size=2, tensor_parallel_size=8),
+            None,
+            r"exceeds the 8 available devices",
+        ),
+        (
+            "llama-l4",
+            dict(pipeline_parallel_size=2),
+            "3,1",
+            r"VLLM_PP_LAYER_PARTITION='3,1'.*uneven splits are not supported",
+        ),
+        ("gemma2", dict(pipeline_parallel_size=4), None, r"repeats of its 2-layer pattern"),
+        ("llama-l4", dict(pipeline_parallel_size=0), None, r"at least 1"),
+    ],
+)
+def test_refused_splits(tiny_models, monkeypatch, model, kwargs, env, message):
+    if env is not None:
+        monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", env)
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_models[model], **{**ARGS, **kwargs})
+
+
+def test_even_partition_env_is_honoured(tiny_models, monkeypatch, reference):
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "2,2")
+    llm = LLM(tiny_models["llama-l4"], pipeline_parallel_size=2, **ARGS)
+    assert [o.token_ids for o in run(llm)] == [o.token_ids for o in reference[0]]
+
+
+def test_draft_model_refused(tiny_models):
+    spec = {"model": tiny_models["llama"], "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="draft model is not supported with pipeline"):
+        LLM(tiny_models["llama-l4"], pipeline_parallel_size=2, speculative_config=spec, **ARGS)
