@@ -1,8 +1,6 @@
 """The seeds' older vLLM flags, table-driven: each parses on `jllm serve`'s command line and
 as an `LLM(...)` keyword, and does what its row says: a value reaches the config, a warning
-is logged, or the refusal names the replacement. (Rows for the flags still to build are
-added as they land:
---otlp-traces-endpoint, --quantization-param-path.)"""
+is logged, or the refusal names the replacement."""
 
 from __future__ import annotations
 
@@ -168,6 +166,23 @@ ROWS = [
         ["--disable-sliding-window"],
         dict(disable_sliding_window=True),
         ("config", lambda a: a.disable_sliding_window, ""),
+    ),
+    (  # read at load time (tests/test_kv_scales.py)
+        ["--quantization-param-path", "kv_scales.json"],
+        dict(quantization_param_path="kv_scales.json"),
+        ("config", lambda a: a.quantization_param_path == "kv_scales.json", ""),
+    ),
+    (  # one span per request (tests/test_tracing.py)
+        ["--otlp-traces-endpoint", "localhost:4317", "--collect-detailed-traces", "model,worker"],
+        dict(otlp_traces_endpoint="localhost:4317", collect_detailed_traces="model,worker"),
+        (
+            "config",
+            lambda a: (
+                a.otlp_traces_endpoint == "localhost:4317"
+                and a.collect_detailed_traces == ["model", "worker"]
+            ),
+            "",
+        ),
     ),
 ]
 

@@ -1,7 +1,8 @@
 """Engine arguments and the typed configs they resolve into.
 
-The sub-configs (`speculative.py`, `structured_outputs.py`, `quantization.py`) live in this
-package, so it imports nothing from the engine's other packages (they import from it).
+The sub-configs (`speculative.py`, `structured_outputs.py`, `quantization.py`,
+`observability.py`) live in this package, so it imports nothing from the engine's other
+packages (they import from it).
 `EngineArgs` is the flat set of vLLM argument names that `LLM(...)` (and later the server
 flags) accept. `EngineArgs.from_kwargs` rejects unknown names and vLLM arguments jllm does not
 support yet with a clear error instead of ignoring them. `resolve_scheduler_config` gives the
@@ -16,6 +17,7 @@ import logging
 from dataclasses import dataclass
 
 from jllm.config.legacy import apply_legacy
+from jllm.config.observability import check_otel_available, detailed_modules
 from jllm.config.quantization import check_method
 from jllm.config.speculative import SpeculativeConfig
 from jllm.config.structured_outputs import StructuredOutputsConfig
@@ -135,6 +137,9 @@ class EngineArgs:
     max_seq_len_to_capture: int = 8192
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"
+    # vLLM's JSON of per-layer KV-cache scaling factors for an fp8 (e4m3) cache
+    # (model_loader/kv_scales.py); ignored with a warning for another kv_cache_dtype.
+    quantization_param_path: str | None = None
     max_logprobs: int = 20
     # Custom logits processors: jllm.logits_process.LogitsProcessor classes or
     # "module:Class" names, compiled into the sampler (vLLM's engine-level form).
@@ -145,6 +150,10 @@ class EngineArgs:
     structured_outputs_config: dict | None = None
     guided_decoding_backend: str | None = None
     disable_log_stats: bool = False
+    # Tracing (jllm/tracing.py): vLLM's OTLP endpoint that gets one span per request, and
+    # the detailed timings ("model", "worker", "all"; needs the endpoint).
+    otlp_traces_endpoint: str | None = None
+    collect_detailed_traces: list | None = None
     # Multi-LoRA (jllm/lora/): adapters on the device at once, the largest rank they may
     # have, the host cache of loaded adapters (None: max_loras), the slots' dtype.
     enable_lora: bool = False
@@ -205,6 +214,15 @@ class EngineArgs:
             )
             self.hf_overrides = {**(self.hf_overrides or {}), name: value}
 
+    def _check_tracing(self) -> None:
+        self.collect_detailed_traces = detailed_modules(self.collect_detailed_traces)
+        if self.collect_detailed_traces and not self.otlp_traces_endpoint:
+            raise ValueError(
+                "collect_detailed_traces requires otlp_traces_endpoint (--otlp-traces-endpoint)."
+            )
+        if self.otlp_traces_endpoint is not None:
+            check_otel_available()  # the SDK is an extra: fail before the model loads
+
     def _check_offloading(self) -> None:
         if self.kv_offloading_backend != "native":
             raise ValueError(
@@ -250,6 +268,7 @@ class EngineArgs:
                 f"got {self.scheduling_policy!r}."
             )
         check_method(self.quantization)
+        self._check_tracing()
         self._check_offloading()
         self._fold_rope()
         if self.dtype not in DTYPES:

@@ -73,7 +73,11 @@ HELP = {
     "kernels interpreted on the CPU, for testing).",
     "kv_cache_dtype": "KV cache storage: 'auto' (the model's dtype), 'fp8' / 'fp8_e4m3' "
     "(float8_e4m3fn) or 'fp8_e5m2': one byte a value, so twice a 16-bit cache's tokens in "
-    "the same memory (scales 1.0, as vLLM without calculated scales).",
+    "the same memory (scales 1.0 unless the checkpoint or --quantization-param-path gives "
+    "them).",
+    "quantization_param_path": "vLLM's JSON of KV-cache scaling factors, one per layer (and "
+    "tensor-parallel rank), for an fp8 (float8_e4m3fn) cache: the cache stores k / scale and "
+    "v / scale. Ignored with a warning for another --kv-cache-dtype.",
     "scheduling_policy": "'fcfs' (arrival order) or 'priority' (a request's lower priority "
     "value first, then arrival; preemption takes the lowest priority first).",
     "logits_processors": "Custom logits processors as 'module:Class' names (subclasses of "
@@ -88,6 +92,12 @@ HELP = {
     "disable_fallback, disable_any_whitespace, disable_additional_properties.",
     "guided_decoding_backend": "vLLM's older name for the structured outputs backend.",
     "disable_log_stats": "Do not log throughput and cache statistics.",
+    "otlp_traces_endpoint": "Send an OpenTelemetry span per request (vLLM's 'llm_request') to "
+    "this OTLP endpoint: gRPC, or http/protobuf with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL. "
+    'Needs the extra: pip install "jllm[otel]".',
+    "collect_detailed_traces": "With --otlp-traces-endpoint, also time each step for the spans: "
+    "'model' (forward time), 'worker' (model execute time) or 'all'; several, or "
+    "comma-separated.",
     "enable_lora": "Serve LoRA adapters beside the base model (docs/lora.md).",
     "max_loras": "LoRA adapters on the device at once (a step holds at most this many).",
     "max_lora_rank": "The largest LoRA rank an adapter may have.",
@@ -162,6 +172,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             continue
         if f.name == "allowed_media_domains":
             group.add_argument(flag(f.name), nargs="*", default=None, help=help_text)
+            continue
+        if f.name == "collect_detailed_traces":
+            group.add_argument(flag(f.name), nargs="+", default=None, help=help_text)
             continue
         if f.name in (
             "structured_outputs_config",

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from jllm.config import EngineArgs
 from jllm.outputs import RequestOutput
 from jllm.sampling_params import SamplingParams
+from jllm.tracing import extract_trace_headers, start_tracing
 
 logger = logging.getLogger("jllm")
 
@@ -32,6 +33,7 @@ class AsyncLLM:
     def __init__(self, engine, stat_loggers: list | None = None) -> None:
         self.engine = engine
         self.engine.core.stat_loggers.extend(stat_loggers or [])
+        self.tracer = start_tracing(engine)  # None unless --otlp-traces-endpoint is set
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.dead_error: BaseException | None = None
@@ -59,16 +61,18 @@ class AsyncLLM:
         request_id: str,
         prepared=None,
         priority: int = 0,
+        trace_headers: dict | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as the engine produces them, the last one finished.
 
-        Pass `prepared` (from `prepare`) to validate before starting a response."""
+        Pass `prepared` (from `prepare`) to validate before starting a response, and the
+        HTTP request's `trace_headers` (`trace_headers()`) to trace it under their trace."""
         processed, params = prepared or self.prepare(prompt, sampling_params)
         if request_id in self._streams:
             raise ValueError(f"Request id {request_id!r} is already running.")
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), outputs)
-        self._commands.put(("add", request_id, processed, params, priority))
+        self._commands.put(("add", request_id, processed, params, priority, trace_headers))
         finished = False
         try:
             while True:
@@ -87,6 +91,11 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    def trace_headers(self, headers) -> dict | None:
+        """The W3C trace headers of an HTTP request's `headers` to pass to `generate`; None
+        when tracing is off (jllm/tracing.py)."""
+        return extract_trace_headers(headers, self.tracer is not None)
 
     def check_health(self) -> None:
         if self.dead_error is not None:
@@ -111,6 +120,8 @@ class AsyncLLM:
         self._commands.put(("stop",))
         self._thread.join(timeout=30)
         self.engine.shutdown()
+        if self.tracer is not None:
+            self.tracer.shutdown()  # sends the spans still batched
 
     # ---- engine thread -------------------------------------------------------------------
     def _deliver(self, request_id: str, item) -> None:
@@ -130,11 +141,14 @@ class AsyncLLM:
         if kind == "abort":
             self.engine.abort_request([command[1]])
         else:
-            _, request_id, processed, params, priority = command
+            _, request_id, processed, params, priority, trace_headers = command
             try:
                 self.engine.add_request(request_id, processed, params, priority)
             except ValueError as e:
                 self._deliver(request_id, e)
+                return True
+            if trace_headers:  # kept with the request for its span (jllm/tracing.py)
+                self.engine.core.parents[request_id].trace_headers = trace_headers
         return True
 
     def _run(self) -> None:

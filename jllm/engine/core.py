@@ -77,6 +77,9 @@ class EngineCore:
         self.parents: dict[str, ParentRequest] = {}
         self._child_parent: dict[str, ParentRequest] = {}
         self.output_processor = OutputProcessor(tokenizer)
+        # Add each step's scheduling and runner time to its requests (for the spans of
+        # --collect-detailed-traces; jllm/tracing.py turns it on).
+        self.step_timing = False
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(
@@ -204,27 +207,43 @@ class EngineCore:
         if self.async_scheduling and not self._grammar_running():
             return outputs + self._step_ahead()
         if self._in_flight is not None:  # async, and a grammar arrived: finish the last step
-            (last_out, last_handle), self._in_flight = self._in_flight, None
-            outputs += self._update(last_out, self.runner.fetch(last_handle))
-        sched_out = self.scheduler.schedule()
+            in_flight, self._in_flight = self._in_flight, None
+            outputs += self._fetch(*in_flight)
+        sched_out, t_sched = self._timed(self.scheduler.schedule)
         if sched_out.is_empty():
             return outputs
         self._fill_bitmasks(sched_out)
-        return outputs + self._update(sched_out, self.runner.execute(sched_out))
+        result, t_run = self._timed(self.runner.execute, sched_out)
+        return outputs + self._update(sched_out, result, (t_sched, t_run))
 
     def _step_ahead(self) -> list[RequestOutput]:
         if self.proposer is not None:
             raise ValueError("Draft tokens need the step's results: async scheduling is off.")
-        sched_out = self.scheduler.schedule()
-        handle = None if sched_out.is_empty() else self.runner.dispatch(sched_out)
+        sched_out, t_sched = self._timed(self.scheduler.schedule)
+        handle, t_run = None, 0.0
+        if not sched_out.is_empty():
+            handle, t_run = self._timed(self.runner.dispatch, sched_out)
         outputs = []
         if self._in_flight is not None:
-            last_out, last_handle = self._in_flight
-            outputs = self._update(last_out, self.runner.fetch(last_handle))
-        self._in_flight = None if handle is None else (sched_out, handle)
+            outputs = self._fetch(*self._in_flight)
+        self._in_flight = None if handle is None else (sched_out, handle, (t_sched, t_run))
         return outputs
 
-    def _update(self, sched_out, result) -> list[RequestOutput]:
+    def _fetch(self, sched_out, handle, times) -> list[RequestOutput]:
+        """A dispatched step's results; its runner time is the dispatch's plus the fetch's."""
+        result, t_fetch = self._timed(self.runner.fetch, handle)
+        return self._update(sched_out, result, (times[0], times[1] + t_fetch))
+
+    def _timed(self, fn, *args):
+        """(fn(*args), its duration in seconds), timed only when `step_timing` is on."""
+        if not self.step_timing:
+            return fn(*args), 0.0
+        start = time.perf_counter()
+        out = fn(*args)
+        return out, time.perf_counter() - start
+
+    def _update(self, sched_out, result, times=(0.0, 0.0)) -> list[RequestOutput]:
+        """Apply a step's results; `times`: its (scheduling, runner) seconds."""
         now = time.time()
         stats = StepStats(num_computed_tokens=sched_out.total_num_scheduled_tokens)
         touched: dict[str, tuple[ParentRequest, set[str]]] = {}
@@ -233,6 +252,9 @@ class EngineCore:
             req = self.scheduler.requests.get(rid)
             if req is None:
                 continue
+            if self.step_timing:
+                req.scheduler_time += times[0]
+                req.model_execute_time += times[1]
             if rid in result.prompt_logprobs:
                 self.output_processor.record_prompt_logprobs(req, *result.prompt_logprobs[rid])
             tokens = result.sampled.get(rid, ())

@@ -14,6 +14,7 @@ from jllm.config import EngineArgs
 from jllm.engine.platform import resolve_backend, resolve_dtype
 from jllm.lora.layers import with_lora_slots
 from jllm.model_loader import resolve_model
+from jllm.model_loader.kv_scales import resolve_kv_scales
 from jllm.models import registry
 from jllm.models.loader import load_model
 from jllm.models.pipeline import check_stages
@@ -162,6 +163,10 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
     mesh = make_mesh(tp, pipeline_parallel_size=pp)
     cfg = expert_parallel(cfg, args.enable_expert_parallel, tp)
     cfg, replicas = replicate_kv_heads(cfg, tp)
+    # Per-layer float8 KV-cache scales, from the checkpoint or quantization_param_path.
+    scaled, file_scales = resolve_kv_scales(args, source, cfg.num_layers, arch.rename)
+    if scaled:
+        cfg = dataclasses.replace(cfg, kv_scales=True)
     graphdef, state = load_model(
         arch,
         cfg,
@@ -172,6 +177,7 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
         seed=args.seed or 0,
         kv_replicas=replicas,
         quantization=quantization,
+        kv_scales=file_scales,
     )
     lora = None
     if args.enable_lora:

@@ -3,8 +3,8 @@
 `ParentRequest` is a user request (its `n` sequences share the prompt) with what its outputs
 have already sent; `OutputProcessor` turns the engine core's sequences into outputs (whole,
 or only what is new for DELTA streams) and writes the logprob dicts of sampled and prompt
-tokens, decoding each token's text once per token id for the engine's life. Host-side: no
-JAX.
+tokens, decoding each token's text once per token id for the engine's life; with tracing on
+(jllm/tracing.py) a request's last output also ends its span. Host-side: no JAX.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ class ParentRequest:
     sent_text: dict[str, int] = field(default_factory=dict)
     sent_tokens: dict[str, int] = field(default_factory=dict)
     sent_prompt_logprobs: bool = False
+    # The W3C trace headers of the HTTP request it came from (jllm/tracing.py), if traced.
+    trace_headers: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -43,6 +45,9 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         # A token's text for logprobs, decoded once per token id for the engine's life.
         self._token_text: dict[int, str] = {}
+        # A jllm.tracing.RequestTracer when --otlp-traces-endpoint is set: one span per
+        # finished request.
+        self.tracer = None
 
     def logprob_entry(self, token: int, logprob, rank, top_ids, top_lps, k: int) -> dict:
         """vLLM's logprob dict of one position: the token first (its own rank), then the
@@ -140,6 +145,8 @@ class OutputProcessor:
             first_token_time=first.first_token_time,
             finished_time=now if parent.finished else None,
         )
+        if self.tracer is not None and parent.finished:
+            self.tracer.trace(parent, now)
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,

@@ -92,6 +92,10 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
+        # Seconds of the steps it was in, spent scheduling and in the runner (summed only
+        # with --collect-detailed-traces; vLLM's scheduler_time and model_execute_time).
+        self.scheduler_time = 0.0
+        self.model_execute_time = 0.0
 
     @property
     def num_tokens(self) -> int:

@@ -21,6 +21,7 @@ from jllm.entrypoints.media import MediaConnector, chat_messages_with_images
 from jllm.logger import setup_logging
 from jllm.outputs import RequestOutput
 from jllm.sampling_params import RequestOutputKind, SamplingParams
+from jllm.tracing import start_tracing
 
 logger = logging.getLogger("jllm")
 
@@ -56,6 +57,9 @@ class LLM:
         if self.llm_engine.is_follower:
             # vLLM's headless nodes: this process only runs process 0's steps.
             self.llm_engine.follow()
+        # Spans per request with otlp_traces_endpoint (process 0 makes the outputs); the
+        # SDK sends the last ones at exit.
+        self.tracer = None if self.llm_engine.is_follower else start_tracing(self.llm_engine)
         self._counter = itertools.count()
 
     @classmethod

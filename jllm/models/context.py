@@ -5,9 +5,10 @@ slot, an image embedding) is a field here instead of a new argument on every sig
 The runner builds it from the step's inputs; the decoder (`models/decoder.py`) completes it
 (`live`) and, per layer, says which KV-cache group and which row of that group's stacked
 cache the layer owns (`at_layer`). A layer's attention calls `ctx.attend`, which picks the
-group's cache and metadata and runs the backend. Every `Linear` takes the context, so that a
-LoRA delta can read each token's adapter slot; fields a step does not use are None, which
-costs nothing in the compiled step.
+group's cache and metadata and runs the backend (around it, over a float8 cache, the layer's
+KV-cache scales where the model has them: model_loader/kv_scales.py). Every `Linear` takes
+the context, so that a LoRA delta can read each token's adapter slot; fields a step does not
+use are None, which costs nothing in the compiled step.
 
 KV-cache groups: the layers of one attention kind share a group (one block table, one
 stacked cache [Lg, B, S, 2K, H] whose row r is the group's r-th layer); `attn` holds each
@@ -22,6 +23,7 @@ import dataclasses
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 
 
 @partial(
@@ -48,10 +50,23 @@ class StepContext:
         """The context of a layer: its KV-cache group and its row in that group's cache."""
         return self.replace(group=group, layer=row)
 
-    def attend(self, q, k, v, kv_caches: tuple, *, scale, window=None, soft_cap=None):
+    def attend(
+        self, q, k, v, kv_caches: tuple, *, scale, window=None, soft_cap=None, kv_scales=None
+    ):
         """The current layer's attention over its group's cache: q [T, N, H], k/v [T, K, H]
-        -> (out [T, N, H], the tuple of group caches with this group's updated)."""
+        -> (out [T, N, H], the tuple of group caches with this group's updated).
+
+        kv_scales: the layer's (k_scale, v_scale) float32 scalars, or None. Over a float8
+        cache the backend then attends with q * k_scale, k / k_scale and v / v_scale, which
+        it writes and reads as it always does, and its output is multiplied by v_scale: the
+        scores q.k and the sum of p.v are unchanged while the cache holds k / k_scale and
+        v / v_scale. Outside every kernel, so each backend takes them alike; a cache of
+        another dtype ignores them."""
         g = self.group
+        scaled = kv_scales is not None and kv_caches[g].dtype.itemsize == 1  # float8 (bytes)
+        if scaled:
+            k_scale, v_scale = kv_scales
+            q, k, v = _times(q, k_scale), _over(k, k_scale), _over(v, v_scale)
         out, cache = self.backend.attend(
             q,
             k,
@@ -63,4 +78,16 @@ class StepContext:
             window=window,
             soft_cap=soft_cap,
         )
+        if scaled:
+            out = _times(out, v_scale)
         return out, (*kv_caches[:g], cache, *kv_caches[g + 1 :])
+
+
+def _times(x, factor):
+    """x * a float32 scalar, in float32, rounded once to x's dtype."""
+    return (x.astype(jnp.float32) * factor).astype(x.dtype)
+
+
+def _over(x, factor):
+    """x / a float32 scalar, in float32, rounded once to x's dtype."""
+    return (x.astype(jnp.float32) / factor).astype(x.dtype)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax.numpy as jnp
 from flax import nnx
 
 from jllm.models.context import StepContext
@@ -72,6 +73,9 @@ class LlamaConfig:
     expert_parallel: bool = False  # whole experts per device (enable_expert_parallel)
     # A vision-language model's encoder, projector and image placeholders (models/vision.py)
     vision: object | None = None
+    # Per-layer scales for a float8 KV cache (model_loader/kv_scales.py): the engine sets it
+    # when the checkpoint or quantization_param_path gives them; without, no scale exists.
+    kv_scales: bool = False
 
     @classmethod
     def from_hf(cls, hf, **flags) -> LlamaConfig:
@@ -115,6 +119,9 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(H, cfg.rms_norm_eps, dtype, cfg.norm_unit_offset)
             self.k_norm = RMSNorm(H, cfg.rms_norm_eps, dtype, cfg.norm_unit_offset)
+        if cfg.kv_scales:  # float32 whatever the model's dtype; 1.0 unless loaded
+            self.k_scale = nnx.Param(jnp.ones((), jnp.float32), logical_axes=(), kv_scale=True)
+            self.v_scale = nnx.Param(jnp.ones((), jnp.float32), logical_axes=(), kv_scale=True)
 
     def __call__(self, x, ctx: StepContext, kv_caches):
         q, k, v = self.q_proj(x, ctx), self.k_proj(x, ctx), self.v_proj(x, ctx)  # [T, N|K, H]
@@ -122,6 +129,7 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, ctx.positions, self.rope)
         k = apply_rope(k, ctx.positions, self.rope)
+        kv_scales = (self.k_scale[...], self.v_scale[...]) if self.cfg.kv_scales else None
         o, kv_caches = ctx.attend(
             q,
             k,
@@ -130,6 +138,7 @@ class Attention(nnx.Module):
             scale=self.scale,
             window=self.window,
             soft_cap=self.cfg.attn_soft_cap,
+            kv_scales=kv_scales,
         )
         return self.o_proj(o, ctx), kv_caches  # o: [T, N, H]
 

@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from jllm.model_loader import orbax_io
+from jllm.model_loader.kv_scales import checkpoint_scale, scale_tensor
 from jllm.models.registry import IGNORED, Architecture
 from jllm.quantization import ONLINE_METHODS
 from jllm.quantization.formats import (
@@ -260,6 +261,8 @@ class _Target:
     quantization: str | None
     packed_checkpoint: bool  # an AWQ/GPTQ checkpoint's packed codes
     kv_replicas: int
+    # The checkpoint's KV-cache scales as read: (layer, "k" | "v") -> factor.
+    checkpoint_scales: dict = dataclasses.field(default_factory=dict)
 
     def online(self, path) -> bool:  # quantized on load ("fp8", "tpu_int8")
         meta = self.meta(path)
@@ -290,6 +293,7 @@ def load_model(
     seed: int = 0,
     kv_replicas: int = 1,
     quantization: str | None = None,
+    kv_scales: dict[int, float] | None = None,
 ):
     """Returns (graphdef, state) with every parameter on its target sharding.
 
@@ -299,15 +303,21 @@ def load_model(
 
     `quantization`: a method resolved by `jllm.quantization.resolve_quantization`; "gguf"
     places the QuantizedWeights the source yields, the online methods quantize every Linear
-    weight (parameters with a `contract` axis count), never the embedding."""
+    weight (parameters with a `contract` axis count), never the embedding.
+
+    A model with KV-cache scales (`cfg.kv_scales`) gets each layer's from the checkpoint's
+    scale tensors, else 1.0, and `kv_scales` ({layer: factor}, quantization_param_path's)
+    over both its k and v scales; the weight paths (checkpoint, dummy, orbax) never see them."""
     start = time.perf_counter()
     model = abstract_model(arch, cfg, dtype)
     graphdef, abstract_state = nnx.split(model)
     flat = dict(nnx.to_flat_state(abstract_state))
+    scale_vars = {p: v for p, v in flat.items() if v.get_metadata().get("kv_scale")}
+    shardings = {path: named_sharding(mesh, _axes(var), var.shape) for path, var in flat.items()}
     target = _Target(
         model,
-        flat,
-        {path: named_sharding(mesh, _axes(var), var.shape) for path, var in flat.items()},
+        {p: v for p, v in flat.items() if p not in scale_vars},
+        shardings,
         mesh,
         dtype,
         quantization,
@@ -323,9 +333,16 @@ def load_model(
         def quantized_sharding(path, shape):
             return named_sharding(mesh, _quantized_axes(flat[path]), shape)
 
-        values = orbax_io.restore(source.path, meta, flat, target.shardings, quantized_sharding)
+        values = orbax_io.restore(
+            source.path, meta, target.flat, target.shardings, quantized_sharding
+        )
     else:
         values = _checkpoint_values(target, arch, cfg, source)
+    if scale_vars:
+        given = {(i, part): f for i, f in (kv_scales or {}).items() for part in ("k", "v")}
+        values |= _kv_scale_values(
+            model, scale_vars, shardings, {**target.checkpoint_scales, **given}
+        )
     for path, var in flat.items():
         var.set_value(values[path])
     state = nnx.from_flat_state(flat)
@@ -371,9 +388,8 @@ def _checkpoint_values(t: _Target, arch: Architecture, cfg, source) -> dict:
     layered: dict[tuple, dict[int, np.ndarray]] = {}
     experts: dict[tuple, dict[int, np.ndarray]] = {}  # (path, layer) -> expert -> weight
     layer_weights, fused = arch.layer_weights(cfg), arch.fused_weights(cfg)
-    for name, w in _fused_parts(
-        _renamed(arch, source.iter_weights(keep_quantized=t.quantization == "gguf")), fused
-    ):
+    weights = _renamed(arch, source.iter_weights(keep_quantized=t.quantization == "gguf"))
+    for name, w in _fused_parts(_without_kv_scales(weights, t), fused):
         if IGNORED.fullmatch(name):
             continue
         mapped = _map_name(name, layer_weights, arch.top_weights, t.model.layer_slot)
@@ -441,6 +457,41 @@ def _renamed(arch: Architecture, weights):
         name = arch.rename(name)
         if name is not None:
             yield name, w
+
+
+def _without_kv_scales(weights, t: _Target):
+    """The checkpoint's tensors but its KV-cache scales (model_loader/kv_scales.py), which
+    go to `t.checkpoint_scales` for a model that has scales and are dropped for one that has
+    none (a cache that is not float8, where vLLM ignores them too)."""
+    ignored, layers = 0, t.model.cfg.num_layers
+    for name, w in weights:
+        found = scale_tensor(name)
+        if found is None:
+            yield name, w
+            continue
+        if not t.model.cfg.kv_scales:
+            ignored += 1
+            continue
+        layer, parts = found
+        if layer >= layers:
+            raise ValueError(f"Checkpoint tensor {name}: the model has {layers} layers.")
+        factor = checkpoint_scale(name, w)
+        for part in parts:
+            t.checkpoint_scales[layer, part] = factor
+    if ignored:
+        logger.info(
+            "Ignoring the checkpoint's %d KV-cache scales: the cache is not float8.", ignored
+        )
+
+
+def _kv_scale_values(model, scale_vars: dict, shardings: dict, scales: dict) -> dict:
+    """Every stacked attention's k_scale and v_scale [L] placed: 1.0 but where `scales`
+    ((layer, "k" | "v") -> factor) gives a layer's."""
+    stacks = {path: np.ones(var.shape, np.float32) for path, var in scale_vars.items()}
+    for (layer, part), factor in scales.items():
+        prefix, index = model.layer_slot(layer)
+        stacks[(*prefix, "self_attn", f"{part}_scale")][index] = factor
+    return {path: _place(host, shardings[path]) for path, host in stacks.items()}
 
 
 def _fused_parts(weights, fused: dict):

@@ -202,14 +202,14 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM, metrics: PrometheusSta
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw: Request):
         if body.stream:
-            return await completions.create_completion(body)
-        return await with_cancellation(raw, completions.create_completion(body))
+            return await completions.create_completion(body, raw)
+        return await with_cancellation(raw, completions.create_completion(body, raw))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
         if body.stream:
-            return await chat.create_chat_completion(body)
-        return await with_cancellation(raw, chat.create_chat_completion(body))
+            return await chat.create_chat_completion(body, raw)
+        return await with_cancellation(raw, chat.create_chat_completion(body, raw))
 
     def check_tokenizer_request(body) -> None:
         if tokenizer is None:

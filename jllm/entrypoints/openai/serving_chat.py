@@ -230,7 +230,7 @@ class OpenAIServingChat(OpenAIServing):
             return text, None, images
         return text, self.tokenizer.encode(text, add_special_tokens=False), []
 
-    async def create_chat_completion(self, request: ChatCompletionRequest):
+    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request=None):
         lora = self.check_request(request)
         mode = self.tool_mode(request)
         if request.top_logprobs is not None and not request.logprobs:
@@ -277,9 +277,10 @@ class OpenAIServingChat(OpenAIServing):
         if request.use_beam_search:
             check_beam_search(params)
             return await self._beam_search(request, request_id, prepared[0], params, role)
+        trace = self.trace_headers(raw_request)
         if request.stream:
-            return SSEResponse(self._stream(request, request_id, prepared, role, mode))
-        return await self._full(request, request_id, prepared, role, mode)
+            return SSEResponse(self._stream(request, request_id, prepared, role, mode, trace))
+        return await self._full(request, request_id, prepared, role, mode, trace)
 
     def tool_mode(self, request) -> ToolMode:
         choice = check_tools(request.tools, request.tool_choice)
@@ -335,9 +336,9 @@ class OpenAIServingChat(OpenAIServing):
             content.append({**item(sampled), "top_logprobs": [item(lp) for lp in top]})
         return {"content": content}
 
-    async def _full(self, request, request_id, prepared, role, mode: ToolMode) -> dict:
+    async def _full(self, request, request_id, prepared, role, mode: ToolMode, trace=None) -> dict:
         final = None
-        async for _, out in self.run_all(request_id, prepared, request.priority):
+        async for _, out in self.run_all(request_id, prepared, request.priority, trace):
             final = out
         prefix = self._echo(request, role)
         choices = []
@@ -374,7 +375,7 @@ class OpenAIServingChat(OpenAIServing):
             "usage": usage(len(prompt_token_ids), num_generated),
         }
 
-    async def _stream(self, request, request_id, prepared, role, mode: ToolMode):
+    async def _stream(self, request, request_id, prepared, role, mode: ToolMode, trace=None):
         created = self.created()
         include_usage, continuous = usage_options(request)
         num_prompt = len(prepared[0][0].prompt_token_ids)
@@ -404,7 +405,7 @@ class OpenAIServingChat(OpenAIServing):
         for i in range(request.n):
             delta = {"role": role, "content": prefix}
             yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
-        async for _, out in self.run_all(request_id, prepared, request.priority):
+        async for _, out in self.run_all(request_id, prepared, request.priority, trace):
             for c in out.outputs:
                 generated[c.index] += len(c.token_ids)
                 if not (c.text or c.token_ids or c.finish_reason):

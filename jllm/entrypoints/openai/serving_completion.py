@@ -36,7 +36,7 @@ def normalize_prompts(prompt, cache_salt: str | None = None) -> list[dict]:
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    async def create_completion(self, request: CompletionRequest):
+    async def create_completion(self, request: CompletionRequest, raw_request=None):
         lora = self.check_request(request)
         if request.suffix is not None:
             raise OpenAIError("suffix is not supported by jllm yet.", 400, "suffix")
@@ -58,9 +58,10 @@ class OpenAIServingCompletion(OpenAIServing):
         ]
         if request.use_beam_search:
             return await self._beam_search(request, request_id, prepared, params)
+        trace = self.trace_headers(raw_request)
         if request.stream:
-            return SSEResponse(self._stream(request, request_id, prepared))
-        return await self._full(request, request_id, prepared)
+            return SSEResponse(self._stream(request, request_id, prepared, trace))
+        return await self._full(request, request_id, prepared, trace)
 
     async def _beam_search(self, request, request_id, prepared, params) -> dict:
         """`use_beam_search`: the best `n` beams per prompt, as vLLM's server returns them."""
@@ -134,10 +135,10 @@ class OpenAIServingCompletion(OpenAIServing):
         # The output's offsets follow the echoed prompt text.
         return {key: echoed[key] + got[key] for key in got}
 
-    async def _full(self, request, request_id, prepared) -> dict:
+    async def _full(self, request, request_id, prepared, trace=None) -> dict:
         n = request.n
         finals = {}
-        async for i, out in self.run_all(request_id, prepared, request.priority):
+        async for i, out in self.run_all(request_id, prepared, request.priority, trace):
             finals[i] = out
         choices = []
         num_generated = 0
@@ -171,14 +172,14 @@ class OpenAIServingCompletion(OpenAIServing):
             "usage": usage(sum(len(p[0].prompt_token_ids) for p in prepared), num_generated),
         }
 
-    async def _stream(self, request, request_id, prepared):
+    async def _stream(self, request, request_id, prepared, trace=None):
         n = request.n
         created = self.created()
         include_usage, continuous = usage_options(request)
         echoed: set[int] = set()
         offsets: dict[int, int] = {}
         generated: dict[int, int] = {}  # tokens so far, per choice
-        async for i, out in self.run_all(request_id, prepared, request.priority):
+        async for i, out in self.run_all(request_id, prepared, request.priority, trace):
             for c in out.outputs:
                 index = i * n + c.index
                 text = c.text

@@ -189,6 +189,11 @@ class OpenAIServing:
             )
         return lora
 
+    def trace_headers(self, raw_request) -> dict | None:
+        """The HTTP request's W3C trace headers when tracing is on (vLLM's
+        `_get_trace_headers`), for `run_all`."""
+        return None if raw_request is None else self.engine.trace_headers(raw_request.headers)
+
     def served_name(self, request) -> str:
         """The model name a response reports: the adapter the request named, else the
         base model's first name."""
@@ -282,17 +287,18 @@ class OpenAIServing:
         return results
 
     async def run_all(
-        self, request_id: str, prepared: list, priority: int = 0
+        self, request_id: str, prepared: list, priority: int = 0, trace_headers=None
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run one engine request per prompt and yield `(prompt index, output)` as they
-        come. Leaving early (a disconnect, an error) aborts every unfinished one."""
+        come; each is traced under `trace_headers` (`trace_headers()`). Leaving early (a
+        disconnect, an error) aborts every unfinished one."""
         merged: asyncio.Queue = asyncio.Queue()
         done = object()
 
         async def pump(i: int, item) -> None:
             try:
                 async for out in self.engine.generate(
-                    None, None, f"{request_id}-{i}", item, priority
+                    None, None, f"{request_id}-{i}", item, priority, trace_headers
                 ):
                     await merged.put((i, out))
             except Exception as e:  # noqa: BLE001 - re-raised by the consumer below
