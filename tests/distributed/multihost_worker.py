@@ -2,8 +2,9 @@
 
     python multihost_worker.py RANK MODEL PORT MODE PROMPTS_JSON
 
-Each process has 2 fake CPU devices; TP = 4 spans both. Process 0 prints the greedy token
-ids as a `TOKENS <json>` line. MODE "generate": addresses given. MODE "slurm": no
+Each process has 2 fake CPU devices; TP = 4 spans both (a MODE ending in "-pp": PP = 2 x
+TP = 2, one pipeline stage per process). Process 0 prints the greedy token ids as a
+`TOKENS <json>` line. MODE "generate": addresses given. MODE "slurm": no
 addresses, the cluster comes from (emulated) Slurm variables. MODE "crash": process 0
 prints READY, waits for a line on stdin (the test kills process 1 meanwhile), then tries
 to generate and prints LOST <error>.
@@ -26,6 +27,10 @@ rank, model, port, mode, prompts = (
     sys.argv[4],
     json.loads(sys.argv[5]),
 )
+parallel = dict(tensor_parallel_size=4)
+if mode.endswith("-pp"):
+    mode = mode.removesuffix("-pp")
+    parallel = dict(tensor_parallel_size=2, pipeline_parallel_size=2)
 cluster = dict(nnodes=2, node_rank=rank, master_addr="127.0.0.1", master_port=port)
 if mode == "slurm":
     # No addresses given: JAX detects the cluster from (emulated) Slurm variables, as it
@@ -41,7 +46,7 @@ if mode == "slurm":
     cluster = dict(nnodes=2, master_port=port)
 llm = LLM(
     model,
-    tensor_parallel_size=4,
+    **parallel,
     **cluster,
     kv_cache_memory_bytes=8 << 20,
     max_num_seqs=8,
@@ -50,6 +55,12 @@ llm = LLM(
     disable_log_stats=True,
 )
 if rank == 0:
+    mesh = llm.llm_engine.runner.mesh  # (data, stage, model): each stage's processes
+    stages = [
+        sorted({d.process_index for d in mesh.devices[0, s].flat})
+        for s in range(mesh.shape["stage"])
+    ]
+    print("STAGES " + json.dumps(stages), flush=True)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     if mode == "crash":
         print("READY", flush=True)

@@ -1,6 +1,7 @@
 """Two processes on 127.0.0.1, two fake CPU devices each (gloo collectives), serve one model
-with TP = 4 across both: the same greedy tokens as TP = 1, and a process that dies is
-reported by process 0 instead of hanging it."""
+with TP = 4 across both, or as two pipeline stages (PP = 2 x TP = 2): the same greedy tokens
+as one process, and a process that dies is reported by process 0 instead of hanging it (the
+server then fails requests and answers 503 on /health)."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ def start(rank: int, model: str, port: int, mode: str) -> subprocess.Popen:
     )
 
 
-@pytest.mark.parametrize("mode", ["generate", "slurm"])
-def test_two_processes_tp4_equal_tp1(tiny_models, mode):
+@pytest.mark.parametrize("mode", ["generate", "slurm", "generate-pp"])
+def test_two_processes_equal_one(tiny_models, mode):
     model = tiny_models["llama-h8kv2"]
     port = free_port()
     procs = [start(rank, model, port, mode) for rank in (0, 1)]
@@ -39,14 +40,17 @@ def test_two_processes_tp4_equal_tp1(tiny_models, mode):
         [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False
     )
     assert got == [o.outputs[0].token_ids for o in want]
+    stages = "[[0], [1]]" if mode.endswith("-pp") else "[[0, 1]]"  # one stage per process
+    assert f"STAGES {stages}" in logs[0]
     assert "Process 1 of 2: 2 local devices, 4 in all." in logs[1]
     assert "Process 0 stopped; process 1 is done." in logs[1]
 
 
-def test_lost_process_is_reported(tiny_models):
+@pytest.mark.parametrize("mode", ["crash", "crash-pp"])
+def test_lost_process_is_reported(tiny_models, mode):
     port = free_port()
-    leader = start(0, tiny_models["llama-h8kv2"], port, "crash")
-    follower = start(1, tiny_models["llama-h8kv2"], port, "crash")
+    leader = start(0, tiny_models["llama-h8kv2"], port, mode)
+    follower = start(1, tiny_models["llama-h8kv2"], port, mode)
     try:
         for line in leader.stdout:
             if line.startswith("READY"):
@@ -62,14 +66,11 @@ def test_lost_process_is_reported(tiny_models):
     assert "LOST Process(es) [1] of the cluster exited" in out
 
 
-def test_server_over_two_processes(tiny_models):
-    """`jllm serve` as process 0 and a headless follower: the API answers with TP = 1's
-    greedy text, and stopping process 0 stops the follower."""
+def serve_two(model: str, parallel: list[str]) -> tuple[list[subprocess.Popen], str]:
+    """`jllm serve` as process 0 and a headless follower, up and healthy: (the processes,
+    the API's URL)."""
     import os
 
-    import httpx
-
-    model = tiny_models["llama-h8kv2"]
     port, api_port = free_port(), free_port()
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     common = [
@@ -78,8 +79,7 @@ def test_server_over_two_processes(tiny_models):
         "jllm.entrypoints.openai.api_server",
         "--model",
         model,
-        "--tensor-parallel-size",
-        "4",
+        *parallel,
         "--nnodes",
         "2",
         "--master-addr",
@@ -105,17 +105,65 @@ def test_server_over_two_processes(tiny_models):
         )
         for rank in (0, 1)
     ]
+    url = f"http://127.0.0.1:{api_port}"
     try:
-        wait_healthy(f"http://127.0.0.1:{api_port}", procs, timeout=300)
-        body = {"prompt": PROMPTS[3], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-        got = httpx.post(f"http://127.0.0.1:{api_port}/v1/completions", json=body, timeout=120)
+        wait_healthy(url, procs, timeout=300)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    return procs, url
+
+
+def complete(url: str, model: str):
+    """One greedy completion of PROMPTS[3] and what one process gives for it."""
+    import httpx
+
+    body = {"prompt": PROMPTS[3], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    got = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = LLM(model, **SMALL).generate({"prompt_token_ids": PROMPTS[3]}, params)
+    return got, want[0].outputs[0].text
+
+
+def test_server_over_two_processes(tiny_models):
+    """`jllm serve` as process 0 and a headless follower: the API answers with TP = 1's
+    greedy text, and stopping process 0 stops the follower."""
+    model = tiny_models["llama-h8kv2"]
+    procs, url = serve_two(model, ["--tensor-parallel-size", "4"])
+    try:
+        got, want = complete(url, model)
         assert got.status_code == 200, got.text
-        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-        want = LLM(model, **SMALL).generate({"prompt_token_ids": PROMPTS[3]}, params)
-        assert got.json()["choices"][0]["text"] == want[0].outputs[0].text
+        assert got.json()["choices"][0]["text"] == want
         procs[0].terminate()
         assert procs[0].wait(timeout=60) is not None
         assert procs[1].wait(timeout=60) == 0, procs[1].stdout.read()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def test_server_loses_a_stage(tiny_models):
+    """Two pipeline stages, one per process: the API answers with one process's greedy
+    text; once the second stage's process dies, a request fails with a 503 that says so
+    (it does not hang) and /health answers 503."""
+    import httpx
+
+    model = tiny_models["llama-h8kv2"]
+    parallel = ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"]
+    procs, url = serve_two(model, parallel)
+    try:
+        got, want = complete(url, model)
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"][0]["text"] == want
+        procs[1].kill()
+        procs[1].wait(timeout=60)
+        body = {"prompt": PROMPTS[0], "max_tokens": 4}
+        lost = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert lost.status_code == 503, lost.text
+        assert "Process(es) [1] of the cluster exited" in lost.json()["error"]["message"]
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 503
     finally:
         for p in procs:
             if p.poll() is None:
