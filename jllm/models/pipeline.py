@@ -48,13 +48,19 @@ def num_stages() -> int:
     return 1 if mesh.empty else mesh.shape.get(STAGE_AXIS, 1)
 
 
+def micro_batch_count(tokens: int, stages: int) -> int:
+    """M for a step of `tokens` tokens over `stages` stages: as many as stages (the fewest
+    that keep every stage busy once the pipeline is full) when the tokens divide evenly,
+    else the largest count below that does."""
+    return max(m for m in range(1, min(stages, tokens) + 1) if tokens % m == 0)
+
+
 def num_micro_batches(tokens: int, stages: int, attn: tuple) -> int:
-    """M for a step of `tokens` tokens: as many as stages (the fewest that keep every stage
-    busy once the pipeline is full) when the tokens divide evenly, else the largest count
-    below that does; 1 when a KV-cache group's metadata cannot be cut (not ragged)."""
+    """`micro_batch_count`, or 1 when a KV-cache group's metadata cannot be cut (the XLA
+    backend's tiles)."""
     if not all(isinstance(md, RaggedMetadata) for md in attn):
         return 1
-    return max(m for m in range(1, min(stages, tokens) + 1) if tokens % m == 0)
+    return micro_batch_count(tokens, stages)
 
 
 def split_ragged(md: RaggedMetadata, m: int, size: int) -> RaggedMetadata:

@@ -103,6 +103,23 @@ def test_smollm2_tp3_matches_tp1(smollm):
 
 
 @pytest.mark.slow
+def test_smollm2_two_stages_match_one(smollm):
+    """30 layers as two pipeline stages of 15 over 2 fake CPU devices: the same greedy
+    tokens and logprobs as one device."""
+    convs = [[{"role": "user", "content": q}] for q in QUESTIONS[:2]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    want = smollm.chat(convs, params, use_tqdm=False)
+    pp2 = LLM(pipeline_parallel_size=2, **ARGS)
+    assert pp2.llm_engine.runner.kv_cache[0].addressable_shards[0].data.shape[0] == 15
+    got = pp2.chat(convs, params, use_tqdm=False)
+    for g, w in zip(got, want, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for lg, lw in zip(g.outputs[0].logprobs, w.outputs[0].logprobs, strict=True):
+            for t in lw:
+                assert lg[t].logprob == pytest.approx(lw[t].logprob, abs=1e-4)
+
+
+@pytest.mark.slow
 def test_smollm2_default_dtype_against_fp32_oracle():
     """`LLM()` as a user starts it: bf16 on an AMX CPU (Q4_1 weights count as 16-bit). Its
     greedy tokens stay the float32 oracle's argmax or within bf16's error of it."""
