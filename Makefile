@@ -34,7 +34,7 @@ docs: $(VENV)/.installed-test
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 test: lint docs
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=20 tests
 
 # The development loop: everything but the tests marked slow (the real SmolLM2, every bucket).
 test-fast: lint docs

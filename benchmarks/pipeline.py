@@ -18,6 +18,7 @@ run only on a mesh of one device). The workload: 16 prompts of 64 tokens, 32 tok
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -77,6 +78,7 @@ def run(sizes, run_jllm, step_timer) -> None:
                 skip_tokenizer_init=True,
                 dtype="float32",
                 max_model_len=512,
+                kv_cache_memory_bytes=256 << 20,  # per device: fake devices share the host
                 max_num_seqs=PROMPTS,
                 pipeline_parallel_size=pp,
                 async_scheduling=False,
@@ -91,7 +93,8 @@ def run(sizes, run_jllm, step_timer) -> None:
             step, host, _ = timer.host_profile(PROMPTS)
             permutes, nbytes, reduces = transfers(llm, PROMPTS)
             rows.append((pp, result["tok_s"], wall, step, host, permutes, nbytes, reduces))
-            del llm
+            del llm, timer
+            gc.collect()
     finally:
         shutil.rmtree(path, ignore_errors=True)
     print(

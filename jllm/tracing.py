@@ -31,6 +31,7 @@ from jllm.config.observability import (
     is_otel_available,
     traces_protocol,
 )
+from jllm.model_loader.locate import DEFAULT_MODEL_NAME
 
 __all__ = [
     "RequestTracer",
@@ -45,8 +46,6 @@ logger = logging.getLogger("jllm")
 
 TRACE_HEADERS = ("traceparent", "tracestate")
 SPAN_NAME = "llm_request"
-# gen_ai.response.model of the embedded default (api_server.EMBEDDED_MODEL_NAME).
-EMBEDDED_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 class SpanAttributes:
@@ -210,7 +209,7 @@ def start_tracing(engine) -> RequestTracer | None:
     endpoint = getattr(args, "otlp_traces_endpoint", None)
     if endpoint is None:
         return None
-    tracer = RequestTracer(endpoint, args.model or EMBEDDED_MODEL, args.collect_detailed_traces)
+    tracer = RequestTracer(endpoint, args.model or DEFAULT_MODEL_NAME, args.collect_detailed_traces)
     engine.core.output_processor.tracer = tracer
     engine.core.step_timing = tracer.step_times
     return tracer

@@ -143,12 +143,9 @@ class AsyncLLM:
         else:
             _, request_id, processed, params, priority, trace_headers = command
             try:
-                self.engine.add_request(request_id, processed, params, priority)
+                self.engine.add_request(request_id, processed, params, priority, trace_headers)
             except ValueError as e:
                 self._deliver(request_id, e)
-                return True
-            if trace_headers:  # kept with the request for its span (jllm/tracing.py)
-                self.engine.core.parents[request_id].trace_headers = trace_headers
         return True
 
     def _run(self) -> None:

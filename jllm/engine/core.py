@@ -93,10 +93,12 @@ class EngineCore:
         priority: int = 0,
         lora=None,
         mm_items=(),
+        trace_headers: dict | None = None,
     ) -> None:
         """Admit a validated request; its `n` sequences get seeds `seed`, `seed + 1`, ...
         and share its `cache_salt`, `priority`, LoRA adapter (`lora`) and images
-        (`mm_items`)."""
+        (`mm_items`). `trace_headers`: the HTTP request's W3C trace headers, which its span
+        continues (jllm/tracing.py)."""
         if request_id in self.parents:
             raise ValueError(f"Request id {request_id!r} is already running.")
         if params.structured_outputs is not None:
@@ -105,6 +107,7 @@ class EngineCore:
             self.structured.resolve(params)
         now = time.time()
         parent = ParentRequest(request_id, prompt, prompt_token_ids, params, [], now)
+        parent.trace_headers = trace_headers
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             child = Request(

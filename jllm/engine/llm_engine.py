@@ -330,7 +330,12 @@ class LLMEngine:
         return processed, params
 
     def add_request(
-        self, request_id: str, processed, params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        processed,
+        params: SamplingParams,
+        priority: int = 0,
+        trace_headers: dict | None = None,
     ) -> None:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self.core.add_request(
@@ -343,6 +348,7 @@ class LLMEngine:
             priority=priority,
             lora=processed.lora,
             mm_items=processed.mm_items,
+            trace_headers=trace_headers,
         )
 
     def abort_request(self, request_ids: list[str]) -> None:

@@ -1,9 +1,10 @@
 """Every step executable lowers for TPU and for CUDA from this CPU host (no accelerator
 needed): the forward of every bucket with the attention kernel `auto` picks there (the
 Pallas TPU kernel through Mosaic, the Pallas GPU kernel through Triton), and the sampler of
-every row bucket, on an abstract mesh naming the target device, at TP=1 and TP=4, for a tiny
-model and for Llama-3.1-8B's shapes. A lowering error fails here instead of on a user's TPU
-or GPU, and no CPU kernel leaks into a step traced for another platform."""
+every row bucket, on an abstract mesh naming the target device, at TP=1 and TP=4 (and the
+pipelined step of two stages of TP=2), for a tiny model and for Llama-3.1-8B's shapes. A
+lowering error fails here instead of on a user's TPU or GPU, and no CPU kernel leaks into a
+step traced for another platform."""
 
 from __future__ import annotations
 
@@ -37,11 +38,12 @@ TARGETS = {
 }
 
 
-def target_mesh(device, tp: int) -> jax.sharding.AbstractMesh:
-    """The engine's (data, stage, model) mesh of `tp` devices of the target kind, abstract."""
+def target_mesh(device, tp: int, pp: int = 1) -> jax.sharding.AbstractMesh:
+    """The engine's (data, stage, model) mesh of `pp` stages of `tp` devices of the target
+    kind, abstract."""
     auto = jax.sharding.AxisType.Auto
     return jax.sharding.AbstractMesh(
-        (1, 1, tp),
+        (1, pp, tp),
         ("data", "stage", "model"),
         axis_types=(auto, auto, auto),
         abstract_device=jax.sharding.AbstractDevice(*device),
@@ -136,18 +138,23 @@ def accelerator_layout(layout: BatchLayout, max_model_len: int) -> BatchLayout:
 
 
 @pytest.mark.parametrize(
-    "platform,dtype,tp",
+    "platform,dtype,tp,pp",
     [
-        ("tpu", "bfloat16", 1),
-        ("cuda", "bfloat16", 1),
-        ("cuda", "float32", 1),
-        ("tpu", "bfloat16", 4),
-        ("cuda", "bfloat16", 4),
+        ("tpu", "bfloat16", 1, 1),
+        ("cuda", "bfloat16", 1, 1),
+        ("cuda", "float32", 1, 1),
+        ("tpu", "bfloat16", 4, 1),
+        ("cuda", "bfloat16", 4, 1),
+        ("tpu", "bfloat16", 2, 2),
+        ("cuda", "bfloat16", 2, 2),
     ],
 )
-def test_every_bucket_lowers_for_the_accelerator(runners, platform, dtype, tp):
-    runner = runners[dtype, tp]
-    mesh = target_mesh(TARGETS[platform][0], tp)
+def test_every_bucket_lowers_for_the_accelerator(runners, platform, dtype, tp, pp):
+    """With pp = 2 the TP=4 engine's arrays are placed on two stages of TP=2 (their layer
+    axes name the stage axis): the pipelined step, its permutes and the kernel under both
+    shard_maps, lowers for the target."""
+    runner = runners[dtype, tp * pp]
+    mesh = target_mesh(TARGETS[platform][0], tp, pp)
     layout = accelerator_layout(runner.layout, runner.layout.max_pages * runner.layout.block_size)
     state, caches = on(mesh)(runner.state), on(mesh)(runner.kv_cache)
     n = lower_every_step(runner, layout, state, caches, mesh, platform)

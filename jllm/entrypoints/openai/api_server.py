@@ -45,11 +45,12 @@ from jllm.entrypoints.openai.serving_engine import OpenAIError, error_response, 
 from jllm.entrypoints.openai.serving_models import ServingModels
 from jllm.logger import setup_logging
 from jllm.metrics.prometheus import PrometheusStatLogger
+from jllm.model_loader.locate import DEFAULT_MODEL_NAME
 from jllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("jllm.entrypoints.openai")
 
-EMBEDDED_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+EMBEDDED_MODEL_NAME = DEFAULT_MODEL_NAME
 
 
 async def with_cancellation(request: Request, work):
