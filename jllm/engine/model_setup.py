@@ -17,7 +17,7 @@ from jllm.model_loader import resolve_model
 from jllm.model_loader.kv_scales import resolve_kv_scales
 from jllm.models import registry
 from jllm.models.loader import load_model
-from jllm.models.pipeline import check_stages
+from jllm.models.pipeline import stage_repeats
 from jllm.quantization import resolve_quantization
 from jllm.runner.kv_cache import CacheSpec
 from jllm.spec_decode.draft_model import DraftModel
@@ -159,7 +159,15 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
             f"With {args.nnodes} nodes the model must span all {jax.device_count()} devices "
             f"of the cluster; got tensor_parallel_size={tp} x pipeline_parallel_size={pp}."
         )
-    check_stages(arch.module, cfg, pp)
+    if pp > 1:
+        cfg = dataclasses.replace(cfg, stage_repeats=stage_repeats(arch.module, cfg, pp))
+        if source.kind == "orbax" and len(set(cfg.stage_repeats)) > 1:
+            raise ValueError(
+                f"{source.path} is a converted checkpoint, whose layer stacks restore onto "
+                f"equal pipeline stages only; this split is uneven ({cfg.stage_repeats} "
+                "repeats of the layer pattern per stage): give the original checkpoint, or a "
+                "pipeline_parallel_size that divides the layers."
+            )
     mesh = make_mesh(tp, pipeline_parallel_size=pp)
     cfg = expert_parallel(cfg, args.enable_expert_parallel, tp)
     cfg, replicas = replicate_kv_heads(cfg, tp)

@@ -170,14 +170,16 @@ def per_device_bytes(arrays) -> int:
     return total
 
 
-def log_split(mesh, state, kv_cache: tuple, replicas: int) -> None:
-    """`kv_cache`: the model's KV-cache groups' caches."""
+def log_split(mesh, state, kv_cache: tuple, replicas: int, stage_layers=None) -> None:
+    """`kv_cache`: the model's KV-cache groups' caches; `stage_layers`: each pipeline
+    stage's layer count."""
     weights = jax.tree_util.tree_leaves(state)
     total = sum(w.nbytes for w in weights)
     tp, pp = mesh.shape["model"], mesh.shape.get("stage", 1)
     splits = []
     if pp > 1:
-        splits.append(f"{pp} pipeline stages of {tp} device(s) each hold 1/{pp} of the layers")
+        layers = ", ".join(map(str, stage_layers)) if stage_layers else "?"
+        splits.append(f"{pp} pipeline stages of {tp} device(s) hold {layers} layers")
     if tp > 1:
         replicated = f", each kv head replicated {replicas}x" if replicas > 1 else ""
         splits.append(

@@ -133,14 +133,16 @@ def module_of(path: tuple) -> tuple[str, str]:
 
 def stack_layers(model) -> dict[tuple, list[int]]:
     """Per stacked layer module (its state path prefix), the model's layer indices in stack
-    order: an adapter's [num_layers, ...] arrays are taken in that order for it."""
-    out: dict[tuple, list[int]] = {}
+    order: an adapter's [num_layers, ...] arrays are taken in that order for it (a row that
+    pads unequal pipeline stages takes a real row's layer: it never runs)."""
+    out: dict[tuple, dict[int, int]] = {}
     for i in range(model.cfg.num_layers):
         prefix, index = model.layer_slot(i)
-        rows = out.setdefault(tuple(prefix), [])
-        assert index == len(rows)
-        rows.append(i)
-    return out
+        out.setdefault(tuple(prefix), {})[index] = i
+    for rows in out.values():  # rows that pad unequal pipeline stages copy a real one
+        for row, source in model.stage_padding.items():
+            rows[row] = rows[source]
+    return {prefix: [rows[r] for r in range(len(rows))] for prefix, rows in out.items()}
 
 
 def _write(arrays, slot, values):

@@ -148,14 +148,23 @@ class CausalLM(nnx.Module):
 
     @classmethod
     def segments_of(cls, cfg) -> tuple[Segment, ...]:
-        """The model's layers as segments (`plan_segments`)."""
-        return plan_segments(cls.layer_kinds(cfg))
+        """The model's layers as segments (`plan_segments`). Under pipeline stages of
+        unequal sizes (`cfg.stage_repeats`, models/pipeline.py) the one segment's repeats
+        are padded: every stage gets the largest stage's count, and a stage's rows past its
+        own are never run."""
+        segments = plan_segments(cls.layer_kinds(cfg))
+        stages = getattr(cfg, "stage_repeats", None)
+        if stages is None or len(set(stages)) == 1:
+            return segments
+        (seg,) = segments
+        return (Segment(seg.pattern, len(stages) * max(stages), 0),)
 
     @classmethod
     def kv_cache_groups(cls, cfg) -> tuple[KVCacheGroup, ...]:
         """The model's KV-cache groups, in order of their first layer."""
         groups: dict[int | None, list[int]] = {}
-        for i, kind in enumerate(cls.layer_kinds(cfg)):
+        kinds = [k for seg in cls.segments_of(cfg) for _ in range(seg.repeats) for k in seg.pattern]
+        for i, kind in enumerate(kinds):
             groups.setdefault(cls.attention_kind(cfg, kind), []).append(i)
         return tuple(KVCacheGroup(w, tuple(layers)) for w, layers in groups.items())
 
@@ -176,7 +185,7 @@ class CausalLM(nnx.Module):
             return make(rngs)  # every weight has a leading [count] axis
 
         if self.uniform:
-            self.layers = stack(self.segments[0].pattern[0], cfg.num_layers)
+            self.layers = stack(self.segments[0].pattern[0], self.segments[0].repeats)
         else:
             self.blocks = nnx.List(
                 nnx.List(stack(kind, s.repeats) for kind in s.pattern) for s in self.segments
@@ -191,9 +200,30 @@ class CausalLM(nnx.Module):
     def uniform(self) -> bool:
         return len(self.segments) == 1 and len(self.segments[0].pattern) == 1
 
+    @property
+    def stage_padding(self) -> dict[int, int]:
+        """The rows of every layer stack that pad unequal pipeline stages, each with the row
+        it copies (its stage's last; a pad never runs): {} without padding."""
+        stages = getattr(self.cfg, "stage_repeats", None)
+        if stages is None or len(set(stages)) == 1:
+            return {}
+        width = max(stages)
+        return {
+            s * width + k: s * width + n - 1 for s, n in enumerate(stages) for k in range(n, width)
+        }
+
     def layer_slot(self, index: int) -> tuple[tuple, int]:
         """Where checkpoint layer `index` lives: (the path of its stacked module, its index
         in the stack)."""
+        if self.stage_padding:  # the checkpoint's repeat r -> its stage's row
+            unit = len(self.segments[0].pattern)
+            stages, width = self.cfg.stage_repeats, max(self.cfg.stage_repeats)
+            repeat, j = divmod(index, unit)
+            stage = 0
+            while repeat >= stages[stage]:
+                repeat -= stages[stage]
+                stage += 1
+            index = (stage * width + repeat) * unit + j
         if self.uniform:
             return ("layers",), index
         for s, seg in enumerate(self.segments):
@@ -240,9 +270,10 @@ class CausalLM(nnx.Module):
         modules = [self.layers] if self.uniform else list(self.blocks[s])
         return [nnx.split(m, in_place, ...) for m in modules]
 
-    def scan_segment(self, s: int, parts, x, ctx: StepContext, kv_caches: tuple):
+    def scan_segment(self, s: int, parts, x, ctx: StepContext, kv_caches: tuple, limit=None):
         """Segment `s`'s layers over x, as a scan over the repeats `parts` hold (all of
-        them, or a pipeline stage's; their cache rows then count from the stage's first)."""
+        them, or a pipeline stage's; their cache rows then count from the stage's first).
+        `limit`: the repeats to run (traced; the rest pad a stage), None: all."""
         where = segment_rows(self.segments[s], layer_rows(self.kv_cache_groups(self.cfg)))
 
         def body(carry, inputs):
@@ -253,7 +284,17 @@ class CausalLM(nnx.Module):
             ):
                 views = jax.tree.map(lambda a: StackedWeight(a, repeat), stacked)
                 layer = nnx.merge(graphdef, views, state)
-                x, kv_caches = layer(x, ctx.at_layer(g, row + repeat * per_repeat), kv_caches)
+                layer_ctx = ctx.at_layer(g, row + repeat * per_repeat)
+                if limit is None:
+                    x, kv_caches = layer(x, layer_ctx, kv_caches)
+                else:
+                    x, kv_caches = jax.lax.cond(
+                        repeat < limit,
+                        lambda x, c, layer=layer, layer_ctx=layer_ctx: layer(x, layer_ctx, c),
+                        lambda x, c: (x, c),
+                        x,
+                        kv_caches,
+                    )
             return (x, kv_caches), None
 
         states = tuple(state for _, _, state in parts)

@@ -76,6 +76,9 @@ class LlamaConfig:
     # Per-layer scales for a float8 KV cache (model_loader/kv_scales.py): the engine sets it
     # when the checkpoint or quantization_param_path gives them; without, no scale exists.
     kv_scales: bool = False
+    # Pipeline stages (models/pipeline.py): the repeats of the layer pattern each stage
+    # holds; None without stages. Unequal counts pad the layer stacks (decoder.py).
+    stage_repeats: tuple[int, ...] | None = None
 
     @classmethod
     def from_hf(cls, hf, **flags) -> LlamaConfig:

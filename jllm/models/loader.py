@@ -432,10 +432,14 @@ def _checkpoint_values(t: _Target, arch: Architecture, cfg, source) -> dict:
         if layer is None:
             values[path] = _put(host, var, shardings[path], mesh)
         else:
-            layered.setdefault(path, {})[layer] = host
+            rows = layered.setdefault(path, {})
+            rows[layer] = host
             count = var.shape[0]  # the layers of this stack
-            if len(layered[path]) == count:
-                stacked = _stack([layered[path][i] for i in range(count)], ".".join(map(str, path)))
+            padding = t.model.stage_padding  # rows that pad unequal pipeline stages
+            if len(rows) == count - len(padding):
+                for row, source in padding.items():
+                    rows[row] = rows[source]
+                stacked = _stack([rows[i] for i in range(count)], ".".join(map(str, path)))
                 values[path] = _put(stacked, var, shardings[path], mesh)
                 del layered[path]
     for (path, _), got in experts.items():

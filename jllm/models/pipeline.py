@@ -2,9 +2,11 @@
 its own devices, with the step's tokens cut into micro-batches that flow through them.
 
 The mesh's `stage` axis (`sharding/`) splits every layer stack's leading layer axis and
-every KV-cache group's rows: stage s holds layers [s L/S, (s + 1) L/S) and their cache rows,
-nothing else. The embedding, the final norm and the LM head are not split by stage (the
-`model` axis still splits them under tensor parallelism).
+every KV-cache group's rows: stage s holds its run of consecutive layers and their cache
+rows, nothing else (`stage_repeats` decides the runs as vLLM does; unequal runs pad every
+stage's stacks to the largest run, `CausalLM.stage_padding`, and a stage skips its padding
+rows). The embedding, the final norm and the LM head are not split by stage (the `model`
+axis still splits them under tensor parallelism).
 
 The schedule is GPipe's, inside one compiled step: the step's T tokens are cut into M
 micro-batches of T/M consecutive tokens (`num_micro_batches`), and in tick i stage s runs
@@ -32,6 +34,7 @@ Glossary: T tokens, D model dim, S stages, M micro-batches, R request rows.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 import jax
@@ -40,6 +43,8 @@ from jax.sharding import PartitionSpec as P
 
 from jllm.attention.metadata import RaggedMetadata
 from sharding import STAGE_AXIS
+
+logger = logging.getLogger("jllm")
 
 
 def num_stages() -> int:
@@ -108,6 +113,8 @@ def run(model, x, ctx, kv_caches: tuple, stages: int, in_place):
     micro = num_micro_batches(T, stages, ctx.attn)
     size = T // micro
     parts = model.segment_parts(0, in_place)
+    padded = model.stage_padding
+    stage_rows = jnp.asarray(model.cfg.stage_repeats, jnp.int32) if padded else None
     graphdefs = [graphdef for graphdef, _, _ in parts]
     arrays = [(stacked, state) for _, stacked, state in parts]
 
@@ -116,8 +123,11 @@ def run(model, x, ctx, kv_caches: tuple, stages: int, in_place):
         parts = [(g, stacked, state) for g, (stacked, state) in zip(graphdefs, arrays, strict=True)]
         xs = x.reshape(micro, size, D)
 
+        limit = None if stage_rows is None else stage_rows[stage]  # a padded stack's own
+
         def layers(h, caches, m):
-            return model.scan_segment(0, parts, h, micro_batch(step_ctx, m, size, micro), caches)
+            ctx_m = micro_batch(step_ctx, m, size, micro)
+            return model.scan_segment(0, parts, h, ctx_m, caches, limit)
 
         def idle(h, caches, m):
             return h, caches
@@ -156,13 +166,21 @@ def run(model, x, ctx, kv_caches: tuple, stages: int, in_place):
     return x, kv_caches
 
 
-def check_stages(module, cfg, stages: int) -> None:
-    """Refuse, with the reason, a split into `stages` stages that jllm cannot run of
-    decoder `module` (a CausalLM class) of config `cfg`: every stage holds the same number of
-    consecutive layers, whole copies of the model's one repeated layer pattern. vLLM's
-    VLLM_PP_LAYER_PARTITION is honoured when it names that even split."""
-    if stages == 1:
-        return
+def vllm_partition(layers: int, stages: int) -> list[int]:
+    """vLLM's default split of `layers` over `stages` (`get_pp_indices`): equal runs, and the
+    remainder one each to the stages before the last (which also holds the final norm)."""
+    sizes = [layers // stages] * stages
+    for i in range(2, layers % stages + 2):
+        sizes[-i] += 1
+    return sizes
+
+
+def stage_repeats(module, cfg, stages: int) -> tuple[int, ...]:
+    """How many repeats of its layer pattern each of `stages` stages holds, for decoder
+    `module` (a CausalLM class) of config `cfg`; refuses, with the reason, a split jllm
+    cannot run. The split is VLLM_PP_LAYER_PARTITION's when set, else vLLM's default
+    (`vllm_partition`); a pattern of several layers (Gemma 2's local/global pair) splits
+    between repeats, so the default applies to the repeats there."""
     if getattr(cfg, "vision", None) is not None:
         raise ValueError(
             "pipeline_parallel_size > 1 is not supported for vision-language models yet."
@@ -171,24 +189,6 @@ def check_stages(module, cfg, stages: int) -> None:
     layers = cfg.num_layers
     if stages > layers:
         raise ValueError(f"pipeline_parallel_size={stages} exceeds the model's {layers} layers.")
-    partition = os.environ.get("VLLM_PP_LAYER_PARTITION")
-    even = [layers // stages] * stages
-    if partition is not None:
-        try:
-            asked = [int(n) for n in partition.split(",")]
-        except ValueError as err:
-            raise ValueError(f"Invalid VLLM_PP_LAYER_PARTITION: {partition!r}.") from err
-        if len(asked) != stages or sum(asked) != layers:
-            raise ValueError(
-                f"VLLM_PP_LAYER_PARTITION={partition!r} must name {stages} stage sizes that "
-                f"add up to the model's {layers} layers."
-            )
-        if asked != even:
-            raise ValueError(
-                f"VLLM_PP_LAYER_PARTITION={partition!r}: jllm's stages hold equal runs of "
-                f"layers ({','.join(map(str, even))} here); uneven splits are not supported "
-                "yet."
-            )
     if len(segments) > 1:
         raise ValueError(
             f"pipeline_parallel_size={stages}: this model's layers are not one repeated "
@@ -196,11 +196,36 @@ def check_stages(module, cfg, stages: int) -> None:
             "split yet."
         )
     (seg,) = segments
-    if seg.repeats % stages:
-        unit = len(seg.pattern)
-        what = "layers" if unit == 1 else f"repeats of its {unit}-layer pattern"
+    unit = len(seg.pattern)
+    if stages > seg.repeats:
         raise ValueError(
-            f"pipeline_parallel_size={stages} must divide the model's {seg.repeats} {what}: "
-            "jllm's stages hold equal runs of consecutive layers (uneven splits such as "
-            "vLLM's VLLM_PP_LAYER_PARTITION allows are not supported yet)."
+            f"pipeline_parallel_size={stages} exceeds the {seg.repeats} repeats of the "
+            f"model's {unit}-layer pattern, which a stage holds whole."
         )
+    partition = os.environ.get("VLLM_PP_LAYER_PARTITION")
+    if partition is None:
+        sizes = vllm_partition(layers, stages)
+        if any(n % unit for n in sizes):
+            sizes = [n * unit for n in vllm_partition(seg.repeats, stages)]
+    else:
+        try:
+            sizes = [int(n) for n in partition.split(",")]
+        except ValueError as err:
+            raise ValueError(f"Invalid VLLM_PP_LAYER_PARTITION: {partition!r}.") from err
+        if len(sizes) != stages or sum(sizes) != layers or min(sizes) < 1:
+            raise ValueError(
+                f"VLLM_PP_LAYER_PARTITION={partition!r} must name {stages} stage sizes of at "
+                f"least one layer that add up to the model's {layers} layers."
+            )
+        if any(n % unit for n in sizes):
+            raise ValueError(
+                f"VLLM_PP_LAYER_PARTITION={partition!r}: each stage must hold whole repeats "
+                f"of the model's {unit}-layer pattern."
+            )
+    if len(set(sizes)) > 1:
+        logger.info(
+            "Hidden layers were unevenly partitioned: [%s] (VLLM_PP_LAYER_PARTITION overrides "
+            "it); each stage's layer stacks are padded to the largest stage's.",
+            ",".join(map(str, sizes)),
+        )
+    return tuple(n // unit for n in sizes)

@@ -142,15 +142,17 @@ def split_blocks(budget: int, sizes: list[int], caps: list[int | None]) -> list[
 def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype, platform: str):
     """vLLM's `kv_cache_dtype` as (the cache array's dtype, the float8 format whose bytes it
     holds or None): "auto" is the model's dtype, "fp8" and "fp8_e4m3" float8_e4m3fn,
-    "fp8_e5m2" float8_e5m2 (scales 1.0, vLLM's default without `calculate_kv_scales`). On
-    the CPU a float8 cache is held as its bytes (uint8): XLA's CPU backend updates float8
-    arrays element by element (pallas_kernels/ragged_paged_attention/cache.py)."""
+    "fp8_e5m2" float8_e5m2 (scales 1.0, vLLM's default without `calculate_kv_scales`, unless
+    the checkpoint or `quantization_param_path` gives per-layer scales:
+    model_loader/kv_scales.py). On the CPU a float8 cache is held as its bytes (uint8):
+    XLA's CPU backend updates float8 arrays element by element
+    (pallas_kernels/ragged_paged_attention/cache.py)."""
     names = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
     if kv_cache_dtype == "auto":  # other names are refused by EngineArgs (KV_CACHE_DTYPES)
         return jnp.dtype(dtype), None
     kv_dtype = jnp.dtype(names[kv_cache_dtype])
     logger.info(
-        "Using %s data type to store kv cache (%s, 1 byte a value, scales 1.0): %dx the tokens "
+        "Using %s data type to store kv cache (%s, 1 byte a value): %dx the tokens "
         "of a %s cache in the same memory.",
         kv_cache_dtype,
         kv_dtype.name,

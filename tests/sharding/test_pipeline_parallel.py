@@ -1,17 +1,20 @@
 """Pipeline parallelism on fake CPU devices: PP = 2, 4 and PP = 2 x TP = 2 give the plain
 engine's greedy tokens and logprobs (float32), with chunked prefill, prefix caching,
-preemption and seeded sampling; each stage's devices hold only its layers' weights and
-cache rows; the splits jllm cannot run are refused with the reason; no compile after
-warm-up. (Two processes as two stages: tests/distributed/test_multihost.py.)"""
+preemption and seeded sampling; so do uneven splits (vLLM's default and
+VLLM_PP_LAYER_PARTITION's), with a LoRA adapter against PEFT; each stage's devices hold only
+its layers' weights and cache rows; the splits jllm cannot run are refused with the reason;
+no compile after warm-up. (Two processes as two stages: tests/distributed/test_multihost.py.)"""
 
 from __future__ import annotations
 
 import jax
 import numpy as np
 import pytest
+from lora_oracle import make_adapters, oracle
 from oracle import SMALL, prompt_ids
 
 from jllm import LLM, SamplingParams
+from jllm.lora.request import LoRARequest
 from jllm.runner.compile_guard import count_compiles
 from sharding import STAGE_AXIS
 
@@ -53,8 +56,8 @@ def stage_of(mesh) -> dict:
 
 
 def assert_stage_holds_its_layers(array, mesh, pp: int) -> None:
-    """Every shard of a layer-stacked array (leading layer axis) holds exactly the layers of
-    its device's stage."""
+    """Every shard of a layer-stacked array (leading layer axis) holds exactly the rows of
+    its device's stage (rows / pp each; uneven stages pad theirs to the largest)."""
     layers = array.shape[0]
     stage = stage_of(mesh)
     for shard in array.addressable_shards:
@@ -120,10 +123,37 @@ def test_no_compile_after_warmup(tiny_models, reference):
     assert events == []
 
 
+@pytest.mark.parametrize(("pp", "env", "stages"), [(3, None, (1, 2, 1)), (2, "3,1", (3, 1))])
+def test_uneven_stages(tiny_models, reference, monkeypatch, pp, env, stages):
+    """vLLM's default split of 4 layers over 3 stages (the remainder to the stages before
+    the last), and VLLM_PP_LAYER_PARTITION's: each stage's stacks are padded to the largest
+    stage's rows, which it skips."""
+    if env is not None:
+        monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", env)
+    llm = LLM(tiny_models["llama-l4"], pipeline_parallel_size=pp, **ARGS)
+    assert llm.llm_engine.model_config.stage_repeats == stages
+    assert_same(run(llm), reference[0])
+    (cache,) = llm.llm_engine.runner.kv_cache
+    assert cache.shape[0] == pp * max(stages)
+    assert_stage_holds_its_layers(cache, llm.llm_engine.runner.mesh, pp)
+
+
+def test_uneven_stages_with_an_adapter(tiny_models, tmp_path):
+    """A LoRA adapter's layers land on their stages' rows (the padding rows unused): the
+    merged model's tokens and logprobs, against PEFT."""
+    model = tiny_models["llama-l4"]
+    adapters = make_adapters(model, tmp_path)
+    llm = LLM(model, pipeline_parallel_size=3, enable_lora=True, max_loras=1, **ARGS)
+    prompts = prompt_ids(2, 20, seed=44)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=1)
+    lora = LoRARequest("all8", 1, adapters["all8"][0])
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, False, lora)
+    assert oracle(adapters["all8"][1], prompts, outs) < 2e-3
+
+
 @pytest.mark.parametrize(
     ("model", "kwargs", "env", "message"),
     [
-        ("llama-l4", dict(pipeline_parallel_size=3), None, r"must divide the model's 4 layers"),
         ("llama-l4", dict(pipeline_parallel_size=8), None, r"exceeds the model's 4 layers"),
         (
             "llama-l4",
@@ -131,13 +161,10 @@ def test_no_compile_after_warmup(tiny_models, reference):
             None,
             r"exceeds the 8 available devices",
         ),
-        (
-            "llama-l4",
-            dict(pipeline_parallel_size=2),
-            "3,1",
-            r"VLLM_PP_LAYER_PARTITION='3,1'.*uneven splits are not supported",
-        ),
-        ("gemma2", dict(pipeline_parallel_size=4), None, r"repeats of its 2-layer pattern"),
+        ("llama-l4", dict(pipeline_parallel_size=2), "3,2", r"add up to the model's 4 layers"),
+        ("llama-l4", dict(pipeline_parallel_size=2), "two,2", r"Invalid VLLM_PP_LAYER_PARTITION"),
+        ("gemma2", dict(pipeline_parallel_size=2), "3,1", r"whole repeats of the model's 2-layer"),
+        ("gemma2", dict(pipeline_parallel_size=4), None, r"exceeds the 2 repeats"),
         ("llama-l4", dict(pipeline_parallel_size=0), None, r"at least 1"),
     ],
 )
@@ -146,12 +173,6 @@ def test_refused_splits(tiny_models, monkeypatch, model, kwargs, env, message):
         monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", env)
     with pytest.raises(ValueError, match=message):
         LLM(tiny_models[model], **{**ARGS, **kwargs})
-
-
-def test_even_partition_env_is_honoured(tiny_models, monkeypatch, reference):
-    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "2,2")
-    llm = LLM(tiny_models["llama-l4"], pipeline_parallel_size=2, **ARGS)
-    assert [o.token_ids for o in run(llm)] == [o.token_ids for o in reference[0]]
 
 
 def test_draft_model_refused(tiny_models):
