@@ -121,6 +121,19 @@ ARCHS = {
             },
         },
     ),
+    # The same with 8 layers: the pattern twice, then a repeat cut short (two local layers);
+    # pipeline stages hold whole repeats (tests/sharding/test_pipeline_parallel.py).
+    "gemma3-cut": (
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        {
+            "head_dim": 16,
+            "num_hidden_layers": 8,
+            "sliding_window": 24,
+            "sliding_window_pattern": 3,
+            "query_pre_attn_scalar": 16,
+        },
+    ),
     # Mixtures of experts: 8 experts, 2 per token; Qwen3-MoE with a dense layer between
     # sparse ones (decoder_sparse_step 2 and mlp_only_layers), in both routings.
     "mixtral": (

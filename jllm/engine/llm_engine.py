@@ -166,10 +166,7 @@ class LLMEngine:
             caches = allocated.result()
         self._attach_kv_caches(caches, num_blocks, draft, layout)
         if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
-            repeats = cfg.stage_repeats or (1,)
-            unit = cfg.num_layers // sum(repeats)  # layers per repeat of the pattern
-            stage_layers = [n * unit for n in repeats]
-            log_split(m.mesh, m.state, caches[0], m.kv_replicas, stage_layers)
+            log_split(m.mesh, m.state, caches[0], m.kv_replicas, m.stage_layers)
         compiled = time.perf_counter()
         self.channel = open_step_channel(args, self.rank)
         if self.channel is not None and self.rank == 0:

@@ -17,7 +17,7 @@ from jllm.model_loader import resolve_model
 from jllm.model_loader.kv_scales import resolve_kv_scales
 from jllm.models import registry
 from jllm.models.loader import load_model
-from jllm.models.pipeline import stage_repeats
+from jllm.models.pipeline import stage_layers, stage_repeats
 from jllm.quantization import resolve_quantization
 from jllm.runner.kv_cache import CacheSpec
 from jllm.spec_decode.draft_model import DraftModel
@@ -41,6 +41,7 @@ class EngineModel:
     # With enable_lora: the model's LoRA slots (jllm/lora/layers.py:LoraSpec).
     lora: object | None = None
     quantization: str | None = None  # the method the weights were loaded with
+    stage_layers: tuple[int, ...] | None = None  # each pipeline stage's layers
 
 
 def replicate_kv_heads(cfg, tp: int):
@@ -160,13 +161,14 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
             f"of the cluster; got tensor_parallel_size={tp} x pipeline_parallel_size={pp}."
         )
     if pp > 1:
+        whole = arch.module.segments_of(cfg)
         cfg = dataclasses.replace(cfg, stage_repeats=stage_repeats(arch.module, cfg, pp))
-        if source.kind == "orbax" and len(set(cfg.stage_repeats)) > 1:
+        if source.kind == "orbax" and arch.module.segments_of(cfg) != whole:
             raise ValueError(
                 f"{source.path} is a converted checkpoint, whose layer stacks restore onto "
-                f"equal pipeline stages only; this split is uneven ({cfg.stage_repeats} "
-                "repeats of the layer pattern per stage): give the original checkpoint, or a "
-                "pipeline_parallel_size that divides the layers."
+                f"stages of equal whole repeats of the layer pattern only; this split pads "
+                f"them ({cfg.stage_repeats} repeats per stage): give the original checkpoint, "
+                "or a pipeline_parallel_size that divides the layers."
             )
     mesh = make_mesh(tp, pipeline_parallel_size=pp)
     cfg = expert_parallel(cfg, args.enable_expert_parallel, tp)
@@ -213,6 +215,7 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
         CacheSpec.groups_of(arch.module, cfg),
         lora,
         quantization,
+        None if cfg.stage_repeats is None else stage_layers(arch.module, cfg),
     )
 
 

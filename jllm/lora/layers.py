@@ -139,8 +139,8 @@ def stack_layers(model) -> dict[tuple, list[int]]:
     for i in range(model.cfg.num_layers):
         prefix, index = model.layer_slot(i)
         out.setdefault(tuple(prefix), {})[index] = i
-    for rows in out.values():  # rows that pad unequal pipeline stages copy a real one
-        for row, source in model.stage_padding.items():
+    for prefix, rows in out.items():  # empty slots of pipeline stages copy a real one
+        for row, source in model.stack_padding(prefix).items():
             rows[row] = rows[source]
     return {prefix: [rows[r] for r in range(len(rows))] for prefix, rows in out.items()}
 

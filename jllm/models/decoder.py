@@ -148,16 +148,40 @@ class CausalLM(nnx.Module):
 
     @classmethod
     def segments_of(cls, cfg) -> tuple[Segment, ...]:
-        """The model's layers as segments (`plan_segments`). Under pipeline stages of
-        unequal sizes (`cfg.stage_repeats`, models/pipeline.py) the one segment's repeats
-        are padded: every stage gets the largest stage's count, and a stage's rows past its
-        own are never run."""
+        """The model's layers as segments (`plan_segments`). Under pipeline stages
+        (`cfg.stage_repeats`, models/pipeline.py) they are one segment: the first segment's
+        pattern, as many repeats per stage as the largest stage holds (a model whose last
+        repeat is cut short, Gemma 3's 26 layers of 5 local and 1 global, counts it whole);
+        the slots no checkpoint layer fills (`stage_slots`) are never run."""
         segments = plan_segments(cls.layer_kinds(cfg))
         stages = getattr(cfg, "stage_repeats", None)
-        if stages is None or len(set(stages)) == 1:
+        if stages is None or (len(segments) == 1 and len(set(stages)) == 1):
             return segments
-        (seg,) = segments
-        return (Segment(seg.pattern, len(stages) * max(stages), 0),)
+        return (Segment(segments[0].pattern, len(stages) * max(stages), 0),)
+
+    @classmethod
+    def stage_slots(cls, cfg) -> tuple[tuple[int | None, ...], ...] | None:
+        """Under pipeline stages with empty slots: per position j of the pattern, per row
+        of its stack, the checkpoint layer the slot holds (None: empty, the padding of a
+        stage shorter than the largest or of a cut repeat). None when every slot is
+        filled."""
+        stages = getattr(cfg, "stage_repeats", None)
+        if stages is None:
+            return None
+        (seg,) = cls.segments_of(cfg)
+        unit, width = len(seg.pattern), max(stages)
+        table = [[None] * seg.repeats for _ in range(unit)]
+        first = 0  # the stage's first repeat in the checkpoint
+        for stage, count in enumerate(stages):
+            for k in range(count):
+                for j in range(unit):
+                    layer = (first + k) * unit + j
+                    if layer < cfg.num_layers:
+                        table[j][stage * width + k] = layer
+            first += count
+        if all(layer is not None for row in table for layer in row):
+            return None
+        return tuple(tuple(row) for row in table)
 
     @classmethod
     def kv_cache_groups(cls, cfg) -> tuple[KVCacheGroup, ...]:
@@ -175,6 +199,7 @@ class CausalLM(nnx.Module):
             rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype
         )
         self.segments = self.segments_of(cfg)
+        self.slots = self.stage_slots(cfg)  # pipeline stages' empty slots, if any
 
         def stack(kind, count: int):
             @nnx.split_rngs(splits=count)
@@ -200,30 +225,24 @@ class CausalLM(nnx.Module):
     def uniform(self) -> bool:
         return len(self.segments) == 1 and len(self.segments[0].pattern) == 1
 
-    @property
-    def stage_padding(self) -> dict[int, int]:
-        """The rows of every layer stack that pad unequal pipeline stages, each with the row
-        it copies (its stage's last; a pad never runs): {} without padding."""
-        stages = getattr(self.cfg, "stage_repeats", None)
-        if stages is None or len(set(stages)) == 1:
+    def stack_padding(self, path: tuple) -> dict[int, int]:
+        """The empty slots of the layer stack at (or under) state path `path`, each with
+        the row whose weights it copies (the position's first: an empty slot never runs):
+        {} without pipeline padding."""
+        if self.slots is None:
             return {}
-        width = max(stages)
-        return {
-            s * width + k: s * width + n - 1 for s, n in enumerate(stages) for k in range(n, width)
-        }
+        rows = self.slots[path[2] if path[0] == "blocks" else 0]
+        source = rows.index(next(layer for layer in rows if layer is not None))
+        return {row: source for row, layer in enumerate(rows) if layer is None}
 
     def layer_slot(self, index: int) -> tuple[tuple, int]:
         """Where checkpoint layer `index` lives: (the path of its stacked module, its index
         in the stack)."""
-        if self.stage_padding:  # the checkpoint's repeat r -> its stage's row
-            unit = len(self.segments[0].pattern)
-            stages, width = self.cfg.stage_repeats, max(self.cfg.stage_repeats)
-            repeat, j = divmod(index, unit)
-            stage = 0
-            while repeat >= stages[stage]:
-                repeat -= stages[stage]
-                stage += 1
-            index = (stage * width + repeat) * unit + j
+        if self.slots is not None:
+            for j, rows in enumerate(self.slots):
+                if index in rows:
+                    return (("layers",) if self.uniform else ("blocks", 0, j)), rows.index(index)
+            raise IndexError(f"layer {index} of a {self.cfg.num_layers}-layer model")
         if self.uniform:
             return ("layers",), index
         for s, seg in enumerate(self.segments):
@@ -270,26 +289,25 @@ class CausalLM(nnx.Module):
         modules = [self.layers] if self.uniform else list(self.blocks[s])
         return [nnx.split(m, in_place, ...) for m in modules]
 
-    def scan_segment(self, s: int, parts, x, ctx: StepContext, kv_caches: tuple, limit=None):
+    def scan_segment(self, s: int, parts, x, ctx: StepContext, kv_caches: tuple, active=None):
         """Segment `s`'s layers over x, as a scan over the repeats `parts` hold (all of
         them, or a pipeline stage's; their cache rows then count from the stage's first).
-        `limit`: the repeats to run (traced; the rest pad a stage), None: all."""
+        `active`: [pattern, repeats] bool (traced), the slots to run; None: all."""
         where = segment_rows(self.segments[s], layer_rows(self.kv_cache_groups(self.cfg)))
 
         def body(carry, inputs):
             x, kv_caches = carry
             states, repeat = inputs
-            for (graphdef, stacked, _), state, (g, row, per_repeat) in zip(
-                parts, states, where, strict=True
-            ):
+            slots = zip(parts, states, where, strict=True)
+            for j, ((graphdef, stacked, _), state, (g, row, per_repeat)) in enumerate(slots):
                 views = jax.tree.map(lambda a: StackedWeight(a, repeat), stacked)
                 layer = nnx.merge(graphdef, views, state)
                 layer_ctx = ctx.at_layer(g, row + repeat * per_repeat)
-                if limit is None:
+                if active is None:
                     x, kv_caches = layer(x, layer_ctx, kv_caches)
                 else:
                     x, kv_caches = jax.lax.cond(
-                        repeat < limit,
+                        active[j, repeat],
                         lambda x, c, layer=layer, layer_ctx=layer_ctx: layer(x, layer_ctx, c),
                         lambda x, c: (x, c),
                         x,

@@ -435,7 +435,7 @@ def _checkpoint_values(t: _Target, arch: Architecture, cfg, source) -> dict:
             rows = layered.setdefault(path, {})
             rows[layer] = host
             count = var.shape[0]  # the layers of this stack
-            padding = t.model.stage_padding  # rows that pad unequal pipeline stages
+            padding = t.model.stack_padding(path)  # the empty slots of pipeline stages
             if len(rows) == count - len(padding):
                 for row, source in padding.items():
                     rows[row] = rows[source]

@@ -4,9 +4,9 @@ its own devices, with the step's tokens cut into micro-batches that flow through
 The mesh's `stage` axis (`sharding/`) splits every layer stack's leading layer axis and
 every KV-cache group's rows: stage s holds its run of consecutive layers and their cache
 rows, nothing else (`stage_repeats` decides the runs as vLLM does; unequal runs pad every
-stage's stacks to the largest run, `CausalLM.stage_padding`, and a stage skips its padding
-rows). The embedding, the final norm and the LM head are not split by stage (the `model`
-axis still splits them under tensor parallelism).
+stage's stacks to the largest run, and a stage skips those rows: `CausalLM.stage_slots`).
+The embedding, the final norm and the LM head are not split by stage (the `model` axis
+still splits them under tensor parallelism).
 
 The schedule is GPipe's, inside one compiled step: the step's T tokens are cut into M
 micro-batches of T/M consecutive tokens (`num_micro_batches`), and in tick i stage s runs
@@ -113,8 +113,10 @@ def run(model, x, ctx, kv_caches: tuple, stages: int, in_place):
     micro = num_micro_batches(T, stages, ctx.attn)
     size = T // micro
     parts = model.segment_parts(0, in_place)
-    padded = model.stage_padding
-    stage_rows = jnp.asarray(model.cfg.stage_repeats, jnp.int32) if padded else None
+    width = model.segments[0].repeats // stages  # each stage's rows
+    slots = None  # [pattern, stages x width]: the filled slots, when some are empty
+    if model.slots is not None:
+        slots = jnp.asarray([[layer is not None for layer in row] for row in model.slots])
     graphdefs = [graphdef for graphdef, _, _ in parts]
     arrays = [(stacked, state) for _, stacked, state in parts]
 
@@ -123,11 +125,13 @@ def run(model, x, ctx, kv_caches: tuple, stages: int, in_place):
         parts = [(g, stacked, state) for g, (stacked, state) in zip(graphdefs, arrays, strict=True)]
         xs = x.reshape(micro, size, D)
 
-        limit = None if stage_rows is None else stage_rows[stage]  # a padded stack's own
+        active = None  # the stage's own slots
+        if slots is not None:
+            active = jax.lax.dynamic_slice_in_dim(slots, stage * width, width, axis=1)
 
         def layers(h, caches, m):
             ctx_m = micro_batch(step_ctx, m, size, micro)
-            return model.scan_segment(0, parts, h, ctx_m, caches, limit)
+            return model.scan_segment(0, parts, h, ctx_m, caches, active)
 
         def idle(h, caches, m):
             return h, caches
@@ -175,38 +179,50 @@ def vllm_partition(layers: int, stages: int) -> list[int]:
     return sizes
 
 
+def stage_layers(module, cfg) -> tuple[int, ...]:
+    """The checkpoint layers each pipeline stage of decoder `module` (a CausalLM class)
+    holds, for a config with `stage_repeats`."""
+    stages, unit = cfg.stage_repeats, len(module.segments_of(cfg)[0].pattern)
+    ends = [min(sum(stages[: s + 1]) * unit, cfg.num_layers) for s in range(len(stages))]
+    return tuple(end - start for start, end in zip([0, *ends[:-1]], ends, strict=True))
+
+
 def stage_repeats(module, cfg, stages: int) -> tuple[int, ...]:
     """How many repeats of its layer pattern each of `stages` stages holds, for decoder
     `module` (a CausalLM class) of config `cfg`; refuses, with the reason, a split jllm
-    cannot run. The split is VLLM_PP_LAYER_PARTITION's when set, else vLLM's default
-    (`vllm_partition`); a pattern of several layers (Gemma 2's local/global pair) splits
-    between repeats, so the default applies to the repeats there."""
+    cannot run. The model's layers must be one pattern repeated, the last repeat perhaps cut
+    short (Gemma 3's 26 layers: 5 local and 1 global, four times, then 2 local); a stage
+    holds whole repeats. The split is VLLM_PP_LAYER_PARTITION's when set, else vLLM's
+    default (`vllm_partition`) over the layers, or over the repeats where that would cut
+    one."""
     if getattr(cfg, "vision", None) is not None:
         raise ValueError(
             "pipeline_parallel_size > 1 is not supported for vision-language models yet."
         )
-    segments = module.segments_of(cfg)
-    layers = cfg.num_layers
+    kinds = tuple(module.layer_kinds(cfg))
+    layers = len(kinds)
     if stages > layers:
         raise ValueError(f"pipeline_parallel_size={stages} exceeds the model's {layers} layers.")
-    if len(segments) > 1:
+    pattern = module.segments_of(cfg)[0].pattern
+    unit = len(pattern)
+    repeats = -(-layers // unit)
+    if (pattern * repeats)[:layers] != kinds:
         raise ValueError(
             f"pipeline_parallel_size={stages}: this model's layers are not one repeated "
             "pattern (its layer kinds change along the depth), which jllm's stages do not "
             "split yet."
         )
-    (seg,) = segments
-    unit = len(seg.pattern)
-    if stages > seg.repeats:
+    if stages > repeats:
         raise ValueError(
-            f"pipeline_parallel_size={stages} exceeds the {seg.repeats} repeats of the "
-            f"model's {unit}-layer pattern, which a stage holds whole."
+            f"pipeline_parallel_size={stages} exceeds the {repeats} repeats of the model's "
+            f"{unit}-layer pattern, which a stage holds whole."
         )
     partition = os.environ.get("VLLM_PP_LAYER_PARTITION")
     if partition is None:
         sizes = vllm_partition(layers, stages)
-        if any(n % unit for n in sizes):
-            sizes = [n * unit for n in vllm_partition(seg.repeats, stages)]
+        if any(n % unit for n in sizes[:-1]):
+            sizes = [n * unit for n in vllm_partition(repeats, stages)]
+            sizes[-1] -= repeats * unit - layers  # the cut repeat
     else:
         try:
             sizes = [int(n) for n in partition.split(",")]
@@ -217,7 +233,7 @@ def stage_repeats(module, cfg, stages: int) -> tuple[int, ...]:
                 f"VLLM_PP_LAYER_PARTITION={partition!r} must name {stages} stage sizes of at "
                 f"least one layer that add up to the model's {layers} layers."
             )
-        if any(n % unit for n in sizes):
+        if any(n % unit for n in sizes[:-1]):
             raise ValueError(
                 f"VLLM_PP_LAYER_PARTITION={partition!r}: each stage must hold whole repeats "
                 f"of the model's {unit}-layer pattern."
@@ -228,4 +244,4 @@ def stage_repeats(module, cfg, stages: int) -> tuple[int, ...]:
             "it); each stage's layer stacks are padded to the largest stage's.",
             ",".join(map(str, sizes)),
         )
-    return tuple(n // unit for n in sizes)
+    return tuple(-(-n // unit) for n in sizes)

@@ -114,6 +114,17 @@ def test_two_kv_groups_gemma2(tiny_models):
         assert_stage_holds_its_layers(cache, llm.llm_engine.runner.mesh, 2)
 
 
+def test_cut_pattern_gemma3(tiny_models):
+    """Gemma 3's pattern (local, local, global) twice, then two local layers, over two
+    stages of whole repeats (2 and 1): the second stage's global slot in the cut repeat, and
+    its padding row, never run."""
+    want = LLM(tiny_models["gemma3-cut"], **ARGS).generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm = LLM(tiny_models["gemma3-cut"], pipeline_parallel_size=2, **ARGS)
+    assert llm.llm_engine.model_config.stage_repeats == (2, 1)
+    got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert_same([o.outputs[0] for o in got], [o.outputs[0] for o in want])
+
+
 def test_no_compile_after_warmup(tiny_models, reference):
     args = {**ARGS, "enforce_eager": False, "max_num_seqs": 8}
     llm = LLM(tiny_models["llama-l4"], pipeline_parallel_size=2, **args)
@@ -165,6 +176,7 @@ def test_uneven_stages_with_an_adapter(tiny_models, tmp_path):
         ("llama-l4", dict(pipeline_parallel_size=2), "two,2", r"Invalid VLLM_PP_LAYER_PARTITION"),
         ("gemma2", dict(pipeline_parallel_size=2), "3,1", r"whole repeats of the model's 2-layer"),
         ("gemma2", dict(pipeline_parallel_size=4), None, r"exceeds the 2 repeats"),
+        ("qwen3-moe", dict(pipeline_parallel_size=2), None, r"not one repeated pattern"),
         ("llama-l4", dict(pipeline_parallel_size=0), None, r"at least 1"),
     ],
 )
@@ -173,6 +185,18 @@ def test_refused_splits(tiny_models, monkeypatch, model, kwargs, env, message):
         monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", env)
     with pytest.raises(ValueError, match=message):
         LLM(tiny_models[model], **{**ARGS, **kwargs})
+
+
+def test_converted_checkpoint_on_stages(tiny_models, reference, tmp_path):
+    """A checkpoint from `jllm convert` restores onto equal stages (its stacks split as they
+    are), and is refused for a split that would pad them."""
+    from jllm.entrypoints.convert import convert
+
+    out = convert(tiny_models["llama-l4"], str(tmp_path / "orbax"), dtype="float32")
+    llm = LLM(out, pipeline_parallel_size=2, **ARGS)
+    assert [o.token_ids for o in run(llm)] == [o.token_ids for o in reference[0]]
+    with pytest.raises(ValueError, match="converted checkpoint"):
+        LLM(out, pipeline_parallel_size=3, **ARGS)
 
 
 def test_draft_model_refused(tiny_models):
