@@ -6,12 +6,13 @@ step's host inputs to the others over `StepChannel`, and every process then runs
 compiled step with the same inputs, as multi-controller JAX requires.
 """
 
-from jllm.distributed.channel import ProcessLostError, StepChannel
+from jllm.distributed.channel import ProcessLostError, StepChannel, exit_if_broken
 from jllm.distributed.init import initialize_distributed, leader_address, open_step_channel
 
 __all__ = [
     "ProcessLostError",
     "StepChannel",
+    "exit_if_broken",
     "initialize_distributed",
     "leader_address",
     "open_step_channel",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
 import socket
 import struct
 import threading
@@ -64,6 +65,7 @@ class StepChannel:
         self.leader: socket.socket | None = None
         self.lost: list[int] = []
         self.closing = False
+        self.broken = False  # a process exited out of turn (`exit_if_broken`)
         self._gone = threading.Condition()
 
     # ---- process 0 -----------------------------------------------------------------------
@@ -122,6 +124,7 @@ class StepChannel:
             if rank not in self.lost:
                 self.lost.append(rank)
                 if not self.closing:
+                    self.broken = True
                     logger.error(
                         "Process %d of the cluster exited; the engine cannot continue.", rank
                     )
@@ -139,6 +142,7 @@ class StepChannel:
                 conn.sendall(frame)
             except OSError as e:
                 self.lost.append(rank)
+                self.broken = True
                 raise ProcessLostError(f"Process {rank} of the cluster is gone: {e}") from e
 
     def close(self, timeout: float = 30) -> None:
@@ -196,6 +200,7 @@ class StepChannel:
             mac = _recv_exact(self.leader, _MAC_BYTES)
             payload = _recv_exact(self.leader, n)
         except (EOFError, OSError) as e:
+            self.broken = True
             raise ProcessLostError("Process 0 of the cluster exited.") from e
         if not hmac.compare_digest(mac, _mac(self.token, payload)):
             raise MalformedMessage("a frame whose HMAC does not match the channel's token")
@@ -207,3 +212,13 @@ class StepChannel:
     def _frame(self, message: dict) -> bytes:
         payload = encode(message)
         return _HEADER.pack(len(payload)) + _mac(self.token, payload) + payload
+
+
+def exit_if_broken(channel: StepChannel) -> None:
+    """At exit, after the engine's own shutdown: a process of a cluster that lost another
+    cannot pass JAX's shutdown barrier (`jax.distributed` waits there for every process, up
+    to its shutdown_timeout_seconds, 5 minutes), so it exits at once, with status 1."""
+    if channel.broken:
+        logger.error("Exiting without JAX's shutdown barrier: the cluster lost a process.")
+        logging.shutdown()
+        os._exit(1)

@@ -16,7 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 from jllm.attention import get_backend
 from jllm.config import EngineArgs, resolve_scheduler_config
-from jllm.distributed import ProcessLostError, initialize_distributed, open_step_channel
+from jllm.distributed import (
+    ProcessLostError,
+    exit_if_broken,
+    initialize_distributed,
+    open_step_channel,
+)
 from jllm.distributed.codec import MalformedMessage
 from jllm.engine.core import EngineCore
 from jllm.engine.encoder_cache import EncoderCache
@@ -169,6 +174,10 @@ class LLMEngine:
             log_split(m.mesh, m.state, caches[0], m.kv_replicas, m.stage_layers)
         compiled = time.perf_counter()
         self.channel = open_step_channel(args, self.rank)
+        if self.channel is not None:
+            # atexit runs last-registered first: the shutdown, then the exit that spares a
+            # broken cluster JAX's barrier, then JAX's own clean-up.
+            atexit.register(exit_if_broken, self.channel)
         if self.channel is not None and self.rank == 0:
             self.runner.channel = self.channel
             atexit.register(self.shutdown)

@@ -129,28 +129,12 @@ def complete(url: str, model: str):
     return got, want[0].outputs[0].text
 
 
-def test_server_over_two_processes(tiny_models):
-    """`jllm serve` as process 0 and a headless follower: the API answers with TP = 1's
-    greedy text, and stopping process 0 stops the follower."""
-    model = tiny_models["llama-h8kv2"]
-    procs, url = serve_two(model, ["--tensor-parallel-size", "4"])
-    try:
-        got, want = complete(url, model)
-        assert got.status_code == 200, got.text
-        assert got.json()["choices"][0]["text"] == want
-        procs[0].terminate()
-        assert procs[0].wait(timeout=60) is not None
-        assert procs[1].wait(timeout=60) == 0, procs[1].stdout.read()
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-
-
 def test_server_loses_a_stage(tiny_models):
-    """Two pipeline stages, one per process: the API answers with one process's greedy
-    text; once the second stage's process dies, a request fails with a 503 that says so
-    (it does not hang) and /health answers 503."""
+    """`jllm serve` as process 0 and a headless follower, two pipeline stages, one per
+    process: the API answers with one process's greedy text; once the second stage's
+    process dies, a request fails with a 503 that says so (it does not hang), /health
+    answers 503, and process 0 still stops when asked. (That a follower stops with process
+    0: test_two_processes_equal_one.)"""
     import httpx
 
     model = tiny_models["llama-h8kv2"]
@@ -167,6 +151,8 @@ def test_server_loses_a_stage(tiny_models):
         assert lost.status_code == 503, lost.text
         assert "Process(es) [1] of the cluster exited" in lost.json()["error"]["message"]
         assert httpx.get(f"{url}/health", timeout=30).status_code == 503
+        procs[0].terminate()
+        assert procs[0].wait(timeout=60) is not None
     finally:
         for p in procs:
             if p.poll() is None:

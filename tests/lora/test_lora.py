@@ -233,27 +233,6 @@ def test_fully_sharded_loras(llama_dir, adapters):
         assert oracle(model_dir, prompts[i : i + 1], outs[i : i + 1]) < 2e-3
 
 
-def test_pipeline_stages_with_adapters(llama_dir, adapters):
-    """Two pipeline stages of one layer each: each stage holds its layer's slot arrays, and
-    a step's micro-batches (chunks of 30-token prompts under different adapters, cut at 8
-    tokens) still give the merged models' outputs."""
-    small = {**SMALL, "max_num_seqs": 4, "max_num_batched_tokens": 16}
-    llm = LLM(llama_dir, enable_lora=True, max_loras=2, pipeline_parallel_size=2, **small)
-    for path, v in nnx.to_flat_state(llm.llm_engine.runner.state):
-        if path[-1] in ("lora_a", "lora_b"):
-            assert v.get_value().sharding.spec[0] == "stage", path
-    prompts = prompt_ids(3, 30, seed=43)
-    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=1)
-    names = ["all8", None, "attn4"]
-    lora = [
-        None if n is None else LoRARequest(n, i + 1, adapters[n][0]) for i, n in enumerate(names)
-    ]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, False, lora)
-    for i, name in enumerate(names):
-        model_dir = llama_dir if name is None else adapters[name][1]
-        assert oracle(model_dir, prompts[i : i + 1], outs[i : i + 1]) < 2e-3
-
-
 def test_beam_search_with_an_adapter(lora_llm, adapters):
     """LLM.beam_search with a lora_request per prompt gives the beams of the same search on
     the merged model (a second engine over PEFT's merged folder)."""
