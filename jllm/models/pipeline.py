@@ -106,9 +106,10 @@ def micro_batch(ctx, m, size: int, micro: int):
 
 def run(model, x, ctx, kv_caches: tuple, stages: int, in_place):
     """The decoder's layers over `stages` stages: x [T, D] -> (x [T, D] after the last
-    layer, the updated caches). `model`: the CausalLM (one segment of layers, whose
-    repeats the stages divide); `in_place`: its filter of the weights the layers read from
-    the whole stack (`decoder._stays_stacked`)."""
+    layer, the updated caches). `model`: the CausalLM, whose layers are one segment under
+    stages (`CausalLM.segments_of`), its repeats an equal number of rows per stage;
+    `in_place`: its filter of the weights the layers read from the whole stack
+    (`decoder._stays_stacked`)."""
     T, D = x.shape
     micro = num_micro_batches(T, stages, ctx.attn)
     size = T // micro
