@@ -10,6 +10,8 @@ import torch
 import transformers
 from oracle import teacher_forced_logprobs
 
+from jllm.lora.request import LoRARequest
+
 ADAPTERS = {  # name: (rank, alpha, targets, rsLoRA)
     "all8": (
         8,
@@ -69,3 +71,18 @@ def oracle(model_dir, prompts, outs):
         for step, token in enumerate(gen.token_ids):
             worst = max(worst, abs(gen.logprobs[step][token].logprob - ref[step, token].item()))
     return worst
+
+
+def lora_requests(names, adapters) -> list:
+    """One LoRARequest per adapter name (None: the base model), ids by position."""
+    return [
+        None if n is None else LoRARequest(n, i + 1, adapters[n][0]) for i, n in enumerate(names)
+    ]
+
+
+def assert_each_matches_merged(base_dir, adapters, names, prompts, outs) -> None:
+    """Each output (its request under adapter `names[i]`, None: the base model at
+    `base_dir`) equals its merged model's, within 2e-3 in logprobs."""
+    for i, name in enumerate(names):
+        model_dir = base_dir if name is None else adapters[name][1]
+        assert oracle(model_dir, prompts[i : i + 1], outs[i : i + 1]) < 2e-3

@@ -11,6 +11,8 @@ import torch
 import transformers
 
 from jllm import SamplingParams
+from jllm.runner.input_batch import InputBatch
+from jllm.scheduler_output import NewRequestData, SchedulerOutput
 
 TINY = dict(
     vocab_size=49152,
@@ -317,6 +319,19 @@ SPEC_SETTINGS = [
     {"tensor_parallel_size": 2},
 ]
 SPEC_SETTING_IDS = ["plain", "chunked", "preempting", "tp2"]
+
+
+def mixed_step(max_pages: int, block_size: int):
+    """One step of four requests as the runner's input batch and the scheduler's output:
+    two decodes (after 29 and 40 cached tokens), a 17-token chunk after 20 cached, and a
+    fresh 9-token prefill, each in its own blocks (12 apart from block 1)."""
+    out, batch = SchedulerOutput(), InputBatch(8, 64, max_pages)
+    for i, (computed, new) in enumerate([(29, 1), (40, 1), (20, 17), (0, 9)]):
+        blocks = list(range(1 + 12 * i, 1 + 12 * i + -(-(computed + new) // block_size)))
+        ids = list(range(1, computed + new + 1))
+        batch.add(NewRequestData(f"r{i}", ids, [], SamplingParams(), i, None, (blocks,), computed))
+        out.num_scheduled_tokens[f"r{i}"] = new
+    return batch, out
 
 
 def same_outputs(got, expected, logprob_tol: float = 1e-4) -> None:

@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from oracle import SMALL, prompt_ids, save_edited
+from oracle import SMALL, mixed_step, prompt_ids, save_edited
 from safetensors.torch import load_file, save_file
 
 from jllm import LLM, SamplingParams
@@ -49,10 +49,7 @@ def test_scaled_attention_matches_the_dequantized_reference(name):
     """One step (decodes, a chunk after cached tokens, a fresh prefill) over a float8 cache
     with per-layer scales: the bytes written are fp8(k / k_scale), fp8(v / v_scale), and the
     output is float32 attention over the dequantized cache, fp8(x / scale) * scale."""
-    from jllm.runner.input_batch import InputBatch
     from jllm.runner.inputs import BatchLayout, build_step
-    from jllm.sampling_params import SamplingParams as Params
-    from jllm.scheduler_output import NewRequestData, SchedulerOutput
 
     backend = get_backend(name)
     try:
@@ -62,12 +59,7 @@ def test_scaled_attention_matches_the_dequantized_reference(name):
     S, K, G, H, B = 4, 2, 3, 16, 64
     k_scale, v_scale = 300.0, 40.0  # k ~ 900, v ~ 120: k saturates without its scale
     layout = BatchLayout.create(S, B, 4, 64, 8, 64, 2 * K * H, kv_fp8="float8_e4m3fn")
-    out, batch = SchedulerOutput(), InputBatch(8, 64, layout.max_pages)
-    for i, (computed, new) in enumerate([(29, 1), (40, 1), (20, 17), (0, 9)]):
-        blocks = list(range(1 + 12 * i, 1 + 12 * i + -(-(computed + new) // S)))
-        ids = list(range(1, computed + new + 1))
-        batch.add(NewRequestData(f"r{i}", ids, [], Params(), i, None, (blocks,), computed))
-        out.num_scheduled_tokens[f"r{i}"] = new
+    batch, out = mixed_step(layout.max_pages, S)
     md = build_step(batch, out, layout, backend)[0].attn[0]
     ragged = build_step(batch, out, layout, get_backend("cpu_kernel"))[0].attn[0]
     slots = np.asarray(md.slot_mapping)

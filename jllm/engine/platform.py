@@ -178,7 +178,7 @@ def log_split(mesh, state, kv_cache: tuple, replicas: int, stage_layers=None) ->
     tp, pp = mesh.shape["model"], mesh.shape.get("stage", 1)
     splits = []
     if pp > 1:
-        layers = ", ".join(map(str, stage_layers)) if stage_layers else "?"
+        layers = ", ".join(map(str, stage_layers))
         splits.append(f"{pp} pipeline stages of {tp} device(s) hold {layers} layers")
     if tp > 1:
         replicated = f", each kv head replicated {replicas}x" if replicas > 1 else ""

@@ -11,7 +11,7 @@ import peft
 import pytest
 import transformers
 from flax import nnx
-from lora_oracle import ADAPTERS, oracle
+from lora_oracle import ADAPTERS, assert_each_matches_merged, lora_requests, oracle
 from oracle import SMALL, prompt_ids
 
 from jllm import LLM, SamplingParams
@@ -57,9 +57,7 @@ def test_more_adapters_than_slots_in_one_call(lora_llm, adapters):
     prompts = prompt_ids(4, 7, seed=8)
     names = ["all8", "attn4", "mlp16", None]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
-    lora = [
-        None if n is None else LoRARequest(n, i + 1, adapters[n][0]) for i, n in enumerate(names)
-    ]
+    lora = lora_requests(names, adapters)
     outs = lora_llm.generate([{"prompt_token_ids": p} for p in prompts], params, False, lora)
     for i, name in enumerate(names[:3]):
         assert oracle(adapters[name][1], prompts[i : i + 1], outs[i : i + 1]) < 2e-3
@@ -170,15 +168,11 @@ def test_tensor_parallel_and_no_compile_after_warmup(llama_dir, adapters):
     prompts = prompt_ids(3, 7, seed=21)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=1)
     names = ["mlp16", "all8", None]
-    lora = [
-        None if n is None else LoRARequest(n, i + 1, adapters[n][0]) for i, n in enumerate(names)
-    ]
+    lora = lora_requests(names, adapters)
     with count_compiles() as events:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, False, lora)
     assert events == []
-    for i, name in enumerate(names):
-        model_dir = llama_dir if name is None else adapters[name][1]
-        assert oracle(model_dir, prompts[i : i + 1], outs[i : i + 1]) < 2e-3
+    assert_each_matches_merged(llama_dir, adapters, names, prompts, outs)
 
 
 def test_chunked_prefill_and_preemption_keep_the_adapter(llama_dir, adapters):
@@ -190,14 +184,10 @@ def test_chunked_prefill_and_preemption_keep_the_adapter(llama_dir, adapters):
     names = ["all8", "attn4", None, "mlp16"]
     prompts = prompt_ids(4, 30, seed=31)
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=1)
-    lora = [
-        None if n is None else LoRARequest(n, i + 1, adapters[n][0]) for i, n in enumerate(names)
-    ]
+    lora = lora_requests(names, adapters)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, False, lora)
     assert llm.llm_engine.scheduler.num_preemptions > 0
-    for i, name in enumerate(names):
-        model_dir = llama_dir if name is None else adapters[name][1]
-        assert oracle(model_dir, prompts[i : i + 1], outs[i : i + 1]) < 2e-3
+    assert_each_matches_merged(llama_dir, adapters, names, prompts, outs)
 
 
 def test_fully_sharded_loras(llama_dir, adapters):
@@ -224,13 +214,9 @@ def test_fully_sharded_loras(llama_dir, adapters):
     prompts = prompt_ids(3, 7, seed=41)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=1)
     names = ["all8", "mlp16", None]
-    lora = [
-        None if n is None else LoRARequest(n, i + 1, adapters[n][0]) for i, n in enumerate(names)
-    ]
+    lora = lora_requests(names, adapters)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, False, lora)
-    for i, name in enumerate(names):
-        model_dir = llama_dir if name is None else adapters[name][1]
-        assert oracle(model_dir, prompts[i : i + 1], outs[i : i + 1]) < 2e-3
+    assert_each_matches_merged(llama_dir, adapters, names, prompts, outs)
 
 
 def test_beam_search_with_an_adapter(lora_llm, adapters):

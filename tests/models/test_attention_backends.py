@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from oracle import SMALL, prompt_ids
+from oracle import SMALL, mixed_step, prompt_ids
 
 from jllm import LLM, SamplingParams
 from jllm.attention import BACKENDS, AttentionBackend, get_backend, write_kv
@@ -234,10 +234,7 @@ def test_cpu_kernel_backend_attends_as_xla_with_window_and_soft_cap(window, soft
     """One step's batch (decodes, a prefill chunk after cached tokens, a fresh prefill), each
     backend with the metadata the step builder makes for it, the same q, k, v and stacked
     cache: the C++ kernel's attention (window and soft cap passed through) is the XLA one's."""
-    from jllm.runner.input_batch import InputBatch
     from jllm.runner.inputs import BatchLayout, build_step
-    from jllm.sampling_params import SamplingParams
-    from jllm.scheduler_output import NewRequestData, SchedulerOutput
 
     S, K, G, H = 4, 2, 3, 16
     layout = BatchLayout.create(
@@ -249,12 +246,7 @@ def test_cpu_kernel_backend_attends_as_xla_with_window_and_soft_cap(window, soft
         budget=64,
         kv_token_bytes=2 * K * H * 4,
     )
-    out, batch = SchedulerOutput(), InputBatch(8, 64, layout.max_pages)
-    for i, (computed, new) in enumerate([(29, 1), (40, 1), (20, 17), (0, 9)]):
-        blocks = list(range(1 + 12 * i, 1 + 12 * i + -(-(computed + new) // S)))
-        ids = list(range(1, computed + new + 1))
-        batch.add(NewRequestData(f"r{i}", ids, [], SamplingParams(), i, None, (blocks,), computed))
-        out.num_scheduled_tokens[f"r{i}"] = new
+    batch, out = mixed_step(layout.max_pages, S)
     steps = {
         name: build_step(batch, out, layout, get_backend(name))[0] for name in ("cpu_kernel", "xla")
     }

@@ -10,11 +10,10 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from lora_oracle import make_adapters, oracle
-from oracle import SMALL, prompt_ids
+from lora_oracle import assert_each_matches_merged, lora_requests, make_adapters
+from oracle import SMALL, prompt_ids, same_outputs
 
 from jllm import LLM, SamplingParams
-from jllm.lora.request import LoRARequest
 from jllm.runner.compile_guard import count_compiles
 from sharding import STAGE_AXIS
 
@@ -31,16 +30,6 @@ SEEDED = [
 def run(llm, params=GREEDY):
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     return [o.outputs[0] for o in outs]
-
-
-def assert_same(got, want):
-    for g, w in zip(got, want, strict=True):
-        assert g.token_ids == w.token_ids
-        if w.logprobs:
-            for lg, lw in zip(g.logprobs, w.logprobs, strict=True):
-                assert lg.keys() == lw.keys()
-                for t in lw:
-                    assert lg[t].logprob == pytest.approx(lw[t].logprob, abs=1e-4)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +58,7 @@ def assert_stage_holds_its_layers(array, mesh, pp: int) -> None:
 @pytest.mark.parametrize(("pp", "tp"), [(2, 1), (2, 2)])
 def test_greedy_and_logprobs_equal_pp1(tiny_models, reference, pp, tp):
     llm = LLM(tiny_models["llama-l4"], pipeline_parallel_size=pp, tensor_parallel_size=tp, **ARGS)
-    assert_same(run(llm), reference[0])
+    same_outputs(run(llm), reference[0])
     engine = llm.llm_engine
     mesh = engine.runner.mesh
     assert mesh.shape[STAGE_AXIS] == pp and mesh.shape["model"] == tp
@@ -98,7 +87,7 @@ def test_seeded_sampling_and_prefix_caching(tiny_models, reference):
 
 def test_preemption(tiny_models, reference):
     llm = LLM(tiny_models["llama-l4"], pipeline_parallel_size=2, num_gpu_blocks_override=8, **ARGS)
-    assert_same(run(llm), reference[0])
+    same_outputs(run(llm), reference[0])
     assert llm.llm_engine.scheduler.num_preemptions > 0
 
 
@@ -109,7 +98,7 @@ def test_two_kv_groups_gemma2(tiny_models):
     want = LLM(tiny_models["gemma2"], **ARGS).generate(prompts, GREEDY, use_tqdm=False)
     llm = LLM(tiny_models["gemma2"], pipeline_parallel_size=2, **ARGS)
     got = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert_same([o.outputs[0] for o in got], [o.outputs[0] for o in want])
+    same_outputs([o.outputs[0] for o in got], [o.outputs[0] for o in want])
     for cache in llm.llm_engine.runner.kv_cache:
         assert_stage_holds_its_layers(cache, llm.llm_engine.runner.mesh, 2)
 
@@ -122,7 +111,7 @@ def test_cut_pattern_gemma3(tiny_models):
     llm = LLM(tiny_models["gemma3-cut"], pipeline_parallel_size=2, **ARGS)
     assert llm.llm_engine.model_config.stage_repeats == (2, 1)
     got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert_same([o.outputs[0] for o in got], [o.outputs[0] for o in want])
+    same_outputs([o.outputs[0] for o in got], [o.outputs[0] for o in want])
 
 
 def test_no_compile_after_warmup(tiny_models, reference):
@@ -130,7 +119,7 @@ def test_no_compile_after_warmup(tiny_models, reference):
     llm = LLM(tiny_models["llama-l4"], pipeline_parallel_size=2, **args)
     assert llm.llm_engine.runner.compile_guard
     with count_compiles() as events:
-        assert_same(run(llm), reference[0])
+        same_outputs(run(llm), reference[0])
     assert events == []
 
 
@@ -143,7 +132,7 @@ def test_uneven_stages(tiny_models, reference, monkeypatch, pp, env, stages):
         monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", env)
     llm = LLM(tiny_models["llama-l4"], pipeline_parallel_size=pp, **ARGS)
     assert llm.llm_engine.model_config.stage_repeats == stages
-    assert_same(run(llm), reference[0])
+    same_outputs(run(llm), reference[0])
     (cache,) = llm.llm_engine.runner.kv_cache
     assert cache.shape[0] == pp * max(stages)
     assert_stage_holds_its_layers(cache, llm.llm_engine.runner.mesh, pp)
@@ -159,13 +148,9 @@ def test_uneven_stages_with_adapters(tiny_models, tmp_path):
     prompts = prompt_ids(3, 20, seed=44)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=1)
     names = ["all8", None, "attn4"]
-    lora = [
-        None if n is None else LoRARequest(n, i + 1, adapters[n][0]) for i, n in enumerate(names)
-    ]
+    lora = lora_requests(names, adapters)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, False, lora)
-    for i, name in enumerate(names):
-        merged = model if name is None else adapters[name][1]
-        assert oracle(merged, prompts[i : i + 1], outs[i : i + 1]) < 2e-3
+    assert_each_matches_merged(model, adapters, names, prompts, outs)
 
 
 @pytest.mark.parametrize(

@@ -50,8 +50,6 @@ from jllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("jllm.entrypoints.openai")
 
-EMBEDDED_MODEL_NAME = DEFAULT_MODEL_NAME
-
 
 async def with_cancellation(request: Request, work):
     """Run a non-streaming handler, cancelling it (which aborts its engine requests) if the
@@ -86,12 +84,12 @@ async def _json_object(raw: Request) -> dict:
 
 def served_model_names(args: argparse.Namespace) -> list[str]:
     """--served-model-name, else the --model argument, else the embedded model's hub id."""
-    return args.served_model_name or [args.model or EMBEDDED_MODEL_NAME]
+    return args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
 
 
 def build_app(args: argparse.Namespace, engine: AsyncLLM, metrics: PrometheusStatLogger):
     names = served_model_names(args)
-    root = args.model or EMBEDDED_MODEL_NAME
+    root = args.model or DEFAULT_MODEL_NAME
     models = ServingModels(engine, names, root, args.lora_modules or ())
     common = dict(
         models=models,
