@@ -235,14 +235,15 @@ class Scheduler:
                 victim = self._victim()
                 j = self.running.index(victim)
                 self.running.pop(j)
-                if j < i:  # scheduled earlier in this step: take it back
-                    k = next(n for n, s in enumerate(scheduled) if s[0] is victim)
-                    num_back = scheduled.pop(k)[1]
-                    budget += self._cost(num_back)
-                    lp_room += self._listed(victim, victim.num_computed_tokens, num_back)
+                if j < i:  # passed earlier in this step: scheduled (take it back) or skipped
                     i -= 1
-                    # Its blocks registered for this step's tokens will not be computed.
-                    self.kv_cache.forget_uncomputed(victim, victim.num_computed_tokens)
+                    k = next((n for n, s in enumerate(scheduled) if s[0] is victim), None)
+                    if k is not None:
+                        num_back = scheduled.pop(k)[1]
+                        budget += self._cost(num_back)
+                        lp_room += self._listed(victim, victim.num_computed_tokens, num_back)
+                        # Its blocks registered for this step's tokens will not be computed.
+                        self.kv_cache.forget_uncomputed(victim, victim.num_computed_tokens)
                 self._preempt(victim)
                 out.num_preempted += 1
                 preempted = True

@@ -344,3 +344,37 @@ def test_sliding_window_requests_keep_their_window_live():
         assert {k: v.outputs[0].token_ids for k, v in done.items()} == expected
         assert runner.null_hits and sched.num_preemptions
         assert kv.group_num_free == (39, 15)
+
+
+class AsyncMockRunner(MockRunner):
+    """The mock runner behind async scheduling: a step's tokens come back with the fetch
+    that follows the next step's dispatch."""
+
+    def dispatch(self, out):
+        return self.execute(out)
+
+    def fetch(self, handle):
+        return handle
+
+
+def test_priority_preempts_a_victim_skipped_in_the_step():
+    """Two usable blocks of 4 tokens; "low" (priority 1) is admitted before "high". Under
+    async scheduling "low"'s last token is in flight in the third step, so the step skips it;
+    "high" then needs a second block and the lowest priority is "low", which sits before
+    "high" but was never scheduled in the step: it is preempted all the same (as vLLM), and
+    its in-flight token still ends it."""
+    core, sched, runner = make_core(num_blocks=3, caching=False, policy="priority")
+    core.runner = AsyncMockRunner()
+    core.async_scheduling = True
+    victims = []
+    preempt = sched._preempt
+    sched._preempt = lambda req, p=preempt: (victims.append(req.request_id), p(req))
+    core.add_request("low", [1, 2, 3], params(2), priority=1)
+    core.step()
+    core.add_request("high", [11, 12, 13, 14], params(5), priority=0)
+    done = run(core)
+    assert victims == ["low"]
+    assert core.runner.steps[2] == [("high", 1)]
+    assert done["low"].outputs[0].token_ids == [4, 5]
+    assert done["high"].outputs[0].token_ids == [15, 16, 17, 18, 19]
+    assert sched.kv_cache.num_free_blocks == 2
