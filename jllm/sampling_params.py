@@ -9,10 +9,20 @@ import math
 from dataclasses import dataclass, field
 from enum import Enum
 
+from jllm.config.limits import check_num_sequences
+
 # Temperatures below this are greedy, as in vLLM.
 SAMPLING_EPS = 1e-5
 # Token ids the sampler can suppress per sequence (EOS and stop_token_ids under min_tokens).
 MAX_SUPPRESS = 16
+FLOAT_FIELDS = (
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "temperature",
+    "top_p",
+    "min_p",
+)
 
 
 @dataclass
@@ -163,8 +173,15 @@ class SamplingParams:
         self.all_stop_token_ids = set(self.stop_token_ids)
 
     def _verify(self) -> None:
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}.")
+        check_num_sequences(self.n)
+        for name in FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}.")
+        for name in ("min_tokens", "max_tokens", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name} must be an integer, got {type(value).__name__}.")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported by jllm yet; leave it unset.")
         if not -2.0 <= self.presence_penalty <= 2.0:
@@ -179,6 +196,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            raise ValueError(f"top_k must be an integer, got {type(self.top_k).__name__}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
         if not 0.0 <= self.min_p <= 1.0:
@@ -260,8 +279,7 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.beam_width, int) or self.beam_width < 1:
-            raise ValueError(f"beam_width must be a positive integer, got {self.beam_width!r}.")
+        check_num_sequences(self.beam_width, "beam_width")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
         if self.temperature < 0:

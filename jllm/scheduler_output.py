@@ -88,3 +88,6 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple] = field(default_factory=dict)
     # req id -> the next step's draft tokens, from a speculative draft model on the device
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # req id -> why its admission failed: the engine fails that request alone (its tokens
+    # this step were computed with neutral sampling parameters and are dropped)
+    failed: dict[str, str] = field(default_factory=dict)

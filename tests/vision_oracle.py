@@ -73,10 +73,11 @@ def save_llava(path: str, tokenizer_dir: str) -> str:
     return path
 
 
-def save_gemma3(path: str, tokenizer_dir: str) -> str:
+def save_gemma3(path: str, tokenizer_dir: str, tie_word_embeddings: bool = True) -> str:
     """Gemma 3: SigLIP (32x32 images in 4x4 patches, average-pooled to 16 tokens), the
     projector's weights made non-zero, a Gemma 3 text model whose local window (24) is
-    longer than an image."""
+    longer than an image. Untied, the top-level config says so while the text config keeps
+    its default (tied): transformers reads the top-level flag."""
     tok = transformers.AutoTokenizer.from_pretrained(
         tokenizer_dir,
         extra_special_tokens={
@@ -109,9 +110,11 @@ def save_gemma3(path: str, tokenizer_dir: str) -> str:
         boi_token_index=tok.boi_token_id,
         eoi_token_index=tok.eoi_token_id,
         image_token_index=tok.image_token_id,
+        tie_word_embeddings=tie_word_embeddings,
     )
     torch.manual_seed(0)
     model = transformers.Gemma3ForConditionalGeneration(cfg)
+    assert (model.lm_head.weight is model.get_input_embeddings().weight) == tie_word_embeddings
     with torch.no_grad():
         model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.25)
         model.model.multi_modal_projector.mm_soft_emb_norm.weight.normal_(0, 0.5)

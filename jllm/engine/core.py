@@ -39,7 +39,7 @@ from jllm.engine.output_processor import OutputProcessor, ParentRequest
 from jllm.engine.request import Request, RequestStatus
 from jllm.engine.scheduler import Scheduler
 from jllm.metrics.stats import FinishedRequestStats, SchedulerStats, StepStats
-from jllm.outputs import RequestOutput
+from jllm.outputs import CompletionOutput, RequestOutput
 from jllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -251,9 +251,12 @@ class EngineCore:
         stats = StepStats(num_computed_tokens=sched_out.total_num_scheduled_tokens)
         touched: dict[str, tuple[ParentRequest, set[str]]] = {}
         sampled: set[str] = set()
+        outputs = []
+        for rid, reason in result.failed.items():
+            outputs += self._fail(rid, reason, now, stats)
         for rid, num_new in sched_out.num_scheduled_tokens.items():
             req = self.scheduler.requests.get(rid)
-            if req is None:
+            if req is None or req.is_finished():
                 continue
             if self.step_timing:
                 req.scheduler_time += times[0]
@@ -274,9 +277,13 @@ class EngineCore:
                 continue
             sampled.add(rid)
             parent = self._child_parent[rid]
-            for tok in tokens:
-                if self._append(req, parent, tok, now, stats):
-                    break
+            try:
+                for tok in tokens:
+                    if self._append(req, parent, tok, now, stats):
+                        break
+            except Exception as e:  # noqa: BLE001 - one request's failure is its own
+                outputs += self._fail(rid, f"{type(e).__name__}: {e}", now, stats)
+                continue
             touched.setdefault(parent.request_id, (parent, set()))[1].add(rid)
         self._record(stats)
         if self.proposer is not None or result.spec_token_ids:
@@ -290,15 +297,62 @@ class EngineCore:
                 if drafts and req.grammar is not None:
                     drafts = self.structured.valid_drafts(req.grammar, drafts)
                 req.spec_token_ids = drafts
-        outputs = []
         for parent, children in touched.values():
+            if self.parents.get(parent.request_id) is not parent:  # failed above
+                continue
             kind = parent.params.output_kind
+            try:
+                if parent.finished or kind != RequestOutputKind.FINAL_ONLY:
+                    out = self.output_processor.make_output(parent, now, children)
+            except Exception as e:  # noqa: BLE001 - one request's failure is its own
+                outputs += self._fail(next(iter(children)), f"{type(e).__name__}: {e}", now)
+                continue
             if parent.finished:
                 self.parents.pop(parent.request_id, None)
-                outputs.append(self.output_processor.make_output(parent, now, children))
+                outputs.append(out)
             elif kind != RequestOutputKind.FINAL_ONLY:
-                outputs.append(self.output_processor.make_output(parent, now, children))
+                outputs.append(out)
         return outputs
+
+    def _fail(self, child_id: str, reason: str, now: float, stats=None) -> list[RequestOutput]:
+        """Fail the user request of sequence `child_id` with a request-level error (vLLM's
+        finish reason "error", a 500 from the server) and free its sequences; the requests
+        beside it go on. Returns its final output."""
+        parent = self._child_parent.get(child_id)
+        if parent is None or self.parents.get(parent.request_id) is not parent:
+            return []
+        logger.error("Request %s failed: %s", parent.request_id, reason)
+        own = StepStats() if stats is None else stats
+        for child in parent.children:
+            if not child.is_finished():
+                self.scheduler.finish_request(child, RequestStatus.FINISHED_ERROR)
+                own.finished.append(self._finished_stats(child, now))
+            self._release(child)
+        if stats is None:
+            self._record(own)
+        self.parents.pop(parent.request_id)
+        # No text: what failed may be the text itself, and the error replaces the answer.
+        outputs = [
+            CompletionOutput(
+                index=i,
+                text="",
+                token_ids=list(child.output_token_ids),
+                cumulative_logprob=None,
+                logprobs=None,
+                finish_reason=child.status.finish_reason,
+            )
+            for i, child in enumerate(parent.children)
+        ]
+        return [
+            RequestOutput(
+                request_id=parent.request_id,
+                prompt=parent.prompt,
+                prompt_token_ids=parent.prompt_token_ids,
+                prompt_logprobs=None,
+                outputs=outputs,
+                finished=True,
+            )
+        ]
 
     def _record(self, stats: StepStats) -> None:
         if self.stat_loggers:

@@ -76,6 +76,10 @@ class LLMEngine:
         loaded = time.perf_counter()
         cfg, dtype, self.max_model_len = m.config, m.dtype, m.max_model_len
         self.model_config, self.dtype, self.tokenizer = cfg, dtype, m.tokenizer
+        if args.max_logprobs > cfg.vocab_size:
+            # A cap, as in vLLM: past the vocabulary it is the vocabulary (the sampler's
+            # top-k cannot ask for more tokens than there are).
+            args.max_logprobs = cfg.vocab_size
         backend = resolve_backend(
             args.attention_backend,
             platform,
@@ -187,6 +191,8 @@ class LLMEngine:
             args.enable_prefix_caching,
             windows=[spec.window for spec in self.runner.kv_groups],
             host=host_tier,
+            # Stages run a step's rows in micro-batches, not all writes before all reads.
+            same_step_hits=args.pipeline_parallel_size == 1,
         )
         self.lora_cache = None
         slots = None

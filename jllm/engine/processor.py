@@ -123,6 +123,16 @@ class Processor:
                 f"length of {self.max_model_len}. Make sure that `max_model_len` is no "
                 "smaller than the number of text tokens plus the tokens to generate."
             )
+        # A top_k past the vocabulary keeps every token: the filter is off (vLLM clamps it).
+        if params.top_k >= self.vocab_size:
+            params.top_k = 0
+        # vLLM checks min_tokens against an unset max_tokens as the room the context leaves.
+        room = self.max_model_len - len(ids)
+        if params.max_tokens is None and params.min_tokens > room:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={room}, got "
+                f"{params.min_tokens}."
+            )
         # -1 asks for the whole vocabulary, and max_logprobs=-1 allows it (vLLM's rule).
         limit = self.vocab_size if self.max_logprobs == -1 else self.max_logprobs
         for kind, value in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):

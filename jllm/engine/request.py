@@ -15,6 +15,8 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    # A request-level internal error (vLLM's): the server answers it with a 500.
+    FINISHED_ERROR = enum.auto()
 
     @property
     def finished(self) -> bool:
@@ -26,6 +28,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED: "stop",
             RequestStatus.FINISHED_LENGTH_CAPPED: "length",
             RequestStatus.FINISHED_ABORTED: "abort",
+            RequestStatus.FINISHED_ERROR: "error",
         }.get(self)
 
 

@@ -18,7 +18,7 @@ logger = logging.getLogger("jllm.metrics")
 
 @dataclass
 class FinishedRequestStats:
-    finish_reason: str  # "stop", "length" or "abort"
+    finish_reason: str  # "stop", "length", "abort" or "error"
     e2e_latency: float
     queued_time: float
     num_prompt_tokens: int

@@ -304,7 +304,10 @@ def _multimodal(hf_config) -> Architecture:
     vision = vision_config(hf_config)
 
     def config(hf):
-        return dataclasses.replace(text.config(hf.text_config), vision=vision_config(hf))
+        cfg = text.config(hf.text_config)
+        # transformers ties the LM head by the top-level config's flag, not the text's.
+        tied = getattr(hf, "tie_word_embeddings", cfg.tie_word_embeddings)
+        return dataclasses.replace(cfg, vision=vision_config(hf), tie_word_embeddings=bool(tied))
 
     return dataclasses.replace(
         text,

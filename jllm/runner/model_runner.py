@@ -18,6 +18,7 @@ buckets compile on first use.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -46,6 +47,7 @@ from jllm.runner.sampled import SampledToken
 from jllm.runner.sampler import sample, unpack_result
 from jllm.runner.step_message import from_message, to_message
 from jllm.runner.transfer import Layout, pack, unpack
+from jllm.sampling_params import SamplingParams
 from jllm.scheduler_output import PROMPT_LOGPROB_ROWS, ModelRunnerOutput, SchedulerOutput
 from jllm.structured_output.backends import bitmask_width
 from sharding import named_sharding, replicated
@@ -584,28 +586,43 @@ class ModelRunner:
 
     def _apply(self, out: SchedulerOutput):
         """Bring the input batch up to date with the scheduler's output; returns the penalty
-        writes and the logit-bias writes for the admitted rows."""
+        writes, the logit-bias writes for the admitted rows, and the requests whose
+        admission failed ({req id: reason})."""
         for rid in out.finished_req_ids | out.preempted_req_ids:
             self.batch.remove(rid)
-        admitted, bias_writes = [], []
+        admitted, bias_writes, failed = [], [], {}
         for new in out.scheduled_new_reqs:
             if new.lora_slot and self.lora_owner[new.lora_slot - 1] != new.lora.digest:
                 self.write_lora(new.lora_slot, new.lora)
-            row = self.batch.add(new)
-            p = new.sampling_params
+            try:
+                row = self.batch.add(new)
+                p = new.sampling_params
+                bias = bias_vector(p, self.vocab_size) if p.has_bias else None
+            except Exception as e:  # noqa: BLE001 - fails this request only
+                failed[new.req_id] = self._admit_neutral(new, e)
+                continue
             if p.has_penalties:
                 admitted.append((row + 1, new.prompt_token_ids, new.output_token_ids))
-            if p.has_bias:
-                bias_writes.append((row + 1, bias_vector(p, self.vocab_size)))
+            if bias is not None:
+                bias_writes.append((row + 1, bias))
         self.batch.update(out.scheduled_cached_reqs)
-        return self.penalties.admit(admitted), bias_writes
+        return self.penalties.admit(admitted), bias_writes, failed
+
+    def _admit_neutral(self, new, error: Exception) -> str:
+        """A request whose row could not be written (its sampling parameters): it still
+        runs this step with greedy defaults, so its scheduled tokens fill its KV blocks as
+        the scheduler expects, and the engine fails it alone with the returned reason."""
+        logger.error("Request %s could not be admitted: %r", new.req_id, error)
+        self.batch.remove(new.req_id)
+        self.batch.add(dataclasses.replace(new, sampling_params=SamplingParams(temperature=0)))
+        return f"{type(error).__name__}: {error}"
 
     def dispatch(self, out: SchedulerOutput):
         """Start one step on the device and return without waiting for it: a handle for
         `fetch`. The rows that sample hold a pending token until then."""
         if self._first_step is None:
             self._first_step = time.perf_counter()
-        writes, bias_writes = self._apply(out)
+        writes, bias_writes, failed = self._apply(out)
         if self.host_kv is not None and (out.kv_stores or out.kv_loads):
             self.kv_cache = self.host_kv.copy(self.kv_cache, out.kv_stores, out.kv_loads)
         inputs, md, groups, key, prompt_rows = build_step(
@@ -627,18 +644,18 @@ class ModelRunner:
         )
         for g in groups:
             self.batch.num_pending[g.row] += 1
-        return packed, groups, prompt_packed, prompt_rows
+        return packed, groups, prompt_packed, prompt_rows, failed
 
     def fetch(self, handle) -> ModelRunnerOutput:
         """Wait for a dispatched step: the emitted tokens of every request that sampled,
         appended to their rows (unless a row changed hands since)."""
-        packed, groups, prompt_packed, prompt_rows = handle
+        packed, groups, prompt_packed, prompt_rows, failed = handle
         packed = np.asarray(packed.addressable_shards[0].data)  # replicated: the whole array
         if not self._first_logged:
             self._first_logged = True
             logger.info("First step took %.2f s.", time.perf_counter() - self._first_step)
         tokens, lp, rank, emitted, top_ids, top_lp = unpack_result(packed, self.max_logprobs)
-        result = ModelRunnerOutput()
+        result = ModelRunnerOutput(failed=failed)
         batch = self.batch
         for g in groups:
             rows = range(g.first, g.first + g.count)

@@ -18,10 +18,14 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jllm.config.limits import INT64_MAX, MAX_N_SEQUENCES, MAX_STOP_STRINGS
 from jllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 NonEmpty = Annotated[str, Field(min_length=1)]
-TokenId = Annotated[int, Field(ge=0)]  # the server's /openapi.json adds the vocabulary's top
+# Every integer field is bounded (64 bits, as vLLM's), so no value reaches an engine row
+# unchecked; the engine narrows what it stores further (top_k to the vocabulary).
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]  # /openapi.json adds the vocabulary's top
+Count = Annotated[int, Field(ge=1, le=INT64_MAX)]
 
 # Defined by OpenAI or vLLM, not honoured by jllm yet: a 400 naming the field when set.
 UNSUPPORTED_FIELDS = ("lora_request",)
@@ -43,8 +47,8 @@ class FieldError(ValueError):
 
 class OpenAIBaseModel(BaseModel):
     # Strict: a value of the wrong JSON type is a 400, as the published schema says (no
-    # "5" for 5, no "true" for true).
-    model_config = ConfigDict(extra="allow", strict=True)
+    # "5" for 5, no "true" for true). Python's JSON reader takes NaN and Infinity: refused.
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -56,32 +60,32 @@ class SamplingFields(OpenAIBaseModel):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_N_SEQUENCES)
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
     presence_penalty: float | None = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=0.0, ge=-2, le=2)
-    stop: NonEmpty | list[NonEmpty] | None = None
+    stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extra sampling fields.
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    truncate_prompt_tokens: Count | None = None
     # Requests share prefix-cache blocks only with requests of the same salt.
     cache_salt: str | None = None
     # Token id (as a string, JSON's keys) -> a bias in [-100, 100], OpenAI's range.
     logit_bias: dict[str, float] | None = None
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
     # Arguments for custom logits processors (SamplingParams.extra_args), as vLLM's field.
     vllm_xargs: dict[str, Any] | None = None
@@ -89,9 +93,9 @@ class SamplingFields(OpenAIBaseModel):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     # Lower first under --scheduling-policy priority (ignored under fcfs, as in vLLM).
-    priority: int = 0
+    priority: int = Field(default=0, ge=-INT64_MAX - 1, le=INT64_MAX)
     # vLLM's: the prompt's logprobs in the response (not with stream, as vLLM).
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=-1, le=INT64_MAX)
     # Structured outputs (see the module's docstring).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -102,7 +106,7 @@ class SamplingFields(OpenAIBaseModel):
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None
     # Defined by OpenAI or vLLM, not supported by jllm yet (a 400 when set).
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, ge=1, le=INT64_MAX)
     lora_request: Any = None
 
     def unsupported_field(self) -> str | None:
@@ -241,18 +245,18 @@ class CompletionRequest(SamplingFields):
         | Annotated[list[TokenId], Field(min_length=1)]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     )
-    max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0)
+    max_tokens: Count | None = 16
+    logprobs: int | None = Field(default=None, ge=0, le=INT64_MAX)
     echo: bool = False
     suffix: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[dict[str, Any]], Field(min_length=1)]
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0)
+    top_logprobs: int | None = Field(default=None, ge=0, le=INT64_MAX)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None

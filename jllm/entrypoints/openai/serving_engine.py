@@ -138,6 +138,13 @@ async def off_loop(fn, *args):
     return await asyncio.get_running_loop().run_in_executor(_TOKENIZE_POOL, fn, *args)
 
 
+def raise_if_error(out: RequestOutput) -> None:
+    """A request-level internal error (finish reason "error") is a 500, as in vLLM; the
+    engine and the requests beside it go on."""
+    if any(c.finish_reason == "error" for c in out.outputs):
+        raise OpenAIError("Internal server error", 500)
+
+
 def check_beam_search(params: SamplingParams) -> None:
     """Beam search scores plain continuations: it cannot honour a grammar (a tool_choice
     "required" or named function is one)."""
@@ -268,6 +275,7 @@ class OpenAIServing:
         async def final(rid: str, item):
             last = None
             async for out in self.engine.generate(None, None, rid, item, request.priority):
+                raise_if_error(out)
                 last = out
             return last
 
@@ -315,6 +323,7 @@ class OpenAIServing:
                 elif isinstance(out, Exception):
                     raise out
                 else:
+                    raise_if_error(out)
                     yield i, out
         finally:
             for task in tasks:
