@@ -70,9 +70,11 @@ class BeamSearch:
             detokenize=False,
         )
 
-    def prompts(self) -> list[dict]:
-        """One single-token request per live beam, in beam order."""
-        return [{"prompt_token_ids": beam.tokens} for beam in self.beams]
+    def beam_tokens(self) -> list[list[int]]:
+        """The tokens of each live beam (prompt and generated), in beam order: one
+        single-token request each, continuing the prompt (`LLMEngine.continue_prompt`, which
+        keeps its salt, adapter and images)."""
+        return [beam.tokens for beam in self.beams]
 
     def advance(self, outputs: list[RequestOutput]) -> None:
         """Extend the beams with their step's outputs (in `prompts` order)."""

@@ -9,6 +9,7 @@ generation_config.py, runner/kv_cache.py.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import random
 import time
@@ -343,6 +344,18 @@ class LLMEngine:
                 f"({params.bad_words!r}); start the engine with async_scheduling=False."
             )
         return processed, params
+
+    def continue_prompt(self, processed, token_ids: list[int], params: SamplingParams):
+        """A prepared prompt continued as `token_ids` (its tokens, then generated ones: a
+        beam of beam search), ready for `add_request`: its cache salt, LoRA adapter and images
+        carry over, so the continuation shares the prompt's blocks and runs as it did."""
+        params = params.clone()
+        if not params.ignore_eos:
+            params.all_stop_token_ids |= self.extra_stop_ids
+        if token_ids[: len(processed.prompt_token_ids)] != processed.prompt_token_ids:
+            raise ValueError("A continuation must begin with the prompt's tokens.")
+        self.processor.validate(token_ids, params)
+        return dataclasses.replace(processed, prompt_token_ids=list(token_ids)), params
 
     def add_request(
         self,

@@ -136,9 +136,10 @@ class LLM:
         prompts = list(prompts)
         loras = _per_prompt(lora_request, len(prompts), "lora_request")
         engine = self.llm_engine
-        searches = []
+        searches, processed_prompts = [], []
         for p, lora in zip(prompts, loras, strict=True):
             processed, _ = engine.prepare(p, SamplingParams(max_tokens=1), lora)
+            processed_prompts.append(processed)
             ids = processed.prompt_token_ids
             if len(ids) + params.max_tokens > engine.max_model_len:
                 raise ValueError(
@@ -151,21 +152,20 @@ class LLM:
         limit = concurrency_limit or len(searches)
         for lo in range(0, len(searches), limit):
             chunk = slice(lo, lo + limit)
-            group = list(zip(searches[chunk], priority[chunk], loras[chunk], strict=True))
+            group = list(
+                zip(searches[chunk], priority[chunk], processed_prompts[chunk], strict=True)
+            )
             while any(not s.done for s, _, _ in group):
                 live = [g for g in group if not g[0].done]
                 sizes = [len(s.beams) for s, _, _ in live]
-                step_prompts = [q for s, _, _ in live for q in s.prompts()]
                 step_params = live[0][0].step_params()
+                step = [
+                    engine.continue_prompt(processed, tokens, step_params)
+                    for s, _, processed in live
+                    for tokens in s.beam_tokens()
+                ]
                 step_prio = [p for (_, p, _), n in zip(live, sizes, strict=True) for _ in range(n)]
-                step_lora = [a for (_, _, a), n in zip(live, sizes, strict=True) for _ in range(n)]
-                outs = self.generate(
-                    step_prompts,
-                    step_params,
-                    use_tqdm=False,
-                    lora_request=step_lora,
-                    priority=step_prio,
-                )
+                outs = self._run(step, False, step_prio)
                 at = 0
                 for (s, _, _), n in zip(live, sizes, strict=True):
                     s.advance(outs[at : at + n])

@@ -96,3 +96,21 @@ def test_eos_completes_a_beam_and_length_penalty_ranks():
     assert beam_search_score(2, -0.7, 1.0) == pytest.approx(-0.35)
     with pytest.raises(ValueError, match="beam_width"):
         BeamSearchParams(beam_width=0, max_tokens=3)
+
+
+def test_salted_beams_share_only_their_salt(llama_llm):
+    """Every beam of a salted prompt runs under its salt: the blocks the search fills are
+    found by the same salt, never by an unsalted request (nor another salt)."""
+    prompt = prompt_ids(1, 40, seed=61)[0]
+    params = BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True)
+    assert llama_llm.reset_prefix_cache()
+    llama_llm.beam_search([{"prompt_token_ids": prompt, "cache_salt": "tenant-a"}], params)
+    one = SamplingParams(temperature=0, max_tokens=1)
+
+    def cached(**salt):
+        out = llama_llm.generate({"prompt_token_ids": prompt, **salt}, one, use_tqdm=False)
+        return out[0].num_cached_tokens
+
+    assert cached() == 0
+    assert cached(cache_salt="tenant-b") == 0
+    assert cached(cache_salt="tenant-a") >= 32

@@ -13,7 +13,7 @@ from lora_oracle import ADAPTERS
 from openai_server import MODEL_NAME, RunningServer, server_args
 from oracle import SMALL, prompt_ids
 
-from jllm import LLM, SamplingParams
+from jllm import LLM, BeamSearchParams, SamplingParams
 from jllm.entrypoints.openai.api_server import build_app, build_engine
 from jllm.lora.request import LoRARequest
 
@@ -69,6 +69,28 @@ def test_models_routing_and_runtime_updates(lora_server, adapters, llama_dir):
         return out.choices[0].text
 
     assert served("all8") == offline_text("all8") != served(MODEL_NAME)
+
+    def served_beams(model):
+        out = client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=4,
+            n=2,
+            temperature=0,
+            extra_body={"use_beam_search": True, "ignore_eos": True},
+        )
+        assert out.model == model
+        return [c.text for c in out.choices]
+
+    # Every beam runs with the adapter the request names, as LLM.beam_search does.
+    beam_params = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
+    lora = LoRARequest("all8", list(ADAPTERS).index("all8") + 1, adapters["all8"][0])
+    (want,) = offline.beam_search([{"prompt_token_ids": prompt}], beam_params, lora_request=lora)
+    tok = offline.get_tokenizer()
+    want_texts = [
+        tok.decode(s.tokens[len(prompt) :], skip_special_tokens=True) for s in want.sequences
+    ]
+    assert served_beams("all8") == want_texts != served_beams(MODEL_NAME)
     assert served("attn4") == offline_text("attn4")
     assert served(MODEL_NAME) == offline_text(None)
     with pytest.raises(openai.NotFoundError, match="The model `mlp16` does not exist"):

@@ -177,6 +177,18 @@ def test_removed_image_flags_are_refused():
         EngineArgs.from_kwargs(image_input_type="pixel_values")
 
 
+def test_beam_search_keeps_the_images(llava):
+    """Every beam continues the prompt with its images: one beam is greedy search."""
+    from jllm import BeamSearchParams
+
+    prompt = f"USER: {LLAVA_IMAGE}\nWhat is it? ASSISTANT:"
+    request = {"prompt": prompt, "multi_modal_data": {"image": random_images(1, seed=9)}}
+    (beams,) = llava.beam_search([request], BeamSearchParams(beam_width=1, max_tokens=4))
+    greedy = llava.generate(request, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    want = greedy[0].outputs[0].token_ids
+    assert beams.sequences[0].tokens[-len(want) :] == want
+
+
 def test_no_compile_after_warmup_with_images(llava):
     """Every encoder bucket compiled at start-up: a step with more images than before
     compiles nothing (the compile guard would raise)."""

@@ -280,7 +280,14 @@ class OpenAIServing:
             return last
 
         while not search.done:
-            items = [self.engine.prepare(q, step_params) for q in search.prompts()]
+            self.engine.check_health()
+            try:
+                items = [
+                    self.engine.engine.continue_prompt(processed, tokens, step_params)
+                    for tokens in search.beam_tokens()
+                ]
+            except ValueError as e:
+                raise OpenAIError(str(e), 400) from e
             outs = await asyncio.gather(
                 *(final(f"{request_id}-{search.steps}-{j}", it) for j, it in enumerate(items))
             )
