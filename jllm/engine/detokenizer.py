@@ -43,6 +43,7 @@ class IncrementalDetokenizer:
         if not getattr(tokenizer, "is_fast", True):
             self._added = set(tokenizer.get_added_vocab())
             self._special = set(tokenizer.all_special_tokens)
+            self._num_ids = len(tokenizer)
         self._backend = fast_backend(tokenizer) if stream else None
         if self._backend is not None:
             self._stream = DecodeStream(
@@ -63,10 +64,12 @@ class IncrementalDetokenizer:
         # vLLM's rule for slow tokenizers: the text between added tokens is decoded in runs,
         # the added tokens are kept as they are (special ones dropped when skipped), and the
         # pieces are joined by a space when `spaces_between_special_tokens`.
+        # An id past the tokenizer's vocabulary (a model's is often padded past it) decodes
+        # to nothing, as in vLLM: a slow tokenizer's own conversion raises on it or gives None.
         tok = self.tokenizer
         pieces, run = [], []
-        for token in tok.convert_ids_to_tokens(ids):
-            if self.skip_special_tokens and token in self._special:
+        for token in tok.convert_ids_to_tokens([i for i in ids if 0 <= i < self._num_ids]):
+            if not token or (self.skip_special_tokens and token in self._special):
                 continue
             if token in self._added:
                 if run:

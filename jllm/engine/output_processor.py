@@ -45,6 +45,11 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         # A token's text for logprobs, decoded once per token id for the engine's life.
         self._token_text: dict[int, str] = {}
+        # A slow tokenizer's id count: it raises on the ids past it, which a model's padded
+        # vocabulary can still produce (a fast tokenizer decodes them to "").
+        self._num_ids = None
+        if tokenizer is not None and not getattr(tokenizer, "is_fast", True):
+            self._num_ids = len(tokenizer)
         # A jllm.tracing.RequestTracer when --otlp-traces-endpoint is set: one span per
         # finished request.
         self.tracer = None
@@ -101,7 +106,11 @@ class OutputProcessor:
             return None
         text = self._token_text.get(token_id)
         if text is None:
-            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+            if self._num_ids is not None and not 0 <= token_id < self._num_ids:
+                text = ""  # past the tokenizer's vocabulary, as the detokenizer has it
+            else:
+                text = self.tokenizer.decode([token_id])
+            self._token_text[token_id] = text
         return text
 
     def make_output(self, parent: ParentRequest, now: float, touched: set[str]) -> RequestOutput:

@@ -6,6 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from jllm.engine.detokenizer import IncrementalDetokenizer
+from jllm.engine.output_processor import OutputProcessor
 from jllm.sampling_params import SamplingParams
 
 TEXTS = [
@@ -60,6 +61,9 @@ class SlowTokenizer:
     def convert_ids_to_tokens(self, ids):
         return [self.vocab[i] for i in ids]
 
+    def __len__(self):
+        return len(self.vocab)
+
     def convert_tokens_to_string(self, tokens):
         return "".join(tokens)
 
@@ -89,3 +93,30 @@ def test_spaces_between_special_tokens_with_a_slow_tokenizer(spaces, skip, want)
     for t in [3, 0, 1, 4, 1, 2, 0]:
         d.update(t)
     assert d.text == want
+
+
+@pytest.mark.parametrize("name", ["ByT5Tokenizer", "CanineTokenizer"])
+def test_ids_past_a_slow_tokenizers_vocabulary_decode_to_nothing(name):
+    """A model's vocabulary may be padded past its tokenizer's (the sampler can pick such an
+    id, a prompt can hold one, a logprob can list one): with a slow (Python) tokenizer, whose
+    own decode raises on them, they decode to nothing (vLLM's rule for the text)."""
+    import transformers
+
+    tok = getattr(transformers, name)()
+    assert not tok.is_fast
+    past = [len(tok) + 3, 4 * len(tok)]
+    d = IncrementalDetokenizer(tok, [72, past[1], 105], SamplingParams(), stream=False)
+    for t in [72, 105, past[0], 33, past[1], 33]:
+        assert d.update(t) is None
+    assert d.text == tok.decode([72, 105, 33, 33])
+    # ... and in a logprob's decoded token
+    outputs = OutputProcessor(tok)
+    assert [outputs.decode_one(t) for t in (72, *past)] == [tok.decode([72]), "", ""]
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["DecodeStream", "window"])
+def test_ids_past_a_fast_tokenizers_vocabulary_decode_to_nothing(tok, stream):
+    past = len(tok) + 5
+    ids = tok.encode("Hello world")
+    text, _ = feed(tok, [past, *ids], [*ids[:1], past, *ids[1:]], stream=stream)
+    assert text == tok.decode(ids)
