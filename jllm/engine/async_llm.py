@@ -75,6 +75,9 @@ class AsyncLLM:
         self._commands.put(("add", request_id, processed, params, priority, trace_headers))
         finished = False
         try:
+            # The engine may have died since `prepare` and told only the streams it saw:
+            # this one, registered after, must not wait for an output that never comes.
+            self.check_health()
             while True:
                 out = await outputs.get()
                 if isinstance(out, BaseException):
