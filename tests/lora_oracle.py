@@ -24,10 +24,12 @@ ADAPTERS = {  # name: (rank, alpha, targets, rsLoRA)
 }
 
 
-def make_adapters(llama_dir, root):
+def make_adapters(llama_dir, root, names=tuple(ADAPTERS)):
     """Each adapter's PEFT folder and the merged model's folder (the oracle)."""
     out = {}
     for i, (name, (r, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
+        if name not in names:
+            continue
         base = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
         config = peft.LoraConfig(
             r=r,

@@ -375,9 +375,25 @@ class ModelRunner:
     def write_lora(self, slot: int, adapter) -> None:
         """Write `adapter` (a LoraAdapter, or None: zeros) into device slot `slot` (1-based)
         of every slot array, in place."""
+        self.write_lora_values(slot, self.lora_values(adapter))
+        self.lora_owner[slot - 1] = None if adapter is None else adapter.digest
+
+    def lora_values(self, adapter) -> list[np.ndarray]:
+        """One slot's content of every slot array for `adapter` (None: zeros), float32: what
+        a LoRA slot write sends to the other processes."""
+        arrays = [v.get_value() for v in self._lora_arrays()]
+        values = self.lora.slot_values(self.lora_paths, adapter, arrays)
+        return [np.asarray(v, np.float32) for v in values]
+
+    def write_lora_values(self, slot: int, values: list[np.ndarray]) -> None:
+        """The device part of a slot write; every process of the engine runs it with the
+        same values (a follower's come in the step message, checked here)."""
         variables = self._lora_arrays()
         arrays = [v.get_value() for v in variables]
-        values = self.lora.slot_values(self.lora_paths, adapter, arrays)
+        if not 1 <= slot <= len(self.lora_owner) or [v.shape for v in values] != [
+            (a.shape[0], *a.shape[2:]) for a in arrays
+        ]:
+            raise MalformedMessage(f"a LoRA slot write (slot {slot}) of the wrong shapes")
         values = [
             jax.device_put(v, _without_slot_axis(a)) for v, a in zip(values, arrays, strict=True)
         ]
@@ -389,7 +405,6 @@ class ModelRunner:
                 self._lora_exe = write_slot.lower(arrays, index, values).compile()
         for var, new in zip(variables, self._lora_exe(arrays, index, values), strict=True):
             var.set_value(new)
-        self.lora_owner[slot - 1] = None if adapter is None else adapter.digest
 
     def _bias_executable(self, row, vector):
         if self._bias_exe is None:
@@ -531,14 +546,18 @@ class ModelRunner:
         prompt_targets=None,
         bitmask=None,
         encoder_inputs=(),
+        lora_writes=(),
     ):
         """The device part of a step, from the packed host inputs ((buf, layout) of the
         StepInputs and of the SamplingMetadata, `runner/transfer.py`) to the packed result,
         still on the device (JAX dispatches asynchronously), after the admitted rows'
-        penalty and logit-bias writes; with `prompt_targets`, also the packed prompt
-        logprobs (else None); `bitmask`: the step's grammar bitmask [Rs, W], or None;
-        `encoder_inputs`: the images to encode first ((slot, pixels) each). Every process
-        of a multi-process engine runs it with the same inputs."""
+        LoRA slot (`lora_writes`: (slot, values) each), penalty and logit-bias writes; with
+        `prompt_targets`, also the packed prompt logprobs (else None); `bitmask`: the step's
+        grammar bitmask [Rs, W], or None; `encoder_inputs`: the images to encode first
+        ((slot, pixels) each). Every process of a multi-process engine runs it with the
+        same inputs."""
+        for slot, values in lora_writes:
+            self.write_lora_values(slot, values)
         if encoder_inputs:
             with jax.set_mesh(self.mesh):
                 self.encoder.run(self.state, list(encoder_inputs))
@@ -586,14 +605,15 @@ class ModelRunner:
 
     def _apply(self, out: SchedulerOutput):
         """Bring the input batch up to date with the scheduler's output; returns the penalty
-        writes, the logit-bias writes for the admitted rows, and the requests whose
-        admission failed ({req id: reason})."""
+        writes, the logit-bias writes and the LoRA slot writes for the admitted rows, and
+        the requests whose admission failed ({req id: reason})."""
         for rid in out.finished_req_ids | out.preempted_req_ids:
             self.batch.remove(rid)
-        admitted, bias_writes, failed = [], [], {}
+        admitted, bias_writes, failed, lora_writes = [], [], {}, []
         for new in out.scheduled_new_reqs:
             if new.lora_slot and self.lora_owner[new.lora_slot - 1] != new.lora.digest:
-                self.write_lora(new.lora_slot, new.lora)
+                lora_writes.append((new.lora_slot, self.lora_values(new.lora)))
+                self.lora_owner[new.lora_slot - 1] = new.lora.digest
             try:
                 row = self.batch.add(new)
                 p = new.sampling_params
@@ -606,7 +626,7 @@ class ModelRunner:
             if bias is not None:
                 bias_writes.append((row + 1, bias))
         self.batch.update(out.scheduled_cached_reqs)
-        return self.penalties.admit(admitted), bias_writes, failed
+        return self.penalties.admit(admitted), bias_writes, lora_writes, failed
 
     def _admit_neutral(self, new, error: Exception) -> str:
         """A request whose row could not be written (its sampling parameters): it still
@@ -622,7 +642,7 @@ class ModelRunner:
         `fetch`. The rows that sample hold a pending token until then."""
         if self._first_step is None:
             self._first_step = time.perf_counter()
-        writes, bias_writes, failed = self._apply(out)
+        writes, bias_writes, lora_writes, failed = self._apply(out)
         if self.host_kv is not None and (out.kv_stores or out.kv_loads):
             self.kv_cache = self.host_kv.copy(self.kv_cache, out.kv_stores, out.kv_loads)
         inputs, md, groups, key, prompt_rows = build_step(
@@ -636,11 +656,11 @@ class ModelRunner:
             (buf, _), (md_buf, _) = step
             rs = md.batch_row.shape[0]
             message = to_message(
-                key, rs, buf, md_buf, writes, bias_writes, targets, bitmask, images
+                key, rs, buf, md_buf, writes, bias_writes, targets, bitmask, images, lora_writes
             )
             self.channel.send(message)
         packed, prompt_packed = self.run_step(
-            key, step, writes, bias_writes, targets, bitmask, images
+            key, step, writes, bias_writes, targets, bitmask, images, lora_writes
         )
         for g in groups:
             self.batch.num_pending[g.row] += 1

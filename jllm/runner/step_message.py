@@ -3,8 +3,8 @@
 Process 0 sends the step's two packed buffers (`runner/transfer.py`) with its forward key and
 sample-row bucket; a follower rebuilds their layouts itself (`ModelRunner.step_layouts`: the
 same code builds the same structure for a key), so no tree structure crosses the wire. The
-penalty and logit-bias writes, prompt-logprob targets, grammar bitmask and images travel as
-arrays. `from_message` checks every field's type, dtype and shape against the schema and
+penalty, logit-bias and LoRA slot writes, prompt-logprob targets, grammar bitmask and images
+travel as arrays. `from_message` checks every field's type, dtype and shape against the schema and
 raises `MalformedMessage` otherwise.
 """
 
@@ -16,7 +16,9 @@ from jllm.distributed.codec import MalformedMessage
 from jllm.runner.penalty_state import PenaltyWrite
 
 
-def to_message(key, rs, buf, md_buf, writes, bias_writes, targets, bitmask, images) -> dict:
+def to_message(
+    key, rs, buf, md_buf, writes, bias_writes, targets, bitmask, images, lora_writes
+) -> dict:
     return {
         "kind": "step",
         "key": [int(k) for k in key],
@@ -28,6 +30,7 @@ def to_message(key, rs, buf, md_buf, writes, bias_writes, targets, bitmask, imag
         "targets": targets,
         "bitmask": bitmask,
         "images": [[int(slot), pixels] for slot, pixels in images],
+        "lora": [[int(slot), list(values)] for slot, values in lora_writes],
     }
 
 
@@ -45,7 +48,8 @@ def _ints(value, what: str) -> tuple[int, ...]:
 
 def from_message(message: dict, layouts) -> tuple:
     """(key, ((buf, layout), (md_buf, md_layout)), writes, bias writes, targets, bitmask,
-    images) of a step message; `layouts(key, rs)` gives the layouts this process built."""
+    images, LoRA slot writes) of a step message; `layouts(key, rs)` gives the layouts this
+    process built (the runner checks a LoRA write's shapes against its slot arrays)."""
     try:
         key = _ints(message["key"], "key")
         rs = message["rs"]
@@ -69,11 +73,22 @@ def from_message(message: dict, layouts) -> tuple:
         if bitmask is not None:
             _array(bitmask, "int32", 2, "bitmask")
         images = [(int(s), _array(px, "float32", 3, "an image")) for s, px in message["images"]]
+        lora = []
+        for slot, values in message["lora"]:
+            if not isinstance(slot, int) or not isinstance(values, list):
+                raise MalformedMessage("step message: a LoRA write is not [slot, [arrays]]")
+            lora.append((slot, [_lora_array(v) for v in values]))
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, MalformedMessage):
             raise
         raise MalformedMessage(f"step message: {e!r}") from e
-    return key, tuple(packed), writes, bias, targets, bitmask, images
+    return key, tuple(packed), writes, bias, targets, bitmask, images, lora
+
+
+def _lora_array(value) -> np.ndarray:
+    if not isinstance(value, np.ndarray) or value.dtype.name != "float32" or value.ndim < 2:
+        raise MalformedMessage("step message: a LoRA slot value is not a float32 array")
+    return value
 
 
 _WRITE = ("int32", "int32", "int32", "bool")

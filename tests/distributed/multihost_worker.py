@@ -7,7 +7,8 @@ TP = 2, one pipeline stage per process). Process 0 prints the greedy token ids a
 `TOKENS <json>` line. MODE "generate": addresses given. MODE "slurm": no
 addresses, the cluster comes from (emulated) Slurm variables. MODE "crash": process 0
 prints READY, waits for a line on stdin (the test kills process 1 meanwhile), then tries
-to generate and prints LOST <error>.
+to generate and prints LOST <error>. MODE "lora": with LoRA, the even prompts with the PEFT
+adapter at $JLLM_TEST_ADAPTER (slot writes reach process 1 in the step messages).
 """
 
 import json
@@ -44,10 +45,14 @@ if mode == "slurm":
         JAX_COORDINATOR_PORT=str(port),
     )
     cluster = dict(nnodes=2, master_port=port)
+lora = {}
+if mode == "lora":
+    lora = dict(enable_lora=True, max_loras=1, max_lora_rank=8)
 llm = LLM(
     model,
     **parallel,
     **cluster,
+    **lora,
     kv_cache_memory_bytes=8 << 20,
     max_num_seqs=8,
     max_num_batched_tokens=128,
@@ -71,5 +76,13 @@ if rank == 0:
             print(f"LOST {e}", flush=True)
             os._exit(3)
         os._exit(0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    adapters = None
+    if mode == "lora":
+        from jllm.lora.request import LoRARequest
+
+        adapter = LoRARequest("a", 1, os.environ["JLLM_TEST_ADAPTER"])
+        adapters = [adapter if i % 2 == 0 else None for i in range(len(prompts))]
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=adapters
+    )
     print("TOKENS " + json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)

@@ -11,31 +11,44 @@ import sys
 from pathlib import Path
 
 import pytest
+from lora_oracle import make_adapters
 from openai_server import free_port, wait_healthy
 from oracle import SMALL, prompt_ids
 
 from jllm import LLM, SamplingParams
+from jllm.lora.request import LoRARequest
 
 WORKER = str(Path(__file__).with_name("multihost_worker.py"))
 PROMPTS = prompt_ids(3, 6) + prompt_ids(1, 30, seed=4)
 
 
-def start(rank: int, model: str, port: int, mode: str) -> subprocess.Popen:
+def start(rank: int, model: str, port: int, mode: str, env=None) -> subprocess.Popen:
     cmd = [sys.executable, WORKER, str(rank), model, str(port), mode, json.dumps(PROMPTS)]
     return subprocess.Popen(
-        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
     )
+
+
+def run_two(model: str, mode: str, env=None) -> tuple[list, list[str]]:
+    """Both processes to the end: (process 0's TOKENS, the two logs)."""
+    port = free_port()
+    procs = [start(rank, model, port, mode, env) for rank in (0, 1)]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)
+    got = json.loads(next(line for line in logs[0].splitlines() if line.startswith("TOKENS "))[7:])
+    return got, logs
 
 
 # TP = 4 with explicit addresses; two pipeline stages with the cluster from Slurm.
 @pytest.mark.parametrize("mode", ["generate", "slurm-pp"])
 def test_two_processes_equal_one(tiny_models, mode):
     model = tiny_models["llama-h8kv2"]
-    port = free_port()
-    procs = [start(rank, model, port, mode) for rank in (0, 1)]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)
-    got = json.loads(next(line for line in logs[0].splitlines() if line.startswith("TOKENS "))[7:])
+    got, logs = run_two(model, mode)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     want = LLM(model, **SMALL).generate(
         [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False
@@ -45,6 +58,29 @@ def test_two_processes_equal_one(tiny_models, mode):
     assert f"STAGES {stages}" in logs[0]
     assert "Process 1 of 2: 2 local devices, 4 in all." in logs[1]
     assert "Process 0 stopped; process 1 is done." in logs[1]
+
+
+def test_lora_across_processes(tiny_models, tmp_path):
+    """TP = 4 over two processes with a LoRA adapter on half the prompts: process 1 writes
+    the adapter's slot from the step message, so both give one process's tokens (process 0
+    used to write it alone: process 1 ran its shards of the layers without the adapter)."""
+    import os
+
+    model = tiny_models["llama-h8kv2"]
+    adapter = make_adapters(model, tmp_path, names=("all8",))["all8"][0]
+    got, _ = run_two(model, "lora", {**os.environ, "JLLM_TEST_ADAPTER": adapter})
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    lora = LoRARequest("a", 1, adapter)
+    llm = LLM(model, enable_lora=True, max_loras=1, max_lora_rank=8, **SMALL)
+    want = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS],
+        params,
+        use_tqdm=False,
+        lora_request=[lora if i % 2 == 0 else None for i in range(len(PROMPTS))],
+    )
+    base = llm.generate({"prompt_token_ids": PROMPTS[0]}, params, use_tqdm=False)
+    assert got == [o.outputs[0].token_ids for o in want]
+    assert got[0] != base[0].outputs[0].token_ids  # the adapter changes the answer
 
 
 def test_lost_process_is_reported(tiny_models):
