@@ -31,7 +31,12 @@ must never share a block.
 
 A full block is registered under its key as soon as it is allocated (its KV is written in
 the same step that first reads it, and every layer writes before it attends), so even
-requests scheduled in the same step share it. Only known tokens count: the slots a step
+requests scheduled in the same step share it. Not under pipeline stages
+(`same_step_hits=False`): a step's micro-batches run its rows in the runner's order (one-token
+rows first), not the scheduler's, so a row could read a block that a later micro-batch
+writes; there a block is a hit only from the step after the one that computes it (a pool's
+`fresh` blocks are the current step's), and a request admitted beside its block's writer
+computes the block itself. Only known tokens count: the slots a step
 computes for draft tokens are not a block's content until the drafts are accepted (and
 appended), so a rejected draft never enters the cache. Freed blocks (a window's too) keep
 their key and stay in an LRU free queue until the pool needs them back. Each group caches
@@ -106,8 +111,10 @@ class BlockPool:
     of free blocks (the front is reused first). NULL_BLOCK entries of a request's list (a
     window's skipped blocks) are neither taken nor released."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, same_step_hits: bool = True) -> None:
         self.num_blocks = num_blocks
+        # The blocks cached by the step being scheduled, which it may not hit (None: it may).
+        self.fresh: set[int] | None = None if same_step_hits else set()
         # Called with (block, key) when a cached block's key is evicted (the host tier).
         self.on_evict = None
         self.ref_cnt = [0] * num_blocks
@@ -145,6 +152,7 @@ class BlockPool:
             if h is not None:
                 if self.cached.get(h) == b:
                     del self.cached[h]
+                    self.unfresh(b)
                     if self.on_evict is not None:
                         self.on_evict(b, h)
                 self.block_hash[b] = None
@@ -156,12 +164,25 @@ class BlockPool:
         if self.block_hash[block] is None and key not in self.cached:
             self.cached[key] = block
             self.block_hash[block] = key
+            if self.fresh is not None:
+                self.fresh.add(block)
+
+    def unfresh(self, block: int) -> None:
+        if self.fresh is not None:
+            self.fresh.discard(block)
+
+    def hit(self, key: bytes) -> int | None:
+        """The block cached under `key` that this step may read, or None."""
+        block = self.cached.get(key)
+        if block is None or (self.fresh is not None and block in self.fresh):
+            return None
+        return block
 
     def hits(self, keys: list[bytes]) -> list[int]:
-        """The cached blocks of the longest prefix of `keys`."""
+        """The cached blocks of the longest prefix of `keys` that this step may read."""
         blocks = []
         for h in keys:
-            block = self.cached.get(h)
+            block = self.hit(h)
             if block is None:
                 break
             blocks.append(block)
@@ -181,6 +202,8 @@ class BlockPool:
     def reset(self) -> None:
         self.cached.clear()
         self.block_hash = [None] * self.num_blocks
+        if self.fresh is not None:
+            self.fresh.clear()
 
 
 class KVCacheManager:
@@ -192,11 +215,15 @@ class KVCacheManager:
         num_groups: int | None = None,
         windows: Sequence[int | None] | None = None,
         host: HostKVTier | None = None,
+        same_step_hits: bool = True,
     ) -> None:
         """`num_blocks`: each group's pool size (an int: every group's); `windows`: each
         group's sliding window in tokens, None for full attention (the default for all).
         The number of groups is `num_groups`, else the length of a list given, else 1.
-        `host`: the host-memory tier (one full-attention group only), or None."""
+        `host`: the host-memory tier (one full-attention group only), or None.
+        `same_step_hits`: whether a request may hit blocks that the step it is scheduled in
+        computes, which needs every write of a step before its reads (False under pipeline
+        stages; `begin_step` then starts each step)."""
         scalar = np.ndim(num_blocks) == 0
         if num_groups is None:
             num_groups = 1 if scalar and windows is None else len(windows if scalar else num_blocks)
@@ -216,7 +243,7 @@ class KVCacheManager:
         self.num_blocks = max(num_blocks)  # the largest pool (the runner's padding slot)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pools = [BlockPool(n) for n in num_blocks]
+        self.pools = [BlockPool(n, same_step_hits) for n in num_blocks]
         self.req_blocks: dict[str, tuple[list[int], ...]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_queries = 0  # tokens looked up in the prefix cache
@@ -248,6 +275,13 @@ class KVCacheManager:
         if self.host is not None:
             self.host.step_scheduled()
         return stores, loads
+
+    def begin_step(self) -> None:
+        """A new step is being scheduled: the blocks cached by the last one are written
+        before it runs (steps run in order), so it may hit them."""
+        for pool in self.pools:
+            if pool.fresh is not None:
+                pool.fresh.clear()
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -308,7 +342,7 @@ class KVCacheManager:
         if need == 0:
             return n
         for i in range(n - 1, -1, -1):
-            if keys[i] not in pool.cached:
+            if pool.hit(keys[i]) is None:
                 run = 0
                 continue
             run += 1
@@ -445,6 +479,7 @@ class KVCacheManager:
                 if b != NULL_BLOCK and pool.block_hash[b] == key and pool.cached.get(key) == b:
                     del pool.cached[key]
                     pool.block_hash[b] = None
+                    pool.unfresh(b)
         if req.request_id in self.num_cached_blocks:
             self.num_cached_blocks[req.request_id] = min(
                 first, self.num_cached_blocks[req.request_id]

@@ -198,6 +198,7 @@ class Scheduler:
         return self.kv_cache.allocate_slots(req, num_new, hit_blocks, host_hits=host_hits)
 
     def schedule(self) -> SchedulerOutput:
+        self.kv_cache.begin_step()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         preempted = False

@@ -399,3 +399,38 @@ def test_group_arguments_are_checked():
         KVCacheManager([8, 1], 4, False)
     with pytest.raises(ValueError, match="at least 1 token"):
         KVCacheManager(8, 4, False, windows=[0])
+
+
+@pytest.mark.parametrize("windows", [None, [None, 8]], ids=["full", "full+sliding"])
+def test_without_same_step_hits_a_block_is_a_hit_from_the_next_step(windows):
+    """`same_step_hits=False` (pipeline stages): the blocks a step caches are no hit for a
+    request scheduled in that step, which computes them itself (its copies stay out of the
+    cache); the next step hits them. A preempted writer's forgotten blocks stay out too."""
+    tokens = list(range(13))  # 3 full blocks and one token
+    for same_step in (True, False):
+        kv = KVCacheManager(
+            32, 4, enable_prefix_caching=True, windows=windows, same_step_hits=same_step
+        )
+        kv.begin_step()
+        a = req("a", tokens)
+        a_blocks = kv.allocate_slots(a, 13)
+        b = req("b", tokens)
+        hits, n = kv.get_computed_blocks(b)
+        if same_step:
+            assert n == 12 and hits[0] == a_blocks[0][:3]
+            continue
+        assert (hits, n) == (kv.no_blocks(), 0)
+        b_blocks = kv.allocate_slots(b, 13, hits)
+        assert not set(b_blocks[0]) & set(a_blocks[0])
+        kv.begin_step()
+        hits, n = kv.get_computed_blocks(req("c", tokens))
+        assert n == 12 and hits[0] == a_blocks[0][:3]
+        # A step that registers d's blocks, then takes d back out before it runs.
+        other = [100 + t for t in tokens]
+        kv.begin_step()
+        d = req("d", other)
+        kv.allocate_slots(d, 13)
+        kv.forget_uncomputed(d, 0)
+        kv.free(d)
+        kv.begin_step()
+        assert kv.get_computed_blocks(req("e", other)) == (kv.no_blocks(), 0)

@@ -378,3 +378,20 @@ def test_priority_preempts_a_victim_skipped_in_the_step():
     assert done["low"].outputs[0].token_ids == [4, 5]
     assert done["high"].outputs[0].token_ids == [15, 16, 17, 18, 19]
     assert sched.kv_cache.num_free_blocks == 2
+
+
+def test_without_same_step_hits_each_step_hits_only_earlier_steps():
+    """Under pipeline stages (`same_step_hits=False`) two requests with one prompt admitted
+    in one step each compute it; a third, a step later, hits its full blocks."""
+    config = SchedulerConfig(8, 32, 128, True, 1, 0, "fcfs")
+    sched = Scheduler(config, KVCacheManager(64, 4, True, same_step_hits=False))
+    core = EngineCore(sched, MockRunner(), None, 128, eos_token_id=999)
+    prompt = list(range(9))
+    core.add_request("a", prompt, params(3))
+    core.add_request("b", prompt, params(3))
+    core.step()
+    core.add_request("c", prompt, params(3))
+    done = run(core)
+    assert core.runner.steps[0] == [("a", 9), ("b", 9)]
+    assert core.runner.steps[1] == [("a", 1), ("b", 1), ("c", 1)]
+    assert all(done[r].outputs[0].token_ids == [9, 10, 11] for r in "abc")

@@ -91,6 +91,28 @@ def test_preemption(tiny_models, reference):
     assert llm.llm_engine.scheduler.num_preemptions > 0
 
 
+def test_prefix_hits_of_the_same_step_wait_for_their_writers(tiny_models):
+    """n = 2 over a 33-token prompt (one past two 16-token blocks): both children are
+    admitted in one step, and the second finds the first's two full blocks in the prefix
+    cache, leaving it one token to compute. Its one-token row runs in the step's first
+    micro-batch, before the micro-batch that writes those blocks, so under stages a block is
+    a hit only from the step after the one that computes it: both children give the plain
+    engine's tokens and logprobs."""
+    args = {**ARGS, "max_num_batched_tokens": 64}
+    prompts = [{"prompt_token_ids": prompt_ids(1, 33, seed=5)[0]}]
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+    want = LLM(tiny_models["llama-l4"], **args).generate(prompts, params, use_tqdm=False)
+    llm = LLM(tiny_models["llama-l4"], pipeline_parallel_size=2, **args)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    same_outputs(got[0].outputs, want[0].outputs)
+    # Blocks computed by an earlier step are hits as ever: the prompt again hits both.
+    kv = llm.llm_engine.scheduler.kv_cache
+    hits = kv.prefix_hits
+    got = llm.generate(prompts, params, use_tqdm=False)
+    same_outputs(got[0].outputs, want[0].outputs)
+    assert kv.prefix_hits - hits == 2 * 32
+
+
 def test_two_kv_groups_gemma2(tiny_models):
     """Gemma 2's (local, global) pattern twice over two stages: each stage holds one row of
     each group's cache; soft caps and the sliding window as with one stage."""
