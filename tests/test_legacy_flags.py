@@ -148,6 +148,36 @@ ROWS = [
         ("refuse", None, "removed from vLLM"),
     ),
     (
+        ["--image-processor", "llava-hf/llava-1.5-7b-hf"],
+        dict(image_processor="llava-hf/llava-1.5-7b-hf"),
+        ("refuse", None, "--mm-processor-kwargs"),
+    ),
+    (
+        ["--image-processor-revision", "main"],
+        dict(image_processor_revision="main"),
+        ("refuse", None, "--revision"),
+    ),
+    (
+        ["--disable-image-processor"],
+        dict(disable_image_processor=True),
+        ("refuse", None, "always go through the model's processor"),
+    ),
+    (
+        ["--long-lora-scaling-factors", "4.0,8.0"],
+        dict(long_lora_scaling_factors=(4.0, 8.0)),
+        ("refuse", None, "LongLoRA"),
+    ),
+    (
+        ["--lora-extra-vocab-size", "256"],
+        dict(lora_extra_vocab_size=256),
+        ("warn", None, "--lora-extra-vocab-size is ignored"),
+    ),
+    (
+        ["--qlora-adapter-name-or-path", "adapters/qlora"],
+        dict(qlora_adapter_name_or_path="adapters/qlora"),
+        ("refuse", None, "--lora-modules"),
+    ),
+    (
         ["--model-loader-extra-config", '{"n": 1}'],
         dict(model_loader_extra_config='{"n": 1}'),
         ("refuse", None, "no extra configuration"),

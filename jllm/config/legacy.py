@@ -31,6 +31,8 @@ IGNORED = {
     "reductions",
     "max_parallel_loading_workers": "the loader streams one checkpoint file at a time onto "
     "the devices",
+    "lora_extra_vocab_size": "vLLM deprecated it in 0.11 and removed it in 0.12 (adapters' "
+    "extra vocabularies were phased out); jllm's adapters use the base model's vocabulary",
 }
 # Accepted when empty (what vLLM's default loader takes too), refused otherwise.
 EMPTY_ONLY = {
@@ -53,6 +55,17 @@ REFUSED = {
     "scheduler_delay_factor": "vLLM V1 removed the prompt scheduling delay; chunked prefill "
     "and --max-num-batched-tokens shape prefill instead",
     "speculative_max_model_len": "jllm's draft model runs at the engine's --max-model-len",
+    "image_processor": "vLLM removed it: a vision model's images go through its own Hugging "
+    "Face processor, read from the model's folder; set the processor's options with "
+    "--mm-processor-kwargs",
+    "image_processor_revision": "vLLM removed it: the processor is read from the model's "
+    "folder, at the checkpoint's --revision",
+    "disable_image_processor": "vLLM removed it: images always go through the model's "
+    "processor (pass PIL images or image_url parts, not pixel values)",
+    "long_lora_scaling_factors": "vLLM removed LongLoRA (adapters trained with their own RoPE "
+    "scaling) with its V0 engine; there is no replacement",
+    "qlora_adapter_name_or_path": "vLLM removed it: serve the adapter as any LoRA adapter, "
+    "with --enable-lora and --lora-modules name=path (LoRARequest offline)",
 }
 # Flags accepted for some values only: name -> (accepted values, the refusal for others).
 BY_VALUE = {
@@ -91,6 +104,12 @@ LEGACY_FLAGS: dict[str, type] = {
     "distributed_executor_backend": str,
     "preemption_mode": str,
     "model_loader_extra_config": str,
+    "image_processor": str,
+    "image_processor_revision": str,
+    "disable_image_processor": bool,
+    "long_lora_scaling_factors": str,
+    "lora_extra_vocab_size": int,
+    "qlora_adapter_name_or_path": str,
 }
 
 
