@@ -3,9 +3,9 @@
     python multihost_worker.py RANK MODEL PORT MODE PROMPTS_JSON
 
 Each process has 2 fake CPU devices; TP = 4 spans both (a MODE ending in "-pp": PP = 2 x
-TP = 2, one pipeline stage per process). Process 0 prints the greedy token ids as a
-`TOKENS <json>` line. MODE "generate": addresses given. MODE "slurm": no
-addresses, the cluster comes from (emulated) Slurm variables. MODE "crash": process 0
+TP = 2, one pipeline stage per process). Process 0 prints the greedy token ids (n = 2:
+both children's) as a `TOKENS <json>` line. MODE "generate": addresses given. MODE "slurm":
+no addresses, the cluster comes from (emulated) Slurm variables. MODE "crash": process 0
 prints READY, waits for a line on stdin (the test kills process 1 meanwhile), then tries
 to generate and prints LOST <error>. MODE "lora": with LoRA, the even prompts with the PEFT
 adapter at $JLLM_TEST_ADAPTER (slot writes reach process 1 in the step messages).
@@ -66,7 +66,7 @@ if rank == 0:
         for s in range(mesh.shape["stage"])
     ]
     print("STAGES " + json.dumps(stages), flush=True)
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=10, ignore_eos=True)
     if mode == "crash":
         print("READY", flush=True)
         sys.stdin.readline()
@@ -85,4 +85,4 @@ if rank == 0:
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=adapters
     )
-    print("TOKENS " + json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
+    print("TOKENS " + json.dumps([[c.token_ids for c in o.outputs] for o in outs]), flush=True)

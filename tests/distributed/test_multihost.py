@@ -19,7 +19,9 @@ from jllm import LLM, SamplingParams
 from jllm.lora.request import LoRARequest
 
 WORKER = str(Path(__file__).with_name("multihost_worker.py"))
-PROMPTS = prompt_ids(3, 6) + prompt_ids(1, 30, seed=4)
+# The last is one token past two blocks: under n = 2 its second child hits the first's blocks
+# in the step that writes them.
+PROMPTS = prompt_ids(3, 6) + prompt_ids(1, 30, seed=4) + prompt_ids(1, 33, seed=6)
 
 
 def start(rank: int, model: str, port: int, mode: str, env=None) -> subprocess.Popen:
@@ -49,11 +51,11 @@ def run_two(model: str, mode: str, env=None) -> tuple[list, list[str]]:
 def test_two_processes_equal_one(tiny_models, mode):
     model = tiny_models["llama-h8kv2"]
     got, logs = run_two(model, mode)
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=10, ignore_eos=True)
     want = LLM(model, **SMALL).generate(
         [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False
     )
-    assert got == [o.outputs[0].token_ids for o in want]
+    assert got == [[c.token_ids for c in o.outputs] for o in want]
     stages = "[[0], [1]]" if mode.endswith("-pp") else "[[0, 1]]"  # one stage per process
     assert f"STAGES {stages}" in logs[0]
     assert "Process 1 of 2: 2 local devices, 4 in all." in logs[1]
@@ -69,7 +71,7 @@ def test_lora_across_processes(tiny_models, tmp_path):
     model = tiny_models["llama-h8kv2"]
     adapter = make_adapters(model, tmp_path, names=("all8",))["all8"][0]
     got, _ = run_two(model, "lora", {**os.environ, "JLLM_TEST_ADAPTER": adapter})
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=10, ignore_eos=True)
     lora = LoRARequest("a", 1, adapter)
     llm = LLM(model, enable_lora=True, max_loras=1, max_lora_rank=8, **SMALL)
     want = llm.generate(
@@ -79,8 +81,8 @@ def test_lora_across_processes(tiny_models, tmp_path):
         lora_request=[lora if i % 2 == 0 else None for i in range(len(PROMPTS))],
     )
     base = llm.generate({"prompt_token_ids": PROMPTS[0]}, params, use_tqdm=False)
-    assert got == [o.outputs[0].token_ids for o in want]
-    assert got[0] != base[0].outputs[0].token_ids  # the adapter changes the answer
+    assert got == [[c.token_ids for c in o.outputs] for o in want]
+    assert got[0][0] != base[0].outputs[0].token_ids  # the adapter changes the answer
 
 
 def test_lost_process_is_reported(tiny_models):
