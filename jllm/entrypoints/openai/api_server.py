@@ -30,7 +30,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jllm
 from jllm.engine.arg_utils import engine_args_from_namespace
-from jllm.engine.async_llm import AsyncLLM, EngineDeadError
+from jllm.engine.async_llm import EngineDeadError
+from jllm.entrypoints.openai.auth import AuthenticationMiddleware, api_keys
 from jllm.entrypoints.openai.cli_args import load_chat_template, make_arg_parser
 from jllm.entrypoints.openai.openapi import build_openapi
 from jllm.entrypoints.openai.protocol import (
@@ -43,6 +44,7 @@ from jllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jllm.entrypoints.openai.serving_engine import OpenAIError, error_response, off_loop
 from jllm.entrypoints.openai.serving_models import ServingModels
+from jllm.entrypoints.openai.shutdown import GracefulServer, StoppableLLM
 from jllm.logger import setup_logging
 from jllm.metrics.prometheus import PrometheusStatLogger
 from jllm.model_loader.locate import DEFAULT_MODEL_NAME
@@ -87,13 +89,35 @@ def served_model_names(args: argparse.Namespace) -> list[str]:
     return args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
 
 
-def build_app(args: argparse.Namespace, engine: AsyncLLM, metrics: PrometheusStatLogger):
+def log_requests(args: argparse.Namespace) -> bool:
+    """vLLM's `--enable-log-requests` (default off: prompts stay out of the log); the
+    deprecated `--disable-log-requests` turns it off again."""
+    if args.disable_log_requests:
+        logger.warning(
+            "--disable-log-requests is deprecated (vLLM removed it): requests are not logged "
+            "unless --enable-log-requests is given."
+        )
+        return False
+    return bool(args.enable_log_requests)
+
+
+def check_priority(body, engine: StoppableLLM) -> None:
+    """vLLM's refusal of a `priority` the scheduler would ignore (--scheduling-policy fcfs)."""
+    if body.priority != 0 and engine.engine.args.scheduling_policy != "priority":
+        raise OpenAIError(
+            f"Got priority {body.priority} but Priority scheduling is not enabled.",
+            400,
+            "priority",
+        )
+
+
+def build_app(args: argparse.Namespace, engine: StoppableLLM, metrics: PrometheusStatLogger):
     names = served_model_names(args)
     root = args.model or DEFAULT_MODEL_NAME
     models = ServingModels(engine, names, root, args.lora_modules or ())
     common = dict(
         models=models,
-        log_requests=not args.disable_log_requests,
+        log_requests=log_requests(args),
         max_log_len=args.max_log_len,
     )
     completions = OpenAIServingCompletion(engine, **common)
@@ -102,6 +126,7 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM, metrics: PrometheusSta
         chat_template=load_chat_template(args.chat_template),
         response_role=args.response_role,
         tool_parser=check_tool_args(args),
+        trust_request_chat_template=args.trust_request_chat_template,
         **common,
     )
     tokenizer = engine.get_tokenizer()
@@ -115,16 +140,9 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM, metrics: PrometheusSta
     )
     for name in getattr(args, "middleware", None) or ():
         install_middleware(app, name)
-    api_key = args.api_key or os.environ.get("JLLM_API_KEY")
-    if api_key:
-
-        @app.middleware("http")
-        async def authenticate(request: Request, call_next):
-            path = request.url.path.removeprefix(app.root_path)
-            if request.method != "OPTIONS" and path.startswith("/v1"):
-                if request.headers.get("Authorization") != f"Bearer {api_key}":
-                    return error_response("Unauthorized: a valid API key is required.", 401)
-            return await call_next(request)
+    keys = api_keys(args)
+    if keys:
+        app.add_middleware(AuthenticationMiddleware, keys=keys)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_, exc: RequestValidationError):
@@ -200,12 +218,14 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM, metrics: PrometheusSta
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw: Request):
+        check_priority(body, engine)
         if body.stream:
             return await completions.create_completion(body, raw)
         return await with_cancellation(raw, completions.create_completion(body, raw))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
+        check_priority(body, engine)
         if body.stream:
             return await chat.create_chat_completion(body, raw)
         return await with_cancellation(raw, chat.create_chat_completion(body, raw))
@@ -262,14 +282,14 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM, metrics: PrometheusSta
     def openapi() -> dict:
         nonlocal doc
         if doc is None:
-            doc = build_openapi(app, api_key=bool(api_key), limits=limits)
+            doc = build_openapi(app, api_key=bool(keys), limits=limits)
         return doc
 
     app.openapi = openapi
     return app
 
 
-def build_engine(args: argparse.Namespace) -> tuple[AsyncLLM, PrometheusStatLogger]:
+def build_engine(args: argparse.Namespace) -> tuple[StoppableLLM, PrometheusStatLogger]:
     from jllm.engine.llm_engine import LLMEngine
 
     engine_args = engine_args_from_namespace(args)
@@ -278,7 +298,7 @@ def build_engine(args: argparse.Namespace) -> tuple[AsyncLLM, PrometheusStatLogg
         llm_engine.follow()  # headless: no API on processes other than 0
         raise SystemExit(0)
     metrics = PrometheusStatLogger(served_model_names(args)[0], llm_engine.max_model_len)
-    return AsyncLLM(llm_engine, [metrics]), metrics
+    return StoppableLLM(llm_engine, [metrics]), metrics
 
 
 def _terminate(signum, frame) -> None:
@@ -296,7 +316,8 @@ def check_tool_args(args: argparse.Namespace) -> str | None:
 def run_server(args: argparse.Namespace) -> None:
     setup_logging()
     logger.info("jllm API server version %s", jllm.__version__)
-    logger.info("args: %s", vars(args))
+    shown = {k: ("<redacted>" if k == "api_key" and v else v) for k, v in vars(args).items()}
+    logger.info("args: %s", shown)
     # A bad --chat-template fails before the engine loads (build_engine checks the engine
     # flags first thing).
     load_chat_template(args.chat_template)
@@ -310,21 +331,27 @@ def run_server(args: argparse.Namespace) -> None:
         "Available routes: %s",
         ", ".join(sorted(r.path for r in app.routes if hasattr(r, "methods"))),
     )
-    # uvicorn re-raises SIGTERM once it has shut down; turn it into an exception so that the
-    # engine (and, with several processes, the others) still stop in order.
+    # While uvicorn serves, its server takes SIGTERM/SIGINT (GracefulServer: the running
+    # requests are stopped first); outside it, SIGTERM becomes an exception so that the engine
+    # (and, with several processes, the others) still stop in order.
     signal.signal(signal.SIGTERM, _terminate)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        timeout_keep_alive=5,
+        **ssl_options(args),
+    )
+    server = GracefulServer(config, engine, args.shutdown_timeout)
     try:
-        uvicorn.run(
-            app,
-            host=host,
-            port=args.port,
-            log_level=args.uvicorn_log_level,
-            timeout_keep_alive=5,
-            **ssl_options(args),
-        )
+        server.run()
+        if not server.started:
+            raise SystemExit(3)  # uvicorn's STARTUP_FAILURE (e.g. the port is taken)
     except KeyboardInterrupt:
-        logger.info("Shutting down.")
+        pass
     finally:
+        logger.info("Shutting down.")
         engine.shutdown()
 
 

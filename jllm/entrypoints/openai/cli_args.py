@@ -18,6 +18,13 @@ def _json_list(value: str) -> list[str]:
     return items
 
 
+def _non_negative_int(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {number}")
+    return number
+
+
 def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(
         description="jllm OpenAI-compatible API server.",
@@ -28,9 +35,11 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     server.add_argument("--port", type=int, default=8000, help="Port to listen on.")
     server.add_argument(
         "--api-key",
+        nargs="+",
         default=None,
-        help="Require this key in 'Authorization: Bearer <key>' for /v1 endpoints "
-        "(also read from JLLM_API_KEY).",
+        help="Require one of these keys in 'Authorization: Bearer <key>' on every route but "
+        "/health, /ping, /version, /load, /metrics and the API docs. Default: the "
+        "VLLM_API_KEY environment variable, else JLLM_API_KEY.",
     )
     server.add_argument(
         "--served-model-name",
@@ -52,6 +61,12 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
         "--chat-template",
         default=None,
         help="Chat template: a file path or the Jinja template itself; default: the model's.",
+    )
+    server.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="Render a chat template sent in a request (chat_template, or "
+        "chat_template_kwargs' chat_template); otherwise such a request is refused (400).",
     )
     server.add_argument(
         "--response-role",
@@ -104,7 +119,23 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
         help="uvicorn's log level.",
     )
     server.add_argument(
-        "--disable-log-requests", action="store_true", help="Do not log each request."
+        "--enable-log-requests",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Log each request: its id, parameters and prompt (vLLM's flag; off by default, "
+        "so prompts stay out of the log).",
+    )
+    server.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="Deprecated (vLLM removed it): requests are not logged by default.",
+    )
+    server.add_argument(
+        "--shutdown-timeout",
+        type=_non_negative_int,
+        default=0,
+        help="On SIGTERM/SIGINT, seconds the running requests may take to finish before they "
+        "are aborted (0: abort them at once), as vLLM's flag.",
     )
     server.add_argument(
         "--max-log-len",

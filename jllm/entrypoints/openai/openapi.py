@@ -2,17 +2,20 @@
 
 FastAPI's generated document lists 422 for invalid bodies; the server answers them, as vLLM
 does, with 400 and OpenAI's error body. This module replaces the 422 entries by the statuses
-each route can answer (400 bad input, 401 without the API key on `/v1` routes when one is
-set, 404 an unknown model, 500, and 503 once the engine has stopped), all with OpenAI's error
-schema; gives the streaming routes their `text/event-stream` and `/health` and `/metrics`
-their real content types; and writes the limits only the running engine knows (largest
-token id, context length, `max_logprobs`) into the request schemas, so that a request valid
-under the document is one the server accepts.
+each route can answer (400 bad input, 401 without the API key when one is set: every route
+but `auth.OPEN_PATHS`; 404 an unknown model, 500, and 503 once the engine has stopped or
+the server is stopping), all with OpenAI's error schema; gives the streaming routes their
+`text/event-stream` and `/health` and `/metrics` their real content types; and writes the
+limits only the running engine knows (largest token id, context length, `max_logprobs`)
+into the request schemas, so that a request valid under the document is one the server
+accepts.
 """
 
 from __future__ import annotations
 
 from fastapi.openapi.utils import get_openapi
+
+from jllm.entrypoints.openai.auth import OPEN_PATHS
 
 ERROR_SCHEMA = {
     "type": "object",
@@ -70,7 +73,7 @@ def build_openapi(app, *, api_key: bool, limits: dict) -> dict:
             statuses = ["500", "503"]
             if "requestBody" in op or path.startswith("/v1"):
                 statuses += ["400", "404"]
-            if api_key and path.startswith("/v1"):
+            if api_key and path not in OPEN_PATHS:
                 statuses.append("401")
             for status in statuses:
                 responses[status] = _error(status)

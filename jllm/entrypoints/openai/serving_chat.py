@@ -15,6 +15,7 @@ import json
 import uuid
 
 from jllm.entrypoints.media import MediaConnector, chat_messages_with_images
+from jllm.entrypoints.openai.chat_templates import check_request_template
 from jllm.entrypoints.openai.protocol import ChatCompletionRequest
 from jllm.entrypoints.openai.serving_engine import (
     OpenAIError,
@@ -182,6 +183,13 @@ def merge_deltas(first: dict | None, second: dict | None) -> dict | None:
     return out
 
 
+def max_images_per_prompt(engine) -> int:
+    """The most images one prompt may carry: the model's `limit_mm_per_prompt`, 0 for a
+    model that takes text only."""
+    mm = engine.engine.processor.mm
+    return 0 if mm is None else mm.max_images
+
+
 class OpenAIServingChat(OpenAIServing):
     def __init__(
         self,
@@ -189,14 +197,22 @@ class OpenAIServingChat(OpenAIServing):
         chat_template: str | None = None,
         response_role: str = "assistant",
         tool_parser: str | None = None,
+        trust_request_chat_template: bool = False,
         **kwargs,
     ) -> None:
         """`tool_parser`: the parser of tool_choice "auto" (the server's
-        `--tool-call-parser` under `--enable-auto-tool-choice`); None: "auto" is refused."""
+        `--tool-call-parser` under `--enable-auto-tool-choice`); None: "auto" is refused.
+        `trust_request_chat_template`: render a request's own `chat_template` (the server's
+        `--trust-request-chat-template`); otherwise such a request is refused."""
         super().__init__(*args, **kwargs)
         args = self.engine.engine.args
-        self.media = MediaConnector(args.allowed_local_media_path, args.allowed_media_domains)
+        self.media = MediaConnector(
+            args.allowed_local_media_path,
+            args.allowed_media_domains,
+            max_images=max_images_per_prompt(self.engine),
+        )
         self.chat_template = chat_template
+        self.trust_request_chat_template = trust_request_chat_template
         self.response_role = response_role
         self.tool_parser = None if tool_parser is None else TOOL_PARSERS[tool_parser]()
 
@@ -205,6 +221,9 @@ class OpenAIServingChat(OpenAIServing):
         images: the model's processor expands their placeholders) and the images."""
         if self.tokenizer is None:
             raise OpenAIError("Chat needs a tokenizer; the server runs without one.", 400)
+        template_kwargs = check_request_template(
+            request, self.tokenizer, self.trust_request_chat_template
+        )
         for m in request.messages:
             if not isinstance(m, dict) or "role" not in m:
                 raise OpenAIError("Each message needs a 'role'.", 400, "messages")
@@ -222,7 +241,7 @@ class OpenAIServingChat(OpenAIServing):
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 chat_template=request.chat_template or self.chat_template,
-                **(request.chat_template_kwargs or {}),
+                **template_kwargs,
             )
         except Exception as e:  # noqa: BLE001 - template errors are the request's fault
             raise OpenAIError(f"Could not apply the chat template: {e}", 400, "messages") from e

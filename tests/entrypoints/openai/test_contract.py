@@ -3,7 +3,7 @@ every response's status, content type, headers and body must be the documented o
 requests the document forbids must be refused, unsupported methods answered with 405 and
 an Allow header, and no request may cause a server error. Bounded examples per route and a
 fixed seed (derandomized), so a run is reproducible. The same with an API key: the fuzzed
-requests carry it, and every `/v1` route answers 401 without it.
+requests carry it, and every route but the probes and docs answers 401 without it.
 
 Not checked: that every request the document allows is accepted (schemathesis'
 `positive_data_acceptance`). Some refusals depend on several fields or on the engine and
@@ -23,6 +23,7 @@ from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from jllm.entrypoints.openai.api_server import build_app
+from jllm.entrypoints.openai.auth import OPEN_PATHS
 
 EXCLUDED = [positive_data_acceptance]
 SETTINGS = settings(
@@ -75,16 +76,19 @@ def test_contract_with_an_api_key(keyed):
     assert fuzz(keyed.url, {"Authorization": "Bearer secret"}) > 200
 
 
-def test_every_v1_route_needs_the_key(keyed):
+def test_every_guarded_route_needs_the_key(keyed):
+    """Every route but the probes and docs answers, and documents, 401 without the key."""
     doc = httpx.get(f"{keyed.url}/openapi.json").json()
-    routes = [(p, m) for p, ops in doc["paths"].items() for m in ops if p.startswith("/v1")]
-    assert len(routes) >= 3
+    routes = [(p, m) for p, ops in doc["paths"].items() for m in ops if p not in OPEN_PATHS]
+    assert {"/tokenize", "/detokenize", "/v1/completions"} <= {p for p, _ in routes}
     for path, method in routes:
         r = httpx.request(method.upper(), f"{keyed.url}{path}", json={})
         assert r.status_code == 401, (path, r.text)
         assert r.json()["error"]["code"] == 401
         assert "401" in doc["paths"][path][method]["responses"]
-    assert httpx.get(f"{keyed.url}/health").status_code == 200  # outside /v1
+    for path in ("/health", "/version", "/metrics"):
+        assert httpx.get(f"{keyed.url}{path}").status_code == 200
+        assert "401" not in doc["paths"][path]["get"]["responses"]
 
 
 def test_the_document_says_what_the_server_does(server):

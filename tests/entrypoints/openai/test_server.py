@@ -435,12 +435,6 @@ def test_logit_bias_allowed_token_ids_and_bad_words(client, llama_llm):
     assert want[0].outputs[0].token_ids  # sanity: something was generated
     forced = offline(llama_llm, PROMPTS[:1], temperature=0, max_tokens=3, logit_bias={1234: 100})
     assert forced[0].outputs[0].token_ids == [1234] * 3
-    # priority is accepted (and, as in vLLM, has no effect under the default fcfs policy).
-    want = offline(llama_llm, PROMPTS[:1], temperature=0, max_tokens=4)
-    got = client.completions.create(
-        model=MODEL_NAME, prompt=PROMPTS[0], temperature=0, max_tokens=4, extra_body={"priority": 5}
-    )
-    assert got.choices[0].text == want[0].outputs[0].text
 
 
 def test_prompt_logprobs_and_echo_with_logprobs(client, server, llama_llm):
