@@ -14,7 +14,6 @@ uvicorn server that does it before exiting.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import uvicorn
@@ -40,10 +39,6 @@ class StoppableLLM(AsyncLLM):
         super().__init__(*args, **kwargs)
         self.stopping = False  # new requests are refused
         self._stops: set[asyncio.Future] = set()  # one per running request, on its loop
-
-    @property
-    def num_running(self) -> int:
-        return len(self._stops)
 
     async def generate(self, *args, **kwargs):
         """AsyncLLM.generate, ended by `stop_requests` with an OpenAIError (503)."""
@@ -118,6 +113,8 @@ class GracefulServer(uvicorn.Server):
         self._stopper = asyncio.ensure_future(self._stop())
 
     async def _stop(self) -> None:
-        with contextlib.suppress(Exception):
+        try:
             await self.engine.stop_requests(self.shutdown_timeout)
+        except Exception:  # noqa: BLE001 - the server stops all the same
+            logger.exception("Stopping the running requests failed.")
         self.should_exit = True
