@@ -13,6 +13,8 @@ layers on its own devices (`models/pipeline.py` runs them). With one stage the a
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -20,6 +22,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 DATA_AXIS = "data"
 STAGE_AXIS = "stage"
 MODEL_AXIS = "model"
+
+logger = logging.getLogger("jllm")
 
 LOGICAL_RULES: dict[str, str | None] = {
     "layers": STAGE_AXIS,
@@ -60,26 +64,67 @@ def make_mesh(tensor_parallel_size: int = 1, devices=None, pipeline_parallel_siz
     return Mesh(grid, (DATA_AXIS, STAGE_AXIS, MODEL_AXIS))
 
 
+# Logical axes left whole where their mesh axis does not divide them: a vocabulary (49153
+# over 2; the logits and the embedding are then replicated over `model`, where vLLM pads).
+UNEVEN_REPLICATED = frozenset({"vocab"})
+
+_warned: set = set()
+
+
 def partition_spec(
-    logical_axes: tuple[str | None, ...], shape: tuple[int, ...] | None = None, mesh=None
+    logical_axes: tuple[str | None, ...],
+    shape: tuple[int, ...] | None = None,
+    mesh=None,
+    name: str | None = None,
+    replicate_uneven: bool = False,
 ) -> PartitionSpec:
-    """The mesh axes of `logical_axes`. Given the array's shape and mesh, a dimension the
-    mesh axis does not divide is replicated instead (e.g. a vocabulary of 49153 over 2)."""
+    """The mesh axes of `logical_axes`. Given the array's shape and mesh, a dimension its
+    mesh axis does not divide is replicated when it is a vocabulary (`UNEVEN_REPLICATED`),
+    has size 1 (a broadcast axis, e.g. a per-channel scale's input axis) or the caller
+    allows it (`replicate_uneven`: a block-quantized weight's scales, whose group count need
+    not divide the devices); any other is an error naming the array (`name`), never a
+    silent copy of it on every device. An unnamed array's is replicated with a warning: the
+    callers that do not name their arrays yet."""
     spec = []
-    for i, name in enumerate(logical_axes):
-        axis = LOGICAL_RULES.get(name) if name else None
+    for i, logical in enumerate(logical_axes):
+        axis = LOGICAL_RULES.get(logical) if logical else None
         if axis is not None and mesh is not None and axis not in mesh.shape:
             axis = None  # a mesh without that axis (e.g. a test's 1-D mesh)
         if axis is not None and shape is not None and shape[i] % mesh.shape[axis]:
+            _uneven(logical_axes, shape, i, mesh.shape[axis], axis, name, replicate_uneven)
             axis = None
         spec.append(axis)
     return PartitionSpec(*spec)
 
 
+def _uneven(logical_axes, shape, i, devices, axis, name, replicate_uneven) -> None:
+    """Check that dimension `i` may be replicated over `axis`, which does not divide it."""
+    if logical_axes[i] in UNEVEN_REPLICATED or shape[i] == 1 or replicate_uneven:
+        return
+    what = (
+        f"its {logical_axes[i]!r} dimension (size {shape[i]}, of shape {tuple(shape)}) does "
+        f"not split over the {devices} devices of the mesh's {axis!r} axis"
+    )
+    if name is None:
+        key = (tuple(logical_axes), tuple(shape), axis)
+        if key not in _warned:
+            _warned.add(key)
+            logger.warning("An array of logical axes %s: %s; it is replicated.", key[0], what)
+        return
+    raise ValueError(
+        f"{name}: {what} (tensor_parallel_size / pipeline_parallel_size); choose a size "
+        "that divides it."
+    )
+
+
 def named_sharding(
-    mesh: Mesh, logical_axes: tuple[str | None, ...], shape: tuple[int, ...] | None = None
+    mesh: Mesh,
+    logical_axes: tuple[str | None, ...],
+    shape: tuple[int, ...] | None = None,
+    name: str | None = None,
+    replicate_uneven: bool = False,
 ) -> NamedSharding:
-    return NamedSharding(mesh, partition_spec(logical_axes, shape, mesh))
+    return NamedSharding(mesh, partition_spec(logical_axes, shape, mesh, name, replicate_uneven))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -164,10 +164,11 @@ def with_lora_slots(
     model = nnx.merge(graphdef, state)
     targets = add_lora_slots(model, max_loras, max_rank, dtype, kv_replicas, fully_sharded)
     graphdef, state = nnx.split(model)
-    for _, var in nnx.to_flat_state(state):
+    for path, var in nnx.to_flat_state(state):
         if isinstance(var, (LoraA, LoraB)):
             shape = var.get_value().shape
-            sharding = named_sharding(mesh, _axes(var), shape)
+            name = "LoRA slots " + ".".join(map(str, path))
+            sharding = named_sharding(mesh, _axes(var), shape, name)
             var.set_value(jax.jit(lambda s=shape: jnp.zeros(s, dtype), out_shardings=sharding)())
     return graphdef, state, LoraSpec(targets, stack_layers(model), max_loras)
 

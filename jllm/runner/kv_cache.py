@@ -173,7 +173,7 @@ def abstract_kv_cache(spec: CacheSpec, num_blocks, block_size, dtype, mesh) -> j
         *kv_cache_shape(num_blocks, block_size, spec.num_kv_heads, spec.head_dim),
     )
     return jax.ShapeDtypeStruct(
-        shape, jnp.dtype(dtype), sharding=named_sharding(mesh, CACHE_AXES, shape)
+        shape, jnp.dtype(dtype), sharding=named_sharding(mesh, CACHE_AXES, shape, "The KV cache")
     )
 
 
