@@ -16,6 +16,10 @@ INT64_MAX = 2**63 - 1
 MAX_N_SEQUENCES = int(os.environ.get("VLLM_MAX_N_SEQUENCES", "16384"))
 # Stop strings in one server request (OpenAI's limit, too).
 MAX_STOP_STRINGS = int(os.environ.get("VLLM_MAX_STOP_STRINGS", "4"))
+# Token sequences one request's bad words may tokenize to, and their tokens together (each is
+# matched after every token).
+MAX_BAD_WORDS = int(os.environ.get("VLLM_MAX_NUM_BAD_WORDS", "128"))
+MAX_BAD_WORDS_TOTAL_TOKENS = int(os.environ.get("VLLM_MAX_BAD_WORDS_TOTAL_TOKENS", "1024"))
 
 
 def check_num_sequences(value: int, name: str = "n") -> None:

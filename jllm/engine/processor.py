@@ -12,14 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from jllm.config.limits import MAX_BAD_WORDS, MAX_BAD_WORDS_TOTAL_TOKENS
 from jllm.sampling_params import MAX_SUPPRESS, SamplingParams
 
 # Prompt-dict keys vLLM defines that jllm cannot honour yet: refused by name, never ignored.
 UNSUPPORTED_PROMPT_KEYS = ("multi_modal_uuids",)
 MULTIMODAL_KEYS = ("multi_modal_data", "mm_processor_kwargs")
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt", *MULTIMODAL_KEYS)
-# vLLM's cap on the token sequences `bad_words` may tokenize to.
-MAX_BAD_WORDS = 128
 
 
 @dataclass
@@ -189,6 +188,12 @@ class Processor:
             raise ValueError(
                 f"Too many bad words after tokenization: {len(out)}. "
                 f"The max number is {MAX_BAD_WORDS}."
+            )
+        total = sum(map(len, out))
+        if total > MAX_BAD_WORDS_TOTAL_TOKENS:
+            raise ValueError(
+                f"Too many total bad word tokens: {total}. The max is "
+                f"{MAX_BAD_WORDS_TOTAL_TOKENS} (VLLM_MAX_BAD_WORDS_TOTAL_TOKENS)."
             )
         bad = [t for ids in out for t in ids if not 0 <= t < self.vocab_size]
         if bad:

@@ -32,6 +32,7 @@ import jllm
 from jllm.engine.arg_utils import engine_args_from_namespace
 from jllm.engine.async_llm import EngineDeadError
 from jllm.entrypoints.openai.auth import AuthenticationMiddleware, api_keys
+from jllm.entrypoints.openai.chat_templates import renderer_parameters
 from jllm.entrypoints.openai.cli_args import load_chat_template, make_arg_parser
 from jllm.entrypoints.openai.openapi import build_openapi
 from jllm.entrypoints.openai.protocol import (
@@ -276,6 +277,14 @@ def build_app(args: argparse.Namespace, engine: StoppableLLM, metrics: Prometheu
         "vocab_size": engine.engine.model_config.vocab_size,
         "max_model_len": engine.max_model_len,
         "max_logprobs": engine.engine.args.max_logprobs,
+        "priority": engine.engine.args.scheduling_policy == "priority",
+        "grammar_backend": engine.engine.args.structured_outputs_config.backend,
+        "images": engine.engine.processor.mm is not None,
+        "trust_request_chat_template": args.trust_request_chat_template,
+        "renderer_parameters": renderer_parameters(type(tokenizer)),
+        "tokenizer_size": engine.engine.model_config.vocab_size
+        if tokenizer is None
+        else len(tokenizer),
     }
     doc = None
 

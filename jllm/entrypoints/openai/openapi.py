@@ -7,8 +7,8 @@ but `auth.OPEN_PATHS`; 404 an unknown model, 500, and 503 once the engine has st
 the server is stopping), all with OpenAI's error schema; gives the streaming routes their
 `text/event-stream` and `/health` and `/metrics` their real content types; and writes the
 limits only the running engine knows (largest token id, context length, `max_logprobs`)
-into the request schemas, so that a request valid under the document is one the server
-accepts.
+and the rules across fields (`openapi_rules.py`) into the request schemas, so that a request
+valid under the document is one the server accepts.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 from fastapi.openapi.utils import get_openapi
 
 from jllm.entrypoints.openai.auth import OPEN_PATHS
+from jllm.entrypoints.openai.openapi_rules import write_rules
 
 ERROR_SCHEMA = {
     "type": "object",
@@ -64,7 +65,10 @@ def _set_max(schema: dict, maximum: int) -> None:
 
 def build_openapi(app, *, api_key: bool, limits: dict) -> dict:
     """`limits`: {"model_names", "vocab_size", "max_model_len", "max_logprobs" (-1: the
-    vocabulary)}."""
+    vocabulary), "tokenizer_size" (the ids /detokenize takes), "priority" (whether the
+    scheduling policy is priority), "grammar_backend" (the structured outputs backend),
+    "images" (whether the model takes images), "trust_request_chat_template" (the flag),
+    "renderer_parameters" (the chat_template_kwargs a request may not set)}."""
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
     for path, operations in doc["paths"].items():
         for op in operations.values():
@@ -90,26 +94,30 @@ def build_openapi(app, *, api_key: bool, limits: dict) -> dict:
     max_logprobs = limits["max_logprobs"]
     max_logprobs = limits["vocab_size"] if max_logprobs == -1 else max_logprobs
     context = limits["max_model_len"] - 1
+    token_fields = {"allowed_token_ids": top_token, "stop_token_ids": top_token}
     maxima = {
         "CompletionRequest": {
             "prompt": top_token,
             "logprobs": max_logprobs,
             "prompt_logprobs": max_logprobs,
             "max_tokens": context,
+            **token_fields,
         },
         "ChatCompletionRequest": {
             "top_logprobs": max_logprobs,
             "prompt_logprobs": max_logprobs,
             "max_tokens": context,
             "max_completion_tokens": context,
+            **token_fields,
         },
-        "DetokenizeRequest": {"tokens": top_token},
+        "DetokenizeRequest": {"tokens": limits["tokenizer_size"] - 1},
     }
     for name, fields in maxima.items():
         props = schemas.get(name, {}).get("properties", {})
         for field, maximum in fields.items():
             if field in props:
                 _set_max(props[field], maximum)
+    write_rules(schemas, limits)
     for schema in schemas.values():  # the served names: any other is a 404
         model = schema.get("properties", {}).get("model")
         if model is not None:

@@ -14,21 +14,39 @@ constraints is a 400.
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from jllm.config.limits import INT64_MAX, MAX_N_SEQUENCES, MAX_STOP_STRINGS
 from jllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 NonEmpty = Annotated[str, Field(min_length=1)]
+TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]*")  # a token id as a JSON object key
 # Every integer field is bounded (64 bits, as vLLM's), so no value reaches an engine row
 # unchecked; the engine narrows what it stores further (top_k to the vocabulary).
-TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]  # /openapi.json adds the vocabulary's top
-Count = Annotated[int, Field(ge=1, le=INT64_MAX)]
+
+
+def _integral(value):
+    """JSON Schema's integers include 1.0: take an integral float as its int (strict mode
+    refuses it otherwise); a string or a fraction stays refused."""
+    if isinstance(value, float) and value.is_integer() and abs(value) <= INT64_MAX:
+        return int(value)
+    return value
+
+
+def Int(ge: int, le: int = INT64_MAX):  # noqa: N802 - a type
+    """An integer in [ge, le] (the constraints before the validator: after it, or on a
+    union's Field, pydantic's schema loses them)."""
+    return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_integral)]
+
+
+TokenId = Int(0)  # /openapi.json adds the vocabulary's top
+Count = Int(1)
 
 # Defined by OpenAI or vLLM, not honoured by jllm yet: a 400 naming the field when set.
-UNSUPPORTED_FIELDS = ("lora_request",)
+UNSUPPORTED_FIELDS = ("lora_request",)  # and best_of, even 0 or 1
 GUIDED_FIELDS = {
     "guided_json": "json",
     "guided_regex": "regex",
@@ -60,21 +78,21 @@ class SamplingFields(OpenAIBaseModel):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = Field(default=1, ge=1, le=MAX_N_SEQUENCES)
+    n: Int(1, MAX_N_SEQUENCES) = 1
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
     presence_penalty: float | None = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=0.0, ge=-2, le=2)
     stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    seed: Int(0) | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extra sampling fields.
-    top_k: int | None = Field(default=None, ge=-1, le=INT64_MAX)
+    top_k: Int(-1) | None = None
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
-    min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
+    min_tokens: Int(0) = 0
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
@@ -85,17 +103,17 @@ class SamplingFields(OpenAIBaseModel):
     cache_salt: str | None = None
     # Token id (as a string, JSON's keys) -> a bias in [-100, 100], OpenAI's range.
     logit_bias: dict[str, float] | None = None
-    allowed_token_ids: list[TokenId] | None = None
-    bad_words: list[str] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    bad_words: list[NonEmpty] | None = None
     # Arguments for custom logits processors (SamplingParams.extra_args), as vLLM's field.
     vllm_xargs: dict[str, Any] | None = None
     # vLLM's beam search (not with stream): the best `n` beams.
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    # Lower first under --scheduling-policy priority (ignored under fcfs, as in vLLM).
-    priority: int = Field(default=0, ge=-INT64_MAX - 1, le=INT64_MAX)
+    # Lower first under --scheduling-policy priority (a nonzero one under fcfs is a 400).
+    priority: Int(-INT64_MAX - 1) = 0
     # vLLM's: the prompt's logprobs in the response (not with stream, as vLLM).
-    prompt_logprobs: int | None = Field(default=None, ge=-1, le=INT64_MAX)
+    prompt_logprobs: Int(-1) | None = None
     # Structured outputs (see the module's docstring).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -106,7 +124,7 @@ class SamplingFields(OpenAIBaseModel):
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None
     # Defined by OpenAI or vLLM, not supported by jllm yet (a 400 when set).
-    best_of: int | None = Field(default=None, ge=1, le=INT64_MAX)
+    best_of: Int(1) | None = None
     lora_request: Any = None
 
     def unsupported_field(self) -> str | None:
@@ -114,7 +132,7 @@ class SamplingFields(OpenAIBaseModel):
         for name in UNSUPPORTED_FIELDS:
             if getattr(self, name):
                 return name
-        if self.best_of is not None and self.best_of != self.n:
+        if self.best_of is not None:
             return "best_of"
         return None
 
@@ -178,10 +196,9 @@ class SamplingFields(OpenAIBaseModel):
             return None
         out = {}
         for key, bias in self.logit_bias.items():
-            try:
-                token = int(key)
-            except ValueError:
-                raise FieldError("logit_bias", f"key {key!r} is not a token id.") from None
+            if not TOKEN_ID_KEY.fullmatch(key):  # int() would take "+5", " 5" and "05"
+                raise FieldError("logit_bias", f"key {key!r} is not a token id.")
+            token = int(key)
             if not -100.0 <= bias <= 100.0:
                 raise FieldError(
                     "logit_bias", f"the bias of token {token} must be in [-100, 100], got {bias}."
@@ -238,6 +255,36 @@ class SamplingFields(OpenAIBaseModel):
         )
 
 
+class ContentPart(OpenAIBaseModel):
+    """One part of a message's content: its `type` ("text", "image_url", ...) and, for
+    text, the text; the other kinds' fields ride along (the chat handler checks them)."""
+
+    type: NonEmpty
+    text: str | None = None
+
+
+class ChatMessage(OpenAIBaseModel):
+    """A chat message: a role (vLLM takes any role string, as its custom message type),
+    text or content parts, and an assistant's tool calls. Other fields reach the chat
+    template unchanged."""
+
+    role: NonEmpty
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+def _message_dicts(messages: list[ChatMessage] | None) -> list[dict] | None:
+    """Validated messages back as the dicts the chat templates take (only what was sent)."""
+    if messages is None:
+        return None
+    return [m.model_dump(exclude_unset=True) for m in messages]
+
+
+Messages = Annotated[list[ChatMessage], Field(min_length=1), AfterValidator(_message_dicts)]
+
+
 class CompletionRequest(SamplingFields):
     prompt: (
         NonEmpty
@@ -246,17 +293,17 @@ class CompletionRequest(SamplingFields):
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     )
     max_tokens: Count | None = 16
-    logprobs: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    logprobs: Int(0) | None = None
     echo: bool = False
     suffix: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: Annotated[list[dict[str, Any]], Field(min_length=1)]
+    messages: Messages
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    top_logprobs: Int(0) | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -271,7 +318,7 @@ class ChatCompletionRequest(SamplingFields):
 class TokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     prompt: str | None = None
-    messages: Annotated[list[dict[str, Any]], Field(min_length=1)] | None = None
+    messages: Messages | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -138,6 +138,28 @@ async def off_loop(fn, *args):
     return await asyncio.get_running_loop().run_in_executor(_TOKENIZE_POOL, fn, *args)
 
 
+def fit_max_tokens(params: SamplingParams, num_prompt: int, max_len: int) -> None:
+    """vLLM's `get_max_tokens`: max_tokens past the room the prompt leaves in the context is
+    that room (an unset one already is); a prompt that fills the context leaves none."""
+    room = max_len - num_prompt
+    if room < 1:
+        raise OpenAIError(
+            f"This model's maximum context length is {max_len} tokens, and the prompt has "
+            f"{num_prompt}: no room is left for the completion. Please reduce the length of "
+            "the prompt.",
+            400,
+        )
+    if params.max_tokens is not None and params.max_tokens > room:
+        params.max_tokens = room
+        if params.min_tokens > room:
+            raise OpenAIError(
+                f"min_tokens must be less than or equal to max_tokens={room}, got "
+                f"{params.min_tokens}.",
+                400,
+                "min_tokens",
+            )
+
+
 def raise_if_error(out: RequestOutput) -> None:
     """A request-level internal error (finish reason "error") is a 500, as in vLLM; the
     engine and the requests beside it go on."""
@@ -220,16 +242,7 @@ class OpenAIServing:
             prepared = self.engine.prepare(prompt, params, lora, add_special_tokens)
         except ValueError as e:
             raise OpenAIError(str(e), 400) from e
-        num_prompt = len(prepared[0].prompt_token_ids)
-        max_len = self.engine.max_model_len
-        if params.max_tokens is not None and num_prompt + params.max_tokens > max_len:
-            raise OpenAIError(
-                f"This model's maximum context length is {max_len} tokens. However, you "
-                f"requested {num_prompt + params.max_tokens} tokens ({num_prompt} in the "
-                f"messages, {params.max_tokens} in the completion). Please reduce the length "
-                "of the messages or completion.",
-                400,
-            )
+        fit_max_tokens(prepared[1], len(prepared[0].prompt_token_ids), self.engine.max_model_len)
         if self.log_requests:
             text = prepared[0].prompt
             ids = prepared[0].prompt_token_ids

@@ -5,12 +5,9 @@ an Allow header, and no request may cause a server error. Bounded examples per r
 fixed seed (derandomized), so a run is reproducible. The same with an API key: the fuzzed
 requests carry it, and every route but the probes and docs answers 401 without it.
 
-Not checked: that every request the document allows is accepted (schemathesis'
-`positive_data_acceptance`). Some refusals depend on several fields or on the engine and
-cannot be written in OpenAPI: a prompt plus `max_tokens` over the context, `top_logprobs`
-without `logprobs`, `prompt_logprobs` with `stream`, a regex or JSON schema that does not
-compile. Those are 400s with OpenAI's error body, which the document lists and the
-fuzzing checks."""
+Every request the document allows is accepted (schemathesis' `positive_data_acceptance`):
+rules across fields are in the document as OpenAPI 3.1 `if`/`then` and `anyOf`. Only what
+no schema can describe may refuse a schema-valid request (`CONTENT_REFUSALS`)."""
 
 from __future__ import annotations
 
@@ -26,6 +23,49 @@ from jllm.entrypoints.openai.api_server import build_app
 from jllm.entrypoints.openai.auth import OPEN_PATHS
 
 EXCLUDED = [positive_data_acceptance]
+# What no schema can say: a grammar, regex or JSON schema that does not compile, a text
+# prompt or bad words past a limit in tokens, min_tokens over max_tokens (JSON Schema
+# cannot compare two fields), and what the model's chat template refuses.
+CONTENT_REFUSALS = (
+    "for structured outputs",
+    "longer than the maximum model length",
+    "bad word",
+    "bad_words entries must tokenize",  # a word of spaces only
+    "min_tokens must be less than or equal to max_tokens",
+    # The model's chat template may refuse what it likes (roles out of order, a generation
+    # prompt after a message to continue).
+    "Could not apply the chat template",
+)
+
+# The rules across fields chat's document leaves out: a stream takes neither prompt
+# logprobs nor beams (with it, schemathesis' canonical form gave up on the document:
+# jllm/entrypoints/openai/openapi_rules.py), and the tools' (a tool_choice needs tools and
+# must name one of them; "auto" needs the server's tool parser).
+CHAT_STREAM_REFUSALS = (
+    "prompt_logprobs are not available when stream is enabled",
+    "Streaming is not currently supported with beam search",
+)
+CHAT_TOOL_FIELDS = ("tools", "tool_choice")
+
+
+@schemathesis.check
+def schema_valid_is_accepted(ctx, response, case):
+    """schemathesis' positive_data_acceptance, but for the refusals of CONTENT_REFUSALS."""
+    if case.meta is None or not case.meta.generation.mode.is_positive:
+        return None
+    if response.status_code < 400:
+        return None
+    message = response.json().get("error", {}).get("message", "")
+    if any(reason in message for reason in CONTENT_REFUSALS):
+        return None
+    if case.path == "/v1/chat/completions" and (
+        any(r in message for r in CHAT_STREAM_REFUSALS)
+        or response.json()["error"].get("param") in CHAT_TOOL_FIELDS
+    ):
+        return None
+    raise AssertionError(f"a schema-valid request was refused: {response.status_code} {message}")
+
+
 SETTINGS = settings(
     max_examples=25,
     derandomize=True,

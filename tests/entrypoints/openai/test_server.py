@@ -516,12 +516,20 @@ def test_use_beam_search(client, server, llama_llm):
     wait_idle(server)
 
 
-def test_prompt_over_context_is_400(client):
+def test_prompt_over_context_is_400_and_max_tokens_fits_the_room(client):
     with pytest.raises(openai.BadRequestError, match="maximum model length"):
         client.completions.create(model=MODEL_NAME, prompt="word " * 600, max_tokens=4)
-    # The prompt fits but prompt + max_tokens does not (max_model_len is 512): vLLM's 400.
-    with pytest.raises(openai.BadRequestError, match="maximum context length is 512 tokens"):
-        client.completions.create(model=MODEL_NAME, prompt="word " * 100, max_tokens=500)
+    # The prompt fits but prompt + max_tokens does not (max_model_len is 512): as vLLM's
+    # get_max_tokens, max_tokens is the room the prompt leaves.
+    out = client.completions.create(
+        model=MODEL_NAME,
+        prompt="word " * 500,
+        max_tokens=500,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert out.usage.prompt_tokens + out.usage.completion_tokens == 512
+    assert out.choices[0].finish_reason == "length"
 
 
 def test_malformed_json_is_400(server):
