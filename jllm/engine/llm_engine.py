@@ -345,6 +345,14 @@ class LLMEngine:
             )
         return processed, params
 
+    @property
+    def max_images_per_prompt(self) -> int:
+        """The most images one prompt may carry: the model's `limit_mm_per_prompt`, 0 for a
+        model that takes text only (chat messages are counted against it before any image
+        is fetched)."""
+        mm = self.processor.mm
+        return 0 if mm is None else mm.max_images
+
     def continue_prompt(self, processed, token_ids: list[int], params: SamplingParams):
         """A prepared prompt continued as `token_ids` (its tokens, then generated ones: a
         beam of beam search), ready for `add_request`: its cache salt, LoRA adapter and images

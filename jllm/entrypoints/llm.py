@@ -202,7 +202,11 @@ class LLM:
         if not messages or isinstance(messages[0], dict):
             conversations = [messages]
         args = self.llm_engine.args
-        media = MediaConnector(args.allowed_local_media_path, args.allowed_media_domains)
+        media = MediaConnector(
+            args.allowed_local_media_path,
+            args.allowed_media_domains,
+            max_images=self.llm_engine.max_images_per_prompt,
+        )
         prompts = []
         for conv in conversations:
             conv, images = chat_messages_with_images(conv, media)

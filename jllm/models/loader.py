@@ -150,8 +150,17 @@ def _quantized_in_out(var, layered: bool) -> tuple[int, int]:
     return int(np.prod(shape[contract:])), int(np.prod(shape[:contract]))
 
 
-def _place_quantized(w: QuantizedWeight, mesh, axes) -> QuantizedWeight:
-    return jax.tree.map(lambda a: _place(a, named_sharding(mesh, axes, a.shape)), w)
+def _place_quantized(w: QuantizedWeight, mesh, axes, name: str) -> QuantizedWeight:
+    """The codes split as the float weight would be; the scales and offsets likewise where
+    their group count divides the devices, else replicated."""
+
+    def put(a, scales: bool):
+        return _place(a, named_sharding(mesh, axes, a.shape, name, replicate_uneven=scales))
+
+    offset = None if w.offset is None else put(w.offset, True)
+    return dataclasses.replace(
+        w, codes=put(w.codes, False), scale=put(w.scale, True), offset=offset
+    )
 
 
 def _stack(weights: list, name: str) -> np.ndarray | QuantizedWeight:
@@ -208,9 +217,9 @@ def _dummy_packed(key, var, spec, mesh) -> QuantizedWeight:
     step = 0.02 * np.sqrt(12.0) / levels  # uniform codes: the spread of N(0, 0.02)
     scale_shape = (layers, out, groups)
     shardings = (
-        named_sharding(mesh, axes, codes_shape),
-        named_sharding(mesh, axes, scale_shape),
-        named_sharding(mesh, axes, scale_shape),
+        named_sharding(mesh, axes, codes_shape, "a dummy weight's codes"),
+        named_sharding(mesh, axes, scale_shape, replicate_uneven=True),
+        named_sharding(mesh, axes, scale_shape, replicate_uneven=True),
     )
 
     def draw(key):
@@ -238,8 +247,8 @@ def _dummy_quantized(key, var, method: str, mesh, layered: bool) -> QuantizedWei
     if var.get_metadata().get("stacked_experts"):  # [L, E, In, Out] -> [L, E, Out, In]
         shape = (*var.shape[:2], var.shape[3], var.shape[2])
     axes = _quantized_axes(var)
-    codes_sharding = named_sharding(mesh, axes, shape)
-    scale_sharding = named_sharding(mesh, axes, (*shape[:-1], 1))
+    codes_sharding = named_sharding(mesh, axes, shape, "a dummy weight's codes")
+    scale_sharding = named_sharding(mesh, axes, (*shape[:-1], 1), replicate_uneven=True)
 
     def draw(key):
         return quantize_channels(0.02 * jax.random.normal(key, shape, jnp.float32), method)
@@ -313,7 +322,10 @@ def load_model(
     graphdef, abstract_state = nnx.split(model)
     flat = dict(nnx.to_flat_state(abstract_state))
     scale_vars = {p: v for p, v in flat.items() if v.get_metadata().get("kv_scale")}
-    shardings = {path: named_sharding(mesh, _axes(var), var.shape) for path, var in flat.items()}
+    shardings = {
+        path: named_sharding(mesh, _axes(var), var.shape, ".".join(map(str, path)))
+        for path, var in flat.items()
+    }
     target = _Target(
         model,
         {p: v for p, v in flat.items() if p not in scale_vars},
@@ -330,8 +342,9 @@ def load_model(
         meta = source.orbax_meta
         orbax_io.check(meta, source.path, architecture=arch.name, kv_replicas=kv_replicas)
 
-        def quantized_sharding(path, shape):
-            return named_sharding(mesh, _quantized_axes(flat[path]), shape)
+        def quantized_sharding(path, shape):  # codes, or scales that may not divide
+            axes = _quantized_axes(flat[path])
+            return named_sharding(mesh, axes, shape, replicate_uneven=True)
 
         values = orbax_io.restore(
             source.path, meta, target.flat, target.shardings, quantized_sharding
@@ -430,7 +443,7 @@ def _checkpoint_values(t: _Target, arch: Architecture, cfg, source) -> dict:
         else:
             host = _host_weight(t, name, w, path, layer, kind)
         if layer is None:
-            values[path] = _put(host, var, shardings[path], mesh)
+            values[path] = _put(host, var, shardings[path], mesh, ".".join(map(str, path)))
         else:
             rows = layered.setdefault(path, {})
             rows[layer] = host
@@ -440,7 +453,7 @@ def _checkpoint_values(t: _Target, arch: Architecture, cfg, source) -> dict:
                 for row, source in padding.items():
                     rows[row] = rows[source]
                 stacked = _stack([rows[i] for i in range(count)], ".".join(map(str, path)))
-                values[path] = _put(stacked, var, shardings[path], mesh)
+                values[path] = _put(stacked, var, shardings[path], mesh, ".".join(map(str, path)))
                 del layered[path]
     for (path, _), got in experts.items():
         absent = sorted(set(range(flat[path].shape[1])) - set(got))
@@ -537,7 +550,7 @@ def _host_weight(t: _Target, name: str, w, path, layer, kind):
     return host
 
 
-def _put(host, var, sharding, mesh):
+def _put(host, var, sharding, mesh, name: str):
     if isinstance(host, QuantizedWeight):
-        return _place_quantized(host, mesh, _quantized_axes(var))
+        return _place_quantized(host, mesh, _quantized_axes(var), name)
     return _place(host, sharding)

@@ -14,8 +14,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 from openai_server import MODEL_NAME, RunningServer, server_args
+from oracle import SMALL
 from PIL import Image
 
+from jllm import LLM
 from jllm.entrypoints import media
 from jllm.entrypoints.media import MediaConnector, chat_messages_with_images
 
@@ -140,7 +142,8 @@ def test_images_are_counted_before_any_is_fetched(host, max_images, error):
     assert len(images) == 2
 
 
-def test_the_server_fetches_nothing_for_a_text_only_model(llama_dir, host):
+def test_nothing_is_fetched_for_a_text_only_model(llama_dir, host):
+    """Neither the server nor LLM.chat fetches an image a text-only model would refuse."""
     from jllm.entrypoints.openai.api_server import build_app, build_engine
 
     args = server_args(llama_dir, "--allowed-media-domains", "127.0.0.1")
@@ -155,3 +158,7 @@ def test_the_server_fetches_nothing_for_a_text_only_model(llama_dir, host):
     finally:
         running.stop()
         engine.shutdown()
+    llm = LLM(llama_dir, allowed_media_domains=["127.0.0.1"], **SMALL)
+    with pytest.raises(ValueError, match="text only"):
+        llm.chat(image_message(host.url("/cat.png")))
+    assert host.paths == []

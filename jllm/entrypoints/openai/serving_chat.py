@@ -183,13 +183,6 @@ def merge_deltas(first: dict | None, second: dict | None) -> dict | None:
     return out
 
 
-def max_images_per_prompt(engine) -> int:
-    """The most images one prompt may carry: the model's `limit_mm_per_prompt`, 0 for a
-    model that takes text only."""
-    mm = engine.engine.processor.mm
-    return 0 if mm is None else mm.max_images
-
-
 class OpenAIServingChat(OpenAIServing):
     def __init__(
         self,
@@ -209,7 +202,7 @@ class OpenAIServingChat(OpenAIServing):
         self.media = MediaConnector(
             args.allowed_local_media_path,
             args.allowed_media_domains,
-            max_images=max_images_per_prompt(self.engine),
+            max_images=self.engine.engine.max_images_per_prompt,
         )
         self.chat_template = chat_template
         self.trust_request_chat_template = trust_request_chat_template
