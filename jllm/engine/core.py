@@ -300,18 +300,16 @@ class EngineCore:
         for parent, children in touched.values():
             if self.parents.get(parent.request_id) is not parent:  # failed above
                 continue
-            kind = parent.params.output_kind
+            if not parent.finished and parent.params.output_kind == RequestOutputKind.FINAL_ONLY:
+                continue
             try:
-                if parent.finished or kind != RequestOutputKind.FINAL_ONLY:
-                    out = self.output_processor.make_output(parent, now, children)
+                out = self.output_processor.make_output(parent, now, children)
             except Exception as e:  # noqa: BLE001 - one request's failure is its own
                 outputs += self._fail(next(iter(children)), f"{type(e).__name__}: {e}", now)
                 continue
             if parent.finished:
                 self.parents.pop(parent.request_id, None)
-                outputs.append(out)
-            elif kind != RequestOutputKind.FINAL_ONLY:
-                outputs.append(out)
+            outputs.append(out)
         return outputs
 
     def _fail(self, child_id: str, reason: str, now: float, stats=None) -> list[RequestOutput]:

@@ -167,6 +167,11 @@ class BlockPool:
             if self.fresh is not None:
                 self.fresh.add(block)
 
+    def begin_step(self) -> None:
+        """The blocks the last step cached are written now: this step may hit them."""
+        if self.fresh is not None:
+            self.fresh.clear()
+
     def unfresh(self, block: int) -> None:
         if self.fresh is not None:
             self.fresh.discard(block)
@@ -202,8 +207,7 @@ class BlockPool:
     def reset(self) -> None:
         self.cached.clear()
         self.block_hash = [None] * self.num_blocks
-        if self.fresh is not None:
-            self.fresh.clear()
+        self.begin_step()
 
 
 class KVCacheManager:
@@ -280,8 +284,7 @@ class KVCacheManager:
         """A new step is being scheduled: the blocks cached by the last one are written
         before it runs (steps run in order), so it may hit them."""
         for pool in self.pools:
-            if pool.fresh is not None:
-                pool.fresh.clear()
+            pool.begin_step()
 
     # ---- queries -------------------------------------------------------------------------
     @property

@@ -311,9 +311,7 @@ class LLMEngine:
                 f"This is process {self.rank} of a {self.args.nnodes}-process engine; only "
                 "process 0 takes requests."
             )
-        params = params.clone()
-        if not params.ignore_eos:
-            params.all_stop_token_ids |= self.extra_stop_ids
+        params = self._own_params(params)
         processed = self.processor.process_prompt(prompt, params, add_special_tokens)
         if lora_request is not None:
             if self.lora_cache is None:
@@ -345,6 +343,14 @@ class LLMEngine:
             )
         return processed, params
 
+    def _own_params(self, params: SamplingParams) -> SamplingParams:
+        """The request's own copy of `params`, with the generation config's extra EOS ids
+        among its stop ids unless it ignores EOS."""
+        params = params.clone()
+        if not params.ignore_eos:
+            params.all_stop_token_ids |= self.extra_stop_ids
+        return params
+
     @property
     def max_images_per_prompt(self) -> int:
         """The most images one prompt may carry: the model's `limit_mm_per_prompt`, 0 for a
@@ -357,9 +363,7 @@ class LLMEngine:
         """A prepared prompt continued as `token_ids` (its tokens, then generated ones: a
         beam of beam search), ready for `add_request`: its cache salt, LoRA adapter and images
         carry over, so the continuation shares the prompt's blocks and runs as it did."""
-        params = params.clone()
-        if not params.ignore_eos:
-            params.all_stop_token_ids |= self.extra_stop_ids
+        params = self._own_params(params)
         if token_ids[: len(processed.prompt_token_ids)] != processed.prompt_token_ids:
             raise ValueError("A continuation must begin with the prompt's tokens.")
         self.processor.validate(token_ids, params)

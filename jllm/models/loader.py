@@ -150,6 +150,11 @@ def _quantized_in_out(var, layered: bool) -> tuple[int, int]:
     return int(np.prod(shape[contract:])), int(np.prod(shape[:contract]))
 
 
+def _dotted(path) -> str:
+    """A parameter's path as the loader names it in messages ("layers.attn.q.kernel")."""
+    return ".".join(map(str, path))
+
+
 def _place_quantized(w: QuantizedWeight, mesh, axes, name: str) -> QuantizedWeight:
     """The codes split as the float weight would be; the scales and offsets likewise where
     their group count divides the devices, else replicated."""
@@ -323,7 +328,7 @@ def load_model(
     flat = dict(nnx.to_flat_state(abstract_state))
     scale_vars = {p: v for p, v in flat.items() if v.get_metadata().get("kv_scale")}
     shardings = {
-        path: named_sharding(mesh, _axes(var), var.shape, ".".join(map(str, path)))
+        path: named_sharding(mesh, _axes(var), var.shape, _dotted(path))
         for path, var in flat.items()
     }
     target = _Target(
@@ -443,7 +448,7 @@ def _checkpoint_values(t: _Target, arch: Architecture, cfg, source) -> dict:
         else:
             host = _host_weight(t, name, w, path, layer, kind)
         if layer is None:
-            values[path] = _put(host, var, shardings[path], mesh, ".".join(map(str, path)))
+            values[path] = _put(host, var, shardings[path], mesh, _dotted(path))
         else:
             rows = layered.setdefault(path, {})
             rows[layer] = host
@@ -452,14 +457,12 @@ def _checkpoint_values(t: _Target, arch: Architecture, cfg, source) -> dict:
             if len(rows) == count - len(padding):
                 for row, source in padding.items():
                     rows[row] = rows[source]
-                stacked = _stack([rows[i] for i in range(count)], ".".join(map(str, path)))
-                values[path] = _put(stacked, var, shardings[path], mesh, ".".join(map(str, path)))
+                stacked = _stack([rows[i] for i in range(count)], _dotted(path))
+                values[path] = _put(stacked, var, shardings[path], mesh, _dotted(path))
                 del layered[path]
     for (path, _), got in experts.items():
         absent = sorted(set(range(flat[path].shape[1])) - set(got))
-        raise ValueError(
-            f"The checkpoint lacks experts {absent} of {'.'.join(map(str, path))} in a layer."
-        )
+        raise ValueError(f"The checkpoint lacks experts {absent} of {_dotted(path)} in a layer.")
     missing = [".".join(map(str, p)) for p in flat if p not in values]
     if missing:
         raise ValueError(f"The checkpoint lacks weights for: {', '.join(missing[:8])}.")

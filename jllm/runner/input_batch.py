@@ -22,8 +22,7 @@ import numpy as np
 from jllm.sampling_params import MAX_SUPPRESS
 from jllm.scheduler_output import CachedRequestData, NewRequestData
 
-INT32_MAX = int(np.iinfo(np.int32).max)
-NO_TOKEN = INT32_MAX  # an id past any vocabulary: scatters with it are dropped
+NO_TOKEN = np.iinfo(np.int32).max  # an id past any vocabulary: scatters with it are dropped
 
 
 class InputBatch:
@@ -97,15 +96,14 @@ class InputBatch:
         self._append_blocks(r, new.block_ids)
         p = new.sampling_params
         self.temperature[r], self.top_p[r] = p.temperature, p.top_p
-        # top_k past the vocabulary is off (the processor clamps it); min_tokens past the
-        # context cannot be reached: both fit int32 rows whatever a caller passed.
-        self.top_k[r], self.min_p[r] = min(p.top_k, INT32_MAX), p.min_p
+        self.top_k[r], self.min_p[r] = p.top_k, p.min_p  # top_k: below the vocabulary
         self.seed_lo[r], self.seed_hi[r] = new.seed & 0xFFFFFFFF, (new.seed >> 32) & 0xFFFFFFFF
         penalties = p.has_penalties
         self.presence[r] = p.presence_penalty if penalties else 0.0
         self.frequency[r] = p.frequency_penalty if penalties else 0.0
         self.repetition[r] = p.repetition_penalty if penalties else 1.0
         self.penalty_row[r] = r + 1 if penalties else 0
+        # min_tokens past the context cannot be reached: an int32 row holds it.
         self.min_tokens[r] = min(p.min_tokens, self.max_model_len)
         ids = sorted(p.all_stop_token_ids | {new.eos_token_id} - {None})
         self.suppress[r] = NO_TOKEN

@@ -279,7 +279,7 @@ def build_app(args: argparse.Namespace, engine: StoppableLLM, metrics: Prometheu
         "max_logprobs": engine.engine.args.max_logprobs,
         "priority": engine.engine.args.scheduling_policy == "priority",
         "grammar_backend": engine.engine.args.structured_outputs_config.backend,
-        "images": engine.engine.processor.mm is not None,
+        "images": engine.engine.max_images_per_prompt > 0,
         "trust_request_chat_template": args.trust_request_chat_template,
         "renderer_parameters": renderer_parameters(type(tokenizer)),
         "tokenizer_size": engine.engine.model_config.vocab_size

@@ -1,10 +1,10 @@
 """What the request handlers refuse beyond each field's own type and range, written into the
-published document as JSON Schema (OpenAPI 3.1): rules across fields as `if`/`then`, the
-one structured-outputs constraint a request may give, fields jllm does not support as
-null-only, and what depends on the server's flags (the scheduling policy, the grammar
-backend). A request the document allows is then one the server takes, but for what no
-schema can describe: a grammar that does not compile, a text prompt longer than the context
-in tokens, bad words past their token limits."""
+published document as JSON Schema (OpenAPI 3.1): rules across fields as `anyOf` branches
+(the one structured-outputs constraint a request may give, a stream's, top_logprobs'), the
+fields jllm does not support as null-only, and what depends on the server's flags (the
+scheduling policy, a request's chat template, the grammar backend, images). A request the
+document allows is then one the server takes, but for what no schema can describe (listed
+in docs/server.md and checked by tests/entrypoints/openai/test_contract.py)."""
 
 from __future__ import annotations
 

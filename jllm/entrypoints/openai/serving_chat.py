@@ -217,9 +217,6 @@ class OpenAIServingChat(OpenAIServing):
         template_kwargs = check_request_template(
             request, self.tokenizer, self.trust_request_chat_template
         )
-        for m in request.messages:
-            if not isinstance(m, dict) or "role" not in m:
-                raise OpenAIError("Each message needs a 'role'.", 400, "messages")
         try:
             with_parts, images = chat_messages_with_images(request.messages, self.media)
         except ValueError as e:
