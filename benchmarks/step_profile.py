@@ -108,13 +108,13 @@ def main() -> None:
     untraced = (time.perf_counter() - t0) / args.steps
     running = len(engine.scheduler.running)
     runner = engine.runner
-    seen, forward = [], runner._forward_executable
+    seen, forward = [], runner.forward_for
 
-    def traced_forward(key, *rest):  # the buckets the traced steps run
+    def traced_forward(key):  # the buckets the traced steps run
         seen.append(key)
-        return forward(key, *rest)
+        return forward(key)
 
-    runner._forward_executable = traced_forward
+    runner.forward_for = traced_forward
     with tempfile.TemporaryDirectory() as d:
         t0 = time.perf_counter()
         with jax.profiler.trace(d):
@@ -131,8 +131,8 @@ def main() -> None:
             for ev in line.events
             if not NOT_THUNKS.match(ev.name)
         ]
-    runner._forward_executable = forward
-    hlo = runner._forward_exe[seen[-1]].as_text() if seen else ""
+    del runner.forward_for  # the method again
+    hlo = runner.forward_for(seen[-1]).as_text() if seen else ""
     while engine.has_unfinished_requests():
         engine.step()
 

@@ -49,7 +49,8 @@ def test_scaled_attention_matches_the_dequantized_reference(name):
     """One step (decodes, a chunk after cached tokens, a fresh prefill) over a float8 cache
     with per-layer scales: the bytes written are fp8(k / k_scale), fp8(v / v_scale), and the
     output is float32 attention over the dequantized cache, fp8(x / scale) * scale."""
-    from jllm.runner.inputs import BatchLayout, build_step
+    from jllm.runner.buckets import BatchLayout
+    from jllm.runner.inputs import build_step
 
     backend = get_backend(name)
     try:

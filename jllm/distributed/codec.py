@@ -70,3 +70,32 @@ def decode(data: bytes):
         raise
     except (ValueError, TypeError, msgpack.UnpackException) as e:
         raise MalformedMessage(f"not a step-channel message: {e}") from e
+
+
+def expect_array(value, dtype: str, ndim: int, what: str, shape: tuple | None = None):
+    """`value` when it is a numpy array of `dtype` with `ndim` axes (and `shape`, where a
+    dimension of None takes any size); MalformedMessage naming `what` otherwise."""
+    if not isinstance(value, np.ndarray) or value.dtype.name != dtype or value.ndim != ndim:
+        raise MalformedMessage(f"step message: {what} is not a {ndim}-d {dtype} array")
+    if shape is not None and any(
+        s is not None and s != n for s, n in zip(shape, value.shape, strict=True)
+    ):
+        raise MalformedMessage(f"step message: {what} has shape {value.shape}, not {shape}")
+    return value
+
+
+def expect_ints(value, what: str, length: int | None = None) -> list[int]:
+    """`value` when it is a list of integers (of `length`); MalformedMessage otherwise."""
+    if (
+        not isinstance(value, list)
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        or (length is not None and len(value) != length)
+    ):
+        raise MalformedMessage(f"step message: {what} is not a list of integers")
+    return value
+
+
+def expect_list(value, what: str) -> list:
+    if not isinstance(value, list):
+        raise MalformedMessage(f"step message: {what} is not a list")
+    return value

@@ -48,10 +48,10 @@ from jllm.engine.scheduler import Scheduler
 from jllm.logits_process import LogitsProcessorConfig, load_logits_processors
 from jllm.lora.manager import LoraCache, LoraSlots
 from jllm.metrics.stats import LoggingStatLogger
+from jllm.runner.buckets import BatchLayout
 from jllm.runner.compile_cache import enable_compilation_cache
 from jllm.runner.encoder import ImageEncoder
 from jllm.runner.host_kv import HostKVCache, host_tier_blocks
-from jllm.runner.inputs import BatchLayout
 from jllm.runner.kv_cache import allocate_kv_caches, resolve_kv_cache_dtype, size_kv_cache
 from jllm.runner.model_runner import ModelRunner
 from jllm.sampling_params import SamplingParams
@@ -93,6 +93,12 @@ class LLMEngine:
         tile = get_backend(backend).prefill_tile
         sched_cfg = resolve_scheduler_config(args, self.max_model_len, tile)
         kv_dtype, kv_fp8 = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, platform)
+        draft = None
+        if args.speculative_config is not None:
+            draft = load_draft_model(args, m, backend, platform, kv_dtype.itemsize)
+        groups = (*m.kv_caches, *(() if draft is None else draft.kv_caches))
+        vision = getattr(cfg, "vision", None)
+        token_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
         layout = BatchLayout.create(
             args.block_size,
             0,  # blocks: set once the cache is sized
@@ -100,24 +106,26 @@ class LLMEngine:
             self.max_model_len,
             sched_cfg.max_num_seqs,
             sched_cfg.max_num_batched_tokens,
-            kv_token_bytes=2 * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize,
+            # The draft runs over the same flat batch: the larger of the two models' bytes
+            # sizes the xla backend's KV chunk counts.
+            kv_token_bytes=max(token_bytes, 0 if draft is None else draft.token_bytes),
             min_rows=min_dot_rows(dtype, platform),
             num_spec_tokens=sched_cfg.num_lookahead_slots,
             kv_fp8=kv_fp8,
             tiles=tile is not None,
+            windows=tuple(spec.window for spec in groups),
+            image_tokens=0 if vision is None else vision.tokens_per_image,
+            image_spans=vision is not None and vision.bidirectional,
         )
-        vision = getattr(cfg, "vision", None)
+        if draft is not None:
+            draft.layout = dataclasses.replace(layout, kv_token_bytes=draft.token_bytes)
         encoder, encoder_cache = None, None
         if vision is not None:
-            layout.image_tokens, layout.image_spans = vision.tokens_per_image, vision.bidirectional
             slots, per_step = encoder_slots(
                 vision.tokens_per_image, sched_cfg.max_num_batched_tokens
             )
             encoder = ImageEncoder(m.graphdef, vision, slots, per_step, dtype, replicated(m.mesh))
             encoder_cache = EncoderCache(slots)
-        draft = None
-        if args.speculative_config is not None:
-            draft = load_draft_model(args, m, backend, platform, layout, kv_dtype.itemsize)
         self.logits_processors = load_logits_processors(
             args.logits_processors, LogitsProcessorConfig(cfg.vocab_size, sched_cfg.max_num_seqs)
         )
@@ -171,10 +179,10 @@ class LLMEngine:
         # The caches are zeroed on a thread while the steps compile against their shapes.
         with ThreadPoolExecutor(1, "jllm-kv-cache") as pool:
             allocated = pool.submit(allocate_kv_caches, specs)
-            self._attach_kv_caches(specs, num_blocks, draft, layout)
+            self._attach_kv_caches(specs, num_blocks, draft)
             self.runner.compile_all()
             caches = allocated.result()
-        self._attach_kv_caches(caches, num_blocks, draft, layout)
+        self._attach_kv_caches(caches, num_blocks, draft)
         if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
             log_split(m.mesh, m.state, caches[0], m.kv_replicas, m.stage_layers)
         compiled = time.perf_counter()
@@ -256,11 +264,11 @@ class LLMEngine:
             (sizing - loaded) + (done - compiled),
         )
 
-    def _attach_kv_caches(self, caches, num_blocks: int, draft, layout) -> None:
+    def _attach_kv_caches(self, caches, num_blocks: int, draft) -> None:
         """The model's caches (and the draft's), real or their shapes while compiling."""
         self.runner.attach_kv_cache(caches[0], num_blocks)
         if draft is not None:
-            draft.attach(caches[1], layout)
+            draft.attach(caches[1], num_blocks)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:

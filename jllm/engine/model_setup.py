@@ -220,16 +220,15 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
 
 
 def load_draft_model(
-    args: EngineArgs, target: EngineModel, backend: str, platform: str, layout, kv_itemsize: int
+    args: EngineArgs, target: EngineModel, backend: str, platform: str, kv_itemsize: int
 ):
     """The speculative draft model of `speculative_config` (a DraftModel), or None for
     another method. Checked against the target: the same vocabulary (its drafts are the
     target's token ids), positions up to the target's `max_model_len`, the same mesh and
     attention backend. Loaded by the same loader (`load_format`, quantization found in
     its checkpoint or `spec.quantization`) in the target's dtype. It runs over the target's
-    flat batch (with its own KV-cache groups' metadata, built with the target's layout), so
-    `layout.kv_token_bytes` (which sizes the xla backend's KV chunk counts) becomes the
-    larger of the two models'."""
+    flat batch (with its own KV-cache groups' metadata, built with the target's layout,
+    which the engine gives it with its own `token_bytes`)."""
     spec = args.speculative_config
     if spec.method != "draft_model":
         return None
@@ -303,9 +302,6 @@ def load_draft_model(
             f"The draft model needs attention backend {draft_backend!r} (head_dim "
             f"{cfg.head_dim}), the target {backend!r}: they must share one."
         )
-    token_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * kv_itemsize
-    draft_layout = dataclasses.replace(layout, kv_token_bytes=token_bytes)
-    layout.kv_token_bytes = max(layout.kv_token_bytes, token_bytes)
     return DraftModel(
         graphdef,
         state,
@@ -313,5 +309,5 @@ def load_draft_model(
         CacheSpec.groups_of(arch.module, cfg),
         spec.num_speculative_tokens,
         spec.disable_by_batch_size,
-        draft_layout,
+        token_bytes=2 * cfg.num_kv_heads * cfg.head_dim * kv_itemsize,
     )

@@ -3,8 +3,11 @@
 their embeddings written into the device's encoder cache (`pool` [slots, P, D], vLLM's
 encoder cache), which the forward reads at each image token (`StepInputs.embed_index`).
 
-Every bucket compiles at start-up with the forward's buckets; the pool is donated, so the
-write is in place, and JAX orders it after every step already dispatched that reads the pool.
+`ImageEncoder` is the runner manager (`runner/manager.py`) that owns the pool: a step's
+writes are its new images ((slot, pixels) each), which travel to the other processes of a
+multi-process engine as arrays. Every bucket compiles at start-up with the forward's
+buckets; the pool is donated, so the write is in place, and JAX orders it after every step
+already dispatched that reads the pool.
 
 Glossary: N images, C channels, P tokens per image, D model dim.
 """
@@ -18,8 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jllm.runner.compile_guard import CompileAfterWarmupError
-from jllm.runner.inputs import pow2_buckets
+from jllm.distributed.codec import MalformedMessage, expect_array, expect_list
+from jllm.runner.buckets import pow2_buckets
+from jllm.runner.manager import RunnerManager
 
 
 @partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pool",))
@@ -31,7 +35,9 @@ def encode_step(state, pool, pixels, slots, *, graphdef):
     return pool.at[slots].set(embeds.astype(pool.dtype), mode="drop")
 
 
-class ImageEncoder:
+class ImageEncoder(RunnerManager):
+    name = "images"
+
     def __init__(self, graphdef, vision, num_slots: int, max_images: int, dtype, sharding):
         """`vision`: the model's VisionConfig; `max_images`: the most new images a step can
         bring (its largest bucket)."""
@@ -42,36 +48,46 @@ class ImageEncoder:
         self.pool = jax.device_put(np.zeros(shape, jnp.dtype(dtype)), sharding)
         self.sharding = sharding
         self.buckets = pow2_buckets(max_images)
-        self._exe: dict[int, object] = {}
-        self.compile_guard = False
 
-    def _executable(self, state, n: int):
-        exe = self._exe.get(n)
-        if exe is None:
-            if self.compile_guard:
-                raise CompileAfterWarmupError(f"image encoder bucket ({n} images) not compiled")
+    def _executable(self, runner, n: int):
+        def lower():
             pixels = jax.ShapeDtypeStruct(
                 (n, *self.pixel_shape), jnp.float32, sharding=self.sharding
             )
             slots = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=self.sharding)
-            exe = self._exe[n] = encode_step.lower(
-                state, self.pool, pixels, slots, graphdef=self.graphdef
-            ).compile()
-        return exe
+            return encode_step.lower(runner.state, self.pool, pixels, slots, graphdef=self.graphdef)
 
-    def compile_all(self, state) -> None:
+        return runner.table.get("image encoder", n, lower)
+
+    def compile_all(self, runner) -> None:
         for n in self.buckets:
-            self._executable(state, n)
+            self._executable(runner, n)
 
-    def run(self, state, inputs: list[tuple[int, np.ndarray]]) -> None:
-        """Encode `inputs` ((slot, pixels [C, H, W]) each) into the pool, in buckets."""
+    def apply(self, runner, writes: list[tuple[int, np.ndarray]]) -> None:
+        """Encode the new images ((slot, pixels [C, H, W]) each) into the pool, in buckets."""
         largest = self.buckets[-1]
-        for lo in range(0, len(inputs), largest):
-            part = inputs[lo : lo + largest]
+        for lo in range(0, len(writes), largest):
+            part = writes[lo : lo + largest]
             n = next(b for b in self.buckets if b >= len(part))
             pixels = np.zeros((n, *self.pixel_shape), np.float32)
             slots = np.full(n, self.num_slots, np.int32)
             for i, (slot, px) in enumerate(part):
                 pixels[i], slots[i] = px, slot
             pixels, slots = jax.device_put((pixels, slots), self.sharding)
-            self.pool = self._executable(state, n)(state, self.pool, pixels, slots)
+            self.pool = self._executable(runner, n)(runner.state, self.pool, pixels, slots)
+
+    def encode(self, writes) -> list:
+        return [[int(slot), pixels] for slot, pixels in writes]
+
+    def decode(self, wire) -> list:
+        writes = []
+        for w in expect_list(wire, "the images"):
+            if not isinstance(w, list) or len(w) != 2 or not isinstance(w[0], int):
+                raise MalformedMessage("step message: an image is not [slot, pixels]")
+            if not 0 <= w[0] < self.num_slots:
+                raise MalformedMessage(f"step message: an image for slot {w[0]}")
+            writes.append((w[0], expect_array(w[1], "float32", 3, "an image", self.pixel_shape)))
+        return writes
+
+    def device_arrays(self, runner) -> list:
+        return [self.pool]

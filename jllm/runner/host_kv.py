@@ -11,7 +11,9 @@ two copies a step may start with:
   device blocks by a compiled executable that updates the donated cache in place, before the
   forward that reads them.
 
-Both run in buckets of 1, 2, 4, ... blocks, compiled at start-up. On TPU and GPU the host
+Both run in buckets of 1, 2, 4, ... blocks, compiled at start-up. `HostKVCache` is a runner
+manager (`runner/manager.py`): a step's writes are its (stores, loads), block-id pairs on
+the wire. On TPU and GPU the host
 array would live in the `pinned_host` memory kind for DMA copies; on the CPU host memory is
 the device's memory and numpy is the host array.
 
@@ -27,8 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jllm.runner.compile_guard import CompileAfterWarmupError
-from jllm.runner.inputs import pow2_buckets
+from jllm.distributed.codec import MalformedMessage, expect_ints, expect_list
+from jllm.runner.buckets import pow2_buckets
+from jllm.runner.manager import RunnerManager
 
 # The most blocks one copy executable moves; longer lists go in several calls.
 MAX_COPY_BLOCKS = 64
@@ -47,7 +50,9 @@ def scatter_blocks(cache, ids, blocks):
     return cache.at[:, ids].set(blocks.astype(cache.dtype), mode="drop")
 
 
-class HostKVCache:
+class HostKVCache(RunnerManager):
+    name = "host_kv"
+
     def __init__(self, num_blocks: int, device_caches: tuple, replicated) -> None:
         """`device_caches`: the model's KV-cache groups (their shapes and shardings)."""
         self.num_blocks = num_blocks
@@ -56,10 +61,8 @@ class HostKVCache:
             np.zeros((c.shape[0], num_blocks, *c.shape[2:]), c.dtype) for c in device_caches
         ]
         self.buckets = pow2_buckets(MAX_COPY_BLOCKS)
-        self._gather: dict[tuple, object] = {}
-        self._scatter: dict[tuple, object] = {}
         self._pending: list[tuple[list[int], list]] = []  # (host blocks, gathered arrays)
-        self.compile_guard = False
+        self.table = None  # the runner's ExecutableTable, from compile_all or apply
 
     @staticmethod
     def block_bytes(device_caches) -> int:
@@ -69,26 +72,51 @@ class HostKVCache:
             for c in device_caches
         )
 
-    def _executable(self, table, fn, cache, n: int, *extra):
-        key = (cache.shape, str(cache.dtype), n)
-        exe = table.get(key)
-        if exe is None:
-            if self.compile_guard:
-                raise CompileAfterWarmupError(f"KV copy of {n} blocks not compiled")
+    def _executable(self, kind: str, fn, cache, n: int, *extra):
+        def lower():
             ids = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=self.replicated)
-            exe = table[key] = fn.lower(cache, ids, *extra).compile()
-        return exe
+            return fn.lower(cache, ids, *extra)
+
+        return self.table.get(kind, (cache.shape, str(cache.dtype), n), lower)
 
     def _blocks_shape(self, cache, n: int):
         shape = (cache.shape[0], n, *cache.shape[2:])
         return jax.ShapeDtypeStruct(shape, cache.dtype, sharding=cache.sharding)
 
-    def compile_all(self, caches) -> None:
-        for cache in caches:
+    def compile_all(self, runner) -> None:
+        self.table = runner.table
+        for cache in runner.kv_cache:
             for n in self.buckets:
-                self._executable(self._gather, gather_blocks, cache, n)
+                self._executable("host kv gather", gather_blocks, cache, n)
                 blocks = self._blocks_shape(cache, n)
-                self._executable(self._scatter, scatter_blocks, cache, n, blocks)
+                self._executable("host kv scatter", scatter_blocks, cache, n, blocks)
+
+    def empty(self):
+        return ([], [])
+
+    def apply(self, runner, writes) -> None:
+        stores, loads = writes
+        if stores or loads:
+            self.table = runner.table
+            runner.kv_cache = self.copy(runner.kv_cache, stores, loads)
+
+    def encode(self, writes) -> list:
+        stores, loads = writes
+        return [[[int(a), int(b)] for a, b in stores], [[int(a), int(b)] for a, b in loads]]
+
+    def decode(self, wire):
+        wire = expect_list(wire, "the host KV copies")
+        if len(wire) != 2:
+            raise MalformedMessage("step message: the host KV copies are not [stores, loads]")
+        stores, loads = (
+            [tuple(expect_ints(p, "a host KV copy", 2)) for p in expect_list(w, "copies")]
+            for w in wire
+        )
+        return stores, loads
+
+    def device_arrays(self, runner) -> list:
+        self.flush()
+        return list(self.arrays)  # host memory, written by every process alike
 
     def _chunks(self, pairs):
         largest = self.buckets[-1]
@@ -114,7 +142,7 @@ class HostKVCache:
             ids = jax.device_put(ids, self.replicated)
             gathered = []
             for cache in caches:
-                blocks = self._executable(self._gather, gather_blocks, cache, n)(cache, ids)
+                blocks = self._executable("host kv gather", gather_blocks, cache, n)(cache, ids)
                 blocks.copy_to_host_async()
                 gathered.append(blocks)
             self._pending.append(([h for _, h in part], gathered))
@@ -129,7 +157,7 @@ class HostKVCache:
                 shape = self._blocks_shape(cache, n)
                 put_ids = jax.device_put(ids, self.replicated)
                 blocks = jax.device_put(data, shape.sharding)
-                exe = self._executable(self._scatter, scatter_blocks, cache, n, shape)
+                exe = self._executable("host kv scatter", scatter_blocks, cache, n, shape)
                 caches[g] = exe(cache, put_ids, blocks)
         return tuple(caches)
 

@@ -6,9 +6,11 @@ after a preemption), to row `r + 1` of the table for input-batch row r; row 0 st
 the others, and the sampler adds `bias[row]` to the logits only when some row in the batch
 has one. Masks are -inf entries: tokens outside `allowed_token_ids` and banned words. Bad
 words of several tokens depend on what was just generated and are masked per step instead
-(`runner/inputs.py`, through the sampler's `suppress` ids).
+(`runner/sampling_inputs.py`, through the sampler's `suppress` ids).
 
-The write is one jitted row update (the row index is traced), compiled at start-up.
+`LogitBiasTable` is the runner manager (`runner/manager.py`) that owns the table. The write
+is one jitted row update (the row index is traced), compiled at start-up; on the wire a
+write is its row and its vector.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from jllm.distributed.codec import MalformedMessage, expect_array, expect_list
+from jllm.runner.manager import RunnerManager
 from jllm.sampling_params import SamplingParams
 
 
@@ -40,3 +44,44 @@ def _write(bias, row, vector):
 
 
 write_bias = jax.jit(_write, donate_argnames=("bias",))
+
+
+class LogitBiasTable(RunnerManager):
+    """The table [rows, V] on the device and its row writes ((row, vector) each)."""
+
+    name = "bias"
+
+    def __init__(self, num_rows: int, vocab_size: int, sharding) -> None:
+        self.num_rows, self.vocab_size, self.sharding = num_rows, vocab_size, sharding
+        self.bias = jax.device_put(np.zeros((num_rows, vocab_size), np.float32), sharding)
+
+    def _put(self, row: int, vector: np.ndarray):
+        return jax.device_put((np.int32(row), vector), self.sharding)
+
+    def _executable(self, table, row, vector):
+        return table.get("logit-bias write", None, lambda: write_bias.lower(self.bias, row, vector))
+
+    def compile_all(self, runner) -> None:
+        self._executable(runner.table, *self._put(0, np.zeros(self.vocab_size, np.float32)))
+
+    def apply(self, runner, writes) -> None:
+        for row, vector in writes:
+            row, vector = self._put(row, vector)
+            self.bias = self._executable(runner.table, row, vector)(self.bias, row, vector)
+
+    def encode(self, writes) -> list:
+        return [[int(row), vector] for row, vector in writes]
+
+    def decode(self, wire) -> list:
+        writes = []
+        for w in expect_list(wire, "the logit-bias writes"):
+            if not isinstance(w, list) or len(w) != 2 or not isinstance(w[0], int):
+                raise MalformedMessage("step message: a logit-bias write is not [row, vector]")
+            if not 0 < w[0] < self.num_rows:
+                raise MalformedMessage(f"step message: a logit-bias write to row {w[0]}")
+            vector = expect_array(w[1], "float32", 1, "a logit bias", (self.vocab_size,))
+            writes.append((w[0], vector))
+        return writes
+
+    def device_arrays(self, runner) -> list:
+        return [self.bias]

@@ -10,10 +10,17 @@ and logprobs when asked). It appends the tokens it
 emits to its own rows: the scheduler never sends them back. Nothing here imports
 `jllm.engine`.
 
-Every bucket is compiled ahead of time in `compile_all` (the equivalent of vLLM's CUDA-graph
-capture), the executables are kept in a table, and once `compile_guard` is set a step whose
-bucket is missing raises instead of compiling. `enforce_eager=True` skips the start-up pass:
-buckets compile on first use.
+Every device concern beside the forward and the sampler is a manager that owns its arrays
+(`runner/manager.py`: penalty state, the logit-bias table, LoRA slots, the image encoder's
+cache, the host KV tier's copies); a step is one `StepPlan` (`runner/step_message.py`) that
+holds each manager's writes by name, which `run_step` applies before the forward, on every
+process of a multi-process engine alike.
+
+Every executable (the forward's buckets, the sampler's, the managers') is compiled ahead of
+time in `compile_all` (the equivalent of vLLM's CUDA-graph capture) into one
+`ExecutableTable` (`runner/executables.py`); once its guard is set a step whose bucket is
+missing raises instead of compiling. `enforce_eager=True` skips the start-up pass: buckets
+compile on first use.
 """
 
 from __future__ import annotations
@@ -33,19 +40,21 @@ from flax import nnx
 
 from jllm.attention import get_backend
 from jllm.distributed.codec import MalformedMessage
-from jllm.lora.layers import lora_paths, write_slot
 from jllm.models.context import StepContext
+from jllm.runner.buckets import BatchLayout
 from jllm.runner.compile_cache import cache_counts
-from jllm.runner.compile_guard import CompileAfterWarmupError
+from jllm.runner.executables import ExecutableTable
 from jllm.runner.input_batch import InputBatch
-from jllm.runner.inputs import BatchLayout, build_step, grammar_rows
-from jllm.runner.logit_bias import bias_vector, write_bias
-from jllm.runner.penalty_state import PenaltyWriter, write_step
+from jllm.runner.inputs import build_step
+from jllm.runner.logit_bias import LogitBiasTable, bias_vector
+from jllm.runner.lora_slots import LoraSlotArrays
+from jllm.runner.penalty_state import PenaltyState
 from jllm.runner.prompt_logprobs import prompt_logprobs_step
 from jllm.runner.prompt_logprobs import unpack as unpack_prompt_logprobs
 from jllm.runner.sampled import SampledToken
 from jllm.runner.sampler import sample, unpack_result
-from jllm.runner.step_message import from_message, to_message
+from jllm.runner.sampling_inputs import grammar_rows
+from jllm.runner.step_message import StepPlan, from_message, to_message
 from jllm.runner.transfer import Layout, pack, unpack
 from jllm.sampling_params import SamplingParams
 from jllm.scheduler_output import PROMPT_LOGPROB_ROWS, ModelRunnerOutput, SchedulerOutput
@@ -161,14 +170,6 @@ def sample_step(
     )
 
 
-def _without_slot_axis(array) -> jax.sharding.NamedSharding:
-    """The sharding of one slot of a LoRA slot array [L, S, ...]: the array's without axis 1."""
-    spec = tuple(array.sharding.spec) + (None,) * (array.ndim - len(array.sharding.spec))
-    return jax.sharding.NamedSharding(
-        array.sharding.mesh, jax.sharding.PartitionSpec(spec[0], *spec[2:])
-    )
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -188,27 +189,24 @@ class ModelRunner:
         encoder=None,
     ) -> None:
         self.graphdef = graphdef
-        self.host_kv = None  # the host KV tier's arrays and copies (runner/host_kv.py)
-        # A vision-language model's image encoder and its cache (runner/encoder.py).
-        self.encoder = encoder
-        # LoRA (jllm/lora/layers.py): the slot arrays' paths in the state, and which
-        # adapter (digest) each slot holds.
-        self.lora = lora
-        self.lora_paths = [] if lora is None else lora_paths(state)
-        self.lora_owner: list[bytes | None] = [None] * (0 if lora is None else lora.max_loras)
-        self._lora_exe = None
         self.draft = draft  # a speculative DraftModel (spec_decode/draft_model.py), or None
         # The KV-cache groups (a CacheSpec each, runner/kv_cache.py): the model's, then the
         # draft model's. Every step carries each group's attention metadata.
         self.kv_groups = tuple(kv_caches) + (() if draft is None else tuple(draft.kv_caches))
         self.mesh = mesh
+        self.table = ExecutableTable(mesh)
         # Step inputs and penalty state are replicated on every device of the mesh.
         self.replicated = replicated(mesh)
         self.logits_sharding = named_sharding(mesh, (None, "vocab"), (1, vocab_size))
         self.state = state
         self.kv_cache = None  # attach_kv_cache, once sized
-        self.layout = layout
-        layout.windows = tuple(spec.window for spec in self.kv_groups)
+        windows = tuple(spec.window for spec in self.kv_groups)
+        if any(w is not None for w in windows) and layout.windows != windows:
+            raise ValueError(
+                f"The batch layout's sliding windows {layout.windows} are not the KV-cache "
+                f"groups' {windows}."
+            )
+        self.layout = layout  # frozen; a copy with the block count once the cache is sized
         self.backend = backend  # the attention_backend name
         self.attention = get_backend(backend)
         self.enforce_eager = enforce_eager
@@ -223,31 +221,42 @@ class ModelRunner:
         self.batch = InputBatch(
             max_num_seqs, max_len, layout.max_pages, self.logits_processors, len(self.kv_groups)
         )
-        # Penalty state (runner/penalty_state.py): row 0 stays empty.
-        self.penalties = PenaltyWriter(max_num_seqs, max_len)
-        shape = (self.penalties.num_rows, vocab_size)
-        self.counts = jax.device_put(np.zeros(shape, np.int32), self.replicated)
-        self.prompt_mask = jax.device_put(np.zeros(shape, np.bool_), self.replicated)
-        # The logit-bias table (runner/logit_bias.py), row 0 zero like the penalty state.
+        # The managers (runner/manager.py), in the order their writes run in a step: a LoRA
+        # slot and the images a step reads are written before the forward; the host KV
+        # tier's copies before it overwrites or reads their blocks; penalty rows (row 0
+        # stays empty) and logit-bias rows before the sampler.
+        self.lora = None if lora is None else LoraSlotArrays(lora, state, self.replicated)
+        self.encoder = encoder  # a vision-language model's ImageEncoder (runner/encoder.py)
+        self.host_kv = None  # the host KV tier's HostKVCache (runner/host_kv.py), if any
+        self.penalties = PenaltyState(max_num_seqs, max_len, vocab_size, self.replicated)
+        self.bias = LogitBiasTable(self.penalties.num_rows, vocab_size, self.replicated)
         self.vocab_size = vocab_size
-        self.bias = jax.device_put(np.zeros(shape, np.float32), self.replicated)
         # Grammar bitmasks (structured outputs): a step without any passes a zero array of
         # its row bucket, kept on the device, so only steps with a grammar transfer one.
         self.bitmask_width = bitmask_width(vocab_size)
         self._no_bitmask: dict[int, jax.Array] = {}
-        self._bias_exe = None
-        self._prompt_lp_exe = None
         # The last token each input-batch row sampled, where the next step reads it.
         last = np.zeros(max_num_seqs + 1, np.int32)
         self.last_tokens = jax.device_put(last, self.replicated)
-        self._forward_exe: dict[tuple, object] = {}
-        self._layouts: dict[tuple, tuple] = {}  # (key, Rs) -> packed layouts (followers)
-        self._sample_exe: dict[int, object] = {}
-        self._write_exe: dict[int, object] = {}
-        self.compile_guard = False
+        self._layouts: dict[tuple, tuple] = {}  # (key, Rs) -> packed layouts
         self.channel = None  # process 0 of a multi-process engine: a StepChannel
         self._first_step: float | None = None  # when the first step was dispatched
         self._first_logged = False
+
+    @property
+    def managers(self) -> list:
+        """The managers this engine has, in the order their writes run in a step."""
+        every = (self.lora, self.encoder, self.host_kv, self.penalties, self.bias)
+        return [m for m in every if m is not None]
+
+    @property
+    def compile_guard(self) -> bool:
+        """Set once every executable is compiled: a missing one raises instead."""
+        return self.table.guard
+
+    @compile_guard.setter
+    def compile_guard(self, on: bool) -> None:
+        self.table.guard = on
 
     # ---- the KV cache --------------------------------------------------------------------
     def profile_step_bytes(self, abstract_cache) -> int:
@@ -255,9 +264,10 @@ class ModelRunner:
         memory XLA assigns to the largest forward key, the largest sampler and the
         prompt-logprob step, compiled
         against a stand-in cache of a few blocks (the cache's size does not change it)."""
-        buf, layout = pack(self._warmup_step(self.layout.largest())[0])
-        buf = jax.ShapeDtypeStruct(buf.shape, buf.dtype, sharding=self.replicated)
-        fwd = self._compile_forward(abstract_cache, buf, layout)
+        key = self.layout.largest()
+        # Not kept in the table: it is compiled against the stand-in cache.
+        with jax.set_mesh(self.mesh):
+            fwd = self._lower_forward(key, abstract_cache).compile()
         hidden, _, prompt_hidden = fwd.out_info
         # The sampler and the prompt-logprob step do not read the cache: kept for serving.
         smp = self._sample_executable(self.layout.sample_buckets[-1], hidden)
@@ -271,7 +281,7 @@ class ModelRunner:
     def attach_kv_cache(self, kv_cache: tuple, num_blocks: int) -> None:
         """The model's KV-cache groups' caches, once sized (their shapes while compiling)."""
         self.kv_cache = kv_cache
-        self.layout.num_blocks = num_blocks
+        self.layout = self.layout.with_blocks(num_blocks)
 
     def _caches(self):
         return self.kv_cache if self.draft is None else (self.kv_cache, self.draft.kv_cache)
@@ -295,145 +305,76 @@ class ModelRunner:
     def _images(self):
         return None if self.encoder is None else self.encoder.pool
 
-    def _compile_forward(self, kv_cache, buf, layout: Layout):
+    def _abstract(self, layout: Layout):
+        """The packed buffer of `layout` as an abstract replicated argument."""
+        size = sum(int(np.prod(shape)) for shape, _ in layout.leaves)
+        return jax.ShapeDtypeStruct((size,), jnp.int32, sharding=self.replicated)
+
+    def _lower_forward(self, key: tuple, kv_cache):
         """`kv_cache`: the target's, or the pair (target, draft) with a draft model."""
-        with jax.set_mesh(self.mesh):
-            return forward_step.lower(
-                *self._forward_args(kv_cache),
-                self.last_tokens,
-                buf,
-                self._images(),
-                layout=layout,
-                graphdef=self.graphdef,
-                backend=self.attention,
-                draft_graphdef=None if self.draft is None else self.draft.graphdef,
-            ).compile()
+        layout = self.step_layouts(key, self.layout.sample_buckets[0])[0]
+        return forward_step.lower(
+            *self._forward_args(kv_cache),
+            self.last_tokens,
+            self._abstract(layout),
+            self._images(),
+            layout=layout,
+            graphdef=self.graphdef,
+            backend=self.attention,
+            draft_graphdef=None if self.draft is None else self.draft.graphdef,
+        )
+
+    def forward_for(self, key: tuple):
+        """The forward executable of `key`, compiled now when missing (and allowed)."""
+        return self.table.get("forward", key, lambda: self._lower_forward(key, self._caches()))
 
     def _sampler_state(self, bitmask) -> tuple:
         """The sampler's arguments after the hidden states and metadata: the penalty state,
         the logit-bias table, the last tokens and the grammar bitmask."""
-        return self.counts, self.prompt_mask, self.bias, self.last_tokens, bitmask
+        p = self.penalties
+        return p.counts, p.prompt_mask, self.bias.bias, self.last_tokens, bitmask
 
-    def _compile_sampler(self, rs: int, hidden, buf, layout: Layout):
-        bitmask = jax.ShapeDtypeStruct(
-            (rs, self.bitmask_width), jnp.int32, sharding=self.replicated
-        )
-        with jax.set_mesh(self.mesh):
+    def _sample_executable(self, rs: int, hidden):
+        """The sampler of `rs` rows, after the forward's `hidden` states (their shape)."""
+
+        def lower():
+            layout = self.step_layouts(self.layout.shapes()[0], rs)[1]
+            bitmask = jax.ShapeDtypeStruct(
+                (rs, self.bitmask_width), jnp.int32, sharding=self.replicated
+            )
             return sample_step.lower(
                 self.state,
                 hidden,
-                buf,
+                self._abstract(layout),
                 *self._sampler_state(bitmask),
                 layout=layout,
                 graphdef=self.graphdef,
                 logits_sharding=self.logits_sharding,
                 num_logprobs=self.max_logprobs,
                 logits_processors=self.logits_processors,
-            ).compile()
+            )
 
-    def _forward_executable(self, key: tuple, buf, layout: Layout):
-        exe = self._forward_exe.get(key)
-        if exe is None:
-            if self.compile_guard:
-                raise CompileAfterWarmupError(f"forward bucket {key} not compiled")
-            exe = self._forward_exe[key] = self._compile_forward(self._caches(), buf, layout)
-        return exe
-
-    def forward_for(self, key: tuple):
-        """The forward executable of `key`, compiled now when missing (and allowed)."""
-        buf, layout = pack(self._warmup_step(key)[0])
-        return self._forward_executable(key, jax.device_put(buf, self.replicated), layout)
-
-    def _sample_executable(self, rs: int, hidden, buf=None, layout: Layout | None = None):
-        """The sampler of `rs` rows; `buf` and `layout`: its packed metadata (built here from
-        zero inputs when not given)."""
-        exe = self._sample_exe.get(rs)
-        if exe is None:
-            if self.compile_guard:
-                raise CompileAfterWarmupError(f"sampler bucket (Rs={rs}) not compiled")
-            if buf is None:
-                buf, layout = pack(self._warmup_step(self.layout.shapes()[0], rs)[1])
-                buf = jax.ShapeDtypeStruct(buf.shape, buf.dtype, sharding=self.replicated)
-            exe = self._sample_exe[rs] = self._compile_sampler(rs, hidden, buf, layout)
-        return exe
-
-    def _write_executable(self, w):
-        W = w.rows.shape[0]
-        exe = self._write_exe.get(W)
-        if exe is None:
-            if self.compile_guard:
-                raise CompileAfterWarmupError(f"penalty write bucket (W={W}) not compiled")
-            with jax.set_mesh(self.mesh):
-                lowered = write_step.lower(self.counts, self.prompt_mask, w)
-            exe = self._write_exe[W] = lowered.compile()
-        return exe
-
-    def _lora_arrays(self) -> list:
-        flat = dict(nnx.to_flat_state(self.state))
-        return [flat[p] for p in self.lora_paths]
-
-    def write_lora(self, slot: int, adapter) -> None:
-        """Write `adapter` (a LoraAdapter, or None: zeros) into device slot `slot` (1-based)
-        of every slot array, in place."""
-        self.write_lora_values(slot, self.lora_values(adapter))
-        self.lora_owner[slot - 1] = None if adapter is None else adapter.digest
-
-    def lora_values(self, adapter) -> list[np.ndarray]:
-        """One slot's content of every slot array for `adapter` (None: zeros), float32: what
-        a LoRA slot write sends to the other processes."""
-        arrays = [v.get_value() for v in self._lora_arrays()]
-        values = self.lora.slot_values(self.lora_paths, adapter, arrays)
-        return [np.asarray(v, np.float32) for v in values]
-
-    def write_lora_values(self, slot: int, values: list[np.ndarray]) -> None:
-        """The device part of a slot write; every process of the engine runs it with the
-        same values (a follower's come in the step message, checked here)."""
-        variables = self._lora_arrays()
-        arrays = [v.get_value() for v in variables]
-        if not 1 <= slot <= len(self.lora_owner) or [v.shape for v in values] != [
-            (a.shape[0], *a.shape[2:]) for a in arrays
-        ]:
-            raise MalformedMessage(f"a LoRA slot write (slot {slot}) of the wrong shapes")
-        values = [
-            jax.device_put(v, _without_slot_axis(a)) for v, a in zip(values, arrays, strict=True)
-        ]
-        index = jax.device_put(np.int32(slot - 1), self.replicated)
-        if self._lora_exe is None:
-            if self.compile_guard:
-                raise CompileAfterWarmupError("LoRA slot write not compiled")
-            with jax.set_mesh(self.mesh):
-                self._lora_exe = write_slot.lower(arrays, index, values).compile()
-        for var, new in zip(variables, self._lora_exe(arrays, index, values), strict=True):
-            var.set_value(new)
-
-    def _bias_executable(self, row, vector):
-        if self._bias_exe is None:
-            if self.compile_guard:
-                raise CompileAfterWarmupError("logit-bias write not compiled")
-            with jax.set_mesh(self.mesh):
-                self._bias_exe = write_bias.lower(self.bias, row, vector).compile()
-        return self._bias_exe
+        return self.table.get("sampler", rs, lower)
 
     def _prompt_lp_executable(self, hidden):
-        if self._prompt_lp_exe is None:
-            if self.compile_guard:
-                raise CompileAfterWarmupError("prompt-logprob step not compiled")
+        def lower():
             targets = jax.ShapeDtypeStruct(
                 (PROMPT_LOGPROB_ROWS,), jnp.int32, sharding=self.replicated
             )
-            with jax.set_mesh(self.mesh):
-                self._prompt_lp_exe = prompt_logprobs_step.lower(
-                    self.state,
-                    hidden,
-                    targets,
-                    graphdef=self.graphdef,
-                    num_logprobs=self.max_logprobs,
-                    logits_sharding=self.logits_sharding,
-                ).compile()
-        return self._prompt_lp_exe
+            return prompt_logprobs_step.lower(
+                self.state,
+                hidden,
+                targets,
+                graphdef=self.graphdef,
+                num_logprobs=self.max_logprobs,
+                logits_sharding=self.logits_sharding,
+            )
+
+        return self.table.get("prompt logprobs", None, lower)
 
     def compile_all(self) -> None:
-        """Compile every forward key and sampler bucket before serving (skipped when eager).
+        """Compile every forward key and sampler bucket, and every manager's executables,
+        before serving (skipped when eager).
 
         They compile on `compile_workers` threads (XLA releases the GIL while it compiles;
         each compile sets the mesh itself). On the CPU one at a time: a thread per core was
@@ -487,21 +428,10 @@ class ModelRunner:
         hidden, _, prompt_hidden = run_all(forward, keys)[0].out_info  # shapes and shardings
         run_all(sampler, layout.sample_buckets)
         self._prompt_lp_executable(prompt_hidden)  # one shape: compiled once
-        for W in self.penalties.write_buckets:
-            w = self.penalties.empty_write(W)
-            self._write_executable(jax.device_put(w, self.replicated))
-        self._bias_executable(*self._put_bias_write(0, np.zeros(self.vocab_size, np.float32)))
-        if self.lora is not None:
-            self.write_lora(1, None)  # compiles the slot write
+        for manager in self.managers:
+            manager.compile_all(self)
         if self.draft is not None:
             self.draft.compile_all(self)
-        if self.encoder is not None:
-            with jax.set_mesh(self.mesh):
-                self.encoder.compile_all(self.state)
-            self.encoder.compile_guard = True
-        if self.host_kv is not None:
-            self.host_kv.compile_all(self.kv_cache)
-            self.host_kv.compile_guard = True
         compiled, loaded = cache_counts()
         logger.info(
             "Graph compilation finished in %.1f secs (%d executables compiled, %d loaded from "
@@ -513,12 +443,6 @@ class ModelRunner:
         self.compile_guard = True
 
     # ---- the step ------------------------------------------------------------------------
-    def _put_bias_write(self, row: int, vector: np.ndarray):
-        return (
-            jax.device_put(np.int32(row), self.replicated),
-            jax.device_put(vector, self.replicated),
-        )
-
     def _bitmask(self, rows: int, bitmask):
         if bitmask is not None:
             return jax.device_put(bitmask, self.replicated)
@@ -530,47 +454,26 @@ class ModelRunner:
 
     def step_layouts(self, key: tuple, rs: int) -> tuple[Layout, Layout]:
         """The packed layouts of forward key `key` and sampler bucket `rs`, built by the same
-        code as real steps (a follower rebuilds a step message's with it)."""
+        code as real steps (every process rebuilds a plan's with it)."""
         cached = self._layouts.get((key, rs))
         if cached is None:
             inputs, md = self._warmup_step(key, rs)
             cached = self._layouts[(key, rs)] = (pack(inputs)[1], pack(md)[1])
         return cached
 
-    def run_step(
-        self,
-        key,
-        packed_step,
-        writes=(),
-        bias_writes=(),
-        prompt_targets=None,
-        bitmask=None,
-        encoder_inputs=(),
-        lora_writes=(),
-    ):
-        """The device part of a step, from the packed host inputs ((buf, layout) of the
-        StepInputs and of the SamplingMetadata, `runner/transfer.py`) to the packed result,
-        still on the device (JAX dispatches asynchronously), after the admitted rows'
-        LoRA slot (`lora_writes`: (slot, values) each), penalty and logit-bias writes; with
-        `prompt_targets`, also the packed prompt logprobs (else None); `bitmask`: the step's
-        grammar bitmask [Rs, W], or None; `encoder_inputs`: the images to encode first
-        ((slot, pixels) each). Every process of a multi-process engine runs it with the
-        same inputs."""
-        for slot, values in lora_writes:
-            self.write_lora_values(slot, values)
-        if encoder_inputs:
-            with jax.set_mesh(self.mesh):
-                self.encoder.run(self.state, list(encoder_inputs))
-        (buf, layout), (md_buf, md_layout) = packed_step
-        for w in writes:
-            w = jax.device_put(w, self.replicated)
-            exe = self._write_executable(w)
-            self.counts, self.prompt_mask = exe(self.counts, self.prompt_mask, w)
-        for row, vector in bias_writes:
-            row, vector = self._put_bias_write(row, vector)
-            self.bias = self._bias_executable(row, vector)(self.bias, row, vector)
-        buf, md_buf = jax.device_put((buf, md_buf), self.replicated)
-        fwd = self._forward_executable(key, buf, layout)
+    def run_step(self, plan: StepPlan):
+        """The device part of a step: every manager's writes, then the forward and the
+        sampler, from the packed host inputs to the packed result, still on the device (JAX
+        dispatches asynchronously); with prompt-logprob targets, also the packed prompt
+        logprobs (else None). Every process of a multi-process engine runs it with the same
+        plan."""
+        for manager in self.managers:
+            writes = plan.writes[manager.name]
+            if writes != manager.empty():
+                manager.apply(self, writes)
+        layout, md_layout = self.step_layouts(plan.key, plan.rs)
+        buf, md_buf = jax.device_put((plan.inputs, plan.sampling), self.replicated)
+        fwd = self.forward_for(plan.key)
         hidden, caches, prompt_hidden = fwd(
             *self._forward_args(self._caches()), self.last_tokens, buf, self._images()
         )
@@ -578,14 +481,13 @@ class ModelRunner:
             self.kv_cache = caches
         else:
             self.kv_cache, self.draft.kv_cache = caches
-        rs = _sample_rows(md_layout)
-        smp = self._sample_executable(rs, hidden, md_buf, md_layout)
-        packed, self.counts, self.last_tokens = smp(
-            self.state, hidden, md_buf, *self._sampler_state(self._bitmask(rs, bitmask))
+        smp = self._sample_executable(plan.rs, hidden)
+        packed, self.penalties.counts, self.last_tokens = smp(
+            self.state, hidden, md_buf, *self._sampler_state(self._bitmask(plan.rs, plan.bitmask))
         )
         prompt_packed = None
-        if prompt_targets is not None:
-            targets = jax.device_put(prompt_targets, self.replicated)
+        if plan.prompt_targets is not None:
+            targets = jax.device_put(plan.prompt_targets, self.replicated)
             prompt_lp = self._prompt_lp_executable(prompt_hidden)
             prompt_packed = prompt_lp(self.state, prompt_hidden, targets)
         return packed, prompt_packed
@@ -600,20 +502,20 @@ class ModelRunner:
                 return
             if message["kind"] != "step":
                 raise MalformedMessage(f"step channel: unknown message {message['kind']!r}")
-            step = from_message(message, self.step_layouts)
-            jax.block_until_ready(self.run_step(*step))
+            plan = from_message(message, self.step_layouts, self.managers)
+            jax.block_until_ready(self.run_step(plan))
 
-    def _apply(self, out: SchedulerOutput):
-        """Bring the input batch up to date with the scheduler's output; returns the penalty
-        writes, the logit-bias writes and the LoRA slot writes for the admitted rows, and
-        the requests whose admission failed ({req id: reason})."""
+    def _apply(self, out: SchedulerOutput) -> tuple[dict, dict]:
+        """Bring the input batch up to date with the scheduler's output; returns every
+        manager's writes for the step and the requests whose admission failed ({req id:
+        reason})."""
         for rid in out.finished_req_ids | out.preempted_req_ids:
             self.batch.remove(rid)
-        admitted, bias_writes, failed, lora_writes = [], [], {}, []
+        writes = {m.name: m.empty() for m in self.managers}
+        admitted, bias_writes, failed = [], [], {}
         for new in out.scheduled_new_reqs:
-            if new.lora_slot and self.lora_owner[new.lora_slot - 1] != new.lora.digest:
-                lora_writes.append((new.lora_slot, self.lora_values(new.lora)))
-                self.lora_owner[new.lora_slot - 1] = new.lora.digest
+            if new.lora_slot:
+                writes[self.lora.name] += self.lora.admit(self, new.lora_slot, new.lora)
             try:
                 row = self.batch.add(new)
                 p = new.sampling_params
@@ -626,7 +528,13 @@ class ModelRunner:
             if bias is not None:
                 bias_writes.append((row + 1, bias))
         self.batch.update(out.scheduled_cached_reqs)
-        return self.penalties.admit(admitted), bias_writes, lora_writes, failed
+        writes[self.penalties.name] = self.penalties.admit(admitted)
+        writes[self.bias.name] = bias_writes
+        if self.encoder is not None:
+            writes[self.encoder.name] = list(out.encoder_inputs)
+        if self.host_kv is not None:
+            writes[self.host_kv.name] = (list(out.kv_stores), list(out.kv_loads))
+        return writes, failed
 
     def _admit_neutral(self, new, error: Exception) -> str:
         """A request whose row could not be written (its sampling parameters): it still
@@ -642,26 +550,23 @@ class ModelRunner:
         `fetch`. The rows that sample hold a pending token until then."""
         if self._first_step is None:
             self._first_step = time.perf_counter()
-        writes, bias_writes, lora_writes, failed = self._apply(out)
-        if self.host_kv is not None and (out.kv_stores or out.kv_loads):
-            self.kv_cache = self.host_kv.copy(self.kv_cache, out.kv_stores, out.kv_loads)
+        writes, failed = self._apply(out)
         inputs, md, groups, key, prompt_rows = build_step(
             self.batch, out, self.layout, self.attention
         )
-        targets = None if prompt_rows is None else prompt_rows.targets
-        bitmask = grammar_rows(groups, out.grammar_bitmask, len(md.masked), self.bitmask_width)
-        step = pack(inputs), pack(md)
-        images = out.encoder_inputs
-        if self.channel is not None:  # the other processes run the same step
-            (buf, _), (md_buf, _) = step
-            rs = md.batch_row.shape[0]
-            message = to_message(
-                key, rs, buf, md_buf, writes, bias_writes, targets, bitmask, images, lora_writes
-            )
-            self.channel.send(message)
-        packed, prompt_packed = self.run_step(
-            key, step, writes, bias_writes, targets, bitmask, images, lora_writes
+        rs = md.batch_row.shape[0]
+        plan = StepPlan(
+            key=key,
+            rs=rs,
+            inputs=pack(inputs)[0],
+            sampling=pack(md)[0],
+            prompt_targets=None if prompt_rows is None else prompt_rows.targets,
+            bitmask=grammar_rows(groups, out.grammar_bitmask, rs, self.bitmask_width),
+            writes=writes,
         )
+        if self.channel is not None:  # the other processes run the same step
+            self.channel.send(to_message(plan, self.managers))
+        packed, prompt_packed = self.run_step(plan)
         for g in groups:
             self.batch.num_pending[g.row] += 1
         return packed, groups, prompt_packed, prompt_rows, failed

@@ -8,8 +8,9 @@ far into the counts. After that the sampler adds the tokens it emits (`runner/sa
 So the state never depends on which tokens a step computed: a prefix-cache hit or a chunked
 prefill leaves it the same, and penalties work with prefix caching.
 
-The write is one small jitted scatter per length bucket (powers of two up to the context
-length), compiled with the other buckets at start-up.
+`PenaltyState` is the runner manager (`runner/manager.py`) that owns both arrays. The write
+is one small jitted scatter per length bucket (powers of two up to the context length),
+compiled with the other buckets at start-up; its wire form is the four arrays of each write.
 
 Glossary: W tokens written, A rows reset, V vocab.
 """
@@ -23,7 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jllm.runner.inputs import bucket, pow2_buckets
+from jllm.distributed.codec import MalformedMessage, expect_array, expect_list
+from jllm.runner.buckets import bucket, pow2_buckets
+from jllm.runner.manager import RunnerManager
 
 
 @partial(
@@ -52,13 +55,20 @@ def _write(counts, prompt_mask, w: PenaltyWrite):
 write_step = jax.jit(_write, donate_argnames=("counts", "prompt_mask"))
 
 
-class PenaltyWriter:
-    """Builds the admission writes, in buckets of tokens."""
+class PenaltyState(RunnerManager):
+    """The penalty rows on the device, and the admission writes that fill them, in buckets
+    of tokens."""
 
-    def __init__(self, max_num_seqs: int, max_model_len: int) -> None:
+    name = "penalties"
+
+    def __init__(self, max_num_seqs: int, max_model_len: int, vocab_size: int, sharding):
         self.num_rows = max_num_seqs + 1
         self.write_buckets = pow2_buckets(max(16, max_model_len), 16)
         self.max_resets = max_num_seqs
+        self.sharding = sharding
+        shape = (self.num_rows, vocab_size)
+        self.counts = jax.device_put(np.zeros(shape, np.int32), sharding)
+        self.prompt_mask = jax.device_put(np.zeros(shape, np.bool_), sharding)
 
     def admit(self, admitted) -> list[PenaltyWrite]:
         """Writes for the admitted sequences with penalties (`admitted`: (penalty row, prompt
@@ -93,3 +103,41 @@ class PenaltyWriter:
             np.zeros(W, np.int32),
             np.zeros(W, bool),
         )
+
+    def _executable(self, table, w: PenaltyWrite):
+        return table.get(
+            "penalty write",
+            w.rows.shape[0],
+            lambda: write_step.lower(self.counts, self.prompt_mask, w),
+        )
+
+    def compile_all(self, runner) -> None:
+        for W in self.write_buckets:
+            self._executable(runner.table, jax.device_put(self.empty_write(W), self.sharding))
+
+    def apply(self, runner, writes: list[PenaltyWrite]) -> None:
+        for w in writes:
+            w = jax.device_put(w, self.sharding)
+            exe = self._executable(runner.table, w)
+            self.counts, self.prompt_mask = exe(self.counts, self.prompt_mask, w)
+
+    def encode(self, writes: list[PenaltyWrite]) -> list:
+        return [[w.reset_rows, w.rows, w.tokens, w.is_output] for w in writes]
+
+    def decode(self, wire) -> list[PenaltyWrite]:
+        writes = []
+        for w in expect_list(wire, "the penalty writes"):
+            w = expect_list(w, "a penalty write")
+            if len(w) != 4:
+                raise MalformedMessage("step message: a penalty write has four arrays")
+            reset = expect_array(w[0], "int32", 1, "a penalty write", (self.max_resets,))
+            rows = expect_array(w[1], "int32", 1, "a penalty write")
+            if rows.shape[0] not in self.write_buckets:
+                raise MalformedMessage(f"step message: a penalty write of {rows.shape[0]} tokens")
+            tokens = expect_array(w[2], "int32", 1, "a penalty write", rows.shape)
+            is_out = expect_array(w[3], "bool", 1, "a penalty write", rows.shape)
+            writes.append(PenaltyWrite(reset, rows, tokens, is_out))
+        return writes
+
+    def device_arrays(self, runner) -> list:
+        return [self.counts, self.prompt_mask]

@@ -44,16 +44,10 @@ import numpy as np
 from flax import nnx
 
 from jllm.models.context import StepContext
-from jllm.runner.compile_guard import CompileAfterWarmupError
+from jllm.runner.buckets import BatchLayout, bucket
 from jllm.runner.draw import filtered_draw, first_argmax, row_keys
-from jllm.runner.inputs import (
-    BatchLayout,
-    StepInputs,
-    bucket,
-    fill_decode_rows,
-    group_metadata,
-    padded_flat_batch,
-)
+from jllm.runner.flat_batch import fill_decode_rows, group_metadata, padded_flat_batch
+from jllm.runner.inputs import StepInputs
 from jllm.runner.transfer import pack, unpack
 from jllm.sampling_params import SAMPLING_EPS
 from jllm.scheduler_output import PROMPT_LOGPROB_ROWS
@@ -174,7 +168,15 @@ class DraftModel:
     `propose` for the next drafts."""
 
     def __init__(
-        self, graphdef, state, config, kv_caches, num_speculative_tokens: int, disable_by, layout
+        self,
+        graphdef,
+        state,
+        config,
+        kv_caches,
+        num_speculative_tokens: int,
+        disable_by,
+        *,
+        token_bytes: int,
     ):
         self.graphdef = graphdef
         self.state = state
@@ -183,32 +185,31 @@ class DraftModel:
         self.k = num_speculative_tokens
         self.disable_by_batch_size = disable_by
         self.kv_cache = None  # the groups' caches, once sized
-        self.layout = layout  # the draft steps' BatchLayout: the target's, own K/V bytes
-        self._exe: dict[int, object] = {}
+        self.token_bytes = token_bytes  # one token's K and V in one layer
+        # The draft steps' BatchLayout: the target's with its own K/V bytes (the engine's).
+        self.layout = None
 
-    def attach(self, kv_cache, target_layout: BatchLayout) -> None:
-        """The draft's cache, once sized, with the target's block count."""
+    def attach(self, kv_cache, num_blocks: int) -> None:
+        """The draft's cache, once sized (its shapes while compiling), with the target's
+        block count."""
         self.kv_cache = kv_cache
-        self.layout = dataclasses.replace(self.layout, num_blocks=target_layout.num_blocks)
+        self.layout = self.layout.with_blocks(num_blocks)
 
     def _executable(self, runner, Rd: int, buf, layout):
-        exe = self._exe.get(Rd)
-        if exe is None:
-            if runner.compile_guard:
-                raise CompileAfterWarmupError(f"draft bucket (R={Rd}) not compiled")
-            with jax.set_mesh(runner.mesh):
-                exe = draft_step.lower(
-                    self.state,
-                    self.kv_cache,
-                    runner.last_tokens,
-                    buf,
-                    layout=layout,
-                    graphdef=self.graphdef,
-                    backend=runner.attention,
-                    logits_sharding=runner.logits_sharding,
-                ).compile()
-            self._exe[Rd] = exe
-        return exe
+        return runner.table.get(
+            "draft step",
+            Rd,
+            lambda: draft_step.lower(
+                self.state,
+                self.kv_cache,
+                runner.last_tokens,
+                buf,
+                layout=layout,
+                graphdef=self.graphdef,
+                backend=runner.attention,
+                logits_sharding=runner.logits_sharding,
+            ),
+        )
 
     def groups(self, runner) -> range:
         """The draft's KV-cache groups among the runner's: the last ones."""

@@ -234,7 +234,8 @@ def test_cpu_kernel_backend_attends_as_xla_with_window_and_soft_cap(window, soft
     """One step's batch (decodes, a prefill chunk after cached tokens, a fresh prefill), each
     backend with the metadata the step builder makes for it, the same q, k, v and stacked
     cache: the C++ kernel's attention (window and soft cap passed through) is the XLA one's."""
-    from jllm.runner.inputs import BatchLayout, build_step
+    from jllm.runner.buckets import BatchLayout
+    from jllm.runner.inputs import build_step
 
     S, K, G, H = 4, 2, 3, 16
     layout = BatchLayout.create(

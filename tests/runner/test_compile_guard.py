@@ -6,8 +6,7 @@ import pytest
 from oracle import prompt_ids
 
 from jllm import LLM, SamplingParams
-from jllm.runner.compile_guard import count_compiles
-from jllm.runner.model_runner import CompileAfterWarmupError
+from jllm.runner.compile_guard import CompileAfterWarmupError, count_compiles
 
 
 @pytest.mark.slow
@@ -21,7 +20,7 @@ def test_no_compile_after_warmup(llama_dir):
     )
     runner = llm.llm_engine.runner
     assert runner.compile_guard
-    assert len(runner._forward_exe) == len(runner.layout.shapes())
+    assert sorted(runner.table.details("forward")) == sorted(runner.layout.shapes())
     prompts = [{"prompt_token_ids": p} for p in prompt_ids(7, 3, seed=1)]
     prompts.append({"prompt_token_ids": prompt_ids(1, 150, seed=2)[0]})  # chunked
     mixed = [
@@ -56,7 +55,7 @@ def test_buckets_compiled_on_threads(llama_dir):
     runner = llm.llm_engine.runner
     runner.enforce_eager, runner.compile_workers = False, 2
     runner.compile_all()
-    assert set(runner._forward_exe) == set(runner.layout.shapes())
+    assert set(runner.table.details("forward")) == set(runner.layout.shapes())
     prompts = [{"prompt_token_ids": p} for p in prompt_ids(5, 3, seed=1)]
     prompts.append({"prompt_token_ids": prompt_ids(1, 70, seed=2)[0]})  # chunked
     with count_compiles() as events:
@@ -72,6 +71,6 @@ def test_guard_refuses_unknown_bucket(llama_llm):
     runner.compile_guard = True
     try:
         with pytest.raises(CompileAfterWarmupError):
-            runner._forward_executable((3, 3), None, None)
+            runner.forward_for((3, 3))
     finally:
         runner.compile_guard = False

@@ -8,8 +8,9 @@ import numpy as np
 from jllm.attention import get_backend
 from jllm.attention.metadata import build_ragged
 from jllm.attention.xla import build_xla, kv_bands, kv_chunk_pages
+from jllm.runner.buckets import BatchLayout, bucket
 from jllm.runner.input_batch import NO_TOKEN, InputBatch
-from jllm.runner.inputs import BatchLayout, bucket, build_step
+from jllm.runner.inputs import build_step
 from jllm.sampling_params import SamplingParams
 from jllm.scheduler_output import NewRequestData, SchedulerOutput
 

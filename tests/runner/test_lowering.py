@@ -24,7 +24,7 @@ from jllm import LLM
 from jllm.attention import get_backend
 from jllm.models import registry
 from jllm.models.loader import _axes, abstract_model
-from jllm.runner.inputs import BatchLayout
+from jllm.runner.buckets import BatchLayout
 from jllm.runner.kv_cache import CACHE_AXES, CacheSpec
 from jllm.runner.model_runner import ModelRunner, forward_step, sample_step
 from jllm.runner.transfer import pack
