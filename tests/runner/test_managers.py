@@ -68,7 +68,7 @@ def test_every_managers_writes_reach_a_follower(llama_dir, adapters):
     lead, follow = leader.llm_engine.runner, follower.llm_engine.runner
     relay = lead.channel = Relay(follow)
     loras = [LoRARequest(n, i + 1, adapters[n][0]) for i, n in enumerate(("all8", "attn4"))]
-    prompts = [{"prompt_token_ids": p} for p in prompt_ids(6, 90, seed=3)]
+    prompts = [{"prompt_token_ids": p} for p in prompt_ids(4, 90, seed=3)]
     params = [
         SamplingParams(temperature=0, max_tokens=4, repetition_penalty=1.3),
         SamplingParams(temperature=0.8, seed=1, max_tokens=4, logit_bias={7: 5.0}),
@@ -76,7 +76,7 @@ def test_every_managers_writes_reach_a_follower(llama_dir, adapters):
     ]
     for _ in range(2):  # the second round's prefixes come back from the host tier
         for lora in [*loras, None]:
-            leader.generate(prompts, params * 2, use_tqdm=False, lora_request=lora)
+            leader.generate(prompts, [*params, params[0]], use_tqdm=False, lora_request=lora)
     assert (
         relay.carried
         == {m.name for m in lead.managers}
