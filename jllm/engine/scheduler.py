@@ -1,10 +1,15 @@
 """The scheduler: which requests compute how many tokens in the next step.
 
-Each step has a token budget (`max_num_batched_tokens`) and a request cap (`max_num_seqs`).
-Running requests go first (decodes, and the next chunks of chunked prefills), then waiting
-requests in arrival order, their prompts chunked to fit what is left of the budget. When the
-block pool runs dry, the most recently admitted running request is preempted: its blocks
-are freed and it is recomputed later (vLLM's recompute mode). Under
+Each step has a request cap (`max_num_seqs`) and a budget (`engine/step_budget.py`: its
+tokens, `max_num_batched_tokens`, its prompt-logprob rows, its encoder room and the
+adapters' device slots), which two passes fill in turn. `_schedule_running` goes first, in
+admission order (decodes, and the next chunks of chunked prefills); `_schedule_waiting`
+then admits waiting requests in arrival order, their prompts chunked to fit what is left.
+When the block pool runs dry in the running pass, the most recently admitted running
+request is preempted: its blocks are freed and it is recomputed later (vLLM's recompute
+mode). The pass records its victims and drops them from the running list once it is done:
+a victim scheduled earlier in the step gives its row back to the budget, one not reached
+yet is not scheduled, and a step that preempted admits no waiting request. Under
 `scheduling_policy="priority"` the waiting queue is in priority order and the lowest
 priority is preempted first (`engine/request_queue.py`).
 
@@ -31,17 +36,29 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 
 from jllm.config import SchedulerConfig
 from jllm.engine.encoder_cache import EncoderCache
 from jllm.engine.kv_cache_manager import KVCacheManager
 from jllm.engine.request import Request, RequestStatus
 from jllm.engine.request_queue import create_request_queue, priority_key
+from jllm.engine.step_budget import StepBudget
 from jllm.lora.manager import LoraSlots
-from jllm.scheduler_output import PROMPT_LOGPROB_ROWS, NewRequestData, SchedulerOutput
-from jllm.utils import cdiv
+from jllm.scheduler_output import NewRequestData, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class _Row:
+    """One request's part of the step being scheduled."""
+
+    req: Request
+    start: int  # its first position this step (its computed tokens before it)
+    num_new: int  # tokens, drafts included
+    drafts: list[int] = field(default_factory=list)
+    new: bool = False  # admitted in this step: the runner gets its full data
 
 
 class Scheduler:
@@ -87,10 +104,10 @@ class Scheduler:
         if self.encoder_cache is not None:
             self.encoder_cache.release_all(req.request_id)
 
-    def _fit_images(self, req: Request, start: int, num_new: int, step_images: set) -> int:
+    def _fit_images(self, req: Request, start: int, num_new: int, budget: StepBudget) -> int:
         """`num_new` cut so that the images its tokens touch fit the encoder cache beside
-        the step's others (`step_images`, which it joins), and, with bidirectional images,
-        so that it does not end inside an image; 0 when nothing fits."""
+        the step's others, and, with bidirectional images, so that it does not end inside
+        an image; 0 when nothing fits."""
         if not req.mm_items or self.encoder_cache is None:
             return num_new
         end = start + num_new
@@ -98,15 +115,15 @@ class Scheduler:
             for item in req.mm_items:
                 if item.offset < end < item.end:
                     end = item.offset
-        while True:
-            if end <= start:
-                return 0
-            touched = [it for it in req.mm_items if it.overlaps(start, end)]
-            needed = {it.hash for it in touched}
-            if self.encoder_cache.can_take(step_images | needed):
-                step_images |= needed
-                return end - start
-            end = max(it.offset for it in touched)
+        return budget.fit_images(req, start, end)
+
+    def _fit_row(self, req: Request, start: int, num_new: int, budget: StepBudget) -> int:
+        """`num_new` (already within the step's tokens) cut to the step's prompt-logprob
+        rows and encoder room."""
+        num_new = budget.fit_prompt_logprobs(req, start, num_new)
+        if num_new and req.mm_items:
+            num_new = self._fit_images(req, start, num_new, budget)
+        return num_new
 
     def _preempt(self, req: Request) -> None:
         self.kv_cache.free(req)
@@ -129,42 +146,14 @@ class Scheduler:
             self.num_preemptions,
         )
 
-    def _victim(self) -> Request:
-        """The running request to preempt: the last admitted (fcfs), or the lowest priority,
-        the latest arrival among equals (priority), as vLLM."""
+    def _victim(self, victims: dict[str, Request]) -> Request:
+        """The running request to preempt next, among those not preempted yet: the last
+        admitted (fcfs), or the lowest priority, the latest arrival among equals (priority),
+        as vLLM."""
+        left = [r for r in self.running if r.request_id not in victims]
         if self.config.policy == "priority":
-            return max(self.running, key=priority_key)
-        return self.running[-1]
-
-    @staticmethod
-    def _listed(req: Request, start: int, num_new: int) -> int:
-        """Prompt tokens among positions start .. start + num_new - 1 whose prompt logprobs
-        the step computes (every prompt token but the last, when the request asks)."""
-        if req.sampling_params.prompt_logprobs is None:
-            return 0
-        return max(0, min(start + num_new, req.num_prompt_tokens - 1) - start)
-
-    def _cap_prompt_logprobs(
-        self, req: Request, start: int, num_new: int, room: int, budget: int
-    ) -> int:
-        """`num_new` cut so that the step's prompt-logprob tokens fit `room` (the runner's
-        fixed PROMPT_LOGPROB_ROWS); 0 when none fit."""
-        if self._listed(req, start, num_new) <= room:
-            return num_new
-        return self._fit(room, budget) if room > 0 else 0
-
-    def _cost(self, n: int) -> int:
-        """Budget a row of n tokens takes: n, or with tiles (`tile_size` > 1) several tokens
-        (a prefill chunk or a verification row) occupy whole tiles of the device batch."""
-        tile = self.config.tile_size
-        return n if n == 1 else cdiv(n, tile) * tile
-
-    def _fit(self, remaining: int, budget: int) -> int:
-        """How many of `remaining` tokens fit in `budget` (0 if none)."""
-        if self._cost(remaining) <= budget:
-            return remaining
-        n = budget // self.config.tile_size * self.config.tile_size
-        return n if n > 1 else min(1, budget)
+            return max(left, key=priority_key)
+        return left[-1]
 
     def _limit(self, req: Request) -> int:
         """The most tokens `req` can reach: its prompt plus max_tokens, within the context."""
@@ -199,96 +188,105 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self.kv_cache.begin_step()
-        out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        preempted = False
-        lp_room = PROMPT_LOGPROB_ROWS  # prompt tokens with prompt logprobs this step
-        step_images: set[bytes] = set()  # the images this step's tokens touch
-        scheduled: list[tuple[Request, int, list[int], bool]] = []
-        # 1. Running requests, in admission order; preempt from the back when short.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        config = self.config
+        budget = StepBudget(
+            tokens=config.max_num_batched_tokens,
+            tile_size=config.tile_size,
+            encoder_cache=self.encoder_cache,
+            lora_slots=self.lora_slots,
+        )
+        rows, victims = self._schedule_running(budget)
+        if not victims:  # a step that preempted has no room to admit anything
+            rows += self._schedule_waiting(budget)
+        out = SchedulerOutput(num_preempted=len(victims))
+        self._fill_output(out, rows)
+        return out
+
+    def _schedule_running(self, budget: StepBudget) -> tuple[list[_Row], dict[str, Request]]:
+        """Running requests, in admission order: decodes (with their drafts when the step
+        has room to verify them) and the next chunks of chunked prefills. When the pool is
+        short, victims are preempted until the row fits; the pass ends when the victim is
+        the request itself, or the step's tokens run out. Returns the rows and the victims
+        (by id, in preemption order), whom the running list loses after the pass."""
+        rows: dict[str, _Row] = {}
+        victims: dict[str, Request] = {}
+        for req in self.running:
+            if req.request_id in victims:  # preempted before its turn
+                continue
+            if budget.tokens <= 0:
+                break
             pending = req.num_output_placeholders
             if pending and req.reached_length(self.config.max_model_len, pending):
-                # its last token is in flight: nothing to add
-                i += 1
-                continue
+                continue  # its last token is in flight: nothing to add
+            start = req.num_computed_tokens
             drafts = self._drafts(req)
-            known = req.num_tokens + req.num_output_placeholders - req.num_computed_tokens
-            num_new = self._fit(known + len(drafts), budget)
+            known = req.num_tokens + pending - start
+            num_new = budget.fit(known + len(drafts))
             if num_new < known + len(drafts):  # no room to verify: the known tokens only
-                drafts, num_new = [], self._fit(known, budget)
+                drafts, num_new = [], budget.fit(known)
             if num_new == 0:
                 break
-            num_new = self._cap_prompt_logprobs(
-                req, req.num_computed_tokens, num_new, lp_room, budget
-            )
-            if num_new and req.mm_items:
-                num_new = self._fit_images(req, req.num_computed_tokens, num_new, step_images)
+            num_new = self._fit_row(req, start, num_new, budget)
             if num_new == 0:  # its prompt logprobs or its images wait for the next step
-                i += 1
                 continue
-            while True:
-                blocks = self._allocate(req, num_new, (), req.num_computed_tokens)
-                if blocks is not None:
-                    break
-                victim = self._victim()
-                j = self.running.index(victim)
-                self.running.pop(j)
-                if j < i:  # passed earlier in this step: scheduled (take it back) or skipped
-                    i -= 1
-                    k = next((n for n, s in enumerate(scheduled) if s[0] is victim), None)
-                    if k is not None:
-                        num_back = scheduled.pop(k)[1]
-                        budget += self._cost(num_back)
-                        lp_room += self._listed(victim, victim.num_computed_tokens, num_back)
-                        # Its blocks registered for this step's tokens will not be computed.
-                        self.kv_cache.forget_uncomputed(victim, victim.num_computed_tokens)
-                self._preempt(victim)
-                out.num_preempted += 1
-                preempted = True
-                if victim is req:
-                    break
-            if blocks is None:
+            if not self._make_room(req, num_new, rows, victims, budget):
                 break
-            scheduled.append((req, num_new, drafts, False))
-            budget -= self._cost(num_new)
-            lp_room -= self._listed(req, req.num_computed_tokens, num_new)
-            i += 1
-        # 2. Waiting requests, first come first served, unless this step already preempted.
-        # One whose adapter cannot get a device slot waits; those behind it may go first.
+            rows[req.request_id] = _Row(req=req, start=start, num_new=num_new, drafts=drafts)
+            budget.take(req, start, num_new)
+        if victims:
+            self.running = [r for r in self.running if r.request_id not in victims]
+        return list(rows.values()), victims
+
+    def _make_room(
+        self,
+        req: Request,
+        num_new: int,
+        rows: dict[str, _Row],
+        victims: dict[str, Request],
+        budget: StepBudget,
+    ) -> bool:
+        """Slots for `num_new` tokens of running `req`, preempting victims (`_victim`)
+        while the pool is short; False when `req` itself was preempted."""
+        while self._allocate(req, num_new, (), req.num_computed_tokens) is None:
+            victim = self._victim(victims)
+            victims[victim.request_id] = victim
+            row = rows.pop(victim.request_id, None)
+            if row is not None:  # scheduled earlier in this step: take its row back
+                budget.give_back(victim, row.start, row.num_new)
+                # Its blocks registered for this step's tokens will not be computed.
+                self.kv_cache.forget_uncomputed(victim, row.start)
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _schedule_waiting(self, budget: StepBudget) -> list[_Row]:
+        """Waiting requests in the queue's order (arrival, or priority), from their
+        prefix-cache hits, their prompts chunked to what is left of the step, until one does
+        not fit. One whose adapter cannot get a device slot waits; those behind it may go
+        first."""
+        rows: list[_Row] = []
         skipped: list[Request] = []
-        while (
-            self.waiting
-            and budget > 0
-            and not preempted
-            and len(self.running) < self.config.max_num_seqs
-        ):
+        config, kv = self.config, self.kv_cache
+        while self.waiting and budget.tokens > 0 and len(self.running) < config.max_num_seqs:
             req = self.waiting.peek()
-            if req.lora is not None and not self.lora_slots.available(req.lora):
+            if not budget.adapter_fits(req):
                 skipped.append(self.waiting.pop())
                 continue
-            hit_blocks, num_device_hit = self.kv_cache.get_computed_blocks(req)
-            host_hits = self.kv_cache.host_hits  # loaded from host memory into fresh blocks
-            num_hit = num_device_hit + len(host_hits) * self.kv_cache.block_size
-            num_new = self._fit(req.num_tokens - num_hit, budget)
-            num_new = self._cap_prompt_logprobs(req, num_hit, num_new, lp_room, budget)
-            if num_new and req.mm_items:
-                num_new = self._fit_images(req, num_hit, num_new, step_images)
-            if num_new == 0 or (
-                num_new < req.num_tokens - num_hit and not self.config.enable_chunked_prefill
-            ):
+            hit_blocks, num_device_hit = kv.get_computed_blocks(req)
+            host_hits = kv.host_hits  # loaded from host memory into fresh blocks
+            num_hit = num_device_hit + len(host_hits) * kv.block_size
+            remaining = req.num_tokens - num_hit
+            num_new = self._fit_row(req, num_hit, budget.fit(remaining), budget)
+            if num_new == 0 or (num_new < remaining and not config.enable_chunked_prefill):
                 break
-            req.num_computed_tokens = 0
-            blocks = self._allocate(req, num_new, hit_blocks, num_hit, host_hits)
-            if blocks is None:
+            req.num_computed_tokens = 0  # the hits are counted from the first token
+            if self._allocate(req, num_new, hit_blocks, num_hit, host_hits) is None:
                 break
             self.waiting.pop()
-            if req.lora is not None:
-                req.lora_slot = self.lora_slots.acquire(req.lora)
-            self.kv_cache.record_prefix_lookup(req.num_tokens, num_device_hit)
-            self.kv_cache.record_host_lookup(req, num_device_hit, host_hits)
+            req.lora_slot = budget.take_adapter(req)
+            kv.record_prefix_lookup(req.num_tokens, num_device_hit)
+            kv.record_host_lookup(req, num_device_hit, host_hits)
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
@@ -296,27 +294,26 @@ class Scheduler:
                 req.first_scheduled_time = time.time()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            scheduled.append((req, num_new, [], True))
-            budget -= self._cost(num_new)
-            lp_room -= self._listed(req, num_hit, num_new)
+            rows.append(_Row(req=req, start=num_hit, num_new=num_new, new=True))
+            budget.take(req, num_hit, num_new)
         for req in reversed(skipped):
             self.waiting.prepend(req)
-        self._fill_output(out, scheduled)
-        return out
+        return rows
 
-    def _fill_output(self, out: SchedulerOutput, scheduled) -> None:
-        if not scheduled:  # no step runs: the runner hears of these with the next one
+    def _fill_output(self, out: SchedulerOutput, rows: list[_Row]) -> None:
+        if not rows:  # no step runs: the runner hears of these with the next one
             return
         out.kv_stores, out.kv_loads = self.kv_cache.take_copies()
         out.finished_req_ids, self._finished_ids = self._finished_ids, set()
         out.preempted_req_ids, self._preempted_ids = self._preempted_ids, set()
         cached = out.scheduled_cached_reqs
         if self.encoder_cache is not None:
-            self._place_images(out, scheduled)
-        for req, num_new, drafts, new in scheduled:
+            self._place_images(out, rows)
+        for row in rows:
+            req, num_new, drafts = row.req, row.num_new, row.drafts
             rid = req.request_id
             blocks = self.kv_cache.block_ids(rid)
-            if new:
+            if row.new:
                 out.scheduled_new_reqs.append(
                     NewRequestData(
                         rid,
@@ -352,15 +349,15 @@ class Scheduler:
             if req.mm_items and self.encoder_cache is not None:
                 self.encoder_cache.release_passed(rid, req.mm_items, req.num_computed_tokens)
 
-    def _place_images(self, out: SchedulerOutput, scheduled) -> None:
+    def _place_images(self, out: SchedulerOutput, rows: list[_Row]) -> None:
         """Hold the images each scheduled chunk touches (the cached ones first, so that a
         new one never evicts an image this step reads), list the new ones to encode, and
         tell the runner each touched image's slot."""
         touched = [
-            (req, item)
-            for req, num_new, _, _ in scheduled
-            for item in req.mm_items
-            if item.overlaps(req.num_computed_tokens, req.num_computed_tokens + num_new)
+            (row.req, item)
+            for row in rows
+            for item in row.req.mm_items
+            if item.overlaps(row.start, row.start + row.num_new)
         ]
         cache = self.encoder_cache
         touched.sort(key=lambda pair: pair[1].hash not in cache.slot_of)
