@@ -9,10 +9,11 @@ The SDK's batch processor sends spans over OTLP: gRPC by default, HTTP/protobuf 
 OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf (the SDK's other OTEL_* variables apply).
 
 How it fits: `start_tracing` gives the engine's output processor a `RequestTracer`, whose
-`trace` the engine thread calls once per finished request (engine/output_processor.py); the
-server passes each HTTP request's trace headers to `AsyncLLM.generate`. With
-`collect_detailed_traces` the engine core also adds each step's scheduling and runner time
-to every request in the step (engine/core.py).
+`trace` the output processor calls once per finished request (engine/output_processor.py:
+inline under `LLM`, on AsyncLLM's output thread when serving); the server passes each HTTP
+request's trace headers to `AsyncLLM.generate`. With `collect_detailed_traces` the engine
+core also adds each step's scheduling and runner time to every request in the step
+(engine/core.py), and its outputs carry the sums to the front end.
 
 The OpenTelemetry SDK is an optional extra (`pip install "jllm[otel]"`): nothing imports it
 until an endpoint is configured (jllm/config/observability.py checks it then), so without
@@ -210,6 +211,6 @@ def start_tracing(engine) -> RequestTracer | None:
     if endpoint is None:
         return None
     tracer = RequestTracer(endpoint, args.model or DEFAULT_MODEL_NAME, args.collect_detailed_traces)
-    engine.core.output_processor.tracer = tracer
+    engine.output_processor.tracer = tracer
     engine.core.step_timing = tracer.step_times
     return tracer

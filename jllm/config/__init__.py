@@ -181,6 +181,10 @@ class EngineArgs:
     mm_processor_kwargs: dict | None = None
     allowed_local_media_path: str = ""
     allowed_media_domains: list | None = None
+    # The server's processor pool: threads that render chat templates, tokenize, fetch
+    # images and load LoRA adapters for new requests (vLLM's name; vLLM's default is 1,
+    # jllm's 8, so a slow image host or adapter load holds one worker, not every request).
+    renderer_num_workers: int = 8
 
     def _check_lora(self) -> None:
         if self.max_lora_rank not in LORA_RANKS:
@@ -291,6 +295,12 @@ class EngineArgs:
             raise ValueError(
                 f"attention_backend must be one of {sorted(ATTENTION_BACKENDS)}, "
                 f"got {self.attention_backend!r}."
+            )
+        if isinstance(self.renderer_num_workers, bool) or not (
+            isinstance(self.renderer_num_workers, int) and self.renderer_num_workers >= 1
+        ):
+            raise ValueError(
+                f"renderer_num_workers must be an int >= 1, got {self.renderer_num_workers!r}."
             )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}.")

@@ -46,7 +46,7 @@ REFUSED = {
     "--nnodes, --node-rank and --master-addr",
     "ray_workers_use_nsight": "jllm has no Ray workers; profile with JAX's profiler",
     "tokenizer_pool_size": "vLLM removed the tokenizer pool (V1 tokenizes in the front end); "
-    "there is no replacement",
+    "the server's processor pool is sized by --renderer-num-workers",
     "tokenizer_pool_type": "vLLM removed the tokenizer pool; there is no replacement",
     "tokenizer_pool_extra_config": "vLLM removed the tokenizer pool; there is no replacement",
     "max_paddings": "vLLM removed it with the V1 scheduler; the token budget is "

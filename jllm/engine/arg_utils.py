@@ -135,6 +135,10 @@ HELP = {
     "empty: none.",
     "allowed_media_domains": "Domains whose http(s) image URLs the server fetches; none by "
     "default (such a URL is a 400 at once).",
+    "renderer_num_workers": "Threads of the server's processor pool, which renders chat "
+    "templates, tokenizes, fetches images and loads LoRA adapters for new requests (vLLM's "
+    "default is 1; jllm's 8, so one slow image host or adapter load does not hold up every "
+    "new request).",
 }
 
 CHOICES = {

@@ -1,12 +1,23 @@
 """`AsyncLLM`: the engine for serving. The engine core steps on a background thread while
 asyncio handlers add requests and read their outputs as they are produced.
 
-One thread owns the engine: it takes commands (add, abort, stop) from a queue, steps while
-any request is unfinished, and hands each `RequestOutput` to the asyncio queue of the
-request it belongs to (`loop.call_soon_threadsafe`). Device steps release the GIL, so the
-event loop keeps accepting connections and streaming while the model runs. A consumer that
-stops listening (a client disconnects, a task is cancelled) aborts its request, which frees
-its KV blocks on the engine thread before the next step.
+Three kinds of thread share the work:
+
+- the engine thread owns the engine core: it takes commands (add, abort, finish, utility
+  calls, stop) from a queue, steps while any request is unfinished, and passes each step's
+  token ids on without touching text, so it goes from one device step to the next;
+- the output thread (engine/output_thread.py) owns the output processor: detokenizing,
+  stop strings, logprob text, `RequestOutput`s, which it hands to each request's asyncio
+  queue (`loop.call_soon_threadsafe`); a stop string it finds comes back to the engine
+  thread as a "finish" command, the path a client's abort takes;
+- the processor pool (`run_processor`: `renderer_num_workers` threads) runs what a new
+  request needs before it reaches the engine: chat templates, tokenization, image fetches,
+  LoRA adapter loads, so one slow image host holds one worker, not every new request.
+
+Device steps release the GIL, so the event loop keeps accepting connections and streaming
+while the model runs. A consumer that stops listening (a client disconnects, a task is
+cancelled) aborts its request, which frees its KV blocks on the engine thread before the
+next step.
 """
 
 from __future__ import annotations
@@ -16,8 +27,10 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 
 from jllm.config import EngineArgs
+from jllm.engine.output_thread import OutputThread
 from jllm.outputs import RequestOutput
 from jllm.sampling_params import SamplingParams
 from jllm.tracing import extract_trace_headers, start_tracing
@@ -37,6 +50,12 @@ class AsyncLLM:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.dead_error: BaseException | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._outputs = OutputThread(
+            engine, self._deliver, self._commands.put, self._output_thread_died
+        )
+        engine.output_handler = self._outputs
         self._thread = threading.Thread(target=self._run, name="jllm-engine", daemon=True)
         self._thread.start()
 
@@ -47,6 +66,34 @@ class AsyncLLM:
         return cls(LLMEngine.from_engine_args(args), stat_loggers)
 
     # ---- front end (event loop) ----------------------------------------------------------
+    @property
+    def processor_pool(self) -> ThreadPoolExecutor:
+        """The bounded pool of `run_processor`, made on first use with the engine's
+        `renderer_num_workers` threads."""
+        with self._pool_lock:
+            if self._pool is None:
+                workers = self.engine.args.renderer_num_workers
+                # Named as the one tokenization thread it replaces.
+                self._pool = ThreadPoolExecutor(workers, thread_name_prefix="jllm-tokenize")
+            return self._pool
+
+    async def run_processor(self, fn, *args):
+        """fn(*args) on the processor pool, off the event loop: what a request needs before
+        it reaches the engine (chat template, tokenization, images, its LoRA adapter).
+        Its exceptions propagate."""
+        return await asyncio.get_running_loop().run_in_executor(self.processor_pool, fn, *args)
+
+    async def call_utility(self, name: str, *args):
+        """The engine core's method `name` called with `args` on the engine thread, between
+        two steps (engine/core_client.py); its result, or its exception."""
+        self.check_health()
+        result: Future = Future()
+        self._commands.put(("utility", name, args, result))
+        # The engine may have died since the check and drained its queue before this.
+        if self.dead_error is not None:
+            _fail(result, EngineDeadError(f"The engine stopped: {self.dead_error!r}"))
+        return await asyncio.wrap_future(result)
+
     def prepare(
         self, prompt, params: SamplingParams, lora_request=None, add_special_tokens: bool = True
     ):
@@ -122,9 +169,12 @@ class AsyncLLM:
     def shutdown(self) -> None:
         self._commands.put(("stop",))
         self._thread.join(timeout=30)
+        self._outputs.stop()  # after the engine thread: the outputs it queued are delivered
         self.engine.shutdown()
         if self.tracer is not None:
             self.tracer.shutdown()  # sends the spans still batched
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- engine thread -------------------------------------------------------------------
     def _deliver(self, request_id: str, item) -> None:
@@ -143,6 +193,14 @@ class AsyncLLM:
             return False
         if kind == "abort":
             self.engine.abort_request([command[1]])
+        elif kind == "finish":  # the output thread ended these (a stop string, a failure)
+            self.engine.engine_core.abort_requests(command[1], command[2])
+        elif kind == "utility":
+            _, name, args, result = command
+            try:
+                result.set_result(self.engine.engine_core.call_utility(name, *args))
+            except Exception as e:  # noqa: BLE001 - the caller's to handle
+                result.set_exception(e)
         else:
             _, request_id, processed, params, priority, trace_headers = command
             try:
@@ -154,7 +212,7 @@ class AsyncLLM:
     def _run(self) -> None:
         engine = self.engine
         try:
-            while True:
+            while self.dead_error is None:  # the output thread may have died
                 # Sleep on the queue when idle; otherwise take what arrived and step.
                 if not engine.has_unfinished_requests():
                     if not self._handle(self._commands.get()):
@@ -167,10 +225,36 @@ class AsyncLLM:
                     if not self._handle(command):
                         return
                 if engine.has_unfinished_requests():
+                    # Empty with the output thread: it delivers this step's outputs.
                     for out in engine.step():
                         self._deliver(out.request_id, out)
         except BaseException as e:  # noqa: BLE001 - reported to every waiting request
             logger.exception("The engine loop failed; failing all running requests.")
             self.dead_error = e
-            for request_id in list(self._streams):
-                self._deliver(request_id, EngineDeadError(f"The engine stopped: {e!r}"))
+            dead = EngineDeadError(f"The engine stopped: {e!r}")
+            while True:  # utility calls waiting for this thread
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if command[0] == "utility":
+                    _fail(command[3], dead)
+            # After the outputs already queued, which their requests still get.
+            self._outputs.call(lambda: self._fail_streams(dead))
+
+    def _output_thread_died(self, error: BaseException) -> None:
+        if self.dead_error is None:
+            self.dead_error = error
+        self._fail_streams(EngineDeadError(f"The engine stopped: {self.dead_error!r}"))
+
+    def _fail_streams(self, dead: EngineDeadError) -> None:
+        for request_id in list(self._streams):
+            self._deliver(request_id, dead)
+
+
+def _fail(result: Future, error: BaseException) -> None:
+    """Fail a utility call's future unless it is answered already."""
+    try:
+        result.set_exception(error)
+    except InvalidStateError:
+        pass

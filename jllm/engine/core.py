@@ -1,11 +1,18 @@
-"""The engine core loop: schedule, execute, update, emit outputs.
+"""The engine core loop: schedule, execute, update, emit each sequence's new tokens.
 
 `EngineCore.step()` is the whole engine in four lines: the scheduler picks tokens, the runner
 computes them and samples, every sequence that got tokens appends them one by one, checked
 for a stop after each (a verification row can bring several; what follows a stop is
-dropped), and finished (or, when streaming, updated) requests come out as `RequestOutput`s
-(built by `output_processor.py`).
+dropped), and each sequence that moved comes out as an `EngineCoreOutput` (engine/outputs.py):
+token ids, raw logprob arrays, the finish the core decided. No text: detokenizing, stop
+strings and `RequestOutput`s are the front end's (engine/output_processor.py), off this
+thread under AsyncLLM, so a request with a long stop list slows nobody's step. A stop string
+the front end finds comes back as `abort_request(ids, FINISHED_STOPPED)`.
 Drafts the runner computed but did not accept are handed back to the scheduler.
+
+The front end reaches the core only through a client (engine/core_client.py): add, abort,
+step outputs and utility calls by name (`reset_prefix_cache` and what later needs the
+engine between steps).
 
 With `async_scheduling` the loop runs one step ahead: it schedules and dispatches step N+1,
 then waits for step N's results and processes them, so the host's work overlaps the
@@ -34,13 +41,11 @@ import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
-from jllm.engine.detokenizer import IncrementalDetokenizer
-from jllm.engine.output_processor import OutputProcessor, ParentRequest
+from jllm.engine.outputs import EngineCoreOutput, EngineCoreOutputs
 from jllm.engine.request import Request, RequestStatus
 from jllm.engine.scheduler import Scheduler
 from jllm.metrics.stats import FinishedRequestStats, SchedulerStats, StepStats
-from jllm.outputs import CompletionOutput, RequestOutput
-from jllm.sampling_params import RequestOutputKind, SamplingParams
+from jllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +58,6 @@ class EngineCore:
         self,
         scheduler: Scheduler,
         runner,
-        tokenizer,
         max_model_len: int,
         eos_token_id: int | None,
         stat_loggers: list | None = None,
@@ -63,7 +67,6 @@ class EngineCore:
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
-        self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         # Anything with `record(StepStats, SchedulerStats)` (see jllm.metrics).
@@ -72,11 +75,11 @@ class EngineCore:
         self.async_scheduling = async_scheduling
         self._in_flight = None  # async: (SchedulerOutput, runner handle) of the last step
         self.structured = structured  # a StructuredOutputManager, or None
-        # Requests whose grammar is being compiled: (parent, future of the grammar).
-        self._compiling: list[tuple[ParentRequest, Future]] = []
-        self.parents: dict[str, ParentRequest] = {}
-        self._child_parent: dict[str, ParentRequest] = {}
-        self.output_processor = OutputProcessor(tokenizer)
+        # Requests whose grammar is being compiled: (their sequences, future of the grammar).
+        self._compiling: list[tuple[list[Request], Future]] = []
+        # User request id -> its sequences, and each sequence's user request id.
+        self.parents: dict[str, list[Request]] = {}
+        self._child_parent: dict[str, str] = {}
         # Add each step's scheduling and runner time to its requests (for the spans of
         # --collect-detailed-traces; jllm/tracing.py turns it on).
         self.step_timing = False
@@ -87,27 +90,24 @@ class EngineCore:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        prompt: str | None = None,
         seed: int = 0,
+        arrival_time: float | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
         lora=None,
         mm_items=(),
-        trace_headers: dict | None = None,
     ) -> None:
         """Admit a validated request; its `n` sequences get seeds `seed`, `seed + 1`, ...
         and share its `cache_salt`, `priority`, LoRA adapter (`lora`) and images
-        (`mm_items`). `trace_headers`: the HTTP request's W3C trace headers, which its span
-        continues (jllm/tracing.py)."""
+        (`mm_items`)."""
         if request_id in self.parents:
             raise ValueError(f"Request id {request_id!r} is already running.")
         if params.structured_outputs is not None:
             if self.structured is None:
                 raise ValueError("Structured outputs need a tokenizer (skip_tokenizer_init).")
             self.structured.resolve(params)
-        now = time.time()
-        parent = ParentRequest(request_id, prompt, prompt_token_ids, params, [], now)
-        parent.trace_headers = trace_headers
+        now = time.time() if arrival_time is None else arrival_time
+        children = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             child = Request(
@@ -122,32 +122,37 @@ class EngineCore:
                 lora,
                 mm_items,
             )
-            parent.children.append(child)
-            if params.detokenize and self.tokenizer is not None:
-                parent.detokenizers[child_id] = IncrementalDetokenizer(
-                    self.tokenizer, prompt_token_ids, params
-                )
-            self._child_parent[child_id] = parent
-        self.parents[request_id] = parent
+            children.append(child)
+            self._child_parent[child_id] = request_id
+        self.parents[request_id] = children
         if params.structured_outputs is not None:
-            self._compiling.append((parent, self.structured.compile(params.structured_outputs)))
+            self._compiling.append((children, self.structured.compile(params.structured_outputs)))
             return
-        for child in parent.children:
+        for child in children:
             self.scheduler.add_request(child)
 
-    def abort_request(self, request_ids: list[str]) -> None:
+    def abort_request(
+        self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> None:
+        """Finish each named request (all its sequences) or sequence with `status`: an abort
+        (a client left), or the front end's verdict (a stop string it found,
+        FINISHED_STOPPED; a failure building its outputs, FINISHED_ERROR). No output: the
+        front end already knows. Unknown or finished ids are skipped."""
         stats = StepStats()
         now = time.time()
         for rid in request_ids:
-            parent = self.parents.pop(rid, None)
-            if parent is None:
-                continue
-            for child in parent.children:
+            children = self.parents.get(rid)
+            if children is None:
+                parent_id = self._child_parent.get(rid)
+                if parent_id is None:
+                    continue
+                children = [c for c in self.parents[parent_id] if c.request_id == rid]
+            for child in children:
                 if child.is_finished():
                     continue
-                self.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
-                self._release(child)
+                self.scheduler.finish_request(child, status)
                 stats.finished.append(self._finished_stats(child, now))
+                self._release(child)
         if stats.finished:
             self._record(stats)
 
@@ -158,7 +163,12 @@ class EngineCore:
             or self.scheduler.has_unfinished_requests()
         )
 
-    def _admit_compiled(self) -> list[RequestOutput]:
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False, and nothing forgotten, while requests
+        run (a utility call: it runs between steps)."""
+        return self.scheduler.kv_cache.reset_prefix_cache()
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
         """Hand the requests whose grammar is ready to the scheduler, each sequence with its
         own matcher; a grammar that failed ends its request (finish reason "abort")."""
         if not self._compiling:
@@ -166,26 +176,25 @@ class EngineCore:
         if self._in_flight is None and not self.scheduler.has_unfinished_requests():
             wait([f for _, f in self._compiling], GRAMMAR_WAIT_S, FIRST_COMPLETED)
         outputs, still = [], []
-        for parent, future in self._compiling:
-            if self.parents.get(parent.request_id) is not parent:  # aborted meanwhile
+        for children, future in self._compiling:
+            request_id = self._child_parent.get(children[0].request_id)
+            if self.parents.get(request_id) is not children:  # aborted meanwhile
                 continue
             if not future.done():
-                still.append((parent, future))
+                still.append((children, future))
                 continue
-            so = parent.params.structured_outputs
+            so = children[0].sampling_params.structured_outputs
             try:
                 compiled = future.result()
-                matchers = [self.structured.matcher(so, compiled) for _ in parent.children]
+                matchers = [self.structured.matcher(so, compiled) for _ in children]
             except Exception as e:
-                logger.error("Request %s: its grammar failed to compile: %s", parent.request_id, e)
-                for child in parent.children:
+                logger.error("Request %s: its grammar failed to compile: %s", request_id, e)
+                for child in children:
                     child.status = RequestStatus.FINISHED_ABORTED
                     self._release(child)
-                self.parents.pop(parent.request_id)
-                ids = {c.request_id for c in parent.children}
-                outputs.append(self.output_processor.make_output(parent, time.time(), ids))
+                    outputs.append(self._output(child, [], None))
                 continue
-            for child, matcher in zip(parent.children, matchers, strict=True):
+            for child, matcher in zip(children, matchers, strict=True):
                 child.grammar = matcher
                 self.scheduler.add_request(child)
         self._compiling = still
@@ -202,13 +211,23 @@ class EngineCore:
             sched_out.grammar_bitmask[rid] = self.structured.bitmask(req.grammar, drafts)
 
     def _release(self, child: Request) -> None:
-        self._child_parent.pop(child.request_id, None)
+        """Forget a finished sequence, and its user request once all its sequences are."""
+        parent_id = self._child_parent.pop(child.request_id, None)
+        children = self.parents.get(parent_id)
+        if children is not None and all(c.is_finished() for c in children):
+            del self.parents[parent_id]
 
     # ---- the loop ------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> EngineCoreOutputs:
         outputs = self._admit_compiled()
         if self.async_scheduling and not self._grammar_running():
-            return outputs + self._step_ahead()
+            outputs += self._step_ahead()
+        else:
+            outputs += self._step_sync()
+        return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
+
+    def _step_sync(self) -> list[EngineCoreOutput]:
+        outputs = []
         if self._in_flight is not None:  # async, and a grammar arrived: finish the last step
             in_flight, self._in_flight = self._in_flight, None
             outputs += self._fetch(*in_flight)
@@ -219,7 +238,7 @@ class EngineCore:
         result, t_run = self._timed(self.runner.execute, sched_out)
         return outputs + self._update(sched_out, result, (t_sched, t_run))
 
-    def _step_ahead(self) -> list[RequestOutput]:
+    def _step_ahead(self) -> list[EngineCoreOutput]:
         if self.proposer is not None:
             raise ValueError("Draft tokens need the step's results: async scheduling is off.")
         sched_out, t_sched = self._timed(self.scheduler.schedule)
@@ -232,7 +251,7 @@ class EngineCore:
         self._in_flight = None if handle is None else (sched_out, handle, (t_sched, t_run))
         return outputs
 
-    def _fetch(self, sched_out, handle, times) -> list[RequestOutput]:
+    def _fetch(self, sched_out, handle, times) -> list[EngineCoreOutput]:
         """A dispatched step's results; its runner time is the dispatch's plus the fetch's."""
         result, t_fetch = self._timed(self.runner.fetch, handle)
         return self._update(sched_out, result, (times[0], times[1] + t_fetch))
@@ -245,11 +264,10 @@ class EngineCore:
         out = fn(*args)
         return out, time.perf_counter() - start
 
-    def _update(self, sched_out, result, times=(0.0, 0.0)) -> list[RequestOutput]:
+    def _update(self, sched_out, result, times=(0.0, 0.0)) -> list[EngineCoreOutput]:
         """Apply a step's results; `times`: its (scheduling, runner) seconds."""
         now = time.time()
         stats = StepStats(num_computed_tokens=sched_out.total_num_scheduled_tokens)
-        touched: dict[str, tuple[ParentRequest, set[str]]] = {}
         sampled: set[str] = set()
         outputs = []
         for rid, reason in result.failed.items():
@@ -261,8 +279,7 @@ class EngineCore:
             if self.step_timing:
                 req.scheduler_time += times[0]
                 req.model_execute_time += times[1]
-            if rid in result.prompt_logprobs:
-                self.output_processor.record_prompt_logprobs(req, *result.prompt_logprobs[rid])
+            prompt_logprobs = result.prompt_logprobs.get(rid)
             tokens = result.sampled.get(rid, ())
             if tokens:
                 req.num_output_placeholders -= 1
@@ -273,18 +290,19 @@ class EngineCore:
                     stats.spec_decoding.observe(len(drafts), len(tokens) - 1)
             elif req.num_computed_tokens - num_new < req.num_prompt_tokens or not tokens:
                 stats.num_prefill_tokens += num_new
-            if not tokens:
-                continue
-            sampled.add(rid)
-            parent = self._child_parent[rid]
+            if tokens:
+                sampled.add(rid)
+            appended = []
             try:
                 for tok in tokens:
-                    if self._append(req, parent, tok, now, stats):
+                    appended.append(tok)
+                    if self._append(req, tok, now, stats):
                         break
             except Exception as e:  # noqa: BLE001 - one request's failure is its own
                 outputs += self._fail(rid, f"{type(e).__name__}: {e}", now, stats)
                 continue
-            touched.setdefault(parent.request_id, (parent, set()))[1].add(rid)
+            if appended or prompt_logprobs is not None:
+                outputs.append(self._output(req, appended, prompt_logprobs))
         self._record(stats)
         if self.proposer is not None or result.spec_token_ids:
             num_running = len(self.scheduler.running)
@@ -297,60 +315,44 @@ class EngineCore:
                 if drafts and req.grammar is not None:
                     drafts = self.structured.valid_drafts(req.grammar, drafts)
                 req.spec_token_ids = drafts
-        for parent, children in touched.values():
-            if self.parents.get(parent.request_id) is not parent:  # failed above
-                continue
-            if not parent.finished and parent.params.output_kind == RequestOutputKind.FINAL_ONLY:
-                continue
-            try:
-                out = self.output_processor.make_output(parent, now, children)
-            except Exception as e:  # noqa: BLE001 - one request's failure is its own
-                outputs += self._fail(next(iter(children)), f"{type(e).__name__}: {e}", now)
-                continue
-            if parent.finished:
-                self.parents.pop(parent.request_id, None)
-            outputs.append(out)
         return outputs
 
-    def _fail(self, child_id: str, reason: str, now: float, stats=None) -> list[RequestOutput]:
+    def _output(self, req: Request, tokens: list, prompt_logprobs) -> EngineCoreOutput:
+        """What the front end needs of `req` after this step: its new `tokens` (the runner's
+        SampledTokens) and `prompt_logprobs`, its finish and timings."""
+        return EngineCoreOutput(
+            request_id=req.request_id,
+            new_token_ids=[tok.token_id for tok in tokens],
+            new_logprobs=tokens if req.sampling_params.logprobs is not None else None,
+            new_prompt_logprobs=prompt_logprobs,
+            finish_reason=req.status.finish_reason,
+            stop_reason=req.stop_reason,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            first_scheduled_time=req.first_scheduled_time,
+            scheduler_time=req.scheduler_time,
+            model_execute_time=req.model_execute_time,
+        )
+
+    def _fail(self, child_id: str, reason: str, now: float, stats=None) -> list[EngineCoreOutput]:
         """Fail the user request of sequence `child_id` with a request-level error (vLLM's
         finish reason "error", a 500 from the server) and free its sequences; the requests
-        beside it go on. Returns its final output."""
-        parent = self._child_parent.get(child_id)
-        if parent is None or self.parents.get(parent.request_id) is not parent:
+        beside it go on. Returns an output per sequence it ended."""
+        parent_id = self._child_parent.get(child_id)
+        if parent_id is None:
             return []
-        logger.error("Request %s failed: %s", parent.request_id, reason)
+        logger.error("Request %s failed: %s", parent_id, reason)
         own = StepStats() if stats is None else stats
-        for child in parent.children:
-            if not child.is_finished():
-                self.scheduler.finish_request(child, RequestStatus.FINISHED_ERROR)
-                own.finished.append(self._finished_stats(child, now))
+        outputs = []
+        for child in self.parents[parent_id]:
+            if child.is_finished():
+                continue
+            self.scheduler.finish_request(child, RequestStatus.FINISHED_ERROR)
+            own.finished.append(self._finished_stats(child, now))
             self._release(child)
+            outputs.append(self._output(child, [], None))
         if stats is None:
             self._record(own)
-        self.parents.pop(parent.request_id)
-        # No text: what failed may be the text itself, and the error replaces the answer.
-        outputs = [
-            CompletionOutput(
-                index=i,
-                text="",
-                token_ids=list(child.output_token_ids),
-                cumulative_logprob=None,
-                logprobs=None,
-                finish_reason=child.status.finish_reason,
-            )
-            for i, child in enumerate(parent.children)
-        ]
-        return [
-            RequestOutput(
-                request_id=parent.request_id,
-                prompt=parent.prompt,
-                prompt_token_ids=parent.prompt_token_ids,
-                prompt_logprobs=None,
-                outputs=outputs,
-                finished=True,
-            )
-        ]
+        return outputs
 
     def _record(self, stats: StepStats) -> None:
         if self.stat_loggers:
@@ -370,10 +372,9 @@ class EngineCore:
             n=req.sampling_params.n,
         )
 
-    def _append(
-        self, req: Request, parent: ParentRequest, tok, now: float, stats: StepStats
-    ) -> bool:
-        """Append one token; True when it finished the request."""
+    def _append(self, req: Request, tok, now: float, stats: StepStats) -> bool:
+        """Append one token; True when it finished the request (EOS, a stop token id, its
+        length; stop strings are the front end's)."""
         req.append_output_token(tok.token_id)
         if req.grammar is not None and not req.grammar.is_terminated():
             if not req.grammar.accept(tok.token_id):
@@ -390,21 +391,11 @@ class EngineCore:
         else:
             stats.inter_token_latencies.append(now - req.last_token_time)
         req.last_token_time = now
-        p = req.sampling_params
-        if p.logprobs is not None:
-            self.output_processor.record_logprobs(req, tok)
         status = self._check_stop(req)
-        detok = parent.detokenizers.get(req.request_id)
-        if detok is not None and not (
-            status == RequestStatus.FINISHED_STOPPED and not p.include_stop_str_in_output
-        ):
-            stop_str = detok.update(tok.token_id)
-            if stop_str is not None and status is None:
-                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
         if status is not None:
             self.scheduler.finish_request(req, status)
-            self._release(req)
             stats.finished.append(self._finished_stats(req, now))
+            self._release(req)
         return status is not None
 
     def _check_stop(self, req: Request) -> RequestStatus | None:

@@ -25,6 +25,7 @@ from jllm.distributed import (
 )
 from jllm.distributed.codec import MalformedMessage
 from jllm.engine.core import EngineCore
+from jllm.engine.core_client import InprocClient
 from jllm.engine.encoder_cache import EncoderCache
 from jllm.engine.generation_config import (
     eos_token_id,
@@ -36,6 +37,8 @@ from jllm.engine.host_kv_tier import HostKVTier
 from jllm.engine.kv_cache_manager import KVCacheManager
 from jllm.engine.model_setup import load_draft_model, load_engine_model
 from jllm.engine.multimodal import MultiModalProcessor, encoder_slots
+from jllm.engine.output_processor import OutputProcessor
+from jllm.engine.outputs import EngineCoreRequest
 from jllm.engine.platform import (
     log_split,
     min_dot_rows,
@@ -44,6 +47,7 @@ from jllm.engine.platform import (
     select_platform,
 )
 from jllm.engine.processor import Processor
+from jllm.engine.request import RequestStatus
 from jllm.engine.scheduler import Scheduler
 from jllm.logits_process import LogitsProcessorConfig, load_logits_processors
 from jllm.lora.manager import LoraCache, LoraSlots
@@ -229,7 +233,6 @@ class LLMEngine:
         self.core = EngineCore(
             self.scheduler,
             self.runner,
-            self.tokenizer,
             self.max_model_len,
             eos,
             self.stat_loggers,
@@ -239,6 +242,12 @@ class LLMEngine:
             structured=self.structured,
             proposer=make_proposer(args.speculative_config),
         )
+        # The front end reaches the core only through its client (add, abort, outputs,
+        # utility calls); each step's outputs are processed inline (LLM) unless AsyncLLM
+        # sets `output_handler`, its output thread (engine/output_thread.py).
+        self.engine_core = InprocClient(self.core)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_handler = None
         mm = None
         if vision is not None:
             mm = MultiModalProcessor(
@@ -385,28 +394,48 @@ class LLMEngine:
         priority: int = 0,
         trace_headers: dict | None = None,
     ) -> None:
+        """Admit a prepared request (ValueError if its id is already running). Its outputs
+        come from `step()`, or from AsyncLLM's output thread when that handles them."""
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        self.core.add_request(
-            request_id,
-            processed.prompt_token_ids,
-            params,
-            processed.prompt,
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=processed.prompt_token_ids,
+            sampling_params=params,
             seed=seed,
+            arrival_time=time.time(),
             cache_salt=processed.cache_salt,
             priority=priority,
             lora=processed.lora,
             mm_items=processed.mm_items,
-            trace_headers=trace_headers,
         )
+        self.engine_core.add_request(request)
+        outputs = self.output_handler or self.output_processor
+        try:
+            outputs.add_request(request, processed.prompt, trace_headers)
+        except BaseException:
+            self.engine_core.abort_requests([request_id])
+            raise
 
     def abort_request(self, request_ids: list[str]) -> None:
-        self.core.abort_request(request_ids)
+        """End requests a client no longer waits for: no output."""
+        self.engine_core.abort_requests(request_ids)
+        (self.output_handler or self.output_processor).abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests()
+        return self.engine_core.has_unfinished_requests()
 
     def step(self):
-        return self.core.step()
+        """One engine step; its `RequestOutput`s, processed inline (vLLM's LLMEngine.step),
+        or none when AsyncLLM's output thread processes them. A stop string found here ends
+        its sequence in the core too, before the next step."""
+        outputs = self.engine_core.get_output()
+        if self.output_handler is not None:
+            self.output_handler.process_outputs(outputs)
+            return []
+        processed = self.output_processor.process_outputs(outputs)
+        self.engine_core.abort_requests(processed.reqs_to_abort, RequestStatus.FINISHED_STOPPED)
+        self.engine_core.abort_requests(processed.reqs_to_fail, RequestStatus.FINISHED_ERROR)
+        return processed.request_outputs
 
     def get_tokenizer(self):
         return self.tokenizer

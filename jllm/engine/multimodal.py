@@ -12,6 +12,7 @@ the image's tokens touch (`kv_cache_manager.block_key`). Host-side only: no JAX 
 from __future__ import annotations
 
 import hashlib
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,9 +97,17 @@ class MultiModalProcessor:
                 f"({max_num_batched_tokens}) must be at least that."
             )
         self._hf = None
+        # The server prepares requests on several threads (the processor pool): one loads
+        # the processor, and one at a time runs it, since a request's mm_processor_kwargs
+        # (padding, truncation) reconfigure its tokenizer for the call.
+        self._lock = threading.RLock()
 
     @property
     def hf(self):
+        with self._lock:
+            return self._load()
+
+    def _load(self):
         if self._hf is None:
             from transformers import AutoProcessor
 
@@ -149,21 +158,8 @@ class MultiModalProcessor:
         placeholder per image, which the processor expands."""
         merged = {**self.processor_kwargs, **(kwargs or {})}
         try:
-            if ids is None:
-                out = self.hf(
-                    text=text,
-                    images=images or None,
-                    return_tensors="np",
-                    add_special_tokens=add_special_tokens,
-                    **merged,
-                )
-                ids = out["input_ids"][0].tolist()
-                pixels = out.get("pixel_values")
-            else:
-                pixels = None
-                if images:
-                    prepared = self.hf.image_processor(images=images, return_tensors="np", **merged)
-                    pixels = prepared["pixel_values"]
+            with self._lock:
+                ids, pixels = self._run(text, ids, images, merged, add_special_tokens)
         except (ValueError, TypeError, OSError) as e:
             raise ValueError(f"The model's processor refused the prompt's images: {e}") from e
         pixels = np.zeros((0,)) if pixels is None else np.asarray(pixels, np.float32)
@@ -181,3 +177,19 @@ class MultiModalProcessor:
             for s, px in zip(starts, pixels[:count], strict=True)
         ]
         return ids, items
+
+    def _run(self, text, ids, images, merged: dict, add_special_tokens: bool):
+        """(token ids, pixel values or None) from the Hugging Face processor."""
+        hf = self._load()
+        if ids is None:
+            out = hf(
+                text=text,
+                images=images or None,
+                return_tensors="np",
+                add_special_tokens=add_special_tokens,
+                **merged,
+            )
+            return out["input_ids"][0].tolist(), out.get("pixel_values")
+        if not images:
+            return ids, None
+        return ids, hf.image_processor(images=images, return_tensors="np", **merged)["pixel_values"]

@@ -1,95 +1,272 @@
-"""What the user sees of a request: vLLM's `RequestOutput`s, and the logprob entries they carry.
+"""The front end's half of a step: from the core's token ids to what the user sees.
 
-`ParentRequest` is a user request (its `n` sequences share the prompt) with what its outputs
-have already sent; `OutputProcessor` turns the engine core's sequences into outputs (whole,
-or only what is new for DELTA streams) and writes the logprob dicts of sampled and prompt
-tokens, decoding each token's text once per token id for the engine's life; with tracing on
-(jllm/tracing.py) a request's last output also ends its span. Host-side: no JAX.
+The engine core (engine/core.py) returns per sequence its new token ids, raw logprob arrays
+and the finish it decided (engine/outputs.py). `OutputProcessor` keeps each user request
+(`ParentRequest`, its `n` sequences as `RequestState`s) and, per step, detokenizes, scans
+stop strings, writes logprob dicts with text (engine/logprobs.py) and builds vLLM's
+`RequestOutput`s (whole, or only what is new for DELTA streams; FINAL_ONLY once finished);
+with tracing on (jllm/tracing.py) a request's last output also ends its span.
+
+A stop string found here ends its sequence here; the tokens the core produced after it are
+dropped, and `OutputProcessorOutput.reqs_to_abort` names the sequences the core must still
+end (vLLM's split), which the caller sends back as aborts with finish status "stop". It
+runs inline after each core step under `LLM` and on AsyncLLM's output thread when serving
+(engine/output_thread.py), never on the engine thread there. Host-side: no JAX.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from jllm.engine.detokenizer import IncrementalDetokenizer
-from jllm.engine.request import Request
-from jllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jllm.engine.logprobs import LogprobsProcessor
+from jllm.engine.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from jllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jllm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class RequestState:
+    """One sequence of a user request as the front end sees it: its tokens, text and
+    logprobs, its finish, and the times the core reported (the attributes the tracer reads
+    of a sequence)."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params, detokenizer):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.detokenizer = detokenizer
+        self.output_token_ids: list[int] = []
+        self.logprobs: list = []  # per output token, filled when logprobs are requested
+        self.cumulative_logprob = 0.0
+        # vLLM's format: None for the first prompt token, then {token id: Logprob} per
+        # position, filled as the prompt's chunks are computed.
+        self.prompt_logprobs: list | None = None
+        self.num_prompt_logprobs = 0  # positions filled
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(prompt_token_ids)
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_cached_tokens = 0
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.scheduler_time = 0.0
+        self.model_execute_time = 0.0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def prompt_logprobs_done(self) -> bool:
+        return self.num_prompt_logprobs == len(self.prompt_token_ids) - 1
+
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
 class ParentRequest:
-    """A user request: `n` sequences that share a prompt."""
+    """A user request: `n` sequences that share a prompt, with what its outputs have already
+    sent."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    children: list[Request]
+    children: list  # its RequestStates
     arrival_time: float
-    detokenizers: dict[str, IncrementalDetokenizer] = field(default_factory=dict)
     # DELTA outputs: how much text and how many tokens of each sequence were already sent.
     sent_text: dict[str, int] = field(default_factory=dict)
     sent_tokens: dict[str, int] = field(default_factory=dict)
     sent_prompt_logprobs: bool = False
     # The W3C trace headers of the HTTP request it came from (jllm/tracing.py), if traced.
     trace_headers: dict | None = None
+    lora_request: object | None = None  # the LoRARequest it runs with
 
     @property
     def finished(self) -> bool:
         return all(c.is_finished() for c in self.children)
 
 
+@dataclass(kw_only=True)
+class OutputProcessorOutput:
+    request_outputs: list[RequestOutput]
+    # Sequences a stop string ended here that the core still runs: abort them there with
+    # finish status "stop".
+    reqs_to_abort: list[str]
+    # User requests whose outputs failed to build here: end them in the core with "error".
+    reqs_to_fail: list[str]
+
+
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        # A token's text for logprobs, decoded once per token id for the engine's life.
-        self._token_text: dict[int, str] = {}
-        # A slow tokenizer's id count: it raises on the ids past it, which a model's padded
-        # vocabulary can still produce (a fast tokenizer decodes them to "").
-        self._num_ids = None
-        if tokenizer is not None and not getattr(tokenizer, "is_fast", True):
-            self._num_ids = len(tokenizer)
+        self.logprobs = LogprobsProcessor(tokenizer)
+        self.parents: dict[str, ParentRequest] = {}
+        self.sequences: dict[str, RequestState] = {}  # sequence id -> its state
+        self._parent_of: dict[str, ParentRequest] = {}  # sequence id -> its user request
         # A jllm.tracing.RequestTracer when --otlp-traces-endpoint is set: one span per
         # finished request.
         self.tracer = None
 
-    def logprob_entry(self, token: int, logprob, rank, top_ids, top_lps, k: int) -> dict:
-        """vLLM's logprob dict of one position: the token first (its own rank), then the
-        k most likely (-1: all the runner returned), ranks 1..k."""
-        if k == -1:  # the whole vocabulary (the runner returns it when max_logprobs is -1)
-            k = len(top_ids)
-        entry = {token: Logprob(float(logprob), int(rank), self.decode_one(token))}
-        for r, (tid, lp) in enumerate(zip(top_ids[:k], top_lps[:k], strict=True), 1):
-            tid = int(tid)
-            if tid not in entry:
-                entry[tid] = Logprob(float(lp), r, self.decode_one(tid))
-        return entry
+    def decode_one(self, token_id: int) -> str | None:
+        """A token's text as logprob entries show it."""
+        return self.logprobs.decode_one(token_id)
 
-    def record_logprobs(self, req: Request, tok) -> None:
-        req.logprobs.append(
-            self.logprob_entry(
-                tok.token_id,
-                tok.logprob,
-                tok.rank,
-                tok.top_ids,
-                tok.top_logprobs,
-                req.sampling_params.logprobs,
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(
+        self, request: EngineCoreRequest, prompt: str | None, trace_headers: dict | None = None
+    ) -> None:
+        """Track a request the core admitted; its sequences' ids are the core's."""
+        params = request.sampling_params
+        rid, ids = request.request_id, request.prompt_token_ids
+        children = []
+        for i in range(params.n):
+            detok = None
+            if params.detokenize and self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, ids, params)
+            children.append(
+                RequestState(rid if params.n == 1 else f"{i}_{rid}", ids, params, detok)
             )
+        lora = request.lora
+        parent = ParentRequest(
+            rid,
+            prompt,
+            ids,
+            params,
+            children,
+            request.arrival_time,
+            trace_headers=trace_headers,
+            lora_request=None if lora is None else lora.request,
         )
-        req.cumulative_logprob += tok.logprob
+        self.parents[rid] = parent
+        for child in children:
+            self.sequences[child.request_id] = child
+            self._parent_of[child.request_id] = parent
 
-    def record_prompt_logprobs(self, req: Request, first: int, lps, ranks, top_ids, top_lps):
-        """Entries for prompt positions first .. first + n - 1 (a recomputed position after
-        a preemption is written again, with the same values)."""
-        k = req.sampling_params.prompt_logprobs
-        for i in range(len(lps)):
-            pos = first + i
-            target = req.prompt_token_ids[pos]
-            entry = self.logprob_entry(target, lps[i], ranks[i], top_ids[i], top_lps[i], k)
-            if req.prompt_logprobs[pos] is None:
-                req.num_prompt_logprobs += 1
-            req.prompt_logprobs[pos] = entry
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Forget user requests (the client left: no output)."""
+        for rid in request_ids:
+            parent = self.parents.get(rid)
+            if parent is not None:
+                self._forget(parent)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
+
+    def _forget(self, parent: ParentRequest) -> None:
+        self.parents.pop(parent.request_id, None)
+        for child in parent.children:
+            self.sequences.pop(child.request_id, None)
+            self._parent_of.pop(child.request_id, None)
+
+    # ---- a step --------------------------------------------------------------------------
+    def process_outputs(self, outputs: EngineCoreOutputs) -> OutputProcessorOutput:
+        now = outputs.timestamp
+        request_outputs, reqs_to_abort, reqs_to_fail = [], [], []
+        touched: dict[str, tuple[ParentRequest, set[str]]] = {}
+        for out in outputs.outputs:
+            seq = self.sequences.get(out.request_id)
+            if seq is None or seq.is_finished():  # ended here already (a stop string)
+                continue
+            parent = self._parent_of[out.request_id]
+            if out.finish_reason == "error":
+                request_outputs.append(self._fail(parent))
+                continue
+            try:
+                moved = self._update(seq, out, now)
+            except Exception as e:  # noqa: BLE001 - one request's failure is its own
+                logger.error("Request %s failed: %s: %s", parent.request_id, type(e).__name__, e)
+                request_outputs.append(self._fail(parent))
+                reqs_to_fail.append(parent.request_id)
+                continue
+            if seq.is_finished() and not out.finished:
+                reqs_to_abort.append(seq.request_id)
+            if moved:
+                touched.setdefault(parent.request_id, (parent, set()))[1].add(seq.request_id)
+        for parent, children in touched.values():
+            if self.parents.get(parent.request_id) is not parent:  # failed above
+                continue
+            if not parent.finished and parent.params.output_kind == RequestOutputKind.FINAL_ONLY:
+                continue
+            try:
+                out = self.make_output(parent, now, children)
+            except Exception as e:  # noqa: BLE001 - one request's failure is its own
+                logger.error("Request %s failed: %s: %s", parent.request_id, type(e).__name__, e)
+                request_outputs.append(self._fail(parent))
+                reqs_to_fail.append(parent.request_id)
+                continue
+            if parent.finished:
+                self._forget(parent)
+            request_outputs.append(out)
+        return OutputProcessorOutput(
+            request_outputs=request_outputs,
+            reqs_to_abort=reqs_to_abort,
+            reqs_to_fail=reqs_to_fail,
+        )
+
+    def _update(self, seq: RequestState, out: EngineCoreOutput, now: float) -> bool:
+        """Apply one core output to its sequence: True when it got tokens or finished."""
+        seq.num_cached_tokens = out.num_cached_tokens
+        seq.first_scheduled_time = out.first_scheduled_time
+        seq.scheduler_time, seq.model_execute_time = out.scheduler_time, out.model_execute_time
+        if out.new_prompt_logprobs is not None:
+            self.logprobs.record_prompt(seq, *out.new_prompt_logprobs)
+        tokens = out.new_token_ids
+        if tokens:
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.last_token_time = now
+        p, detok, last = seq.params, seq.detokenizer, len(tokens) - 1
+        for i, token in enumerate(tokens):
+            # The core's finish applies to its last token only.
+            core_reason = out.finish_reason if i == last else None
+            seq.output_token_ids.append(token)
+            if out.new_logprobs is not None:
+                self.logprobs.append_sampled(seq, out.new_logprobs[i])
+            # An EOS or stop token's text is not shown unless include_stop_str_in_output.
+            if detok is None or (core_reason == "stop" and not p.include_stop_str_in_output):
+                continue
+            stop = detok.update(token)
+            if stop is not None and core_reason is None:
+                # Ends here: the core's tokens after this one are dropped.
+                seq.finish_reason, seq.stop_reason = "stop", stop
+                return True
+        if out.finished:
+            seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
+        return bool(tokens) or out.finished
+
+    def _fail(self, parent: ParentRequest) -> RequestOutput:
+        """The final output of a request that failed (vLLM's finish reason "error", a 500 from
+        the server): every sequence not ended yet ends with "error". No text: what failed
+        may be the text itself, and the error replaces the answer."""
+        for child in parent.children:
+            if not child.is_finished():
+                child.finish_reason = "error"
+        self._forget(parent)
+        outputs = [
+            CompletionOutput(
+                index=i,
+                text="",
+                token_ids=list(child.output_token_ids),
+                cumulative_logprob=None,
+                logprobs=None,
+                finish_reason=child.finish_reason,
+            )
+            for i, child in enumerate(parent.children)
+        ]
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            prompt_logprobs=None,
+            outputs=outputs,
+            finished=True,
+        )
 
     def _prompt_logprobs(self, parent: ParentRequest, delta: bool):
         """The prompt logprobs once computed (any sequence's: they share the prompt); a
@@ -100,18 +277,6 @@ class OutputProcessor:
         if done is not None:
             parent.sent_prompt_logprobs = True
         return done
-
-    def decode_one(self, token_id: int) -> str | None:
-        if self.tokenizer is None:
-            return None
-        text = self._token_text.get(token_id)
-        if text is None:
-            if self._num_ids is not None and not 0 <= token_id < self._num_ids:
-                text = ""  # past the tokenizer's vocabulary, as the detokenizer has it
-            else:
-                text = self.tokenizer.decode([token_id])
-            self._token_text[token_id] = text
-        return text
 
     def make_output(self, parent: ParentRequest, now: float, touched: set[str]) -> RequestOutput:
         """CUMULATIVE and FINAL_ONLY: every sequence so far. DELTA: only the sequences that
@@ -124,7 +289,7 @@ class OutputProcessor:
             rid = child.request_id
             if delta and rid not in touched:
                 continue
-            detok = parent.detokenizers.get(rid)
+            detok = child.detokenizer
             finished = child.is_finished()
             visible = detok.visible_len(finished) if detok is not None else 0
             # DELTA copies only what is new: a stream's outputs stay linear in its length.
@@ -143,7 +308,7 @@ class OutputProcessor:
                     token_ids=token_ids,
                     cumulative_logprob=child.cumulative_logprob if logprobs is not None else None,
                     logprobs=logprobs,
-                    finish_reason=child.status.finish_reason,
+                    finish_reason=child.finish_reason,
                     stop_reason=child.stop_reason,
                 )
             )
@@ -164,6 +329,6 @@ class OutputProcessor:
             outputs=completions,
             finished=parent.finished,
             metrics=metrics,
-            num_cached_tokens=max(first.num_cached_tokens, 0),
-            lora_request=None if first.lora is None else first.lora.request,
+            num_cached_tokens=first.num_cached_tokens,
+            lora_request=parent.lora_request,
         )

@@ -182,7 +182,7 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """vLLM's: forget every cached prefix block (after changing weights, say, or for a
         cold-cache measurement); False, and nothing forgotten, while requests run."""
-        return self.llm_engine.scheduler.kv_cache.reset_prefix_cache()
+        return self.llm_engine.engine_core.call_utility("reset_prefix_cache")
 
     def chat(
         self,

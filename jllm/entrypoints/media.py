@@ -4,14 +4,19 @@ loaded as vLLM's media connector does, under the operator's rules:
 - `data:image/...;base64,...`: decoded in place;
 - `file://...`: only under `allowed_local_media_path` (refused when it is unset);
 - `http(s)://...`: only from `allowed_media_domains` (none by default: refused at once, never
-  a hang on a network that is not there), with a timeout and a size cap. A redirect is
+  a hang on a network that is not there), within `FETCH_TIMEOUT_S` for the whole download
+  (a host that sends slowly cannot hold a server worker longer) and `MAX_IMAGE_BYTES` (an
+  announced Content-Length past it is refused before the body is read). A redirect is
   followed only to http(s) on an allowed domain: each hop is checked as the first URL was.
 
 The images of a conversation are counted before any is fetched, against the model's
-`limit_mm_per_prompt` (`max_images`). Every refusal is a ValueError naming the rule (a 400 in
-the server). The bytes go to Pillow, which reads image formats only: nothing received is
-executed or unpickled; an image whose header claims more than `MAX_IMAGE_PIXELS` pixels (a
-decompression bomb) is refused before its pixels are decoded.
+`limit_mm_per_prompt` (`max_images`), so one request fetches at most `max_images` images of
+at most `MAX_IMAGE_BYTES` each. The server fetches on its processor pool
+(`AsyncLLM.run_processor`), where a slow host holds one worker. Every refusal is a
+ValueError naming the rule (a 400 in the server). The bytes go to Pillow, which reads image
+formats only: nothing received is executed or unpickled; an image whose header claims more
+than `MAX_IMAGE_PIXELS` pixels (a decompression bomb) is refused before its pixels are
+decoded.
 """
 
 from __future__ import annotations
@@ -20,10 +25,11 @@ import base64
 import binascii
 import io
 import os
+import time
 import urllib.parse
 import urllib.request
 
-FETCH_TIMEOUT_S = 5.0  # vLLM's VLLM_IMAGE_FETCH_TIMEOUT
+FETCH_TIMEOUT_S = 5.0  # vLLM's VLLM_IMAGE_FETCH_TIMEOUT: one image's whole download
 MAX_IMAGE_BYTES = 64 << 20
 MAX_IMAGE_PIXELS = 178_956_970  # vLLM's VLLM_MAX_IMAGE_PIXELS: Pillow's bomb error threshold
 MAX_REDIRECTS = 5
@@ -150,14 +156,30 @@ class MediaConnector:
 
     def _fetch(self, url: str, parsed) -> bytes:
         self.check_http_url(url)
+        deadline = time.monotonic() + FETCH_TIMEOUT_S
+        too_large = ValueError(f"The image at {url} is larger than {MAX_IMAGE_BYTES} bytes.")
+        chunks, size = [], 0
         try:
             with self._opener.open(url, timeout=FETCH_TIMEOUT_S) as response:
-                data = response.read(MAX_IMAGE_BYTES + 1)
+                length = response.headers.get("Content-Length", "")
+                if length.isdigit() and int(length) > MAX_IMAGE_BYTES:
+                    raise too_large
+                # read1: whatever arrived, so the deadline is checked as the bytes come.
+                while size <= MAX_IMAGE_BYTES:
+                    chunk = response.read1(MAX_IMAGE_BYTES + 1 - size)
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    size += len(chunk)
+                    if time.monotonic() > deadline:
+                        raise ValueError(
+                            f"The image at {url} took more than {FETCH_TIMEOUT_S} s to fetch."
+                        )
         except OSError as e:
             raise ValueError(f"The image at {url} could not be fetched: {e}") from e
-        if len(data) > MAX_IMAGE_BYTES:
-            raise ValueError(f"The image at {url} is larger than {MAX_IMAGE_BYTES} bytes.")
-        return data
+        if size > MAX_IMAGE_BYTES:
+            raise too_large
+        return b"".join(chunks)
 
 
 def chat_messages_with_images(messages: list, media: MediaConnector) -> tuple[list, list]:

@@ -3,7 +3,9 @@
 `LoraCache` (the engine's, host memory): adapters loaded from their PEFT folders by
 `lora_int_id`, least recently used first out past `max_cpu_loras`. A request holds its
 adapter object, so eviction never takes one from a request that uses it. The server reads it
-from worker threads (requests' preparation, runtime loads), so one lock guards it.
+from its processor pool's threads (requests' preparation, runtime loads): a lock guards the
+table, and an adapter is read from disk outside it, once, while the requests for it wait
+and the others go on.
 
 `LoraSlots` (the scheduler's): `max_loras` device slots. A running request pins its
 adapter's slot; a waiting request whose adapter has no slot takes a free one (the least
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future
 
 from jllm.lora.peft import LoraAdapter, LoraTarget, load_peft_adapter
 from jllm.lora.request import LoRARequest
@@ -30,23 +33,28 @@ class LoraCache:
         self.max_rank, self.capacity = max_rank, capacity
         self._adapters: OrderedDict[int, LoraAdapter] = OrderedDict()
         self._lock = threading.Lock()
+        # Loads under way: (id, name, path) -> the future of the adapter.
+        self._loading: dict[tuple, Future] = {}
 
     def get(self, request: LoRARequest) -> LoraAdapter:
         """The adapter of `request`, loaded (and checked) on first use; ValueError if its
         folder is missing, malformed or made for another model."""
         if not isinstance(request, LoRARequest):
             raise TypeError(f"lora_request must be a LoRARequest, not {type(request).__name__}.")
+        key = (request.lora_int_id, request.lora_name, request.lora_path)
         with self._lock:
-            return self._get(request)
-
-    def _get(self, request: LoRARequest) -> LoraAdapter:
-        adapter = self._adapters.get(request.lora_int_id)
-        if adapter is not None and (adapter.name, adapter.path) != (
-            request.lora_name,
-            request.lora_path,
-        ):
-            adapter = None  # the id now names another adapter: read it again
-        if adapter is None:
+            adapter = self._adapters.get(request.lora_int_id)
+            if adapter is not None and (adapter.name, adapter.path) == key[1:]:
+                self._adapters.move_to_end(request.lora_int_id)
+                return adapter
+            # Absent, or the id now names another adapter: read it (once for all askers).
+            loading = self._loading.get(key)
+            mine = loading is None
+            if mine:
+                loading = self._loading[key] = Future()
+        if not mine:
+            return loading.result()
+        try:
             adapter = load_peft_adapter(
                 request.lora_name,
                 request.lora_int_id,
@@ -55,11 +63,19 @@ class LoraCache:
                 self.num_layers,
                 self.max_rank,
             )
-            adapter.request = request
+        except BaseException as e:
+            with self._lock:
+                del self._loading[key]
+            loading.set_exception(e)
+            raise
+        adapter.request = request
+        with self._lock:
+            del self._loading[key]
             self._adapters[request.lora_int_id] = adapter
-        self._adapters.move_to_end(request.lora_int_id)
-        while len(self._adapters) > self.capacity:
-            self._adapters.popitem(last=False)
+            self._adapters.move_to_end(request.lora_int_id)
+            while len(self._adapters) > self.capacity:
+                self._adapters.popitem(last=False)
+        loading.set_result(adapter)
         return adapter
 
     def remove(self, lora_int_id: int) -> bool:

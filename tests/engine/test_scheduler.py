@@ -7,6 +7,7 @@ from jllm.config import SchedulerConfig
 from jllm.engine.core import EngineCore
 from jllm.engine.kv_cache_manager import KVCacheManager, block_key, max_blocks_per_request
 from jllm.engine.scheduler import Scheduler
+from jllm.outputs import CompletionOutput, RequestOutput
 from jllm.runner.sampled import SampledToken
 from jllm.sampling_params import SamplingParams
 from jllm.scheduler_output import ModelRunnerOutput
@@ -63,17 +64,37 @@ def make_core(
     config = SchedulerConfig(max_seqs, budget, 128, True, tile, lookahead, policy)
     sched = Scheduler(config, KVCacheManager(num_blocks, block_size, caching))
     runner = MockRunner()
-    return EngineCore(sched, runner, None, 128, eos_token_id=999), sched, runner
+    return RecordingCore(sched, runner, 128, eos_token_id=999), sched, runner
+
+
+class RecordingCore(EngineCore):
+    """The core, gathering each sequence's tokens from its step outputs (which hold only
+    the new ones)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tokens: dict[str, list[int]] = {}
+
+    def step(self):
+        outputs = super().step()
+        for out in outputs.outputs:
+            self.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        return outputs
 
 
 def run(core, limit=1000):
+    """Step until idle; each finished request's tokens and finish, as an output."""
     done = {}
     for _ in range(limit):
         if not core.has_unfinished_requests():
             break
-        for out in core.step():
+        for out in core.step().outputs:
             if out.finished:
-                done[out.request_id] = out
+                tokens = core.tokens[out.request_id]
+                seq = CompletionOutput(
+                    0, "", tokens, None, None, out.finish_reason, out.stop_reason
+                )
+                done[out.request_id] = RequestOutput(out.request_id, None, [], None, [seq], True)
     return done
 
 
@@ -269,7 +290,7 @@ def test_draft_lookahead_slots_are_a_wish():
     request that fits the pool alone would otherwise preempt itself for ever)."""
     config = SchedulerConfig(8, 32, 128, True, 1, 3, "fcfs", num_draft_lookahead=3)
     sched = Scheduler(config, KVCacheManager(4, 4, False))  # 3 usable blocks of 4 slots
-    core = EngineCore(sched, MockRunner(), None, 128, eos_token_id=999)
+    core = RecordingCore(sched, MockRunner(), 128, eos_token_id=999)
     core.add_request("b", [7, 8, 9], params(2))  # 3 + 2 ahead (max_tokens caps the 3)
     core.step()
     assert len(sched.kv_cache.block_ids("b")[0]) == 2
@@ -333,7 +354,7 @@ def test_sliding_window_requests_keep_their_window_live():
         kv = KVCacheManager([40, 16], 4, True, windows=[None, 8])
         sched = Scheduler(config, kv)
         runner = WindowRunner(kv, max_step=12 + 3)
-        core = EngineCore(sched, runner, None, 512, eos_token_id=999)
+        core = RecordingCore(sched, runner, 512, eos_token_id=999)
         core.proposer = Proposer(wrong)
         core.add_request("a", list(range(40)), params(60))
         core.add_request("c", list(range(100, 130)), params(60))
@@ -385,7 +406,7 @@ def test_without_same_step_hits_each_step_hits_only_earlier_steps():
     in one step each compute it; a third, a step later, hits its full blocks."""
     config = SchedulerConfig(8, 32, 128, True, 1, 0, "fcfs")
     sched = Scheduler(config, KVCacheManager(64, 4, True, same_step_hits=False))
-    core = EngineCore(sched, MockRunner(), None, 128, eos_token_id=999)
+    core = RecordingCore(sched, MockRunner(), 128, eos_token_id=999)
     prompt = list(range(9))
     core.add_request("a", prompt, params(3))
     core.add_request("b", prompt, params(3))

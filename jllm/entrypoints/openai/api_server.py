@@ -43,7 +43,7 @@ from jllm.entrypoints.openai.protocol import (
 )
 from jllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from jllm.entrypoints.openai.serving_engine import OpenAIError, error_response, off_loop
+from jllm.entrypoints.openai.serving_engine import OpenAIError, error_response
 from jllm.entrypoints.openai.serving_models import ServingModels
 from jllm.entrypoints.openai.shutdown import GracefulServer, StoppableLLM
 from jllm.logger import setup_logging
@@ -211,7 +211,9 @@ def build_app(args: argparse.Namespace, engine: StoppableLLM, metrics: Prometheu
 
         @app.post("/v1/load_lora_adapter")
         async def load_lora_adapter(raw: Request):
-            return PlainTextResponse(await off_loop(models.load, await _json_object(raw)))
+            return PlainTextResponse(
+                await engine.run_processor(models.load, await _json_object(raw))
+            )
 
         @app.post("/v1/unload_lora_adapter")
         async def unload_lora_adapter(raw: Request):
@@ -243,11 +245,11 @@ def build_app(args: argparse.Namespace, engine: StoppableLLM, metrics: Prometheu
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError("Give exactly one of prompt and messages.", 400, "prompt")
         if body.messages is not None:
-            text, ids, images = await off_loop(chat.render, body)
+            text, ids, images = await engine.run_processor(chat.render, body)
             if images:  # the model's processor expands each image's placeholder
                 prompt = {"prompt": text, "multi_modal_data": {"image": images}}
                 try:
-                    processed, _ = await off_loop(
+                    processed, _ = await engine.run_processor(
                         engine.prepare, prompt, SamplingParams(max_tokens=1), None, False
                     )
                 except ValueError as e:
@@ -255,7 +257,7 @@ def build_app(args: argparse.Namespace, engine: StoppableLLM, metrics: Prometheu
                 ids = processed.prompt_token_ids
         else:
             encode = functools.partial(tokenizer.encode, add_special_tokens=body.add_special_tokens)
-            ids = await off_loop(encode, body.prompt)
+            ids = await engine.run_processor(encode, body.prompt)
         strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return {
             "count": len(ids),
@@ -270,7 +272,7 @@ def build_app(args: argparse.Namespace, engine: StoppableLLM, metrics: Prometheu
         vocab = len(tokenizer)
         if any(not 0 <= t < vocab for t in body.tokens):
             raise OpenAIError(f"Token ids must be in [0, {vocab}).", 400, "tokens")
-        return {"prompt": await off_loop(tokenizer.decode, body.tokens)}
+        return {"prompt": await engine.run_processor(tokenizer.decode, body.tokens)}
 
     limits = {
         "model_names": names,

@@ -19,7 +19,8 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
-from jllm.config.limits import INT64_MAX, MAX_N_SEQUENCES, MAX_STOP_STRINGS
+from jllm.config import limits
+from jllm.config.limits import INT64_MAX, MAX_N_SEQUENCES
 from jllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 NonEmpty = Annotated[str, Field(min_length=1)]
@@ -43,6 +44,24 @@ def Int(ge: int, le: int = INT64_MAX):  # noqa: N802 - a type
 
 
 TokenId = Int(0)  # /openapi.json adds the vocabulary's top
+
+
+def _at_most_stop_strings(stops: list[str]) -> list[str]:
+    """VLLM_MAX_STOP_STRINGS, read when a request is checked (and when the schema is
+    written), so a test may raise it."""
+    if len(stops) > limits.MAX_STOP_STRINGS:
+        raise ValueError(
+            f"List should have at most {limits.MAX_STOP_STRINGS} items after validation, "
+            f"not {len(stops)} (VLLM_MAX_STOP_STRINGS)."
+        )
+    return stops
+
+
+StopList = Annotated[
+    list[NonEmpty],
+    AfterValidator(_at_most_stop_strings),
+    Field(json_schema_extra=lambda schema: schema.update(maxItems=limits.MAX_STOP_STRINGS)),
+]
 Count = Int(1)
 
 # Defined by OpenAI or vLLM, not honoured by jllm yet: a 400 naming the field when set.
@@ -83,7 +102,7 @@ class SamplingFields(OpenAIBaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1)
     presence_penalty: float | None = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=0.0, ge=-2, le=2)
-    stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: NonEmpty | StopList | None = None
     seed: Int(0) | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -23,7 +23,6 @@ from jllm.entrypoints.openai.serving_engine import (
     SSEResponse,
     check_beam_search,
     clamp,
-    off_loop,
     prompt_logprobs_json,
     sse,
     usage,
@@ -249,7 +248,7 @@ class OpenAIServingChat(OpenAIServing):
         if not request.messages:
             raise OpenAIError("messages cannot be empty.", 400, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        text, ids, images = await off_loop(self.render, request)
+        text, ids, images = await self.off_loop(self.render, request)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens or request.max_tokens
         try:
@@ -277,7 +276,7 @@ class OpenAIServingChat(OpenAIServing):
                 prompt["mm_processor_kwargs"] = request.mm_processor_kwargs
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
-        prepared = [await off_loop(self.prepare, request_id, prompt, params, lora, False)]
+        prepared = [await self.off_loop(self.prepare, request_id, prompt, params, lora, False)]
         role = (
             self.response_role
             if request.add_generation_prompt

@@ -12,7 +12,6 @@ from jllm.entrypoints.openai.serving_engine import (
     SSEResponse,
     check_beam_search,
     clamp,
-    off_loop,
     prompt_logprobs_json,
     sse,
     usage,
@@ -53,7 +52,7 @@ class OpenAIServingCompletion(OpenAIServing):
             check_beam_search(params)
         prompts = normalize_prompts(request.prompt, request.cache_salt)
         prepared = [
-            await off_loop(self.prepare, f"{request_id}-{i}", p, params, lora)
+            await self.off_loop(self.prepare, f"{request_id}-{i}", p, params, lora)
             for i, p in enumerate(prompts)
         ]
         if request.use_beam_search:

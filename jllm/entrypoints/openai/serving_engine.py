@@ -9,7 +9,6 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 
 from fastapi.responses import JSONResponse
 from starlette.responses import StreamingResponse
@@ -128,16 +127,6 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-# Tokenization and chat templating run here, off the event loop, so a long prompt does not
-# stall the streams the loop is serving; one thread, as vLLM's tokenizer executor.
-_TOKENIZE_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jllm-tokenize")
-
-
-async def off_loop(fn, *args):
-    """fn(*args) on the tokenization thread; its exceptions propagate."""
-    return await asyncio.get_running_loop().run_in_executor(_TOKENIZE_POOL, fn, *args)
-
-
 def fit_max_tokens(params: SamplingParams, num_prompt: int, max_len: int) -> None:
     """vLLM's `get_max_tokens`: max_tokens past the room the prompt leaves in the context is
     that room (an unset one already is); a prompt that fills the context leaves none."""
@@ -193,6 +182,12 @@ class OpenAIServing:
         self.log_requests = log_requests
         self.max_log_len = max_log_len
         self.tokenizer = engine.get_tokenizer()
+
+    async def off_loop(self, fn, *args):
+        """fn(*args) on the engine's processor pool (`AsyncLLM.run_processor`), so chat
+        templates, tokenization, image fetches and adapter loads neither stall the streams
+        the event loop serves nor wait for one another; its exceptions propagate."""
+        return await self.engine.run_processor(fn, *args)
 
     def check_request(self, request):
         """Refuses what the request asks that this server cannot do; returns the LoRA
