@@ -8,7 +8,11 @@ window (`prefix_offset`..end) twice and emits only the text past what the window
 produced, holding back text that ends in an incomplete UTF-8 character. A slow tokenizer's
 window is decoded by vLLM's rule for slow tokenizers, which is where
 `spaces_between_special_tokens` applies (vLLM's fast path ignores it, and so does jllm's).
-Host-side only: no JAX import.
+
+Stop strings: after each piece of text, the first stop string in the request's order that
+occurs in it ends the sequence (vLLM's rule). Only one that ends in the new piece can be new,
+so the scan looks up the stop strings by their last character at each new character: its cost
+follows the text, not the length of the stop list. Host-side only: no JAX import.
 """
 
 from __future__ import annotations
@@ -57,6 +61,10 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.text = ""
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        # Last character -> (position in the list, stop string), in the list's order.
+        self._by_last: dict[str, list[tuple[int, str]]] = {}
+        for i, stop in enumerate(self.stop):
+            self._by_last.setdefault(stop[-1], []).append((i, stop))
 
     def _decode(self, ids: list[int]) -> str:
         if self._added is None:
@@ -99,9 +107,9 @@ class IncrementalDetokenizer:
         return self._append(full[len(prefix) :])
 
     def _append(self, delta: str) -> str | None:
-        start = max(0, len(self.text) - self._max_stop_len + 1)
+        new_from = len(self.text)
         self.text += delta
-        return self._check_stop(start) if self.stop else None
+        return self._check_stop(new_from) if self.stop else None
 
     def visible_len(self, finished: bool) -> int:
         """How much of the text a stream may show now. Until the sequence ends, the last
@@ -111,10 +119,22 @@ class IncrementalDetokenizer:
             return len(self.text)
         return max(0, len(self.text) - self._max_stop_len + 1)
 
-    def _check_stop(self, search_from: int) -> str | None:
-        for stop in self.stop:
-            idx = self.text.find(stop, search_from)
-            if idx != -1:
-                self.text = self.text[: idx + len(stop) if self.include_stop else idx]
-                return stop
-        return None
+    def _check_stop(self, new_from: int) -> str | None:
+        """The first stop string (in the list's order) that ends at or past `new_from`: any
+        earlier one would have ended the sequence already. The text is cut at it."""
+        text, best = self.text, None
+        for end in range(new_from, len(text)):
+            for i, stop in self._by_last.get(text[end], ()):
+                if best is not None and i >= best[0]:
+                    break
+                begin = end - len(stop) + 1
+                if begin >= 0 and text.startswith(stop, begin):
+                    best = (i, stop)
+                    break
+        if best is None:
+            return None
+        stop = best[1]
+        # Its first occurrence in the window of the stop strings' length.
+        idx = text.find(stop, max(0, new_from - self._max_stop_len + 1))
+        self.text = text[: idx + len(stop) if self.include_stop else idx]
+        return stop

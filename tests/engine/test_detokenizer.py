@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from jllm.engine.detokenizer import IncrementalDetokenizer
@@ -120,3 +122,37 @@ def test_ids_past_a_fast_tokenizers_vocabulary_decode_to_nothing(tok, stream):
     ids = tok.encode("Hello world")
     text, _ = feed(tok, [past, *ids], [*ids[:1], past, *ids[1:]], stream=stream)
     assert text == tok.decode(ids)
+
+
+def scan_by_every_stop(pieces: list[str], stops: list[str], include: bool):
+    """The stop-string rule checked the plain way: after each piece, every stop string in
+    order searched over the window its length allows; (the text, the stop found)."""
+    text, longest = "", max(map(len, stops))
+    for piece in pieces:
+        start = max(0, len(text) - longest + 1)
+        text += piece
+        for stop in stops:
+            idx = text.find(stop, start)
+            if idx != -1:
+                return text[: idx + len(stop) if include else idx], stop
+    return text, None
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    pieces=st.lists(st.text("ab c", min_size=0, max_size=3), max_size=12),
+    stops=st.lists(st.text("ab c", min_size=1, max_size=4), min_size=1, max_size=6),
+    include=st.booleans(),
+)
+def test_indexed_stop_scan_equals_the_plain_one(pieces, stops, include):
+    """The detokenizer finds stop strings by their last character at each new character; it
+    must stop where (and with the string) a search of every stop string over the window
+    would: the first in the list's order, text cut at its first occurrence."""
+    params = SamplingParams(stop=stops, include_stop_str_in_output=include)
+    d = IncrementalDetokenizer(SlowTokenizer(), [], params, stream=False)
+    found = None
+    for piece in pieces:
+        found = d._append(piece)
+        if found is not None:
+            break
+    assert (d.text, found) == scan_by_every_stop(pieces, stops, include)

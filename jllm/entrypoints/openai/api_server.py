@@ -70,6 +70,8 @@ async def with_cancellation(request: Request, work):
         watcher.cancel()
         if not task.done():
             task.cancel()
+            # A cancelled task is done only once it has run its clean-up (the aborts).
+            await asyncio.gather(task, return_exceptions=True)
     if task.cancelled():
         return Response(status_code=499)
     return task.result()
