@@ -162,3 +162,68 @@ def test_nothing_is_fetched_for_a_text_only_model(llama_dir, host):
     with pytest.raises(ValueError, match="text only"):
         llm.chat(image_message(host.url("/cat.png")))
     assert host.paths == []
+
+
+class SlowHost:
+    """/big announces more bytes than allowed and sends its body only when released;
+    /drip sends a byte at a time, slowly."""
+
+    def __init__(self) -> None:
+        host = self
+        self.release = threading.Event()
+        self.sent = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200)
+                size = media.MAX_IMAGE_BYTES + 1 if self.path == "/big" else 1000
+                self.send_header("Content-Length", str(size))
+                self.end_headers()
+                try:
+                    if self.path == "/big":
+                        host.release.wait(60)
+                        self.wfile.write(b"x" * 100)
+                        return
+                    for _ in range(size):
+                        self.wfile.write(b"x")
+                        self.wfile.flush()
+                        host.sent += 1
+                        if host.release.wait(0.02):
+                            return
+                except OSError:  # the client left
+                    pass
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}{path}"
+
+
+@pytest.fixture
+def slow_host():
+    h = SlowHost()
+    yield h
+    h.release.set()
+    h.server.shutdown()
+    h.server.server_close()
+
+
+def test_an_announced_size_past_the_cap_is_refused_before_the_body(slow_host):
+    """The body is never sent (until released): only the announced size can refuse it."""
+    connector = MediaConnector("", ["127.0.0.1"])
+    with pytest.raises(ValueError, match="larger than"):
+        connector.fetch_image(slow_host.url("/big"))
+
+
+def test_a_slow_download_ends_at_the_fetch_timeout(slow_host, monkeypatch):
+    """Each byte comes well within the socket's timeout; the whole download does not: a host
+    that drips cannot hold a processor-pool worker past the fetch timeout."""
+    monkeypatch.setattr(media, "FETCH_TIMEOUT_S", 0.3)
+    connector = MediaConnector("", ["127.0.0.1"])
+    with pytest.raises(ValueError, match="took more than 0.3 s"):
+        connector.fetch_image(slow_host.url("/drip"))
+    assert 0 < slow_host.sent < 1000
