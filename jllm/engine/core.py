@@ -41,7 +41,7 @@ import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
-from jllm.engine.outputs import EngineCoreOutput, EngineCoreOutputs
+from jllm.engine.outputs import EngineCoreOutput, EngineCoreOutputs, sequence_id
 from jllm.engine.request import Request, RequestStatus
 from jllm.engine.scheduler import Scheduler
 from jllm.metrics.stats import FinishedRequestStats, SchedulerStats, StepStats
@@ -109,7 +109,7 @@ class EngineCore:
         now = time.time() if arrival_time is None else arrival_time
         children = []
         for i in range(params.n):
-            child_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            child_id = sequence_id(request_id, i, params.n)
             child = Request(
                 child_id,
                 prompt_token_ids,

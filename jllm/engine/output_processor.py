@@ -21,7 +21,12 @@ from dataclasses import dataclass, field
 
 from jllm.engine.detokenizer import IncrementalDetokenizer
 from jllm.engine.logprobs import LogprobsProcessor
-from jllm.engine.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from jllm.engine.outputs import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    sequence_id,
+)
 from jllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -129,9 +134,7 @@ class OutputProcessor:
             detok = None
             if params.detokenize and self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, ids, params)
-            children.append(
-                RequestState(rid if params.n == 1 else f"{i}_{rid}", ids, params, detok)
-            )
+            children.append(RequestState(sequence_id(rid, i, params.n), ids, params, detok))
         lora = request.lora
         parent = ParentRequest(
             rid,

@@ -17,6 +17,12 @@ from dataclasses import dataclass, field
 from jllm.sampling_params import SamplingParams
 
 
+def sequence_id(request_id: str, index: int, n: int) -> str:
+    """The id of sequence `index` of a user request of `n`: the request's own id when n == 1
+    (vLLM's naming of parallel sampling's children otherwise)."""
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
 @dataclass(kw_only=True, slots=True)
 class EngineCoreRequest:
     """A validated user request: its `n` sequences get seeds `seed`, `seed + 1`, ... and
@@ -35,8 +41,8 @@ class EngineCoreRequest:
 
 @dataclass(kw_only=True, slots=True)
 class EngineCoreOutput:
-    """One sequence's results of one step. `request_id` is the sequence's id: its user
-    request's id when n == 1, else `f"{index}_{request id}"`."""
+    """One sequence's results of one step. `request_id` is the sequence's id
+    (`sequence_id`)."""
 
     request_id: str
     new_token_ids: list[int]

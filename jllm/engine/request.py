@@ -60,12 +60,6 @@ class Request:
         self.lora = lora
         self.lora_slot = 0
         self.priority = priority  # lower first, under scheduling_policy="priority"
-        # vLLM's format: None for the first prompt token, then {token id: Logprob} per
-        # position, filled as the prompt's chunks are computed.
-        self.prompt_logprobs: list | None = None
-        self.num_prompt_logprobs = 0  # positions filled
-        if sampling_params.prompt_logprobs is not None:
-            self.prompt_logprobs = [None] * len(prompt_token_ids)
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -88,9 +82,7 @@ class Request:
         # Structured outputs: the sequence's grammar matcher (jllm/structured_output), set
         # when its grammar is compiled; it accepts every appended token.
         self.grammar = None
-        self.stop_reason: int | str | None = None
-        self.logprobs: list = []  # per output token, filled when logprobs are requested
-        self.cumulative_logprob = 0.0
+        self.stop_reason: int | None = None  # the stop token id that ended it
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -107,10 +99,6 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
-
-    @property
-    def prompt_logprobs_done(self) -> bool:
-        return self.num_prompt_logprobs == len(self.prompt_token_ids) - 1
 
     @property
     def num_output_tokens(self) -> int:
