@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 
@@ -88,7 +89,9 @@ class SSEResponse(StreamingResponse):
 
 
 def clamp(logprob: float) -> float:
-    return max(logprob, MIN_LOGPROB)
+    """A logprob JSON can carry: -inf, and NaN (every token masked: a grammar the
+    vocabulary cannot follow), as MIN_LOGPROB."""
+    return MIN_LOGPROB if math.isnan(logprob) else max(logprob, MIN_LOGPROB)
 
 
 def prompt_logprobs_json(prompt_logprobs) -> list | None:

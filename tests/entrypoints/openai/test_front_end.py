@@ -203,3 +203,16 @@ def test_a_request_with_1000_stop_strings_and_n_8_slows_nobody(server, monkeypat
         beside = beside_heavy(server, heavy)
     ratio = statistics.median(beside) / statistics.median(alone)
     assert ratio < FACTOR, (alone, beside)
+
+
+def test_logprobs_json_can_carry():
+    """-inf and NaN (a grammar the vocabulary cannot follow masks every token) are reported
+    as vLLM's -9999.0: JSON has neither, and a response must not fail on them."""
+    from jllm.entrypoints.openai.serving_engine import MIN_LOGPROB, clamp
+
+    assert [clamp(x) for x in (float("-inf"), float("nan"), -1e6, -0.5)] == [
+        MIN_LOGPROB,
+        MIN_LOGPROB,
+        MIN_LOGPROB,
+        -0.5,
+    ]
