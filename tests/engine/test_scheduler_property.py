@@ -403,7 +403,7 @@ def build(s):
     runner = CheckingRunner(kv, s.same_step_hits, draft_k=s.k if ahead else 0)
     proposer = Proposer(s.k) if s.spec == "proposer" else None
     core = EngineCore(
-        sched, runner, None, MAX_LEN, eos_token_id=999, proposer=proposer,
+        sched, runner, MAX_LEN, eos_token_id=999, proposer=proposer,
         async_scheduling=s.async_,
     )  # fmt: skip
     return core, sched, kv, runner
