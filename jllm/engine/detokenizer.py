@@ -61,6 +61,10 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.text = ""
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        # vLLM's rule: stop strings count only in text that tokens past the first
+        # `min_tokens` produced (a stop string may begin before them and end in it).
+        self.min_tokens = params.min_tokens
+        self._num_tokens = 0
         # Last character -> (position in the list, stop string), in the list's order.
         self._by_last: dict[str, list[tuple[int, str]]] = {}
         for i, stop in enumerate(self.stop):
@@ -92,6 +96,7 @@ class IncrementalDetokenizer:
 
     def update(self, token_id: int) -> str | None:
         """Add one token; return the stop string it completed, if any."""
+        self._num_tokens += 1
         if self._backend is not None:
             delta = self._stream.step(self._backend, token_id)
             if not delta:
@@ -109,7 +114,9 @@ class IncrementalDetokenizer:
     def _append(self, delta: str) -> str | None:
         new_from = len(self.text)
         self.text += delta
-        return self._check_stop(new_from) if self.stop else None
+        if not self.stop or (self.min_tokens and self._num_tokens <= self.min_tokens):
+            return None
+        return self._check_stop(new_from)
 
     def visible_len(self, finished: bool) -> int:
         """How much of the text a stream may show now. Until the sequence ends, the last

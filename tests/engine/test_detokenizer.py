@@ -53,6 +53,20 @@ def test_stop_string_across_tokens(tok):
     assert stop == "two." and text == "The answer is forty-two."
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["DecodeStream", "window"])
+def test_stop_strings_wait_for_min_tokens(tok, stream):
+    """vLLM's rule: a stop string in the text of the first `min_tokens` tokens does not
+    stop the sequence; one that ends after them does, even if it began before."""
+    ids = tok.encode("one two one two three")
+    n = len(tok.encode("one two"))
+    text, stop = feed(tok, [], ids, stream=stream, stop=["two"], min_tokens=n)
+    assert stop == "two" and text == "one two one "
+    text, stop = feed(tok, [], ids, stream=stream, stop=["two one"], min_tokens=n)
+    assert stop == "two one" and text == "one "
+    text, stop = feed(tok, [], ids, stream=stream, stop=["two"], min_tokens=len(ids))
+    assert stop is None and text == "one two one two three"
+
+
 class SlowTokenizer:
     """A slow (Python) tokenizer's decoding surface: one character per token, two added
     tokens, one of them special."""
