@@ -103,6 +103,7 @@ class StepTimer:
         for n in names:
             setattr(runner, n, getattr(self, n))
         self.async_mode = async_mode
+        self.layouts = runner.step_layouts  # a StepPlan's packed layouts, by its key
         self.pad_row = runner.batch.pad
         self.records = []
         self.padding = np.zeros(4, np.int64)  # token slots, live tokens, sample rows, live
@@ -111,18 +112,20 @@ class StepTimer:
         self._decodes = self._total = 0
         self._live = 0  # the scheduled tokens of the step being dispatched
 
-    def run_step(self, key, step, *args, **kwargs):
+    def run_step(self, plan):
         # The padded step, packed: count its slots and rows against the live ones.
-        inputs, md = (unpack_host(buf, layout) for buf, layout in step)
+        layouts = self.layouts(plan.key, plan.rs)
+        bufs = (plan.inputs, plan.sampling)
+        inputs, md = (unpack_host(buf, lay) for buf, lay in zip(bufs, layouts, strict=True))
         rows = np.asarray(md.batch_row)
         live_rows = int(np.sum(rows != self.pad_row))
         self.padding += (len(inputs.token_ids), self._live, len(rows), live_rows)
         if self.async_mode:
-            return self.inner["run_step"](key, step, *args, **kwargs)
+            return self.inner["run_step"](plan)
         t0 = time.perf_counter()
         if self._last_end is not None:
             self._idle = t0 - self._last_end
-        result = self.inner["run_step"](key, step, *args, **kwargs)
+        result = self.inner["run_step"](plan)
         jax.block_until_ready(result)  # synchronous: the device part ends here
         self._last_end = time.perf_counter()
         self._wait = self._last_end - t0

@@ -104,12 +104,12 @@ def main() -> None:
         enable_prefix_caching=False,
         max_num_seqs=8,
     )
-    encoder = llm.llm_engine.runner.encoder
-    state = llm.llm_engine.runner.state
+    runner = llm.llm_engine.runner
+    encoder = runner.encoder
     batch = [(i % encoder.num_slots, px) for i, px in enumerate(pixels)]
 
     def jllm_encode():
-        encoder.run(state, batch)
+        encoder.apply(runner, batch)
         jax.block_until_ready(encoder.pool)
 
     one = SamplingParams(max_tokens=1, temperature=0.0)
