@@ -66,3 +66,13 @@ def wait_healthy(url: str, procs, timeout: float) -> None:
                 return
         except httpx.TransportError:
             time.sleep(0.2)
+
+
+def wait_idle(server, timeout: float = 60.0) -> None:
+    """Wait until the engine holds no request and no KV block."""
+    scheduler = server.engine.engine.scheduler
+    kv = scheduler.kv_cache
+    deadline = time.monotonic() + timeout
+    while scheduler.running or scheduler.waiting or kv.num_free_blocks != kv.num_blocks - 1:
+        assert time.monotonic() < deadline, "requests or blocks still held"
+        time.sleep(0.05)

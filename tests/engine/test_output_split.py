@@ -70,20 +70,3 @@ def test_reset_prefix_cache_is_a_utility_call(llama_llm, monkeypatch):
     for name in ("no_such_utility", "_update", "max_model_len"):
         with pytest.raises(ValueError, match=name):
             client.call_utility(name)
-
-
-def test_the_front_end_and_the_core_interface_import_no_jax():
-    import subprocess
-    import sys
-
-    modules = [
-        "jllm.engine.outputs",
-        "jllm.engine.core_client",
-        "jllm.engine.output_processor",
-        "jllm.engine.logprobs",
-        "jllm.engine.output_thread",
-        "jllm.entrypoints.media",
-    ]
-    code = f"import sys\nfor m in {modules!r}: __import__(m)\nprint('jax' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"

@@ -237,6 +237,14 @@ def test_host_side_imports_no_jax():
         "jllm.engine.processor",
         "jllm.metrics.stats",
         "jllm.engine.core",
+        "jllm.engine.step_budget",
+        # the front end and the core's interface (the output processor and its thread)
+        "jllm.engine.outputs",
+        "jllm.engine.core_client",
+        "jllm.engine.output_processor",
+        "jllm.engine.logprobs",
+        "jllm.engine.output_thread",
+        "jllm.entrypoints.media",
         "jllm.runner.sampled",
         "jllm.scheduler_output",
     ]

@@ -15,7 +15,7 @@ import time
 
 import httpx
 import pytest
-from openai_server import MODEL_NAME
+from openai_server import MODEL_NAME, wait_idle
 
 from jllm.config import limits
 from jllm.engine.detokenizer import IncrementalDetokenizer
@@ -24,16 +24,6 @@ from jllm.engine.request import RequestStatus
 from jllm.entrypoints.openai.serving_chat import OpenAIServingChat
 
 GREEDY = {"model": MODEL_NAME, "temperature": 0, "ignore_eos": True}
-
-
-def wait_idle(server, timeout: float = 60.0) -> None:
-    """Wait until the engine holds no request and no KV block."""
-    scheduler = server.engine.engine.scheduler
-    kv = scheduler.kv_cache
-    deadline = time.monotonic() + timeout
-    while scheduler.running or scheduler.waiting or kv.num_free_blocks != kv.num_blocks - 1:
-        assert time.monotonic() < deadline, "requests or blocks still held"
-        time.sleep(0.05)
 
 
 def test_text_is_made_on_the_output_thread(server, monkeypatch):

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import httpx
 import openai
 import pytest
-from openai_server import MODEL_NAME, RunningServer, server_args
+from openai_server import MODEL_NAME, RunningServer, server_args, wait_idle
 
 from jllm import SamplingParams
 
@@ -250,16 +249,6 @@ def test_32_concurrent_streams_match_offline(async_client, llama_llm, server):
     assert all(r[1] > 2 for r in results)  # streamed in pieces, not one final chunk
     assert all(isinstance(b, openai.BadRequestError) for b in bad)
     wait_idle(server)
-
-
-def wait_idle(server, timeout: float = 60.0) -> None:
-    """Wait until the engine holds no request and no KV block."""
-    scheduler = server.engine.engine.scheduler
-    kv = scheduler.kv_cache
-    deadline = time.monotonic() + timeout
-    while scheduler.running or scheduler.waiting or kv.num_free_blocks != kv.num_blocks - 1:
-        assert time.monotonic() < deadline, "requests or blocks still held"
-        time.sleep(0.05)
 
 
 class HeldEngine:
