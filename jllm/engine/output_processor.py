@@ -172,6 +172,13 @@ class OutputProcessor:
         now = outputs.timestamp
         request_outputs, reqs_to_abort, reqs_to_fail = [], [], []
         touched: dict[str, tuple[ParentRequest, set[str]]] = {}
+
+        def fail_here(parent: ParentRequest, e: Exception) -> None:
+            """This processor failed one request: its final output, and the core frees it."""
+            logger.error("Request %s failed: %s: %s", parent.request_id, type(e).__name__, e)
+            request_outputs.append(self._fail(parent))
+            reqs_to_fail.append(parent.request_id)
+
         for out in outputs.outputs:
             seq = self.sequences.get(out.request_id)
             if seq is None or seq.is_finished():  # ended here already (a stop string)
@@ -183,9 +190,7 @@ class OutputProcessor:
             try:
                 moved = self._update(seq, out, now)
             except Exception as e:  # noqa: BLE001 - one request's failure is its own
-                logger.error("Request %s failed: %s: %s", parent.request_id, type(e).__name__, e)
-                request_outputs.append(self._fail(parent))
-                reqs_to_fail.append(parent.request_id)
+                fail_here(parent, e)
                 continue
             if seq.is_finished() and not out.finished:
                 reqs_to_abort.append(seq.request_id)
@@ -199,9 +204,7 @@ class OutputProcessor:
             try:
                 out = self.make_output(parent, now, children)
             except Exception as e:  # noqa: BLE001 - one request's failure is its own
-                logger.error("Request %s failed: %s: %s", parent.request_id, type(e).__name__, e)
-                request_outputs.append(self._fail(parent))
-                reqs_to_fail.append(parent.request_id)
+                fail_here(parent, e)
                 continue
             if parent.finished:
                 self._forget(parent)
