@@ -95,6 +95,16 @@ def expect_ints(value, what: str, length: int | None = None) -> list[int]:
     return value
 
 
+def expect_indexed(value, what: str, lo: int, hi: int) -> tuple[int, object]:
+    """(index, payload) of `value` when it is [an integer in [lo, hi), payload] (a write to
+    a row or a slot); MalformedMessage naming `what` otherwise."""
+    if not isinstance(value, list) or len(value) != 2 or type(value[0]) is not int:
+        raise MalformedMessage(f"step message: {what} is not [index, data]")
+    if not lo <= value[0] < hi:
+        raise MalformedMessage(f"step message: {what} to index {value[0]}")
+    return value[0], value[1]
+
+
 def expect_list(value, what: str) -> list:
     if not isinstance(value, list):
         raise MalformedMessage(f"step message: {what} is not a list")

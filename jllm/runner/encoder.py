@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jllm.distributed.codec import MalformedMessage, expect_array, expect_list
+from jllm.distributed.codec import expect_array, expect_indexed, expect_list
 from jllm.runner.buckets import pow2_buckets
 from jllm.runner.manager import RunnerManager
 
@@ -82,11 +82,8 @@ class ImageEncoder(RunnerManager):
     def decode(self, wire) -> list:
         writes = []
         for w in expect_list(wire, "the images"):
-            if not isinstance(w, list) or len(w) != 2 or not isinstance(w[0], int):
-                raise MalformedMessage("step message: an image is not [slot, pixels]")
-            if not 0 <= w[0] < self.num_slots:
-                raise MalformedMessage(f"step message: an image for slot {w[0]}")
-            writes.append((w[0], expect_array(w[1], "float32", 3, "an image", self.pixel_shape)))
+            slot, pixels = expect_indexed(w, "an image", 0, self.num_slots)
+            writes.append((slot, expect_array(pixels, "float32", 3, "an image", self.pixel_shape)))
         return writes
 
     def device_arrays(self, runner) -> list:

@@ -62,7 +62,6 @@ class HostKVCache(RunnerManager):
         ]
         self.buckets = pow2_buckets(MAX_COPY_BLOCKS)
         self._pending: list[tuple[list[int], list]] = []  # (host blocks, gathered arrays)
-        self.table = None  # the runner's ExecutableTable, from compile_all or apply
 
     @staticmethod
     def block_bytes(device_caches) -> int:
@@ -72,24 +71,23 @@ class HostKVCache(RunnerManager):
             for c in device_caches
         )
 
-    def _executable(self, kind: str, fn, cache, n: int, *extra):
+    def _executable(self, table, kind: str, fn, cache, n: int, *extra):
         def lower():
             ids = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=self.replicated)
             return fn.lower(cache, ids, *extra)
 
-        return self.table.get(kind, (cache.shape, str(cache.dtype), n), lower)
+        return table.get(kind, (cache.shape, str(cache.dtype), n), lower)
 
     def _blocks_shape(self, cache, n: int):
         shape = (cache.shape[0], n, *cache.shape[2:])
         return jax.ShapeDtypeStruct(shape, cache.dtype, sharding=cache.sharding)
 
     def compile_all(self, runner) -> None:
-        self.table = runner.table
         for cache in runner.kv_cache:
             for n in self.buckets:
-                self._executable("host kv gather", gather_blocks, cache, n)
+                self._executable(runner.table, "host kv gather", gather_blocks, cache, n)
                 blocks = self._blocks_shape(cache, n)
-                self._executable("host kv scatter", scatter_blocks, cache, n, blocks)
+                self._executable(runner.table, "host kv scatter", scatter_blocks, cache, n, blocks)
 
     def empty(self):
         return ([], [])
@@ -97,8 +95,7 @@ class HostKVCache(RunnerManager):
     def apply(self, runner, writes) -> None:
         stores, loads = writes
         if stores or loads:
-            self.table = runner.table
-            runner.kv_cache = self.copy(runner.kv_cache, stores, loads)
+            runner.kv_cache = self.copy(runner.table, runner.kv_cache, stores, loads)
 
     def encode(self, writes) -> list:
         stores, loads = writes
@@ -131,7 +128,7 @@ class HostKVCache(RunnerManager):
                 array[:, host_ids] = np.asarray(blocks)[:, : len(host_ids)]
         self._pending = []
 
-    def copy(self, caches: tuple, stores, loads) -> tuple:
+    def copy(self, table, caches: tuple, stores, loads) -> tuple:
         """Start this step's stores ((device block, host block) each) and make its loads
         ((host block, device block) each); returns the updated caches."""
         self.flush()
@@ -142,7 +139,9 @@ class HostKVCache(RunnerManager):
             ids = jax.device_put(ids, self.replicated)
             gathered = []
             for cache in caches:
-                blocks = self._executable("host kv gather", gather_blocks, cache, n)(cache, ids)
+                blocks = self._executable(table, "host kv gather", gather_blocks, cache, n)(
+                    cache, ids
+                )
                 blocks.copy_to_host_async()
                 gathered.append(blocks)
             self._pending.append(([h for _, h in part], gathered))
@@ -157,7 +156,7 @@ class HostKVCache(RunnerManager):
                 shape = self._blocks_shape(cache, n)
                 put_ids = jax.device_put(ids, self.replicated)
                 blocks = jax.device_put(data, shape.sharding)
-                exe = self._executable("host kv scatter", scatter_blocks, cache, n, shape)
+                exe = self._executable(table, "host kv scatter", scatter_blocks, cache, n, shape)
                 caches[g] = exe(cache, put_ids, blocks)
         return tuple(caches)
 

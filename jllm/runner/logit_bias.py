@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jllm.distributed.codec import MalformedMessage, expect_array, expect_list
+from jllm.distributed.codec import expect_array, expect_indexed, expect_list
 from jllm.runner.manager import RunnerManager
 from jllm.sampling_params import SamplingParams
 
@@ -75,12 +75,10 @@ class LogitBiasTable(RunnerManager):
     def decode(self, wire) -> list:
         writes = []
         for w in expect_list(wire, "the logit-bias writes"):
-            if not isinstance(w, list) or len(w) != 2 or not isinstance(w[0], int):
-                raise MalformedMessage("step message: a logit-bias write is not [row, vector]")
-            if not 0 < w[0] < self.num_rows:
-                raise MalformedMessage(f"step message: a logit-bias write to row {w[0]}")
-            vector = expect_array(w[1], "float32", 1, "a logit bias", (self.vocab_size,))
-            writes.append((w[0], vector))
+            row, vector = expect_indexed(w, "a logit-bias write", 1, self.num_rows)
+            writes.append(
+                (row, expect_array(vector, "float32", 1, "a logit bias", (self.vocab_size,)))
+            )
         return writes
 
     def device_arrays(self, runner) -> list:

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jllm.distributed.codec import MalformedMessage, expect_array, expect_list
+from jllm.distributed.codec import MalformedMessage, expect_array, expect_indexed, expect_list
 from jllm.lora.layers import lora_paths, write_slot
 from jllm.runner.manager import RunnerManager
 
@@ -86,14 +86,13 @@ class LoraSlotArrays(RunnerManager):
     def decode(self, wire) -> list:
         writes = []
         for w in expect_list(wire, "the LoRA slot writes"):
-            if not isinstance(w, list) or len(w) != 2 or not isinstance(w[0], int):
-                raise MalformedMessage("step message: a LoRA write is not [slot, [arrays]]")
-            values = expect_list(w[1], "a LoRA write's values")
+            slot, values = expect_indexed(w, "a LoRA slot write", 1, len(self.owner) + 1)
+            values = expect_list(values, "a LoRA write's values")
             for v in values:
                 if not isinstance(v, np.ndarray) or v.ndim < 2:
                     raise MalformedMessage("step message: a LoRA slot value is not an array")
                 expect_array(v, "float32", v.ndim, "a LoRA slot value")
-            writes.append((w[0], values))
+            writes.append((slot, values))
         return writes
 
     def device_arrays(self, runner) -> list:
