@@ -16,7 +16,8 @@ from jllm.lora.layers import with_lora_slots
 from jllm.model_loader import resolve_model
 from jllm.model_loader.kv_scales import resolve_kv_scales
 from jllm.models import registry
-from jllm.models.loader import load_model
+from jllm.models.config import settle, sliding_window
+from jllm.model_loader.loader import load_model
 from jllm.models.pipeline import stage_layers, stage_repeats
 from jllm.quantization import resolve_quantization
 from jllm.runner.kv_cache import CacheSpec
@@ -56,7 +57,8 @@ def replicate_kv_heads(cfg, tp: int):
 def expert_parallel(cfg, enabled: bool, tp: int):
     """cfg with its experts placed whole over the `tp` devices (`enable_expert_parallel`);
     a model without experts ignores the flag, as vLLM does."""
-    experts = getattr(cfg, "num_experts", 0)
+    moe = getattr(cfg, "moe", None)
+    experts = 0 if moe is None else moe.num_experts
     if not enabled or not experts:
         if enabled:
             logger.info("enable_expert_parallel: the model has no experts; ignored.")
@@ -66,7 +68,7 @@ def expert_parallel(cfg, enabled: bool, tp: int):
             f"enable_expert_parallel places {experts} experts on {tp} devices: the expert "
             "count must be divisible by tensor_parallel_size."
         )
-    return dataclasses.replace(cfg, expert_parallel=True)
+    return dataclasses.replace(cfg, moe=dataclasses.replace(moe, expert_parallel=True))
 
 
 _ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
@@ -111,7 +113,7 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
     arch = registry.resolve(source.hf_config)
     cfg = arch.config(source.hf_config)
     derived_len, key = cfg.max_position_embeddings, "max_position_embeddings"
-    window = registry.sliding_window(cfg)
+    window = sliding_window(cfg)
     if args.disable_sliding_window and window is not None and window < derived_len:
         # vLLM's rule: without the window, no sequence may outgrow it.
         derived_len, key = window, "sliding_window, with disable_sliding_window"
@@ -121,7 +123,7 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
             f"User-specified max_model_len ({max_model_len}) is greater than the derived "
             f"max_model_len ({key}={derived_len} in the model's config)."
         )
-    cfg = registry.settle(cfg, max_model_len, args.disable_sliding_window)
+    cfg = settle(cfg, max_model_len, args.disable_sliding_window)
     quantization = resolve_quantization(args.quantization, source)
     if source.kind == "orbax":  # converted weights are stored as they were quantized
         stored = source.orbax_meta.get("quantization")

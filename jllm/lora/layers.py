@@ -158,7 +158,7 @@ def with_lora_slots(
 ):
     """The loaded model with zeroed slot arrays on every projection of its layers, each on
     its sharding: (graphdef, state, LoraSpec)."""
-    from jllm.models.loader import _axes
+    from jllm.model_loader.loader import _axes
     from sharding import named_sharding
 
     model = nnx.merge(graphdef, state)

@@ -22,16 +22,6 @@ from transformers import AutoConfig, PretrainedConfig
 
 from jllm.model_loader.gguf_io import GgufFile
 
-# llama.cpp architecture -> transformers model_type and class.
-_MODEL_TYPES = {
-    "llama": ("llama", "LlamaForCausalLM"),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
-    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
-    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
-    "phi3": ("phi3", "Phi3ForCausalLM"),
-}
-
 # Meta's llama3 rope scaling parameters, the same in every Llama 3.1/3.2/3.3 release; only the
 # overall factor varies, and it is the largest divisor in `rope_freqs`.
 _LLAMA3_ROPE = {
@@ -69,7 +59,7 @@ def gguf_hf_config(gf: GgufFile) -> PretrainedConfig:
     hidden_size = int(gf.arch_key("embedding_length"))
     head_dim = int(gf.arch_key("attention.key_length", hidden_size // num_heads))
     names = set(gf.tensors)
-    model_type, class_name = _MODEL_TYPES[arch]
+    model_type, class_name = gf.family.model_type, gf.family.class_name
     kwargs = {
         "architectures": [class_name],
         "vocab_size": int(gf.tensors["token_embd.weight"].shape[-1]),

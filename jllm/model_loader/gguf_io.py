@@ -34,11 +34,13 @@ import jax
 import numpy as np
 from gguf.quants import dequantize
 
+from jllm.models import registry
+from jllm.models.architecture import GgufFamily
 from jllm.quantization.formats import GGUF_KEPT, gguf_weight
 from jllm.quantization.weights import QuantizedWeight
 
-# llama.cpp tensor names -> transformers module names, as llama names them; then the llama.cpp
-# architectures we load, each with the layer names its family reads differently.
+# llama.cpp tensor names -> transformers module names, as llama names them; a family names
+# where its architecture differs (models/architecture.py:GgufFamily, in its family file).
 _TOP_LEVEL = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -57,22 +59,6 @@ _PER_LAYER = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_GEMMA_NAMES = {
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-ARCHITECTURES: dict[str, dict[str, str]] = {
-    "llama": {},
-    "qwen2": {},
-    "qwen3": {},
-    "gemma2": _GEMMA_NAMES,
-    "gemma3": _GEMMA_NAMES,
-    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
-}
-# The architectures whose converter interleaved q/k rows, and those that stored norms as 1 + w.
-_PERMUTED = {"llama"}
-_NORM_PLUS_ONE = {"gemma2", "gemma3"}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 # Tensors that carry configuration rather than weights: read by `gguf_config`, never yielded.
@@ -91,14 +77,16 @@ class GgufFile:
             raise ValueError(f"{path} could not be read as a GGUF file: {e}") from e
         self.metadata = {key: field.contents() for key, field in self.reader.fields.items()}
         self.architecture: str = self.metadata.get("general.architecture", "")
-        if self.architecture not in ARCHITECTURES:
+        family = registry.gguf_family(self.architecture)
+        if family is None:
             raise ValueError(
                 f"{path} is a GGUF file of architecture {self.architecture!r}; jllm loads GGUF "
-                f"files of architectures {sorted(ARCHITECTURES)}. Use the model's Hugging Face "
-                "safetensors checkpoint instead."
+                f"files of architectures {sorted(registry.GGUF_ARCHITECTURES)}. Use the "
+                "model's Hugging Face safetensors checkpoint instead."
             )
+        self.family: GgufFamily = family
         self.tensors = {t.name: t for t in self.reader.tensors}
-        self._layer_names = {**_PER_LAYER, **ARCHITECTURES[self.architecture]}
+        self._layer_names = {**_PER_LAYER, **family.layer_names}
 
     def arch_key(self, name: str, default=None):
         """Architecture-scoped metadata: `arch_key("block_count")` reads `llama.block_count`."""
@@ -133,8 +121,7 @@ class GgufFile:
         keep_quantized: yield the matrices of the types `formats.GGUF_KEPT` lists as
         `QuantizedWeight`s (numpy arrays, rows are output channels) instead of dequantizing
         them (quantization="gguf"); see `_kept_tensors` for which."""
-        permute = self.architecture in _PERMUTED
-        plus_one = self.architecture in _NORM_PLUS_ONE
+        permute, plus_one = self.family.permuted, self.family.norm_plus_one
         num_heads = self.arch_key("attention.head_count")
         num_kv_heads = self.arch_key("attention.head_count_kv", num_heads)
         kept = self._kept_tensors() if keep_quantized else set()

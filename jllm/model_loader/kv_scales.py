@@ -10,7 +10,7 @@ weights. They come from two places, as in vLLM:
 - the checkpoint's tensors, `model.layers.N.self_attn.k_scale` / `v_scale` (llm-compressor's
   names), ModelOpt's `self_attn.k_proj.k_scale` / `self_attn.v_proj.v_scale`, or the
   deprecated `self_attn.kv_scale` (one factor for both), read with the weights
-  (`models/loader.py`) for any float8 cache and ignored with `kv_cache_dtype="auto"`;
+  (`model_loader/loader.py`) for any float8 cache and ignored with `kv_cache_dtype="auto"`;
 - vLLM's `quantization_param_path`: a JSON file (vLLM's `QuantParamSchema`) holding one factor
   per tensor-parallel rank and layer, which vLLM applied to both k and v:
   `{"model_type": "llama", "kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor":

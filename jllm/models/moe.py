@@ -40,16 +40,58 @@ routed rows, M tile rows.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jllm.models.blocks import layer_window, split_kind
+from jllm.models.decoder import CausalLM
 from jllm.models.layers import Linear, StackedWeight, activation, gated_product, param
 from jllm.quantization.weights import QuantizedWeight, dequantize, matmul
 from sharding import MODEL_AXIS
 
 TILE = 16  # rows per tile of the CPU's grouped product
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoeConfig:
+    """A mixture of experts' shape, for the families that have one: per layer whether its
+    MLP is sparse, the experts, how many each token takes, their width, whether the top-k
+    routing weights are renormalised (Mixtral always; Qwen3-MoE's `norm_topk_prob`), a
+    shared expert's width (Qwen2-MoE's; 0: none) and, the engine's, whether whole experts
+    sit per device (`enable_expert_parallel`)."""
+
+    sparse_layers: tuple[bool, ...]
+    num_experts: int
+    num_experts_per_tok: int
+    intermediate_size: int
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
+    expert_parallel: bool = False
+
+    @classmethod
+    def from_hf(
+        cls, hf, *, sparse_layers, num_experts, intermediate_size, norm_topk_prob, shared=0
+    ):
+        """The experts of a config whose router is a softmax over a linear gate (others are
+        refused by name)."""
+        scoring = getattr(hf, "scoring_func", "softmax")
+        if scoring != "softmax" or getattr(hf, "topk_method", None) not in (None, "greedy"):
+            raise ValueError(
+                f"MoE router {scoring!r} / {getattr(hf, 'topk_method', None)!r} is not "
+                "supported by jllm yet (supported: softmax over a linear gate, then top-k)."
+            )
+        return cls(
+            sparse_layers=tuple(sparse_layers),
+            num_experts=int(num_experts),
+            num_experts_per_tok=int(hf.num_experts_per_tok),
+            intermediate_size=int(intermediate_size),
+            norm_topk_prob=bool(norm_topk_prob),
+            shared_expert_intermediate_size=int(shared or 0),
+        )
 
 
 def route(logits, k: int, normalize: bool):
@@ -199,6 +241,22 @@ class MoE(nnx.Module):
             self.shared_expert = SharedExpert(D, shared, act, dtype, rngs)
             self.shared_expert_gate = Linear("TD,DO->TO", (D, 1), ("embed", None), dtype, rngs)
 
+    @classmethod
+    def of(cls, D: int, moe: MoeConfig, act: str, dtype, rngs):
+        """The block of a family's `MoeConfig`, for a model of width D."""
+        return cls(
+            D,
+            moe.intermediate_size,
+            moe.num_experts,
+            moe.num_experts_per_tok,
+            moe.norm_topk_prob,
+            act,
+            dtype,
+            rngs,
+            moe.expert_parallel,
+            moe.shared_expert_intermediate_size,
+        )
+
     def __call__(self, x, ctx=None):  # [T, D]
         out = self._routed(x, ctx)
         if getattr(self, "shared_expert", None) is not None:
@@ -255,3 +313,17 @@ def _combine(x, token, row_weight, sizes, w, act: str, T: int):
     live = jnp.arange(token.shape[0]) < sizes.sum()
     y = y * jnp.where(live, row_weight, 0.0)[:, None].astype(y.dtype)
     return jnp.zeros((T, x.shape[1]), y.dtype).at[token].add(y)
+
+
+class MoeForCausalLM(CausalLM):
+    """A family with experts: each layer's kind pairs its `layer_types` entry with whether
+    its MLP is sparse (`MoeConfig.sparse_layers`), so dense and sparse layers stack apart."""
+
+    @classmethod
+    def layer_kinds(cls, cfg):
+        types = cfg.layer_types or (None,) * cfg.num_layers
+        return tuple(zip(types, cfg.moe.sparse_layers, strict=True))
+
+    @classmethod
+    def attention_kind(cls, cfg, kind):
+        return layer_window(cfg, split_kind(kind)[0])

@@ -1,7 +1,9 @@
-"""Image inputs: the vision encoders (CLIP's and SigLIP's ViT), the projectors that map their
-features into the language model's embedding space (LLaVA's two-layer MLP, Gemma 3's
-average-pooled RMSNorm projection), and the vision-language models built from a text family
-plus both.
+"""Image inputs: the vision encoder the vision-language families share (CLIP's and SigLIP's
+ViT), and the vision-language model built from a text family, the encoder and a family's
+projector, which maps the encoder's features into the language model's embedding space
+(LLaVA's two-layer MLP in models/llava.py, Gemma 3's average-pooled RMSNorm projection in
+models/gemma3_mm.py). A family file declares a `VisionFamily`; its language model is the
+text family its config's `text_config` names (models/registry.py composes them).
 
 An image arrives as the model's Hugging Face processor prepared it (`pixel_values`
 [C, H, W]) and leaves the encoder as `tokens_per_image` embeddings [P, D] of the language
@@ -20,14 +22,16 @@ heads, D the language model's width.
 from __future__ import annotations
 
 import dataclasses
-import math
+import re
+from collections.abc import Callable
 from functools import cache, partial
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jllm.models.layers import RMSNorm, activation, param
+from jllm.models.architecture import Architecture
+from jllm.models.layers import activation, param
 
 ACTIVATIONS = {
     "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),  # CLIP's
@@ -36,7 +40,7 @@ ACTIVATIONS = {
 }
 
 
-def _activation(name: str):
+def vision_activation(name: str):
     return activation(name, ACTIVATIONS, "Vision")
 
 
@@ -58,8 +62,7 @@ class VisionConfig:
     class_token: bool  # CLIP: a class embedding before the patches, and pre_layrnorm
     post_norm: bool  # SigLIP: post_layernorm on the last layer's output
     drop_class: bool  # LLaVA's "default" feature strategy drops the class token
-    projector: str  # "llava" (linear-act-linear) or "gemma3" (pool, norm, projection)
-    projector_act: str
+    projector_act: str  # LLaVA's projector (models/llava.py)
     projector_bias: bool
     text_hidden_size: int
     image_token_id: int
@@ -72,7 +75,8 @@ class VisionConfig:
         return (self.image_size // self.patch_size) ** 2
 
 
-def _vision(hf, **kw) -> dict:
+def vision_fields(hf, **kw) -> dict:
+    """The ViT fields every vision config reads (CLIP's and SigLIP's)."""
     return dict(
         hidden_size=hf.hidden_size,
         intermediate_size=hf.intermediate_size,
@@ -89,56 +93,6 @@ def _vision(hf, **kw) -> dict:
 def image_token_id(hf) -> int:
     value = getattr(hf, "image_token_id", None)
     return int(value if value is not None else hf.image_token_index)
-
-
-def llava_vision_config(hf) -> VisionConfig:
-    """LLaVA-1.5's: CLIP's features at `vision_feature_layer` (the hidden states after that
-    many layers; -2: all but the last), the class token dropped ("default") or kept ("full"),
-    then linear-GELU-linear."""
-    v = hf.vision_config
-    layer = hf.vision_feature_layer
-    if not isinstance(layer, int):
-        raise ValueError(f"LLaVA with several vision feature layers {layer} is not supported.")
-    strategy = hf.vision_feature_select_strategy
-    if strategy not in ("default", "full"):
-        raise ValueError(f"vision_feature_select_strategy {strategy!r} is not supported.")
-    used = layer if layer >= 0 else v.num_hidden_layers + 1 + layer
-    patches = (v.image_size // v.patch_size) ** 2
-    return VisionConfig(
-        **_vision(v),
-        num_layers=used,
-        class_token=True,
-        post_norm=False,
-        drop_class=strategy == "default",
-        projector="llava",
-        projector_act=hf.projector_hidden_act,
-        projector_bias=bool(getattr(hf, "multimodal_projector_bias", True)),
-        text_hidden_size=hf.text_config.hidden_size,
-        image_token_id=image_token_id(hf),
-        tokens_per_image=patches + (strategy == "full"),
-        bidirectional=False,
-    )
-
-
-def gemma3_vision_config(hf) -> VisionConfig:
-    """Gemma 3's: SigLIP's last hidden state, average-pooled to `mm_tokens_per_image`, the
-    image's tokens attending to each other in both directions."""
-    v = hf.vision_config
-    return VisionConfig(
-        **_vision(v),
-        num_layers=v.num_hidden_layers,
-        class_token=False,
-        post_norm=True,
-        drop_class=False,
-        projector="gemma3",
-        projector_act="",
-        projector_bias=False,
-        text_hidden_size=hf.text_config.hidden_size,
-        image_token_id=image_token_id(hf),
-        tokens_per_image=int(hf.mm_tokens_per_image),
-        bidirectional=True,
-        text_eps=hf.text_config.rms_norm_eps,
-    )
 
 
 def _dense(rngs, fan_in: int, fan_out: int, dtype, axes=("vision_in", "vision_out")):
@@ -212,7 +166,7 @@ class VisionMLP(nnx.Module):
         self.act = act
 
     def __call__(self, x):
-        return self.fc2(_activation(self.act)(self.fc1(x)))
+        return self.fc2(vision_activation(self.act)(self.fc1(x)))
 
 
 class Embeddings(nnx.Module):
@@ -289,52 +243,16 @@ class Encoder(nnx.Module):
         self.layers = layers
 
 
-class LlavaProjector(nnx.Module):
-    def __init__(self, cfg: VisionConfig, dtype, rngs):
-        E, D, b = cfg.hidden_size, cfg.text_hidden_size, cfg.projector_bias
-        self.linear_1, self.linear_2 = Dense(E, D, dtype, rngs, b), Dense(D, D, dtype, rngs, b)
-        self.act = cfg.projector_act
-
-    def __call__(self, x):  # [N, P, E] -> [N, P, D]
-        return self.linear_2(_activation(self.act)(self.linear_1(x)))
-
-
-class Gemma3Projector(nnx.Module):
-    """The patch grid average-pooled to `tokens_per_image` (a square), Gemma's RMSNorm, then
-    a product with `mm_input_projection_weight` [E, D]."""
-
-    def __init__(self, cfg: VisionConfig, dtype, rngs):
-        E, D = cfg.hidden_size, cfg.text_hidden_size
-        self.side = cfg.image_size // cfg.patch_size
-        self.tokens_side = math.isqrt(cfg.tokens_per_image)
-        if self.tokens_side**2 != cfg.tokens_per_image or self.side % self.tokens_side:
-            raise ValueError(
-                f"mm_tokens_per_image {cfg.tokens_per_image} does not pool a {self.side}x"
-                f"{self.side} patch grid."
-            )
-        self.mm_soft_emb_norm = RMSNorm(E, cfg.text_eps, dtype, unit_offset=True)
-        self.mm_input_projection_weight = nnx.Param(
-            jnp.zeros((E, D), dtype), logical_axes=("vision_in", "vision_out"), vision=True
-        )
-
-    def __call__(self, x):  # [N, P, E] -> [N, tokens, D]
-        N, _, E = x.shape
-        s, t = self.side, self.tokens_side
-        k = s // t
-        grid = x.reshape(N, t, k, t, k, E).astype(jnp.float32).mean(axis=(2, 4))
-        pooled = self.mm_soft_emb_norm(grid.reshape(N, t * t, E).astype(x.dtype))
-        return pooled @ self.mm_input_projection_weight[...]
-
-
 class VisionLanguageModel:
     """Mixed into a text family's CausalLM (`vision_model(LlamaForCausalLM)`): the encoder
     and projector beside its decoder, at transformers' names (`vision_tower`,
     `multi_modal_projector`), and `encode_images`."""
 
+    projector_cls: type  # the family's projector (models/llava.py, models/gemma3_mm.py)
+
     def init_vision(self, cfg: VisionConfig, dtype, rngs):
         self.vision_tower = VisionTower(cfg, dtype, rngs)
-        projector = LlavaProjector if cfg.projector == "llava" else Gemma3Projector
-        self.multi_modal_projector = projector(cfg, dtype, rngs)
+        self.multi_modal_projector = self.projector_cls(cfg, dtype, rngs)
 
     def encode_images(self, pixels):
         """[N, C, H, W] pixels -> [N, tokens_per_image, D] embeddings, in the model's
@@ -347,15 +265,77 @@ class VisionLanguageModel:
 
 
 @cache
-def vision_model(text_cls: type) -> type:
-    """The vision-language model class of a text family's CausalLM."""
+def vision_model(text_cls: type, projector_cls: type) -> type:
+    """The vision-language model class of a text family's CausalLM and a projector."""
 
     def __init__(self, cfg, dtype, rngs: nnx.Rngs):
         text_cls.__init__(self, cfg, dtype, rngs)
         self.init_vision(cfg.vision, dtype, rngs)
 
     return type(
-        f"{text_cls.__name__}WithVision",
+        f"{text_cls.__name__}With{projector_cls.__name__}",
         (VisionLanguageModel, text_cls),
-        {"__init__": __init__, "__module__": __name__},
+        {"__init__": __init__, "__module__": __name__, "projector_cls": projector_cls},
     )
+
+
+_PREFIXES = (
+    ("model.language_model.", "model."),  # transformers >= 4.52's layout
+    ("language_model.model.", "model."),  # the hub's LLaVA-1.5 and Gemma 3 checkpoints
+    ("language_model.lm_head.", "lm_head."),
+    ("model.vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+)
+_TOWER_LAYER = re.compile(r"vision_tower\.encoder\.layers\.(\d+)\..+")
+
+
+def vision_rename(vision: VisionConfig):
+    """A vision-language checkpoint's names -> the text family's and the vision modules'
+    (`vision_tower.vision_model.X` -> `vision_tower.X`); None for what the model does not run:
+    SigLIP's pooling head, CLIP's post_layernorm, and the layers past LLaVA's feature layer."""
+
+    def rename(name: str) -> str | None:
+        for old, new in _PREFIXES:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        if name.startswith("vision_tower.vision_model."):
+            name = "vision_tower." + name[len("vision_tower.vision_model.") :]
+        if name.startswith("vision_tower.head."):
+            return None
+        if name.startswith("vision_tower.post_layernorm.") and not vision.post_norm:
+            return None
+        m = _TOWER_LAYER.fullmatch(name)
+        if m and int(m.group(1)) >= vision.num_layers:
+            return None
+        return name
+
+    return rename
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VisionFamily:
+    """A vision-language family (a family file's entry): its transformers class name, its
+    vision config builder (the transformers config -> VisionConfig) and its projector. Its
+    language model is whatever text family the config's `text_config` names."""
+
+    name: str
+    vision_config: Callable[[object], VisionConfig]
+    projector: type
+
+    def architecture(self, hf_config, text: Architecture) -> Architecture:
+        """The text architecture `text` with this encoder and projector beside it."""
+
+        def config(hf):
+            cfg = text.config(hf.text_config)
+            # transformers ties the LM head by the top-level config's flag, not the text's.
+            tied = bool(getattr(hf, "tie_word_embeddings", cfg.tie_word_embeddings))
+            return dataclasses.replace(cfg, vision=self.vision_config(hf), tie_word_embeddings=tied)
+
+        return dataclasses.replace(
+            text,
+            name=self.name,
+            config=config,
+            module=vision_model(text.module, self.projector),
+            rename=vision_rename(self.vision_config(hf_config)),
+        )

@@ -121,7 +121,7 @@ def test_segments_answer_as_one_scan(seven_layers, monkeypatch):
     assert engine.scheduler.kv_cache.prefix_hits > 0
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CappedConfig(LlamaConfig):
     embed_scale: float | None = None
     final_logit_softcap: float | None = None

@@ -13,6 +13,7 @@ from safetensors.numpy import load_file, save_file
 
 from jllm import LLM
 from jllm.models import registry
+from jllm.models.config import settle
 
 
 @pytest.mark.parametrize(
@@ -50,7 +51,9 @@ def test_flags_follow_the_config():
     assert "self_attn.q_norm.weight" in names and "self_attn.q_proj.bias" not in names
     llama = transformers.LlamaConfig(attention_bias=True, mlp_bias=True)
     cfg = registry.resolve(llama).config(llama)
-    assert cfg.qkv_bias and cfg.o_bias and cfg.mlp_bias
+    assert cfg.attention_bias and cfg.mlp_bias
+    names = registry.resolve(llama).layer_weights(cfg)
+    assert "self_attn.o_proj.bias" in names and "mlp.down_proj.bias" in names
 
 
 def _with_extra_tensor(src: str, dst, name: str, value: np.ndarray) -> str:
@@ -98,9 +101,9 @@ def test_windows_follow_transformers():
     mistral = transformers.MistralConfig(num_hidden_layers=3, sliding_window=64)
     cfg = registry.resolve(mistral).config(mistral)
     assert cfg.layer_types == ("sliding_attention",) * 3
-    assert registry.settle(cfg, 64).sliding_window is None  # never binds at 64 tokens
-    assert registry.settle(cfg, 65).sliding_window == 64
-    assert registry.settle(cfg, 65, disable_sliding_window=True).sliding_window is None
+    assert settle(cfg, 64).sliding_window is None  # never binds at 64 tokens
+    assert settle(cfg, 65).sliding_window == 64
+    assert settle(cfg, 65, disable_sliding_window=True).sliding_window is None
     gemma3 = transformers.Gemma3TextConfig(num_hidden_layers=8, sliding_window=16)
     cfg = registry.resolve(gemma3).config(gemma3)
     groups = registry.resolve(gemma3).module.kv_cache_groups(cfg)
@@ -118,6 +121,6 @@ def test_phi3_long_rope_follows_max_model_len():
         rope_parameters={"rope_type": "longrope", "short_factor": short, "long_factor": long},
     )
     cfg = registry.resolve(phi3).config(phi3)
-    at_4k, at_8k = registry.settle(cfg, 4096).rope, registry.settle(cfg, 8192).rope
+    at_4k, at_8k = settle(cfg, 4096).rope, settle(cfg, 8192).rope
     np.testing.assert_allclose(np.array(at_4k.inv_freq), 4.0 * np.array(at_8k.inv_freq))
     assert at_4k.attention_scaling == at_8k.attention_scaling > 1.0

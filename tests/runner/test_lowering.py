@@ -23,7 +23,7 @@ from transformers import AutoConfig
 from jllm import LLM
 from jllm.attention import get_backend
 from jllm.models import registry
-from jllm.models.loader import _axes, abstract_model
+from jllm.model_loader.loader import _axes, abstract_model
 from jllm.runner.buckets import BatchLayout
 from jllm.runner.kv_cache import CACHE_AXES, CacheSpec
 from jllm.runner.model_runner import ModelRunner, forward_step, sample_step

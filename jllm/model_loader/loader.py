@@ -24,7 +24,8 @@ from flax import nnx
 
 from jllm.model_loader import orbax_io
 from jllm.model_loader.kv_scales import checkpoint_scale, scale_tensor
-from jllm.models.registry import IGNORED, Architecture
+from jllm.models.architecture import Architecture
+from jllm.models.registry import IGNORED
 from jllm.quantization import ONLINE_METHODS
 from jllm.quantization.formats import (
     ONLINE_KINDS,

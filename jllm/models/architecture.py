@@ -1,0 +1,94 @@
+"""What a family file declares to the registry and the loaders: `Architecture` (its config
+builder, its module, its weight map) and, where llama.cpp writes it, `GgufFamily`.
+
+A weight map names every checkpoint tensor the module takes (transformers' names within a
+layer, or at the top level) and how its layout converts to ours; a tensor that no entry names
+and that is not a known leftover is an error that names it, never silently dropped (a
+checkpoint with biases the module lacks must not load without them). Layouts: "qkv"
+[N*H, D] -> [D, N, H]; "o" [D, N*H] -> [N, H, D]; "bias" [N*H] -> [N, H]; "t" [out, in] ->
+[in, out]; None as is. An entry may also be (our name, layout) where our name differs, and
+one expert's tensor is named with `*` for its index (`mlp.experts.*.gate_proj.weight`): the
+loader stacks the experts.
+
+A checkpoint that fuses projections (Phi-3's `qkv_proj` and `gate_up_proj`) names each
+fused tensor's parts (`fused_weights`): the loader splits it by rows into the projections the
+module has, so that tensor parallelism shards each part as it shards Llama's.
+
+The helpers below are the names of the shared blocks (`models/blocks.py`), which families
+combine into their maps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True)
+class Architecture:
+    name: str  # transformers' class name, as vLLM's registry names it
+    config: Callable  # transformers config -> the family's config
+    module: type
+    layer_weights: Callable[[object], dict]  # our config -> {checkpoint name: layout}
+    top_weights: dict[str, tuple[tuple[str, ...], str | None]]  # name -> (our path, layout)
+    # A fused layer tensor -> its parts' names and row counts, in order (our config -> map).
+    fused_weights: Callable[[object], dict[str, tuple[tuple[str, int], ...]]] = lambda cfg: {}
+    # A checkpoint name -> the name the maps use, or None for a tensor the model does not
+    # use (a vision-language model's: its text model's names, the tower's layers it skips).
+    rename: Callable[[str], str | None] = lambda name: name
+
+
+@dataclass(frozen=True, kw_only=True)
+class GgufFamily:
+    """How llama.cpp names one of a family's architectures (model_loader/gguf_io.py reads
+    it): the transformers model type and class it converts back to, the layer tensor names
+    that differ from Llama's (`layer_names`: llama.cpp's -> transformers'), and whether its
+    converter interleaved the q/k rows (`permuted`: llama's) or stored RMSNorm weights as
+    1 + w (`norm_plus_one`: Gemma's). What llama.cpp's metadata keys mean is the reader's
+    (model_loader/gguf_config.py), as transformers keeps it in its GGUF reader."""
+
+    model_type: str
+    class_name: str
+    layer_names: dict[str, str] = field(default_factory=dict)
+    permuted: bool = False
+    norm_plus_one: bool = False
+
+
+TOP_WEIGHTS = {
+    "model.embed_tokens.weight": (("embed_tokens",), None),
+    "model.norm.weight": (("norm", "weight"), None),
+    "lm_head.weight": (("lm_head", "weight"), "t"),
+}
+
+
+def attention_weights(*, qkv_bias=False, o_bias=False, qk_norm=False) -> dict:
+    """The names of `blocks.Attention` under `self_attn`."""
+    names = {f"self_attn.{p}_proj.weight": "qkv" for p in "qkv"}
+    names["self_attn.o_proj.weight"] = "o"
+    if qkv_bias:
+        names |= {f"self_attn.{p}_proj.bias": "bias" for p in "qkv"}
+    if o_bias:
+        names["self_attn.o_proj.bias"] = None
+    if qk_norm:
+        names |= {"self_attn.q_norm.weight": None, "self_attn.k_norm.weight": None}
+    return names
+
+
+def mlp_weights(prefix: str = "mlp", bias: bool = False) -> dict:
+    """The names of a `blocks.GatedMLP` at `prefix`."""
+    names = {f"{prefix}.{p}_proj.weight": "t" for p in ("gate", "up", "down")}
+    if bias:
+        names |= {f"{prefix}.{p}_proj.bias": None for p in ("gate", "up", "down")}
+    return names
+
+
+LAYER_NORMS = {"input_layernorm.weight": None, "post_attention_layernorm.weight": None}
+
+
+def expert_weights(router: str, experts: dict[str, str]) -> dict:
+    """The names of a `moe.MoE` block: its router (`router`, the checkpoint's name) and
+    its experts (`experts`: our projection -> the checkpoint's name, `*` for the index)."""
+    names = {router: ("mlp.gate.weight", "t")}
+    for ours, theirs in experts.items():
+        names[theirs] = (f"mlp.experts.{ours}", "t")
+    return names
