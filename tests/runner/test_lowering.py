@@ -22,8 +22,8 @@ from transformers import AutoConfig
 
 from jllm import LLM
 from jllm.attention import get_backend
-from jllm.models import registry
 from jllm.model_loader.loader import _axes, abstract_model
+from jllm.models import registry
 from jllm.runner.buckets import BatchLayout
 from jllm.runner.kv_cache import CACHE_AXES, CacheSpec
 from jllm.runner.model_runner import ModelRunner, forward_step, sample_step
