@@ -43,8 +43,7 @@ from jllm.sampling_params import (  # noqa: E402
     SamplingParams,
     StructuredOutputsParams,
 )
-
-__version__ = "0.1.0"
+from jllm.version import __version__ as __version__  # noqa: E402
 
 __all__ = [
     "LLM",

@@ -117,6 +117,13 @@ def _uneven(logical_axes, shape, i, devices, axis, name, replicate_uneven) -> No
     )
 
 
+def param_axes(var) -> tuple[str | None, ...]:
+    """A parameter's logical axes (its `logical_axes` metadata); a stacked layer weight has
+    one more dimension than its layer's names, the leading `layers` axis."""
+    axes = tuple(var.get_metadata()["logical_axes"])
+    return ("layers", *axes) if len(axes) < len(var.shape) else axes
+
+
 def named_sharding(
     mesh: Mesh,
     logical_axes: tuple[str | None, ...],

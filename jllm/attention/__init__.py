@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from jllm.attention.base import AttentionBackend, write_kv
 from jllm.attention.ragged import CpuKernelBackend, PallasBackend
-from jllm.attention.xla import XlaBackend
+from jllm.attention.xla import XlaBackend, max_kv_chunk_pages
 
 BACKENDS: dict[str, AttentionBackend] = {
     "cpu_kernel": CpuKernelBackend(),
@@ -28,4 +28,11 @@ def get_backend(name: str) -> AttentionBackend:
     return BACKENDS[name]
 
 
-__all__ = ["AttentionBackend", "BACKENDS", "get_backend", "write_kv"]
+def block_table_pages(block_size: int) -> int:
+    """The multiple of pages every block table's width is padded to (the runner's bucket
+    policy, runner/buckets.py), whichever backend runs: the XLA path's largest KV chunk, so
+    that each of its chunk sizes divides the table."""
+    return max_kv_chunk_pages(block_size)
+
+
+__all__ = ["AttentionBackend", "BACKENDS", "block_table_pages", "get_backend", "write_kv"]

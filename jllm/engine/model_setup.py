@@ -12,12 +12,12 @@ import jax.numpy as jnp
 
 from jllm.config import EngineArgs
 from jllm.engine.platform import resolve_backend, resolve_dtype
-from jllm.lora.layers import with_lora_slots
 from jllm.model_loader import resolve_model
 from jllm.model_loader.kv_scales import resolve_kv_scales
 from jllm.model_loader.loader import load_model
 from jllm.models import registry
 from jllm.models.config import settle, sliding_window
+from jllm.models.lora import with_lora_slots
 from jllm.models.pipeline import stage_layers, stage_repeats
 from jllm.quantization import resolve_quantization
 from jllm.runner.kv_cache import CacheSpec

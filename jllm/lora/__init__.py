@@ -8,4 +8,8 @@
   `scale * (x @ A[slot]) @ B[slot]` inside the jitted step.
 - `manager.py`: the host cache of loaded adapters (LRU, `max_cpu_loras`) and the device
   slots (`max_loras`) the scheduler hands out.
+
+The package needs no model and imports nothing from jllm/models/: the model's `Linear` calls
+the delta from here, and installing the slot arrays into a model is the model's side
+(jllm/models/lora.py).
 """

@@ -34,7 +34,7 @@ from jllm.quantization.formats import (
     stack_layers,
 )
 from jllm.quantization.weights import QuantizedWeight
-from sharding import named_sharding
+from sharding import named_sharding, param_axes
 
 logger = logging.getLogger(__name__)
 
@@ -115,12 +115,6 @@ def _map_name(name: str, layer_weights: dict, top_weights: dict, layer_slot):
         return None
     path, kind = top_weights[name]
     return path, None, kind, None
-
-
-def _axes(var) -> tuple:
-    """Logical axes of a parameter; stacked layer weights get a leading "layers" axis."""
-    axes = tuple(var.get_metadata()["logical_axes"])
-    return ("layers", *axes) if len(axes) < len(var.shape) else axes
 
 
 def _place(host: np.ndarray, sharding) -> jax.Array:
@@ -329,7 +323,7 @@ def load_model(
     flat = dict(nnx.to_flat_state(abstract_state))
     scale_vars = {p: v for p, v in flat.items() if v.get_metadata().get("kv_scale")}
     shardings = {
-        path: named_sharding(mesh, _axes(var), var.shape, _dotted(path))
+        path: named_sharding(mesh, param_axes(var), var.shape, _dotted(path))
         for path, var in flat.items()
     }
     target = _Target(

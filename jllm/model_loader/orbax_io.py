@@ -18,8 +18,8 @@ import os
 import jax
 from flax import nnx
 
-import jllm
 from jllm.quantization.weights import QuantizedWeight
+from jllm.version import __version__ as JLLM_VERSION
 
 META = "jllm_checkpoint.json"
 FORMAT = "jllm-orbax"
@@ -37,7 +37,7 @@ def read_meta(path: str) -> dict:
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise ValueError(
             f"{path} is a {meta.get('format')!r} checkpoint of version {meta.get('version')!r} "
-            f"(jllm {meta.get('jllm_version')}); this jllm ({jllm.__version__}) reads "
+            f"(jllm {meta.get('jllm_version')}); this jllm ({JLLM_VERSION}) reads "
             f"{FORMAT!r} version {VERSION}. Convert the model again with this jllm."
         )
     return meta
@@ -84,7 +84,7 @@ def save(out: str, state, meta: dict) -> None:
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(os.path.abspath(os.path.join(out, "params")), _nested(arrays), force=True)
     checkpointer.wait_until_finished()
-    meta = {"format": FORMAT, "version": VERSION, "jllm_version": jllm.__version__, **meta}
+    meta = {"format": FORMAT, "version": VERSION, "jllm_version": JLLM_VERSION, **meta}
     meta["quantized"] = quantized
     with open(os.path.join(out, META), "w") as f:
         json.dump(meta, f, indent=1)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jllm.attention.xla import max_kv_chunk_pages
+from jllm.attention import block_table_pages
 from jllm.utils import cdiv
 
 
@@ -86,7 +86,7 @@ class BatchLayout:
         """`min_rows`: the smallest decode, token and sample bucket (see `min_dot_rows`).
         Buckets stop at what the limits can reach: a step holds at most `budget` tokens
         and `max_num_seqs` requests, each sampling at most 1 + K rows."""
-        chunk_pages = max_kv_chunk_pages(block_size)
+        chunk_pages = block_table_pages(block_size)
         max_pages = cdiv(cdiv(max_model_len, block_size), chunk_pages) * chunk_pages
         rows = min(max_num_seqs * (1 + num_spec_tokens), budget)
         return BatchLayout(

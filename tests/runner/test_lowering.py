@@ -22,13 +22,13 @@ from transformers import AutoConfig
 
 from jllm import LLM
 from jllm.attention import get_backend
-from jllm.model_loader.loader import _axes, abstract_model
+from jllm.model_loader.loader import abstract_model
 from jllm.models import registry
 from jllm.runner.buckets import BatchLayout
 from jllm.runner.kv_cache import CACHE_AXES, CacheSpec
 from jllm.runner.model_runner import ModelRunner, forward_step, sample_step
 from jllm.runner.transfer import pack
-from sharding import make_mesh, named_sharding
+from sharding import make_mesh, named_sharding, param_axes
 
 CONFIGS = Path(__file__).parents[2] / "benchmarks" / "gpu" / "configs"
 
@@ -186,7 +186,7 @@ def test_llama_8b_shapes_lower_for_the_accelerator(llama_8b, platform, tp):
     params = nnx.from_flat_state(
         {
             path: jax.ShapeDtypeStruct(
-                var.shape, var.dtype, sharding=named_sharding(mesh, _axes(var), var.shape)
+                var.shape, var.dtype, sharding=named_sharding(mesh, param_axes(var), var.shape)
             )
             for path, var in flat.items()
         }

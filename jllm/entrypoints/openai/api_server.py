@@ -28,7 +28,6 @@ from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import jllm
 from jllm.engine.arg_utils import engine_args_from_namespace
 from jllm.engine.async_llm import EngineDeadError
 from jllm.entrypoints.openai.auth import AuthenticationMiddleware, api_keys
@@ -50,6 +49,7 @@ from jllm.logger import setup_logging
 from jllm.metrics.prometheus import PrometheusStatLogger
 from jllm.model_loader.locate import DEFAULT_MODEL_NAME
 from jllm.sampling_params import SamplingParams
+from jllm.version import __version__ as JLLM_VERSION
 
 logger = logging.getLogger("jllm.entrypoints.openai")
 
@@ -133,7 +133,7 @@ def build_app(args: argparse.Namespace, engine: StoppableLLM, metrics: Prometheu
         **common,
     )
     tokenizer = engine.get_tokenizer()
-    app = FastAPI(root_path=args.root_path or "", title="jllm", version=jllm.__version__)
+    app = FastAPI(root_path=args.root_path or "", title="jllm", version=JLLM_VERSION)
     app.add_middleware(
         CORSMiddleware,
         allow_origins=args.allowed_origins,
@@ -192,7 +192,7 @@ def build_app(args: argparse.Namespace, engine: StoppableLLM, metrics: Prometheu
 
     @app.get("/version")
     async def version():
-        return {"version": jllm.__version__}
+        return {"version": JLLM_VERSION}
 
     @app.get("/metrics")
     async def prometheus_metrics():
@@ -328,7 +328,7 @@ def check_tool_args(args: argparse.Namespace) -> str | None:
 
 def run_server(args: argparse.Namespace) -> None:
     setup_logging()
-    logger.info("jllm API server version %s", jllm.__version__)
+    logger.info("jllm API server version %s", JLLM_VERSION)
     shown = {k: ("<redacted>" if k == "api_key" and v else v) for k, v in vars(args).items()}
     logger.info("args: %s", shown)
     # A bad --chat-template fails before the engine loads (build_engine checks the engine
