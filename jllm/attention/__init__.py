@@ -1,13 +1,14 @@
 """Attention backends behind one interface (`base.AttentionBackend`): the C++ CPU kernel and
 the Pallas TPU and GPU kernels of the ragged paged attention kit (`ragged.py`), and the XLA
 attention (`xla.py`). The platform policy (`engine/platform.py`) picks a backend by name;
-`get_backend` gives its object, which the model's attention layers call and the step builder
-asks for its metadata.
+`get_backend` gives its object, which the model's attention layers call with their
+`AttentionOptions` (`options.py`) and the step builder asks for its metadata.
 """
 
 from __future__ import annotations
 
 from jllm.attention.base import AttentionBackend, write_kv
+from jllm.attention.options import AttentionOptions
 from jllm.attention.ragged import CpuKernelBackend, PallasBackend
 from jllm.attention.xla import XlaBackend
 
@@ -28,4 +29,4 @@ def get_backend(name: str) -> AttentionBackend:
     return BACKENDS[name]
 
 
-__all__ = ["AttentionBackend", "BACKENDS", "get_backend", "write_kv"]
+__all__ = ["AttentionBackend", "AttentionOptions", "BACKENDS", "get_backend", "write_kv"]

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 from flax import nnx
 
+from jllm.attention.options import AttentionOptions
 from jllm.models.context import StepContext
 from jllm.models.decoder import CausalLM
 from jllm.models.layers import Linear, RMSNorm, gated_product
@@ -112,6 +113,9 @@ class Attention(nnx.Module):
         self.window = cfg.sliding_window if sliding else None
         self.rope = cfg.local_rope if sliding and cfg.local_rope is not None else cfg.rope
         self.scale = (cfg.query_pre_attn_scalar or H) ** -0.5
+        self.options = AttentionOptions(
+            scale=self.scale, window=self.window, soft_cap=cfg.attn_soft_cap
+        )
         qkv_bias = 2 if cfg.qkv_bias else 0
         q_axes, kv_axes = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
         self.q_proj = Linear("TD,DNH->TNH", (D, N, H), q_axes, dtype, rngs, qkv_bias)
@@ -138,9 +142,7 @@ class Attention(nnx.Module):
             k,
             v,
             kv_caches,
-            scale=self.scale,
-            window=self.window,
-            soft_cap=self.cfg.attn_soft_cap,
+            options=self.options,
             kv_scales=kv_scales,
         )
         return self.o_proj(o, ctx), kv_caches  # o: [T, N, H]
