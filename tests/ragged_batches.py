@@ -1,7 +1,8 @@
 """Ragged paged attention batches for the kernel tests, built to catch indexing mistakes:
 randomly permuted block tables, gaps of NaN query rows between requests and at the end,
 padding requests (r >= num_seqs) whose metadata points at real rows, and NaN in every cache
-slot no valid request owns."""
+slot no valid request owns; and the flat batch of one step as the attention backends read
+it (`tiled_flat_batch`)."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -115,3 +116,61 @@ def horizon_batch(dtype, *, n=8, k=2, h=16, s=8, seed=0):
             rows = np.where((pos >= first) & (pos <= last), last, rows)
         horizon[q0 : q0 + q_len] = rows
     return args, contiguous, jnp.asarray(horizon, jnp.int32)
+
+
+def tiled_flat_batch(
+    rng, S, C, P, kv_token_bytes, decodes, prefills, window=None, chunk_size=None, tiles=None
+):
+    """A step's flat batch (jllm/attention/metadata.py:FlatBatch) with tiles of C queries,
+    for a KV-cache group with sliding window `window` and chunked local attention of
+    `chunk_size`: decode rows of context lengths `decodes` (longest first) and a padding
+    decode row, then each prefill row ((cached, new) tokens) on tiles of its own, padding
+    tiles up to `tiles` (at least one) and a padding row. Each request's blocks come from a
+    shuffled pool; block 0 is the null block.
+    -> (FlatBatch, B blocks, [R] the first key each row's first query sees)."""
+    from jllm.attention.metadata import FlatBatch
+
+    rows = [(kv - 1, 1) for kv in decodes] + [None] + list(prefills)  # None: padding
+    Rd, R = len(decodes) + 1, len(rows) + 1
+    B = 1 + sum(-(-(d + n) // S) for d, n in filter(None, rows))
+    pool = iter(rng.permutation(np.arange(1, B)))
+    used = sum(-(-n // C) for _, n in prefills)
+    tiles = max(tiles or 0, used + 1)
+    T = Rd + tiles * C
+    flat = FlatBatch(
+        slot_mapping=np.full(T, B * S, np.int32),  # padding writes to a dropped slot
+        query_start=np.zeros(R, np.int32),
+        query_lens=np.zeros(R, np.int32),
+        kv_lens=np.zeros(R, np.int32),
+        block_tables=np.zeros((R, P), np.int32),
+        tile_row=np.full(tiles, R - 1, np.int32),
+        tile_q_pos=np.full((tiles, C), -1, np.int32),
+        num_decode_rows=Rd,
+        block_size=S,
+        kv_token_bytes=kv_token_bytes,
+        window=window,
+        chunk_size=chunk_size,
+    )
+    q0, tile = Rd, 0
+    for r, row in enumerate(rows):
+        if row is None:
+            continue
+        done, new = row
+        pages = -(-(done + new) // S)
+        flat.block_tables[r, :pages] = [next(pool) for _ in range(pages)]
+        start = r if r < Rd else q0
+        pos = np.arange(done, done + new)
+        flat.query_start[r], flat.query_lens[r], flat.kv_lens[r] = start, new, done + new
+        flat.slot_mapping[start : start + new] = flat.block_tables[r, pos // S] * S + pos % S
+        if r >= Rd:
+            n = -(-new // C)
+            flat.tile_row[tile : tile + n] = r
+            flat.tile_q_pos[tile : tile + n].reshape(-1)[:new] = pos
+            q0, tile = q0 + n * C, tile + n
+    first_q = flat.kv_lens - flat.query_lens
+    first_key = np.zeros(R, np.int32)
+    if window is not None:
+        first_key = np.maximum(first_q - window + 1, first_key)
+    if chunk_size is not None:
+        first_key = np.maximum(first_q // chunk_size * chunk_size, first_key)
+    return flat, B, first_key

@@ -1,13 +1,14 @@
 """Attention backends behind one interface (`base.AttentionBackend`): the C++ CPU kernel and
 the Pallas TPU and GPU kernels of the ragged paged attention kit (`ragged.py`), and the XLA
 attention (`xla.py`). The platform policy (`engine/platform.py`) picks a backend by name;
-`get_backend` gives its object, which the model's attention layers call and the step builder
-asks for its metadata.
+`get_backend` gives its object, which the model's attention layers call with their
+`AttentionOptions` (`options.py`) and the step builder asks for its metadata.
 """
 
 from __future__ import annotations
 
 from jllm.attention.base import AttentionBackend, write_kv
+from jllm.attention.options import AttentionOptions
 from jllm.attention.ragged import CpuKernelBackend, PallasBackend
 from jllm.attention.xla import XlaBackend, max_kv_chunk_pages
 
@@ -35,4 +36,11 @@ def block_table_pages(block_size: int) -> int:
     return max_kv_chunk_pages(block_size)
 
 
-__all__ = ["AttentionBackend", "BACKENDS", "block_table_pages", "get_backend", "write_kv"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionOptions",
+    "BACKENDS",
+    "block_table_pages",
+    "get_backend",
+    "write_kv",
+]

@@ -3,10 +3,12 @@
 A backend is a frozen dataclass (hashable: the step's jit takes it as a static argument) that
 - builds the metadata its kernel reads from the step's `FlatBatch` (`build_metadata`);
 - writes a layer's new K/V into the stacked cache and attends (`attend`), with the layer's
-  softmax scale, and optionally a sliding window and a soft cap on the scores;
+  `AttentionOptions` (`options.py`: scale, sliding window, soft cap, chunked local
+  attention, sinks, value head size) and, for a layer with sinks, their per-head logits;
 - declares what it supports: where it runs and which dtypes and shapes it takes
-  (`unsupported` gives the reason it cannot; `prepare` builds its kernel), and its options
-  (`supports_window`, `supports_soft_cap`; `check` refuses the rest by name);
+  (`unsupported` gives the reason it cannot; `prepare` builds its kernel), and which
+  optional fields of the options it implements (`supported`; `check` refuses the rest by
+  name, and the engine runs it on every layer's options at start-up);
 - declares the batch layout it reads (`prefill_tile`): rows of several tokens packed back to
   back after the decode rows (None: the ragged kernels read any row at any offset), or each
   starting on, and filling, tiles of that many tokens (the XLA path's tiles). The step
@@ -24,9 +26,11 @@ Glossary: T tokens, K kv heads, H head dim, B blocks, S block size, L layers.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax.numpy as jnp
 
+from jllm.attention.options import OPTION_NAMES, AttentionOptions
 from pallas_kernels.ragged_paged_attention import to_cache
 
 
@@ -50,16 +54,20 @@ def write_step_kv(kv_cache, layer, k, v, md):
 @dataclasses.dataclass(frozen=True)
 class AttentionBackend:
     name: str
-    supports_window = False
-    supports_soft_cap = False
+    # The optional fields of AttentionOptions this backend implements (the scale it always
+    # takes): a subset of options.OPTION_NAMES.
+    supported: ClassVar[frozenset[str]] = frozenset()
     prefill_tile = None  # the tile rows of several tokens fill (an int), or None: packed
 
-    def check(self, window: int | None = None, soft_cap: float | None = None) -> None:
-        """Refuses, naming the option, what this backend does not implement."""
-        if window is not None and not self.supports_window:
-            raise ValueError(f"attention backend {self.name!r} has no sliding window")
-        if soft_cap is not None and not self.supports_soft_cap:
-            raise ValueError(f"attention backend {self.name!r} has no attention soft cap")
+    def check(self, options: AttentionOptions) -> None:
+        """Refuses, naming the option and this backend, what it does not implement."""
+        for field in options.used():
+            if field not in self.supported:
+                value = getattr(options, field)
+                raise ValueError(
+                    f"attention backend {self.name!r} has no {OPTION_NAMES[field]} "
+                    f"({field}={value!r})"
+                )
 
     def unsupported(
         self, platform: str, dtype, head_dim: int, block_size: int, fp8_cache: bool
@@ -73,7 +81,8 @@ class AttentionBackend:
     def build_metadata(self, flat):
         raise NotImplementedError
 
-    def attend(self, q, k, v, kv_cache, layer, md, *, scale, window=None, soft_cap=None):
-        """q [T, N, H], k/v [T, K, H], the stacked cache [L, B, S, 2K, H] and this layer's
-        index -> (out [T, N, H], the updated cache)."""
+    def attend(self, q, k, v, kv_cache, layer, md, options: AttentionOptions, sinks=None):
+        """q [T, N, H], k [T, K, H], v [T, K, Hv] (Hv = options.v_head_dim or H), the stacked
+        cache [L, B, S, 2K, H] and this layer's index -> (out [T, N, Hv], the updated cache).
+        `sinks`: the layer's [N] sink logits when options.sinks, else None."""
         raise NotImplementedError

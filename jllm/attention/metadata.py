@@ -8,7 +8,8 @@ a backend ignores.
 - `RaggedMetadata` (`cpu_kernel` and the `pallas*` backends): the ragged paged attention
   kit's view: per request row its query start and length, context length and block table.
 - `XlaMetadata` (`xla.py`): decode rows and prefill tiles, sorted longest first into bands,
-  each band looping over the KV chunks its rows need (from their sliding window's start).
+  each band looping over the KV chunks its rows need (from their sliding window's or local
+  chunk's start).
 
 Both carry `slot_mapping`, the flat cache slot every token's K/V is written to.
 Glossary: T tokens, R request rows (Rd decode rows, then prefill/verification rows), Tt
@@ -42,6 +43,9 @@ class FlatBatch:
     # The sliding window of the KV-cache group this batch is for: the XLA path reads only the
     # pages inside it (the ragged kernels take the window from the layer).
     window: int | None = None
+    # Likewise its chunked local attention's chunk size (a query at p sees keys from
+    # floor(p / chunk_size) * chunk_size): the XLA path reads only the pages of each row's chunk.
+    chunk_size: int | None = None
     # [T] the last key position each token sees, for a model whose image tokens attend to
     # each other in both directions (an image token's is its image's last token, any other
     # token's its own position); None: causal.

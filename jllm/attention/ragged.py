@@ -7,6 +7,10 @@ row) and the whole stacked cache with the layer's index: the kernels read the la
 in place (`kv_cache[layer]` here would copy the layer per layer per step). Under tensor
 parallelism (the runner traces inside `jax.set_mesh`) each device runs the kernel on its own
 heads.
+
+Both kernels implement the sliding window and the soft cap; sinks, chunked local attention
+and a value head size unlike the key head size they lack for now (`supported`), so a model
+that needs one is refused by name at start-up (`auto` takes the XLA attention).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import jax.numpy as jnp
 
 from jllm.attention.base import AttentionBackend, write_step_kv
 from jllm.attention.metadata import FlatBatch, RaggedMetadata, build_ragged
+from jllm.attention.options import AttentionOptions
 from pallas_kernels.ragged_paged_attention import (
     SUPPORTED_DTYPES,
     is_fp8_cache,
@@ -40,6 +45,8 @@ def _model_mesh():
 
 @dataclasses.dataclass(frozen=True)
 class _Ragged(AttentionBackend):
+    supported = frozenset({"window", "soft_cap"})
+
     def build_metadata(self, flat: FlatBatch) -> RaggedMetadata:
         return build_ragged(flat)
 
@@ -60,8 +67,6 @@ class CpuKernelBackend(_Ragged):
     compiler builds it."""
 
     name: str = "cpu_kernel"
-    supports_window = True
-    supports_soft_cap = True
 
     def unsupported(self, platform, dtype, head_dim, block_size, fp8_cache):
         if platform != "cpu":
@@ -73,21 +78,27 @@ class CpuKernelBackend(_Ragged):
     def prepare(self) -> None:
         load_cpu_kernel()  # CpuKernelUnavailable says why it cannot be built
 
-    def attend(self, q, k, v, kv_cache, layer, md, *, scale, window=None, soft_cap=None):
+    def attend(self, q, k, v, kv_cache, layer, md, options: AttentionOptions, sinks=None):
+        self.check(options)
         kv_cache, fp8 = write_step_kv(kv_cache, layer, k, v, md)
         args = (md.kv_lens, md.block_tables, md.query_start, md.query_lens, md.num_seqs)
         if not is_fp8_cache(kv_cache.dtype, fp8):  # q in the cache's float dtype
             q = q.astype(kv_cache.dtype)
-        options = dict(sm_scale=scale, sliding_window=window, soft_cap=soft_cap, fp8_dtype=fp8)
+        kw = dict(
+            sm_scale=options.scale,
+            sliding_window=options.window,
+            soft_cap=options.soft_cap,
+            fp8_dtype=fp8,
+        )
         if md.q_horizon is not None:  # image tokens that attend both ways (Gemma 3)
-            options["q_horizon"] = md.q_horizon
+            kw["q_horizon"] = md.q_horizon
         mesh = _model_mesh()
         if mesh is not None:
             out = ragged_paged_attention_cpu_sharded(
-                mesh, MODEL_AXIS, q, kv_cache, layer, *args, **options
+                mesh, MODEL_AXIS, q, kv_cache, layer, *args, **kw
             )
         else:
-            out = ragged_paged_attention_cpu(q, kv_cache, *args, layer=layer, **options)
+            out = ragged_paged_attention_cpu(q, kv_cache, *args, layer=layer, **kw)
         return out, kv_cache
 
 
@@ -96,8 +107,6 @@ class PallasBackend(_Ragged):
     """`pallas` (TPU), `pallas_gpu` (Triton), and either in interpret mode."""
 
     name: str = "pallas"
-    supports_window = True
-    supports_soft_cap = True
 
     def unsupported(self, platform, dtype, head_dim, block_size, fp8_cache):
         if not self.name.startswith("pallas_gpu"):
@@ -110,25 +119,26 @@ class PallasBackend(_Ragged):
             reason = gpu_without_fp8(platform)
         return reason
 
-    def attend(self, q, k, v, kv_cache, layer, md, *, scale, window=None, soft_cap=None):
+    def attend(self, q, k, v, kv_cache, layer, md, options: AttentionOptions, sinks=None):
+        self.check(options)
         kv_cache, fp8 = write_step_kv(kv_cache, layer, k, v, md)
         args = (q, kv_cache, md.kv_lens, md.block_tables, md.query_start, md.query_lens)
         args = (*args, md.num_seqs)
         gpu = self.name.startswith("pallas_gpu")
         kernel = ragged_paged_attention_gpu if gpu else ragged_paged_attention
-        options = dict(
+        kw = dict(
             layer=layer,
-            sm_scale=scale,
-            sliding_window=window,
-            soft_cap=soft_cap,
+            sm_scale=options.scale,
+            sliding_window=options.window,
+            soft_cap=options.soft_cap,
             interpret=self.name.endswith("_interpret"),
             fp8_dtype=fp8,
         )
         if md.q_horizon is not None:  # image tokens that attend both ways (Gemma 3)
-            options["q_horizon"] = md.q_horizon
+            kw["q_horizon"] = md.q_horizon
         mesh = _model_mesh()
         if mesh is not None:
-            out = ragged_paged_attention_sharded(mesh, MODEL_AXIS, *args, kernel=kernel, **options)
+            out = ragged_paged_attention_sharded(mesh, MODEL_AXIS, *args, kernel=kernel, **kw)
         else:
-            out = kernel(*args, **options)
+            out = kernel(*args, **kw)
         return out, kv_cache

@@ -9,6 +9,16 @@ batch. With a sliding window (`FlatBatch.window`) a band's loop also starts late
 first chunk any of its rows sees, so the chunks before it are never gathered; and the values
 of keys no query of a tile sees are zeroed, so the pages a band still gathers before a row's
 window (freed, perhaps reused by another request, or the null block) never reach the result.
+Chunked local attention (`FlatBatch.chunk_size`) starts the loops and zeroes the values
+likewise, at the start of each row's chunk.
+
+It implements every attention option (`AttentionOptions`): attention sinks start each query
+head's online softmax as if it had already seen one key of score sinks[h] and value zero
+(running max sinks[h], denominator 1). The paged cache [L, B, S, 2K, H] holds keys and values
+of one head size H, so a layer whose values are narrower (`v_head_dim`, MLA expanded to heads:
+keys 192, values 128) stores them padded with zeros to H, the key head size, and the tiles
+read only their first v_head_dim lanes; the cache of a layer whose values are wider holds
+H = v_head_dim, and its queries and keys are padded with zeros (scores unchanged).
 
 It is the CPU's fallback (`cpu_kernel` is the default there) and what a platform without a
 kernel for a layer's options runs.
@@ -28,6 +38,7 @@ import numpy as np
 
 from jllm.attention.base import AttentionBackend, write_step_kv
 from jllm.attention.metadata import FlatBatch
+from jllm.attention.options import OPTION_NAMES, AttentionOptions
 from pallas_kernels.ragged_paged_attention import from_cache
 
 # Prefill rows start on, and fill, tiles of this many queries (the backend's `prefill_tile`):
@@ -130,7 +141,8 @@ class XlaMetadata:
     tile_inverse: jax.Array  # [Tt] the sorted position of each of the flat batch's tiles
     decode_chunks: jax.Array  # [kv_bands(Rd)] KV chunks each band of decode rows needs
     tile_chunks: jax.Array  # [kv_bands(Tt)] KV chunks each band of prefill tiles needs
-    # The first chunk each band needs: the earliest key in its rows' sliding windows (0 without)
+    # The first chunk each band needs: the earliest key in its rows' sliding windows or local
+    # chunks (0 without)
     decode_first: jax.Array  # [kv_bands(Rd)]
     tile_first: jax.Array  # [kv_bands(Tt)]
     kv_fp8: str | None = None  # the float8 format whose bytes (uint8) the cache holds
@@ -154,13 +166,18 @@ def build_xla(b: FlatBatch) -> XlaMetadata:
     inverse = np.empty_like(order)
     inverse[order] = np.arange(Tt, dtype=np.int32)
     rows = b.tile_row[order]
-    # A window starts each row's keys at the first its first query sees (a decode row's query
-    # sits at kv_len - 1); padding rows need no keys, whatever their start.
+    # A window or a local chunk starts each row's keys at the first its first query sees (a
+    # decode row's query sits at kv_len - 1); padding rows need no keys, whatever their start.
+    dec_q = dec_kv.astype(np.int64) - 1
+    first_q = np.where(b.tile_q_pos >= 0, b.tile_q_pos, np.iinfo(np.int32).max).min(axis=1)
+    first_q = first_q.astype(np.int64)
     dec_start, tile_start = np.zeros(Rd, np.int64), np.zeros(Tt, np.int64)
     if b.window is not None:
-        dec_start = np.maximum(dec_kv.astype(np.int64) - b.window, 0)
-        first_q = np.where(b.tile_q_pos >= 0, b.tile_q_pos, np.iinfo(np.int32).max).min(axis=1)
-        tile_start = np.maximum(first_q.astype(np.int64) - b.window + 1, 0)
+        dec_start = np.maximum(dec_q - b.window + 1, dec_start)
+        tile_start = np.maximum(first_q - b.window + 1, tile_start)
+    if b.chunk_size is not None:
+        dec_start = np.maximum(dec_q // b.chunk_size * b.chunk_size, dec_start)
+        tile_start = np.maximum(first_q // b.chunk_size * b.chunk_size, tile_start)
     decode_first, decode_chunks = band_chunks(dec_kv, dec_start, S, kv_bytes, 1)
     tile_first, tile_chunks = band_chunks(tile_need[order], tile_start[order], S, kv_bytes, C)
     return XlaMetadata(
@@ -195,33 +212,42 @@ def tile_attention(
     soft_cap: float | None = None,
     first_chunk=0,
     q_horizon=None,
+    chunk_size: int | None = None,
+    sinks=None,
+    v_head_dim: int | None = None,
 ):
     """Attention for tiles of C queries that each belong to one request.
 
-    q [Tt, C, N, H], block_table [Tt, P], kv_lens [Tt], q_pos [Tt, C] -> [Tt, C, N, H].
+    q [Tt, C, N, H], block_table [Tt, P], kv_lens [Tt], q_pos [Tt, C] -> [Tt, C, N, Hv]
+    (Hv = v_head_dim, the first lanes of the cache's values; H without).
     Scores are q . k * sm_scale, then soft_cap * tanh(score / soft_cap) when soft_cap is set;
-    a query at position p sees keys at positions (p - window, p] when window is set, up to
-    its `q_horizon` [Tt, C] instead of p when given (an image token in a model whose image
-    tokens attend to each other in both directions). The loop
-    gathers chunks first_chunk .. num_chunks - 1 of L keys: with a window, `build_xla` starts
-    it at the first chunk any tile sees. The pages it gathers before a tile's window (or past
-    its context) may hold anything, NaN included: their keys score -inf and, with a window,
-    their values are zeroed, since 0 * NaN would be NaN.
+    a query at position p sees keys at positions (p - window, p] when window is set, and at
+    [floor(p / chunk_size) * chunk_size, p] when chunk_size is set, up to its `q_horizon`
+    [Tt, C] instead of p when given (an image token in a model whose image tokens attend to
+    each other in both directions). `sinks` [N]: each query head's sink logit, one more term
+    exp(sinks[h] - m) in its softmax denominator. The loop
+    gathers chunks first_chunk .. num_chunks - 1 of L keys: with a window or chunked local
+    attention, `build_xla` starts it at the first chunk any tile sees. The pages it gathers
+    before a tile's window or local chunk (or past its context) may hold anything, NaN
+    included: their keys score -inf and, with a window or chunk_size, their values are
+    zeroed, since 0 * NaN would be NaN.
     """
     Tt, C, N, H = q.shape
     _, B, S, K2, _ = kv_cache.shape
     K = K2 // 2
     G = N // K
+    Hv = v_head_dim or H
     pages = kv_chunk_pages(S, Tt, K2 * H * kv_cache.dtype.itemsize, C)
     L = pages * S
     qg = (q.astype(jnp.float32) * sm_scale).reshape(Tt, C, K, G, H)
+    local = window is not None or chunk_size is not None
 
     def body(c, carry):
-        m, denom, acc = carry  # [Tt, K, G, C], [Tt, K, G, C], [Tt, K, G, C, H]
+        m, denom, acc = carry  # [Tt, K, G, C], [Tt, K, G, C], [Tt, K, G, C, Hv]
         page_ids = jax.lax.dynamic_slice_in_dim(block_table, c * pages, pages, axis=1)
         kv = from_cache(kv_cache[layer, page_ids], jnp.float32, fp8_dtype)
         kv = kv.reshape(Tt, L, K, 2, H)
-        k, v = kv[:, :, :, 0], kv[:, :, :, 1]  # [Tt, L, K, H]
+        k, v = kv[:, :, :, 0], kv[:, :, :, 1, :Hv]  # [Tt, L, K, H], [Tt, L, K, Hv]
         s = jnp.einsum("TCKGH,TLKH->TKGCL", qg, k)  # [Tt, K, G, C, L]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -232,6 +258,9 @@ def tile_attention(
         )  # [Tt, C, L]
         if window is not None:
             mask &= k_pos[None, None, :] > q_pos[:, :, None] - window
+        if chunk_size is not None:
+            mask &= k_pos[None, None, :] >= (q_pos[:, :, None] // chunk_size) * chunk_size
+        if local:
             v = jnp.where(mask.any(axis=1)[:, :, None, None], v, 0.0)
         s = jnp.where(mask[:, None, None], s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(-1))
@@ -242,14 +271,19 @@ def tile_attention(
         acc = acc * alpha[..., None] + jnp.einsum("TKGCL,TLKH->TKGCH", p, v)
         return m_new, denom, acc
 
+    if sinks is None:  # no key seen yet
+        m0, denom0 = jnp.full((Tt, K, G, C), -jnp.inf, jnp.float32), 0.0
+    else:  # the sink seen first: a key of score sinks[h] and value zero
+        m0 = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(K, G, 1), (Tt, K, G, C))
+        denom0 = 1.0
     init = (
-        jnp.full((Tt, K, G, C), -jnp.inf, jnp.float32),
-        jnp.zeros((Tt, K, G, C), jnp.float32),
-        jnp.zeros((Tt, K, G, C, H), jnp.float32),
+        m0,
+        jnp.full((Tt, K, G, C), denom0, jnp.float32),
+        jnp.zeros((Tt, K, G, C, Hv), jnp.float32),
     )
     _, denom, acc = jax.lax.fori_loop(first_chunk, num_chunks, body, init)
-    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # [Tt, K, G, C, H]
-    return out.transpose(0, 3, 1, 2, 4).reshape(Tt, C, N, H).astype(q.dtype)
+    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # [Tt, K, G, C, Hv]
+    return out.transpose(0, 3, 1, 2, 4).reshape(Tt, C, N, Hv).astype(q.dtype)
 
 
 def banded_attention(
@@ -266,7 +300,7 @@ def banded_attention(
 ):
     """`tile_attention` over consecutive bands of rows, each looping over its own chunks
     (`first_chunks` .. `end_chunks` - 1, [bands]); `options`: tile_attention's sm_scale,
-    fp8_dtype, window and soft_cap."""
+    fp8_dtype, window, soft_cap, chunk_size, sinks and v_head_dim."""
     bands = end_chunks.shape[0]
     rows = q.shape[0] // bands
 
@@ -294,17 +328,36 @@ def banded_attention(
 @dataclasses.dataclass(frozen=True)
 class XlaBackend(AttentionBackend):
     name: str = "xla"
-    supports_window = True
-    supports_soft_cap = True
+    supported = frozenset(OPTION_NAMES)
     prefill_tile = TILE
 
     def build_metadata(self, flat: FlatBatch) -> XlaMetadata:
         return build_xla(flat)
 
-    def attend(self, q, k, v, kv_cache, layer, md, *, scale, window=None, soft_cap=None):
-        kv_cache, fp8 = write_step_kv(kv_cache, layer, k, v, md)
+    def attend(self, q, k, v, kv_cache, layer, md, options: AttentionOptions, sinks=None):
+        self.check(options)
         _, N, H = q.shape
-        options = dict(sm_scale=scale, window=window, soft_cap=soft_cap, fp8_dtype=fp8)
+        Hv = options.v_head_dim or H
+        options.check_sinks(sinks, N)
+        if v.shape[-1] != Hv:
+            raise ValueError(f"v has head size {v.shape[-1]}, the layer's options say {Hv}")
+        Hc = kv_cache.shape[-1]  # keys and values share the cache's head axis
+        if Hc != max(H, Hv):
+            raise ValueError(
+                f"the KV cache's head size is {Hc}; keys of {H} and values of {Hv} need "
+                f"{max(H, Hv)}"
+            )
+        q, k, v = (_pad_lanes(x, Hc) for x in (q, k, v))
+        kv_cache, fp8 = write_step_kv(kv_cache, layer, k, v, md)
+        kw = dict(
+            sm_scale=options.scale,
+            window=options.window,
+            soft_cap=options.soft_cap,
+            chunk_size=options.chunk_size,
+            sinks=sinks,
+            v_head_dim=Hv,
+            fp8_dtype=fp8,
+        )
         Rd = md.decode_kv_lens.shape[0]
         Tt, C = md.tile_q_pos.shape
         parts = []
@@ -318,12 +371,12 @@ class XlaBackend(AttentionBackend):
                 (md.decode_kv_lens - 1)[:, None],
                 md.decode_first,
                 md.decode_chunks,
-                **options,
+                **kw,
             )
-            parts.append(dec.reshape(Rd, N, H))
+            parts.append(dec.reshape(Rd, N, Hv))
         if Tt:
             pre = banded_attention(
-                q[Rd:].reshape(Tt, C, N, H)[md.tile_order],
+                q[Rd:].reshape(Tt, C, N, Hc)[md.tile_order],
                 kv_cache,
                 layer,
                 md.tile_block_table,
@@ -332,8 +385,14 @@ class XlaBackend(AttentionBackend):
                 md.tile_first,
                 md.tile_chunks,
                 q_horizon=md.tile_q_horizon,
-                **options,
+                **kw,
             )
-            parts.append(pre[md.tile_inverse].reshape(Tt * C, N, H))
+            parts.append(pre[md.tile_inverse].reshape(Tt * C, N, Hv))
         out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
         return out, kv_cache
+
+
+def _pad_lanes(x, width: int):
+    """x [..., h] padded with zeros to [..., width]."""
+    pad = width - x.shape[-1]
+    return x if not pad else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])

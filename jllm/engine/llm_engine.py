@@ -92,6 +92,7 @@ class LLMEngine:
             cfg.head_dim,
             args.block_size,
             fp8_cache=args.kv_cache_dtype != "auto",
+            options=m.attention_options,
         )
         # The backend's batch layout: prefill rows in its tiles, or packed back to back.
         tile = get_backend(backend).prefill_tile

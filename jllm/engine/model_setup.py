@@ -9,7 +9,9 @@ import logging
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
+from jllm.attention.options import describe, options_in
 from jllm.config import EngineArgs
 from jllm.engine.platform import resolve_backend, resolve_dtype
 from jllm.model_loader import resolve_model
@@ -43,6 +45,8 @@ class EngineModel:
     lora: object | None = None
     quantization: str | None = None  # the method the weights were loaded with
     stage_layers: tuple[int, ...] | None = None  # each pipeline stage's layers
+    # Every layer's AttentionOptions (jllm/attention/options.py), which the backend must take
+    attention_options: frozenset = frozenset()
 
 
 def replicate_kv_heads(cfg, tp: int):
@@ -191,6 +195,7 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
         quantization=quantization,
         kv_scales=file_scales,
     )
+    attention_options = options_in(nnx.merge(graphdef, state))
     lora = None
     if args.enable_lora:
         lora_dtype = dtype if args.lora_dtype == "auto" else jnp.dtype(args.lora_dtype)
@@ -218,6 +223,7 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
         lora,
         quantization,
         None if cfg.stage_repeats is None else stage_layers(arch.module, cfg),
+        attention_options,
     )
 
 
@@ -291,6 +297,7 @@ def load_draft_model(
         kv_replicas=replicas,
         quantization=quantization,
     )
+    options = options_in(nnx.merge(graphdef, state))
     draft_backend = resolve_backend(
         args.attention_backend,
         platform,
@@ -298,11 +305,13 @@ def load_draft_model(
         cfg.head_dim,
         args.block_size,
         fp8_cache=args.kv_cache_dtype != "auto",
+        options=options,
     )
     if draft_backend != backend:
         raise ValueError(
             f"The draft model needs attention backend {draft_backend!r} (head_dim "
-            f"{cfg.head_dim}), the target {backend!r}: they must share one."
+            f"{cfg.head_dim}, attention options used: {describe(options)}), the target "
+            f"{backend!r}: they must share one."
         )
     return DraftModel(
         graphdef,

@@ -7,11 +7,13 @@ Each rule states the measurement it follows. Host-side policy over JAX device fa
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp
 
-from jllm.attention import get_backend
+from jllm.attention import AttentionBackend, get_backend
+from jllm.attention.options import AttentionOptions
 from pallas_kernels.cpu.build import CpuKernelUnavailable, cpu_flags
 
 logger = logging.getLogger("jllm")
@@ -130,24 +132,29 @@ def resolve_backend(
     head_dim: int = 64,
     block_size: int = 16,
     fp8_cache: bool = False,
+    options: Iterable[AttentionOptions] = (),
 ) -> str:
     """The attention backend's name. A backend asked for by name must run here (its
     `unsupported` reason is a ValueError; a kernel that cannot be built raises its own
-    error). auto: the Pallas TPU kernel on TPU; the Pallas GPU kernel on GPU where Triton's
-    tile rules take the head dim and block size and, for a float8 KV cache, the GPU has
-    float8 loads; the C++ kernel on CPU (float32 and bfloat16, where a C++ compiler can build
-    it); otherwise the XLA attention, with the reason logged."""
+    error) and implement every option of the model's layers (`options`: their
+    AttentionOptions; a ValueError names the first it lacks). auto: the Pallas TPU kernel on
+    TPU; the Pallas GPU kernel on GPU where Triton's tile rules take the head dim and block
+    size and, for a float8 KV cache, the GPU has float8 loads; the C++ kernel on CPU (float32
+    and bfloat16, where a C++ compiler can build it); each where it implements the layers'
+    options; otherwise the XLA attention (which implements all of them), with the reason
+    logged."""
     shapes = (platform, dtype, head_dim, block_size, fp8_cache)
+    options = tuple(options)
     if requested != "auto":
         backend = get_backend(requested)
-        reason = backend.unsupported(*shapes)
+        reason = backend.unsupported(*shapes) or lacking(backend, options)
         if reason:
             raise ValueError(f"attention_backend={requested!r}: {reason}")
         backend.prepare()
         return requested
     for name in AUTO_BACKENDS.get(platform, ()):
         backend = get_backend(name)
-        reason = backend.unsupported(*shapes)
+        reason = backend.unsupported(*shapes) or lacking(backend, options)
         if reason is None:
             try:
                 backend.prepare()
@@ -156,6 +163,17 @@ def resolve_backend(
                 reason = f"the CPU attention kernel is unavailable: {e}"
         logger.warning("Using the XLA attention: %s", reason)
     return "xla"
+
+
+def lacking(backend: AttentionBackend, options: Iterable[AttentionOptions]) -> str | None:
+    """Why `backend` cannot run layers of these options (its refusal of the first it
+    lacks), or None."""
+    try:
+        for layer_options in sorted(options, key=repr):  # the same first on every run
+            backend.check(layer_options)
+    except ValueError as e:
+        return f"{e}, which the model uses"
+    return None
 
 
 def per_device_bytes(arrays) -> int:

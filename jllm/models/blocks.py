@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from jllm.attention.options import AttentionOptions
 from jllm.models.config import DecoderConfig
 from jllm.models.context import StepContext
 from jllm.models.layers import Linear, RMSNorm, gated_product
@@ -48,8 +49,10 @@ class Attention(nnx.Module):
         norm_offset: bool = False,
     ):
         D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.rope, self.window, self.soft_cap = rope, window, soft_cap
-        self.scale = H**-0.5 if scale is None else scale
+        self.rope = rope
+        self.options = AttentionOptions(
+            scale=H**-0.5 if scale is None else scale, window=window, soft_cap=soft_cap
+        )
         self.qk_norm, self.kv_scales = qk_norm, cfg.kv_scales
         b = 2 if qkv_bias else 0
         q_axes, kv_axes = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
@@ -72,16 +75,7 @@ class Attention(nnx.Module):
         q = apply_rope(q, ctx.positions, self.rope)
         k = apply_rope(k, ctx.positions, self.rope)
         kv_scales = (self.k_scale[...], self.v_scale[...]) if self.kv_scales else None
-        o, kv_caches = ctx.attend(
-            q,
-            k,
-            v,
-            kv_caches,
-            scale=self.scale,
-            window=self.window,
-            soft_cap=self.soft_cap,
-            kv_scales=kv_scales,
-        )
+        o, kv_caches = ctx.attend(q, k, v, kv_caches, options=self.options, kv_scales=kv_scales)
         return self.o_proj(o, ctx), kv_caches  # o: [T, N, H]
 
 

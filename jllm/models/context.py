@@ -5,10 +5,11 @@ slot, an image embedding) is a field here instead of a new argument on every sig
 The runner builds it from the step's inputs; the decoder (`models/decoder.py`) completes it
 (`live`) and, per layer, says which KV-cache group and which row of that group's stacked
 cache the layer owns (`at_layer`). A layer's attention calls `ctx.attend`, which picks the
-group's cache and metadata and runs the backend (around it, over a float8 cache, the layer's
-KV-cache scales where the model has them: model_loader/kv_scales.py). Every `Linear` takes
-the context, so that a LoRA delta can read each token's adapter slot; fields a step does not
-use are None, which costs nothing in the compiled step.
+group's cache and metadata and runs the backend with the layer's `AttentionOptions`
+(jllm/attention/options.py; around it, over a float8 cache, the layer's KV-cache scales where
+the model has them: model_loader/kv_scales.py). Every `Linear` takes the context, so that a
+LoRA delta can read each token's adapter slot; fields a step does not use are None, which
+costs nothing in the compiled step.
 
 KV-cache groups: the layers of one attention kind share a group (one block table, one
 stacked cache [Lg, B, S, 2K, H] whose row r is the group's r-th layer); `attn` holds each
@@ -24,6 +25,8 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+
+from jllm.attention.options import AttentionOptions
 
 
 @partial(
@@ -51,10 +54,25 @@ class StepContext:
         return self.replace(group=group, layer=row)
 
     def attend(
-        self, q, k, v, kv_caches: tuple, *, scale, window=None, soft_cap=None, kv_scales=None
+        self,
+        q,
+        k,
+        v,
+        kv_caches: tuple,
+        *,
+        options: AttentionOptions | None = None,
+        sinks=None,
+        kv_scales=None,
+        scale=None,
+        window=None,
+        soft_cap=None,
     ):
-        """The current layer's attention over its group's cache: q [T, N, H], k/v [T, K, H]
-        -> (out [T, N, H], the tuple of group caches with this group's updated).
+        """The current layer's attention over its group's cache: q [T, N, H], k [T, K, H],
+        v [T, K, Hv] -> (out [T, N, Hv], the tuple of group caches with this group's updated).
+
+        options: the layer's AttentionOptions (jllm/attention/options.py), built once with
+        the layer; or, without them, `scale`, `window` and `soft_cap` as keywords, which make
+        the record here. sinks: the layer's [N] sink logits when options.sinks.
 
         kv_scales: the layer's (k_scale, v_scale) float32 scalars, or None. Over a float8
         cache the backend then attends with q * k_scale, k / k_scale and v / v_scale, which
@@ -62,6 +80,12 @@ class StepContext:
         scores q.k and the sum of p.v are unchanged while the cache holds k / k_scale and
         v / v_scale. Outside every kernel, so each backend takes them alike; a cache of
         another dtype ignores them."""
+        if options is None:
+            if scale is None:
+                raise ValueError("ctx.attend needs the layer's options (or at least scale=)")
+            options = AttentionOptions(scale=scale, window=window, soft_cap=soft_cap)
+        elif (scale, window, soft_cap) != (None, None, None):
+            raise ValueError("ctx.attend takes options= or scale/window/soft_cap, not both")
         g = self.group
         scaled = kv_scales is not None and kv_caches[g].dtype.itemsize == 1  # float8 (bytes)
         if scaled:
@@ -74,9 +98,8 @@ class StepContext:
             kv_caches[g],
             self.layer,
             self.attn[g],
-            scale=scale,
-            window=window,
-            soft_cap=soft_cap,
+            options,
+            sinks=sinks,
         )
         if scaled:
             out = _times(out, v_scale)

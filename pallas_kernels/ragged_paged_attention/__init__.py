@@ -2,7 +2,9 @@
 
 ``ragged_paged_attention`` is the Pallas TPU kernel (``interpret=True`` runs it on CPU),
 ``ragged_paged_attention_gpu`` the same contract in Pallas on Triton for GPUs (likewise),
-``ragged_paged_attention_reference`` the pure-jnp oracle it is tested against,
+``ragged_paged_attention_reference`` the pure-jnp oracle it is tested against (which alone
+also takes attention sinks, chunked local attention and values narrower than the keys: the
+oracle of jllm's XLA attention, until the kernels have them),
 ``validate_inputs`` the shared static checks, ``kv_cache_shape`` the cache layout
 ``[B, S, 2K, H]`` (K and V interleaved on the head axis; the queries' float dtype or a
 float8 format, ``FP8_DTYPES``, as that dtype or as its bytes with ``fp8_dtype=``; written

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .cache import from_cache
-from .validation import validate_inputs, validate_options
+from .validation import validate_inputs, validate_options, validate_sinks
 
 
 def ragged_paged_attention_reference(
@@ -31,6 +31,9 @@ def ragged_paged_attention_reference(
     soft_cap: float | None = None,
     fp8_dtype=None,
     q_horizon=None,
+    chunk_size: int | None = None,
+    sinks=None,
+    v_head_dim: int | None = None,
 ) -> jnp.ndarray:
     """Attention of a flat ragged batch of queries over a paged KV cache.
 
@@ -44,11 +47,28 @@ def ragged_paged_attention_reference(
     image's span sees up to the span's last token, any other query its own position (None:
     causal for every query). A sliding window still counts back from the query's own
     position, and no query sees past its request's context.
+
+    ``chunk_size`` C (optional): chunked local attention (Llama 4), a query at position p
+    sees only the keys at positions >= floor(p / C) * C. ``sinks`` [N] float (optional):
+    attention sinks (gpt-oss), one logit per query head that joins the softmax's denominator
+    as a key of value zero: out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) +
+    exp(sinks[h] - m)), m the largest of the scores and the sink (the sink is neither scaled
+    nor capped). ``v_head_dim`` Hv (optional): the values are the first Hv lanes of each value
+    head (a layer whose values are narrower than its keys stores them padded), and the result
+    is [T, N, Hv].
     """
     validate_inputs(
         q, kv_cache, kv_lens, block_tables, query_start, query_lens, num_seqs, fp8_dtype
     )
-    validate_options(sm_scale, sliding_window, soft_cap)
+    validate_options(
+        sm_scale,
+        sliding_window,
+        soft_cap,
+        chunk_size=chunk_size,
+        v_head_dim=v_head_dim,
+        head_dim=q.shape[-1],
+    )
+    validate_sinks(sinks, q.shape[1])
     t, n, h = q.shape
     s = kv_cache.shape[1]
     k_heads = kv_cache.shape[2] // 2
@@ -80,8 +100,10 @@ def ragged_paged_attention_reference(
     mask = (kv_pos <= horizon[:, None]) & (kv_pos < kv_lens[req][:, None]) & owned[:, None]
     if sliding_window is not None:
         mask &= kv_pos > q_pos[:, None] - sliding_window
+    if chunk_size is not None:
+        mask &= kv_pos >= (q_pos[:, None] // chunk_size) * chunk_size
     k = jnp.repeat(kv[:, :, 0::2], n // k_heads, axis=2)  # [T, L, N, H]
-    v = jnp.repeat(kv[:, :, 1::2], n // k_heads, axis=2)  # [T, L, N, H]
+    v = jnp.repeat(kv[:, :, 1::2, : v_head_dim or h], n // k_heads, axis=2)  # [T, L, N, Hv]
     v = jnp.where(mask[:, :, None, None], v, 0.0)  # unused slots may hold NaN
 
     scores = jnp.einsum("TNH,TLNH->TNL", q.astype(jnp.float32), k) * sm_scale
@@ -89,6 +111,10 @@ def ragged_paged_attention_reference(
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     scores = jnp.where(mask[:, None, :], scores, -jnp.inf)
     scores = jnp.where(owned[:, None, None], scores, 0.0)  # keep padding rows finite
-    probs = jax.nn.softmax(scores, axis=-1)  # [T, N, L]
+    if sinks is not None:  # one more column, the sink's, dropped after the softmax
+        sink = jnp.broadcast_to(jnp.asarray(sinks, jnp.float32)[None, :, None], (t, n, 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+    else:
+        probs = jax.nn.softmax(scores, axis=-1)  # [T, N, L]
     out = jnp.einsum("TNL,TLNH->TNH", probs, v)
     return jnp.where(owned[:, None, None], out, 0.0).astype(q.dtype)

@@ -104,11 +104,36 @@ def as_stacked(kv_cache, layer):
     return kv_cache, layer, jax.ShapeDtypeStruct(kv_cache.shape[1:], kv_cache.dtype)
 
 
-def validate_options(sm_scale, sliding_window, soft_cap) -> None:
-    """Raises ValueError on out-of-range attention options."""
+def validate_options(
+    sm_scale, sliding_window, soft_cap, *, chunk_size=None, v_head_dim=None, head_dim=None
+) -> None:
+    """Raises ValueError on out-of-range attention options (`v_head_dim` at most the
+    cache's `head_dim`, where given)."""
     if sm_scale is not None and not sm_scale > 0:
         raise ValueError(f"sm_scale must be positive, got {sm_scale}")
-    if sliding_window is not None and (int(sliding_window) != sliding_window or sliding_window < 1):
-        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
+    for name, value in (
+        ("sliding_window", sliding_window),
+        ("chunk_size", chunk_size),
+        ("v_head_dim", v_head_dim),
+    ):
+        if value is not None and (int(value) != value or value < 1):
+            raise ValueError(f"{name} must be a positive int or None, got {value}")
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"soft_cap must be positive or None, got {soft_cap}")
+    if v_head_dim is not None and head_dim is not None and v_head_dim > head_dim:
+        raise ValueError(
+            f"v_head_dim={v_head_dim} exceeds the cache's head dim {head_dim}: the values are "
+            "the first v_head_dim lanes of each value head"
+        )
+
+
+def validate_sinks(sinks, num_heads: int) -> None:
+    """Raises ValueError unless `sinks` is None or a float [N] array, N = `num_heads` (q's
+    heads)."""
+    if sinks is None:
+        return
+    shape = _shape("sinks", sinks)
+    if shape != (num_heads,):
+        raise ValueError(f"sinks must be [N={num_heads}] (one per query head), got {shape}")
+    if not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise ValueError(f"sinks must be floating point, got {sinks.dtype}")

@@ -13,9 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from oracle import SMALL, mixed_step, prompt_ids
+from ragged_batches import tiled_flat_batch
 
 from jllm import LLM, SamplingParams
 from jllm.attention import BACKENDS, AttentionBackend, get_backend, write_kv
+from jllm.attention.options import AttentionOptions
 from jllm.attention.xla import kv_chunk_pages, tile_attention
 from jllm.config import ATTENTION_BACKENDS
 from jllm.engine.platform import resolve_backend
@@ -212,19 +214,18 @@ def test_fp8_cache_on_a_gpu_without_fp8_loads_takes_xla(monkeypatch, capability,
 
 
 def test_backends_declare_what_they_run():
-    """Every attention_backend name has an object; each refuses by name what it lacks."""
+    """Every attention_backend name has an object; each refuses by name what it lacks
+    (tests/attention/test_options.py: each option, each backend)."""
     assert set(BACKENDS) | {"auto"} == ATTENTION_BACKENDS
-    assert get_backend("xla").supports_window and get_backend("xla").supports_soft_cap
-    assert get_backend("pallas_gpu").supports_window and get_backend("pallas").supports_soft_cap
-    cpu = get_backend("cpu_kernel")
-    assert cpu.supports_window and cpu.supports_soft_cap
-    cpu.check(window=4096, soft_cap=50.0)
-    plain = AttentionBackend("plain")  # a backend that declares neither option
+    for name in ("xla", "cpu_kernel", "pallas", "pallas_gpu"):
+        assert {"window", "soft_cap"} <= get_backend(name).supported
+    get_backend("cpu_kernel").check(AttentionOptions(scale=0.1, window=4096, soft_cap=50.0))
+    plain = AttentionBackend("plain")  # a backend that declares no option
     with pytest.raises(ValueError, match="'plain' has no sliding window"):
-        plain.check(window=4096)
+        plain.check(AttentionOptions(scale=0.1, window=4096))
     with pytest.raises(ValueError, match="'plain' has no attention soft cap"):
-        plain.check(soft_cap=50.0)
-    plain.check()
+        plain.check(AttentionOptions(scale=0.1, soft_cap=50.0))
+    plain.check(AttentionOptions(scale=0.1))
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         get_backend("flash")
 
@@ -262,7 +263,13 @@ def test_cpu_kernel_backend_attends_as_xla_with_window_and_soft_cap(window, soft
         backend = get_backend(name)
         attend = jax.jit(
             lambda q, k, v, cache, md, b=backend: b.attend(
-                q, k, v, cache, 1, md, scale=H**-0.5, window=window, soft_cap=soft_cap
+                q,
+                k,
+                v,
+                cache,
+                1,
+                md,
+                AttentionOptions(scale=H**-0.5, window=window, soft_cap=soft_cap),
             )
         )
         outs[name], caches[name] = attend(q, k, v, cache, inputs.attn[0])
@@ -272,52 +279,6 @@ def test_cpu_kernel_backend_attends_as_xla_with_window_and_soft_cap(window, soft
     np.testing.assert_allclose(
         np.asarray(outs["cpu_kernel"])[real], np.asarray(outs["xla"])[real], atol=1e-5, rtol=1e-5
     )
-
-
-def windowed_flat_batch(rng, S, C, P, W, kv_token_bytes, decodes, prefills):
-    """A step's flat batch with tiles of C queries, for a KV-cache group with sliding window W:
-    decode rows of context lengths `decodes` (longest first) and a padding decode row, then
-    each prefill row ((cached, new) tokens) on tiles of its own, a padding tile and a padding
-    row. Each request's blocks come from a shuffled pool; block 0 is the null block.
-    -> (FlatBatch, B blocks, [R] the first key each row's window holds)."""
-    from jllm.attention.metadata import FlatBatch
-
-    rows = [(kv - 1, 1) for kv in decodes] + [None] + list(prefills)  # None: padding
-    Rd, R = len(decodes) + 1, len(rows) + 1
-    B = 1 + sum(-(-(d + n) // S) for d, n in filter(None, rows))
-    pool = iter(rng.permutation(np.arange(1, B)))
-    tiles = sum(-(-n // C) for _, n in prefills) + 1
-    T = Rd + tiles * C
-    flat = FlatBatch(
-        slot_mapping=np.full(T, B * S, np.int32),  # padding writes to a dropped slot
-        query_start=np.zeros(R, np.int32),
-        query_lens=np.zeros(R, np.int32),
-        kv_lens=np.zeros(R, np.int32),
-        block_tables=np.zeros((R, P), np.int32),
-        tile_row=np.full(tiles, R - 1, np.int32),
-        tile_q_pos=np.full((tiles, C), -1, np.int32),
-        num_decode_rows=Rd,
-        block_size=S,
-        kv_token_bytes=kv_token_bytes,
-        window=W,
-    )
-    q0, tile = Rd, 0
-    for r, row in enumerate(rows):
-        if row is None:
-            continue
-        done, new = row
-        pages = -(-(done + new) // S)
-        flat.block_tables[r, :pages] = [next(pool) for _ in range(pages)]
-        start = r if r < Rd else q0
-        pos = np.arange(done, done + new)
-        flat.query_start[r], flat.query_lens[r], flat.kv_lens[r] = start, new, done + new
-        flat.slot_mapping[start : start + new] = flat.block_tables[r, pos // S] * S + pos % S
-        if r >= Rd:
-            n = -(-new // C)
-            flat.tile_row[tile : tile + n] = r
-            flat.tile_q_pos[tile : tile + n].reshape(-1)[:new] = pos
-            q0, tile = q0 + n * C, tile + n
-    return flat, B, np.maximum(flat.kv_lens - flat.query_lens - W + 1, 0)
 
 
 @pytest.mark.parametrize(
@@ -346,8 +307,8 @@ def test_pages_before_the_window_are_never_read(backend):
     except cpu_kernel.CpuKernelUnavailable as e:
         pytest.skip(str(e))
     rng = np.random.default_rng(3)
-    flat, B, win_start = windowed_flat_batch(
-        rng, S, C, P, W, 2 * K * H * 4, decodes=[600, 530, 400], prefills=[(500, 20), (300, 9)]
+    flat, B, win_start = tiled_flat_batch(
+        rng, S, C, P, 2 * K * H * 4, [600, 530, 400], [(500, 20), (300, 9)], window=W
     )
     T = len(flat.slot_mapping)
     clean = rng.normal(size=(2, B, S, 2 * K, H)).astype(np.float32)  # [L, B, S, 2K, H]
@@ -370,7 +331,7 @@ def test_pages_before_the_window_are_never_read(backend):
         assert list(md.decode_first) == [1] and list(md.tile_first) == [1]
     attend = jax.jit(
         lambda q, k, v, cache, md: impl.attend(
-            q, k, v, cache, 1, md, scale=H**-0.5, window=W, soft_cap=3.0
+            q, k, v, cache, 1, md, AttentionOptions(scale=H**-0.5, window=W, soft_cap=3.0)
         )
     )
     out = np.asarray(attend(q, k, v, jnp.asarray(cache), md)[0])

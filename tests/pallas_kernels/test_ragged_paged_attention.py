@@ -29,24 +29,42 @@ from pallas_kernels.ragged_paged_attention import (
 )
 
 
-def naive_attention(q, kv, *, sm_scale, sliding_window=None, soft_cap=None):
-    """Per-token causal attention in float64 over contiguous kv [L, 2K, H]."""
+def naive_attention(
+    q,
+    kv,
+    *,
+    sm_scale,
+    sliding_window=None,
+    soft_cap=None,
+    chunk_size=None,
+    sinks=None,
+    v_head_dim=None,
+):
+    """Per-token causal attention in float64 over contiguous kv [L, 2K, H]: transformers'
+    eager attention (gpt-oss's with `sinks`, a last softmax column dropped after it; Llama
+    4's chunk mask with `chunk_size`); values the first `v_head_dim` lanes."""
     q = np.asarray(q, np.float64)  # [Q, N, H]
-    q_len, n, _ = q.shape
+    q_len, n, h = q.shape
     kv_len, two_k, _ = kv.shape
     group = n // (two_k // 2)
-    out = np.zeros(q.shape)
+    hv = v_head_dim or h
+    out = np.zeros((q_len, n, hv))
     for j in range(q_len):
         pos = kv_len - q_len + j
         lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+        if chunk_size is not None:
+            lo = max(lo, pos // chunk_size * chunk_size)
         for head in range(n):
             keys = kv[lo : pos + 1, 2 * (head // group)].astype(np.float64)
-            values = kv[lo : pos + 1, 2 * (head // group) + 1].astype(np.float64)
+            values = kv[lo : pos + 1, 2 * (head // group) + 1, :hv].astype(np.float64)
             scores = keys @ q[j, head] * sm_scale
             if soft_cap is not None:
                 scores = soft_cap * np.tanh(scores / soft_cap)
+            if sinks is not None:
+                scores = np.append(scores, float(sinks[head]))
             weights = np.exp(scores - scores.max())
-            out[j, head] = weights @ values / weights.sum()
+            weights = weights / weights.sum()
+            out[j, head] = weights[: len(values)] @ values
     return out
 
 
@@ -120,6 +138,35 @@ def test_reference_matches_naive_attention(sliding_window, soft_cap):
     np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(chunk_size=4),  # MIX's chunks straddle chunk boundaries, inside 8-slot pages
+        dict(chunk_size=11, sliding_window=6),  # across pages, crossed with a window
+        dict(sinks=True),
+        dict(sinks=True, sliding_window=6, soft_cap=1.5),
+        dict(v_head_dim=5, sinks=True, chunk_size=8),  # boundaries on the pages' edges
+    ],
+    ids=str,
+)
+def test_reference_options_match_naive_attention(opts):
+    h, n, opts = 16, 6, dict(opts)
+    args, contiguous = make_batch(MIX, n=n, k=2, h=h, s=8, dtype=jnp.float32, seed=12)
+    if opts.pop("sinks", False):
+        opts["sinks"] = jnp.asarray(np.random.default_rng(0).normal(size=n) * 2, jnp.float32)
+    out = np.asarray(ragged_paged_attention_reference(*args, **opts))
+    q, query_start = np.asarray(args[0]), np.asarray(args[4])
+    assert out.shape == (*q.shape[:2], opts.get("v_head_dim", h))
+    expected = np.zeros(out.shape)
+    for (_, q_len), q0, kv in zip(MIX, query_start, contiguous, strict=False):
+        expected[q0 : q0 + q_len] = naive_attention(
+            q[q0 : q0 + q_len], kv, sm_scale=1 / math.sqrt(h), **opts
+        )
+    np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)
+    plain = ragged_paged_attention_reference(*args, sliding_window=opts.get("sliding_window"))
+    assert not np.allclose(out[..., :5], np.asarray(plain)[..., :5], atol=1e-3)
+
+
 def _bad_inputs():
     args, _ = make_batch(MIX[:2], n=4, k=2, h=8, s=8, dtype=jnp.float32, num_pad_requests=0)
     q, cache, kv_lens, bt, qs, ql, ns = args
@@ -147,7 +194,15 @@ def test_validate_inputs_accepts_and_bad_options():
     args, _ = make_batch(MIX[:2], n=4, k=2, h=8, s=8, dtype=jnp.float32)
     validate_inputs(*args)
     validate_inputs(*args[:6], 2)
-    for bad in (dict(sliding_window=0), dict(soft_cap=0.0), dict(sm_scale=-1.0)):
+    for bad in (
+        dict(sliding_window=0),
+        dict(soft_cap=0.0),
+        dict(sm_scale=-1.0),
+        dict(chunk_size=0),
+        dict(v_head_dim=9),  # wider than the cache's heads
+        dict(sinks=jnp.zeros(3)),  # not one per query head
+        dict(sinks=jnp.zeros(4, jnp.int32)),
+    ):
         with pytest.raises(ValueError):
             ragged_paged_attention_reference(*args, **bad)
 
