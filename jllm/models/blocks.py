@@ -27,11 +27,14 @@ from jllm.models.rope import RopeConfig, apply_rope
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention with rotary positions. `rope`: the layer's rotation;
-    `window`: its sliding window (None: full attention); `scale`: the scores' scale
-    (default head_dim ** -0.5); `soft_cap`: a cap on the scores; `qkv_bias` / `o_bias`:
-    biases on the q/k/v and output projections; `qk_norm`: per-head RMSNorm of q and k
-    (Qwen3, Gemma 3), scaling by `1 + w` with `norm_offset` (Gemma's)."""
+    """Grouped-query attention with rotary positions. `rope`: the layer's rotation (None:
+    none, a NoPE layer); `window`: its sliding window (None: full attention); `chunk_size`:
+    chunked local attention (a query sees only its own chunk of positions); `scale`: the
+    scores' scale (default head_dim ** -0.5); `soft_cap`: a cap on the scores; `sinks`: a
+    learned per-head logit in each softmax's denominator (`self_attn.sinks` [N], float32);
+    `qkv_bias` / `o_bias`: biases on the q/k/v and output projections; `qk_norm`: per-head
+    RMSNorm of q and k (Qwen3, Gemma 3), scaling by `1 + w` with `norm_offset` (Gemma's).
+    The options reach the backend as one record (jllm/attention/options.py)."""
 
     def __init__(
         self,
@@ -39,10 +42,12 @@ class Attention(nnx.Module):
         dtype,
         rngs: nnx.Rngs,
         *,
-        rope: RopeConfig,
+        rope: RopeConfig | None,
         window: int | None = None,
+        chunk_size: int | None = None,
         scale: float | None = None,
         soft_cap: float | None = None,
+        sinks: bool = False,
         qkv_bias: bool = False,
         o_bias: bool = False,
         qk_norm: bool = False,
@@ -51,7 +56,11 @@ class Attention(nnx.Module):
         D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.rope = rope
         self.options = AttentionOptions(
-            scale=H**-0.5 if scale is None else scale, window=window, soft_cap=soft_cap
+            scale=H**-0.5 if scale is None else scale,
+            window=window,
+            chunk_size=chunk_size,
+            soft_cap=soft_cap,
+            sinks=sinks,
         )
         self.qk_norm, self.kv_scales = qk_norm, cfg.kv_scales
         b = 2 if qkv_bias else 0
@@ -64,6 +73,8 @@ class Attention(nnx.Module):
         if qk_norm:
             self.q_norm = RMSNorm(H, cfg.rms_norm_eps, dtype, norm_offset)
             self.k_norm = RMSNorm(H, cfg.rms_norm_eps, dtype, norm_offset)
+        if sinks:  # float32 whatever the model's dtype, as the softmax's sums
+            self.sinks = nnx.Param(jnp.zeros((N,), jnp.float32), logical_axes=("heads",))
         if cfg.kv_scales:  # float32 whatever the model's dtype; 1.0 unless loaded
             self.k_scale = nnx.Param(jnp.ones((), jnp.float32), logical_axes=(), kv_scale=True)
             self.v_scale = nnx.Param(jnp.ones((), jnp.float32), logical_axes=(), kv_scale=True)
@@ -72,10 +83,14 @@ class Attention(nnx.Module):
         q, k, v = self.q_proj(x, ctx), self.k_proj(x, ctx), self.v_proj(x, ctx)  # [T, N|K, H]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, ctx.positions, self.rope)
-        k = apply_rope(k, ctx.positions, self.rope)
+        if self.rope is not None:
+            q = apply_rope(q, ctx.positions, self.rope)
+            k = apply_rope(k, ctx.positions, self.rope)
         kv_scales = (self.k_scale[...], self.v_scale[...]) if self.kv_scales else None
-        o, kv_caches = ctx.attend(q, k, v, kv_caches, options=self.options, kv_scales=kv_scales)
+        sinks = self.sinks[...] if self.options.sinks else None
+        o, kv_caches = ctx.attend(
+            q, k, v, kv_caches, options=self.options, sinks=sinks, kv_scales=kv_scales
+        )
         return self.o_proj(o, ctx), kv_caches  # o: [T, N, H]
 
 

@@ -52,8 +52,22 @@ GGUF_ARCHITECTURES: dict[str, str] = {
 IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 
+_OUT_OF_TREE: set[str] = set()  # modules `register` named, imported by their own path
+
+
 def _family(module: str):
-    return importlib.import_module(f"jllm.models.{module}")
+    return importlib.import_module(module if module in _OUT_OF_TREE else f"jllm.models.{module}")
+
+
+def register(model_type: str, module: str, class_name: str) -> None:
+    """Serve configs of `model_type` (or naming `class_name` in `architectures`) with the
+    family module `module` (its import path), whose `ARCHITECTURES` has
+    `class_name`: an out-of-tree family, as vLLM's `ModelRegistry.register_model`. A
+    transformers config class for a new `model_type` is registered with transformers'
+    `AutoConfig.register`."""
+    _OUT_OF_TREE.add(module)
+    MODEL_TYPES[model_type] = (module, class_name)
+    _BY_CLASS[class_name] = (module, class_name)
 
 
 def resolve(hf_config) -> Architecture:

@@ -1,0 +1,79 @@
+"""Attention kinds through the whole engine on the model seams: a test family (tests/
+toy_family.py, registered out of tree) whose layers mix chunked local attention, a sliding
+window and full attention, every one with attention sinks, against a dense float64 numpy
+oracle: greedy tokens equal and logprobs within 1e-4, alone, with chunked prefill, under
+preemption and from the prefix cache. Chunks of 20 tokens over blocks of 16, so chunk
+boundaries fall inside blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import toy_family
+from oracle import SMALL, generate, prompt_ids
+
+from jllm import LLM
+
+CHUNK, WINDOW = 20, 12
+PROMPTS = prompt_ids(3, 36, vocab=512)  # 36, 43 and 50 tokens: past one or two chunk ends
+
+
+@pytest.fixture(scope="module")
+def toy_dir(tmp_path_factory, tokenizer_dir) -> str:
+    toy_family.register()
+    root = tmp_path_factory.mktemp("toy")
+    return toy_family.save_toy(root, tokenizer_dir, chunk=CHUNK, window=WINDOW)
+
+
+def _log_softmax(logits):
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def assert_oracle(path, prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
+        gen = out.outputs[0]
+        tokens = list(prompt) + list(gen.token_ids)
+        logprobs = _log_softmax(toy_family.reference_logits(path, tokens[:-1]))
+        steps = logprobs[len(prompt) - 1 :]  # the positions that chose each generated token
+        assert list(gen.token_ids) == steps.argmax(-1).tolist()
+        got = [gen.logprobs[i][t].logprob for i, t in enumerate(gen.token_ids)]
+        want = [steps[i, t] for i, t in enumerate(gen.token_ids)]
+        np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"max_num_batched_tokens": 16, "enable_prefix_caching": False},  # chunked prefill
+        {"num_gpu_blocks_override": 8},  # preemption
+    ],
+    ids=["alone", "chunked", "preempting"],
+)
+def test_chunked_local_sliding_and_sinks_match_the_oracle(toy_dir, settings):
+    llm = LLM(toy_dir, **{**SMALL, "dtype": "float32", **settings})
+    assert_oracle(toy_dir, PROMPTS, generate(llm, PROMPTS))
+    if not settings:  # again from the prefix cache: the first two blocks are hits
+        others = prompt_ids(3, 45, seed=3, vocab=512)
+        again = [p[:34] + q[34:] for p, q in zip(PROMPTS, others, strict=True)]
+        outs = generate(llm, again)
+        assert all(o.num_cached_tokens >= 32 for o in outs)
+        assert_oracle(toy_dir, again, outs)
+
+
+def test_the_masks_and_sinks_matter(toy_dir):
+    """The oracle's answer changes without the chunks or without the sinks, so the engine
+    agreeing with it is not an accident of a model that ignores them."""
+    tokens = PROMPTS[2]
+    want = toy_family.reference_logits(toy_dir, tokens)
+    full = [t.replace("chunked", "full") for t in toy_family.LAYER_TYPES]
+    unchunked = toy_family.reference_logits(toy_dir, tokens, layer_types=full)
+    assert np.abs(want[CHUNK:] - unchunked[CHUNK:]).max() > 1e-2
+    np.testing.assert_allclose(want[:CHUNK], unchunked[:CHUNK])  # the first chunk: all it sees
+    assert np.abs(want - toy_family.reference_logits(toy_dir, tokens, sinks=False)).max() > 1e-2
+
+
+def test_a_kernel_without_the_options_refuses_at_start_up(toy_dir):
+    with pytest.raises(ValueError, match="'cpu_kernel' has no"):
+        LLM(toy_dir, **{**SMALL, "dtype": "float32", "attention_backend": "cpu_kernel"})
