@@ -4,7 +4,8 @@ A backend is a frozen dataclass (hashable: the step's jit takes it as a static a
 - builds the metadata its kernel reads from the step's `FlatBatch` (`build_metadata`);
 - writes a layer's new K/V into the stacked cache and attends (`attend`), with the layer's
   `AttentionOptions` (`options.py`: scale, sliding window, soft cap, chunked local
-  attention, sinks, value head size) and, for a layer with sinks, their per-head logits;
+  attention, sinks, MLA's latent attention, value head size) and, for a layer with sinks,
+  their per-head logits;
 - declares what it supports: where it runs and which dtypes and shapes it takes
   (`unsupported` gives the reason it cannot; `prepare` builds its kernel), and which
   optional fields of the options it implements (`supported`; `check` refuses the rest by
@@ -19,6 +20,13 @@ that is dropped), so every query sees its own chunk and any block shared in the 
 A float8 cache (`kv_cache_dtype="fp8"`) takes them converted with saturation, and every
 backend reads its pages into the compute dtype; on the CPU it holds the float8 bytes as uint8
 (`md.kv_fp8` names the format: XLA's CPU backend updates float8 arrays element by element).
+
+A latent (MLA) layer's cache is [L, B, S, H], one latent vector of H lanes per token and no
+head axis (`options.py` gives its `attend`); `write_latent` scatters its new latents, into a
+float8 cache alike (the whole vector in one format, as vLLM's standard fp8 MLA cache; its one
+scale serves keys and values both, since the values are the keys' first lanes). Under tensor
+parallelism the latent is not split: every device holds the whole cache, as vLLM replicates
+it, and only the query heads are split.
 
 Glossary: T tokens, K kv heads, H head dim, B blocks, S block size, L layers.
 """
@@ -44,11 +52,48 @@ def write_kv(kv_cache, layer, k, v, slot_mapping, fp8_dtype=None):
     return flat.reshape(NL, B, S, K2, H)
 
 
+def write_latent(kv_cache, layer, latent, slot_mapping, fp8_dtype=None):
+    """Scatter new latents [T, H] into layer `layer` of a latent cache [L, B, S, H]."""
+    NL, B, S, H = kv_cache.shape
+    new = to_cache(latent, kv_cache.dtype, fp8_dtype)
+    flat = kv_cache.reshape(NL, B * S, H).at[layer, slot_mapping].set(new, mode="drop")
+    return flat.reshape(NL, B, S, H)
+
+
+def latent_inputs(q, k, v, kv_cache, options: AttentionOptions):
+    """A latent layer's new latents as [T, H], after checking its `attend` arguments: q
+    [T, N, H], k [T, H] or [T, 1, H], v None, the cache [L, B, S, H], v_head_dim < H."""
+    if v is not None:
+        raise ValueError("a latent layer's values are its latents' first lanes: pass v=None")
+    if kv_cache.ndim != 4:
+        raise ValueError(
+            f"a latent layer's cache is [L, B, S, H] (no head axis), got shape {kv_cache.shape}"
+        )
+    T, _, H = q.shape
+    if kv_cache.shape[-1] != H or tuple(k.shape) not in ((T, H), (T, 1, H)):
+        raise ValueError(
+            f"a latent layer takes q [T, N, H], k [T, H] or [T, 1, H] and its cache "
+            f"[L, B, S, H] of one H, got q {q.shape}, k {k.shape}, cache {kv_cache.shape}"
+        )
+    if not options.v_head_dim < H:
+        raise ValueError(
+            f"a latent layer's values (v_head_dim={options.v_head_dim}) are the first lanes "
+            f"of its latent of {H}: fewer than all"
+        )
+    return k.reshape(T, H)
+
+
 def write_step_kv(kv_cache, layer, k, v, md):
     """`write_kv` with the step's metadata: its slots, and the float8 format of a cache held
     as bytes. -> (the updated cache, that format or None)."""
     fp8 = None if md.kv_fp8 is None else jnp.dtype(md.kv_fp8)
     return write_kv(kv_cache, layer, k, v, md.slot_mapping, fp8), fp8
+
+
+def write_step_latent(kv_cache, layer, latent, md):
+    """`write_latent` with the step's metadata. -> (the updated cache, its float8 format)."""
+    fp8 = None if md.kv_fp8 is None else jnp.dtype(md.kv_fp8)
+    return write_latent(kv_cache, layer, latent, md.slot_mapping, fp8), fp8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,5 +129,7 @@ class AttentionBackend:
     def attend(self, q, k, v, kv_cache, layer, md, options: AttentionOptions, sinks=None):
         """q [T, N, H], k [T, K, H], v [T, K, Hv] (Hv = options.v_head_dim or H), the stacked
         cache [L, B, S, 2K, H] and this layer's index -> (out [T, N, Hv], the updated cache).
-        `sinks`: the layer's [N] sink logits when options.sinks, else None."""
+        A latent layer (options.latent): q [T, N, H], the new latents k [T, H] (or [T, 1, H]),
+        v None and its cache [L, B, S, H] -> out [T, N, Hv]. `sinks`: the layer's [N] sink
+        logits when options.sinks, else None."""
         raise NotImplementedError

@@ -11,6 +11,21 @@ the backend cannot run fails at start-up, and `auto` takes the XLA attention ins
 The record is frozen and hashable (it is part of what the step's jit traces, like the
 backend), and holds no arrays: a layer with attention sinks says so here (`sinks=True`) and
 passes its learned per-head logits to `attend` as an array.
+
+A latent layer (`latent=True`, multi-head latent attention in its absorbed form: DeepSeek
+V2/V3) caches one vector per token and layer, shared by every query head: the compressed
+latent c_kv (kv_lora_rank R lanes, after its norm) then the rotated key k_pe (qk_rope_head_dim
+r lanes). Its group's cache is [L, B, S, R + r], with no head axis and no separate values, and
+its `attend` takes
+- q [T, N, R + r]: each head's no-rope query absorbed through W_UK into R lanes, then its
+  rotated q_pe;
+- k, the new latents [c_kv, k_pe]: [T, R + r] or [T, 1, R + r];
+- v=None (the values are the cached latents' first R lanes);
+and returns [T, N, R], the latent each head reads, which the layer projects through W_UV.
+Score(t, s) = q[t] . cache[s] * scale: multi-query attention with one KV head whose value is
+the first R lanes of its key. The layer sets `v_head_dim=R` (kv_lora_rank: the width attention
+returns, not the checkpoint's v_head_dim, the output of W_UV) and its scale as the expanded
+form has it (qk_head_dim ** -0.5, times DeepSeek's YaRN mscale squared where it has one).
 """
 
 from __future__ import annotations
@@ -25,6 +40,8 @@ OPTION_NAMES = {
     "soft_cap": "attention soft cap",
     "chunk_size": "chunked local attention",
     "sinks": "attention sinks",
+    # Before v_head_dim, which every latent layer sets: a refusal names the latent first.
+    "latent": "MLA latent attention",
     "v_head_dim": "value head size unlike the key head size",
 }
 
@@ -45,6 +62,7 @@ class AttentionOptions:
     soft_cap: float | None = None
     chunk_size: int | None = None
     sinks: bool = False
+    latent: bool = False
     v_head_dim: int | None = None
 
     def __post_init__(self):
@@ -61,6 +79,13 @@ class AttentionOptions:
             object.__setattr__(self, name, _positive(name, getattr(self, name), kind, cast))
         if not isinstance(self.sinks, bool):
             raise ValueError(f"attention sinks says whether the layer has them, not {self.sinks!r}")
+        if not isinstance(self.latent, bool):
+            raise ValueError(f"latent says whether the layer is MLA's, not {self.latent!r}")
+        if self.latent and self.v_head_dim is None:
+            raise ValueError(
+                "a latent (MLA) layer's values are the first v_head_dim lanes of its latent: "
+                "set v_head_dim to its kv_lora_rank"
+            )
 
     def used(self) -> tuple[str, ...]:
         """The optional fields this layer sets (the names `AttentionBackend.supported` holds)."""

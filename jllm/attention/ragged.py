@@ -8,9 +8,10 @@ in place (`kv_cache[layer]` here would copy the layer per layer per step). Under
 parallelism (the runner traces inside `jax.set_mesh`) each device runs the kernel on its own
 heads.
 
-Both kernels implement the sliding window and the soft cap; sinks, chunked local attention
-and a value head size unlike the key head size they lack for now (`supported`), so a model
-that needs one is refused by name at start-up (`auto` takes the XLA attention).
+Both kernels implement the sliding window and the soft cap; sinks, chunked local attention,
+MLA's latent attention (a cache of one latent per token, no head axis) and a value head size
+unlike the key head size they lack for now (`supported`), so a model that needs one is
+refused by name at start-up (`auto` takes the XLA attention).
 """
 
 from __future__ import annotations

@@ -20,6 +20,14 @@ keys 192, values 128) stores them padded with zeros to H, the key head size, and
 read only their first v_head_dim lanes; the cache of a layer whose values are wider holds
 H = v_head_dim, and its queries and keys are padded with zeros (scores unchanged).
 
+A latent layer (MLA's absorbed form, `options.latent`) has the cache [L, B, S, H] of one
+latent per token: its tiles gather each page once, as the key of one KV head that every query
+head shares (K = 1, G = N) and, in its first v_head_dim lanes, as the value. Every other
+option crosses with it unchanged (the masks do not see the layout). As for every layout, the
+step's `FlatBatch.kv_token_bytes` must be the cache's bytes per token and layer (a latent
+cache's H * itemsize): `build_xla` reckons the bands' chunks from it and the tiles their
+chunk size from the cache, and the two must agree.
+
 It is the CPU's fallback (`cpu_kernel` is the default there) and what a platform without a
 kernel for a layer's options runs.
 
@@ -30,13 +38,19 @@ S block size, P pages per request, Tt tiles, C tile size, L keys in a chunk.
 from __future__ import annotations
 
 import dataclasses
+import math
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jllm.attention.base import AttentionBackend, write_step_kv
+from jllm.attention.base import (
+    AttentionBackend,
+    latent_inputs,
+    write_step_kv,
+    write_step_latent,
+)
 from jllm.attention.metadata import FlatBatch
 from jllm.attention.options import OPTION_NAMES, AttentionOptions
 from pallas_kernels.ragged_paged_attention import from_cache
@@ -215,11 +229,14 @@ def tile_attention(
     chunk_size: int | None = None,
     sinks=None,
     v_head_dim: int | None = None,
+    latent: bool = False,
 ):
     """Attention for tiles of C queries that each belong to one request.
 
     q [Tt, C, N, H], block_table [Tt, P], kv_lens [Tt], q_pos [Tt, C] -> [Tt, C, N, Hv]
-    (Hv = v_head_dim, the first lanes of the cache's values; H without).
+    (Hv = v_head_dim, the first lanes of the cache's values; H without). With `latent` the
+    cache is [L, B, S, H], one vector per token: the key of one KV head, and its first Hv
+    lanes the value.
     Scores are q . k * sm_scale, then soft_cap * tanh(score / soft_cap) when soft_cap is set;
     a query at position p sees keys at positions (p - window, p] when window is set, and at
     [floor(p / chunk_size) * chunk_size, p] when chunk_size is set, up to its `q_horizon`
@@ -233,11 +250,12 @@ def tile_attention(
     zeroed, since 0 * NaN would be NaN.
     """
     Tt, C, N, H = q.shape
-    _, B, S, K2, _ = kv_cache.shape
-    K = K2 // 2
+    S = kv_cache.shape[2]
+    K = 1 if latent else kv_cache.shape[3] // 2
     G = N // K
     Hv = v_head_dim or H
-    pages = kv_chunk_pages(S, Tt, K2 * H * kv_cache.dtype.itemsize, C)
+    token_bytes = math.prod(kv_cache.shape[3:]) * kv_cache.dtype.itemsize
+    pages = kv_chunk_pages(S, Tt, token_bytes, C)
     L = pages * S
     qg = (q.astype(jnp.float32) * sm_scale).reshape(Tt, C, K, G, H)
     local = window is not None or chunk_size is not None
@@ -246,8 +264,12 @@ def tile_attention(
         m, denom, acc = carry  # [Tt, K, G, C], [Tt, K, G, C], [Tt, K, G, C, Hv]
         page_ids = jax.lax.dynamic_slice_in_dim(block_table, c * pages, pages, axis=1)
         kv = from_cache(kv_cache[layer, page_ids], jnp.float32, fp8_dtype)
-        kv = kv.reshape(Tt, L, K, 2, H)
-        k, v = kv[:, :, :, 0], kv[:, :, :, 1, :Hv]  # [Tt, L, K, H], [Tt, L, K, Hv]
+        if latent:  # one vector per token: the key, and the value in its first lanes
+            k = kv.reshape(Tt, L, 1, H)
+            v = k[..., :Hv]
+        else:
+            kv = kv.reshape(Tt, L, K, 2, H)
+            k, v = kv[:, :, :, 0], kv[:, :, :, 1, :Hv]  # [Tt, L, K, H], [Tt, L, K, Hv]
         s = jnp.einsum("TCKGH,TLKH->TKGCL", qg, k)  # [Tt, K, G, C, L]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -300,7 +322,7 @@ def banded_attention(
 ):
     """`tile_attention` over consecutive bands of rows, each looping over its own chunks
     (`first_chunks` .. `end_chunks` - 1, [bands]); `options`: tile_attention's sm_scale,
-    fp8_dtype, window, soft_cap, chunk_size, sinks and v_head_dim."""
+    fp8_dtype, window, soft_cap, chunk_size, sinks, v_head_dim and latent."""
     bands = end_chunks.shape[0]
     rows = q.shape[0] // bands
 
@@ -339,17 +361,23 @@ class XlaBackend(AttentionBackend):
         _, N, H = q.shape
         Hv = options.v_head_dim or H
         options.check_sinks(sinks, N)
-        if v.shape[-1] != Hv:
-            raise ValueError(f"v has head size {v.shape[-1]}, the layer's options say {Hv}")
-        Hc = kv_cache.shape[-1]  # keys and values share the cache's head axis
-        if Hc != max(H, Hv):
-            raise ValueError(
-                f"the KV cache's head size is {Hc}; keys of {H} and values of {Hv} need "
-                f"{max(H, Hv)}"
-            )
-        q, k, v = (_pad_lanes(x, Hc) for x in (q, k, v))
-        kv_cache, fp8 = write_step_kv(kv_cache, layer, k, v, md)
+        if options.latent:
+            latent = latent_inputs(q, k, v, kv_cache, options)
+            kv_cache, fp8 = write_step_latent(kv_cache, layer, latent, md)
+            Hc = H
+        else:
+            if v.shape[-1] != Hv:
+                raise ValueError(f"v has head size {v.shape[-1]}, the layer's options say {Hv}")
+            Hc = kv_cache.shape[-1]  # keys and values share the cache's head axis
+            if Hc != max(H, Hv):
+                raise ValueError(
+                    f"the KV cache's head size is {Hc}; keys of {H} and values of {Hv} need "
+                    f"{max(H, Hv)}"
+                )
+            q, k, v = (_pad_lanes(x, Hc) for x in (q, k, v))
+            kv_cache, fp8 = write_step_kv(kv_cache, layer, k, v, md)
         kw = dict(
+            latent=options.latent,
             sm_scale=options.scale,
             window=options.window,
             soft_cap=options.soft_cap,

@@ -3,8 +3,9 @@
 ``ragged_paged_attention`` is the Pallas TPU kernel (``interpret=True`` runs it on CPU),
 ``ragged_paged_attention_gpu`` the same contract in Pallas on Triton for GPUs (likewise),
 ``ragged_paged_attention_reference`` the pure-jnp oracle it is tested against (which alone
-also takes attention sinks, chunked local attention and values narrower than the keys: the
-oracle of jllm's XLA attention, until the kernels have them),
+also takes attention sinks, chunked local attention, values narrower than the keys and MLA's
+latent cache ``[B, S, H]``, ``latent_cache_shape``: the oracle of jllm's XLA attention,
+until the kernels have them),
 ``validate_inputs`` the shared static checks, ``kv_cache_shape`` the cache layout
 ``[B, S, 2K, H]`` (K and V interleaved on the head axis; the queries' float dtype or a
 float8 format, ``FP8_DTYPES``, as that dtype or as its bytes with ``fp8_dtype=``; written
@@ -21,6 +22,7 @@ from .cache import (
     is_fp8_cache,
     kv_cache_bytes,
     kv_cache_shape,
+    latent_cache_shape,
     to_cache,
 )
 from .cpu import (
@@ -45,6 +47,7 @@ __all__ = [
     "ragged_paged_attention_cpu_sharded",
     "kv_cache_bytes",
     "kv_cache_shape",
+    "latent_cache_shape",
     "check_fp8_dtype",
     "from_cache",
     "is_fp8_cache",

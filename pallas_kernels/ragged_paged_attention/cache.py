@@ -2,6 +2,10 @@
 
 One array per layer, page-major: ``[B, S, 2K, H]`` with K and V interleaved on the head
 axis (index ``2k`` is key head ``k``, index ``2k + 1`` is value head ``k``).
+An MLA layer in its absorbed form caches one latent vector per token instead,
+``[B, S, H]`` (``latent_cache_shape``: H = kv_lora_rank + qk_rope_head_dim, no head axis):
+the key of one KV head shared by every query head, and in its first kv_lora_rank lanes the
+value.
 
 The cache holds the queries' float dtype, or a float8 format (``FP8_DTYPES``, scale 1.0:
 vLLM's default k_scale / v_scale), one byte a value. A float8 cache is either an array of
@@ -63,15 +67,23 @@ def kv_cache_shape(
     num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
 ) -> tuple[int, int, int, int]:
     """Returns the shape ``(B, S, 2K, H)`` of one layer's paged KV cache."""
-    for name, value in (
-        ("num_blocks", num_blocks),
-        ("block_size", block_size),
-        ("num_kv_heads", num_kv_heads),
-        ("head_dim", head_dim),
-    ):
+    b, s, k, h = _positive_ints(
+        num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim
+    )
+    return (b, s, 2 * k, h)
+
+
+def _positive_ints(**values) -> tuple[int, ...]:
+    """The values as ints; ValueError naming the first that is not a positive integer."""
+    for name, value in values.items():
         if int(value) != value or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return (int(num_blocks), int(block_size), 2 * int(num_kv_heads), int(head_dim))
+    return tuple(int(value) for value in values.values())
+
+
+def latent_cache_shape(num_blocks: int, block_size: int, latent_dim: int) -> tuple[int, int, int]:
+    """Returns the shape ``(B, S, H)`` of one MLA layer's latent cache, H = ``latent_dim``."""
+    return _positive_ints(num_blocks=num_blocks, block_size=block_size, latent_dim=latent_dim)
 
 
 def kv_cache_bytes(

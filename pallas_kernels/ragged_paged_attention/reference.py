@@ -14,7 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from .cache import from_cache
-from .validation import validate_inputs, validate_options, validate_sinks
+from .validation import (
+    latent_as_kv,
+    validate_inputs,
+    validate_latent,
+    validate_options,
+    validate_sinks,
+)
 
 
 def ragged_paged_attention_reference(
@@ -34,6 +40,7 @@ def ragged_paged_attention_reference(
     chunk_size: int | None = None,
     sinks=None,
     v_head_dim: int | None = None,
+    latent: bool = False,
 ) -> jnp.ndarray:
     """Attention of a flat ragged batch of queries over a paged KV cache.
 
@@ -56,10 +63,15 @@ def ragged_paged_attention_reference(
     nor capped). ``v_head_dim`` Hv (optional): the values are the first Hv lanes of each value
     head (a layer whose values are narrower than its keys stores them padded), and the result
     is [T, N, Hv].
+
+    ``latent`` (MLA's absorbed form): kv_cache is [B, S, H], one latent vector per token that
+    is the key of one KV head shared by every query head, and whose first ``v_head_dim`` lanes
+    (required, fewer than H) are its value.
     """
-    validate_inputs(
-        q, kv_cache, kv_lens, block_tables, query_start, query_lens, num_seqs, fp8_dtype
-    )
+    if latent:
+        validate_latent(kv_cache, v_head_dim)
+    layout = latent_as_kv(kv_cache) if latent else kv_cache
+    validate_inputs(q, layout, kv_lens, block_tables, query_start, query_lens, num_seqs, fp8_dtype)
     validate_options(
         sm_scale,
         sliding_window,
@@ -71,7 +83,7 @@ def ragged_paged_attention_reference(
     validate_sinks(sinks, q.shape[1])
     t, n, h = q.shape
     s = kv_cache.shape[1]
-    k_heads = kv_cache.shape[2] // 2
+    k_heads = layout.shape[2] // 2
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(h)
 
@@ -93,8 +105,8 @@ def ragged_paged_attention_reference(
     q_pos = kv_lens[req] - query_lens[req] + np.arange(t) - query_start[req]  # [T]
 
     r_total, p = block_tables.shape
-    kv = kv_cache[block_tables].reshape(r_total, p * s, 2 * k_heads, h)  # [R, L, 2K, H]
-    kv = from_cache(kv[req], jnp.float32, fp8_dtype)  # [T, L, 2K, H]: each row's own request
+    kv = kv_cache[block_tables].reshape(r_total, p * s, -1, h)  # [R, L, 2K or 1, H]
+    kv = from_cache(kv[req], jnp.float32, fp8_dtype)  # [T, L, 2K or 1, H]: each row's own
     kv_pos = jnp.arange(p * s)[None, :]  # [1, L]
     horizon = q_pos if q_horizon is None else np.maximum(np.asarray(q_horizon), q_pos)
     mask = (kv_pos <= horizon[:, None]) & (kv_pos < kv_lens[req][:, None]) & owned[:, None]
@@ -102,8 +114,9 @@ def ragged_paged_attention_reference(
         mask &= kv_pos > q_pos[:, None] - sliding_window
     if chunk_size is not None:
         mask &= kv_pos >= (q_pos[:, None] // chunk_size) * chunk_size
-    k = jnp.repeat(kv[:, :, 0::2], n // k_heads, axis=2)  # [T, L, N, H]
-    v = jnp.repeat(kv[:, :, 1::2, : v_head_dim or h], n // k_heads, axis=2)  # [T, L, N, Hv]
+    k, v = (kv, kv) if latent else (kv[:, :, 0::2], kv[:, :, 1::2])  # a latent is both
+    k = jnp.repeat(k, n // k_heads, axis=2)  # [T, L, N, H]
+    v = jnp.repeat(v[..., : v_head_dim or h], n // k_heads, axis=2)  # [T, L, N, Hv]
     v = jnp.where(mask[:, :, None, None], v, 0.0)  # unused slots may hold NaN
 
     scores = jnp.einsum("TNH,TLNH->TNL", q.astype(jnp.float32), k) * sm_scale

@@ -127,6 +127,26 @@ def validate_options(
         )
 
 
+def validate_latent(kv_cache, v_head_dim) -> None:
+    """Raises ValueError unless `kv_cache` is a latent cache [B, S, H] whose values are its
+    first `v_head_dim` lanes, fewer than H."""
+    shape = _shape("kv_cache", kv_cache)
+    if len(shape) != 3:
+        raise ValueError(f"a latent kv_cache is [B, S, H] (no head axis), got shape {shape}")
+    if v_head_dim is None or not 0 < v_head_dim < shape[-1]:
+        raise ValueError(
+            f"a latent cache's values are its first v_head_dim lanes, fewer than its {shape[-1]}: "
+            f"got v_head_dim={v_head_dim}"
+        )
+
+
+def latent_as_kv(kv_cache) -> jax.ShapeDtypeStruct:
+    """A latent cache [B, S, H] as the [B, S, 2K, H] layout of one KV head that
+    `validate_inputs` checks (its keys and values are one vector)."""
+    b, s, h = kv_cache.shape
+    return jax.ShapeDtypeStruct((b, s, 2, h), kv_cache.dtype)
+
+
 def validate_sinks(sinks, num_heads: int) -> None:
     """Raises ValueError unless `sinks` is None or a float [N] array, N = `num_heads` (q's
     heads)."""

@@ -41,7 +41,7 @@ def test_the_record_checks_its_values_and_hashes():
     assert a.used() == ("window", "soft_cap")
     assert AttentionOptions(scale=1.0).used() == ()
     every = AttentionOptions(
-        scale=1.0, window=1, soft_cap=1.0, chunk_size=1, sinks=True, v_head_dim=1
+        scale=1.0, window=1, soft_cap=1.0, chunk_size=1, sinks=True, latent=True, v_head_dim=1
     )
     assert set(every.used()) == set(OPTION_NAMES)
     with pytest.raises(TypeError):
