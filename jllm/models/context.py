@@ -12,7 +12,8 @@ use are None, which costs nothing in the compiled step.
 
 KV-cache groups: the layers of one attention kind share a group (one block table, one
 stacked cache [Lg, B, S, 2K, H] whose row r is the group's r-th layer); `attn` holds each
-group's attention metadata and `attend` reads and returns the tuple of group caches.
+group's attention metadata and `attend` reads and returns the tuple of caches, one per pool:
+groups of one pool (`pools`, by group) share its array, each through its own block table.
 
 Glossary: T tokens, D model dim.
 """
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 @partial(
     jax.tree_util.register_dataclass,
     data_fields=["positions", "attn", "live", "layer", "lora_slots", "embeds", "embeds_mask"],
-    meta_fields=["backend", "group"],
+    meta_fields=["backend", "group", "pools"],
 )
 @dataclasses.dataclass(frozen=True)
 class StepContext:
@@ -42,6 +43,7 @@ class StepContext:
     lora_slots: jax.Array | None = None  # [T] int32 adapter slot per token (0: none)
     embeds: jax.Array | None = None  # [T, D] embeddings that replace the tokens' own
     embeds_mask: jax.Array | None = None  # [T] bool: where `embeds` replaces them
+    pools: tuple = ()  # each group's pool, its cache's index (static; empty: one per group)
 
     def replace(self, **changes) -> StepContext:
         return dataclasses.replace(self, **changes)
@@ -50,11 +52,16 @@ class StepContext:
         """The context of a layer: its KV-cache group and its row in that group's cache."""
         return self.replace(group=group, layer=row)
 
+    @property
+    def cache_index(self) -> int:
+        """The current layer's cache among the step's caches: its group's pool."""
+        return self.pools[self.group] if self.pools else self.group
+
     def attend(
         self, q, k, v, kv_caches: tuple, *, scale, window=None, soft_cap=None, kv_scales=None
     ):
         """The current layer's attention over its group's cache: q [T, N, H], k/v [T, K, H]
-        -> (out [T, N, H], the tuple of group caches with this group's updated).
+        -> (out [T, N, H], the tuple of pool caches with this group's pool's updated).
 
         kv_scales: the layer's (k_scale, v_scale) float32 scalars, or None. Over a float8
         cache the backend then attends with q * k_scale, k / k_scale and v / v_scale, which
@@ -62,8 +69,8 @@ class StepContext:
         scores q.k and the sum of p.v are unchanged while the cache holds k / k_scale and
         v / v_scale. Outside every kernel, so each backend takes them alike; a cache of
         another dtype ignores them."""
-        g = self.group
-        scaled = kv_scales is not None and kv_caches[g].dtype.itemsize == 1  # float8 (bytes)
+        g, c = self.group, self.cache_index
+        scaled = kv_scales is not None and kv_caches[c].dtype.itemsize == 1  # float8 (bytes)
         if scaled:
             k_scale, v_scale = kv_scales
             q, k, v = _times(q, k_scale), _over(k, k_scale), _over(v, v_scale)
@@ -71,7 +78,7 @@ class StepContext:
             q,
             k,
             v,
-            kv_caches[g],
+            kv_caches[c],
             self.layer,
             self.attn[g],
             scale=scale,
@@ -80,7 +87,7 @@ class StepContext:
         )
         if scaled:
             out = _times(out, v_scale)
-        return out, (*kv_caches[:g], cache, *kv_caches[g + 1 :])
+        return out, (*kv_caches[:c], cache, *kv_caches[c + 1 :])
 
 
 def _times(x, factor):

@@ -80,7 +80,7 @@ def test_a_long_generation_fits_a_pool_of_eight_blocks(tiny_models):
     settings = {**SMALL, "num_gpu_blocks_override": 8, "max_num_batched_tokens": 64}
     llm = LLM(tiny_models["mistral-window"], **settings)
     kv = llm.llm_engine.scheduler.kv_cache
-    assert kv.group_num_blocks == (8,) and kv.windows == (24,)
+    assert kv.group_num_blocks == (8,) and [s.sliding_window for s in kv.specs] == [24]
     prompt = prompt_ids(1, 40, seed=6)[0]
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     out = generate(llm, [prompt], params)[0].outputs[0]
@@ -97,7 +97,7 @@ def test_mixed_model_pools_and_what_a_request_holds(tiny_models):
     llm = LLM(tiny_models["gemma3"], **SMALL)
     engine = llm.llm_engine
     kv = engine.scheduler.kv_cache
-    assert kv.windows == (24, None)
+    assert [getattr(s, "sliding_window", None) for s in kv.specs] == [24, None]
     sliding, full = kv.group_num_blocks
     assert sliding < full
     prompt = {"prompt_token_ids": prompt_ids(1, 200, seed=8)[0]}

@@ -7,14 +7,8 @@ from __future__ import annotations
 import jax
 import pytest
 
-from jllm.runner.kv_cache import (
-    CacheSpec,
-    abstract_kv_cache,
-    kv_cache_budget,
-    size_kv_cache,
-    sliding_pool_cap,
-    split_blocks,
-)
+from jllm.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec, sliding_pool_cap
+from jllm.runner.kv_cache import abstract_kv_cache, kv_cache_budget, size_kv_cache, split_blocks
 
 GiB = 1 << 30
 
@@ -54,7 +48,9 @@ def test_profile_of_the_largest_bucket(llama_llm):
     allocated) and counts at least the logits of the largest sampler bucket."""
     engine = llama_llm.llm_engine
     runner, cfg = engine.runner, engine.model_config
-    spec = CacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    spec = FullAttentionSpec(
+        num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_size=cfg.head_dim
+    )
     cache = abstract_kv_cache(spec, 4, runner.layout.block_size, engine.dtype, runner.mesh)
     assert isinstance(cache, jax.ShapeDtypeStruct) and cache.shape[:2] == (cfg.num_layers, 4)
     largest_rs = runner.layout.sample_buckets[-1]
@@ -93,16 +89,17 @@ def _size(specs, **kw):
 def test_one_request_must_fit_counting_a_window_by_its_span():
     """A 4096-token request needs 256 blocks of full attention but only its window's in a
     sliding group: a cache too small for the first passes for the second."""
-    full, sliding = CacheSpec(2, 2, 16), CacheSpec(2, 2, 16, window=32)
+    heads = dict(num_layers=2, num_kv_heads=2, head_size=16)
+    full, sliding = FullAttentionSpec(**heads), SlidingWindowSpec(**heads, sliding_window=32)
     per_block = 2 * 16 * 2 * 2 * 16 * 4  # layers x slots x K/V x heads x head dim x float32
     memory = 100 * per_block
     with pytest.raises(
         ValueError, match="4096 tokens needs 256 blocks of 2 layers where it holds 99"
     ):
         _size((full,), max_model_len=4096, memory_bytes=memory)
-    _, counts = _size((sliding,), max_model_len=4096, memory_bytes=memory)
-    assert counts == [100]
+    _, config = _size((sliding,), max_model_len=4096, memory_bytes=memory)
+    assert config.num_blocks == (100,)
     # An explicit block count is taken as it is (preemption tests run on tiny pools), and
     # never profiles (`_size` passes no profile: asking would fail).
-    _, counts = _size((full,), max_model_len=4096, memory_bytes=None, override=12)
-    assert counts == [12]
+    _, config = _size((full,), max_model_len=4096, memory_bytes=None, override=12)
+    assert config.num_blocks == (12,)
