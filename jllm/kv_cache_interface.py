@@ -203,14 +203,12 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
         return position // self.attention_chunk_size * self.attention_chunk_size
 
     def max_blocks_per_request(self, num_tokens: int, block_size: int, max_step_tokens: int) -> int:
-        """A step of n tokens from c holds its chunk's start .. c + n - 1, at most C - 1 + n
-        tokens; from a block boundary (C a multiple of S) they fill (C + n - 2) // S + 1
-        blocks, else they may straddle one more."""
-        chunk, full = self.attention_chunk_size, cdiv(num_tokens, block_size)
-        span = chunk - 1 + max_step_tokens
-        if chunk % block_size == 0:
-            return min(full, (span - 1) // block_size + 1)
-        return min(full, cdiv(span - 1, block_size) + 1)
+        """A step of n tokens from c holds its chunk's start .. c + n - 1, a span of at most
+        C - 1 + n tokens, which starts at a multiple of gcd(C, S) in its block: at worst
+        S - gcd(C, S) tokens in."""
+        chunk, span = self.attention_chunk_size, self.attention_chunk_size - 1 + max_step_tokens
+        offset = block_size - math.gcd(chunk, block_size)
+        return min(cdiv(num_tokens, block_size), (offset + span - 1) // block_size + 1)
 
     def pool_cap(self, block_size: int, max_num_seqs: int, max_step_tokens: int) -> int:
         span = self.attention_chunk_size - 1
