@@ -30,7 +30,9 @@ and one physical array (`share_pools`), row r of each group being the same array
 shares tensors by position), so a block a sliding group frees serves full attention. Blocks
 of equal bytes but other shapes keep their own pools: an array has one shape.
 
-Sits below engine/, runner/ and models/, which all read it: numpy only, no JAX.
+Sits below engine/, runner/ and models/, which all read it (numpy only, no JAX), at the top
+of the package beside vLLM's module name, as `scheduler_output.py` is for the records the
+engine and the runner share.
 """
 
 from __future__ import annotations

@@ -37,14 +37,20 @@ class SingleTypeManager:
 
     def hit_length(self, keys: list[bytes], n: int) -> int:
         """The longest hit of at most `n` blocks this group accepts: m blocks such that the
-        blocks from `hit_start(m)` to m are cached (full attention: all of them). The
-        accepted lengths are not a prefix of each other for windowed kinds, hence the scan
-        down from n; each block is looked up at most once."""
+        blocks from `hit_start(m)` to m are cached (full attention: all of them). Every m up
+        to the cached prefix is accepted; beyond it (windowed kinds only: their accepted
+        lengths are not a prefix of each other) the scan goes down from n, and looks each
+        block up at most once."""
         if not self.spec.prefix_cacheable:
             return 0  # no state snapshots: only the empty hit (kv_cache_interface.MambaSpec)
+        cached = 0  # the cached prefix
+        while cached < n and self._hit(keys[cached]) is not None:
+            cached += 1
         m = n
-        while m > 0:
+        while m > cached:
             first = self.spec.hit_start(m, self.block_size)
+            if first == 0:  # nor does any shorter hit skip a block: only the prefix
+                return cached
             i = m - 1
             while i >= first and self._hit(keys[i]) is not None:
                 i -= 1
@@ -53,7 +59,7 @@ class SingleTypeManager:
             # Block i is missing: every hit longer than i reads it (hit_start grows with
             # the hit), so the next candidate is the hit of i blocks.
             m = i
-        return 0
+        return m
 
     def hit_blocks(self, keys: list[bytes], n: int) -> list[int]:
         """The blocks of an accepted hit of `n` blocks: NULL_BLOCK where no later step
