@@ -90,10 +90,10 @@ def _forward(
 
     `kv_cache`: the model's caches, one per KV-cache pool (groups of one pool share its
     array: models/decoder.py). With a speculative draft model (`draft_graphdef`), `state`
-    and `kv_cache` are pairs (target, draft): the
-    draft runs over the same tokens, into its own caches through the same slots
-    (spec_decode/draft_model.py). `images`: a vision-language model's encoder cache
-    [slots, P, D] (runner/encoder.py), whose rows replace the image tokens' embeddings."""
+    and `kv_cache` are pairs (target, draft): the draft runs over the same tokens, into its
+    own caches through the same slots (spec_decode/draft_model.py). `images`: a
+    vision-language model's encoder cache [slots, P, D] (runner/encoder.py), whose rows
+    replace the image tokens' embeddings."""
     batch = unpack(buf, layout)
     on_device = last_tokens[jnp.maximum(batch.from_device, 0)]
     token_ids = jnp.where(batch.from_device >= 0, on_device, batch.token_ids)
