@@ -95,7 +95,7 @@ def measure(windows: bool, args) -> dict:
     decode = time.perf_counter() - start
     generated = args.requests * args.max_tokens - before
     spec = engine.runner.kv_groups[0]
-    token_bytes = 2 * spec.num_kv_heads * spec.head_dim * engine.dtype.itemsize
+    token_bytes = 2 * spec.num_kv_heads * spec.head_size * engine.dtype.itemsize
     if path != CONFIG:
         shutil.rmtree(path)
     return {

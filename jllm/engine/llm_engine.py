@@ -118,7 +118,7 @@ class LLMEngine:
             num_spec_tokens=sched_cfg.num_lookahead_slots,
             kv_fp8=kv_fp8,
             tiles=tile is not None,
-            windows=tuple(spec.window for spec in groups),
+            windows=tuple(getattr(spec, "sliding_window", None) for spec in groups),
             image_tokens=0 if vision is None else vision.tokens_per_image,
             image_spans=vision is not None and vision.bidirectional,
         )
@@ -151,7 +151,7 @@ class LLMEngine:
             encoder,
         )
         sizing = time.perf_counter()
-        specs, group_blocks = size_kv_cache(
+        specs, kv_config = size_kv_cache(
             [m.kv_caches] if draft is None else [m.kv_caches, draft.kv_caches],
             block_size=args.block_size,
             tp=args.tensor_parallel_size,
@@ -167,7 +167,7 @@ class LLMEngine:
             utilization=args.gpu_memory_utilization,
             profile=self.runner.profile_step_bytes,
         )
-        num_blocks = max(group_blocks)  # the padding tokens' slot lies past every group's
+        num_blocks = max(kv_config.num_blocks)  # the padding tokens' slot lies past every pool's
         host_tier = None
         host_blocks = host_tier_blocks(args.kv_offloading_size, specs[0], args.nnodes)
         if host_blocks:
@@ -200,10 +200,11 @@ class LLMEngine:
             self.runner.channel = self.channel
             atexit.register(self.shutdown)
         kv = KVCacheManager(
-            group_blocks,
+            kv_config.num_blocks,
             args.block_size,
             args.enable_prefix_caching,
-            windows=[spec.window for spec in self.runner.kv_groups],
+            kv_config.specs,
+            pools=kv_config.pools,
             host=host_tier,
             # Stages run a step's rows in micro-batches, not all writes before all reads.
             same_step_hits=args.pipeline_parallel_size == 1,

@@ -22,7 +22,6 @@ from jllm.models.config import settle, sliding_window
 from jllm.models.lora import with_lora_slots
 from jllm.models.pipeline import stage_layers, stage_repeats
 from jllm.quantization import resolve_quantization
-from jllm.runner.kv_cache import CacheSpec
 from jllm.spec_decode.draft_model import DraftModel
 from sharding import kv_head_replicas, make_mesh
 
@@ -40,7 +39,7 @@ class EngineModel:
     graphdef: object
     state: object
     tokenizer: object | None
-    kv_caches: tuple  # one CacheSpec per KV-cache group (runner/kv_cache.py)
+    kv_caches: tuple  # each KV-cache group's spec (jllm/kv_cache_interface.py)
     # With enable_lora: the model's LoRA slots (jllm/lora/layers.py:LoraSpec).
     lora: object | None = None
     quantization: str | None = None  # the method the weights were loaded with
@@ -219,7 +218,7 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
         graphdef,
         state,
         tokenizer,
-        CacheSpec.groups_of(arch.module, cfg),
+        arch.module.kv_cache_specs(cfg),
         lora,
         quantization,
         None if cfg.stage_repeats is None else stage_layers(arch.module, cfg),
@@ -317,7 +316,7 @@ def load_draft_model(
         graphdef,
         state,
         cfg,
-        CacheSpec.groups_of(arch.module, cfg),
+        arch.module.kv_cache_specs(cfg),
         spec.num_speculative_tokens,
         spec.disable_by_batch_size,
         token_bytes=2 * cfg.num_kv_heads * cfg.head_dim * kv_itemsize,

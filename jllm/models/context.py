@@ -13,7 +13,8 @@ costs nothing in the compiled step.
 
 KV-cache groups: the layers of one attention kind share a group (one block table, one
 stacked cache [Lg, B, S, 2K, H] whose row r is the group's r-th layer); `attn` holds each
-group's attention metadata and `attend` reads and returns the tuple of group caches.
+group's attention metadata and `attend` reads and returns the tuple of caches, one per pool:
+groups of one pool (`pools`, by group) share its array, each through its own block table.
 
 Glossary: T tokens, D model dim.
 """
@@ -32,7 +33,7 @@ from jllm.attention.options import AttentionOptions
 @partial(
     jax.tree_util.register_dataclass,
     data_fields=["positions", "attn", "live", "layer", "lora_slots", "embeds", "embeds_mask"],
-    meta_fields=["backend", "group"],
+    meta_fields=["backend", "group", "pools"],
 )
 @dataclasses.dataclass(frozen=True)
 class StepContext:
@@ -45,6 +46,7 @@ class StepContext:
     lora_slots: jax.Array | None = None  # [T] int32 adapter slot per token (0: none)
     embeds: jax.Array | None = None  # [T, D] embeddings that replace the tokens' own
     embeds_mask: jax.Array | None = None  # [T] bool: where `embeds` replaces them
+    pools: tuple = ()  # each group's pool, its cache's index (static; empty: one per group)
 
     def replace(self, **changes) -> StepContext:
         return dataclasses.replace(self, **changes)
@@ -52,6 +54,11 @@ class StepContext:
     def at_layer(self, group: int, row) -> StepContext:
         """The context of a layer: its KV-cache group and its row in that group's cache."""
         return self.replace(group=group, layer=row)
+
+    @property
+    def cache_index(self) -> int:
+        """The current layer's cache among the step's caches: its group's pool."""
+        return self.pools[self.group] if self.pools else self.group
 
     def attend(
         self,
@@ -68,7 +75,9 @@ class StepContext:
         soft_cap=None,
     ):
         """The current layer's attention over its group's cache: q [T, N, H], k [T, K, H],
-        v [T, K, Hv] -> (out [T, N, Hv], the tuple of group caches with this group's updated).
+        v [T, K, Hv] -> (out [T, N, Hv], the step's caches, one per pool, with this group's
+        pool's updated). An MLA latent layer (`options.latent`) passes its new latents as k
+        and no v: its values are the latents' first lanes.
 
         options: the layer's AttentionOptions (jllm/attention/options.py), built once with
         the layer; or, without them, `scale`, `window` and `soft_cap` as keywords, which make
@@ -79,23 +88,28 @@ class StepContext:
         it writes and reads as it always does, and its output is multiplied by v_scale: the
         scores q.k and the sum of p.v are unchanged while the cache holds k / k_scale and
         v / v_scale. Outside every kernel, so each backend takes them alike; a cache of
-        another dtype ignores them."""
+        another dtype ignores them. A latent layer's values are its keys' lanes, so they
+        share the key's scale."""
         if options is None:
             if scale is None:
                 raise ValueError("ctx.attend needs the layer's options (or at least scale=)")
             options = AttentionOptions(scale=scale, window=window, soft_cap=soft_cap)
         elif (scale, window, soft_cap) != (None, None, None):
             raise ValueError("ctx.attend takes options= or scale/window/soft_cap, not both")
-        g = self.group
-        scaled = kv_scales is not None and kv_caches[g].dtype.itemsize == 1  # float8 (bytes)
+        g, c = self.group, self.cache_index
+        scaled = kv_scales is not None and kv_caches[c].dtype.itemsize == 1  # float8 (bytes)
         if scaled:
             k_scale, v_scale = kv_scales
-            q, k, v = _times(q, k_scale), _over(k, k_scale), _over(v, v_scale)
+            if v is None:  # MLA's latent: one vector, one scale
+                v_scale = k_scale
+            else:
+                v = _over(v, v_scale)
+            q, k = _times(q, k_scale), _over(k, k_scale)
         out, cache = self.backend.attend(
             q,
             k,
             v,
-            kv_caches[g],
+            kv_caches[c],
             self.layer,
             self.attn[g],
             options,
@@ -103,7 +117,7 @@ class StepContext:
         )
         if scaled:
             out = _times(out, v_scale)
-        return out, (*kv_caches[:g], cache, *kv_caches[g + 1 :])
+        return out, (*kv_caches[:c], cache, *kv_caches[c + 1 :])
 
 
 def _times(x, factor):

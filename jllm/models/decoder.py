@@ -4,8 +4,11 @@ A family is a subclass that names its layer module (`layer_cls`, built as
 `layer_cls(cfg, dtype, rngs, kind)` and called as `layer(x, ctx, kv_caches)` with the step
 context, `models/context.py`) and, where its layers differ, each layer's kind (`layer_kinds`):
 Gemma 3's local and global attention layers, or Qwen3-MoE's dense and sparse MLPs, and each
-kind's attention kind (`attention_kind`: its sliding window, or None for full attention;
-layers of one attention kind share a KV-cache group).
+kind's attention kind (`attention_kind`), which says what the layer keeps in the KV cache:
+None for full attention over the config's `num_kv_heads` x `head_dim` (the default), an int
+W for a sliding window of W tokens, or any one-layer KV-cache spec (jllm/kv_cache_interface.py:
+chunked local attention, an MLA latent, per-request state). That is the whole interface a
+family implements for its cache; layers of one attention kind share a KV-cache group.
 Everything else is here: the embedding (with the family's optional scale, and embedding
 overrides from the context), the layer scans, the final norm, the LM head and an optional
 final soft cap.
@@ -19,11 +22,15 @@ layers in order. A model of one kind is one segment of one layer, its stack at `
 global are ((local x 5, global), 4) then ((local,), 2) at `blocks[s][j]`.
 
 KV-cache groups (`kv_cache_groups`): the layers of one attention kind, in order of first
-appearance; a layer's row in its group's stacked cache is its rank among the group's layers.
-A sliding-window group's blocks that left the window are freed by the KV-cache manager
-(`engine/kv_cache_manager.py`), so that group holds about `window` tokens per request.
-Within a segment a pattern position's group is fixed and its row grows by a fixed stride per
-repeat, so the scan body computes it from the repeat index.
+appearance, each with its spec (`kv_cache_specs`: the kind's, for the group's layer count); a
+layer's row in its group's stacked cache is its rank among the group's layers. Groups whose
+arrays are identical share one pool (`kv_cache_pools`, from `share_pools`): the caches the
+decoder takes are one per pool, and the layers of every group of a pool read and write
+that one array at their rows, with their own group's block table (block ids are unique
+within a pool). So the blocks a sliding-window group frees (engine/kv_cache_manager.py)
+serve Gemma 2's full-attention layers. Within a segment a pattern position's group is fixed
+and its row grows by a fixed stride per repeat, so the scan body computes it from the repeat
+index.
 
 The projections a CPU kernel runs (bf16 or float32) stay stacked, outside the scan's inputs:
 each layer's Linear gets the whole stack and its index (`StackedWeight`), so that the scan
@@ -36,6 +43,7 @@ Glossary: T tokens, R rows, D model dim, V vocab, L layers.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -43,6 +51,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jllm.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, share_pools
 from jllm.models import bf16_matmul, f32_matmul, pipeline
 from jllm.models.context import StepContext
 from jllm.models.layers import Linear, RMSNorm, StackedWeight, param
@@ -51,11 +60,16 @@ from jllm.quantization.weights import QuantizedWeight, matmul, take_rows
 
 @dataclass(frozen=True)
 class KVCacheGroup:
-    """The layers of one attention kind (their sliding `window`, None for full attention),
-    which share a block table and a stacked cache."""
+    """The layers of one attention kind, which share a block table and a stacked cache of
+    `spec` (its `num_layers` is theirs)."""
 
-    window: int | None
+    spec: KVCacheSpec
     layers: tuple[int, ...]
+
+    @property
+    def window(self) -> int | None:
+        """The group's sliding window, None for other kinds."""
+        return self.spec.sliding_window if isinstance(self.spec, SlidingWindowSpec) else None
 
 
 @dataclass(frozen=True)
@@ -140,11 +154,22 @@ class CausalLM(nnx.Module):
         return (None,) * cfg.num_layers
 
     @classmethod
-    def attention_kind(cls, cfg, kind) -> int | None:
-        """The attention kind of a layer of `kind`: its sliding window W (a query at p sees
-        keys p - W + 1 .. p), or None for full attention. The layers of one attention kind
-        share a KV-cache group."""
+    def attention_kind(cls, cfg, kind) -> int | KVCacheSpec | None:
+        """The attention kind of a layer of `kind`: None for full attention, its sliding
+        window W (a query at p sees keys p - W + 1 .. p), or a one-layer KV-cache spec. The
+        layers of one attention kind share a KV-cache group."""
         return None
+
+    @classmethod
+    def layer_cache_spec(cls, cfg, kind) -> KVCacheSpec:
+        """The KV-cache spec of one layer of `kind` (`attention_kind` as a spec)."""
+        attention = cls.attention_kind(cfg, kind)
+        if isinstance(attention, KVCacheSpec):
+            return dataclasses.replace(attention, num_layers=1)
+        heads = dict(num_kv_heads=cfg.num_kv_heads, head_size=cfg.head_dim)
+        if attention is None:
+            return FullAttentionSpec(**heads)
+        return SlidingWindowSpec(**heads, sliding_window=attention)
 
     @classmethod
     def segments_of(cls, cfg) -> tuple[Segment, ...]:
@@ -185,12 +210,27 @@ class CausalLM(nnx.Module):
 
     @classmethod
     def kv_cache_groups(cls, cfg) -> tuple[KVCacheGroup, ...]:
-        """The model's KV-cache groups, in order of their first layer."""
-        groups: dict[int | None, list[int]] = {}
+        """The model's KV-cache groups, in order of their first layer (under pipeline
+        stages, the padded slots count: `segments_of`)."""
+        groups: dict[KVCacheSpec, list[int]] = {}
         kinds = [k for seg in cls.segments_of(cfg) for _ in range(seg.repeats) for k in seg.pattern]
         for i, kind in enumerate(kinds):
-            groups.setdefault(cls.attention_kind(cfg, kind), []).append(i)
-        return tuple(KVCacheGroup(w, tuple(layers)) for w, layers in groups.items())
+            groups.setdefault(cls.layer_cache_spec(cfg, kind), []).append(i)
+        return tuple(
+            KVCacheGroup(dataclasses.replace(spec, num_layers=len(layers)), tuple(layers))
+            for spec, layers in groups.items()
+        )
+
+    @classmethod
+    def kv_cache_specs(cls, cfg) -> tuple[KVCacheSpec, ...]:
+        """Each KV-cache group's spec, in group order."""
+        return tuple(g.spec for g in cls.kv_cache_groups(cfg))
+
+    @classmethod
+    def kv_cache_pools(cls, cfg) -> tuple[int, ...]:
+        """Each KV-cache group's pool: the index of its array among the caches the decoder
+        takes."""
+        return share_pools(cls.kv_cache_specs(cfg))
 
     def __init__(self, cfg, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -266,13 +306,14 @@ class CausalLM(nnx.Module):
 
     def __call__(self, token_ids, ctx: StepContext, kv_caches: tuple):
         """Hidden states [T, D] after the final norm, and the updated caches: one per
-        KV-cache group, [Lg, B, S, 2K, H]. Under a mesh of several pipeline stages the
-        layers run as stages (`models/pipeline.py`)."""
+        KV-cache pool (`kv_cache_pools`), [Lg, B, S, 2K, H]. Under a mesh of several
+        pipeline stages the layers run as stages (`models/pipeline.py`)."""
         x = self.embed(token_ids, ctx)
         kernel = bf16_matmul.applies(self.dtype) or f32_matmul.applies(self.dtype)
         in_place = _stays_stacked(jnp.dtype(self.dtype), bool(kernel))
-        cache = kv_caches[0]
-        ctx = ctx.replace(live=ctx.attn[0].slot_mapping < cache.shape[1] * cache.shape[2])
+        cache = kv_caches[0]  # group 0's pool
+        live = ctx.attn[0].slot_mapping < cache.shape[1] * cache.shape[2]
+        ctx = ctx.replace(live=live, pools=self.kv_cache_pools(self.cfg))
         kv_caches = tuple(kv_caches)
         stages = pipeline.num_stages()
         if stages > 1:

@@ -10,58 +10,33 @@ memory stats) it takes an explicit size, `kv_cache_memory_bytes` (vLLM's CPU bac
 VLLM_CPU_KVCACHE_SPACE; default 4 GiB).
 `num_gpu_blocks_override` wins over both.
 
-KV-cache groups (one per attention kind, `CacheSpec`) have pools of their own sizes: a
-full-attention group holds a request's whole context, a sliding-window group only what its
-window still sees (`engine/kv_cache_manager.py`). A sliding group's pool is capped at the
-most that `max_num_seqs` requests can hold in it at once (`sliding_pool_cap`), and the
-memory it does not need goes to the full-attention groups, which all get one count (a model
-whose every layer slides has no cap: spare blocks keep more prefixes cached). Sized from
-memory, every group must hold one request of `max_model_len` tokens, a sliding group by its
-window, or start-up fails with the numbers (vLLM's check).
+KV-cache groups (one per attention kind, each with its spec: jllm/kv_cache_interface.py) draw
+their blocks from pools: groups of one model whose arrays are identical share a pool and its
+one array (row r of each group is row r of the array), others have their own. A pool whose
+groups all hold a bounded span per request (sliding window, chunked local attention,
+per-request state) is capped at the most that `max_num_seqs` requests can hold in it at once
+(the spec's `pool_cap`), and the memory it does not need goes to the other pools, which all
+get one count (a model whose every pool is capped has no cap: spare blocks keep more
+prefixes cached). Sized from memory, every pool must hold one request of `max_model_len`
+tokens in all its groups at once, a windowed group by its span, or start-up fails with the
+numbers (vLLM's check).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 
 from jllm.config import DEFAULT_CPU_KV_CACHE_BYTES
-from jllm.engine.kv_cache_manager import max_blocks_per_request
-from jllm.utils import cdiv
-from pallas_kernels.ragged_paged_attention import kv_cache_shape
+from jllm.kv_cache_interface import AttentionSpec, KVCacheConfig, KVCacheSpec, share_pools
 from sharding import named_sharding
 
 logger = logging.getLogger(__name__)
 
 CACHE_AXES = ("layers", "cache_blocks", "cache_slots", "cache_kv_heads", "head_dim")
-
-
-@dataclass(frozen=True)
-class CacheSpec:
-    """One KV-cache group's stacked cache: how many layers it holds, their K/V heads, and
-    their sliding window (None: full attention)."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    window: int | None = None
-
-    @classmethod
-    def groups_of(cls, module, cfg) -> tuple[CacheSpec, ...]:
-        """The caches of a decoder `module` (models/decoder.py) of config `cfg`: one per
-        KV-cache group."""
-        return tuple(
-            cls(len(g.layers), cfg.num_kv_heads, cfg.head_dim, g.window)
-            for g in module.kv_cache_groups(cfg)
-        )
-
-
-def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
-    return num_layers * block_size * 2 * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
 
 
 def allocator_fraction(platform: str) -> float:
@@ -115,19 +90,10 @@ def kv_cache_budget(
     return memory_bytes
 
 
-def sliding_pool_cap(window: int, block_size: int, max_num_seqs: int, max_step_tokens: int):
-    """The most blocks a sliding-window group's requests hold at once, the null block
-    included: each of `max_num_seqs` requests keeps the W - 1 keys before its step plus the
-    step's own tokens (all of them together at most `max_step_tokens`), two partial blocks
-    at either end."""
-    span = max_num_seqs * (window - 1) + max_step_tokens
-    return cdiv(span, block_size) + 2 * max_num_seqs + 1
-
-
 def split_blocks(budget: int, sizes: list[int], caps: list[int | None]) -> list[int]:
-    """Block counts of groups whose blocks take `sizes` bytes, filling `budget` bytes:
-    capped groups get their cap, or the uncapped groups' count where that is smaller; the
-    uncapped groups share one count."""
+    """Block counts of pools whose blocks take `sizes` bytes, filling `budget` bytes:
+    capped pools get their cap, or the uncapped pools' count where that is smaller; the
+    uncapped pools share one count (at least one pool must be uncapped)."""
     capped = {g for g, cap in enumerate(caps) if cap is not None}
     while True:
         rest = budget - sum(caps[g] * sizes[g] for g in capped)
@@ -164,17 +130,19 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype, platform: str):
     return kv_dtype, None
 
 
-def abstract_kv_cache(spec: CacheSpec, num_blocks, block_size, dtype, mesh) -> jax.ShapeDtypeStruct:
-    """A group's cache's shape, dtype and sharding: [Lg, B, S, 2K, H], each layer's slice the
-    kernel's [B, S, 2K, H] page-major layout, sharded on the kv-head axis. Lowering against
-    it allocates nothing (the profile); `allocate_kv_cache` makes it real."""
-    shape = (
-        spec.num_layers,
-        *kv_cache_shape(num_blocks, block_size, spec.num_kv_heads, spec.head_dim),
-    )
-    return jax.ShapeDtypeStruct(
-        shape, jnp.dtype(dtype), sharding=named_sharding(mesh, CACHE_AXES, shape, "The KV cache")
-    )
+def abstract_kv_cache(spec: KVCacheSpec, num_blocks, block_size, dtype, mesh):
+    """A pool's cache (of groups of `spec`'s arrays): its shape, dtype and sharding. Attention
+    is [Lg, B, S, 2K, H], each layer's slice the kernel's [B, S, 2K, H] page-major layout,
+    sharded on the kv-head axis; other kinds are split on their layer axis only (pipeline
+    stages), and per-request state is a tuple of arrays. Lowering against it allocates
+    nothing (the profile); `allocate_kv_cache` makes it real."""
+    out = []
+    for shape, array_dtype in spec.cache_arrays(num_blocks, block_size, dtype):
+        axes = CACHE_AXES if isinstance(spec, AttentionSpec) else ("layers",)
+        axes += (None,) * (len(shape) - len(axes))
+        sharding = named_sharding(mesh, axes, shape, "The KV cache")
+        out.append(jax.ShapeDtypeStruct(shape, jnp.dtype(array_dtype), sharding=sharding))
+    return out[0] if len(out) == 1 else tuple(out)
 
 
 def allocate_kv_cache(spec: jax.ShapeDtypeStruct) -> jax.Array:
@@ -194,7 +162,7 @@ def allocate_kv_caches(specs):
 
 
 def size_kv_cache(
-    models: list[tuple[CacheSpec, ...]],
+    models: list[tuple[KVCacheSpec, ...]],
     *,
     block_size: int,
     tp: int,
@@ -210,31 +178,45 @@ def size_kv_cache(
     utilization: float,
     profile=None,
 ):
-    """Size the caches from memory (per device: they are split on their kv-head axis over
-    `tp` devices, and on their layer axis over `pp` pipeline stages) and
-    log them as vLLM does. `models`: the model's KV-cache groups, then a speculative draft
-    model's if any. `max_step_tokens`: the most tokens a step computes for one request
-    (drafts included). `profile(abstract caches) -> bytes`: what the largest step needs
+    """Size the pools from memory (per device: each spec's `shard` over `tp` devices and
+    `pp` pipeline stages) and log them as vLLM does. `models`: the model's KV-cache groups'
+    specs, then a speculative draft model's if any; each model's groups share pools by
+    `share_pools`, never another model's (each model's forward takes its own arrays).
+    `max_step_tokens`: the most tokens a step computes for one request (drafts included).
+    `profile(abstract caches) -> bytes`: what the largest step needs
     (`ModelRunner.profile_step_bytes`; with a draft, the pair (target's, draft's)).
-    `override` (num_gpu_blocks_override): every full-attention group's count, and a sliding
-    group's up to its cap. Returns (each model's tuple of group caches, abstract:
-    `allocate_kv_caches` makes them, and every group's block count, in order)."""
-    specs = [spec for groups in models for spec in groups]
-    sizes = [
-        bytes_per_block(s.num_layers // pp, block_size, s.num_kv_heads // tp, s.head_dim, dtype)
-        for s in specs
-    ]
-    caps = [None] * len(specs)
-    if any(s.window is None for s in specs):  # spare memory goes to full attention
-        caps = [
-            None
-            if s.window is None
-            else sliding_pool_cap(s.window, block_size, max_num_seqs, max_step_tokens)
-            for s in specs
-        ]
+    `override` (num_gpu_blocks_override): every uncapped pool's count, and a capped pool's
+    up to its cap. Returns (each model's tuple of pool caches, abstract: `allocate_kv_caches`
+    makes them; the KVCacheConfig: every group's spec and pool, every pool's block count)."""
+    own, pools = [], []  # each model's pools (each the specs of its groups); each group's
+    for groups in models:
+        shared = share_pools(groups)
+        pools += [sum(map(len, own)) + p for p in shared]
+        own.append(
+            [
+                [s for s, q in zip(groups, shared, strict=True) if q == p]
+                for p in range(max(shared, default=-1) + 1)
+            ]
+        )
+    members = [m for model_pools in own for m in model_pools]
+    sizes = [m[0].shard(tp, pp).page_size_bytes(block_size, dtype) for m in members]
+    caps = [_pool_cap(m, block_size, max_num_seqs, max_step_tokens) for m in members]
+    if all(cap is not None for cap in caps):
+        caps = [None] * len(members)  # no pool grows with the context: spare blocks cache
+
+    def abstract(num_blocks):  # each model's tuple of pool caches
+        counts, out = iter(num_blocks), []
+        for model_pools in own:
+            out.append(
+                tuple(
+                    abstract_kv_cache(m[0], next(counts), block_size, dtype, mesh)
+                    for m in model_pools
+                )
+            )
+        return out
 
     def step_bytes():
-        small = [tuple(abstract_kv_cache(s, 4, block_size, dtype, mesh) for s in g) for g in models]
+        small = abstract([4] * len(members))
         return profile(small[0] if len(small) == 1 else tuple(small))
 
     if override is not None:
@@ -249,26 +231,27 @@ def size_kv_cache(
                 f"The KV cache memory ({budget} bytes) holds fewer than 2 blocks of "
                 f"{sum(sizes)} bytes; give it more memory."
             )
-    needs = [
-        max_blocks_per_request(max_model_len, block_size, s.window, max_step_tokens) for s in specs
-    ]
-    # Requests of max_model_len tokens the pools hold at once while they decode (a sliding
+
+    def need(m, step_tokens):  # the blocks one max_model_len request holds in a pool
+        return sum(s.max_blocks_per_request(max_model_len, block_size, step_tokens) for s in m)
+
+    needs = [need(m, max_step_tokens) for m in members]
+    # Requests of max_model_len tokens the pools hold at once while they decode (a windowed
     # group's need while a step computes many tokens is the start-up check's, below).
-    decoding = [max_blocks_per_request(max_model_len, block_size, s.window, 1) for s in specs]
-    concurrency = min((n - 1) / need for n, need in zip(counts, decoding, strict=True))
+    concurrency = min((n - 1) / need(m, 1) for n, m in zip(counts, members, strict=True))
     total = sum(n * size for n, size in zip(counts, sizes, strict=True))
     logger.info(
         "# %s blocks: %s (%.2f GiB KV cache); maximum concurrency for %d tokens per request: %.2fx",
         platform.upper(),
-        ", ".join(_group_line(s, n, block_size) for s, n in zip(specs, counts, strict=True)),
+        ", ".join(_pool_line(m, n) for m, n in zip(members, counts, strict=True)),
         total / 2**30,
         max_model_len,
         concurrency,
     )
     if any(n - 1 < need for n, need in zip(counts, needs, strict=True)) and override is None:
         short = [
-            f"{need} blocks of {s.num_layers} layers where it holds {n - 1}"
-            for s, n, need in zip(specs, counts, needs, strict=True)
+            f"{need} blocks of {m[0].num_layers} layers where it holds {n - 1}"
+            for m, n, need in zip(members, counts, needs, strict=True)
             if n - 1 < need
         ]
         raise ValueError(
@@ -276,18 +259,19 @@ def size_kv_cache(
             f"({total / 2**30:.3f} GiB of KV cache in all). Give the cache more memory "
             "(gpu_memory_utilization, kv_cache_memory_bytes) or lower max_model_len."
         )
-    caches, start = [], 0
-    for groups in models:
-        caches.append(
-            tuple(
-                abstract_kv_cache(s, n, block_size, dtype, mesh)
-                for s, n in zip(groups, counts[start : start + len(groups)], strict=True)
-            )
-        )
-        start += len(groups)
-    return caches, counts
+    specs = tuple(s for groups in models for s in groups)
+    return abstract(counts), KVCacheConfig(
+        specs=specs, pools=tuple(pools), num_blocks=tuple(counts)
+    )
 
 
-def _group_line(spec: CacheSpec, num_blocks: int, block_size: int) -> str:
-    kind = "full attention" if spec.window is None else f"sliding window {spec.window}"
-    return f"{num_blocks} blocks of {spec.num_layers} layers ({kind})"
+def _pool_cap(specs, block_size: int, max_num_seqs: int, max_step_tokens: int):
+    """A pool's cap: the sum of its groups' (each counts the null block once), or None when
+    any group's need grows with the context."""
+    caps = [s.pool_cap(block_size, max_num_seqs, max_step_tokens) for s in specs]
+    return None if None in caps else sum(caps) - len(caps) + 1
+
+
+def _pool_line(specs, num_blocks: int) -> str:
+    kinds = " + ".join(s.describe() for s in specs)
+    return f"{num_blocks} blocks of {specs[0].num_layers} layers ({kinds})"

@@ -40,6 +40,7 @@ from flax import nnx
 
 from jllm.attention import get_backend
 from jllm.distributed.codec import MalformedMessage
+from jllm.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from jllm.models.context import StepContext
 from jllm.runner.buckets import BatchLayout
 from jllm.runner.compile_cache import cache_counts
@@ -87,22 +88,23 @@ def _forward(
     samples) and of the tokens listed for prompt logprobs ([PROMPT_LOGPROB_ROWS, D],
     runner/prompt_logprobs.py).
 
-    `kv_cache`: the model's KV-cache groups (a tuple of stacked caches). With a speculative
-    draft model (`draft_graphdef`), `state` and `kv_cache` are pairs (target, draft): the
-    draft runs over the same tokens, into its own caches through the same slots
-    (spec_decode/draft_model.py). `images`: a vision-language model's encoder cache
-    [slots, P, D] (runner/encoder.py), whose rows replace the image tokens' embeddings."""
+    `kv_cache`: the model's caches, one per KV-cache pool (groups of one pool share its
+    array: models/decoder.py). With a speculative draft model (`draft_graphdef`), `state`
+    and `kv_cache` are pairs (target, draft): the draft runs over the same tokens, into its
+    own caches through the same slots (spec_decode/draft_model.py). `images`: a
+    vision-language model's encoder cache [slots, P, D] (runner/encoder.py), whose rows
+    replace the image tokens' embeddings."""
     batch = unpack(buf, layout)
     on_device = last_tokens[jnp.maximum(batch.from_device, 0)]
     token_ids = jnp.where(batch.from_device >= 0, on_device, batch.token_ids)
     if draft_graphdef is not None:
         (state, draft_state), (kv_cache, draft_cache) = state, kv_cache
         draft = nnx.merge(draft_graphdef, draft_state)
-        draft_attn = batch.attn[len(kv_cache) :]  # the draft's groups follow the model's
+        draft_attn = batch.attn[-len(draft.kv_cache_specs(draft.cfg)) :]  # after the model's
         ctx = StepContext(batch.positions, draft_attn, backend)
         _, draft_cache = draft(token_ids, ctx, draft_cache)
     model = nnx.merge(graphdef, state)
-    attn = batch.attn[: len(kv_cache)]
+    attn = batch.attn[: len(model.kv_cache_specs(model.cfg))]
     ctx = StepContext(batch.positions, attn, backend, lora_slots=batch.lora_slots)
     if images is not None:
         rows = images.reshape(-1, images.shape[-1])  # [slots * P, D]
@@ -190,9 +192,15 @@ class ModelRunner:
     ) -> None:
         self.graphdef = graphdef
         self.draft = draft  # a speculative DraftModel (spec_decode/draft_model.py), or None
-        # The KV-cache groups (a CacheSpec each, runner/kv_cache.py): the model's, then the
+        # The KV-cache groups' specs (jllm/kv_cache_interface.py): the model's, then the
         # draft model's. Every step carries each group's attention metadata.
         self.kv_groups = tuple(kv_caches) + (() if draft is None else tuple(draft.kv_caches))
+        for spec in self.kv_groups:
+            if not isinstance(spec, FullAttentionSpec | SlidingWindowSpec):
+                raise ValueError(
+                    f"The model runner runs full and sliding-window attention; this model has "
+                    f"a KV-cache group of {spec.describe()}, which it does not run yet."
+                )
         self.mesh = mesh
         self.table = ExecutableTable(mesh)
         # Step inputs and penalty state are replicated on every device of the mesh.
@@ -200,7 +208,7 @@ class ModelRunner:
         self.logits_sharding = named_sharding(mesh, (None, "vocab"), (1, vocab_size))
         self.state = state
         self.kv_cache = None  # attach_kv_cache, once sized
-        windows = tuple(spec.window for spec in self.kv_groups)
+        windows = tuple(getattr(spec, "sliding_window", None) for spec in self.kv_groups)
         if any(w is not None for w in windows) and layout.windows != windows:
             raise ValueError(
                 f"The batch layout's sliding windows {layout.windows} are not the KV-cache "
@@ -279,7 +287,8 @@ class ModelRunner:
         return int(temp + passed)
 
     def attach_kv_cache(self, kv_cache: tuple, num_blocks: int) -> None:
-        """The model's KV-cache groups' caches, once sized (their shapes while compiling)."""
+        """The model's caches, one per KV-cache pool, once sized (their shapes while
+        compiling); `num_blocks`: the largest pool's."""
         self.kv_cache = kv_cache
         self.layout = self.layout.with_blocks(num_blocks)
 

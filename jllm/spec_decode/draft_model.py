@@ -181,10 +181,10 @@ class DraftModel:
         self.graphdef = graphdef
         self.state = state
         self.config = config  # the draft's module config (kv heads as on the mesh)
-        self.kv_caches = kv_caches  # one CacheSpec per KV-cache group (runner/kv_cache.py)
+        self.kv_caches = kv_caches  # each KV-cache group's spec (jllm/kv_cache_interface.py)
         self.k = num_speculative_tokens
         self.disable_by_batch_size = disable_by
-        self.kv_cache = None  # the groups' caches, once sized
+        self.kv_cache = None  # the caches of its groups' pools, once sized
         self.token_bytes = token_bytes  # one token's K and V in one layer
         # The draft steps' BatchLayout: the target's with its own K/V bytes (the engine's).
         self.layout = None

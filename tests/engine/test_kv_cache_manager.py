@@ -9,9 +9,10 @@ import subprocess
 import sys
 
 import pytest
+from kv_specs import attention, groups
 
-from jllm.engine import kv_cache_manager as kv_module
-from jllm.engine.kv_cache_manager import NULL_BLOCK, KVCacheManager, max_blocks_per_request
+from jllm.engine.block_pool import NULL_BLOCK, ROOT_KEY
+from jllm.engine.kv_cache_manager import KVCacheManager
 from jllm.engine.request import Request
 from jllm.sampling_params import SamplingParams
 from jllm.utils import cdiv
@@ -114,7 +115,7 @@ def test_block_keys_are_a_sha256_chain_from_the_process_root():
     for salt in (None, "tenant-a"):
         r = Request("a", tokens, SamplingParams(), None, seed=0, cache_salt=salt)
         kv.allocate_slots(r, len(tokens))
-        assert r.block_hashes == sha256_chain(kv_module.ROOT_KEY, tokens, 4, salt)
+        assert r.block_hashes == sha256_chain(ROOT_KEY, tokens, 4, salt)
         kv.free(r)
 
 
@@ -155,7 +156,7 @@ def test_groups_grow_hit_and_free_together():
     """Two KV-cache groups (a model's and a draft model's): each takes its own blocks from
     its own pool for the same tokens, a prefix hit is what every group holds, and a request
     that does not fit one group gets blocks in none."""
-    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True, num_groups=2)
+    kv = KVCacheManager(8, 4, enable_prefix_caching=True, specs=groups(None, None))
     a = req("a", list(range(9)))
     target, draft = kv.allocate_slots(a, 9)
     assert len(target) == len(draft) == 3 and kv.block_ids("a") == (target, draft)
@@ -175,7 +176,7 @@ def test_groups_grow_hit_and_free_together():
 
 
 def test_groups_share_a_prefix_both_hold():
-    kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True, num_groups=2)
+    kv = KVCacheManager(16, 4, enable_prefix_caching=True, specs=groups(None, None))
     a_blocks = kv.allocate_slots(req("a", list(range(12))), 12)
     hits, n = kv.get_computed_blocks(req("b", list(range(12))))
     assert n == 8 and hits == tuple(blocks[:2] for blocks in a_blocks)
@@ -192,12 +193,12 @@ def check_window(kv: KVCacheManager, r: Request, num_new: int, max_step: int) ->
     live in every group (a window's: keys from c-W+1 on); a window's earlier entries are
     NULL_BLOCK, and a group holds no more real blocks than `max_blocks_per_request`."""
     c, size = r.num_computed_tokens, kv.block_size
-    for held, window in zip(kv.block_ids(r.request_id), kv.windows, strict=True):
-        first = 0 if window is None else max(0, c - window + 1) // size
+    for held, spec in zip(kv.block_ids(r.request_id), kv.specs, strict=True):
+        first = spec.num_skipped_tokens(c) // size
         assert len(held) >= cdiv(c + num_new, size)
         assert all(b == NULL_BLOCK for b in held[:first])
         assert NULL_BLOCK not in held[first:]
-        bound = max_blocks_per_request(r.num_tokens + max_step, size, window, max_step)
+        bound = spec.max_blocks_per_request(r.num_tokens + max_step, size, max_step)
         assert len(held) - first <= bound
 
 
@@ -231,19 +232,19 @@ def test_max_blocks_per_request_is_the_widest_span():
             for c in range(200)
             for n in range(1, max_step + 1)
         )
-        assert max_blocks_per_request(10_000, size, window, max_step) == widest
-        assert max_blocks_per_request(10, size, window, max_step) <= cdiv(10, size)
-    assert max_blocks_per_request(1000, 16, None, 8) == 63
+        assert attention(window).max_blocks_per_request(10_000, size, max_step) == widest
+        assert attention(window).max_blocks_per_request(10, size, max_step) <= cdiv(10, size)
+    assert attention(None).max_blocks_per_request(1000, 16, 8) == 63
 
 
 @pytest.mark.parametrize("window, chunk", [(1, 1), (4, 1), (6, 1), (13, 1), (13, 3), (20, 8)])
 def test_sliding_group_holds_only_its_window(window, chunk):
-    kv = KVCacheManager(64, 4, enable_prefix_caching=False, windows=[window])
+    kv = KVCacheManager(64, 4, enable_prefix_caching=False, specs=groups(window))
     r = req("a", list(range(10)))
     held = grow(kv, r, 150, chunk)
     assert r.num_tokens > 150 and len(kv.block_ids("a")[0]) > 35  # logical blocks
     if chunk == 1:  # every position and alignment occurs: the bound is reached
-        assert max(held[10:]) == max_blocks_per_request(10_000, 4, window, 1)
+        assert max(held[10:]) == attention(window).max_blocks_per_request(10_000, 4, 1)
     assert kv.num_free_blocks == 63 - held[-1]
     kv.free(r)
     assert kv.num_free_blocks == 63 and not any(kv.pools[0].ref_cnt)
@@ -252,7 +253,7 @@ def test_sliding_group_holds_only_its_window(window, chunk):
 def test_blocks_out_of_the_window_are_reused():
     """W=8, S=4: a request running through 10 logical blocks cycles through 3 block ids, and
     a block its window lets go is the next one any request gets."""
-    kv = KVCacheManager(8, 4, enable_prefix_caching=False, windows=[8])
+    kv = KVCacheManager(8, 4, enable_prefix_caching=False, specs=groups(8))
     a = req("a", [1, 2, 3])
     seen = set()
     for _ in range(38):
@@ -268,9 +269,9 @@ def test_blocks_out_of_the_window_are_reused():
 def test_eight_blocks_serve_a_long_generation_in_a_window():
     """W=20, S=4, steps of at most 4 tokens: 7 blocks live at most, where full attention
     would need 110 for a 40-token prompt and 400 generated tokens."""
-    assert max_blocks_per_request(440, 4, 20, 4) == 7
-    assert max_blocks_per_request(440, 4, None, 4) == 110
-    kv = KVCacheManager(8, 4, enable_prefix_caching=True, windows=[20])
+    assert attention(20).max_blocks_per_request(440, 4, 4) == 7
+    assert attention(None).max_blocks_per_request(440, 4, 4) == 110
+    kv = KVCacheManager(8, 4, enable_prefix_caching=True, specs=groups(20))
     r = req("a", list(range(40)))
     grow(kv, r, 10 + 399, chunk=4)  # the prefill in 10 chunks gives the first token
     assert r.num_output_tokens == 400 and r.num_computed_tokens == 439
@@ -280,7 +281,7 @@ def test_eight_blocks_serve_a_long_generation_in_a_window():
 def test_prefix_hit_with_full_and_sliding_groups():
     """W=8, S=4: a hit of n blocks goes on from position 4n, whose window starts in block
     n-2; the sliding group needs only blocks n-2 and n-1 cached and returns the rest NULL."""
-    kv = KVCacheManager(32, 4, enable_prefix_caching=True, windows=[None, 8])
+    kv = KVCacheManager(32, 4, enable_prefix_caching=True, specs=groups(None, 8))
     tokens = list(range(21))  # 5 full blocks and one more token
     a = req("a", tokens)
     full, sliding = kv.allocate_slots(a, 21)
@@ -313,7 +314,7 @@ def test_prefix_hit_is_a_length_every_window_accepts():
     """Groups full, W=8 (reads 2 blocks back) and W=4 (1 block back). At 5 blocks the W=4
     group lacks block 4, so it offers 4; at 4 the W=8 group lacks block 2, so it offers 2,
     which the others accept: the fixed point, not the smallest first answer (4)."""
-    kv = KVCacheManager(32, 4, enable_prefix_caching=True, windows=[None, 8, 4])
+    kv = KVCacheManager(32, 4, enable_prefix_caching=True, specs=groups(None, 8, 4))
     tokens = list(range(21))
     a = req("a", tokens)
     blocks = kv.allocate_slots(a, 21)
@@ -326,7 +327,7 @@ def test_prefix_hit_is_a_length_every_window_accepts():
 def test_blocks_a_window_lets_go_stay_cached():
     """Released out of the window, a block keeps its key until reused: a later request with
     the same prefix takes it back from the free queue."""
-    kv = KVCacheManager(64, 4, enable_prefix_caching=True, windows=[8])
+    kv = KVCacheManager(64, 4, enable_prefix_caching=True, specs=groups(8))
     a = req("a", list(range(10)))
     grow(kv, a, 30)  # from position 29 the window starts in block 5
     (held,) = kv.block_ids("a")
@@ -343,7 +344,7 @@ def test_blocks_a_window_lets_go_stay_cached():
 def test_preempted_sliding_request_is_readmitted_from_its_hit():
     """Preemption frees every group; the request comes back from its prefix-cache hit
     (a window's blocks before it NULL) and runs on."""
-    kv = KVCacheManager([64, 6], 4, enable_prefix_caching=True, windows=[None, 8])
+    kv = KVCacheManager([64, 6], 4, enable_prefix_caching=True, specs=groups(None, 8))
     a = req("a", list(range(10)))
     grow(kv, a, 49)
     assert kv.block_ids("a")[1][0] == NULL_BLOCK and a.num_tokens == 50
@@ -364,7 +365,7 @@ def test_preempted_sliding_request_is_readmitted_from_its_hit():
 
 
 def test_reset_prefix_cache_with_unequal_pools():
-    kv = KVCacheManager([16, 6], 4, enable_prefix_caching=True, windows=[None, 8])
+    kv = KVCacheManager([16, 6], 4, enable_prefix_caching=True, specs=groups(None, 8))
     a = req("a", list(range(13)))
     kv.allocate_slots(a, 13)
     assert not kv.reset_prefix_cache()
@@ -376,8 +377,8 @@ def test_reset_prefix_cache_with_unequal_pools():
 
 
 def test_unequal_pools_and_their_usage():
-    kv = KVCacheManager([10, 4], 4, enable_prefix_caching=False, windows=[None, 4])
-    assert kv.num_groups == 2 and kv.group_num_blocks == (10, 4) and kv.windows == (None, 4)
+    kv = KVCacheManager([10, 4], 4, enable_prefix_caching=False, specs=groups(None, 4))
+    assert kv.num_groups == 2 and kv.group_num_blocks == (10, 4) and kv.specs == groups(None, 4)
     assert kv.num_blocks == 10
     a = req("a", list(range(20)))
     assert kv.allocate_slots(a, 20) is None  # 5 blocks: the sliding group has 3
@@ -391,14 +392,16 @@ def test_unequal_pools_and_their_usage():
 
 
 def test_group_arguments_are_checked():
-    assert KVCacheManager(8, 4, False, 2).group_num_blocks == (8, 8)  # the old call
-    assert KVCacheManager(8, 4, False, windows=[None, 16]).num_groups == 2
-    with pytest.raises(ValueError, match="3 KV-cache groups"):
-        KVCacheManager([8, 8], 4, False, num_groups=3)
+    assert KVCacheManager(8, 4, False, groups(None, None)).group_num_blocks == (8, 8)
+    assert KVCacheManager(8, 4, False, specs=groups(None, 16)).num_groups == 2
+    with pytest.raises(ValueError, match="3 KV-cache pools need 3 block counts"):
+        KVCacheManager([8, 8], 4, False, groups(None, None, None))
+    with pytest.raises(ValueError, match="numbered from 0 in order of first use"):
+        KVCacheManager(8, 4, False, groups(None, None), pools=[1, 0])
     with pytest.raises(ValueError, match="at least 2 blocks"):
-        KVCacheManager([8, 1], 4, False)
+        KVCacheManager([8, 1], 4, False, groups(None, None))
     with pytest.raises(ValueError, match="at least 1 token"):
-        KVCacheManager(8, 4, False, windows=[0])
+        KVCacheManager(8, 4, False, specs=groups(0))
 
 
 @pytest.mark.parametrize("windows", [None, [None, 8]], ids=["full", "full+sliding"])
@@ -408,9 +411,8 @@ def test_without_same_step_hits_a_block_is_a_hit_from_the_next_step(windows):
     cache); the next step hits them. A preempted writer's forgotten blocks stay out too."""
     tokens = list(range(13))  # 3 full blocks and one token
     for same_step in (True, False):
-        kv = KVCacheManager(
-            32, 4, enable_prefix_caching=True, windows=windows, same_step_hits=same_step
-        )
+        specs = None if windows is None else groups(*windows)
+        kv = KVCacheManager(32, 4, True, specs, same_step_hits=same_step)
         kv.begin_step()
         a = req("a", tokens)
         a_blocks = kv.allocate_slots(a, 13)

@@ -3,9 +3,12 @@ each sampled token is (last token + 1) mod 1000."""
 
 from __future__ import annotations
 
+import pytest
+from kv_specs import groups
+
 from jllm.config import SchedulerConfig
 from jllm.engine.core import EngineCore
-from jllm.engine.kv_cache_manager import KVCacheManager, block_key, max_blocks_per_request
+from jllm.engine.kv_cache_manager import KVCacheManager, block_key
 from jllm.engine.scheduler import Scheduler
 from jllm.outputs import CompletionOutput, RequestOutput
 from jllm.runner.sampled import SampledToken
@@ -231,6 +234,9 @@ def test_host_side_imports_no_jax():
         "jllm.config",
         "jllm.sampling_params",
         "jllm.engine.request",
+        "jllm.kv_cache_interface",
+        "jllm.engine.block_pool",
+        "jllm.engine.single_type_manager",
         "jllm.engine.kv_cache_manager",
         "jllm.engine.scheduler",
         "jllm.engine.detokenizer",
@@ -341,25 +347,30 @@ class WindowRunner(MockRunner):
         size = self.kv.block_size
         for rid, n in out.num_scheduled_tokens.items():
             c = start[rid]
-            groups = zip(self.kv.block_ids(rid), self.tables[rid], self.kv.windows, strict=True)
-            for held, table, window in groups:
-                first = 0 if window is None else max(0, c - window + 1) // size
+            groups = zip(self.kv.block_ids(rid), self.tables[rid], self.kv.specs, strict=True)
+            for held, table, spec in groups:
+                first = spec.num_skipped_tokens(c) // size
                 assert len(table) == len(held) >= cdiv(c + n, size)
                 assert set(held[:first]) <= {0} and 0 not in held[first:]
                 assert table[first:] == held[first:]
-                bound = max_blocks_per_request(10**6, size, window, self.max_step)
+                bound = spec.max_blocks_per_request(10**6, size, self.max_step)
                 assert len(held) - first <= bound
         return super().execute(out)
 
 
-def test_sliding_window_requests_keep_their_window_live():
-    """A full and a sliding group (W=8, S=4, a small pool for the window): requests with
-    drafts (right, or all rejected), lookahead slots, a shared prompt admitted from a hit
-    whose early sliding blocks are NULL, and preemptions, give the rule's tokens."""
+@pytest.mark.parametrize("shared", [False, True], ids=["own-pools", "one-pool"])
+def test_sliding_window_requests_keep_their_window_live(shared):
+    """A full and a sliding group (W=8, S=4, a small pool for the window, or one pool for
+    both): requests with drafts (right, or all rejected), lookahead slots, a shared prompt
+    admitted from a hit whose early sliding blocks are NULL, and preemptions, give the rule's
+    tokens."""
     expected = {"a": list(range(40, 100)), "b": list(range(40, 100)), "c": list(range(130, 190))}
     for wrong in (False, True):
         config = SchedulerConfig(4, 12, 512, True, 1, 3, "fcfs", num_draft_lookahead=3)
-        kv = KVCacheManager([40, 16], 4, True, windows=[None, 8])
+        if shared:
+            kv = KVCacheManager(48, 4, True, groups(None, 8), pools=[0, 0])
+        else:
+            kv = KVCacheManager([40, 16], 4, True, groups(None, 8))
         sched = Scheduler(config, kv)
         runner = WindowRunner(kv, max_step=12 + 3)
         core = RecordingCore(sched, runner, 512, eos_token_id=999)
@@ -372,7 +383,7 @@ def test_sliding_window_requests_keep_their_window_live():
         done = run(core)
         assert {k: v.outputs[0].token_ids for k, v in done.items()} == expected
         assert runner.null_hits and sched.num_preemptions
-        assert kv.group_num_free == (39, 15)
+        assert kv.group_num_free == ((47, 47) if shared else (39, 15))
 
 
 class AsyncMockRunner(MockRunner):

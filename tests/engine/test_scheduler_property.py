@@ -6,14 +6,17 @@ request's block tables from the scheduler's deltas.
 Hypothesis draws arrivals, prompt lengths over shared prefixes, max_tokens, priorities under
 both policies, aborts, prompt logprobs, images beside a small encoder cache, LoRA adapters
 beside few slots, drafts (a proposer, or a draft model's lookahead slots), tiles, chunked
-prefill on and off, a sliding-window group, async scheduling, and pools from one request's
+prefill on and off, a sliding-window or chunked local attention group (in a pool of its own
+or sharing the full-attention group's), async scheduling, and pools from one request's
 worth of blocks up. Every step must:
 
-- conserve blocks: in each group every block is free or held, its ref count its holders';
+- conserve blocks: in each pool every block is free or held, by one group, its ref count
+  its holders';
 - read only slots written before (by an earlier step, or by the same step where same-step
-  prefix hits are allowed) with the content the reading request expects, so a prefix-cache
-  hit, a preempted row taken back out of its step or a rejected draft never leaves a row
-  reading a slot nobody computed for it;
+  prefix hits are allowed) with the content the reading request expects, in its own group
+  (a slot is a pool's: two groups of one pool write one array), so a prefix-cache hit, a
+  preempted row taken back out of its step, a rejected draft or another group's write never
+  leaves a row reading a slot nobody computed for it;
 - keep the step within its tokens (tile costs), prompt-logprob rows, encoder slots and
   `max_num_seqs`;
 - follow the policy: waiting requests admitted in queue order (arrival order under fcfs,
@@ -34,12 +37,13 @@ from unittest import mock
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kv_specs import attention, chunked
 
 import jllm.engine.step_budget as step_budget
 from jllm.config import SchedulerConfig
 from jllm.engine.core import EngineCore
 from jllm.engine.encoder_cache import EncoderCache
-from jllm.engine.kv_cache_manager import KVCacheManager, max_blocks_per_request
+from jllm.engine.kv_cache_manager import KVCacheManager
 from jllm.engine.multimodal import ImageItem
 from jllm.engine.request import RequestStatus
 from jllm.engine.request_queue import priority_key
@@ -80,10 +84,11 @@ class Proposer:
 
 class CheckingRunner:
     """The device's side, from the scheduler's deltas only (as the real runner): each
-    request's tokens and block tables, and the content key of every KV slot written. A row
-    reads its positions before this step (within a sliding group's window) and writes its
-    new ones; the key of position p chains the key of p - 1 with its token and image, from
-    the request's salt and adapter. Samples (last token + 1) mod 1000, accepting drafts
+    request's tokens and block tables, and the content key of every KV slot written (a
+    pool's slots, written by the group and the key). A row reads its positions before this
+    step (those its group's spec does not skip) and writes its new ones; the key of position
+    p chains the key of p - 1 with its token and image, from the request's salt and
+    adapter. Samples (last token + 1) mod 1000, accepting drafts
     while they equal it; with `draft_k` it also drafts like a draft model."""
 
     def __init__(self, kv: KVCacheManager, same_step_hits: bool, draft_k: int = 0):
@@ -91,7 +96,7 @@ class CheckingRunner:
         self.meta: dict[str, tuple] = {}  # request id -> (salt, adapter, images)
         self.tokens: dict[str, list[int]] = {}
         self.tables: dict[str, list[list[int]]] = {}
-        self.slots: list[dict] = [{} for _ in kv.pools]  # (block, slot) -> content key
+        self.slots: list[dict] = [{} for _ in kv.pools]  # (block, slot) -> (group, key)
         self.adapter_in: dict[int, bytes] = {}  # LoRA slot -> the digest written there
         self.lora_slot: dict[str, int] = {}
         self.num_rows = 0
@@ -143,12 +148,14 @@ class CheckingRunner:
         for rid, c, n, keys in rows:
             for g, table in enumerate(self.tables[rid]):
                 assert len(table) >= cdiv(c + n, self.kv.block_size)
+                pool = self.kv.pool_of[g]
                 for p in range(c, c + n):
                     block, slot = table[p // self.kv.block_size], p % self.kv.block_size
                     assert block != 0
-                    assert writes.setdefault((g, block, slot), keys[p]) == keys[p]
-        for (g, block, slot), key in writes.items():
-            self.slots[g][block, slot] = key
+                    content = (g, keys[p])
+                    assert writes.setdefault((pool, block, slot), content) == content
+        for (pool, block, slot), content in writes.items():
+            self.slots[pool][block, slot] = content
         if self.same_step_hits:
             self._check_reads(rows)
         self.num_rows += len(rows)
@@ -157,14 +164,15 @@ class CheckingRunner:
     def _check_reads(self, rows) -> None:
         size = self.kv.block_size
         for rid, c, _, keys in rows:
-            groups = zip(self.tables[rid], self.kv.block_ids(rid), self.kv.windows, strict=True)
-            for g, (table, held, window) in enumerate(groups):
-                first = 0 if window is None else max(0, c - window + 1)
+            groups = zip(self.tables[rid], self.kv.block_ids(rid), self.kv.specs, strict=True)
+            for g, (table, held, spec) in enumerate(groups):
+                first = spec.num_skipped_tokens(c)
                 live = first // size
                 assert table[live:] == held[live:]  # the runner's tables agree
+                slots = self.slots[self.kv.pool_of[g]]
                 for p in range(first, c):
                     block = table[p // size]
-                    assert block != 0 and self.slots[g].get((block, p % size)) == keys[p]
+                    assert block != 0 and slots.get((block, p % size)) == (g, keys[p])
 
     def _sample(self, out, start) -> ModelRunnerOutput:
         result = ModelRunnerOutput()
@@ -294,15 +302,17 @@ class CheckedScheduler(Scheduler):
 
 
 def check_blocks(kv: KVCacheManager, sched: Scheduler) -> None:
-    """Every block of each pool is free or held, never both; ref counts are holders; only
-    running requests hold blocks."""
+    """Every block of each pool is free or held (by one group of the pool), never both; ref
+    counts are holders; only running requests hold blocks."""
     running = {r.request_id for r in sched.running}
-    for g, pool in enumerate(kv.pools):
-        holders = [0] * pool.num_blocks
-        for rid, blocks in kv.req_blocks.items():
-            assert rid in running or not blocks[g]
-            for b in blocks[g]:
-                holders[b] += b != 0
+    for p, pool in enumerate(kv.pools):
+        holders, group = [0] * pool.num_blocks, {}
+        for g in (g for g, q in enumerate(kv.pool_of) if q == p):
+            for rid, blocks in kv.req_blocks.items():
+                assert rid in running or not blocks[g]
+                for b in blocks[g]:
+                    holders[b] += b != 0
+                    assert b == 0 or group.setdefault(b, g) == g
         assert holders == [0, *pool.ref_cnt[1:]]
         free = set(pool.free_queue)
         assert free == {b for b in range(1, pool.num_blocks) if not holders[b]}
@@ -322,7 +332,8 @@ def scenarios(draw):
     s.max_seqs = draw(st.sampled_from([1, 3, 8, 8]))
     s.caching = draw(st.booleans())
     s.same_step_hits = draw(st.booleans())
-    s.window = draw(st.sampled_from([None, None, 8]))
+    s.second = draw(st.sampled_from([None, None, attention(8), chunked(8)]))
+    s.shared = s.second is not None and draw(st.booleans())  # one pool for both groups
     s.spare = [draw(st.sampled_from([0, 1, 2, 4, 8])), draw(st.integers(0, 3))]
     s.lora_slots = draw(st.sampled_from([0, 1, 2]))
     s.enc_slots = draw(st.sampled_from([0, 2, 3]))
@@ -374,17 +385,21 @@ def build(s):
     # Pools from the blocks of the longest request alone (so that every request finishes),
     # plus the block 0 no request gets, plus the spares drawn.
     longest = max(min(MAX_LEN, len(r["prompt"]) + r["params"].max_tokens) for r in s.requests)
+    specs = [attention()]
     need = [cdiv(longest + ahead, s.block_size) + 1]
-    windows = [None]
-    if s.window is not None:
-        windows.append(s.window)
+    if s.second is not None:
+        specs.append(s.second)
         step_max = s.budget + s.k
-        need.append(max_blocks_per_request(longest + ahead, s.block_size, s.window, step_max) + 1)
+        need.append(s.second.max_blocks_per_request(longest + ahead, s.block_size, step_max) + 1)
+    pools = [0, 0] if s.shared else None
+    if s.shared:  # one request's blocks of both groups, one null block
+        need = [need[0] + need[1] - 1]
     kv = KVCacheManager(
         [n + spare for n, spare in zip(need, s.spare, strict=False)],
         s.block_size,
         s.caching,
-        windows=windows,
+        specs,
+        pools=pools,
         same_step_hits=s.same_step_hits,
     )
     lookahead = s.k if s.spec != "none" else 0

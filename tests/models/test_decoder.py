@@ -175,5 +175,5 @@ def test_each_layer_finds_its_row_in_its_group():
             for j, (g, row, per_repeat) in enumerate(segment_rows(seg, rows)):
                 for k in range(seg.repeats):
                     i = seg.first + k * len(seg.pattern) + j
-                    assert groups[g].window == kinds[i]
+                    assert groups[g].spec == kinds[i]
                     assert groups[g].layers[row + k * per_repeat] == i

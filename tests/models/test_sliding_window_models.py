@@ -80,7 +80,7 @@ def test_a_long_generation_fits_a_pool_of_eight_blocks(tiny_models):
     settings = {**SMALL, "num_gpu_blocks_override": 8, "max_num_batched_tokens": 64}
     llm = LLM(tiny_models["mistral-window"], **settings)
     kv = llm.llm_engine.scheduler.kv_cache
-    assert kv.group_num_blocks == (8,) and kv.windows == (24,)
+    assert kv.group_num_blocks == (8,) and [s.sliding_window for s in kv.specs] == [24]
     prompt = prompt_ids(1, 40, seed=6)[0]
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     out = generate(llm, [prompt], params)[0].outputs[0]
@@ -97,7 +97,7 @@ def test_mixed_model_pools_and_what_a_request_holds(tiny_models):
     llm = LLM(tiny_models["gemma3"], **SMALL)
     engine = llm.llm_engine
     kv = engine.scheduler.kv_cache
-    assert kv.windows == (24, None)
+    assert [getattr(s, "sliding_window", None) for s in kv.specs] == [24, None]
     sliding, full = kv.group_num_blocks
     assert sliding < full
     prompt = {"prompt_token_ids": prompt_ids(1, 200, seed=8)[0]}
@@ -114,4 +114,36 @@ def test_mixed_model_pools_and_what_a_request_holds(tiny_models):
     assert kv.usage == pytest.approx(expected)
     while engine.has_unfinished_requests():
         engine.step()
+    assert kv.all_blocks_free
+
+
+def test_gemma2_groups_share_one_pool(tiny_models):
+    """Gemma 2's sliding and full layers (2 each, identical arrays) share one pool and one
+    cache array. 40 + 200 tokens need 15 blocks of 16 at full attention and up to 3 in the
+    24-token window: a pool of 18 usable blocks runs it to the oracle's tokens because the
+    blocks the window lets go serve the full-attention layers (two pools would need 15 and
+    3 blocks of their own, and a cap for the window)."""
+    settings = {**SMALL, "num_gpu_blocks_override": 19, "max_num_batched_tokens": 64}
+    llm = LLM(tiny_models["gemma2"], **settings)
+    engine = llm.llm_engine
+    kv = engine.scheduler.kv_cache
+    assert kv.pool_of == (0, 0) and kv.group_num_blocks == (19, 19)
+    (cache,) = engine.runner.kv_cache
+    assert cache.shape[:2] == (2, 19)  # each group's 2 layers are the array's 2 rows
+    prompt = prompt_ids(1, 40, seed=9)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    engine.add_request("long", *engine.prepare({"prompt_token_ids": prompt}, params))
+    seen_full, seen_sliding, done = set(), set(), []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+        full, sliding = kv.block_ids("long")
+        assert not set(full) & set(sliding) - {0}
+        seen_full |= set(full)
+        seen_sliding |= set(sliding) - {0}
+    assert seen_full & seen_sliding  # a block the window let go held full attention later
+    assert len(seen_full | seen_sliding) > 18
+    assert (
+        done[0].outputs[0].token_ids
+        == oracle_tokens(eager(tiny_models["gemma2"]), [prompt], 200)[0]
+    )
     assert kv.all_blocks_free

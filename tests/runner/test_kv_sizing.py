@@ -5,16 +5,22 @@ the largest bucket reports it (the profiling run); explicit sizes never profile.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import pytest
+from oracle import SMALL
 
-from jllm.runner.kv_cache import (
-    CacheSpec,
-    abstract_kv_cache,
-    kv_cache_budget,
-    size_kv_cache,
+from jllm import LLM
+from jllm.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
     sliding_pool_cap,
-    split_blocks,
+    windowed_pool_cap,
 )
+from jllm.models.llama import LlamaForCausalLM
+from jllm.runner.kv_cache import abstract_kv_cache, kv_cache_budget, size_kv_cache, split_blocks
 
 GiB = 1 << 30
 
@@ -54,7 +60,9 @@ def test_profile_of_the_largest_bucket(llama_llm):
     allocated) and counts at least the logits of the largest sampler bucket."""
     engine = llama_llm.llm_engine
     runner, cfg = engine.runner, engine.model_config
-    spec = CacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    spec = FullAttentionSpec(
+        num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_size=cfg.head_dim
+    )
     cache = abstract_kv_cache(spec, 4, runner.layout.block_size, engine.dtype, runner.mesh)
     assert isinstance(cache, jax.ShapeDtypeStruct) and cache.shape[:2] == (cfg.num_layers, 4)
     largest_rs = runner.layout.sample_buckets[-1]
@@ -75,34 +83,90 @@ def test_groups_split_the_memory_by_what_they_can_use():
     assert split_blocks(60 * 1024, sizes, [None, None]) == [10, 10]
 
 
+SIZING = dict(
+    block_size=16,
+    tp=1,
+    dtype="float32",
+    mesh=jax.sharding.Mesh(jax.devices()[:1], ("model",)),
+    platform="cpu",
+    max_num_seqs=4,
+    max_step_tokens=64,
+    override=None,
+    utilization=0.9,
+)
+
+
 def _size(specs, **kw):
-    args = dict(
-        block_size=16,
-        tp=1,
-        dtype="float32",
-        mesh=jax.sharding.Mesh(jax.devices()[:1], ("model",)),
-        platform="cpu",
-        max_num_seqs=4,
-        max_step_tokens=64,
-        override=None,
-        utilization=0.9,
-    )
-    return size_kv_cache([specs], **{**args, **kw})
+    return size_kv_cache([specs], **{**SIZING, **kw})
 
 
 def test_one_request_must_fit_counting_a_window_by_its_span():
     """A 4096-token request needs 256 blocks of full attention but only its window's in a
     sliding group: a cache too small for the first passes for the second."""
-    full, sliding = CacheSpec(2, 2, 16), CacheSpec(2, 2, 16, window=32)
+    heads = dict(num_layers=2, num_kv_heads=2, head_size=16)
+    full, sliding = FullAttentionSpec(**heads), SlidingWindowSpec(**heads, sliding_window=32)
     per_block = 2 * 16 * 2 * 2 * 16 * 4  # layers x slots x K/V x heads x head dim x float32
     memory = 100 * per_block
     with pytest.raises(
         ValueError, match="4096 tokens needs 256 blocks of 2 layers where it holds 99"
     ):
         _size((full,), max_model_len=4096, memory_bytes=memory)
-    _, counts = _size((sliding,), max_model_len=4096, memory_bytes=memory)
-    assert counts == [100]
+    _, config = _size((sliding,), max_model_len=4096, memory_bytes=memory)
+    assert config.num_blocks == (100,)
     # An explicit block count is taken as it is (preemption tests run on tiny pools), and
     # never profiles (`_size` passes no profile: asking would fail).
-    _, counts = _size((full,), max_model_len=4096, memory_bytes=None, override=12)
-    assert counts == [12]
+    _, config = _size((full,), max_model_len=4096, memory_bytes=None, override=12)
+    assert config.num_blocks == (12,)
+
+
+def test_a_shared_pool_is_sized_as_one():
+    """Gemma 2's groups (equal arrays) share one pool: its blocks weigh one group's, it is
+    not capped for the window, and one request must fit in both groups at once."""
+    heads = dict(num_layers=2, num_kv_heads=2, head_size=16)
+    sliding, full = SlidingWindowSpec(**heads, sliding_window=32), FullAttentionSpec(**heads)
+    per_block = 2 * 16 * 2 * 2 * 16 * 4
+    caches, config = _size((sliding, full), max_model_len=4096, memory_bytes=300 * per_block)
+    assert config.pools == (0, 0) and config.num_blocks == (300,)
+    ((cache,),) = caches
+    assert cache.shape == (2, 300, 16, 4, 16)
+    # 256 blocks of full attention and cdiv(32 - 1 + 64 - 1, 16) + 1 = 7 in the window.
+    with pytest.raises(ValueError, match="needs 263 blocks of 2 layers where it holds 261"):
+        _size((sliding, full), max_model_len=4096, memory_bytes=262 * per_block)
+
+
+def test_caps_apply_to_pools_of_bounded_groups_only():
+    """A pool of windowed or per-request groups is capped at what max_num_seqs requests
+    hold (per-request state: a slot each), the rest of the memory goes to full attention and
+    MLA; a draft model's groups never share the target's pools."""
+    one = dict(num_kv_heads=2, head_size=16)
+    specs = (
+        FullAttentionSpec(num_layers=1, **one),
+        ChunkedLocalAttentionSpec(num_layers=3, attention_chunk_size=64, **one),
+        MambaSpec(num_layers=3, shapes=((4, 32),), dtypes=("float32",)),
+    )
+    draft = (FullAttentionSpec(num_layers=1, **one),)
+    caches, config = size_kv_cache(
+        [specs, draft],
+        **{**SIZING, "max_model_len": 1024, "memory_bytes": 1 << 24},
+    )
+    assert config.pools == (0, 1, 2, 3)
+    full, local, state, draft_blocks = config.num_blocks
+    assert local == windowed_pool_cap(63, 16, 4, 64) and state == 4 + 1
+    assert full == draft_blocks > local
+    (full_cache, local_cache, state_cache), (draft_cache,) = caches
+    assert state_cache.shape == (3, 5, 4, 32) and state_cache.dtype == jnp.float32
+    assert local_cache.shape == (3, local, 16, 4, 16)
+    mla = MLAAttentionSpec(num_layers=2, kv_lora_rank=32, qk_rope_head_dim=8)
+    ((cache,),), config = size_kv_cache(
+        [(mla,)], **{**SIZING, "max_model_len": 1024, "memory_bytes": 100 * 2 * 16 * 40 * 4}
+    )
+    assert config.num_blocks == (100,) and cache.shape == (2, 100, 16, 40)
+
+
+def test_the_runner_refuses_kinds_it_does_not_run(llama_dir, monkeypatch):
+    """A model whose layers keep chunked local attention (its backend mask is not built
+    yet) is refused at start-up, by name."""
+    chunk = ChunkedLocalAttentionSpec(num_kv_heads=1, head_size=1, attention_chunk_size=64)
+    monkeypatch.setattr(LlamaForCausalLM, "attention_kind", classmethod(lambda *_: chunk))
+    with pytest.raises(ValueError, match="chunked local attention 64, which it does not run"):
+        LLM(llama_dir, **SMALL)

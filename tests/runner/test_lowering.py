@@ -25,7 +25,7 @@ from jllm.attention import get_backend
 from jllm.model_loader.loader import abstract_model
 from jllm.models import registry
 from jllm.runner.buckets import BatchLayout
-from jllm.runner.kv_cache import CACHE_AXES, CacheSpec
+from jllm.runner.kv_cache import CACHE_AXES
 from jllm.runner.model_runner import ModelRunner, forward_step, sample_step
 from jllm.runner.transfer import pack
 from sharding import make_mesh, named_sharding, param_axes
@@ -193,11 +193,11 @@ def test_llama_8b_shapes_lower_for_the_accelerator(llama_8b, platform, tp):
     )
     kv_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * 2
     layout = BatchLayout.create(16, 4096, 1, 8192, 256, 2048, kv_bytes, tiles=False)
-    specs = CacheSpec.groups_of(arch.module, cfg)
+    specs = arch.module.kv_cache_specs(cfg)
     runner = ModelRunner(
         graphdef, params, layout, cfg.vocab_size, 256, 20, "cpu_kernel", True, make_mesh(), specs
     )
-    shapes = [(s.num_layers, 4096, 16, 2 * s.num_kv_heads, s.head_dim) for s in specs]
+    shapes = [(s.num_layers, 4096, 16, 2 * s.num_kv_heads, s.head_size) for s in specs]
     caches = tuple(
         jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=named_sharding(mesh, CACHE_AXES, shape))
         for shape in shapes

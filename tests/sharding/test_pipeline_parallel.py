@@ -114,15 +114,16 @@ def test_prefix_hits_of_the_same_step_wait_for_their_writers(tiny_models):
 
 
 def test_two_kv_groups_gemma2(tiny_models):
-    """Gemma 2's (local, global) pattern twice over two stages: each stage holds one row of
-    each group's cache; soft caps and the sliding window as with one stage."""
+    """Gemma 2's (local, global) pattern twice over two stages: its two groups share one
+    cache array (one pool), of which each stage holds one row; soft caps and the sliding
+    window as with one stage."""
     prompts = PROMPTS
     want = LLM(tiny_models["gemma2"], **ARGS).generate(prompts, GREEDY, use_tqdm=False)
     llm = LLM(tiny_models["gemma2"], pipeline_parallel_size=2, **ARGS)
     got = llm.generate(prompts, GREEDY, use_tqdm=False)
     same_outputs([o.outputs[0] for o in got], [o.outputs[0] for o in want])
-    for cache in llm.llm_engine.runner.kv_cache:
-        assert_stage_holds_its_layers(cache, llm.llm_engine.runner.mesh, 2)
+    (cache,) = llm.llm_engine.runner.kv_cache
+    assert_stage_holds_its_layers(cache, llm.llm_engine.runner.mesh, 2)
 
 
 def test_cut_pattern_gemma3(tiny_models):

@@ -1,0 +1,193 @@
+"""The KV manager over every spec kind and over shared pools, in pure Python: chunked local
+attention frees what lies before the current chunk and hits need only that chunk, MLA holds
+and hits as full attention, per-request state takes one slot from admission to finish or
+preemption and no hit, and groups of one pool take their blocks from it without ever
+holding one block together."""
+
+from __future__ import annotations
+
+import pytest
+from kv_specs import MLA, STATE, attention, chunked, groups
+
+from jllm.engine.block_pool import NULL_BLOCK
+from jllm.engine.host_kv_tier import HostKVTier
+from jllm.engine.kv_cache_manager import KVCacheManager
+from jllm.engine.request import Request
+from jllm.sampling_params import SamplingParams
+
+
+def req(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, tokens, SamplingParams(), eos_token_id=None, seed=0)
+
+
+def run(kv: KVCacheManager, r: Request, num_steps: int, chunk: int = 1) -> None:
+    """`r` as the scheduler runs it: chunks of its unknown tokens, a sampled token after
+    each step that reaches the end."""
+    for _ in range(num_steps):
+        n = min(chunk, r.num_tokens - r.num_computed_tokens)
+        assert kv.allocate_slots(r, n) is not None
+        r.num_computed_tokens += n
+        if r.num_computed_tokens == r.num_tokens:
+            r.append_output_token(r.num_tokens)
+
+
+# ---- chunked local attention ----------------------------------------------------------------
+def test_chunked_group_frees_the_blocks_before_the_current_chunk():
+    """C=8, S=4: a step from position c reads from c - c % 8 on, so a request holds the
+    current chunk's blocks (at most 2, chunks being block-aligned), the earlier ones NULL."""
+    kv = KVCacheManager(16, 4, enable_prefix_caching=False, specs=[chunked(8)])
+    r = req("a", list(range(5)))
+    for _ in range(60):
+        c = r.num_computed_tokens  # the step's first position
+        run(kv, r, 1)
+        (held,) = kv.block_ids("a")
+        first = (c - c % 8) // 4
+        assert held[:first] == [NULL_BLOCK] * first and NULL_BLOCK not in held[first:]
+        live = sum(b != NULL_BLOCK for b in held)
+        assert live <= chunked(8).max_blocks_per_request(10_000, 4, 1) == 2
+    assert r.num_tokens == 61 and kv.num_free_blocks == 15 - live
+    kv.free(r)
+    assert kv.all_blocks_free
+
+
+def test_chunked_hit_needs_only_the_current_chunk():
+    """C=8, S=4, 21 tokens: a hit of 5 blocks goes on from position 20, whose chunk starts at
+    16 (block 4): only block 4 is needed; a hit of 4 blocks goes on from 16, a chunk's start,
+    and needs nothing cached."""
+    kv = KVCacheManager(32, 4, enable_prefix_caching=True, specs=[attention(), chunked(8)])
+    tokens = list(range(21))
+    a = req("a", tokens)
+    full, local = kv.allocate_slots(a, 21)
+    hits, n = kv.get_computed_blocks(req("b", tokens))
+    assert n == 20 and hits == (full[:5], [0, 0, 0, 0, local[4]])
+    pool = kv.pools[1]
+    for b in local[:4]:  # the chunked group forgets blocks 0-3: no hit is shorter for it
+        del pool.cached[pool.block_hash[b]]
+        pool.block_hash[b] = None
+    assert kv.get_computed_blocks(req("b", tokens))[1] == 20
+    del pool.cached[pool.block_hash[local[4]]]  # and block 4: a hit of 4 blocks needs none
+    pool.block_hash[local[4]] = None
+    assert kv.get_computed_blocks(req("b", tokens)) == ((full[:4], [0, 0, 0, 0]), 16)
+    b = req("b", tokens)
+    hits, n = kv.get_computed_blocks(b)
+    assert kv.allocate_slots(b, 5, hits) is not None
+    assert kv.block_ids("b")[1][:4] == [0, 0, 0, 0] and 0 not in kv.block_ids("b")[1][4:]
+
+
+# ---- MLA --------------------------------------------------------------------------------------
+def test_mla_group_holds_and_hits_as_full_attention():
+    kv = KVCacheManager(16, 4, enable_prefix_caching=True, specs=[MLA])
+    a = req("a", list(range(13)))
+    (blocks,) = kv.allocate_slots(a, 13)
+    assert len(blocks) == 4 and NULL_BLOCK not in blocks
+    run(kv, a, 0)
+    hits, n = kv.get_computed_blocks(req("b", list(range(13))))
+    assert n == 12 and hits == (blocks[:3],)
+
+
+# ---- per-request state ------------------------------------------------------------------------
+def test_state_takes_one_slot_from_admission_to_finish_or_preemption():
+    """Beside a full-attention group: one state slot per request whatever its length, taken
+    at admission, returned when it finishes or is preempted; a request the state pool cannot
+    seat gets nothing in the other group either."""
+    kv = KVCacheManager([32, 3], 4, enable_prefix_caching=True, specs=[attention(), STATE])
+    a, b = req("a", list(range(10))), req("b", list(range(50, 55)))
+    full, state = kv.allocate_slots(a, 10)
+    assert len(full) == 3 and len(state) == 1 and state[0] != NULL_BLOCK
+    a.num_computed_tokens = 10
+    run(kv, a, 30)
+    assert len(kv.block_ids("a")[0]) == 10 and kv.block_ids("a")[1] == state
+    assert kv.allocate_slots(b, 5)[1] not in (state, [])
+    assert kv.group_num_free == (31 - 10 - 2, 0)
+    c = req("c", list(range(100, 104)))
+    assert kv.allocate_slots(c, 4) is None and kv.block_ids("c") == ([], [])
+    assert kv.group_num_free == (31 - 10 - 2, 0)
+    kv.free(b)  # preempted: its slot goes back, and c is seated
+    assert kv.allocate_slots(c, 4) is not None
+    kv.free(a)
+    kv.free(c)
+    assert kv.all_blocks_free
+
+
+def test_state_takes_no_prefix_hit():
+    """No state snapshots: a group of per-request state accepts only the empty hit, so a
+    model with one computes every prompt, though its attention blocks are cached."""
+    kv = KVCacheManager(16, 4, enable_prefix_caching=True, specs=[attention(), STATE])
+    kv.allocate_slots(req("a", list(range(13))), 13)
+    assert kv.get_computed_blocks(req("b", list(range(13)))) == (([], []), 0)
+    alone = KVCacheManager(16, 4, enable_prefix_caching=True, specs=[attention()])
+    alone.allocate_slots(req("a", list(range(13))), 13)
+    assert alone.get_computed_blocks(req("b", list(range(13))))[1] == 12
+
+
+# ---- shared pools -----------------------------------------------------------------------------
+def test_blocks_a_window_frees_serve_full_attention_in_a_shared_pool():
+    """W=8, S=4, one pool of 19 usable blocks for a full and a sliding group: a request of
+    64 tokens needs 16 full blocks and at most 3 sliding ones, and runs to its end only
+    because the sliding group's freed blocks go back to the pool the full group grows from
+    (separately, the same memory would give each group 9 blocks)."""
+    kv = KVCacheManager(20, 4, enable_prefix_caching=True, specs=groups(None, 8), pools=[0, 0])
+    assert kv.group_num_blocks == (20, 20) and len(kv.pools) == 1
+    r = req("a", [7, 7, 7])
+    seen_sliding, seen_full = set(), set()
+    while r.num_tokens < 64:
+        run(kv, r, 1)
+        full, sliding = kv.block_ids("a")
+        assert not (set(full) & set(sliding)) - {NULL_BLOCK}  # never one block in both
+        seen_sliding |= set(sliding) - {NULL_BLOCK}
+        seen_full |= set(full)
+    assert len(full) == 16 and sum(b != NULL_BLOCK for b in sliding) <= 3
+    assert seen_sliding & seen_full  # a block the window let go now holds full attention
+    assert len(seen_sliding | seen_full) > 19 - 3
+    kv.free(r)
+    assert kv.all_blocks_free and kv.group_num_free == (19, 19)
+    # The same 20 blocks as two pools of 10: the full group runs out at 9 blocks.
+    apart = KVCacheManager(10, 4, enable_prefix_caching=True, specs=groups(None, 8))
+    r = req("a", [7, 7, 7])
+    while apart.allocate_slots(r, 1) is not None:
+        run(apart, r, 1)
+    assert r.num_computed_tokens == 36 and len(apart.block_ids("a")[0]) == 9
+
+
+def test_groups_of_one_pool_cache_under_their_own_keys():
+    """Two full-attention groups in one pool (a model's layers of two kinds with equal
+    arrays): the same tokens give each group its own blocks, a hit returns each group's own,
+    and freeing returns every block."""
+    kv = KVCacheManager(16, 4, enable_prefix_caching=True, specs=groups(None, None), pools=[0, 0])
+    a_blocks = kv.allocate_slots(req("a", list(range(9))), 9)
+    assert not set(a_blocks[0]) & set(a_blocks[1]) and kv.num_free_blocks == 15 - 6
+    hits, n = kv.get_computed_blocks(req("b", list(range(9))))
+    assert n == 8 and hits == (a_blocks[0][:2], a_blocks[1][:2])
+    b_blocks = kv.allocate_slots(req("b", list(range(9))), 1, hits)
+    assert kv.num_free_blocks == 15 - 6 - 2
+    assert kv.pools[0].ref_cnt[a_blocks[1][0]] == 2 and b_blocks[1][:2] == a_blocks[1][:2]
+
+
+def test_hits_are_taken_before_fresh_blocks_evict_them():
+    """In a shared pool a fresh block of one group must not be a free cached block another
+    group is taking as a hit in the same call. Here the second group's hits are the first
+    free blocks (the LRU order after other requests): the first group's fresh block must
+    come from behind them."""
+    kv = KVCacheManager(7, 4, enable_prefix_caching=True, specs=groups(None, None), pools=[0, 0])
+    a = req("a", list(range(8)))
+    first, second = kv.allocate_slots(a, 8)  # 2 full blocks each, both cached
+    kv.free(a)
+    for block in reversed(second):  # the second group's blocks next to be reused
+        kv.pools[0].free_queue.move_to_end(block, last=False)
+    b = req("b", list(range(9)))
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 8 and hits == (first, second)
+    b_first, b_second = kv.allocate_slots(b, 1, hits)
+    assert b_first[:2] == first and b_second[:2] == second
+    assert not set(b_first) & set(b_second) and kv.num_free_blocks == 0
+
+
+def test_the_host_tier_and_pool_numbers_are_checked():
+    with pytest.raises(ValueError, match="one KV-cache group of full attention"):
+        KVCacheManager(8, 4, True, [MLA], host=HostKVTier(4))
+    with pytest.raises(ValueError, match="one KV-cache group of full attention"):
+        KVCacheManager(8, 4, True, groups(None, None), pools=[0, 0], host=HostKVTier(4))
+    with pytest.raises(ValueError, match="need one pool each"):
+        KVCacheManager(8, 4, True, groups(None, None), pools=[0])
+    with pytest.raises(ValueError, match="numbered from 0"):
+        KVCacheManager(8, 4, True, groups(None, None), pools=[0, 2])
