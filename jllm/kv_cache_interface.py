@@ -98,6 +98,14 @@ class KVCacheSpec:
     def describe(self) -> str:
         raise NotImplementedError
 
+    # ---- a step's metadata -------------------------------------------------------------------
+    def step_fields(self, dtype) -> dict:
+        """What the attention backends read of this group in a step besides its slots and
+        block tables (`FlatBatch`'s fields, jllm/attention/metadata.py): one token's bytes
+        in one layer (`kv_token_bytes`, whole, as the step's arrays are), and what bounds the
+        keys a query reads (a sliding `window`, a local `chunk_size`)."""
+        return {"kv_token_bytes": self.page_size_bytes(1, dtype) // self.num_layers}
+
     # ---- what a request holds --------------------------------------------------------------
     def num_blocks(self, num_tokens: int, block_size: int) -> int:
         """The length of the block list of a request with `num_tokens` slots."""
@@ -172,6 +180,9 @@ class SlidingWindowSpec(AttentionSpec):
     def describe(self) -> str:
         return f"sliding window {self.sliding_window}"
 
+    def step_fields(self, dtype) -> dict:
+        return super().step_fields(dtype) | {"window": self.sliding_window}
+
     def num_skipped_tokens(self, position: int) -> int:
         return max(0, position - self.sliding_window + 1)
 
@@ -200,6 +211,9 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
 
     def describe(self) -> str:
         return f"chunked local attention {self.attention_chunk_size}"
+
+    def step_fields(self, dtype) -> dict:
+        return super().step_fields(dtype) | {"chunk_size": self.attention_chunk_size}
 
     def num_skipped_tokens(self, position: int) -> int:
         return position // self.attention_chunk_size * self.attention_chunk_size

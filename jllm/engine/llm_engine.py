@@ -118,7 +118,7 @@ class LLMEngine:
             num_spec_tokens=sched_cfg.num_lookahead_slots,
             kv_fp8=kv_fp8,
             tiles=tile is not None,
-            windows=tuple(getattr(spec, "sliding_window", None) for spec in groups),
+            group_fields=tuple(spec.step_fields(kv_dtype) for spec in groups),
             image_tokens=0 if vision is None else vision.tokens_per_image,
             image_spans=vision is not None and vision.bidirectional,
         )

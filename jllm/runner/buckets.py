@@ -58,9 +58,10 @@ class BatchLayout:
     # Whether rows of several tokens start on, and fill, tiles of `tile_size` tokens (the
     # attention backend's `prefill_tile`), or are packed back to back.
     tiles: bool = True
-    # Each KV-cache group's sliding window (None: full attention), in the runner's group
-    # order: a backend reads only the pages inside it.
-    windows: tuple = ()
+    # Each KV-cache group's step fields, in the runner's group order, as (name, value) pairs
+    # (its spec's `step_fields`: token bytes, a sliding window, a local chunk), which each
+    # group's copy of the flat batch takes: a backend reads only the pages they leave.
+    group_fields: tuple = ()
     # A vision-language model's tokens per image (0: text only), and whether an image's
     # tokens attend to each other in both directions (each token's `q_horizon`).
     image_tokens: int = 0
@@ -79,7 +80,7 @@ class BatchLayout:
         num_spec_tokens=0,
         kv_fp8=None,
         tiles=True,
-        windows=(),
+        group_fields=(),
         image_tokens=0,
         image_spans=False,
     ):
@@ -104,7 +105,7 @@ class BatchLayout:
             num_spec_tokens=num_spec_tokens,
             kv_fp8=kv_fp8,
             tiles=tiles,
-            windows=tuple(windows),
+            group_fields=tuple(tuple(sorted(dict(f).items())) for f in group_fields),
             image_tokens=image_tokens,
             image_spans=image_spans,
         )

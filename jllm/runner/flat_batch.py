@@ -46,27 +46,28 @@ def fill_decode_rows(flat: FlatBatch, pos: np.ndarray) -> None:
 
 
 def in_group(
-    flat: FlatBatch, table: np.ndarray, tok_row, positions, req_row, window=None
+    flat: FlatBatch, table: np.ndarray, tok_row, positions, req_row, fields=()
 ) -> FlatBatch:
     """The flat batch as one KV-cache group sees it, from the group's block tables `table`
     [rows, P] (`InputBatch.block_table[g]`): each token's slot (from its input-batch row
     `tok_row` [T] and position; -1: padding, which keeps the dropped slot), each request
     row's block table (`req_row` [R]: its input-batch row; -1: padding, an empty table) and
-    the group's sliding window (a sliding group's table holds freed or null blocks before
-    the window, which the backends never read)."""
+    the group's `fields` (BatchLayout.group_fields: its token bytes, window or local chunk;
+    a windowed or chunked group's table holds freed or null blocks before what its queries
+    read, which the backends never read)."""
     S = flat.block_size
     live, has = tok_row >= 0, req_row >= 0
     r, p = np.where(live, tok_row, 0), np.where(live, positions, 0)
     slots = np.where(live, table[r, p // S] * S + p % S, flat.slot_mapping).astype(np.int32)
     tables = np.where(has[:, None], table[np.where(has, req_row, 0)], 0).astype(np.int32)
-    return dataclasses.replace(flat, slot_mapping=slots, block_tables=tables, window=window)
+    return dataclasses.replace(flat, slot_mapping=slots, block_tables=tables, **dict(fields))
 
 
 def group_metadata(
-    backend, flat: FlatBatch, batch: InputBatch, groups, tok_row, positions, req_row, windows=()
+    backend, flat: FlatBatch, batch: InputBatch, groups, tok_row, positions, req_row, fields=()
 ):
     """The backend's attention metadata of each KV-cache group in `groups`, as a tuple
-    (`windows`: every group's sliding window, by group index)."""
+    (`fields`: every group's step fields, by group index: BatchLayout.group_fields)."""
     return tuple(
         backend.build_metadata(
             in_group(
@@ -75,7 +76,7 @@ def group_metadata(
                 tok_row,
                 positions,
                 req_row,
-                windows[g] if g < len(windows) else None,
+                fields[g] if g < len(fields) else (),
             )
         )
         for g in groups

@@ -96,7 +96,7 @@ def build_step(
     embed_index = place_images(p, batch, out, layout) if layout.image_tokens else None
     every_group = range(len(batch.block_table))
     attn = group_metadata(
-        backend, p.flat, batch, every_group, p.tok_row, p.positions, p.req_row, layout.windows
+        backend, p.flat, batch, every_group, p.tok_row, p.positions, p.req_row, layout.group_fields
     )
     lora_slots = np.where(p.tok_row >= 0, batch.lora_slot[p.tok_row], 0).astype(np.int32)
     inputs = StepInputs(

@@ -40,7 +40,7 @@ from flax import nnx
 
 from jllm.attention import get_backend
 from jllm.distributed.codec import MalformedMessage
-from jllm.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from jllm.kv_cache_interface import MambaSpec
 from jllm.models.context import StepContext
 from jllm.runner.buckets import BatchLayout
 from jllm.runner.compile_cache import cache_counts
@@ -196,10 +196,10 @@ class ModelRunner:
         # draft model's. Every step carries each group's attention metadata.
         self.kv_groups = tuple(kv_caches) + (() if draft is None else tuple(draft.kv_caches))
         for spec in self.kv_groups:
-            if not isinstance(spec, FullAttentionSpec | SlidingWindowSpec):
+            if isinstance(spec, MambaSpec):
                 raise ValueError(
-                    f"The model runner runs full and sliding-window attention; this model has "
-                    f"a KV-cache group of {spec.describe()}, which it does not run yet."
+                    "The model runner runs attention KV-cache groups; this model has a group "
+                    f"of {spec.describe()}, which it does not run yet."
                 )
         self.mesh = mesh
         self.table = ExecutableTable(mesh)
@@ -208,11 +208,10 @@ class ModelRunner:
         self.logits_sharding = named_sharding(mesh, (None, "vocab"), (1, vocab_size))
         self.state = state
         self.kv_cache = None  # attach_kv_cache, once sized
-        windows = tuple(getattr(spec, "sliding_window", None) for spec in self.kv_groups)
-        if any(w is not None for w in windows) and layout.windows != windows:
+        if layout.group_fields and len(layout.group_fields) != len(self.kv_groups):
             raise ValueError(
-                f"The batch layout's sliding windows {layout.windows} are not the KV-cache "
-                f"groups' {windows}."
+                f"The batch layout describes {len(layout.group_fields)} KV-cache groups, the "
+                f"runner has {len(self.kv_groups)}."
             )
         self.layout = layout  # frozen; a copy with the block count once the cache is sized
         self.backend = backend  # the attention_backend name

@@ -143,7 +143,7 @@ def draft_inputs(batch, rows: np.ndarray, step: int, layout: BatchLayout, backen
         from_device=row,
         prompt_lp_indices=np.zeros(PROMPT_LOGPROB_ROWS, np.int32),
         attn=group_metadata(
-            backend, flat, batch, groups, placed, positions, placed, layout.windows
+            backend, flat, batch, groups, placed, positions, placed, layout.group_fields
         ),
         lora_slots=np.zeros(Rd, np.int32),  # the draft has no adapters
     )
