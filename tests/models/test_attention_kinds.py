@@ -1,9 +1,10 @@
 """Attention kinds through the whole engine on the model seams: a test family (tests/
 toy_family.py, registered out of tree) whose layers mix chunked local attention, a sliding
-window and full attention, every one with attention sinks, against a dense float64 numpy
-oracle: greedy tokens equal and logprobs within 1e-4, alone, with chunked prefill, under
-preemption and from the prefix cache. Chunks of 20 tokens over blocks of 16, so chunk
-boundaries fall inside blocks."""
+window and full attention, every one with attention sinks, and a second whose layers mix an
+MLA-shaped latent with full attention, each against a dense float64 numpy oracle: greedy
+tokens equal and logprobs within 1e-4, alone, with chunked prefill, under preemption and
+from the prefix cache. Chunks of 20 tokens over blocks of 16, so chunk boundaries fall
+inside blocks; the chunked group frees what its chunks left behind."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import toy_family
 from oracle import SMALL, generate, prompt_ids
 
-from jllm import LLM
+from jllm import LLM, SamplingParams
 
 CHUNK, WINDOW = 20, 12
 PROMPTS = prompt_ids(3, 36, vocab=512)  # 36, 43 and 50 tokens: past one or two chunk ends
@@ -23,6 +24,13 @@ def toy_dir(tmp_path_factory, tokenizer_dir) -> str:
     toy_family.register()
     root = tmp_path_factory.mktemp("toy")
     return toy_family.save_toy(root, tokenizer_dir, chunk=CHUNK, window=WINDOW)
+
+
+@pytest.fixture(scope="module")
+def latent_dir(tmp_path_factory, tokenizer_dir) -> str:
+    toy_family.register()
+    root = tmp_path_factory.mktemp("latent")
+    return toy_family.save_toy(root, tokenizer_dir, layer_types=toy_family.LATENT_TYPES)
 
 
 def _log_softmax(logits):
@@ -77,3 +85,39 @@ def test_the_masks_and_sinks_matter(toy_dir):
 def test_a_kernel_without_the_options_refuses_at_start_up(toy_dir):
     with pytest.raises(ValueError, match="'cpu_kernel' has no"):
         LLM(toy_dir, **{**SMALL, "dtype": "float32", "attention_backend": "cpu_kernel"})
+
+
+def test_the_chunked_group_frees_what_its_chunks_left(toy_dir):
+    """36 + 300 tokens need 21 blocks at full attention; the chunked group holds at most the
+    blocks of its current chunk and the step's tokens, so with every other group given room
+    the chunked pool's 6 blocks (its cap for one request) suffice, with the oracle's tokens."""
+    settings = {**SMALL, "dtype": "float32", "max_num_seqs": 1, "max_num_batched_tokens": 16}
+    llm = LLM(toy_dir, **settings)
+    kv = llm.llm_engine.scheduler.kv_cache
+    kinds = [spec.describe() for spec in kv.specs]
+    assert kinds[0] == f"chunked local attention {CHUNK}"
+    chunked = kv.pools[kv.pool_of[0]]
+    params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True, logprobs=1)
+    outs = generate(llm, PROMPTS[:1], params)
+    assert_oracle(toy_dir, PROMPTS[:1], outs)
+    assert chunked.num_blocks - 1 <= 6 < 21
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"max_num_batched_tokens": 16, "num_gpu_blocks_override": 10}],
+    ids=["alone", "chunked-preempting"],
+)
+def test_an_mla_shaped_latent_matches_the_oracle(latent_dir, settings):
+    """One latent vector per token and layer (kv_lora_rank 32 + rope 8), attended in the
+    absorbed form, beside a full-attention layer; prefix hits on the latent group too."""
+    llm = LLM(latent_dir, **{**SMALL, "dtype": "float32", **settings})
+    kv = llm.llm_engine.scheduler.kv_cache
+    assert [spec.describe() for spec in kv.specs] == ["MLA latent 32+8", "full attention"]
+    assert_oracle(latent_dir, PROMPTS, generate(llm, PROMPTS))
+    if not settings:
+        others = prompt_ids(3, 45, seed=3, vocab=512)
+        again = [p[:34] + q[34:] for p, q in zip(PROMPTS, others, strict=True)]
+        outs = generate(llm, again)
+        assert all(o.num_cached_tokens >= 32 for o in outs)
+        assert_oracle(latent_dir, again, outs)

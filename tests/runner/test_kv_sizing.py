@@ -7,9 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from oracle import SMALL
 
-from jllm import LLM
 from jllm.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -19,7 +17,6 @@ from jllm.kv_cache_interface import (
     sliding_pool_cap,
     windowed_pool_cap,
 )
-from jllm.models.llama import LlamaForCausalLM
 from jllm.runner.kv_cache import abstract_kv_cache, kv_cache_budget, size_kv_cache, split_blocks
 
 GiB = 1 << 30
@@ -161,12 +158,3 @@ def test_caps_apply_to_pools_of_bounded_groups_only():
         [(mla,)], **{**SIZING, "max_model_len": 1024, "memory_bytes": 100 * 2 * 16 * 40 * 4}
     )
     assert config.num_blocks == (100,) and cache.shape == (2, 100, 16, 40)
-
-
-def test_the_runner_refuses_kinds_it_does_not_run(llama_dir, monkeypatch):
-    """A model whose layers keep chunked local attention (its backend mask is not built
-    yet) is refused at start-up, by name."""
-    chunk = ChunkedLocalAttentionSpec(num_kv_heads=1, head_size=1, attention_chunk_size=64)
-    monkeypatch.setattr(LlamaForCausalLM, "attention_kind", classmethod(lambda *_: chunk))
-    with pytest.raises(ValueError, match="chunked local attention 64, which it does not run"):
-        LLM(llama_dir, **SMALL)
