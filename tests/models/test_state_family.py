@@ -8,14 +8,17 @@ caching on (no hits taken for such a model)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import state_family
 from oracle import SMALL, generate, prompt_ids
 
 from jllm import LLM
-from jllm.kv_cache_interface import MambaSpec
+from jllm.kv_cache_interface import FullAttentionSpec, MambaSpec
 from jllm.models.state import build_state_metadata
+from jllm.runner.model_runner import ModelRunner
 
 # A short prompt beside longer ones: under a budget of 16 tokens its decodes run in the steps
 # that hold the others' prefill chunks.
@@ -121,3 +124,13 @@ def test_state_metadata_of_a_step():
     assert md.fresh.tolist() == [False, True, False, False]
     assert md.token_row.tolist() == [0, 1, 1, 1, -1, -1, 2, 2]
     assert md.query_lens.tolist() == [1, 3, 2, 0]
+
+
+def test_speculative_decoding_is_refused_with_state():
+    """A rejected draft token would stay in a request's state (no snapshots to roll back
+    to): the runner refuses a draft model beside a per-request state group, by name."""
+    state = state_family.LinearAttention.spec
+    draft = SimpleNamespace(kv_caches=(FullAttentionSpec(num_kv_heads=1, head_size=16),))
+    specs = (state(SimpleNamespace(num_heads=4, head_dim=16, hidden_size=64)),)
+    with pytest.raises(ValueError, match="Speculative decoding does not run"):
+        ModelRunner(None, None, None, 512, 4, 1, "xla", True, None, specs, (), draft)
