@@ -3,8 +3,8 @@
 window and a recurrent state per request beside full-attention layers, against a float64
 numpy oracle over each whole sequence: greedy tokens equal and logprobs within 1e-4, alone,
 with chunked prefill (the state carried across chunks, decode rows beside prefill chunks),
-under preemption (the slot freed, the request recomputed from zero state) and with prefix
-caching on (no hits taken for such a model)."""
+under preemption (the slot freed, the request recomputed from zero state), one step ahead
+(async scheduling) and with prefix caching on (no hits taken for such a model)."""
 
 from __future__ import annotations
 
@@ -61,8 +61,10 @@ def _state_pool(llm):
         {"enable_prefix_caching": False},
         {"max_num_batched_tokens": 16, "enable_prefix_caching": False},  # chunked prefill
         {"num_gpu_blocks_override": 8, "enable_prefix_caching": False},  # preemption
+        # One step ahead: a step's rows read the state the step still in flight writes.
+        {"max_num_batched_tokens": 16, "enable_prefix_caching": False, "async_scheduling": True},
     ],
-    ids=["alone", "chunked", "preempting"],
+    ids=["alone", "chunked", "preempting", "chunked-async"],
 )
 def test_linear_attention_state_matches_the_oracle(state_dir, settings):
     llm = LLM(state_dir, **{**SMALL, "dtype": "float32", **settings})
