@@ -63,8 +63,14 @@ def _state_pool(llm):
         {"num_gpu_blocks_override": 8, "enable_prefix_caching": False},  # preemption
         # One step ahead: a step's rows read the state the step still in flight writes.
         {"max_num_batched_tokens": 16, "enable_prefix_caching": False, "async_scheduling": True},
+        # Rows packed back to back (the ragged kernels' layout) instead of on tiles.
+        {
+            "max_num_batched_tokens": 16,
+            "enable_prefix_caching": False,
+            "attention_backend": "cpu_kernel",
+        },
     ],
-    ids=["alone", "chunked", "preempting", "chunked-async"],
+    ids=["alone", "chunked", "preempting", "chunked-async", "chunked-packed"],
 )
 def test_linear_attention_state_matches_the_oracle(state_dir, settings):
     llm = LLM(state_dir, **{**SMALL, "dtype": "float32", **settings})
