@@ -287,6 +287,11 @@ class MambaSpec(KVCacheSpec):
     def describe(self) -> str:
         return "per-request state"
 
+    def step_fields(self, dtype) -> dict:
+        """Not attention: a step describes the group by its rows' slots (the runner's
+        StateMetadata, jllm/models/state.py), not by the backends' flat batch."""
+        return {"state": True}
+
     def num_blocks(self, num_tokens: int, block_size: int) -> int:
         return 1
 

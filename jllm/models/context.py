@@ -15,6 +15,9 @@ KV-cache groups: the layers of one attention kind share a group (one block table
 stacked cache [Lg, B, S, 2K, H] whose row r is the group's r-th layer); `attn` holds each
 group's attention metadata and `attend` reads and returns the tuple of caches, one per pool:
 groups of one pool (`pools`, by group) share its array, each through its own block table.
+A group of per-request state (linear attention, models/state.py) is not attention: its
+metadata is a `StateMetadata`, its pool a tuple of state arrays, and its layers call
+`load_state` and `store_state` instead of `attend`.
 
 Glossary: T tokens, D model dim.
 """
@@ -28,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jllm.attention.options import AttentionOptions
+from jllm.models import state
 
 
 @partial(
@@ -59,6 +63,20 @@ class StepContext:
     def cache_index(self) -> int:
         """The current layer's cache among the step's caches: its group's pool."""
         return self.pools[self.group] if self.pools else self.group
+
+    def load_state(self, kv_caches: tuple) -> tuple:
+        """The current layer's per-request state at the step's start, for a group of
+        per-request state: each of its state arrays as [R, *shape], zeros for rows that start
+        fresh (models/state.py)."""
+        md = self.attn[self.group]
+        return state.load_state(kv_caches[self.cache_index], self.layer, md)
+
+    def store_state(self, kv_caches: tuple, states: tuple) -> tuple:
+        """The step's caches with the current layer's rows' `states` ([R, *shape] each, as
+        `load_state` gave them) written at their slots; padding rows write nothing."""
+        c = self.cache_index
+        pool = state.store_state(kv_caches[c], self.layer, self.attn[self.group], states)
+        return (*kv_caches[:c], pool, *kv_caches[c + 1 :])
 
     def attend(
         self,

@@ -55,6 +55,7 @@ from jllm.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindo
 from jllm.models import bf16_matmul, f32_matmul, pipeline
 from jllm.models.context import StepContext
 from jllm.models.layers import Linear, RMSNorm, StackedWeight, param
+from jllm.models.state import StateMetadata
 from jllm.quantization.weights import QuantizedWeight, matmul, take_rows
 
 
@@ -306,13 +307,17 @@ class CausalLM(nnx.Module):
 
     def __call__(self, token_ids, ctx: StepContext, kv_caches: tuple):
         """Hidden states [T, D] after the final norm, and the updated caches: one per
-        KV-cache pool (`kv_cache_pools`), [Lg, B, S, 2K, H]. Under a mesh of several
+        KV-cache pool (`kv_cache_pools`), [Lg, B, S, 2K, H] for attention, a tuple of state
+        arrays [Lg, slots, *shape] for per-request state (models/state.py). Under a mesh of several
         pipeline stages the layers run as stages (`models/pipeline.py`)."""
         x = self.embed(token_ids, ctx)
         kernel = bf16_matmul.applies(self.dtype) or f32_matmul.applies(self.dtype)
         in_place = _stays_stacked(jnp.dtype(self.dtype), bool(kernel))
-        cache = kv_caches[0]  # group 0's pool
-        live = ctx.attn[0].slot_mapping < cache.shape[1] * cache.shape[2]
+        first = ctx.attn[0]  # group 0's metadata; its pool is pool 0
+        if isinstance(first, StateMetadata):
+            live = first.live
+        else:
+            live = first.slot_mapping < kv_caches[0].shape[1] * kv_caches[0].shape[2]
         ctx = ctx.replace(live=live, pools=self.kv_cache_pools(self.cfg))
         kv_caches = tuple(kv_caches)
         stages = pipeline.num_stages()

@@ -1,7 +1,8 @@
 """The flat batch of a step as the attention backends read it (`FlatBatch`,
 `jllm/attention/metadata.py`): all padding for a forward key, decode rows filled, and one
 copy per KV-cache group with that group's slots, block tables and sliding window, turned
-into the backend's metadata. Used by the step builder and the draft model's steps.
+into the backend's metadata (a group of per-request state gets a `StateMetadata` instead,
+jllm/models/state.py). Used by the step builder and the draft model's steps.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import dataclasses
 import numpy as np
 
 from jllm.attention.metadata import FlatBatch
+from jllm.models.state import build_state_metadata
 from jllm.runner.buckets import BatchLayout
 from jllm.runner.input_batch import InputBatch
 
@@ -66,18 +68,19 @@ def in_group(
 def group_metadata(
     backend, flat: FlatBatch, batch: InputBatch, groups, tok_row, positions, req_row, fields=()
 ):
-    """The backend's attention metadata of each KV-cache group in `groups`, as a tuple
-    (`fields`: every group's step fields, by group index: BatchLayout.group_fields)."""
-    return tuple(
-        backend.build_metadata(
-            in_group(
-                flat,
-                batch.block_table[g],
-                tok_row,
-                positions,
-                req_row,
-                fields[g] if g < len(fields) else (),
+    """Each KV-cache group's metadata in `groups`, as a tuple (`fields`: every group's step
+    fields, by group index: BatchLayout.group_fields): the backend's attention metadata, or
+    for a group of per-request state (its fields say `state`) its StateMetadata
+    (models/state.py), which no backend reads."""
+    out = []
+    for g in groups:
+        own = fields[g] if g < len(fields) else ()
+        if dict(own).get("state"):
+            table = batch.block_table[g]
+            out.append(
+                build_state_metadata(flat.query_start, flat.query_lens, table, positions, req_row)
             )
-        )
-        for g in groups
-    )
+            continue
+        group = in_group(flat, batch.block_table[g], tok_row, positions, req_row, own)
+        out.append(backend.build_metadata(group))
+    return tuple(out)

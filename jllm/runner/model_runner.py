@@ -89,7 +89,8 @@ def _forward(
     runner/prompt_logprobs.py).
 
     `kv_cache`: the model's caches, one per KV-cache pool (groups of one pool share its
-    array: models/decoder.py). With a speculative draft model (`draft_graphdef`), `state`
+    array: models/decoder.py; a pool of per-request state is a tuple of its state arrays,
+    models/state.py). With a speculative draft model (`draft_graphdef`), `state`
     and `kv_cache` are pairs (target, draft): the draft runs over the same tokens, into its
     own caches through the same slots (spec_decode/draft_model.py). `images`: a
     vision-language model's encoder cache [slots, P, D] (runner/encoder.py), whose rows
@@ -195,12 +196,13 @@ class ModelRunner:
         # The KV-cache groups' specs (jllm/kv_cache_interface.py): the model's, then the
         # draft model's. Every step carries each group's attention metadata.
         self.kv_groups = tuple(kv_caches) + (() if draft is None else tuple(draft.kv_caches))
-        for spec in self.kv_groups:
-            if isinstance(spec, MambaSpec):
-                raise ValueError(
-                    "The model runner runs attention KV-cache groups; this model has a group "
-                    f"of {spec.describe()}, which it does not run yet."
-                )
+        # Per-request state runs in the model's layers (models/state.py), but a draft's
+        # rejected tokens would leave it advanced past them: no snapshots to roll back yet.
+        if draft is not None and any(isinstance(s, MambaSpec) for s in self.kv_groups):
+            raise ValueError(
+                "Speculative decoding does not run with a model that keeps per-request state "
+                "(linear attention): a rejected draft token would stay in its state."
+            )
         self.mesh = mesh
         self.table = ExecutableTable(mesh)
         # Step inputs and penalty state are replicated on every device of the mesh.
