@@ -55,7 +55,7 @@ def assert_oracle(path, prompts, outs):
     [
         {},
         {"max_num_batched_tokens": 16, "enable_prefix_caching": False},  # chunked prefill
-        {"num_gpu_blocks_override": 8},  # preemption
+        {"num_gpu_blocks_override": 12},  # preemption: full and sliding share a pool
     ],
     ids=["alone", "chunked", "preempting"],
 )
