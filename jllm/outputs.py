@@ -19,6 +19,15 @@ PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
+class WeightVersionSpan:
+    """Output tokens [start, end) were sampled with the weights labelled `version`."""
+
+    version: str
+    start: int
+    end: int
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -27,6 +36,8 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # The weight versions its tokens were sampled under (RL), on the final output only.
+    weight_versions: list[WeightVersionSpan] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

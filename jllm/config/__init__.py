@@ -27,10 +27,10 @@ logger = logging.getLogger("jllm")
 # vLLM arguments jllm recognises but cannot honour yet: setting them to anything but the
 # default raises instead of being silently ignored.
 SCHEDULING_POLICIES = ("fcfs", "priority")
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 UNSUPPORTED_ARGS = {
     "cpu_offload_gb": 0,
     "data_parallel_size": 1,
-    "enable_sleep_mode": False,
 }
 # The seeds' image flags, which vLLM removed: refused with a message that says so
 # (engine/multimodal.py).
@@ -141,6 +141,14 @@ class EngineArgs:
     # (model_loader/kv_scales.py); ignored with a warning for another kv_cache_dtype.
     quantization_param_path: str | None = None
     max_logprobs: int = 20
+    # What logprobs report (vLLM's): "raw_logprobs" (the model's distribution, before any
+    # sampling parameter), "raw_logits", "processed_logprobs" or "processed_logits" (after
+    # penalties, bias, temperature and top-k/top-p/min-p: what was sampled from).
+    logprobs_mode: str = "raw_logprobs"
+    # RL: allow sleep levels 1 and 2 (weights to host or freed, KV cache freed), and the
+    # weight transfer backend that `update_weights` reads (jllm/rl/transfer.py).
+    enable_sleep_mode: bool = False
+    weight_transfer_config: dict | None = None
     # Custom logits processors: jllm.logits_process.LogitsProcessor classes or
     # "module:Class" names, compiled into the sampler (vLLM's engine-level form).
     logits_processors: list | None = None
@@ -273,6 +281,10 @@ class EngineArgs:
             )
         check_method(self.quantization)
         self._check_tracing()
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}."
+            )
         self._check_offloading()
         self._fold_rope()
         if self.dtype not in DTYPES:

@@ -15,6 +15,7 @@ from jllm.config import (
     DTYPES,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
+    LOGPROBS_MODES,
     LORA_DTYPES,
     REMOVED_IMAGE_ARGS,
     SCHEDULING_POLICIES,
@@ -82,6 +83,14 @@ HELP = {
     "value first, then arrival; preemption takes the lowest priority first).",
     "logits_processors": "Custom logits processors as 'module:Class' names (subclasses of "
     "jllm.logits_process.LogitsProcessor), compiled into the sampler.",
+    "logprobs_mode": "What logprobs report: raw_logprobs (the model's, before sampling "
+    "parameters), raw_logits, processed_logprobs or processed_logits (after penalties, "
+    "temperature and top-k/top-p/min-p).",
+    "enable_sleep_mode": "Allow sleep levels 1 and 2 (weights to host memory or freed, the "
+    "KV cache freed) for RL rollouts.",
+    "weight_transfer_config": 'Weight transfer for update_weights as JSON: {"backend": '
+    '"jax"} (in process, the default) or {"backend": "safetensors", "dir": PATH} (a trainer '
+    "in another process writes safetensors files there).",
     "max_logprobs": "Largest logprobs / top_logprobs a request may ask for; -1: the whole "
     "vocabulary (then every step returns it).",
     "speculative_config": 'Speculative decoding as JSON, e.g. \'{"method": "ngram", '
@@ -150,6 +159,7 @@ CHOICES = {
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "scheduling_policy": SCHEDULING_POLICIES,
     "lora_dtype": LORA_DTYPES,
+    "logprobs_mode": LOGPROBS_MODES,
 }
 
 
@@ -187,6 +197,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             "mm_processor_kwargs",
             "hf_overrides",
             "rope_scaling",
+            "weight_transfer_config",
         ):
             group.add_argument(flag(f.name), type=json.loads, default=None, help=help_text)
             continue

@@ -42,6 +42,13 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped on an error; no request can be served any more."""
 
 
+class EnginePausedError(RuntimeError):
+    """A new request while generation is paused with "abort" or "wait" (a 503)."""
+
+
+PAUSED = "Generation is paused (pause_generation); try again after it resumes."
+
+
 class AsyncLLM:
     def __init__(self, engine, stat_loggers: list | None = None) -> None:
         self.engine = engine
@@ -56,6 +63,8 @@ class AsyncLLM:
             engine, self._deliver, self._commands.put, self._output_thread_died
         )
         engine.output_handler = self._outputs
+        # pause_generation with "abort" or "wait": new requests are refused until resume.
+        self._refuse_new = False
         self._thread = threading.Thread(target=self._run, name="jllm-engine", daemon=True)
         self._thread.start()
 
@@ -114,6 +123,8 @@ class AsyncLLM:
 
         Pass `prepared` (from `prepare`) to validate before starting a response, and the
         HTTP request's `trace_headers` (`trace_headers()`) to trace it under their trace."""
+        if self._refuse_new:
+            raise EnginePausedError(PAUSED)
         processed, params = prepared or self.prepare(prompt, sampling_params)
         if request_id in self._streams:
             raise ValueError(f"Request id {request_id!r} is already running.")
@@ -141,6 +152,88 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    def abort_requests(self, request_ids: list[str] | None = None) -> int:
+        """End the named requests (None: every request this front end is serving); returns
+        how many it asked to end."""
+        ids = list(self._streams) if request_ids is None else list(request_ids)
+        for rid in ids:
+            self.abort(rid)
+        return len(ids)
+
+    # ---- RL: pause, sleep, weight updates (vLLM's AsyncLLM methods; docs/rl.md) ----------
+    async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
+        """ "abort": every request ends now (finish reason "abort"); "wait": they finish
+        first; both refuse new requests (EnginePausedError, a 503) until
+        `resume_generation`. "keep": requests freeze where they are and new ones queue;
+        all go on after resume with the outputs they would have had. `clear_cache` forgets
+        the cached prefixes once nothing runs (ignored under "keep")."""
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"Invalid pause mode: {mode!r}; use 'abort', 'wait' or 'keep'.")
+        if mode != "keep":
+            self._refuse_new = True
+        await self.call_utility("pause_scheduler", mode, clear_cache and mode == "abort")
+        if mode == "wait":
+            while await self.call_utility("has_unfinished_requests"):
+                await asyncio.sleep(0.01)
+            if clear_cache:
+                await self.call_utility("reset_prefix_cache")
+        # The ended requests' final outputs reach their streams before this returns.
+        await asyncio.sleep(0.02)
+
+    async def resume_generation(self) -> None:
+        self._refuse_new = False
+        await self.call_utility("resume_scheduler")
+
+    async def is_paused(self) -> bool:
+        return await self.call_utility("is_scheduler_paused")
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """`LLM.sleep`'s levels; requests that arrive while asleep wait for `wake_up`."""
+        if mode == "wait":  # drain first, then sleep with nothing running
+            await self.pause_generation(mode="wait", clear_cache=False)
+            mode = "keep"
+        try:
+            await self.call_utility("sleep", level, mode)
+        finally:
+            self._refuse_new = False
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        return await self.call_utility("wake_up", tags)
+
+    async def is_sleeping(self) -> bool:
+        return await self.call_utility("is_sleeping")
+
+    async def release_kv_cache_memory(self) -> None:
+        await self.call_utility("release_kv_cache_memory")
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.call_utility("reset_prefix_cache")
+
+    async def init_weight_transfer_engine(self, request=None) -> None:
+        info = getattr(request, "init_info", request)
+        if isinstance(info, dict) and set(info) == {"init_info"}:
+            info = info["init_info"]
+        self.engine.init_weight_transfer_engine(info)
+
+    async def start_weight_update(self) -> None:
+        await self.call_utility("start_weight_update")
+
+    async def update_weights(self, weights) -> None:
+        """`LLM.update_weights`: tensors, `get_weights()`'s state, or {"update_info": ...}."""
+        await self.call_utility("update_weights", *self.engine.weight_tensors(weights))
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        await self.call_utility("finish_weight_update", weight_version)
+
+    async def update_weight_version(self, new_version: str) -> None:
+        await self.call_utility("update_weight_version", new_version)
+
+    async def get_weight_version(self) -> str:
+        return await self.call_utility("get_weight_version")
+
+    async def get_weights(self):
+        return await self.call_utility("get_weights")
 
     def trace_headers(self, headers) -> dict | None:
         """The W3C trace headers of an HTTP request's `headers` to pass to `generate`; None

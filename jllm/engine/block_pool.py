@@ -42,12 +42,15 @@ def block_key(
     cache_salt: str | None = None,
     lora: bytes | None = None,
     images: tuple[bytes, ...] = (),
+    root: bytes | None = None,
 ) -> bytes:
     """The prefix-cache key of a full block: a 32-byte sha256 digest. Blocks have a fixed
     token count, so the encoding is unambiguous with the extra keys last: the content hash
     of each image whose tokens the block holds (32 bytes each; the placeholder tokens are
-    the same for every image), the LoRA adapter's 32-byte digest, then the salt."""
-    h = hashlib.sha256(ROOT_KEY if parent is None else parent)
+    the same for every image), the LoRA adapter's 32-byte digest, then the salt. `root`:
+    the first block's parent instead of ROOT_KEY (the KV-cache manager's, new with every
+    weight update)."""
+    h = hashlib.sha256(parent if parent is not None else root or ROOT_KEY)
     h.update(np.asarray(tokens, np.int64).tobytes())
     for image in images:
         h.update(b"image:" + image)

@@ -64,6 +64,7 @@ class EngineCore:
         proposer=None,
         async_scheduling: bool = False,
         structured=None,
+        weights=None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
@@ -83,6 +84,14 @@ class EngineCore:
         # Add each step's scheduling and runner time to its requests (for the spans of
         # --collect-detailed-traces; jllm/tracing.py turns it on).
         self.step_timing = False
+        # RL: the runner's weight sessions and sleep (runner/weight_sync.py), or None.
+        self.weights = weights
+        self.weight_version = "default"
+        # Pause: None, "new" (abort/wait: the front end refuses new requests, running ones
+        # finish) or "all" (keep: nothing is scheduled until resume). Outputs of requests a
+        # pause ended, delivered by the next step.
+        self.pause_state: str | None = None
+        self._pending: list[EngineCoreOutput] = []
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(
@@ -123,7 +132,9 @@ class EngineCore:
                 mm_items,
             )
             children.append(child)
-            self._child_parent[child_id] = request_id
+        self.scheduler.check_fits(children[0])  # its sequences are alike
+        for child in children:
+            self._child_parent[child.request_id] = request_id
         self.parents[request_id] = children
         if params.structured_outputs is not None:
             self._compiling.append((children, self.structured.compile(params.structured_outputs)))
@@ -157,16 +168,137 @@ class EngineCore:
             self._record(stats)
 
     def has_unfinished_requests(self) -> bool:
-        return (
-            self._in_flight is not None
-            or bool(self._compiling)
-            or self.scheduler.has_unfinished_requests()
-        )
+        """Whether a step has work: while paused with "keep", only a step in flight or the
+        outputs of requests a pause ended."""
+        if self._in_flight is not None or self._pending:
+            return True
+        if self.pause_state == "all":
+            return False
+        return bool(self._compiling) or self.scheduler.has_unfinished_requests()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block; False, and nothing forgotten, while requests
         run (a utility call: it runs between steps)."""
         return self.scheduler.kv_cache.reset_prefix_cache()
+
+    # ---- RL: weight updates, pause, sleep (utility calls, between steps) ------------------
+    def _weight_sync(self):
+        if self.weights is None:
+            raise RuntimeError("This engine's runner takes no weight updates.")
+        return self.weights
+
+    def start_weight_update(self) -> None:
+        self._weight_sync().start()
+
+    def update_weights(self, weights, native: bool = False) -> None:
+        self._weight_sync().update(weights, native)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> int:
+        """Install the session's weights: from the next step on every token is computed
+        with them. Nothing computed with the old ones is reused: cached prefixes become
+        unreachable (running requests go on with their own blocks but cache no more of
+        them), idle image embeddings are dropped, drafts are discarded."""
+        count = self._weight_sync().finish()
+        sched = self.scheduler
+        sched.kv_cache.new_weights(sched.requests.values())
+        if sched.encoder_cache is not None:
+            sched.encoder_cache.drop_idle()
+        for req in sched.running:
+            req.spec_token_ids = []
+        if weight_version is not None:
+            self.weight_version = weight_version
+        return count
+
+    def update_weight_version(self, version: str) -> None:
+        self.weight_version = version
+
+    def get_weight_version(self) -> str:
+        return self.weight_version
+
+    def get_weights(self):
+        return self._weight_sync().get_weights()
+
+    def pause_scheduler(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """vLLM's pause: "abort" ends every request (finish reason "abort"), "wait" lets
+        them finish, and both leave new requests to the front end to refuse; "keep" freezes
+        them where they are until `resume_scheduler`. `clear_cache` forgets the cached
+        prefixes once nothing runs (not under "keep")."""
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"Invalid pause mode: {mode!r}; use 'abort', 'wait' or 'keep'.")
+        if mode == "abort":
+            stats, now = StepStats(), time.time()
+            for children in list(self.parents.values()):
+                for child in children:
+                    if child.is_finished():
+                        continue
+                    self.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
+                    stats.finished.append(self._finished_stats(child, now))
+                    self._release(child)
+                    self._pending.append(self._output(child, [], None))
+            self._compiling.clear()
+            if stats.finished:
+                self._record(stats)
+        self.pause_state = "all" if mode == "keep" else "new"
+        if clear_cache and mode != "keep":
+            self.scheduler.kv_cache.reset_prefix_cache()  # refused while requests run
+
+    def resume_scheduler(self) -> None:
+        self.pause_state = None
+
+    def is_scheduler_paused(self) -> bool:
+        return self.pause_state is not None
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Level 0 pauses scheduling; level 1 also moves the weights to host memory and
+        frees the KV cache, level 2 frees both (runner/weight_sync.py). Requests kept
+        through a sleep of level 1 or 2 lose their cache and are recomputed on waking."""
+        if level not in (0, 1, 2):
+            raise ValueError(f"Invalid sleep level: {level}; use 0, 1 or 2.")
+        self.pause_scheduler(mode, clear_cache=level >= 1)
+        self.pause_state = "all"  # asleep: whatever arrives waits for wake_up
+        if level >= 1:
+            self._flush_in_flight()
+            self.scheduler.preempt_all()
+            self.scheduler.kv_cache.reset_prefix_cache()
+            self._weight_sync().sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Bring back the memory of `tags` ("weights", "kv_cache"; None: all) and, once
+        everything is back, resume scheduling ("scheduling" alone resumes a level 0 sleep).
+        Returns whether the engine is fully awake."""
+        if tags is not None:
+            unknown = set(tags) - {"weights", "kv_cache", "scheduling"}
+            if unknown:
+                raise ValueError(
+                    f"Unknown wake_up tags {sorted(unknown)}; use 'weights', 'kv_cache' or "
+                    "'scheduling'."
+                )
+            tags = [t for t in tags if t != "scheduling"]
+        if self.weights is not None and (tags is None or tags):
+            self.weights.wake_up(tags)
+        awake = self.weights is None or not self.weights.is_sleeping
+        if awake:
+            self.resume_scheduler()
+        return awake
+
+    def release_kv_cache_memory(self) -> None:
+        """Free the KV cache's device memory after a completed pause with nothing left to
+        run; `wake_up(["kv_cache"])` brings it back."""
+        if not self.is_scheduler_paused() or self.scheduler.has_unfinished_requests():
+            raise RuntimeError("release_kv_cache_memory() requires a completed pause first")
+        self._flush_in_flight()
+        self.scheduler.kv_cache.reset_prefix_cache()
+        self._weight_sync().release_kv_cache()
+
+    def is_sleeping(self) -> bool:
+        return self.is_scheduler_paused() or (self.weights is not None and self.weights.is_sleeping)
+
+    def _flush_in_flight(self) -> None:
+        """Finish the step in flight (async scheduling) before its arrays go: its outputs
+        wait for the next step."""
+        if self._in_flight is not None:
+            in_flight, self._in_flight = self._in_flight, None
+            self._pending += self._fetch(*in_flight)
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:
         """Hand the requests whose grammar is ready to the scheduler, each sequence with its
@@ -219,7 +351,12 @@ class EngineCore:
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
-        outputs = self._admit_compiled()
+        outputs, self._pending = self._pending, []
+        if self.pause_state == "all":  # keep: nothing moves until resume
+            self._flush_in_flight()
+            outputs, self._pending = outputs + self._pending, []
+            return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
+        outputs += self._admit_compiled()
         if self.async_scheduling and not self._grammar_running():
             outputs += self._step_ahead()
         else:
@@ -248,13 +385,16 @@ class EngineCore:
         outputs = []
         if self._in_flight is not None:
             outputs = self._fetch(*self._in_flight)
-        self._in_flight = None if handle is None else (sched_out, handle, (t_sched, t_run))
+        self._in_flight = (
+            None if handle is None else (sched_out, handle, (t_sched, t_run), self.weight_version)
+        )
         return outputs
 
-    def _fetch(self, sched_out, handle, times) -> list[EngineCoreOutput]:
-        """A dispatched step's results; its runner time is the dispatch's plus the fetch's."""
+    def _fetch(self, sched_out, handle, times, version) -> list[EngineCoreOutput]:
+        """A dispatched step's results; its runner time is the dispatch's plus the fetch's.
+        Its tokens were sampled under the weight version of its dispatch."""
         result, t_fetch = self._timed(self.runner.fetch, handle)
-        return self._update(sched_out, result, (times[0], times[1] + t_fetch))
+        return self._update(sched_out, result, (times[0], times[1] + t_fetch), version)
 
     def _timed(self, fn, *args):
         """(fn(*args), its duration in seconds), timed only when `step_timing` is on."""
@@ -264,9 +404,13 @@ class EngineCore:
         out = fn(*args)
         return out, time.perf_counter() - start
 
-    def _update(self, sched_out, result, times=(0.0, 0.0)) -> list[EngineCoreOutput]:
-        """Apply a step's results; `times`: its (scheduling, runner) seconds."""
+    def _update(
+        self, sched_out, result, times=(0.0, 0.0), version: str | None = None
+    ) -> list[EngineCoreOutput]:
+        """Apply a step's results; `times`: its (scheduling, runner) seconds; `version`:
+        the weight version it ran under (default: the current one)."""
         now = time.time()
+        version = self.weight_version if version is None else version
         stats = StepStats(num_computed_tokens=sched_out.total_num_scheduled_tokens)
         sampled: set[str] = set()
         outputs = []
@@ -302,7 +446,7 @@ class EngineCore:
                 outputs += self._fail(rid, f"{type(e).__name__}: {e}", now, stats)
                 continue
             if appended or prompt_logprobs is not None:
-                outputs.append(self._output(req, appended, prompt_logprobs))
+                outputs.append(self._output(req, appended, prompt_logprobs, version))
         self._record(stats)
         if self.proposer is not None or result.spec_token_ids:
             num_running = len(self.scheduler.running)
@@ -317,9 +461,12 @@ class EngineCore:
                 req.spec_token_ids = drafts
         return outputs
 
-    def _output(self, req: Request, tokens: list, prompt_logprobs) -> EngineCoreOutput:
+    def _output(
+        self, req: Request, tokens: list, prompt_logprobs, version: str | None = None
+    ) -> EngineCoreOutput:
         """What the front end needs of `req` after this step: its new `tokens` (the runner's
-        SampledTokens) and `prompt_logprobs`, its finish and timings."""
+        SampledTokens, sampled under weight `version`) and `prompt_logprobs`, its finish
+        and timings."""
         return EngineCoreOutput(
             request_id=req.request_id,
             new_token_ids=[tok.token_id for tok in tokens],
@@ -331,6 +478,7 @@ class EngineCore:
             first_scheduled_time=req.first_scheduled_time,
             scheduler_time=req.scheduler_time,
             model_execute_time=req.model_execute_time,
+            weight_version=version,
         )
 
     def _fail(self, child_id: str, reason: str, now: float, stats=None) -> list[EngineCoreOutput]:

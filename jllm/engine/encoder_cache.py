@@ -68,6 +68,12 @@ class EncoderCache:
             self.release(req_id, h)
         self.held.pop(req_id, None)
 
+    def drop_idle(self) -> None:
+        """Forget every image no request holds (new weights: their embeddings are stale)."""
+        for h in self.idle:
+            self.free.append(self.slot_of.pop(h))
+        self.idle.clear()
+
     @property
     def usage(self) -> float:
         return 1.0 - (len(self.free) + len(self.idle)) / max(1, self.num_slots)

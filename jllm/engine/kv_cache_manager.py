@@ -36,11 +36,12 @@ Host-side only: no JAX import.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import numpy as np
 
-from jllm.engine.block_pool import BlockPool, block_key
+from jllm.engine.block_pool import ROOT_KEY, BlockPool, block_key
 from jllm.engine.host_kv_tier import HostKVTier
 from jllm.engine.request import Request
 from jllm.engine.single_type_manager import SingleTypeManager
@@ -98,6 +99,12 @@ class KVCacheManager:
             )
             for g, (spec, p) in enumerate(zip(self.specs, self.pool_of, strict=True))
         ]
+        # The first block's parent key: ROOT_KEY, then a new one with every weight update
+        # (`new_weights`), so no block computed with other weights is ever a hit; and the
+        # requests that hold blocks computed with other weights (they cache no more).
+        self.root = ROOT_KEY
+        self.weight_updates = 0
+        self.stale: set[str] = set()
         self.req_blocks: dict[str, tuple[list[int], ...]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_queries = 0  # tokens looked up in the prefix cache
@@ -169,6 +176,24 @@ class KVCacheManager:
         """The fullest pool's share of its blocks in use: the pool that runs out first."""
         return max(pool.usage for pool in self.pools)
 
+    def shortfall(self, num_tokens: int, max_step_tokens: int) -> str | None:
+        """Why a request of `num_tokens` slots can never run, even alone (its groups need
+        more blocks of a pool than the pool has), or None when it fits. Start-up sizes the
+        pools so that a max_model_len request fits; num_gpu_blocks_override skips that."""
+        need = [0] * len(self.pools)
+        for manager, p in zip(self.managers, self.pool_of, strict=True):
+            need[p] += manager.spec.max_blocks_per_request(
+                num_tokens, self.block_size, max_step_tokens
+            )
+        short = [
+            f"{n} blocks of pool {p} ({pool.num_blocks - 1} usable)"
+            for p, (n, pool) in enumerate(zip(need, self.pools, strict=True))
+            if n > pool.num_blocks - 1
+        ]
+        if not short:
+            return None
+        return f"a request of {num_tokens} tokens needs {', '.join(short)}"
+
     def no_blocks(self) -> tuple[list[int], ...]:
         return tuple([] for _ in self.specs)
 
@@ -184,7 +209,7 @@ class KVCacheManager:
             block = tokens[i * size : (i + 1) * size]
             images = tuple(it.hash for it in req.mm_items if it.overlaps(i * size, (i + 1) * size))
             req.block_hashes.append(
-                block_key(parent, block, req.cache_salt, req.lora_digest, images)
+                block_key(parent, block, req.cache_salt, req.lora_digest, images, self.root)
             )
 
     def get_computed_blocks(self, req: Request) -> tuple[tuple[list[int], ...], int]:
@@ -277,7 +302,22 @@ class KVCacheManager:
             self._cache_full_blocks(req, blocks, min(total, req.num_tokens))
         return blocks
 
+    def new_weights(self, requests) -> None:
+        """The model's weights changed: from now on keys chain from a new root, so the
+        blocks cached so far are never hit again (they age out as free blocks do). Of
+        `requests` (every live one), those holding blocks go on with them but cache no
+        more; the others forget their keys."""
+        self.weight_updates += 1
+        self.root = hashlib.sha256(ROOT_KEY + b"weights:%d" % self.weight_updates).digest()
+        for req in requests:
+            if req.request_id in self.req_blocks:
+                self.stale.add(req.request_id)
+            else:
+                req.block_hashes.clear()
+
     def _cache_full_blocks(self, req: Request, blocks, num_tokens: int) -> None:
+        if req.request_id in self.stale:
+            return
         start = self.num_cached_blocks.get(req.request_id, 0)
         end = num_tokens // self.block_size
         if end <= start:
@@ -305,6 +345,9 @@ class KVCacheManager:
         tail blocks go first in the eviction order."""
         blocks = self.req_blocks.pop(req.request_id, self.no_blocks())
         self.num_cached_blocks.pop(req.request_id, None)
+        if req.request_id in self.stale:  # recomputed, if ever, under the new root
+            self.stale.discard(req.request_id)
+            req.block_hashes.clear()
         for manager, held in zip(self.managers, blocks, strict=True):
             manager.pool.release(held)
 

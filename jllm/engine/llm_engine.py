@@ -15,6 +15,8 @@ import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from flax import nnx
+
 from jllm.attention import get_backend
 from jllm.config import EngineArgs, resolve_scheduler_config
 from jllm.distributed import (
@@ -52,12 +54,15 @@ from jllm.engine.scheduler import Scheduler
 from jllm.logits_process import LogitsProcessorConfig, load_logits_processors
 from jllm.lora.manager import LoraCache, LoraSlots
 from jllm.metrics.stats import LoggingStatLogger
+from jllm.model_loader.update import UpdateTarget
+from jllm.rl.transfer import TransferConfig
 from jllm.runner.buckets import BatchLayout
 from jllm.runner.compile_cache import enable_compilation_cache
 from jllm.runner.encoder import ImageEncoder
 from jllm.runner.host_kv import HostKVCache, host_tier_blocks
 from jllm.runner.kv_cache import allocate_kv_caches, resolve_kv_cache_dtype, size_kv_cache
 from jllm.runner.model_runner import ModelRunner
+from jllm.runner.weight_sync import WeightSync
 from jllm.sampling_params import SamplingParams
 from jllm.scheduler_output import PROMPT_LOGPROB_ROWS
 from jllm.spec_decode import make_proposer
@@ -149,6 +154,7 @@ class LLMEngine:
             draft,
             m.lora,
             encoder,
+            logprobs_mode=args.logprobs_mode,
         )
         sizing = time.perf_counter()
         specs, kv_config = size_kv_cache(
@@ -232,6 +238,14 @@ class LLMEngine:
                 self.eos_token_ids,
                 args.structured_outputs_config,
             )
+        self.transfer = TransferConfig(args.weight_transfer_config)
+        self.weight_sync = WeightSync(
+            self.runner,
+            lambda: _update_target(m, args),
+            specs,
+            lambda caches: self._attach_kv_caches(caches, num_blocks, draft),
+            sleep_mode=args.enable_sleep_mode,
+        )
         self.core = EngineCore(
             self.scheduler,
             self.runner,
@@ -243,6 +257,7 @@ class LLMEngine:
             ),
             structured=self.structured,
             proposer=make_proposer(args.speculative_config),
+            weights=self.weight_sync,
         )
         # The front end reaches the core only through its client (add, abort, outputs,
         # utility calls); each step's outputs are processed inline (LLM) unless AsyncLLM
@@ -280,6 +295,23 @@ class LLMEngine:
         self.runner.attach_kv_cache(caches[0], num_blocks)
         if draft is not None:
             draft.attach(caches[1], num_blocks)
+
+    # ---- RL: weight updates and sleep, through the core between steps -----------------------
+    def init_weight_transfer_engine(self, init_info=None) -> None:
+        self.transfer.init(init_info)
+
+    def weight_tensors(self, weights) -> tuple:
+        """What an `update_weights` chunk hands the core: (tensors at the checkpoint's names
+        (read from the transfer backend's `update_info`, if that is what came), False), or
+        (`get_weights()`'s state, True)."""
+        if not self.transfer.initialized:
+            raise RuntimeError("Call init_weight_transfer_engine before update_weights.")
+        if isinstance(weights, nnx.State):
+            return weights, True
+        return self.transfer.tensors(weights), False
+
+    def update_weights(self, weights) -> None:
+        self.engine_core.call_utility("update_weights", *self.weight_tensors(weights))
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -446,3 +478,16 @@ class LLMEngine:
     def eos_token_ids(self) -> set[int]:
         """The ids that end a sequence: the tokenizer's EOS and the generation config's."""
         return set(self.extra_stop_ids) | {self.eos_token_id} - {None}
+
+
+def _update_target(m, args) -> UpdateTarget:
+    """What weight updates map onto; RuntimeError for an engine that takes none."""
+    if m.source.kind == "gguf" or getattr(m.source, "checkpoint_quantization", None):
+        raise RuntimeError(
+            "This engine cannot take weight updates: its weights are a packed checkpoint's "
+            "(GGUF, AWQ, GPTQ). Load the float checkpoint, with quantization='fp8' or "
+            "'tpu_int8' to quantize each update."
+        )
+    if args.nnodes > 1:
+        raise RuntimeError("Weight updates run on a single-process engine (nnodes=1) only.")
+    return UpdateTarget(m.arch, m.config, m.dtype, m.mesh, m.kv_replicas, m.quantization)

@@ -46,6 +46,7 @@ class EngineModel:
     stage_layers: tuple[int, ...] | None = None  # each pipeline stage's layers
     # Every layer's AttentionOptions (jllm/attention/options.py), which the backend must take
     attention_options: frozenset = frozenset()
+    arch: object = None  # the family's Architecture (models/architecture.py)
 
 
 def replicate_kv_heads(cfg, tp: int):
@@ -223,6 +224,7 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
         quantization,
         None if cfg.stage_repeats is None else stage_layers(arch.module, cfg),
         attention_options,
+        arch,
     )
 
 

@@ -27,7 +27,7 @@ from jllm.engine.outputs import (
     EngineCoreRequest,
     sequence_id,
 )
-from jllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, WeightVersionSpan
 from jllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class RequestState:
         self.last_token_time: float | None = None
         self.scheduler_time = 0.0
         self.model_execute_time = 0.0
+        self.weight_versions: list[list] = []  # [version, start, end] over output tokens
 
     @property
     def num_output_tokens(self) -> int:
@@ -71,6 +72,14 @@ class RequestState:
 
     def is_finished(self) -> bool:
         return self.finish_reason is not None
+
+    def note_version(self, version: str | None) -> None:
+        """The next output token was sampled under weight `version`."""
+        n, spans, version = len(self.output_token_ids), self.weight_versions, version or "default"
+        if spans and spans[-1][0] == version:
+            spans[-1][2] = n + 1
+        else:
+            spans.append([version, n, n + 1])
 
 
 @dataclass
@@ -231,6 +240,7 @@ class OutputProcessor:
         for i, token in enumerate(tokens):
             # The core's finish applies to its last token only.
             core_reason = out.finish_reason if i == last else None
+            seq.note_version(out.weight_version)
             seq.output_token_ids.append(token)
             if out.new_logprobs is not None:
                 self.logprobs.append_sampled(seq, out.new_logprobs[i])
@@ -316,6 +326,11 @@ class OutputProcessor:
                     logprobs=logprobs,
                     finish_reason=child.finish_reason,
                     stop_reason=child.stop_reason,
+                    weight_versions=(
+                        [WeightVersionSpan(*span) for span in child.weight_versions]
+                        if finished
+                        else None
+                    ),
                 )
             )
         first = parent.children[0]

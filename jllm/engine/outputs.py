@@ -62,6 +62,8 @@ class EngineCoreOutput:
     # --collect-detailed-traces, for the request's span).
     scheduler_time: float = 0.0
     model_execute_time: float = 0.0
+    # The weight version its new tokens were sampled under (one step: one version).
+    weight_version: str | None = None
 
     @property
     def finished(self) -> bool:

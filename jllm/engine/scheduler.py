@@ -88,6 +88,26 @@ class Scheduler:
         # How many block ids of each group the runner already has, per request.
         self._sent_blocks: dict[str, tuple[int, ...]] = {}
 
+    def check_fits(self, req: Request) -> None:
+        """ValueError when `req` could never run, even alone: the KV cache cannot hold its
+        prompt computed in the step's chunks, or its longest length (the prompt plus
+        max_tokens, within the context) while it decodes. Only a cache smaller than
+        start-up allows (num_gpu_blocks_override) does that; admitted, such a request would
+        wait forever. (A request preempted late recomputes in chunks, which a windowed
+        group in a pool that small may still not hold.)"""
+        config = self.config
+        # The last token is never computed; a draft model's lookahead slots are a wish.
+        end = max(self._limit(req) - 1, req.num_prompt_tokens)
+        chunk = config.max_num_batched_tokens + config.num_lookahead_slots
+        prompt = req.num_prompt_tokens
+        for tokens, step in ((prompt, min(prompt, chunk)), (end, 1 + config.num_lookahead_slots)):
+            why = self.kv_cache.shortfall(tokens, step)
+            if why is not None:
+                raise ValueError(
+                    f"The KV cache is too small for this request: {why}. Lower max_tokens "
+                    "or the prompt's length, or give the cache more blocks."
+                )
+
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
         self.waiting.add(req)
@@ -125,7 +145,14 @@ class Scheduler:
             num_new = self._fit_images(req, start, num_new, budget)
         return num_new
 
-    def _preempt(self, req: Request) -> None:
+    def preempt_all(self) -> None:
+        """Send every running request back to the front of the queue, in order, to be
+        recomputed (a sleep released the KV cache)."""
+        for req in reversed(self.running):
+            self._preempt(req, log=False)
+        self.running = []
+
+    def _preempt(self, req: Request, log: bool = True) -> None:
         self.kv_cache.free(req)
         self._release_lora(req)
         self._release_images(req)
@@ -137,6 +164,8 @@ class Scheduler:
         self.waiting.prepend(req)
         if self._sent_blocks.pop(req.request_id, None) is not None:
             self._preempted_ids.add(req.request_id)
+        if not log:
+            return
         logger.warning(
             "Request %s is preempted by PreemptionMode.RECOMPUTE mode because there is not "
             "enough KV cache space. This can affect the end-to-end performance. Increase "

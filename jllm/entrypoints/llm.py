@@ -111,6 +111,11 @@ class LLM:
                     f"The lengths of prompts ({len(prompts)}) and sampling_params "
                     f"({len(params_list)}) must be the same."
                 )
+        if self.is_sleeping():
+            raise RuntimeError(
+                "The engine is asleep (sleep or pause): call wake_up() before generate; "
+                "nothing could wake it while generate waits."
+            )
         # Validate everything before the first request enters the engine.
         prepared = [
             self.llm_engine.prepare(p, sp, lora, add_special_tokens)
@@ -184,6 +189,65 @@ class LLM:
         cold-cache measurement); False, and nothing forgotten, while requests run."""
         return self.llm_engine.engine_core.call_utility("reset_prefix_cache")
 
+    # ---- RL: weight updates, sleep (vLLM's names; docs/rl.md) ------------------------------
+    def _utility(self, name: str, *args):
+        return self.llm_engine.engine_core.call_utility(name, *args)
+
+    def init_weight_transfer_engine(self, request=None) -> None:
+        """Set up the weight transfer (`weight_transfer_config`'s backend): a dict
+        {"init_info": {...}}, an object with `init_info`, or the init_info itself."""
+        info = getattr(request, "init_info", request)
+        if isinstance(info, dict) and set(info) == {"init_info"}:
+            info = info["init_info"]
+        self.llm_engine.init_weight_transfer_engine(info)
+
+    def start_weight_update(self) -> None:
+        """Begin a weight update: `update_weights` (any number of chunks), then
+        `finish_weight_update` installs them all at once."""
+        self._utility("start_weight_update")
+
+    def update_weights(self, weights) -> None:
+        """One chunk: (name, tensor) pairs or a mapping at the checkpoint's Hugging Face
+        names (numpy, torch or jax arrays, on any devices), `get_weights()`'s state with its
+        leaves replaced, or the transfer backend's {"update_info": ...}. A bad tensor raises
+        ValueError naming it and ends the update with the engine's weights unchanged."""
+        self.llm_engine.update_weights(weights)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Install the update's weights; label them `weight_version` if given."""
+        self._utility("finish_weight_update", weight_version)
+
+    def update_weight_version(self, new_version: str) -> None:
+        self._utility("update_weight_version", new_version)
+
+    def get_weight_version(self) -> str:
+        """The weights' label: "default" until an update or `update_weight_version`."""
+        return self._utility("get_weight_version")
+
+    def get_weights(self):
+        """The model's parameters as the engine holds them: an `nnx.State` of `jax.Array`s
+        on their shardings. Give it back to `update_weights` with new leaves of the same
+        shapes and dtypes: no conversion, and none copied that already sit where they go."""
+        return self._utility("get_weights")
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Level 0 pauses scheduling; 1 moves the weights to host memory and frees the KV
+        cache; 2 frees both (an update brings weights back). Needs enable_sleep_mode for
+        levels 1 and 2. `generate` refuses until `wake_up`."""
+        self._utility("sleep", level, mode)
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Bring back `tags` ("weights", "kv_cache", "scheduling"; None: all); returns
+        whether the engine is fully awake."""
+        return self._utility("wake_up", tags)
+
+    def release_kv_cache_memory(self) -> None:
+        """Free the KV cache after `sleep(level=0)`; `wake_up(["kv_cache"])` restores it."""
+        self._utility("release_kv_cache_memory")
+
+    def is_sleeping(self) -> bool:
+        return self._utility("is_sleeping")
+
     def chat(
         self,
         messages,
@@ -230,11 +294,15 @@ class LLM:
     def _run(self, prepared, use_tqdm: bool, priority: list[int]) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = []
-        for (processed, params), prio in zip(prepared, priority, strict=True):
-            params.output_kind = RequestOutputKind.FINAL_ONLY
-            rid = str(next(self._counter))
-            engine.add_request(rid, processed, params, int(prio))
-            ids.append(rid)
+        try:
+            for (processed, params), prio in zip(prepared, priority, strict=True):
+                params.output_kind = RequestOutputKind.FINAL_ONLY
+                rid = str(next(self._counter))
+                engine.add_request(rid, processed, params, int(prio))
+                ids.append(rid)
+        except BaseException:  # a request refused: none of this call's runs
+            engine.abort_request(ids)
+            raise
         results: dict[str, RequestOutput] = {}
         bar = (
             tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True) if use_tqdm else None

@@ -180,7 +180,7 @@ def _repeat_rows(w: QuantizedWeight, kv_replicas: int, heads: int) -> QuantizedW
 
     def repeat(a):
         per_head = a.reshape(heads, -1, a.shape[-1])
-        return np.repeat(per_head, kv_replicas, axis=0).reshape(-1, a.shape[-1])
+        return per_head.repeat(kv_replicas, axis=0).reshape(-1, a.shape[-1])
 
     return jax.tree.map(repeat, w)
 
@@ -426,14 +426,7 @@ def _checkpoint_values(t: _Target, arch: Architecture, cfg, source) -> dict:
             num_experts = var.shape[1]
             if expert >= num_experts:
                 raise ValueError(f"Checkpoint tensor {name}: the model has {num_experts} experts.")
-            if t.online(path):  # transformers' [Out, In], quantized per output channel
-                expected = var.shape[3], var.shape[2]
-                host = quantize_online(np.asarray(w, np.float32), t.quantization)
-            else:
-                expected = var.shape[2:]
-                host = _convert(np.asarray(w), kind, expected).astype(t.dtype)
-            if tuple(host.shape) != tuple(expected):
-                raise ValueError(f"Checkpoint tensor {name} has shape {w.shape}.")
+            host = _expert_weight(t, name, w, path, kind)
             got = experts.setdefault((path, layer), {})
             got[expert] = host
             if len(got) < num_experts:
@@ -462,6 +455,21 @@ def _checkpoint_values(t: _Target, arch: Architecture, cfg, source) -> dict:
     if missing:
         raise ValueError(f"The checkpoint lacks weights for: {', '.join(missing[:8])}.")
     return values
+
+
+def _expert_weight(t: _Target, name: str, w, path, kind):
+    """One expert's tensor in our layout ([In, Out], or transformers' [Out, In] quantized
+    per output channel) for its place in the stacked experts [L, E, ...]."""
+    var = t.flat[path]
+    if t.online(path):
+        expected = var.shape[3], var.shape[2]
+        host = quantize_weight(w, t.quantization)
+    else:
+        expected = var.shape[2:]
+        host = _convert(as_array(w), kind, expected).astype(t.dtype)
+    if tuple(host.shape) != tuple(expected):
+        raise ValueError(f"Checkpoint tensor {name} has shape {tuple(w.shape)}.")
+    return host
 
 
 def _renamed(arch: Architecture, weights):
@@ -528,7 +536,7 @@ def _host_weight(t: _Target, name: str, w, path, layer, kind):
         shape = (*shape[:-2], shape[-2] // kv_replicas, shape[-1])
     if isinstance(w, QuantizedWeight) or t.online(path):
         if not isinstance(w, QuantizedWeight):  # transformers' [out, in] as it is
-            w = quantize_online(np.asarray(w, np.float32), t.quantization)
+            w = quantize_weight(w, t.quantization)
         out, width = _quantized_in_out(var, layer is not None)
         out //= kv_replicas if replicate else 1
         if w.shape != (out, width):
@@ -537,15 +545,41 @@ def _host_weight(t: _Target, name: str, w, path, layer, kind):
             )
         host = _repeat_rows(w, kv_replicas, shape[-2]) if replicate else w
     else:
-        host = _convert(np.asarray(w), kind, shape)
+        host = _convert(as_array(w), kind, shape)
         if host.shape != shape:
             raise ValueError(
                 f"Checkpoint tensor {name} has shape {w.shape}, expected one that maps to {shape}."
             )
         if replicate:
-            host = np.repeat(host, kv_replicas, axis=-2)
+            host = host.repeat(kv_replicas, axis=-2)
         host = host.astype(t.dtype)
     return host
+
+
+def as_array(w):
+    """A tensor as an array: a `jax.Array` as it is (where it is), a torch tensor or
+    anything else array-like as numpy (torch's bfloat16 through its bits)."""
+    if isinstance(w, jax.Array):
+        return w
+    if type(w).__module__.startswith("torch"):
+        w = w.detach().cpu()
+        if str(w.dtype) == "torch.bfloat16":
+            import ml_dtypes
+            import torch
+
+            return w.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return w.numpy()
+    return np.asarray(w)
+
+
+def quantize_weight(w, method: str) -> QuantizedWeight:
+    """A float weight [Out, In] quantized per output channel (`quantize_online`); a
+    `jax.Array` on its own devices."""
+    w = as_array(w)
+    if not isinstance(w, jax.Array):
+        return quantize_online(np.asarray(w, np.float32), method)
+    codes, scale = jax.jit(quantize_channels, static_argnums=1)(w.astype(jnp.float32), method)
+    return QuantizedWeight(codes, scale, None, ONLINE_KINDS[method])
 
 
 def _put(host, var, sharding, mesh, name: str):

@@ -174,6 +174,27 @@ def candidate_draw(p, total, top_k, top_p, keys):
 def vocab_draw(p, total, top_k, top_p, keys):
     """The same draw over the whole vocabulary (arguments as `candidate_draw`) -> [R]."""
     V = p.shape[-1]
+    kept = jnp.where(p >= _vocab_threshold(p, total, top_k, top_p), p, 0.0)
+    ids = jnp.arange(V, dtype=jnp.int32)[None, :]
+    return _race(kept, exponentials(keys, ids))
+
+
+def kept_tokens(p, top_k, top_p, min_p):
+    """Which tokens a row's draw may pick [R, V] bool: probs p [R, V] under min_p, top_k
+    [R] (0: off) and top_p [R] (what `processed_logprobs` keeps; `filtered_draw` draws
+    among exactly these)."""
+    V = p.shape[-1]
+    floor = min_p[:, None] * p.max(-1, keepdims=True)
+    p = jnp.where(p >= floor, p, 0.0)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)[:, None]
+    t = _vocab_threshold(p, p.sum(-1, keepdims=True), k, top_p[:, None])
+    return (p >= t) & (p > 0.0)
+
+
+def _vocab_threshold(p, total, top_k, top_p):
+    """The probability [R, 1] at or above which a token survives top_k [R, 1] (V when
+    off) and top_p [R, 1] (p: min-p applied; total its mass)."""
+    V = p.shape[-1]
     t_k = jax.lax.cond(
         jnp.any(top_k < V),
         lambda: jnp.where(top_k < V, _largest_threshold(p, top_k.astype(jnp.float32), _count), 0),
@@ -186,9 +207,7 @@ def vocab_draw(p, total, top_k, top_p, keys):
         lambda: jnp.where(top_p < 1.0, _largest_threshold(kept_k, top_p * mass_k, _mass), 0),
         lambda: jnp.zeros_like(total),
     )
-    kept = jnp.where(kept_k >= t_p, kept_k, 0.0)
-    ids = jnp.arange(V, dtype=jnp.int32)[None, :]
-    return _race(kept, exponentials(keys, ids))
+    return jnp.maximum(t_k, t_p)
 
 
 def filtered_draw(p, top_k, top_p, min_p, sampled, keys):

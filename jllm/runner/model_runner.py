@@ -132,6 +132,7 @@ forward_step = jax.jit(
         "logits_sharding",
         "num_logprobs",
         "logits_processors",
+        "logprobs_mode",
     ),
     donate_argnames=("counts", "last_tokens"),
 )
@@ -150,6 +151,7 @@ def sample_step(
     logits_sharding,
     num_logprobs,
     logits_processors,
+    logprobs_mode="raw_logprobs",
 ):
     """The LM head on the first Rs of the forward's [logit_rows, D] hidden states (Rs: the
     rows of the packed sampling metadata `buf`), then the sampler (runner/sampler.py)."""
@@ -170,6 +172,7 @@ def sample_step(
         bitmask,
         num_logprobs=num_logprobs,
         logits_processors=logits_processors,
+        logprobs_mode=logprobs_mode,
     )
 
 
@@ -190,8 +193,10 @@ class ModelRunner:
         draft=None,
         lora=None,
         encoder=None,
+        logprobs_mode: str = "raw_logprobs",
     ) -> None:
         self.graphdef = graphdef
+        self.logprobs_mode = logprobs_mode  # what the sampler's logprobs report
         self.draft = draft  # a speculative DraftModel (spec_decode/draft_model.py), or None
         # The KV-cache groups' specs (jllm/kv_cache_interface.py): the model's, then the
         # draft model's. Every step carries each group's attention metadata.
@@ -362,6 +367,7 @@ class ModelRunner:
                 logits_sharding=self.logits_sharding,
                 num_logprobs=self.max_logprobs,
                 logits_processors=self.logits_processors,
+                logprobs_mode=self.logprobs_mode,
             )
 
         return self.table.get("sampler", rs, lower)

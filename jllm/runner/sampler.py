@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jllm.runner.draw import filtered_draw, first_argmax, row_keys
+from jllm.runner.draw import filtered_draw, first_argmax, kept_tokens, row_keys
 from jllm.sampling_params import SAMPLING_EPS
 
 
@@ -137,7 +137,7 @@ def _apply_processors(logits, md: SamplingMetadata, processors, argmax_invariant
 
 @partial(
     jax.jit,
-    static_argnames=("num_logprobs", "logits_processors"),
+    static_argnames=("num_logprobs", "logits_processors", "logprobs_mode"),
     donate_argnames=("counts", "last_tokens"),
 )
 def sample(
@@ -151,6 +151,7 @@ def sample(
     *,
     num_logprobs,
     logits_processors=(),
+    logprobs_mode="raw_logprobs",
 ):
     """logits [R, V], the penalty state (counts, prompt_mask [P, V]), the logit-bias table
     (bias [P, V]), the grammar bitmask [R, ceil(V / 32)] (read for `md.masked` rows) ->
@@ -160,6 +161,11 @@ def sample(
 
     Which passes run (penalties, sampling, top-k/top-p, logprobs) is decided on device from
     the batch with lax.cond, so one executable per row bucket serves every mix of requests.
+
+    `logprobs_mode` (vLLM's): what the returned logprobs are: "raw_logprobs" (log-softmax of
+    the model's logits, the grammar mask only), "raw_logits", or "processed_logprobs" /
+    "processed_logits": after bias, processors and penalties, then for a sampled row its
+    temperature with the tokens top-k, top-p and min-p drop at -inf (what it drew from).
     """
     logits = logits.astype(jnp.float32)
     R, V = logits.shape
@@ -193,8 +199,19 @@ def sample(
 
     tokens = jax.lax.cond(jnp.all(greedy_row), lambda: greedy, sampled)
 
+    def processed_logits():
+        temp = jnp.where(greedy_row, 1.0, md.temperature)
+        scaled = processed / temp[:, None]
+        scaled = _apply_processors(scaled, md, logits_processors, argmax_invariant=True)
+        kept = kept_tokens(jax.nn.softmax(scaled, axis=-1), md.top_k, md.top_p, md.min_p)
+        return jnp.where(greedy_row[:, None], processed, jnp.where(kept, scaled, -jnp.inf))
+
+    def reported():  # [R, V]: the values logprobs_mode reports
+        values = logits if logprobs_mode.startswith("raw") else processed_logits()
+        return jax.nn.log_softmax(values, axis=-1) if logprobs_mode.endswith("logprobs") else values
+
     def logprobs():
-        raw = jax.nn.log_softmax(logits, axis=-1)  # [R, V]
+        raw = reported()  # [R, V]
         token_lp = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]  # [R]
         rank = jnp.sum(raw > token_lp[:, None], axis=-1).astype(jnp.int32) + 1
         top_lp, top_ids = jax.lax.top_k(raw, num_logprobs)  # [R, J]

@@ -68,6 +68,13 @@ def test_chunked_local_sliding_and_sinks_match_the_oracle(toy_dir, settings):
         outs = generate(llm, again)
         assert all(o.num_cached_tokens >= 32 for o in outs)
         assert_oracle(toy_dir, again, outs)
+    if "num_gpu_blocks_override" in settings:
+        # A request longer than the pools hold even alone is refused, not left waiting.
+        long = SamplingParams(max_tokens=400, ignore_eos=True)
+        with pytest.raises(ValueError, match="KV cache is too small"):
+            llm.generate([{"prompt_token_ids": p} for p in PROMPTS], long, use_tqdm=False)
+        assert not llm.llm_engine.has_unfinished_requests()
+        assert_oracle(toy_dir, PROMPTS[:1], generate(llm, PROMPTS[:1]))
 
 
 def test_the_masks_and_sinks_matter(toy_dir):

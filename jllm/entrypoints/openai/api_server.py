@@ -33,6 +33,7 @@ from jllm.engine.async_llm import EngineDeadError
 from jllm.entrypoints.openai.auth import AuthenticationMiddleware, api_keys
 from jllm.entrypoints.openai.chat_templates import renderer_parameters
 from jllm.entrypoints.openai.cli_args import load_chat_template, make_arg_parser
+from jllm.entrypoints.openai.dev_routes import attach_dev_routes, dev_mode
 from jllm.entrypoints.openai.openapi import build_openapi
 from jllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -204,6 +205,13 @@ def build_app(args: argparse.Namespace, engine: StoppableLLM, metrics: Prometheu
             "object": "list",
             "data": models.cards(completions.created(), engine.max_model_len),
         }
+
+    if dev_mode():
+        logger.warning(
+            "Development routes are on (VLLM_SERVER_DEV_MODE=1): pause, sleep and weight "
+            "updates; do not expose this server to untrusted clients."
+        )
+        attach_dev_routes(app, engine)
 
     if os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"):
         logger.warning(

@@ -1,0 +1,177 @@
+"""The runner's side of RL weight updates and sleep: what happens to its device arrays.
+
+`WeightSync` runs vLLM's update session on the model runner: `start`, any number of
+`update(weights)` (chunks; model_loader/update.py converts and checks each tensor as it
+arrives), then `finish`, which builds every new parameter and installs them all at once
+between two steps, so the engine serves either the old weights or the new ones, never a
+mix. A bad chunk ends the session with nothing changed. The parameters keep their shapes,
+dtypes and shardings, so the compiled steps run on as they are: an update compiles nothing
+of the model (its scatter into a stacked parameter compiles once per shape).
+
+Sleep (`sleep(level)`, `wake_up(tags)`): level 1 copies the parameters to host memory and
+deletes their device arrays and the KV cache's; level 2 deletes both (the next update or a
+wake from zeros provides the weights). Waking puts them back on their shardings; the
+executables were never dropped, so waking compiles nothing either.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jllm.model_loader.update import UpdateTarget, WeightUpdate
+from jllm.runner.kv_cache import allocate_kv_caches
+
+logger = logging.getLogger(__name__)
+
+TAGS = ("weights", "kv_cache")
+
+
+class WeightSync:
+    def __init__(self, runner, target, kv_specs, attach, sleep_mode: bool = False) -> None:
+        """`target()`: what updates map onto (an UpdateTarget, built on the first update;
+        it raises where the engine takes none); `kv_specs`: the abstract KV caches (each
+        model's, what waking reallocates) and `attach(caches)` gives them to the runner;
+        `sleep_mode` (enable_sleep_mode) allows sleep levels 1 and 2."""
+        self.runner = runner
+        self._target_factory = target
+        self._target: UpdateTarget | None = None
+        self.kv_specs = kv_specs
+        self.attach = attach
+        self.sleep_mode = sleep_mode
+        self.session: WeightUpdate | None = None
+        self.asleep: set[str] = set()  # the tags whose memory is released
+        self.host_weights: dict | None = None  # level 1: path -> (host copy, sharding)
+
+    @property
+    def target(self) -> UpdateTarget:
+        if self._target is None:
+            self._target = self._target_factory()
+        return self._target
+
+    # ---- updates ---------------------------------------------------------------------------
+    def _variables(self) -> dict:
+        """The model's parameters (not its LoRA slots nor KV-cache scales): path -> Variable."""
+        params = self.target.target.flat
+        return {p: v for p, v in nnx.to_flat_state(self.runner.state) if p in params}
+
+    def start(self) -> None:
+        self.target  # noqa: B018 - refuses an engine that takes no updates
+        if self.session is not None:
+            raise RuntimeError(
+                "start_weight_update called while a weight update is already active. "
+                "Call finish_weight_update first."
+            )
+        self.session = WeightUpdate(self.target)
+
+    def update(self, weights, native: bool = False) -> None:
+        if self.session is None:
+            raise RuntimeError("start_weight_update must be called before update_weights.")
+        try:
+            if native:
+                current = {p: v.get_value() for p, v in self._variables().items()}
+                self.session.add_native(weights, current)
+            else:
+                self.session.add(weights)
+        except BaseException:
+            self.session = None  # as vLLM: a failed chunk ends the session
+            raise
+
+    def finish(self) -> int:
+        """Install the session's weights; returns how many tensors it took."""
+        session, self.session = self.session, None
+        if session is None:
+            raise RuntimeError(
+                "finish_weight_update called without a matching start_weight_update."
+            )
+        variables = self._variables()
+        if "weights" in self.asleep:
+            if self.host_weights is not None:  # level 1: update the host copies instead
+                self._wake_weights()
+            else:
+                self._wake_weights(zeros=True)
+        current = {p: variables[p].get_value() for p in session.paths()}
+        new = session.build(current)
+        for path, value in new.items():
+            variables[path].set_value(value)
+        return session.count
+
+    def get_weights(self):
+        """The model's parameters as the engine holds them: an `nnx.State` of
+        `jax.Array`s on their shardings (stacked layers, split fused tensors)."""
+        return nnx.from_flat_state({p: v.get_value() for p, v in self._variables().items()})
+
+    # ---- sleep -----------------------------------------------------------------------------
+    def sleep(self, level: int) -> None:
+        if not self.sleep_mode:
+            raise ValueError(
+                f"Sleep level {level} needs sleep mode: start the engine with "
+                "enable_sleep_mode=True (level 0 pauses scheduling without it)."
+            )
+        if level < 1 or "weights" in self.asleep:
+            return
+        variables = self._variables()
+        if level == 1:
+            self.host_weights = {
+                p: jax.tree.map(lambda a: (np.asarray(a), a.sharding), v.get_value())
+                for p, v in variables.items()
+            }
+        for v in variables.values():
+            for a in jax.tree.leaves(v.get_value()):
+                a.delete()
+        self._delete_kv_cache()
+        self.asleep = set(TAGS)
+        kept = "copied to host memory" if level == 1 else "discarded"
+        logger.info("Sleep level %d: weights %s, KV cache released.", level, kept)
+
+    def _delete_kv_cache(self) -> None:
+        if "kv_cache" in self.asleep:
+            return
+        jax.block_until_ready((self.runner._caches(), self.runner.last_tokens))
+        for a in jax.tree.leaves(self.runner._caches()):
+            a.delete()
+        self.asleep.add("kv_cache")
+
+    def release_kv_cache(self) -> None:
+        """Free the KV cache alone (vLLM's `release_kv_cache_memory`)."""
+        if "weights" in self.asleep:
+            raise RuntimeError(
+                "release_kv_cache_memory() requires all executor memory to be resident"
+            )
+        self._delete_kv_cache()
+
+    def wake_up(self, tags) -> None:
+        tags = TAGS if tags is None else tags
+        if "weights" in tags and "weights" in self.asleep:
+            self._wake_weights(zeros=self.host_weights is None)
+        if "kv_cache" in tags and "kv_cache" in self.asleep:
+            self.attach(allocate_kv_caches(self.kv_specs))
+            self.asleep.discard("kv_cache")
+
+    def _wake_weights(self, zeros: bool = False) -> None:
+        variables = self._variables()
+        for path, var in variables.items():
+            if zeros:  # level 2: the shapes and shardings the parameters had
+                value = jax.tree.map(
+                    lambda a: jax.jit(
+                        lambda: jnp.zeros(a.shape, a.dtype), out_shardings=a.sharding
+                    )(),
+                    var.get_value(),
+                )
+            else:
+                value = jax.tree.map(
+                    lambda pair: jax.device_put(*pair),
+                    self.host_weights[path],
+                    is_leaf=lambda x: isinstance(x, tuple),
+                )
+            var.set_value(value)
+        self.host_weights = None
+        self.asleep.discard("weights")
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.asleep)
