@@ -28,8 +28,9 @@ LAYERS = [
     {"scheduler_output", "logits_process", "beam_search", "kv_cache_interface"},
     # What a model is built from and what the engine feeds it, none knowing a model: the
     # attention backends, weight formats, the multi-host channel, metrics, grammars, and
-    # LoRA's delta, slot arrays and adapters (the model installs its slots: models/lora.py).
-    {"attention", "quantization", "distributed", "metrics", "structured_output", "lora"},
+    # LoRA's delta, slot arrays and adapters (the model installs its slots: models/lora.py),
+    # and how a trainer's weights arrive (rl: the weight transfer backends).
+    {"attention", "quantization", "distributed", "metrics", "structured_output", "lora", "rl"},
     {"models"},
     {"model_loader"},  # above models, as in vLLM: it builds a model and fills its weights
     {"runner", "tracing"},

@@ -133,6 +133,9 @@ class EngineArgs:
     # Execution.
     # vLLM's device: "auto" (JAX's default backend), "cpu", "cuda"/"gpu", "tpu".
     device: str = "auto"
+    # The devices the engine runs on, as indexes into jax.devices() (a trainer in the same
+    # process keeps the others; Tunix passes indexes too); None: the first TP x PP.
+    devices: list | None = None
     enforce_eager: bool = False
     max_seq_len_to_capture: int = 8192
     attention_backend: str = "auto"

@@ -83,6 +83,8 @@ HELP = {
     "value first, then arrival; preemption takes the lowest priority first).",
     "logits_processors": "Custom logits processors as 'module:Class' names (subclasses of "
     "jllm.logits_process.LogitsProcessor), compiled into the sampler.",
+    "devices": "Indexes into jax.devices() of the devices the engine runs on (a trainer in "
+    "the same process keeps the others); default: the first TP x PP.",
     "logprobs_mode": "What logprobs report: raw_logprobs (the model's, before sampling "
     "parameters), raw_logits, processed_logprobs or processed_logits (after penalties, "
     "temperature and top-k/top-p/min-p).",
@@ -183,6 +185,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help_text = HELP[f.name]
         if f.name == "logits_processors":
             group.add_argument(flag(f.name), nargs="*", default=None, help=help_text)
+            continue
+        if f.name == "devices":
+            group.add_argument(flag(f.name), nargs="+", type=int, default=None, help=help_text)
             continue
         if f.name == "allowed_media_domains":
             group.add_argument(flag(f.name), nargs="*", default=None, help=help_text)

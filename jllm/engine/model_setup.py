@@ -103,6 +103,21 @@ def apply_hf_overrides(hf, overrides: dict) -> None:
             setattr(hf, key, value)
 
 
+def engine_devices(indexes: list[int] | None, count: int):
+    """The devices of `indexes` (into jax.devices()), exactly TP x PP of them; None: all."""
+    if indexes is None:
+        return None
+    every = jax.devices()
+    if len(indexes) != count or len(set(indexes)) != count:
+        raise ValueError(
+            f"devices={list(indexes)} must name {count} distinct devices (tensor_parallel_size "
+            "x pipeline_parallel_size)."
+        )
+    if not all(isinstance(i, int) and 0 <= i < len(every) for i in indexes):
+        raise ValueError(f"devices={list(indexes)}: indexes into the {len(every)} devices.")
+    return [every[i] for i in indexes]
+
+
 def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
     source = resolve_model(
         args.model,
@@ -176,7 +191,7 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
                 f"them ({cfg.stage_repeats} repeats per stage): give the original checkpoint, "
                 "or a pipeline_parallel_size that divides the layers."
             )
-    mesh = make_mesh(tp, pipeline_parallel_size=pp)
+    mesh = make_mesh(tp, engine_devices(args.devices, tp * pp), pipeline_parallel_size=pp)
     cfg = expert_parallel(cfg, args.enable_expert_parallel, tp)
     cfg, replicas = replicate_kv_heads(cfg, tp)
     # Per-layer float8 KV-cache scales, from the checkpoint or quantization_param_path.

@@ -2,8 +2,9 @@
 weights through `start_weight_update` / `update_weights` / `finish_weight_update` and then
 matches transformers running the second model (float32: greedy tokens equal, logprobs
 within 1e-4). Chunks as torch, numpy and jax arrays; the engine's own state back
-(`get_weights`); TP=2; fp8 re-quantized; no stale prefix-cache hit; every bad update
-refused with the old weights still served whole; no compile after an update."""
+(`get_weights`); TP=2 on a device subset; fp8 re-quantized; tied embeddings (the tiny
+models tie them: the head follows the embedding); no stale prefix-cache hit; every bad
+update refused with the old weights still served whole; no compile after an update."""
 
 from __future__ import annotations
 
@@ -161,11 +162,20 @@ def test_tensor_parallel_and_fp8_engines_take_updates(models):
     """TP=2 splits every updated tensor across both devices; an fp8 engine re-quantizes
     each update, giving what a fresh fp8 load of the new weights gives."""
     a, path, b = models
-    tp = LLM(path, **SMALL, dtype="float32", skip_tokenizer_init=True, tensor_parallel_size=2)
+    # On devices 2 and 3 (a trainer in the process keeps the others); the jax chunk sits
+    # on device 0 and moves device to device.
+    tp = LLM(
+        path,
+        **SMALL,
+        dtype="float32",
+        skip_tokenizer_init=True,
+        tensor_parallel_size=2,
+        devices=[2, 3],
+    )
     push(tp, b)
     assert_matches(b, PROMPTS, generate(tp, PROMPTS))
     kernel = tp.get_weights()["layers"]["self_attn"]["q_proj"]["weight"]
-    assert len(kernel.sharding.device_set) == 2
+    assert {d.id for d in kernel.sharding.device_set} == {2, 3}
     del tp
     fp8 = LLM(path, **SMALL, dtype="float32", skip_tokenizer_init=True, quantization="fp8")
     push(fp8, b, chunks=(np, jnp))
