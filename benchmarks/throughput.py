@@ -308,7 +308,10 @@ def run_vllm_cpu(reqs, dtype: str, extra_args=()) -> dict:
     if not (os.path.exists(python) and os.path.exists(os.path.join(model, "config.json"))):
         raise SystemExit(f"vLLM's CPU peer is not set up under {peers}: run setup.sh first.")
     spec = {
-        w: {"prompts": [p for p, _ in r], "max_tokens": [n for _, n in r]} for w, r in reqs.items()
+        w: {"prompts": [p for p, _ in r], "max_tokens": [n for _, n in r]}
+        if isinstance(r, list)
+        else r  # a workload already in the peer's form (with n, temperature, logprobs)
+        for w, r in reqs.items()
     }
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)

@@ -9,7 +9,10 @@ With `--lora-paths '["dir", ...]' --max-loras N`: LoRA enabled (rank up to 16) a
 requests round-robin over those PEFT adapters (an empty list: the base model only).
 
 W.json: {name: {"prompts": [[token ids], ...], "max_tokens": [int, ...]}}: greedy, EOS
-ignored, each request exactly its max_tokens. The last line printed is one JSON object:
+ignored, each request exactly its max_tokens. A workload may add "n" (samples per prompt),
+"temperature" (unseeded: vLLM's CPU sampler fails on per-request seeds, "CPU Generator
+does not use offset", 2026-11-27) and "logprobs" (the sampled token's, as an RL
+rollout asks). The last line printed is one JSON object:
 {name: {"seconds", "tokens", "tok_s", "ttft" (one-request workloads)}, "startup_s": ...}.
 Engine settings are jllm's defaults: max_num_batched_tokens 2048, max_num_seqs 256.
 """
@@ -56,7 +59,14 @@ def main():
     for name, w in workloads.items():
         prompts = [TokensPrompt(prompt_token_ids=p) for p in w["prompts"]]
         params = [
-            SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
+            SamplingParams(
+                n=w.get("n", 1),
+                temperature=w.get("temperature", 0.0),
+                logprobs=w.get("logprobs"),
+                max_tokens=n,
+                min_tokens=n,
+                ignore_eos=True,
+            )
             for n in w["max_tokens"]
         ]
         ttft = None
@@ -70,8 +80,8 @@ def main():
             requests = [adapters[i % len(adapters)] for i in range(len(prompts))]
         outs = llm.generate(prompts, params, use_tqdm=False, lora_request=requests)
         seconds = time.perf_counter() - t1
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        assert tokens == sum(w["max_tokens"]), (name, tokens)
+        tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        assert tokens == w.get("n", 1) * sum(w["max_tokens"]), (name, tokens)
         results[name] = {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds}
         if ttft is not None:
             results[name]["ttft"] = ttft

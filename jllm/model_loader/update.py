@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +39,6 @@ from jllm.model_loader.loader import (
     as_array,
 )
 from jllm.models.registry import IGNORED
-from jllm.quantization.weights import QuantizedWeight
 from sharding import named_sharding, param_axes
 
 logger = logging.getLogger(__name__)
@@ -62,6 +62,7 @@ class UpdateTarget:
         self.arch, self.cfg = arch, cfg
         self.layer_weights = arch.layer_weights(cfg)
         self.fused = arch.fused_weights(cfg)
+        self.checked: set = set()  # (recipe, shape, dtype) of tensors already checked
 
 
 def _check_float(name: str, w) -> None:
@@ -75,20 +76,30 @@ def _check_float(name: str, w) -> None:
         raise ValueError(f"update_weights: {name} is {dtype}, not a floating-point tensor.")
 
 
+def _convert(target: UpdateTarget, recipe: tuple, w):
+    """One tensor in our layout: `recipe` = (a name for messages, parameter path, whether
+    it is a row of a layer stack, whether of stacked experts, kind), as mapped."""
+    name, path, layered, expert, kind = recipe
+    if expert:
+        return _expert_weight(target.target, name, w, path, kind)
+    return _host_weight(target.target, name, w, path, 0 if layered else None, kind)
+
+
 class WeightUpdate:
-    """One update session's tensors, converted as they arrive and applied by `build`."""
+    """One update session's tensors, checked as they arrive and converted and installed by
+    `build`: one jitted program per parameter (conversion, stacking and the scatter into
+    its rows), cached across updates of the same shapes."""
 
     def __init__(self, target: UpdateTarget):
         self.target = target
-        # path -> new value (a whole parameter), or path -> {row index: value} (rows of a
-        # stacked parameter: (layer,) or (layer, expert)).
-        self.whole: dict[tuple, object] = {}
-        self.rows: dict[tuple, dict[tuple, object]] = {}
+        # path -> {row index: (tensor as given, its recipe)}: () for a whole parameter,
+        # (layer,) or (layer, expert) for rows of a stacked one.
+        self.raw: dict[tuple, dict[tuple, tuple]] = {}
         self.native: dict[tuple, jax.Array] = {}
         self.count = 0
 
     def add(self, weights) -> None:
-        """Convert and keep `weights`: (name, tensor) pairs or a mapping, at the checkpoint's
+        """Check and keep `weights`: (name, tensor) pairs or a mapping, at the checkpoint's
         names; ValueError naming the first tensor the model cannot take."""
         items = weights.items() if isinstance(weights, Mapping) else weights
         t = self.target
@@ -116,18 +127,32 @@ class WeightUpdate:
             if path == ("lm_head", "weight") and t.cfg.tie_word_embeddings:
                 return  # tied: the embedding is the head
             raise ValueError(f"update_weights: {given} has no place in this model.")
-        if layer is None and expert is None:
-            self.whole[path] = _host_weight(tt, given, w, path, None, kind)
-            return
-        if not 0 <= layer < tt.flat[path].shape[0]:
-            raise ValueError(f"update_weights: {given}: the model has no such layer.")
+        index: tuple = ()
+        if layer is not None:
+            if not 0 <= layer < tt.flat[path].shape[0]:
+                raise ValueError(f"update_weights: {given}: the model has no such layer.")
+            index = (layer,)
         if expert is not None:
             if not 0 <= expert < tt.flat[path].shape[1]:
                 raise ValueError(f"update_weights: {given}: the model has no expert {expert}.")
-            value, index = _expert_weight(tt, given, w, path, kind), (layer, expert)
-        else:
-            value, index = _host_weight(tt, given, w, path, layer, kind), (layer,)
-        self.rows.setdefault(path, {})[index] = value
+            index = (layer, expert)
+        # What converts it, the same for every layer's (so one program serves them all).
+        recipe = (_dotted(path), path, layer is not None, expert is not None, kind)
+        # The conversion traced on the shape alone (nothing computed yet): a tensor that
+        # does not map onto the parameter fails here. Once per recipe and shape.
+        try:
+            key = (recipe, tuple(w.shape), jnp.dtype(w.dtype))
+            if key not in t.checked:
+                abstract = jax.ShapeDtypeStruct(w.shape, w.dtype)
+                jax.eval_shape(partial(_convert, t, recipe), abstract)
+                t.checked.add(key)
+        except (TypeError, ValueError) as e:
+            shape = tt.flat[path].shape[len(index) :]
+            raise ValueError(
+                f"update_weights: {given} has shape {tuple(w.shape)}, which does not map "
+                f"onto {_dotted(path)} ({tuple(shape)} per row): {e}"
+            ) from None
+        self.raw.setdefault(path, {})[index] = (w, recipe)
 
     def add_native(self, state, current: dict) -> None:
         """The engine's own parameter state (`get_weights()`'s, leaves replaced): every leaf
@@ -149,7 +174,7 @@ class WeightUpdate:
             self.count += 1
 
     def paths(self) -> set:
-        return set(self.whole) | set(self.rows) | set(self.native)
+        return set(self.raw) | set(self.native)
 
     def build(self, current: dict) -> dict:
         """The new value of every parameter this session touched, on its sharding. `current`:
@@ -159,60 +184,77 @@ class WeightUpdate:
         out = {}
         for path, value in self.native.items():
             out[path] = jax.tree.map(_to_sharding, value, current[path])
-        for path, value in self.whole.items():
-            out[path] = _place_like(value, current[path])
-        for path, rows in self.rows.items():
-            out[path] = _write_rows(current[path], rows)
-        return out
+        for path, rows in self.raw.items():
+            old = current[path]
+            shardings = tuple(a.sharding for a in jax.tree.leaves(old))
+            mesh = shardings[0].mesh
+            raws = [_on_mesh(w, mesh) for w, _ in rows.values()]
+            recipes = tuple(recipe for _, recipe in rows.values())
+            if list(rows) == [()]:  # a whole parameter
+                out[path] = _assemble_whole(
+                    raws[0], target=self.target, recipe=recipes[0], shardings=shardings
+                )
+                continue
+            # Row by row into the old array, donated: one pass over the new weights.
+            new = old
+            for (index, (_, recipe)), raw in zip(rows.items(), raws, strict=True):
+                new = _write_row(
+                    new,
+                    raw,
+                    np.asarray(index, np.int32),
+                    target=self.target,
+                    recipe=recipe,
+                    shardings=shardings,
+                )
+            out[path] = new
+        # The parameters' own sharding objects (a program's output may name an equivalent
+        # one, P() for P("model", None) on one device): nothing moves.
+        return {
+            path: jax.tree.map(lambda n, o: jax.device_put(n, o.sharding), value, current[path])
+            for path, value in out.items()
+        }
+
+
+def _on_mesh(w, mesh):
+    """A given tensor where the engine's program can read it: numpy as it is (copied in by
+    the call); a jax.Array on other devices than the mesh's, replicated onto the mesh's
+    (device to device)."""
+    if not isinstance(w, jax.Array) or w.sharding.device_set <= set(mesh.devices.flat):
+        return w
+    return jax.device_put(w, NamedSharding(mesh, PartitionSpec()))
+
+
+def _constrain(tree, shardings: tuple):
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(
+        treedef,
+        [jax.lax.with_sharding_constraint(a, s) for a, s in zip(leaves, shardings, strict=True)],
+    )
+
+
+@partial(jax.jit, static_argnames=("target", "recipe", "shardings"))
+def _assemble_whole(raw, *, target, recipe, shardings):
+    """A whole parameter converted from its one tensor, on its sharding."""
+    return _constrain(_convert(target, recipe, raw), shardings)
+
+
+@partial(jax.jit, static_argnames=("target", "recipe", "shardings"), donate_argnums=0)
+def _write_row(old, raw, index, *, target, recipe, shardings):
+    """`old` [L, ...] (or [L, E, ...]; a QuantizedWeight of such arrays) with the raw
+    tensor converted into row `index` ([layer] or [layer, expert]), in place."""
+    value = _convert(target, recipe, raw)
+
+    def put(o, v):
+        lead = index.shape[0]
+        start = (*index, *([0] * (o.ndim - lead)))
+        return jax.lax.dynamic_update_slice(o, v.astype(o.dtype)[(None,) * lead], start)
+
+    return _constrain(jax.tree.map(put, old, value), shardings)
 
 
 def _to_sharding(new: jax.Array, old: jax.Array) -> jax.Array:
+    """A native leaf where the engine keeps the parameter: adopted as it is when it is
+    there already (zero copies), else moved device to device."""
     if isinstance(new, jax.Array) and new.sharding == old.sharding:
-        return new  # adopted as it is: zero copies
-    return _place_like(new, old)
-
-
-def _place_like(value, old):
-    """`value` (numpy or a jax.Array anywhere; a QuantizedWeight of them) on `old`'s
-    shardings."""
-    if isinstance(value, QuantizedWeight):
-        return jax.tree.map(_place_like, value, old)
-    if isinstance(value, jax.Array):
-        return jax.device_put(value.astype(old.dtype), old.sharding)
-    host = np.asarray(value, old.dtype)
-    return jax.make_array_from_callback(host.shape, old.sharding, lambda i: host[i])
-
-
-def _value_sharding(old: jax.Array, lead: int) -> NamedSharding:
-    """`old`'s sharding without its first `lead` axes: the layout of one row's value."""
-    spec = tuple(old.sharding.spec) + (None,) * (old.ndim - len(old.sharding.spec))
-    return NamedSharding(old.sharding.mesh, PartitionSpec(*spec[lead:]))
-
-
-@jax.jit(donate_argnums=0)
-def _scatter(old, index, values):
-    """`old` with `values[i]` at row `index[i]` (a layer, or a (layer, expert) pair)."""
-    return old.at[tuple(index.T)].set(jnp.stack(values))
-
-
-def _write_rows(old, rows: dict):
-    """`old` [L, ...] (or [L, E, ...]; a QuantizedWeight of such arrays) with the rows in
-    `rows` ({(layer[, expert]): value}) written on its devices; the old arrays donated."""
-    if isinstance(old, QuantizedWeight):
-        return jax.tree.map(
-            lambda o, *vals: _write_array(o, dict(zip(rows, vals, strict=True))),
-            old,
-            *rows.values(),
-        )
-    return _write_array(old, rows)
-
-
-def _write_array(old: jax.Array, rows: dict) -> jax.Array:
-    index = np.asarray(list(rows), np.int32)  # [k, 1 or 2]
-    sharding = _value_sharding(old, index.shape[1])
-    values = [
-        _place_like(v, jax.ShapeDtypeStruct(v.shape, old.dtype, sharding=sharding))
-        for v in rows.values()
-    ]
-    index = jax.device_put(index, NamedSharding(sharding.mesh, PartitionSpec()))
-    return _scatter(old, index, values)
+        return new
+    return jax.device_put(new, old.sharding)
