@@ -24,12 +24,12 @@ WORKER = str(Path(__file__).with_name("multihost_worker.py"))
 PROMPTS = prompt_ids(3, 6) + prompt_ids(1, 30, seed=4) + prompt_ids(1, 33, seed=6)
 
 
-def start(rank: int, model: str, port: int, mode: str, env=None) -> subprocess.Popen:
+def start(rank: int, model: str, port: int, mode: str, env=None, stdout=None) -> subprocess.Popen:
     cmd = [sys.executable, WORKER, str(rank), model, str(port), mode, json.dumps(PROMPTS)]
     return subprocess.Popen(
         cmd,
         stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
+        stdout=stdout or subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
@@ -52,16 +52,40 @@ def one_process(tiny_models):
     return LLM(tiny_models["llama-h8kv2"], **SMALL)
 
 
-def test_two_stages_equal_one(tiny_models, one_process):
-    """Two pipeline stages, one per process, with the cluster from Slurm. (TP = 4 across
-    both with explicit addresses: test_lora_across_processes.)"""
-    got, logs = run_two(tiny_models["llama-h8kv2"], "slurm-pp")
+def test_two_stages_equal_one_until_one_is_lost(tiny_models, one_process, tmp_path):
+    """Two pipeline stages, one per process, with the cluster from Slurm: one process's
+    tokens. Then process 1, which holds the second stage, dies: process 0 reports it (the
+    same path as under TP: its step cannot be sent). (TP = 4 across both with explicit
+    addresses, and a follower that stops with process 0: test_lora_across_processes.)"""
+    model = tiny_models["llama-h8kv2"]
+    port = free_port()
+    follower_out = tmp_path / "follower.log"  # a file: nobody reads it while process 0 runs
+    with open(follower_out, "w") as f:
+        leader = start(0, model, port, "slurm+crash-pp")
+        follower = start(1, model, port, "slurm+crash-pp", stdout=f)
+    lines = []
+    try:
+        for line in leader.stdout:
+            lines.append(line)
+            if line.startswith("READY"):
+                break
+        follower.kill()
+        follower.wait(timeout=60)
+        out, _ = leader.communicate("go\n", timeout=300)
+    finally:
+        for p in (leader, follower):
+            if p.poll() is None:
+                p.kill()
+    follower_log = follower_out.read_text()
+    log = "".join(lines) + out
+    assert leader.returncode == 3, log
+    got = json.loads(next(line for line in lines if line.startswith("TOKENS "))[7:])
     params = SamplingParams(n=2, temperature=0.0, max_tokens=10, ignore_eos=True)
     want = one_process.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert got == [[c.token_ids for c in o.outputs] for o in want]
-    assert "STAGES [[0], [1]]" in logs[0]  # one stage per process
-    assert "Process 1 of 2: 2 local devices, 4 in all." in logs[1]
-    assert "Process 0 stopped; process 1 is done." in logs[1]
+    assert "STAGES [[0], [1]]" in log  # one stage per process
+    assert "Process 1 of 2: 2 local devices, 4 in all." in follower_log
+    assert "LOST Process(es) [1] of the cluster exited" in out
 
 
 def test_lora_across_processes(tiny_models, tmp_path, one_process):
@@ -91,28 +115,6 @@ def test_lora_across_processes(tiny_models, tmp_path, one_process):
     assert "STAGES [[0, 1]]" in logs[0]  # one stage over both processes
     assert "Process 1 of 2: 2 local devices, 4 in all." in logs[1]
     assert "Process 0 stopped; process 1 is done." in logs[1]
-
-
-def test_lost_process_is_reported(tiny_models):
-    """Process 1, which holds the second pipeline stage, dies: process 0 reports it (the
-    same path as under TP: its step cannot be sent)."""
-    mode = "crash-pp"
-    port = free_port()
-    leader = start(0, tiny_models["llama-h8kv2"], port, mode)
-    follower = start(1, tiny_models["llama-h8kv2"], port, mode)
-    try:
-        for line in leader.stdout:
-            if line.startswith("READY"):
-                break
-        follower.kill()
-        follower.wait(timeout=60)
-        out, _ = leader.communicate("go\n", timeout=300)
-    finally:
-        for p in (leader, follower):
-            if p.poll() is None:
-                p.kill()
-    assert leader.returncode == 3, out
-    assert "LOST Process(es) [1] of the cluster exited" in out
 
 
 def serve_two(model: str, parallel: list[str]) -> tuple[list[subprocess.Popen], str]:
@@ -180,7 +182,7 @@ def test_server_loses_a_stage(tiny_models, one_process):
     process: the API answers with one process's greedy text; once the second stage's
     process dies, a request fails with a 503 that says so (it does not hang), /health
     answers 503, and process 0 still stops when asked. (That a follower stops with process
-    0: test_two_stages_equal_one.)"""
+    0: test_lora_across_processes.)"""
     import httpx
 
     model = tiny_models["llama-h8kv2"]
