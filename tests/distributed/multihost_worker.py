@@ -5,10 +5,11 @@
 Each process has 2 fake CPU devices; TP = 4 spans both (a MODE ending in "-pp": PP = 2 x
 TP = 2, one pipeline stage per process). Process 0 prints the greedy token ids (n = 2:
 both children's) as a `TOKENS <json>` line. MODE "generate": addresses given. MODE "slurm":
-no addresses, the cluster comes from (emulated) Slurm variables. MODE "crash": process 0
-prints READY, waits for a line on stdin (the test kills process 1 meanwhile), then tries
-to generate and prints LOST <error>. MODE "lora": with LoRA, the even prompts with the PEFT
-adapter at $JLLM_TEST_ADAPTER (slot writes reach process 1 in the step messages).
+no addresses, the cluster comes from (emulated) Slurm variables. MODE "lora": with LoRA, the
+even prompts with the PEFT adapter at $JLLM_TEST_ADAPTER (slot writes reach process 1 in the
+step messages). A MODE ending in "+crash" (before "-pp"): after TOKENS, process 0 prints
+READY, waits for a line on stdin (the test kills process 1 meanwhile), then tries to
+generate again and prints LOST <error>.
 """
 
 import json
@@ -32,6 +33,8 @@ parallel = dict(tensor_parallel_size=4)
 if mode.endswith("-pp"):
     mode = mode.removesuffix("-pp")
     parallel = dict(tensor_parallel_size=2, pipeline_parallel_size=2)
+crash = mode.endswith("+crash")
+mode = mode.removesuffix("+crash")
 cluster = dict(nnodes=2, node_rank=rank, master_addr="127.0.0.1", master_port=port)
 if mode == "slurm":
     # No addresses given: JAX detects the cluster from (emulated) Slurm variables, as it
@@ -67,15 +70,6 @@ if rank == 0:
     ]
     print("STAGES " + json.dumps(stages), flush=True)
     params = SamplingParams(n=2, temperature=0.0, max_tokens=10, ignore_eos=True)
-    if mode == "crash":
-        print("READY", flush=True)
-        sys.stdin.readline()
-        try:
-            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        except ProcessLostError as e:
-            print(f"LOST {e}", flush=True)
-            os._exit(3)
-        os._exit(0)
     adapters = None
     if mode == "lora":
         from jllm.lora.request import LoRARequest
@@ -86,3 +80,12 @@ if rank == 0:
         [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=adapters
     )
     print("TOKENS " + json.dumps([[c.token_ids for c in o.outputs] for o in outs]), flush=True)
+    if crash:
+        print("READY", flush=True)
+        sys.stdin.readline()
+        try:
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        except ProcessLostError as e:
+            print(f"LOST {e}", flush=True)
+            os._exit(3)
+        os._exit(0)

@@ -24,12 +24,12 @@ WORKER = str(Path(__file__).with_name("multihost_worker.py"))
 PROMPTS = prompt_ids(3, 6) + prompt_ids(1, 30, seed=4) + prompt_ids(1, 33, seed=6)
 
 
-def start(rank: int, model: str, port: int, mode: str, env=None) -> subprocess.Popen:
+def start(rank: int, model: str, port: int, mode: str, env=None, stdout=None) -> subprocess.Popen:
     cmd = [sys.executable, WORKER, str(rank), model, str(port), mode, json.dumps(PROMPTS)]
     return subprocess.Popen(
         cmd,
         stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
+        stdout=stdout or subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
@@ -46,54 +46,27 @@ def run_two(model: str, mode: str, env=None) -> tuple[list, list[str]]:
     return got, logs
 
 
-# TP = 4 with explicit addresses; two pipeline stages with the cluster from Slurm.
-@pytest.mark.parametrize("mode", ["generate", "slurm-pp"])
-def test_two_processes_equal_one(tiny_models, mode):
+@pytest.fixture(scope="module")
+def one_process(tiny_models):
+    """The model the two processes serve, in this one process: what they must equal."""
+    return LLM(tiny_models["llama-h8kv2"], **SMALL)
+
+
+def test_two_stages_equal_one_until_one_is_lost(tiny_models, one_process, tmp_path):
+    """Two pipeline stages, one per process, with the cluster from Slurm: one process's
+    tokens. Then process 1, which holds the second stage, dies: process 0 reports it (the
+    same path as under TP: its step cannot be sent). (TP = 4 across both with explicit
+    addresses, and a follower that stops with process 0: test_lora_across_processes.)"""
     model = tiny_models["llama-h8kv2"]
-    got, logs = run_two(model, mode)
-    params = SamplingParams(n=2, temperature=0.0, max_tokens=10, ignore_eos=True)
-    want = LLM(model, **SMALL).generate(
-        [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False
-    )
-    assert got == [[c.token_ids for c in o.outputs] for o in want]
-    stages = "[[0], [1]]" if mode.endswith("-pp") else "[[0, 1]]"  # one stage per process
-    assert f"STAGES {stages}" in logs[0]
-    assert "Process 1 of 2: 2 local devices, 4 in all." in logs[1]
-    assert "Process 0 stopped; process 1 is done." in logs[1]
-
-
-def test_lora_across_processes(tiny_models, tmp_path):
-    """TP = 4 over two processes with a LoRA adapter on half the prompts: process 1 writes
-    the adapter's slot from the step message, so both give one process's tokens (process 0
-    used to write it alone: process 1 ran its shards of the layers without the adapter)."""
-    import os
-
-    model = tiny_models["llama-h8kv2"]
-    adapter = make_adapters(model, tmp_path, names=("all8",))["all8"][0]
-    got, _ = run_two(model, "lora", {**os.environ, "JLLM_TEST_ADAPTER": adapter})
-    params = SamplingParams(n=2, temperature=0.0, max_tokens=10, ignore_eos=True)
-    lora = LoRARequest("a", 1, adapter)
-    llm = LLM(model, enable_lora=True, max_loras=1, max_lora_rank=8, **SMALL)
-    want = llm.generate(
-        [{"prompt_token_ids": p} for p in PROMPTS],
-        params,
-        use_tqdm=False,
-        lora_request=[lora if i % 2 == 0 else None for i in range(len(PROMPTS))],
-    )
-    base = llm.generate({"prompt_token_ids": PROMPTS[0]}, params, use_tqdm=False)
-    assert got == [[c.token_ids for c in o.outputs] for o in want]
-    assert got[0][0] != base[0].outputs[0].token_ids  # the adapter changes the answer
-
-
-def test_lost_process_is_reported(tiny_models):
-    """Process 1, which holds the second pipeline stage, dies: process 0 reports it (the
-    same path as under TP: its step cannot be sent)."""
-    mode = "crash-pp"
     port = free_port()
-    leader = start(0, tiny_models["llama-h8kv2"], port, mode)
-    follower = start(1, tiny_models["llama-h8kv2"], port, mode)
+    follower_out = tmp_path / "follower.log"  # a file: nobody reads it while process 0 runs
+    with open(follower_out, "w") as f:
+        leader = start(0, model, port, "slurm+crash-pp")
+        follower = start(1, model, port, "slurm+crash-pp", stdout=f)
+    lines = []
     try:
         for line in leader.stdout:
+            lines.append(line)
             if line.startswith("READY"):
                 break
         follower.kill()
@@ -103,8 +76,45 @@ def test_lost_process_is_reported(tiny_models):
         for p in (leader, follower):
             if p.poll() is None:
                 p.kill()
-    assert leader.returncode == 3, out
+    follower_log = follower_out.read_text()
+    log = "".join(lines) + out
+    assert leader.returncode == 3, log
+    got = json.loads(next(line for line in lines if line.startswith("TOKENS "))[7:])
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=10, ignore_eos=True)
+    want = one_process.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert got == [[c.token_ids for c in o.outputs] for o in want]
+    assert "STAGES [[0], [1]]" in log  # one stage per process
+    assert "Process 1 of 2: 2 local devices, 4 in all." in follower_log
     assert "LOST Process(es) [1] of the cluster exited" in out
+
+
+def test_lora_across_processes(tiny_models, tmp_path, one_process):
+    """TP = 4 over two processes with explicit addresses and a LoRA adapter on half the
+    prompts: process 1 writes the adapter's slot from the step message, so both give one
+    process's tokens (process 0 used to write it alone: process 1 ran its shards of the
+    layers without the adapter), and the prompts without it one process's without LoRA."""
+    import os
+
+    model = tiny_models["llama-h8kv2"]
+    adapter = make_adapters(model, tmp_path, names=("all8",))["all8"][0]
+    got, logs = run_two(model, "lora", {**os.environ, "JLLM_TEST_ADAPTER": adapter})
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=10, ignore_eos=True)
+    lora = LoRARequest("a", 1, adapter)
+    llm = LLM(model, enable_lora=True, max_loras=1, max_lora_rank=8, **SMALL)
+    want = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS],
+        params,
+        use_tqdm=False,
+        lora_request=[lora if i % 2 == 0 else None for i in range(len(PROMPTS))],
+    )
+    plain = one_process.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    plain = [[c.token_ids for c in o.outputs] for o in plain]
+    assert got == [[c.token_ids for c in o.outputs] for o in want]
+    assert got[1::2] == plain[1::2]
+    assert got[0][0] != plain[0][0]  # the adapter changes the answer
+    assert "STAGES [[0, 1]]" in logs[0]  # one stage over both processes
+    assert "Process 1 of 2: 2 local devices, 4 in all." in logs[1]
+    assert "Process 0 stopped; process 1 is done." in logs[1]
 
 
 def serve_two(model: str, parallel: list[str]) -> tuple[list[subprocess.Popen], str]:
@@ -156,30 +166,30 @@ def serve_two(model: str, parallel: list[str]) -> tuple[list[subprocess.Popen], 
     return procs, url
 
 
-def complete(url: str, model: str):
+def complete(url: str, one_process):
     """One greedy completion of PROMPTS[3] and what one process gives for it."""
     import httpx
 
     body = {"prompt": PROMPTS[3], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     got = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    want = LLM(model, **SMALL).generate({"prompt_token_ids": PROMPTS[3]}, params)
+    want = one_process.generate({"prompt_token_ids": PROMPTS[3]}, params, use_tqdm=False)
     return got, want[0].outputs[0].text
 
 
-def test_server_loses_a_stage(tiny_models):
+def test_server_loses_a_stage(tiny_models, one_process):
     """`jllm serve` as process 0 and a headless follower, two pipeline stages, one per
     process: the API answers with one process's greedy text; once the second stage's
     process dies, a request fails with a 503 that says so (it does not hang), /health
     answers 503, and process 0 still stops when asked. (That a follower stops with process
-    0: test_two_processes_equal_one.)"""
+    0: test_lora_across_processes.)"""
     import httpx
 
     model = tiny_models["llama-h8kv2"]
     parallel = ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"]
     procs, url = serve_two(model, parallel)
     try:
-        got, want = complete(url, model)
+        got, want = complete(url, one_process)
         assert got.status_code == 200, got.text
         assert got.json()["choices"][0]["text"] == want
         procs[1].kill()

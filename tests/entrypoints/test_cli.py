@@ -3,18 +3,24 @@ loads, and `python -m jllm.entrypoints.openai.api_server` serves a request end t
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
 
 import httpx
+import pytest
 from openai_server import free_port, wait_healthy
 
-JLLM = [sys.executable, "-m", "jllm.entrypoints.cli"]
+from jllm.entrypoints.cli import main as cli
+from jllm.logger import setup_logging
 
 
-def test_serve_help_lists_vllm_flags():
-    out = subprocess.run([*JLLM, "serve", "--help"], capture_output=True, text=True, check=True)
+def test_serve_help_lists_vllm_flags(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli(["serve", "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
     for flag in (
         "--port",
         "--api-key",
@@ -28,18 +34,26 @@ def test_serve_help_lists_vllm_flags():
         "--uvicorn-log-level",
         "--max-log-len",
     ):
-        assert flag in out.stdout, flag
+        assert flag in out, flag
 
 
-def test_unsupported_flag_is_a_clear_error(tmp_path):
-    out = subprocess.run(
-        [*JLLM, "serve", str(tmp_path), "--cpu-offload-gb", "4"], capture_output=True, text=True
-    )
-    assert out.returncode != 0 and "--cpu-offload-gb is not supported" in out.stderr
-    out = subprocess.run(
-        [*JLLM, "serve", str(tmp_path), "--quantization", "int3"], capture_output=True, text=True
-    )
-    assert out.returncode != 0 and "quantization must be one of" in out.stderr
+@pytest.mark.parametrize(
+    "flags, error",
+    [
+        (["--cpu-offload-gb", "4"], "--cpu-offload-gb is not supported"),
+        (["--quantization", "int3"], "quantization must be one of"),
+    ],
+)
+def test_unsupported_flag_is_a_clear_error(tmp_path, caplog, monkeypatch, flags, error):
+    """The error is logged and the command exits nonzero before any model loads (tmp_path
+    holds none). Run in this process: `python -m jllm.entrypoints.cli serve` as a process
+    is the quickstart notebook's server (tests/test_notebook.py)."""
+    setup_logging()  # the server's handler, as `jllm serve` sets it up
+    monkeypatch.setattr(logging.getLogger("jllm"), "propagate", True)
+    with caplog.at_level(logging.ERROR, logger="jllm"), pytest.raises(SystemExit) as done:
+        cli(["serve", str(tmp_path), *flags])
+    assert done.value.code not in (0, None)
+    assert error in caplog.text
 
 
 def test_api_server_module_serves(llama_dir):

@@ -47,8 +47,22 @@ def smollm():
     return LLM(**ARGS)
 
 
-def hf_model():
-    source = resolve_model(None)
+@pytest.fixture(scope="module")
+def source():
+    """The embedded file, parsed once for the module (its tokenizer's metadata takes seconds)."""
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="module")
+def oracle(source):
+    """transformers' model on the embedded file's weights, built once for the module (each
+    build dequantizes every tensor); generation ignores EOS."""
+    model = hf_model(source)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def hf_model(source):
     config = transformers.LlamaConfig(**source.hf_config.to_dict())
     model = transformers.LlamaForCausalLM(config).eval()
     state = {name: torch.from_numpy(w.copy()) for name, w in source.iter_weights()}
@@ -59,19 +73,17 @@ def hf_model():
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_chat_matches_transformers(smollm):
+def test_smollm2_greedy_chat_matches_transformers(smollm, oracle):
     tok = smollm.get_tokenizer()
     convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = smollm.chat(convs, params, use_tqdm=False)
-    model = hf_model()
-    model.generation_config.eos_token_id = None
     for conv, out in zip(convs, outs, strict=True):
         ids = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
         ids = ids if isinstance(ids, list) else ids["input_ids"]
         assert out.prompt_token_ids == list(ids)
         with torch.no_grad():
-            ref = model.generate(
+            ref = oracle.generate(
                 torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0
             )[0, len(ids) :].tolist()
         assert out.outputs[0].token_ids == ref
@@ -117,7 +129,7 @@ def test_smollm2_two_stages_match_one(smollm):
 
 
 @pytest.mark.slow
-def test_smollm2_default_dtype_against_fp32_oracle():
+def test_smollm2_default_dtype_against_fp32_oracle(oracle):
     """`LLM()` as a user starts it: bf16 on an AMX CPU (Q4_1 weights count as 16-bit). Its
     greedy tokens stay the float32 oracle's argmax or within bf16's error of it."""
     llm = LLM(**{**ARGS, "dtype": "auto"})
@@ -126,7 +138,7 @@ def test_smollm2_default_dtype_against_fp32_oracle():
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     outs = llm.chat(convs, params, use_tqdm=False)
     runs = [(out.prompt_token_ids, out.outputs[0]) for out in outs]
-    gap, error = worst_teacher_forced_gaps(hf_model(), runs)
+    gap, error = worst_teacher_forced_gaps(oracle, runs)
     print(f"worst choice gap {gap:.3f}, worst logprob error {error:.3f}")
     assert gap <= 0.2 and error <= 0.3, (gap, error)
     assert "Paris" in outs[0].outputs[0].text
@@ -228,7 +240,7 @@ def test_smollm2_ngram_speculation_copies_and_changes_nothing(smollm):
 
 
 @pytest.mark.slow
-def test_smollm2_from_its_4bit_weights():
+def test_smollm2_from_its_4bit_weights(oracle, source):
     """The embedded SmolLM2 kept as Q4_1 (its Q8_0 embedding also the tied lm_head): in
     float32 its greedy chat is transformers' on gguf-py's dequantized weights and its
     logprobs within 1e-3 of them; the weights take about a third of the dequantized bf16."""
@@ -237,17 +249,17 @@ def test_smollm2_from_its_4bit_weights():
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
     outs = llm.chat(convs, params, use_tqdm=False)
     runs = [(out.prompt_token_ids, out.outputs[0]) for out in outs]
-    gap, error = worst_teacher_forced_gaps(hf_model(), runs)
+    gap, error = worst_teacher_forced_gaps(oracle, runs)
     print(f"worst choice gap {gap:.2e}, worst logprob error {error:.2e}")
     assert gap == 0.0 and error < 1e-3, (gap, error)
     assert "Paris" in outs[0].outputs[0].text
     stored = sum(a.nbytes for a in jax.tree.leaves(llm.llm_engine.runner.state))
-    assert stored < 0.4 * 2 * resolve_model(None).num_params  # bf16 would take 2 bytes each
+    assert stored < 0.4 * 2 * source.num_params  # bf16 would take 2 bytes each
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3"])  # e5m2 measured once: see below
-def test_smollm2_with_an_fp8_kv_cache(kv_cache_dtype):
+def test_smollm2_with_an_fp8_kv_cache(kv_cache_dtype, oracle):
     """float32 compute over a float8 KV cache against transformers (float32 throughout),
     teacher-forced on the engine's own greedy chat: the logprob error that rounding K/V to
     float8 costs, bounded, and the answer still right. (e5m2, run the same way once, within
@@ -257,12 +269,11 @@ def test_smollm2_with_an_fp8_kv_cache(kv_cache_dtype):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
     outs = llm.chat(convs, params, use_tqdm=False)
     runs = [(out.prompt_token_ids, out.outputs[0]) for out in outs]
-    model = hf_model()
-    gap, worst = worst_teacher_forced_gaps(model, runs)
+    gap, worst = worst_teacher_forced_gaps(oracle, runs)
     errors = [
         abs(gen.logprobs[i][t].logprob - ref[i, t].item())
         for prompt, gen in runs
-        for ref in [teacher_forced_logprobs(model, prompt, gen.token_ids)]
+        for ref in [teacher_forced_logprobs(oracle, prompt, gen.token_ids)]
         for i, t in enumerate(gen.token_ids)
     ]
     mean = sum(errors) / len(errors)

@@ -553,11 +553,23 @@ def test_window_options_change_the_reference(sliding_window, soft_cap):
 
 # h=16 or s=8: the generic loop; s=16 with h=64 or 128: the vector paths (run_prefill, with
 # padding lanes for 9/3 heads and for single queries of 32/1; run_decode, and its AVX512-BF16
-# twin for bfloat16 where the CPU has it).
+# twin for bfloat16 where the CPU has it). Every option on the generic loop and on 8/2 (both
+# vector paths); the shapes that differ from 8/2 in lanes only (their plain runs:
+# test_cpu_kernel_matches_reference) with a window inside a page, one across pages with a
+# cap, and a cap on a short window.
+WINDOW_CASES = [
+    *((shape, option) for shape in [(4, 4, 16, 8), (8, 2, 64, 16)] for option in WINDOW_OPTIONS),
+    *(
+        (shape, option)
+        for shape in [(9, 3, 64, 16), (32, 1, 64, 16), (6, 1, 128, 16)]
+        for option in [(1, None), (37, 2.0), (5, 0.5)]
+    ),
+]
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("sliding_window,soft_cap", WINDOW_OPTIONS)
 @pytest.mark.parametrize(
-    "n,k,h,s", [(4, 4, 16, 8), (8, 2, 64, 16), (9, 3, 64, 16), (32, 1, 64, 16), (6, 1, 128, 16)]
+    "n,k,h,s,sliding_window,soft_cap", [(*shape, *option) for shape, option in WINDOW_CASES]
 )
 def test_cpu_kernel_window_and_soft_cap_match_reference(
     dtype, sliding_window, soft_cap, n, k, h, s

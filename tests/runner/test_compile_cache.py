@@ -1,7 +1,9 @@
 """The persistent compilation cache: a second start of the same configuration compiles
 nothing, with jllm's own directory and with one the operator set (JAX_COMPILATION_CACHE_DIR),
 where JAX's default threshold (keep only executables that took a second) used to skip every
-small bucket."""
+small bucket. One restart covers both: the first start writes the operator's directory, and
+the second finds the same directory as jllm's own (under XDG_CACHE_HOME) and compiles nothing;
+that jllm's own directory keeps every executable too is checked in process (the threshold)."""
 
 from __future__ import annotations
 
@@ -10,11 +12,11 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
-import pytest
 
-from jllm.runner.compile_cache import enable_compilation_cache
+from jllm.runner.compile_cache import _KEEP_ALL, enable_compilation_cache
 
 START = """
 import json, sys
@@ -41,20 +43,54 @@ def start(model: str, env: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1]) | {"log": out.stderr}
 
 
-@pytest.mark.parametrize("where", ["jllm", "operator"])
-def test_second_start_compiles_nothing(llama_dir, tmp_path, where):
-    if where == "jllm":
-        env, cache = {"XDG_CACHE_HOME": str(tmp_path)}, tmp_path / "jllm" / "xla"
-    else:
-        cache = tmp_path / "operator-cache"
-        env = {"XDG_CACHE_HOME": str(tmp_path / "unused"), "JAX_COMPILATION_CACHE_DIR": str(cache)}
-    first = start(llama_dir, env)
+def share_kernel_builds(xdg: Path) -> None:
+    """The C++ kernels this process built (pallas_kernels/cpu/build.py caches them under
+    XDG_CACHE_HOME too), for a start under `xdg`: the XLA cache is the subject here, and a
+    fresh XDG_CACHE_HOME would otherwise rebuild every kernel with GCC first."""
+    root = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
+    built = Path(root) / "jllm" / "kernels"
+    built.mkdir(parents=True, exist_ok=True)
+    (xdg / "jllm").mkdir(parents=True, exist_ok=True)
+    (xdg / "jllm" / "kernels").symlink_to(built, target_is_directory=True)
+
+
+def test_second_start_compiles_nothing(llama_dir, tmp_path):
+    share_kernel_builds(tmp_path)
+    cache = tmp_path / "jllm" / "xla"  # jllm's own directory under XDG_CACHE_HOME
+    # The operator sets the directory: every executable is written there.
+    operator = {"XDG_CACHE_HOME": str(tmp_path), "JAX_COMPILATION_CACHE_DIR": str(cache)}
+    first = start(llama_dir, operator)
     assert first["dir"] == str(cache) and first["compiles"] > 10
     assert f"XLA compilation cache: {cache}" in first["log"]
-    second = start(llama_dir, env)  # every executable from the cache, none compiled
+    # No directory set: jllm's own is the same one, and every executable comes from it.
+    second = start(llama_dir, {"XDG_CACHE_HOME": str(tmp_path)})
+    assert second["dir"] == str(cache)
+    assert f"XLA compilation cache: {cache}" in second["log"]
     assert (second["compiles"], second["loaded"]) == (0, first["compiles"])
     assert re.search(r"\(0 executables compiled, [1-9]\d* loaded from the comp", second["log"])
     assert re.search(r"Engine ready in [\d.]+ seconds: loading the model [\d.]+ s, ", second["log"])
+
+
+def test_jllms_own_directory_keeps_every_executable(tmp_path, monkeypatch):
+    """With no directory set, jllm makes its own under XDG_CACHE_HOME and lowers JAX's
+    threshold there too (the start above wrote through the operator's directory)."""
+    names = ("jax_compilation_cache_dir", *_KEEP_ALL)
+    before = {name: getattr(jax.config, name) for name in names}
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    for name in _KEEP_ALL:
+        monkeypatch.delenv(name.upper(), raising=False)
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        for name, (default, _) in _KEEP_ALL.items():
+            jax.config.update(name, default)
+        path = enable_compilation_cache()
+        assert path == str(tmp_path / "jllm" / "xla") == jax.config.jax_compilation_cache_dir
+        assert (tmp_path / "jllm" / "xla").is_dir()
+        for name, (_, keep_all) in _KEEP_ALL.items():
+            assert getattr(jax.config, name) == keep_all, name
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)
 
 
 def test_a_threshold_the_user_set_is_kept():

@@ -126,7 +126,7 @@ class SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: Count | None = None
     # Requests share prefix-cache blocks only with requests of the same salt.
-    cache_salt: str | None = None
+    cache_salt: NonEmpty | None = None
     # Token id (as a string, JSON's keys) -> a bias in [-100, 100], OpenAI's range.
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
