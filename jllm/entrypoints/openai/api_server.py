@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jllm.engine.arg_utils import engine_args_from_namespace
 from jllm.engine.async_llm import EngineDeadError
 from jllm.entrypoints.openai.auth import AuthenticationMiddleware, api_keys
-from jllm.entrypoints.openai.chat_templates import renderer_parameters
+from jllm.entrypoints.openai.chat_templates import check_request_template, renderer_parameters
 from jllm.entrypoints.openai.cli_args import load_chat_template, make_arg_parser
 from jllm.entrypoints.openai.dev_routes import attach_dev_routes, dev_mode
 from jllm.entrypoints.openai.openapi import build_openapi
@@ -266,6 +266,9 @@ def build_app(args: argparse.Namespace, engine: StoppableLLM, metrics: Prometheu
                     raise OpenAIError(str(e), 400, "messages") from e
                 ids = processed.prompt_token_ids
         else:
+            # The chat fields mean nothing here, but an untrusted template is refused on every
+            # route, as the schema says (a prompt does not make it harmless to accept).
+            check_request_template(body, tokenizer, chat.trust_request_chat_template)
             encode = functools.partial(tokenizer.encode, add_special_tokens=body.add_special_tokens)
             ids = await engine.run_processor(encode, body.prompt)
         strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
