@@ -205,7 +205,8 @@ def main() -> None:
             )
     if not args.skip_rollout:
         r = rollout(args.prompts, args.group, args.tokens, args.peer is not None)
-        line = f"rollout {args.prompts} x {args.group} x {args.tokens}: jllm {r['jllm_tok_s']:.0f} tok/s"
+        shape = f"{args.prompts} x {args.group} x {args.tokens}"
+        line = f"rollout {shape}: jllm {r['jllm_tok_s']:.0f} tok/s"
         if "vllm_cpu_tok_s" in r:
             ratio = r["jllm_tok_s"] / r["vllm_cpu_tok_s"]
             line += f", vLLM CPU {r['vllm_cpu_tok_s']:.0f} tok/s ({ratio:.2f}x)"
