@@ -46,6 +46,7 @@ def metadata(R, temperature, top_k, top_p, min_p):
         penalty_rows=f(0, jnp.int32),
         suppress=jnp.full((R, 16), V, jnp.int32),
         want_logprobs=f(False, jnp.bool_),
+        want_top=f(False, jnp.bool_),
         bias_rows=f(0, jnp.int32),
         masked=f(False, jnp.bool_),
         processors=(),

@@ -64,6 +64,7 @@ class InputBatch:
         self.min_tokens = np.zeros(rows, np.int32)
         self.suppress = np.full((rows, MAX_SUPPRESS), NO_TOKEN, np.int32)  # under min_tokens
         self.want_logprobs = np.zeros(rows, bool)
+        self.want_top = np.zeros(rows, bool)  # logprobs > 0: the top entries too
         self.prompt_logprobs = np.zeros(rows, bool)  # the request asked for them
         self.bias_row = np.zeros(rows, np.int32)  # row in the logit-bias table (0: none)
         self.lora_slot = np.zeros(rows, np.int32)  # its LoRA adapter's device slot (0: none)
@@ -110,6 +111,7 @@ class InputBatch:
         if p.min_tokens:
             self.suppress[r, : len(ids)] = ids
         self.want_logprobs[r] = p.logprobs is not None
+        self.want_top[r] = bool(p.logprobs)  # -1 (the whole vocabulary) too
         # A request resumed with outputs already has its prompt logprobs.
         self.prompt_logprobs[r] = p.prompt_logprobs is not None and not new.output_token_ids
         self.bias_row[r] = r + 1 if p.has_bias else 0

@@ -55,6 +55,7 @@ from jllm.sampling_params import SAMPLING_EPS
         "penalty_rows",
         "suppress",
         "want_logprobs",
+        "want_top",
         "bias_rows",
         "masked",
         "processors",
@@ -80,6 +81,7 @@ class SamplingMetadata:
     penalty_rows: jax.Array  # [R] int32, row in the penalty state (0: none)
     suppress: jax.Array  # [R, M] int32 token ids to mask (min_tokens), >= V for none
     want_logprobs: jax.Array  # [R] bool
+    want_top: jax.Array  # [R] bool: top logprobs beyond the sampled token's (logprobs > 0)
     bias_rows: jax.Array  # [R] int32, row in the logit-bias table (0: none)
     masked: jax.Array  # [R] bool, the row has a grammar bitmask (structured outputs)
     # per custom logits processor: (active [R] bool, state [R, ...]) (jllm/logits_process.py)
@@ -206,16 +208,28 @@ def sample(
         kept = kept_tokens(jax.nn.softmax(scaled, axis=-1), md.top_k, md.top_p, md.min_p)
         return jnp.where(greedy_row[:, None], processed, jnp.where(kept, scaled, -jnp.inf))
 
-    def reported():  # [R, V]: the values logprobs_mode reports
-        values = logits if logprobs_mode.startswith("raw") else processed_logits()
-        return jax.nn.log_softmax(values, axis=-1) if logprobs_mode.endswith("logprobs") else values
-
     def logprobs():
-        raw = reported()  # [R, V]
-        token_lp = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]  # [R]
-        rank = jnp.sum(raw > token_lp[:, None], axis=-1).astype(jnp.int32) + 1
-        top_lp, top_ids = jax.lax.top_k(raw, num_logprobs)  # [R, J]
-        return token_lp, rank, top_ids.astype(jnp.int32), top_lp
+        # What logprobs_mode reports is `values` less a per-row shift (log-softmax: the
+        # row's logsumexp), so ranks and the top entries are those of `values`, and the
+        # [R, V] log-softmax is never written out: one reduction instead.
+        values = logits if logprobs_mode.startswith("raw") else processed_logits()
+        shift = jnp.zeros((R,), jnp.float32)
+        if logprobs_mode.endswith("logprobs"):
+            shift = jax.nn.logsumexp(values, axis=-1)
+        token_v = jnp.take_along_axis(values, tokens[:, None], axis=-1)[:, 0]  # [R]
+        rank = jnp.sum(values > token_v[:, None], axis=-1).astype(jnp.int32) + 1
+
+        def top():  # only when a row asks for more than its own token's logprob
+            top_v, top_ids = jax.lax.top_k(values, num_logprobs)  # [R, J]
+            return top_v - shift[:, None], top_ids.astype(jnp.int32)
+
+        def no_top():
+            return jnp.zeros((R, num_logprobs), jnp.float32), jnp.zeros(
+                (R, num_logprobs), jnp.int32
+            )
+
+        top_lp, top_ids = jax.lax.cond(jnp.any(md.want_logprobs & md.want_top), top, no_top)
+        return token_v - shift, rank, top_ids, top_lp
 
     def no_logprobs():
         return (

@@ -62,6 +62,7 @@ def sampling_metadata(batch: InputBatch, groups: list[SampleGroup], Rs: int, K: 
         penalty_rows=batch.penalty_row[row],
         suppress=suppress,
         want_logprobs=batch.want_logprobs[row],
+        want_top=batch.want_top[row],
         bias_rows=batch.bias_row[row],
         masked=np.zeros(Rs, bool),
         processors=tuple(

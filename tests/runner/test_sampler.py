@@ -26,6 +26,7 @@ def metadata(R, V, **over):
         penalty_rows=np.zeros(R, np.int32),
         suppress=np.full((R, 16), V, np.int32),
         want_logprobs=np.zeros(R, bool),
+        want_top=np.ones(R, bool),
         bias_rows=np.zeros(R, np.int32),
         masked=np.zeros(R, bool),
         processors=(),
