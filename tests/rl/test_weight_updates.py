@@ -192,3 +192,30 @@ def test_tensor_parallel_and_fp8_engines_take_updates(models):
             [d[t].logprob for d, t in zip(w.outputs[0].logprobs, tokens, strict=True)],
             atol=1e-5,
         )
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_partial_updates_in_random_chunks(llm, models, seed):
+    """A random subset of B's tensors (some layers' rows only), in random chunks of random
+    kinds, over A: the engine equals A with exactly those tensors replaced."""
+    a, _, b = models
+    push(llm, a)
+    rng = np.random.default_rng(seed)
+    names = [k for k in b.state_dict() if rng.random() < 0.5 and k != "lm_head.weight"]
+    mixed = _model(0)
+    state = {**a.state_dict(), **{k: b.state_dict()[k] for k in names}}
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied: the head follows
+    mixed.load_state_dict(state)
+    kinds = [torch, np, jnp]
+    llm.start_weight_update()
+    order = rng.permutation(len(names))
+    for chunk in np.array_split(order, max(1, len(names) // 4)):
+        kind = kinds[rng.integers(3)]
+        part = [(names[i], b.state_dict()[names[i]]) for i in chunk]
+        if kind is np:
+            part = [(k, v.numpy()) for k, v in part]
+        elif kind is jnp:
+            part = [(k, jnp.asarray(v.numpy())) for k, v in part]
+        llm.update_weights(part)
+    llm.finish_weight_update()
+    assert_matches(mixed, PROMPTS, generate(llm, PROMPTS))
