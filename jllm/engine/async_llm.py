@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 
 from jllm.config import EngineArgs
+from jllm.engine.core import check_pause_mode
 from jllm.engine.output_thread import OutputThread
 from jllm.outputs import RequestOutput
 from jllm.sampling_params import SamplingParams
@@ -168,8 +169,7 @@ class AsyncLLM:
         `resume_generation`. "keep": requests freeze where they are and new ones queue;
         all go on after resume with the outputs they would have had. `clear_cache` forgets
         the cached prefixes once nothing runs (ignored under "keep")."""
-        if mode not in ("abort", "wait", "keep"):
-            raise ValueError(f"Invalid pause mode: {mode!r}; use 'abort', 'wait' or 'keep'.")
+        check_pause_mode(mode)  # before new requests are refused
         if mode != "keep":
             self._refuse_new = True
         await self.call_utility("pause_scheduler", mode, clear_cache and mode == "abort")
@@ -211,10 +211,7 @@ class AsyncLLM:
         return await self.call_utility("reset_prefix_cache")
 
     async def init_weight_transfer_engine(self, request=None) -> None:
-        info = getattr(request, "init_info", request)
-        if isinstance(info, dict) and set(info) == {"init_info"}:
-            info = info["init_info"]
-        self.engine.init_weight_transfer_engine(info)
+        self.engine.init_weight_transfer_engine(request)
 
     async def start_weight_update(self) -> None:
         await self.call_utility("start_weight_update")

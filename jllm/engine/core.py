@@ -53,6 +53,11 @@ logger = logging.getLogger(__name__)
 GRAMMAR_WAIT_S = 0.05
 
 
+def check_pause_mode(mode: str) -> None:
+    if mode not in ("abort", "wait", "keep"):
+        raise ValueError(f"Invalid pause mode: {mode!r}; use 'abort', 'wait' or 'keep'.")
+
+
 class EngineCore:
     def __init__(
         self,
@@ -223,8 +228,7 @@ class EngineCore:
         them finish, and both leave new requests to the front end to refuse; "keep" freezes
         them where they are until `resume_scheduler`. `clear_cache` forgets the cached
         prefixes once nothing runs (not under "keep")."""
-        if mode not in ("abort", "wait", "keep"):
-            raise ValueError(f"Invalid pause mode: {mode!r}; use 'abort', 'wait' or 'keep'.")
+        check_pause_mode(mode)
         if mode == "abort":
             stats, now = StepStats(), time.time()
             for children in list(self.parents.values()):

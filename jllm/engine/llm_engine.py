@@ -297,8 +297,13 @@ class LLMEngine:
             draft.attach(caches[1], num_blocks)
 
     # ---- RL: weight updates and sleep, through the core between steps -----------------------
-    def init_weight_transfer_engine(self, init_info=None) -> None:
-        self.transfer.init(init_info)
+    def init_weight_transfer_engine(self, request=None) -> None:
+        """vLLM's forms: {"init_info": {...}}, an object with `init_info`, or the init_info
+        itself."""
+        info = getattr(request, "init_info", request)
+        if isinstance(info, dict) and set(info) == {"init_info"}:
+            info = info["init_info"]
+        self.transfer.init(info)
 
     def weight_tensors(self, weights) -> tuple:
         """What an `update_weights` chunk hands the core: (tensors at the checkpoint's names

@@ -196,10 +196,7 @@ class LLM:
     def init_weight_transfer_engine(self, request=None) -> None:
         """Set up the weight transfer (`weight_transfer_config`'s backend): a dict
         {"init_info": {...}}, an object with `init_info`, or the init_info itself."""
-        info = getattr(request, "init_info", request)
-        if isinstance(info, dict) and set(info) == {"init_info"}:
-            info = info["init_info"]
-        self.llm_engine.init_weight_transfer_engine(info)
+        self.llm_engine.init_weight_transfer_engine(request)
 
     def start_weight_update(self) -> None:
         """Begin a weight update: `update_weights` (any number of chunks), then

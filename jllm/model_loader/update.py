@@ -6,10 +6,10 @@ the model does not have, a wrong shape, a non-float dtype) is refused before any
 engine serves changes. Each tensor takes the loader's road (model_loader/loader.py: renames,
 fused tensors split, transposed to our layout, kv heads repeated, quantized where the engine
 is fp8 or int8), but a `jax.Array` stays on its devices: its conversion and quantization run
-there, and it reaches the parameter's sharding by a device-to-device `jax.device_put`, never
-through host memory. Layers of a stacked parameter (and experts of stacked experts) are
-written into its rows on the device by one jitted scatter that donates the old array, so an
-update never holds a second copy of a whole stack; layers not sent keep their values.
+there, and it reaches the parameter's sharding device to device, never through host
+memory. Each layer of a stacked parameter (each expert of stacked experts) is written into
+its row in place by a jitted program that donates the old array, so an update never holds a
+second copy of a whole stack; layers not sent keep their values.
 
 `native` takes the engine's own parameter state (what `LLM.get_weights()` returns, leaves
 replaced): each leaf of the same shape and dtype is adopted as it is when it already has the
@@ -18,7 +18,6 @@ parameter's sharding (zero copies), else resharded on the devices.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from functools import partial
 
@@ -39,9 +38,6 @@ from jllm.model_loader.loader import (
     as_array,
 )
 from jllm.models.registry import IGNORED
-from sharding import named_sharding, param_axes
-
-logger = logging.getLogger(__name__)
 
 
 class UpdateTarget:
@@ -55,10 +51,9 @@ class UpdateTarget:
             for p, v in nnx.to_flat_state(nnx.split(model)[1])
             if not v.get_metadata().get("kv_scale")
         }
-        shardings = {
-            p: named_sharding(mesh, param_axes(v), v.shape, _dotted(p)) for p, v in flat.items()
-        }
-        self.target = _Target(model, flat, shardings, mesh, dtype, quantization, False, kv_replicas)
+        # The conversions read the parameters' metadata only: the live arrays' shardings are
+        # what new values take (`WeightUpdate.build`), none are computed here.
+        self.target = _Target(model, flat, {}, mesh, dtype, quantization, False, kv_replicas)
         self.arch, self.cfg = arch, cfg
         self.layer_weights = arch.layer_weights(cfg)
         self.fused = arch.fused_weights(cfg)
@@ -86,9 +81,9 @@ def _convert(target: UpdateTarget, recipe: tuple, w):
 
 
 class WeightUpdate:
-    """One update session's tensors, checked as they arrive and converted and installed by
-    `build`: one jitted program per parameter (conversion, stacking and the scatter into
-    its rows), cached across updates of the same shapes."""
+    """One update session's tensors, checked as they arrive, converted and placed by
+    `build`: one jitted program per parameter and row shape (conversion and the in-place
+    write of a row), cached across updates of the same shapes."""
 
     def __init__(self, target: UpdateTarget):
         self.target = target
@@ -181,9 +176,7 @@ class WeightUpdate:
         path -> the engine's value now (whose shardings the new values take; the rows of a
         stacked parameter not sent are kept from it). The old arrays of written rows are
         donated: the caller installs every returned value."""
-        out = {}
-        for path, value in self.native.items():
-            out[path] = jax.tree.map(_to_sharding, value, current[path])
+        out = dict(self.native)  # placed below, like the rest
         for path, rows in self.raw.items():
             old = current[path]
             shardings = tuple(a.sharding for a in jax.tree.leaves(old))
@@ -207,8 +200,9 @@ class WeightUpdate:
                     shardings=shardings,
                 )
             out[path] = new
-        # The parameters' own sharding objects (a program's output may name an equivalent
-        # one, P() for P("model", None) on one device): nothing moves.
+        # Each on the parameter's own sharding object: a leaf already there comes back as
+        # it is (a native leaf adopted with no copy; a program's output that names an
+        # equivalent sharding, P() for P("model", None) on one device, moves nothing).
         return {
             path: jax.tree.map(lambda n, o: jax.device_put(n, o.sharding), value, current[path])
             for path, value in out.items()
@@ -250,11 +244,3 @@ def _write_row(old, raw, index, *, target, recipe, shardings):
         return jax.lax.dynamic_update_slice(o, v.astype(o.dtype)[(None,) * lead], start)
 
     return _constrain(jax.tree.map(put, old, value), shardings)
-
-
-def _to_sharding(new: jax.Array, old: jax.Array) -> jax.Array:
-    """A native leaf where the engine keeps the parameter: adopted as it is when it is
-    there already (zero copies), else moved device to device."""
-    if isinstance(new, jax.Array) and new.sharding == old.sharding:
-        return new
-    return jax.device_put(new, old.sharding)

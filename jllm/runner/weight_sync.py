@@ -88,12 +88,9 @@ class WeightSync:
             raise RuntimeError(
                 "finish_weight_update called without a matching start_weight_update."
             )
+        if "weights" in self.asleep:  # back on the devices first (level 2: zeros), then written
+            self._wake_weights(zeros=self.host_weights is None)
         variables = self._variables()
-        if "weights" in self.asleep:
-            if self.host_weights is not None:  # level 1: update the host copies instead
-                self._wake_weights()
-            else:
-                self._wake_weights(zeros=True)
         current = {p: variables[p].get_value() for p in session.paths()}
         new = session.build(current)
         for path, value in new.items():

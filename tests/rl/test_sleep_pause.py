@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 import torch
-from oracle import SMALL, assert_matches, eager, generate, prompt_ids
+from oracle import SMALL, assert_matches, eager, generate, prompt_ids, same_outputs
 
 from jllm import LLM, SamplingParams
 from jllm.config import EngineArgs
@@ -32,14 +32,8 @@ def llm(llama_dir):
 
 
 def _same(got, want):
-    for g, w in zip(got, want, strict=True):
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids
-        tokens = g.outputs[0].token_ids
-        np.testing.assert_allclose(
-            [d[t].logprob for d, t in zip(g.outputs[0].logprobs, tokens, strict=True)],
-            [d[t].logprob for d, t in zip(w.outputs[0].logprobs, tokens, strict=True)],
-            atol=1e-5,  # a prefix hit before, none after: other chunks
-        )
+    # 1e-5: a prefix hit before, none after, so other chunks.
+    same_outputs([o.outputs[0] for o in got], [o.outputs[0] for o in want], 1e-5)
 
 
 def test_sleep_level_1_frees_the_device_and_wakes_to_the_same_outputs(llm):

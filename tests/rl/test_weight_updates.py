@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from oracle import SMALL, TINY, assert_matches, generate, prompt_ids
+from oracle import SMALL, TINY, assert_matches, generate, prompt_ids, same_outputs
 
 from jllm import LLM, SamplingParams
 from jllm.runner.compile_guard import count_compiles
@@ -184,14 +184,7 @@ def test_tensor_parallel_and_fp8_engines_take_updates(models):
     b.save_pretrained(b_dir)
     fresh = LLM(b_dir, **SMALL, dtype="float32", skip_tokenizer_init=True, quantization="fp8")
     want = generate(fresh, PROMPTS)
-    for g, w in zip(got, want, strict=True):
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids
-        tokens = g.outputs[0].token_ids
-        np.testing.assert_allclose(
-            [d[t].logprob for d, t in zip(g.outputs[0].logprobs, tokens, strict=True)],
-            [d[t].logprob for d, t in zip(w.outputs[0].logprobs, tokens, strict=True)],
-            atol=1e-5,
-        )
+    same_outputs([o.outputs[0] for o in got], [o.outputs[0] for o in want], 1e-5)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
