@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass
 class Logprob:
@@ -38,6 +40,10 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     # The weight versions its tokens were sampled under (RL), on the final output only.
     weight_versions: list[WeightVersionSpan] | None = None
+    # enable_return_routed_experts: each position's experts per layer, [positions, layers,
+    # top-k] uint8 (uint16 past 256 experts), from routed_experts_prompt_start to the token
+    # before the last (the last is sampled, never run); on the final output only.
+    routed_experts: np.ndarray | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -134,6 +134,9 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     # Arguments for custom logits processors (vLLM's `extra_args`; the server's vllm_xargs).
     extra_args: dict | None = None
+    # RL (engine's enable_return_routed_experts): skip the first this many prompt tokens in
+    # the returned routing (a multi-turn agent's prefix returned in an earlier turn).
+    routed_experts_prompt_start: int = 0
     # A grammar the output must follow (vLLM's `structured_outputs`; `guided_decoding` is
     # its older name). A dict is read as the parameters' fields.
     structured_outputs: StructuredOutputsParams | dict | None = None
@@ -178,10 +181,21 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, int | float) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}.")
-        for name in ("min_tokens", "max_tokens", "logprobs", "prompt_logprobs"):
+        for name in (
+            "min_tokens",
+            "max_tokens",
+            "logprobs",
+            "prompt_logprobs",
+            "routed_experts_prompt_start",
+        ):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"{name} must be an integer, got {type(value).__name__}.")
+        if self.routed_experts_prompt_start < 0:
+            raise ValueError(
+                "routed_experts_prompt_start must be between 0 and the prompt length, got "
+                f"{self.routed_experts_prompt_start}."
+            )
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported by jllm yet; leave it unset.")
         if not -2.0 <= self.presence_penalty <= 2.0:

@@ -91,3 +91,6 @@ class ModelRunnerOutput:
     # req id -> why its admission failed: the engine fails that request alone (its tokens
     # this step were computed with neutral sampling parameters and are dropped)
     failed: dict[str, str] = field(default_factory=dict)
+    # req id -> its routed experts this step (enable_return_routed_experts): a StepRoutes
+    # of runner/routed_experts.py (positions, KV slots, ids [n, L, k])
+    routed_experts: dict[str, object] = field(default_factory=dict)

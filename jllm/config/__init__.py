@@ -151,6 +151,9 @@ class EngineArgs:
     # RL: allow sleep levels 1 and 2 (weights to host or freed, KV cache freed), and the
     # weight transfer backend that `update_weights` reads (jllm/rl/transfer.py).
     enable_sleep_mode: bool = False
+    # RL's routing replay: each request's chosen experts per layer and position in
+    # CompletionOutput.routed_experts (mixtures of experts; engine/routed_experts.py).
+    enable_return_routed_experts: bool = False
     weight_transfer_config: dict | None = None
     # Custom logits processors: jllm.logits_process.LogitsProcessor classes or
     # "module:Class" names, compiled into the sampler (vLLM's engine-level form).

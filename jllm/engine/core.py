@@ -70,6 +70,7 @@ class EngineCore:
         async_scheduling: bool = False,
         structured=None,
         weights=None,
+        routes=None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
@@ -97,6 +98,8 @@ class EngineCore:
         # pause ended, delivered by the next step.
         self.pause_state: str | None = None
         self._pending: list[EngineCoreOutput] = []
+        # enable_return_routed_experts: the RoutedExpertsRecord (engine/routed_experts.py)
+        self.routes = routes
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(
@@ -169,6 +172,8 @@ class EngineCore:
                 self.scheduler.finish_request(child, status)
                 stats.finished.append(self._finished_stats(child, now))
                 self._release(child)
+                if self.routes is not None:  # no output follows an abort
+                    self.routes.drop(child.request_id)
         if stats.finished:
             self._record(stats)
 
@@ -420,6 +425,8 @@ class EngineCore:
         outputs = []
         for rid, reason in result.failed.items():
             outputs += self._fail(rid, reason, now, stats)
+        if self.routes is not None:
+            self.routes.apply(sched_out, result, self.scheduler.requests)
         for rid, num_new in sched_out.num_scheduled_tokens.items():
             req = self.scheduler.requests.get(rid)
             if req is None or req.is_finished():
@@ -483,6 +490,7 @@ class EngineCore:
             scheduler_time=req.scheduler_time,
             model_execute_time=req.model_execute_time,
             weight_version=version,
+            routed_experts=None if self.routes is None else self.routes.take(req),
         )
 
     def _fail(self, child_id: str, reason: str, now: float, stats=None) -> list[EngineCoreOutput]:

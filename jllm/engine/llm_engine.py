@@ -50,6 +50,7 @@ from jllm.engine.platform import (
 )
 from jllm.engine.processor import Processor
 from jllm.engine.request import RequestStatus
+from jllm.engine.routed_experts import RoutedExpertsRecord, routes_spec
 from jllm.engine.scheduler import Scheduler
 from jllm.logits_process import LogitsProcessorConfig, load_logits_processors
 from jllm.lora.manager import LoraCache, LoraSlots
@@ -136,6 +137,9 @@ class LLMEngine:
             )
             encoder = ImageEncoder(m.graphdef, vision, slots, per_step, dtype, replicated(m.mesh))
             encoder_cache = EncoderCache(slots)
+        routes = None
+        if args.enable_return_routed_experts:
+            routes = routes_spec(cfg, m.kv_caches, args.block_size, args.pipeline_parallel_size)
         self.logits_processors = load_logits_processors(
             args.logits_processors, LogitsProcessorConfig(cfg.vocab_size, sched_cfg.max_num_seqs)
         )
@@ -155,6 +159,7 @@ class LLMEngine:
             m.lora,
             encoder,
             logprobs_mode=args.logprobs_mode,
+            routes=routes,
         )
         sizing = time.perf_counter()
         specs, kv_config = size_kv_cache(
@@ -258,6 +263,11 @@ class LLMEngine:
             structured=self.structured,
             proposer=make_proposer(args.speculative_config),
             weights=self.weight_sync,
+            routes=None
+            if routes is None
+            else RoutedExpertsRecord(
+                routes, kv_config.num_blocks[kv_config.pools[routes.group]], host_blocks
+            ),
         )
         # The front end reaches the core only through its client (add, abort, outputs,
         # utility calls); each step's outputs are processed inline (LLM) unless AsyncLLM

@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from jllm.engine.detokenizer import IncrementalDetokenizer
 from jllm.engine.logprobs import LogprobsProcessor
 from jllm.engine.outputs import (
@@ -61,6 +63,7 @@ class RequestState:
         self.scheduler_time = 0.0
         self.model_execute_time = 0.0
         self.weight_versions: list[list] = []  # [version, start, end] over output tokens
+        self.routed_experts: list = []  # the core's routing chunks ([n, L, k] each)
 
     @property
     def num_output_tokens(self) -> int:
@@ -72,6 +75,16 @@ class RequestState:
 
     def is_finished(self) -> bool:
         return self.finish_reason is not None
+
+    def routing(self):
+        """The routed experts at finish (vLLM's `CompletionOutput.routed_experts`, [n, L, k]):
+        the core's chunks joined, cut to the positions the kept tokens need (a stop string
+        found here drops the tokens after it); None without any."""
+        if not self.routed_experts:
+            return None
+        start = min(self.params.routed_experts_prompt_start, len(self.prompt_token_ids))
+        n = len(self.prompt_token_ids) - start + len(self.output_token_ids) - 1
+        return np.concatenate(self.routed_experts)[: max(n, 0)]
 
     def note_version(self, version: str | None) -> None:
         """The next output token was sampled under weight `version`."""
@@ -229,6 +242,8 @@ class OutputProcessor:
         seq.num_cached_tokens = out.num_cached_tokens
         seq.first_scheduled_time = out.first_scheduled_time
         seq.scheduler_time, seq.model_execute_time = out.scheduler_time, out.model_execute_time
+        if out.routed_experts is not None:
+            seq.routed_experts.append(out.routed_experts)
         if out.new_prompt_logprobs is not None:
             self.logprobs.record_prompt(seq, *out.new_prompt_logprobs)
         tokens = out.new_token_ids
@@ -331,6 +346,7 @@ class OutputProcessor:
                         if finished
                         else None
                     ),
+                    routed_experts=child.routing() if finished else None,
                 )
             )
         first = parent.children[0]

@@ -64,6 +64,9 @@ class EngineCoreOutput:
     model_execute_time: float = 0.0
     # The weight version its new tokens were sampled under (one step: one version).
     weight_version: str | None = None
+    # enable_return_routed_experts: the routing rows that became final this step
+    # ([n, L, k], engine/routed_experts.py), or None
+    routed_experts: object = None
 
     @property
     def finished(self) -> bool:

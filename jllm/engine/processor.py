@@ -122,6 +122,11 @@ class Processor:
                 f"length of {self.max_model_len}. Make sure that `max_model_len` is no "
                 "smaller than the number of text tokens plus the tokens to generate."
             )
+        if params.routed_experts_prompt_start > len(ids):
+            raise ValueError(
+                "routed_experts_prompt_start must be between 0 and the prompt length "
+                f"({len(ids)}), inclusive."
+            )
         # A top_k past the vocabulary keeps every token: the filter is off (vLLM clamps it).
         if params.top_k >= self.vocab_size:
             params.top_k = 0

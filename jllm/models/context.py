@@ -37,7 +37,7 @@ from jllm.models import state
 @partial(
     jax.tree_util.register_dataclass,
     data_fields=["positions", "attn", "live", "layer", "lora_slots", "embeds", "embeds_mask"],
-    meta_fields=["backend", "group", "pools"],
+    meta_fields=["backend", "group", "pools", "routes"],
 )
 @dataclasses.dataclass(frozen=True)
 class StepContext:
@@ -51,6 +51,9 @@ class StepContext:
     embeds: jax.Array | None = None  # [T, D] embeddings that replace the tokens' own
     embeds_mask: jax.Array | None = None  # [T] bool: where `embeds` replaces them
     pools: tuple = ()  # each group's pool, its cache's index (static; empty: one per group)
+    # enable_return_routed_experts: the current layer's RouteLog (below), where its
+    # experts' router leaves the step's top-k expert ids; None: not recorded (static)
+    routes: object = None
 
     def replace(self, **changes) -> StepContext:
         return dataclasses.replace(self, **changes)
@@ -136,6 +139,17 @@ class StepContext:
         if scaled:
             out = _times(out, v_scale)
         return out, (*kv_caches[:c], cache, *kv_caches[c + 1 :])
+
+
+class RouteLog:
+    """One layer's routing record within one traced step (`enable_return_routed_experts`):
+    a mixture of experts (models/moe.py) sets `ids`, its top-k experts per token [T, k]
+    int32, and the decoder's scan body reads them back after the layer, in the same trace
+    (models/decoder.py); a dense layer leaves None. A fresh log per layer call: it is never
+    read outside the trace that wrote it."""
+
+    def __init__(self) -> None:
+        self.ids = None
 
 
 def _times(x, factor):

@@ -53,7 +53,7 @@ from flax import nnx
 
 from jllm.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, share_pools
 from jllm.models import bf16_matmul, f32_matmul, pipeline
-from jllm.models.context import StepContext
+from jllm.models.context import RouteLog, StepContext
 from jllm.models.layers import Linear, RMSNorm, StackedWeight, param
 from jllm.models.state import StateMetadata
 from jllm.quantization.weights import QuantizedWeight, matmul, take_rows
@@ -310,6 +310,13 @@ class CausalLM(nnx.Module):
         KV-cache pool (`kv_cache_pools`), [Lg, B, S, 2K, H] for attention, a tuple of state
         arrays [Lg, slots, *shape] for per-request state (models/state.py). Under a mesh of several
         pipeline stages the layers run as stages (`models/pipeline.py`)."""
+        hidden, kv_caches, _ = self.forward(token_ids, ctx, kv_caches)
+        return hidden, kv_caches
+
+    def forward(self, token_ids, ctx: StepContext, kv_caches: tuple, routes_k: int = 0):
+        """`__call__`, and with `routes_k` > 0 also every layer's routed experts [L, T, k]
+        int32 in layer order (`enable_return_routed_experts`): a mixture of experts' top-k
+        ids, zeros for a dense layer (vLLM's record). Else None."""
         x = self.embed(token_ids, ctx)
         kernel = bf16_matmul.applies(self.dtype) or f32_matmul.applies(self.dtype)
         in_place = _stays_stacked(jnp.dtype(self.dtype), bool(kernel))
@@ -321,13 +328,17 @@ class CausalLM(nnx.Module):
         ctx = ctx.replace(live=live, pools=self.kv_cache_pools(self.cfg))
         kv_caches = tuple(kv_caches)
         stages = pipeline.num_stages()
+        routes = []
         if stages > 1:
+            if routes_k:
+                raise ValueError("Routed experts are not recorded under pipeline stages yet.")
             x, kv_caches = pipeline.run(self, x, ctx, kv_caches, stages, in_place)
         else:
             for s in range(len(self.segments)):
                 parts = self.segment_parts(s, in_place)
-                x, kv_caches = self.scan_segment(s, parts, x, ctx, kv_caches)
-        return self.norm(x), kv_caches
+                x, kv_caches, ids = self.scan_segment(s, parts, x, ctx, kv_caches, None, routes_k)
+                routes.append(ids)
+        return self.norm(x), kv_caches, jnp.concatenate(routes) if routes_k else None
 
     def segment_parts(self, s: int, in_place) -> list[tuple]:
         """Segment `s`'s stacked modules, each split as (graphdef, the weights its layers
@@ -335,20 +346,28 @@ class CausalLM(nnx.Module):
         modules = [self.layers] if self.uniform else list(self.blocks[s])
         return [nnx.split(m, in_place, ...) for m in modules]
 
-    def scan_segment(self, s: int, parts, x, ctx: StepContext, kv_caches: tuple, active=None):
+    def scan_segment(
+        self, s: int, parts, x, ctx: StepContext, kv_caches: tuple, active=None, routes_k=0
+    ):
         """Segment `s`'s layers over x, as a scan over the repeats `parts` hold (all of
         them, or a pipeline stage's; their cache rows then count from the stage's first).
-        `active`: [pattern, repeats] bool (traced), the slots to run; None: all."""
+        `active`: [pattern, repeats] bool (traced), the slots to run; None: all. Returns
+        (x, the caches, with `routes_k` the segment's routed experts [layers, T, k] in layer
+        order, else None)."""
         where = segment_rows(self.segments[s], layer_rows(self.kv_cache_groups(self.cfg)))
+        T = x.shape[0]
 
         def body(carry, inputs):
             x, kv_caches = carry
             states, repeat = inputs
             slots = zip(parts, states, where, strict=True)
+            routes = []
             for j, ((graphdef, stacked, _), state, (g, row, per_repeat)) in enumerate(slots):
                 views = jax.tree.map(lambda a: StackedWeight(a, repeat), stacked)
                 layer = nnx.merge(graphdef, views, state)
                 layer_ctx = ctx.at_layer(g, row + repeat * per_repeat)
+                if routes_k:
+                    layer_ctx = layer_ctx.replace(routes=RouteLog())
                 if active is None:
                     x, kv_caches = layer(x, layer_ctx, kv_caches)
                 else:
@@ -359,13 +378,18 @@ class CausalLM(nnx.Module):
                         x,
                         kv_caches,
                     )
-            return (x, kv_caches), None
+                if routes_k:
+                    ids = layer_ctx.routes.ids
+                    routes.append(jnp.zeros((T, routes_k), jnp.int32) if ids is None else ids)
+            return (x, kv_caches), (jnp.stack(routes) if routes_k else None)
 
         states = tuple(state for _, _, state in parts)
         repeats = jax.tree.leaves(states)[0].shape[0]
         # Not unrolled: with the stacked cache an unrolled scan copies the cache per layer.
-        (x, kv_caches), _ = jax.lax.scan(body, (x, kv_caches), (states, jnp.arange(repeats)))
-        return x, kv_caches
+        (x, kv_caches), routes = jax.lax.scan(body, (x, kv_caches), (states, jnp.arange(repeats)))
+        if routes_k:  # [repeats, pattern, T, k]: layer first + r * pattern + j
+            routes = routes.reshape(-1, T, routes_k)
+        return x, kv_caches, routes
 
     def compute_logits(self, hidden, live=None):
         """[R, D] -> [R, V] float32, whatever the model's dtype. live: [R] bool, the rows

@@ -34,6 +34,10 @@ all-reduce (`psum`) sums the devices' partial outputs. An all-to-all dispatch wo
 only the routed rows, but it pays when the tokens start split over devices, which they do
 not here.
 
+Routing record (`enable_return_routed_experts`, RL's routing replay): when the step context
+carries a `RouteLog`, the layer leaves its top-k expert ids [T, k] there; the decoder's scan
+gathers them per layer (models/context.py, models/decoder.py: `CausalLM.forward`).
+
 Glossary: T tokens, D model dim, F expert ffn dim, E experts, k experts per token, N = T * k
 routed rows, M tile rows.
 """
@@ -266,6 +270,8 @@ class MoE(nnx.Module):
 
     def _routed(self, x, ctx):
         weights, ids = route(self.gate(x, ctx, out_dtype=jnp.float32), self.k, self.normalize)
+        if ctx is not None and ctx.routes is not None:
+            ctx.routes.ids = ids
         order, sizes = sort_by_expert(ids, self.num_experts)
         token = order // self.k  # [N] the token of each sorted row
         row_weight = weights.reshape(-1)[order]  # [N]

@@ -132,7 +132,7 @@ def run(model, x, ctx, kv_caches: tuple, stages: int, in_place):
 
         def layers(h, caches, m):
             ctx_m = micro_batch(step_ctx, m, size, micro)
-            return model.scan_segment(0, parts, h, ctx_m, caches, active)
+            return model.scan_segment(0, parts, h, ctx_m, caches, active)[:2]
 
         def idle(h, caches, m):
             return h, caches

@@ -72,8 +72,8 @@ def build_step(
     sample_rows: int | None = None,
 ):
     """Returns (StepInputs and SamplingMetadata in numpy, the sample groups, the forward
-    key, the prompt-logprob rows or None). `shape` and `sample_rows` force the forward key
-    and the sample-row bucket (warm-up)."""
+    key, the prompt-logprob rows or None, each token's input-batch row [T] (-1: padding)).
+    `shape` and `sample_rows` force the forward key and the sample-row bucket (warm-up)."""
     plan = plan_rows(batch, out, layout, shape)
     p = Placed.padded(layout, plan.shape)
     spec = out.scheduled_spec_decode_tokens
@@ -109,4 +109,4 @@ def build_step(
         lora_slots,
         embed_index,
     )
-    return inputs, md, p.groups, plan.shape, prompt_rows
+    return inputs, md, p.groups, plan.shape, prompt_rows, p.tok_row

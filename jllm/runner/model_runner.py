@@ -52,6 +52,7 @@ from jllm.runner.lora_slots import LoraSlotArrays
 from jllm.runner.penalty_state import PenaltyState
 from jllm.runner.prompt_logprobs import prompt_logprobs_step
 from jllm.runner.prompt_logprobs import unpack as unpack_prompt_logprobs
+from jllm.runner.routed_experts import split_by_request, token_slots
 from jllm.runner.sampled import SampledToken
 from jllm.runner.sampler import sample, unpack_result
 from jllm.runner.sampling_inputs import grammar_rows
@@ -81,6 +82,8 @@ def _forward(
     graphdef,
     backend,
     draft_graphdef=None,
+    routes_k=0,
+    routes_dtype=None,
 ):
     """One packed buffer in: the step's inputs. Tokens sampled by the previous step are read
     from `last_tokens` on the device. Hands on the hidden states of the tokens sample rows
@@ -94,7 +97,9 @@ def _forward(
     and `kv_cache` are pairs (target, draft): the draft runs over the same tokens, into its
     own caches through the same slots (spec_decode/draft_model.py). `images`: a
     vision-language model's encoder cache [slots, P, D] (runner/encoder.py), whose rows
-    replace the image tokens' embeddings."""
+    replace the image tokens' embeddings. With `routes_k` (enable_return_routed_experts) it
+    also returns every layer's routed experts [T, L, k] as `routes_dtype`
+    (runner/routed_experts.py); else None."""
     batch = unpack(buf, layout)
     on_device = last_tokens[jnp.maximum(batch.from_device, 0)]
     token_ids = jnp.where(batch.from_device >= 0, on_device, batch.token_ids)
@@ -111,15 +116,17 @@ def _forward(
         rows = images.reshape(-1, images.shape[-1])  # [slots * P, D]
         index = batch.embed_index
         ctx = ctx.replace(embeds=rows[jnp.maximum(index, 0)], embeds_mask=index >= 0)
-    hidden, kv_cache = model(token_ids, ctx, kv_cache)
+    hidden, kv_cache, routes = model.forward(token_ids, ctx, kv_cache, routes_k)
     if draft_graphdef is not None:
         kv_cache = (kv_cache, draft_cache)
-    return hidden[batch.logits_indices], kv_cache, hidden[batch.prompt_lp_indices]
+    if routes is not None:
+        routes = routes.transpose(1, 0, 2).astype(routes_dtype)  # [T, L, k]
+    return hidden[batch.logits_indices], kv_cache, hidden[batch.prompt_lp_indices], routes
 
 
 forward_step = jax.jit(
     _forward,
-    static_argnames=("layout", "graphdef", "backend", "draft_graphdef"),
+    static_argnames=("layout", "graphdef", "backend", "draft_graphdef", "routes_k", "routes_dtype"),
     donate_argnames=("kv_cache",),
 )
 
@@ -194,8 +201,11 @@ class ModelRunner:
         lora=None,
         encoder=None,
         logprobs_mode: str = "raw_logprobs",
+        routes=None,
     ) -> None:
         self.graphdef = graphdef
+        # enable_return_routed_experts: what the forward records (runner/routed_experts.py)
+        self.routes = routes
         self.logprobs_mode = logprobs_mode  # what the sampler's logprobs report
         self.draft = draft  # a speculative DraftModel (spec_decode/draft_model.py), or None
         # The KV-cache groups' specs (jllm/kv_cache_interface.py): the model's, then the
@@ -282,7 +292,7 @@ class ModelRunner:
         # Not kept in the table: it is compiled against the stand-in cache.
         with jax.set_mesh(self.mesh):
             fwd = self._lower_forward(key, abstract_cache).compile()
-        hidden, _, prompt_hidden = fwd.out_info
+        hidden, _, prompt_hidden, _ = fwd.out_info
         # The sampler and the prompt-logprob step do not read the cache: kept for serving.
         smp = self._sample_executable(self.layout.sample_buckets[-1], hidden)
         prompt_lp = self._prompt_lp_executable(prompt_hidden)
@@ -312,7 +322,7 @@ class ModelRunner:
         """The zero inputs of forward key `key` and sampler bucket `sample_rows`, built by
         the same code as real steps: (StepInputs, SamplingMetadata) in numpy."""
         empty = InputBatch(0, 1, self.layout.max_pages, self.logits_processors, len(self.kv_groups))
-        inputs, md, _, _, _ = build_step(
+        inputs, md, _, _, _, _ = build_step(
             empty, SchedulerOutput(), self.layout, self.attention, key, sample_rows
         )
         return inputs, md
@@ -337,6 +347,8 @@ class ModelRunner:
             graphdef=self.graphdef,
             backend=self.attention,
             draft_graphdef=None if self.draft is None else self.draft.graphdef,
+            routes_k=0 if self.routes is None else self.routes.k,
+            routes_dtype=None if self.routes is None else self.routes.dtype,
         )
 
     def forward_for(self, key: tuple):
@@ -441,7 +453,7 @@ class ModelRunner:
             with ThreadPoolExecutor(self.compile_workers, "jllm-compile") as pool:
                 return list(pool.map(fn, items))
 
-        hidden, _, prompt_hidden = run_all(forward, keys)[0].out_info  # shapes and shardings
+        hidden, _, prompt_hidden, _ = run_all(forward, keys)[0].out_info  # shapes and shardings
         run_all(sampler, layout.sample_buckets)
         self._prompt_lp_executable(prompt_hidden)  # one shape: compiled once
         for manager in self.managers:
@@ -481,8 +493,8 @@ class ModelRunner:
         """The device part of a step: every manager's writes, then the forward and the
         sampler, from the packed host inputs to the packed result, still on the device (JAX
         dispatches asynchronously); with prompt-logprob targets, also the packed prompt
-        logprobs (else None). Every process of a multi-process engine runs it with the same
-        plan."""
+        logprobs (else None), and the routed experts when recorded (else None). Every
+        process of a multi-process engine runs it with the same plan."""
         for manager in self.managers:
             writes = plan.writes[manager.name]
             if writes != manager.empty():
@@ -490,7 +502,7 @@ class ModelRunner:
         layout, md_layout = self.step_layouts(plan.key, plan.rs)
         buf, md_buf = jax.device_put((plan.inputs, plan.sampling), self.replicated)
         fwd = self.forward_for(plan.key)
-        hidden, caches, prompt_hidden = fwd(
+        hidden, caches, prompt_hidden, routes = fwd(
             *self._forward_args(self._caches()), self.last_tokens, buf, self._images()
         )
         if self.draft is None:
@@ -506,7 +518,7 @@ class ModelRunner:
             targets = jax.device_put(plan.prompt_targets, self.replicated)
             prompt_lp = self._prompt_lp_executable(prompt_hidden)
             prompt_packed = prompt_lp(self.state, prompt_hidden, targets)
-        return packed, prompt_packed
+        return packed, prompt_packed, routes
 
     def follow(self, channel) -> None:
         """Processes other than 0: run the steps process 0 sends until it stops. A message
@@ -567,7 +579,7 @@ class ModelRunner:
         if self._first_step is None:
             self._first_step = time.perf_counter()
         writes, failed = self._apply(out)
-        inputs, md, groups, key, prompt_rows = build_step(
+        inputs, md, groups, key, prompt_rows, tok_row = build_step(
             self.batch, out, self.layout, self.attention
         )
         rs = md.batch_row.shape[0]
@@ -582,15 +594,20 @@ class ModelRunner:
         )
         if self.channel is not None:  # the other processes run the same step
             self.channel.send(to_message(plan, self.managers))
-        packed, prompt_packed = self.run_step(plan)
+        packed, prompt_packed, routes = self.run_step(plan)
         for g in groups:
             self.batch.num_pending[g.row] += 1
-        return packed, groups, prompt_packed, prompt_rows, failed
+        if routes is not None:  # cut per request at fetch, with the rows and slots of now
+            spec, positions = self.routes, inputs.positions
+            slots = token_slots(spec, self.batch.block_table[spec.group], tok_row, positions)
+            rows = {self.batch.index[rid]: rid for rid in out.num_scheduled_tokens}
+            routes = (routes, tok_row, positions, slots, rows)
+        return packed, groups, prompt_packed, prompt_rows, failed, routes
 
     def fetch(self, handle) -> ModelRunnerOutput:
         """Wait for a dispatched step: the emitted tokens of every request that sampled,
         appended to their rows (unless a row changed hands since)."""
-        packed, groups, prompt_packed, prompt_rows, failed = handle
+        packed, groups, prompt_packed, prompt_rows, failed, routes = handle
         packed = np.asarray(packed.addressable_shards[0].data)  # replicated: the whole array
         if not self._first_logged:
             self._first_logged = True
@@ -618,6 +635,10 @@ class ModelRunner:
             for rid, first, n in prompt_rows.spans:
                 result.prompt_logprobs[rid] = (first, *(f[at : at + n] for f in fields))
                 at += n
+        if routes is not None:
+            ids, tok_row, positions, slots, rows = routes
+            ids = np.asarray(ids.addressable_shards[0].data)
+            result.routed_experts = split_by_request(ids, tok_row, positions, slots, rows)
         return result
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:

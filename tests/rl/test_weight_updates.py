@@ -14,7 +14,15 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from oracle import SMALL, TINY, assert_matches, generate, prompt_ids, same_outputs
+from oracle import (
+    SMALL,
+    TINY,
+    assert_matches,
+    generate,
+    oracle_tokens,
+    prompt_ids,
+    same_outputs,
+)
 
 from jllm import LLM, SamplingParams
 from jllm.runner.compile_guard import count_compiles
@@ -85,25 +93,44 @@ def test_no_prefix_computed_with_old_weights_is_a_hit(llm, models):
     assert all(o.num_cached_tokens >= 16 for o in generate(llm, PROMPTS))  # B's own
 
 
-def test_a_request_running_across_an_update_reports_both_versions(llm, models):
+def test_requests_running_across_an_update_report_both_versions(llm, models):
+    """One request, one of n=2, and two of one prompt admitted in one step (the second hits
+    the blocks the first computes) run across the update: each sequence's tokens before it
+    are A's, every sequence reports both versions, and none of their blocks (mixed weights)
+    is a hit afterwards."""
     a, _, b = models
     push(llm, a, "v-a")
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    engine.add_request("across", *engine.prepare({"prompt_token_ids": PROMPTS[0]}, params))
-    done = []
+    pair = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, n=2)
+    running = [
+        ("across", 0, params),
+        ("pair", 1, pair),
+        ("twin-1", 2, params),
+        ("twin-2", 2, params),
+    ]
+    for rid, i, p in running:
+        engine.add_request(rid, *engine.prepare({"prompt_token_ids": PROMPTS[i]}, p))
+    done = {}
     for _ in range(4):
-        done += [o for o in engine.step() if o.finished]
+        done |= {o.request_id: o for o in engine.step() if o.finished}
     push(llm, b, "v-b")
     while engine.has_unfinished_requests():
-        done += [o for o in engine.step() if o.finished]
-    spans = [(s.version, s.start, s.end) for s in done[0].outputs[0].weight_versions]
-    assert [s[0] for s in spans] == ["v-a", "v-b"] and spans[-1][2] == 8
-    assert spans[0][2] == spans[1][1]
-    # Its blocks mix both weights: a new request with its prompt is not a hit.
-    again = generate(llm, PROMPTS[:1])
-    assert again[0].num_cached_tokens == 0
-    assert_matches(b, PROMPTS[:1], again)
+        done |= {o.request_id: o for o in engine.step() if o.finished}
+    assert sorted(done) == sorted(rid for rid, _, _ in running)
+    assert done["twin-2"].num_cached_tokens >= 16
+    oracle_a = oracle_tokens(a, PROMPTS, 8)
+    for rid, i, _ in running:
+        for seq in done[rid].outputs:
+            spans = [(s.version, s.start, s.end) for s in seq.weight_versions]
+            assert [s[0] for s in spans] == ["v-a", "v-b"] and spans[-1][2] == 8
+            assert spans[0][2] == spans[1][1]
+            before = spans[0][2]
+            assert list(seq.token_ids)[:before] == oracle_a[i][:before]
+    # Their blocks mix both weights: a new request with their prompts is not a hit.
+    again = generate(llm, PROMPTS)
+    assert all(o.num_cached_tokens == 0 for o in again)
+    assert_matches(b, PROMPTS, again)
 
 
 @pytest.mark.parametrize(

@@ -49,7 +49,7 @@ def test_rows_sorted_for_bands_and_trip_counts_cover_each_row():
     chunks = [(0, 37), (40, 60), (0, 9), (100, 28)]
     for i, (done, new) in enumerate(chunks, start=20):
         schedule(out, batch, i, done, new, done + new)
-    inputs, _, _, _, _ = build_step(batch, out, LAYOUT, get_backend("xla"))
+    inputs, _, _, _, _, _ = build_step(batch, out, LAYOUT, get_backend("xla"))
     md = inputs.attn[0]
 
     # Decode rows: longest context first; every band loops far enough for each of its rows.
@@ -85,8 +85,8 @@ def test_ragged_and_xla_metadata_describe_the_same_batch():
     out, batch = SchedulerOutput(), InputBatch(64, 256, LAYOUT.max_pages)
     schedule(out, batch, 0, 30, 1, 31)
     schedule(out, batch, 1, 0, 9, 9)
-    ragged, _, _, shape, _ = build_step(batch, out, LAYOUT, get_backend("cpu_kernel"))
-    xla, _, _, _, _ = build_step(batch, out, LAYOUT, get_backend("xla"))
+    ragged, _, _, shape, _, _ = build_step(batch, out, LAYOUT, get_backend("cpu_kernel"))
+    xla, _, _, _, _, _ = build_step(batch, out, LAYOUT, get_backend("xla"))
     (r,), (x,) = ragged.attn, xla.attn  # one KV-cache group
     assert not hasattr(r, "tile_q_pos") and not hasattr(x, "query_start")
     np.testing.assert_array_equal(r.slot_mapping, x.slot_mapping)
@@ -106,7 +106,7 @@ def test_verification_row_samples_after_each_draft():
     params = SamplingParams(temperature=1.0, seed=5, min_tokens=2, stop_token_ids=[7])
     schedule(out, batch, 0, 11, 1, 12, SamplingParams(temperature=0))  # a greedy decode
     schedule(out, batch, 1, 19, 4, 20, params, drafts=[50, 51, 52])  # verify 3 drafts
-    inputs, md, groups, shape, _ = build_step(batch, out, LAYOUT, get_backend("cpu_kernel"))
+    inputs, md, groups, shape, _, _ = build_step(batch, out, LAYOUT, get_backend("cpu_kernel"))
     assert [(g.req_id, g.first, g.count) for g in groups] == [("r0", 0, 1), ("r1", 1, 4)]
     # The verification row is four decode rows (no tile), longest context first.
     assert shape == (8, 0)
@@ -135,7 +135,7 @@ def test_verification_rows_past_the_decode_bucket_take_tiles():
     out, batch = SchedulerOutput(), InputBatch(4, 256, layout.max_pages)
     schedule(out, batch, 0, 11, 1, 12)
     schedule(out, batch, 1, 19, 4, 20, drafts=[50, 51, 52])  # 1 + 4 > 4 decode rows
-    inputs, _, groups, shape, _ = build_step(batch, out, layout, get_backend("cpu_kernel"))
+    inputs, _, groups, shape, _, _ = build_step(batch, out, layout, get_backend("cpu_kernel"))
     assert shape == (1, 1)
     start = inputs.attn[0].query_start[1]
     assert inputs.attn[0].query_lens[1] == 4 and start == 1
@@ -157,7 +157,7 @@ def test_each_kv_cache_group_reads_its_own_block_tables():
         prompt = list(range(1, total + 1))
         batch.add(NewRequestData(f"r{i}", prompt, [], SamplingParams(), i, None, blocks, computed))
         out.num_scheduled_tokens[f"r{i}"] = new
-    inputs, _, _, _, _ = build_step(batch, out, LAYOUT, get_backend("cpu_kernel"))
+    inputs, _, _, _, _, _ = build_step(batch, out, LAYOUT, get_backend("cpu_kernel"))
     first, second = inputs.attn
     for md, g in ((first, 0), (second, 1)):
         table = batch.block_table[g]
@@ -186,7 +186,7 @@ def test_packed_rows_sit_back_to_back():
     schedule(out, batch, 0, 30, 1, 31)  # a decode
     for i in (1, 2, 3):
         schedule(out, batch, i, 0, 3, 3)
-    inputs, _, groups, shape, _ = build_step(batch, out, layout, get_backend("cpu_kernel"))
+    inputs, _, groups, shape, _, _ = build_step(batch, out, layout, get_backend("cpu_kernel"))
     (md,) = inputs.attn
     assert shape == (16,) and layout.dims(shape) == (16, 16, 0, 0)
     assert len(md.kv_lens) == 16 and len(inputs.token_ids) == 16
