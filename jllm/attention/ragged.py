@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jllm.attention.base import AttentionBackend, write_step_kv
 from jllm.attention.metadata import FlatBatch, RaggedMetadata, build_ragged
 from jllm.attention.options import AttentionOptions
+from jllm.config import batch_invariant
 from pallas_kernels.ragged_paged_attention import (
     SUPPORTED_DTYPES,
     is_fp8_cache,
@@ -90,6 +91,7 @@ class CpuKernelBackend(_Ragged):
             sliding_window=options.window,
             soft_cap=options.soft_cap,
             fp8_dtype=fp8,
+            batch_invariant=batch_invariant.enabled(),
         )
         if md.q_horizon is not None:  # image tokens that attend both ways (Gemma 3)
             kw["q_horizon"] = md.q_horizon

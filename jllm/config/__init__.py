@@ -151,6 +151,9 @@ class EngineArgs:
     # RL: allow sleep levels 1 and 2 (weights to host or freed, KV cache freed), and the
     # weight transfer backend that `update_weights` reads (jllm/rl/transfer.py).
     enable_sleep_mode: bool = False
+    # The batch-invariant mode (jllm's; vLLM has only its VLLM_BATCH_INVARIANT=1, which None
+    # follows): a request's tokens and logprobs the same bits whatever runs beside it.
+    batch_invariant: bool | None = None
     # RL's routing replay: each request's chosen experts per layer and position in
     # CompletionOutput.routed_experts (mixtures of experts; engine/routed_experts.py).
     enable_return_routed_experts: bool = False

@@ -90,6 +90,8 @@ HELP = {
     "temperature and top-k/top-p/min-p).",
     "enable_sleep_mode": "Allow sleep levels 1 and 2 (weights to host memory or freed, the "
     "KV cache freed) for RL rollouts.",
+    "batch_invariant": "Batch-invariant mode: a request's tokens and logprobs are the same "
+    "bits alone or in any batch, chunked or not (default: VLLM_BATCH_INVARIANT=1 turns it on).",
     "enable_return_routed_experts": "Return each request's routed experts per layer and "
     "position (CompletionOutput.routed_experts) for RL routing replay; mixtures of experts.",
     "weight_transfer_config": 'Weight transfer for update_weights as JSON: {"backend": '

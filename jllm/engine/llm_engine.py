@@ -42,10 +42,12 @@ from jllm.engine.multimodal import MultiModalProcessor, encoder_slots
 from jllm.engine.output_processor import OutputProcessor
 from jllm.engine.outputs import EngineCoreRequest
 from jllm.engine.platform import (
+    check_batch_invariant_backend,
     log_split,
     min_dot_rows,
     resolve_async_scheduling,
     resolve_backend,
+    resolve_batch_invariant,
     select_platform,
 )
 from jllm.engine.processor import Processor
@@ -83,6 +85,12 @@ class LLMEngine:
         )
         enable_compilation_cache()
         platform = select_platform(args.device)
+        invariant = resolve_batch_invariant(
+            args.batch_invariant,
+            platform,
+            args.tensor_parallel_size,
+            args.pipeline_parallel_size,
+        )
         m = load_engine_model(args, platform)
         loaded = time.perf_counter()
         cfg, dtype, self.max_model_len = m.config, m.dtype, m.max_model_len
@@ -100,6 +108,7 @@ class LLMEngine:
             fp8_cache=args.kv_cache_dtype != "auto",
             options=m.attention_options,
         )
+        check_batch_invariant_backend(invariant, backend)
         # The backend's batch layout: prefill rows in its tiles, or packed back to back.
         tile = get_backend(backend).prefill_tile
         sched_cfg = resolve_scheduler_config(args, self.max_model_len, tile)
@@ -160,6 +169,7 @@ class LLMEngine:
             encoder,
             logprobs_mode=args.logprobs_mode,
             routes=routes,
+            invariant=invariant,
         )
         sizing = time.perf_counter()
         specs, kv_config = size_kv_cache(

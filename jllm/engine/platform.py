@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from jllm.attention import AttentionBackend, get_backend
 from jllm.attention.options import AttentionOptions
+from jllm.config import batch_invariant
 from pallas_kernels.cpu.build import CpuKernelUnavailable, cpu_flags
 
 logger = logging.getLogger("jllm")
@@ -234,3 +235,38 @@ def resolve_async_scheduling(
     if requested is not None:
         return requested
     return platform != "cpu"
+
+
+def resolve_batch_invariant(requested: bool | None, platform: str, tp: int, pp: int) -> bool:
+    """The batch-invariant mode of this engine (`batch_invariant`; None: vLLM's
+    `VLLM_BATCH_INVARIANT`), which its steps are traced in (jllm/config/batch_invariant.py).
+    Where it is not built yet it is refused by name: it holds on the CPU's kernels, on one
+    device."""
+    on = batch_invariant.enabled() if requested is None else bool(requested)
+    if on and platform != "cpu":
+        raise ValueError(
+            "Batch-invariant mode (VLLM_BATCH_INVARIANT / batch_invariant) runs on the CPU "
+            f"backend only in jllm yet, not on {platform!r}."
+        )
+    if on and tp * pp > 1:
+        raise ValueError(
+            "Batch-invariant mode (VLLM_BATCH_INVARIANT / batch_invariant) needs one device "
+            "in jllm yet (tensor_parallel_size and pipeline_parallel_size 1): sharded layer "
+            "products are XLA's."
+        )
+    if on:
+        logger.info(
+            "Batch-invariant mode: a request's tokens and logprobs do not depend on "
+            "its neighbours (docs/sampling.md)."
+        )
+    return on
+
+
+def check_batch_invariant_backend(on: bool, backend: str) -> None:
+    """In the batch-invariant mode (`on`), an attention backend with one order for every row
+    kind: the C++ CPU kernel (the xla backend's chunking follows the bucket)."""
+    if on and backend != "cpu_kernel":
+        raise ValueError(
+            f"Batch-invariant mode needs the 'cpu_kernel' attention backend; {backend!r} sums "
+            "a query's keys in an order that depends on the step's shape."
+        )

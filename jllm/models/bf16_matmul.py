@@ -27,7 +27,9 @@ import os
 import jax
 import jax.numpy as jnp
 
+from jllm.config import batch_invariant
 from pallas_kernels.cpu.build import (
+    EXACT_ORDER,
     INCLUDE,
     CpuKernelUnavailable,
     FfiKernel,
@@ -39,7 +41,12 @@ logger = logging.getLogger("jllm")
 
 SOURCE = os.path.join(INCLUDE, "bf16_matmul.cc")
 KERNEL = FfiKernel(
-    SOURCE, "bf16_matmul", "CPU bf16 matmul kernel", "JllmBf16Matmul", "jllm_bf16_matmul_cpu"
+    SOURCE,
+    "bf16_matmul",
+    "CPU bf16 matmul kernel",
+    "JllmBf16Matmul",
+    "jllm_bf16_matmul_cpu",
+    extra_flags=EXACT_ORDER,
 )
 GATED = FfiKernel(
     SOURCE,
@@ -47,6 +54,7 @@ GATED = FfiKernel(
     "CPU bf16 gated matmul kernel",
     "JllmBf16GatedMatmul",
     "jllm_bf16_gated_matmul_cpu",
+    extra_flags=EXACT_ORDER,
 )
 
 
@@ -56,15 +64,17 @@ def supported() -> bool:
 
 
 @functools.cache
-def enabled() -> bool:
+def enabled(invariant: bool = False) -> bool:
     """Whether bfloat16 models' layer products go to the kernel in this process: the CPU
-    backend, AVX512-BF16 without AMX, and a kernel that builds. Logged once."""
+    backend, AVX512-BF16 without AMX (with AMX too in the batch-invariant mode, `invariant`:
+    the kernel's sums run in one order for any number of rows, XLA's do not), and a kernel
+    that builds. Logged once."""
     if jax.default_backend() != "cpu":
         return False
     flags = cpu_flags()
     if "avx512_bf16" not in flags:
         reason = "this CPU has no AVX512-BF16"
-    elif "amx_bf16" in flags:
+    elif "amx_bf16" in flags and not invariant:
         reason = "this CPU has AMX, which XLA's products use"
     else:
         try:
@@ -83,7 +93,9 @@ def applies(dtype) -> bool:
     """Whether a model of activation dtype `dtype` runs its layer products on the kernel
     here: bfloat16, `enabled`, and no mesh of several devices nor a lowering for another
     platform (checked at trace time)."""
-    return jnp.dtype(dtype) == jnp.bfloat16 and enabled() and one_device() and tracing_for_cpu()
+    if jnp.dtype(dtype) != jnp.bfloat16 or not (one_device() and tracing_for_cpu()):
+        return False
+    return enabled(batch_invariant.enabled())
 
 
 def one_device() -> bool:

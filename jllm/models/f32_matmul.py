@@ -30,8 +30,10 @@ import os
 import jax
 import jax.numpy as jnp
 
+from jllm.config import batch_invariant
 from jllm.models.bf16_matmul import check_live, one_device
 from pallas_kernels.cpu.build import (
+    EXACT_ORDER,
     INCLUDE,
     CpuKernelUnavailable,
     FfiKernel,
@@ -43,7 +45,12 @@ logger = logging.getLogger("jllm")
 
 SOURCE = os.path.join(INCLUDE, "f32_matmul.cc")
 KERNEL = FfiKernel(
-    SOURCE, "f32_matmul", "CPU float32 matmul kernel", "JllmF32Matmul", "jllm_f32_matmul_cpu"
+    SOURCE,
+    "f32_matmul",
+    "CPU float32 matmul kernel",
+    "JllmF32Matmul",
+    "jllm_f32_matmul_cpu",
+    extra_flags=EXACT_ORDER,
 )
 GATED = FfiKernel(
     SOURCE,
@@ -51,6 +58,7 @@ GATED = FfiKernel(
     "CPU float32 gated matmul kernel",
     "JllmF32GatedMatmul",
     "jllm_f32_gated_matmul_cpu",
+    extra_flags=EXACT_ORDER,
 )
 
 
@@ -133,7 +141,10 @@ def f32_matmul(
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[-2 if transposed else -1]), out_dtype)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     call = jax.ffi.ffi_call(KERNEL.load(), out)
-    return call(x, w, layer, check_live(x, live), w_transposed=bool(transposed))
+    invariant = batch_invariant.enabled()  # one summation order for any number of rows
+    return call(
+        x, w, layer, check_live(x, live), w_transposed=bool(transposed), batch_invariant=invariant
+    )
 
 
 def f32_gated_matmul(

@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jllm.config import batch_invariant
 from jllm.lora.layers import lora_delta
-from jllm.models import bf16_matmul, f32_matmul
+from jllm.models import bf16_matmul, f32_matmul, invariant
 from jllm.quantization.weights import QuantizedWeight, matmul
 
 
@@ -210,7 +211,10 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
-        var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+        if batch_invariant.enabled():  # one summation order whatever the rows
+            var = invariant.row_mean(x32 * x32)
+        else:
+            var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
         normed = x32 * jax.lax.rsqrt(var + self.eps)
         if self.unit_offset:
             return (normed * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)

@@ -31,7 +31,6 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 from jllm.attention import get_backend
+from jllm.config import batch_invariant
 from jllm.distributed.codec import MalformedMessage
 from jllm.kv_cache_interface import MambaSpec
 from jllm.models.context import StepContext
@@ -124,26 +124,23 @@ def _forward(
     return hidden[batch.logits_indices], kv_cache, hidden[batch.prompt_lp_indices], routes
 
 
+# `invariant` (batch_invariant.keyed): the batch-invariant mode the step is traced in.
 forward_step = jax.jit(
-    _forward,
-    static_argnames=("layout", "graphdef", "backend", "draft_graphdef", "routes_k", "routes_dtype"),
+    batch_invariant.keyed(_forward),
+    static_argnames=(
+        "layout",
+        "graphdef",
+        "backend",
+        "draft_graphdef",
+        "routes_k",
+        "routes_dtype",
+        "invariant",
+    ),
     donate_argnames=("kv_cache",),
 )
 
 
-@partial(
-    jax.jit,
-    static_argnames=(
-        "layout",
-        "graphdef",
-        "logits_sharding",
-        "num_logprobs",
-        "logits_processors",
-        "logprobs_mode",
-    ),
-    donate_argnames=("counts", "last_tokens"),
-)
-def sample_step(
+def _sample_step(
     state,
     hidden,
     buf,
@@ -183,6 +180,21 @@ def sample_step(
     )
 
 
+sample_step = jax.jit(
+    batch_invariant.keyed(_sample_step),
+    static_argnames=(
+        "layout",
+        "graphdef",
+        "logits_sharding",
+        "num_logprobs",
+        "logits_processors",
+        "logprobs_mode",
+        "invariant",
+    ),
+    donate_argnames=("counts", "last_tokens"),
+)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -202,8 +214,11 @@ class ModelRunner:
         encoder=None,
         logprobs_mode: str = "raw_logprobs",
         routes=None,
+        invariant: bool = False,
     ) -> None:
         self.graphdef = graphdef
+        # The batch-invariant mode its steps are traced in (jllm/config/batch_invariant.py)
+        self.invariant = invariant
         # enable_return_routed_experts: what the forward records (runner/routed_experts.py)
         self.routes = routes
         self.logprobs_mode = logprobs_mode  # what the sampler's logprobs report
@@ -349,6 +364,7 @@ class ModelRunner:
             draft_graphdef=None if self.draft is None else self.draft.graphdef,
             routes_k=0 if self.routes is None else self.routes.k,
             routes_dtype=None if self.routes is None else self.routes.dtype,
+            invariant=self.invariant,
         )
 
     def forward_for(self, key: tuple):
@@ -380,6 +396,7 @@ class ModelRunner:
                 num_logprobs=self.max_logprobs,
                 logits_processors=self.logits_processors,
                 logprobs_mode=self.logprobs_mode,
+                invariant=self.invariant,
             )
 
         return self.table.get("sampler", rs, lower)
@@ -396,6 +413,7 @@ class ModelRunner:
                 graphdef=self.graphdef,
                 num_logprobs=self.max_logprobs,
                 logits_sharding=self.logits_sharding,
+                invariant=self.invariant,
             )
 
         return self.table.get("prompt logprobs", None, lower)

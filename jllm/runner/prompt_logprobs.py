@@ -15,34 +15,44 @@ Glossary: P = PROMPT_LOGPROB_ROWS, D hidden size, V vocab, J logprobs returned.
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from jllm.config import batch_invariant
 
 
 def _as_int32(x):
     return x if x.dtype == jnp.int32 else jax.lax.bitcast_convert_type(x, jnp.int32)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "num_logprobs", "logits_sharding"))
-def prompt_logprobs_step(state, hidden, targets, *, graphdef, num_logprobs, logits_sharding):
+def _prompt_logprobs_step(state, hidden, targets, *, graphdef, num_logprobs, logits_sharding):
     """hidden [P, D] gathered by the forward, targets [P] -> [P, 2 + 2J]."""
     model = nnx.merge(graphdef, state)
     logits = model.compute_logits(hidden)  # [P, V] float32
     logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
-    raw = jax.nn.log_softmax(logits, axis=-1)
-    lp = jnp.take_along_axis(raw, targets[:, None], axis=-1)  # [P, 1]
-    rank = jnp.sum(raw > lp, axis=-1, keepdims=True).astype(jnp.int32) + 1
-    top_lp, top_ids = jax.lax.top_k(raw, num_logprobs)
+    # The sampler's formula (runner/sampler.py): a logit less its row's logsumexp, so a
+    # token's prompt logprob and its sampled logprob are the same bits where the logits are.
+    shift = jax.nn.logsumexp(logits, axis=-1, keepdims=True)  # [P, 1]
+    value = jnp.take_along_axis(logits, targets[:, None], axis=-1)  # [P, 1]
+    lp = value - shift
+    rank = jnp.sum(logits > value, axis=-1, keepdims=True).astype(jnp.int32) + 1
+    top_v, top_ids = jax.lax.top_k(logits, num_logprobs)
+    top_lp = top_v - shift
     packed = jnp.concatenate(
         [_as_int32(lp), rank, top_ids.astype(jnp.int32), _as_int32(top_lp)], axis=1
     )
     if not jax.sharding.get_abstract_mesh().empty:
         packed = jax.lax.with_sharding_constraint(packed, jax.sharding.PartitionSpec())
     return packed
+
+
+# `invariant` (batch_invariant.keyed): the batch-invariant mode the step is traced in.
+prompt_logprobs_step = jax.jit(
+    batch_invariant.keyed(_prompt_logprobs_step),
+    static_argnames=("graphdef", "num_logprobs", "logits_sharding", "invariant"),
+)
 
 
 def unpack(packed: np.ndarray, num_logprobs: int):

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jllm.config import batch_invariant
 from jllm.models.context import StepContext
 from jllm.runner.buckets import BatchLayout, bucket
 from jllm.runner.draw import filtered_draw, first_argmax, row_keys
@@ -115,9 +116,10 @@ def _draft_step(state, kv_cache, src, buf, *, layout, graphdef, backend, logits_
     return out, kv_cache
 
 
+# `invariant` (batch_invariant.keyed): the batch-invariant mode the step is traced in.
 draft_step = jax.jit(
-    _draft_step,
-    static_argnames=("layout", "graphdef", "backend", "logits_sharding"),
+    batch_invariant.keyed(_draft_step),
+    static_argnames=("layout", "graphdef", "backend", "logits_sharding", "invariant"),
     donate_argnames=("kv_cache",),
 )
 
@@ -208,6 +210,7 @@ class DraftModel:
                 graphdef=self.graphdef,
                 backend=runner.attention,
                 logits_sharding=runner.logits_sharding,
+                invariant=runner.invariant,
             ),
         )
 

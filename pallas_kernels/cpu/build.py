@@ -50,6 +50,13 @@ FLAGS = (
 )
 
 
+# For kernels whose sums must run in the order their source writes them (the layer products:
+# the batch-invariant mode needs a row's result not to depend on how many rows share the
+# call): no reassociation, and no multiply-add fused where the source does not say so (GCC's
+# default contraction would fuse some in one instantiation and not in another).
+EXACT_ORDER = ("-fno-associative-math", "-ffp-contract=off")
+
+
 class CpuKernelUnavailable(RuntimeError):
     """The kernel could not be built here (no C++ compiler, or it failed)."""
 
@@ -88,7 +95,7 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def _library_path(compiler: str, source_path: str, stem: str) -> str:
+def _library_path(compiler: str, source_path: str, stem: str, flags=FLAGS) -> str:
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True
     ).stdout
@@ -99,7 +106,7 @@ def _library_path(compiler: str, source_path: str, stem: str) -> str:
     key = hashlib.sha256()
     for part in (
         *sources,
-        " ".join(FLAGS),
+        " ".join(flags),
         version,
         jax.__version__,
         importlib.metadata.version("jaxlib"),  # the FFI headers come from jaxlib
@@ -112,13 +119,13 @@ def _library_path(compiler: str, source_path: str, stem: str) -> str:
     return os.path.join(root, "jllm", "kernels", f"{stem}_{key.hexdigest()[:16]}.so")
 
 
-def _build(compiler: str, path: str, source: str, what: str) -> None:
+def _build(compiler: str, path: str, source: str, what: str, flags=FLAGS) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     # Build to a temporary name and rename: processes starting together (one per host or
     # device) may all build, and none may load a half-written library.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
-    cmd = [compiler, *FLAGS, "-I", jax.ffi.include_dir(), "-I", INCLUDE, source, "-o", tmp]
+    cmd = [compiler, *flags, "-I", jax.ffi.include_dir(), "-I", INCLUDE, source, "-o", tmp]
     logger.info("Building the %s: %s", what, " ".join(cmd))
     try:
         done = subprocess.run(cmd, capture_output=True, text=True)
@@ -132,19 +139,20 @@ def _build(compiler: str, path: str, source: str, what: str) -> None:
             os.unlink(tmp)
 
 
-def build_library(source: str, stem: str, what: str) -> ctypes.CDLL:
-    """Builds a C++ FFI source once per machine (GCC flags `FLAGS`, jaxlib's FFI headers)
-    into the kernel cache and loads it. Raises CpuKernelUnavailable when there is no C++
-    compiler (`$CXX`, default g++) or the build fails."""
+def build_library(source: str, stem: str, what: str, extra_flags=()) -> ctypes.CDLL:
+    """Builds a C++ FFI source once per machine (GCC flags `FLAGS`, then `extra_flags`;
+    jaxlib's FFI headers) into the kernel cache and loads it. Raises CpuKernelUnavailable
+    when there is no C++ compiler (`$CXX`, default g++) or the build fails."""
     compiler = os.environ.get("CXX", "g++")
     if shutil.which(compiler) is None:
         raise CpuKernelUnavailable(
             f"no C++ compiler {compiler!r} on PATH (set CXX, or install g++)"
         )
     try:
-        path = _library_path(compiler, source, stem)
+        flags = (*FLAGS, *extra_flags)
+        path = _library_path(compiler, source, stem, flags)
         if not os.path.exists(path):
-            _build(compiler, path, source, what)
+            _build(compiler, path, source, what, flags)
         return ctypes.cdll.LoadLibrary(path)
     except (OSError, subprocess.CalledProcessError) as e:  # unwritable cache, noexec
         raise CpuKernelUnavailable(f"cannot build or load the {what}: {e}") from e
@@ -154,10 +162,21 @@ class FfiKernel:
     """A C++ FFI source built once per machine (`build_library`) and registered once per
     process under `target`; a failed build is not retried in this process.
 
-    warn: log the reason at the first failure (for a caller that falls back silently)."""
+    warn: log the reason at the first failure (for a caller that falls back silently).
+    extra_flags: GCC flags after `FLAGS` (`EXACT_ORDER` for the layer products)."""
 
-    def __init__(self, source: str, stem: str, what: str, symbol: str, target: str, warn=False):
+    def __init__(
+        self,
+        source: str,
+        stem: str,
+        what: str,
+        symbol: str,
+        target: str,
+        warn=False,
+        extra_flags=(),
+    ):
         self.source, self.stem, self.what = source, stem, what
+        self.extra_flags = tuple(extra_flags)
         self.symbol, self.target, self.warn = symbol, target, warn
         self._lock = threading.Lock()
         self._state: dict[str, object] = {}  # "target" once registered, or "failure"
@@ -172,7 +191,7 @@ class FfiKernel:
             if "failure" in self._state:
                 raise self._state["failure"]
             try:
-                library = build_library(self.source, self.stem, self.what)
+                library = build_library(self.source, self.stem, self.what, self.extra_flags)
             except CpuKernelUnavailable as e:
                 self._state["failure"] = e
                 if self.warn:

@@ -7,7 +7,8 @@
 // as XLA converts). The contract of f32_matmul.py. `live` is one byte per row of x (or
 // none): rows marked 0, a step's padding, are not computed and come out zero. With the
 // attribute w_transposed, w is [L, N, K] or [N, K] (a tied embedding table as the LM head)
-// and y = x @ w[layer]^T. A second entry point takes two weights of one shape and writes
+// and y = x @ w[layer]^T; with batch_invariant, every row's sums run in one order whatever
+// the number of rows (the batch-invariant mode: no dot-product path for a few rows). A second entry point takes two weights of one shape and writes
 // silu(x @ gate) * (x @ up) (a gated MLP's first half), the SiLU taken on the float32 sums.
 //
 // Why not XLA's product: inside the model's layer scan XLA copies each layer's weights out
@@ -446,14 +447,16 @@ void zero_padding_rows(const Product<TW, TY>& p, const int8_t* live) {
 
 template <typename TW, typename TY>
 ffi::Error Run(ffi::ThreadPool& pool, const Product<TW, TY>& p, const int8_t* live,
-               bool transposed) {
+               bool transposed, bool invariant) {
   zero_padding_rows(p, live);
   const std::vector<jllm_cpu::RowTile> tiles = jllm_cpu::live_tiles(live, p.M, kMaxRows);
   const int64_t count = int64_t(tiles.size());
   if (count == 0) return ffi::Error::Success();
   // One tile of a transposed w (single-stream decode, say): the product is bound by
-  // reading w, which the dot tiles read once, in place, with no transposing.
-  if (transposed && count == 1) return run_dots(pool, p, tiles[0]);
+  // reading w, which the dot tiles read once, in place, with no transposing. Not in the
+  // batch-invariant mode: the dot tiles sum each output in eight lanes, the panels in order
+  // of k, so a row's result would depend on how many rows share its step.
+  if (transposed && count == 1 && !invariant) return run_dots(pool, p, tiles[0]);
   const int64_t full = p.N / kPanel;                 // full panels
   const int64_t panels = full + (p.N % kPanel != 0);  // and the edge, if any
   // Several blocks of tiles: the weight is packed once for all of them, up front. One block
@@ -509,16 +512,16 @@ ffi::Error Run(ffi::ThreadPool& pool, const Product<TW, TY>& p, const int8_t* li
 // Widens x if it is bf16, then runs.
 template <typename TX, typename TW, typename TY>
 ffi::Error Widened(ffi::ThreadPool& pool, const TX* x, Product<TW, TY>& p, const int8_t* live,
-                   bool transposed) {
+                   bool transposed, bool invariant) {
   p.x = widen_x(pool, x, p.M, p.K, live);
   if (!p.x) return ffi::Error::Internal("widening a bf16 x failed");
-  return Run(pool, p, live, transposed);
+  return Run(pool, p, live, transposed, invariant);
 }
 
 #else
 
 template <typename TX, typename TW, typename TY>
-ffi::Error Widened(ffi::ThreadPool&, const TX*, Product<TW, TY>&, const int8_t*, bool) {
+ffi::Error Widened(ffi::ThreadPool&, const TX*, Product<TW, TY>&, const int8_t*, bool, bool) {
   return ffi::Error(ffi::ErrorCode::kUnimplemented,
                     "the float32 matmul kernel needs an x86 CPU with FMA");
 }
@@ -532,6 +535,7 @@ struct Operands {
   void* y;
   const int8_t* live;
   bool transposed;
+  bool invariant;  // the batch-invariant mode: one summation order whatever the rows
 };
 
 template <typename TX, typename TW, typename TY>
@@ -543,7 +547,7 @@ ffi::Error Typed(ffi::ThreadPool& pool, const Operands& o) {
   p.w = static_cast<const TW*>(o.w) + o.shape.offset;
   p.up = o.up ? static_cast<const TW*>(o.up) + o.shape.offset : nullptr;
   p.y = static_cast<TY*>(o.y);
-  return Widened(pool, static_cast<const TX*>(o.x), p, o.live, o.transposed);
+  return Widened(pool, static_cast<const TX*>(o.x), p, o.live, o.transposed, o.invariant);
 }
 
 bool float32_or_bf16(ffi::DataType t) {
@@ -554,7 +558,8 @@ bool float32_or_bf16(ffi::DataType t) {
 // instance for their dtypes.
 ffi::Error Checked(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& w,
                    const ffi::AnyBuffer* up, ffi::Buffer<ffi::S32>& layer,
-                   ffi::Buffer<ffi::S8>& live, ffi::Result<ffi::AnyBuffer>& y, bool transposed) {
+                   ffi::Buffer<ffi::S8>& live, ffi::Result<ffi::AnyBuffer>& y, bool transposed,
+                   bool invariant) {
   const ffi::DataType wt = w.element_type();
   if (!float32_or_bf16(x.element_type()) || !float32_or_bf16(wt) ||
       !float32_or_bf16(y->element_type()))
@@ -583,6 +588,7 @@ ffi::Error Checked(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& w,
   o.y = y->untyped_data();
   o.live = live.element_count() ? live.typed_data() : nullptr;
   o.transposed = transposed;
+  o.invariant = invariant;
   const bool x32 = x.element_type() == ffi::DataType::F32;
   const bool w32 = wt == ffi::DataType::F32, y32 = y->element_type() == ffi::DataType::F32;
   // Every combination of the three dtypes, each an instance of the loops above.
@@ -597,20 +603,22 @@ ffi::Error Checked(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& w,
 
 ffi::Error F32Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S8> live,
-                     ffi::Result<ffi::AnyBuffer> y, bool w_transposed) {
-  return Checked(pool, x, w, nullptr, layer, live, y, w_transposed);
+                     ffi::Result<ffi::AnyBuffer> y, bool w_transposed, bool batch_invariant) {
+  return Checked(pool, x, w, nullptr, layer, live, y, w_transposed, batch_invariant);
 }
 
 ffi::Error F32GatedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gate,
                           ffi::AnyBuffer up, ffi::Buffer<ffi::S32> layer,
                           ffi::Buffer<ffi::S8> live, ffi::Result<ffi::AnyBuffer> y) {
-  return Checked(pool, x, gate, &up, layer, live, y, false);
+  return Checked(pool, x, gate, &up, layer, live, y, false, false);
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmF32Matmul, F32Matmul,
-                              jllm_cpu::product_binding().Attr<bool>("w_transposed"));
+                              jllm_cpu::product_binding()
+                                  .Attr<bool>("w_transposed")
+                                  .Attr<bool>("batch_invariant"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmF32GatedMatmul, F32GatedMatmul,
                               jllm_cpu::gated_product_binding());

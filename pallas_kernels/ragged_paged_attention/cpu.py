@@ -83,13 +83,14 @@ def _horizon(q, q_horizon) -> jax.Array:
     return q_horizon
 
 
-def _options(q, sm_scale, sliding_window, soft_cap) -> dict:
+def _options(q, sm_scale, sliding_window, soft_cap, batch_invariant=False) -> dict:
     """The checked options as the kernel's attributes (0 for an option that is off)."""
     validate_options(sm_scale, sliding_window, soft_cap)
     return dict(
         sm_scale=np.float32(1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale),
         sliding_window=np.int64(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0),
+        batch_invariant=bool(batch_invariant),
     )
 
 
@@ -121,6 +122,7 @@ def ragged_paged_attention_cpu(
     soft_cap: float | None = None,
     fp8_dtype=None,
     q_horizon: jax.Array | None = None,
+    batch_invariant: bool = False,
 ) -> jax.Array:
     """Ragged paged attention on the CPU; the reference's arguments and result.
 
@@ -129,11 +131,13 @@ def ragged_paged_attention_cpu(
     dtype, or float8 (an array of that dtype, or uint8 bytes with `fp8_dtype`). With a
     sliding window only the pages inside it are read. q_horizon [T] int32: the last key
     each query sees where later than its own position (None: causal), as in the reference.
+    batch_invariant: every query through one routine (a decode row's too), so that a query's
+    result does not depend on the rows beside it or on whether it decodes.
     """
     args = _checked_args(
         q, kv_cache, layer, kv_lens, block_tables, query_start, query_lens, num_seqs, fp8_dtype
     )
-    options = _options(q, sm_scale, sliding_window, soft_cap)
+    options = _options(q, sm_scale, sliding_window, soft_cap, batch_invariant)
     return _call(*args, _horizon(q, q_horizon), fp8_dtype=fp8_dtype, **options)
 
 
@@ -154,6 +158,7 @@ def ragged_paged_attention_cpu_sharded(
     soft_cap: float | None = None,
     fp8_dtype=None,
     q_horizon=None,
+    batch_invariant: bool = False,
 ):
     """The CPU kernel with heads split over `mesh` axis `axis` (as in sharded.py): each device
     runs it on its own query heads and kv heads; kv_cache is the stacked cache. The metadata,
@@ -161,7 +166,7 @@ def ragged_paged_attention_cpu_sharded(
     args = _checked_args(
         q, kv_cache, layer, kv_lens, block_tables, query_start, query_lens, num_seqs, fp8_dtype
     )
-    options = _options(q, sm_scale, sliding_window, soft_cap)
+    options = _options(q, sm_scale, sliding_window, soft_cap, batch_invariant)
     heads = P(None, axis, None)
     replicated = (P(),) * 7
     return jax.shard_map(

@@ -383,6 +383,7 @@ struct Problem {
   float scale;
   int64_t window;  // sliding window W, 0 for none
   float soft_cap;  // 0 for none
+  bool invariant;  // the batch-invariant mode: decode rows through the prefill routine
 };
 
 // The first key position a query at `pos` sees: pos - W + 1, or 0 without a window.
@@ -1120,7 +1121,10 @@ void run_decode_bf16(const Problem& pb, const Item& it, std::vector<float>& scra
 template <typename D, typename C>
 void run(const Problem& pb, const Item& it, std::vector<float>& scratch) {
   // The common shapes get inner loops of compile-time length.
-  const bool decode = it.num_queries == 1 && pb.G <= kDecodeMaxG;
+  // The batch-invariant mode takes run_prefill for one query too: its lanes are queries, each
+  // summing its keys page by page in one order whatever the other lanes hold (a masked key
+  // adds exactly nothing), while run_decode sums a page's keys across vector lanes.
+  const bool decode = !pb.invariant && it.num_queries == 1 && pb.G <= kDecodeMaxG;
 #ifdef __AVX512BF16__
   if constexpr (std::is_same_v<D, Bf16> && std::is_same_v<C, Bf16>) {
     if (pb.S == 16 && pb.H == 64 && decode) return run_decode_bf16<64>(pb, it, scratch);
@@ -1147,7 +1151,8 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_c
                      ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> query_start,
                      ffi::Buffer<ffi::S32> query_lens, ffi::Buffer<ffi::S32> num_seqs,
                      ffi::Buffer<ffi::S32> q_horizon, ffi::Result<ffi::AnyBuffer> out,
-                     float sm_scale, int64_t fp8_bytes, int64_t sliding_window, float soft_cap) {
+                     float sm_scale, int64_t fp8_bytes, int64_t sliding_window, float soft_cap,
+                     bool batch_invariant) {
   const auto qd = q.dimensions();
   const auto cd = kv_cache.dimensions();
   if (qd.size() != 3 || cd.size() != 5)
@@ -1188,6 +1193,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_c
   pb.scale = sm_scale;
   pb.window = sliding_window;
   pb.soft_cap = soft_cap;
+  pb.invariant = batch_invariant;
 
   std::memset(out->untyped_data(), 0, out->size_bytes());
   const int64_t R = std::min<int64_t>(num_seqs.typed_data()[0], kv_lens.dimensions()[0]);
@@ -1243,4 +1249,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmRaggedPagedAttention, Attention,
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("fp8")              // a uint8 cache's format
                                   .Attr<int64_t>("sliding_window")   // 0: none
-                                  .Attr<float>("soft_cap"));         // 0: none
+                                  .Attr<float>("soft_cap")           // 0: none
+                                  .Attr<bool>("batch_invariant"));

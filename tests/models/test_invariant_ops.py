@@ -1,0 +1,38 @@
+"""The fixed-order reductions of the batch-invariant mode (models/invariant.py): a row's sum
+is the same bits whatever the number of rows, where XLA's own reduction of an RMSNorm's 576
+floats is not (it vectorizes differently from 8 rows on), and it is a sum within float32
+rounding; RMSNorm takes it in the mode."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jllm.config import batch_invariant
+from jllm.models.invariant import row_sum
+from jllm.models.layers import RMSNorm
+
+
+@pytest.mark.parametrize("d", [64, 576, 100, 2048])
+def test_row_sum_is_a_sum_in_one_order_for_any_row_count(d):
+    x = jnp.asarray(np.random.default_rng(d).standard_normal((300, d)), jnp.float32)
+    f = jax.jit(row_sum)
+    np.testing.assert_allclose(f(x)[:, 0], np.asarray(x).sum(-1), rtol=1e-5, atol=1e-4)
+    base = np.asarray(f(x[:1]))[0]
+    for m in (2, 3, 8, 17, 64, 300):
+        assert np.asarray(f(x[:m]))[0] == base
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rmsnorm_in_the_mode_is_row_invariant(dtype):
+    norm = RMSNorm(576, 1e-5, dtype)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((256, 576)), dtype)
+    with batch_invariant.scope(True):
+        f = jax.jit(lambda a: norm(a).astype(jnp.float32))
+        base = np.asarray(f(x[:1]))[0]
+        for m in (2, 8, 64, 256):
+            assert np.array_equal(np.asarray(f(x[:m]))[0], base)
+    plain = jax.jit(lambda a: norm(a).astype(jnp.float32))
+    np.testing.assert_allclose(np.asarray(plain(x[:4])), np.asarray(f(x[:4])), rtol=2e-2)
