@@ -139,6 +139,8 @@ class PallasBackend(_Ragged):
         )
         if md.q_horizon is not None:  # image tokens that attend both ways (Gemma 3)
             kw["q_horizon"] = md.q_horizon
+        if gpu and batch_invariant.enabled():  # one tiling, no KV split
+            kw["batch_invariant"] = True
         mesh = _model_mesh()
         if mesh is not None:
             out = ragged_paged_attention_sharded(mesh, MODEL_AXIS, *args, kernel=kernel, **kw)

@@ -42,7 +42,7 @@ from jllm.engine.multimodal import MultiModalProcessor, encoder_slots
 from jllm.engine.output_processor import OutputProcessor
 from jllm.engine.outputs import EngineCoreRequest
 from jllm.engine.platform import (
-    check_batch_invariant_backend,
+    check_batch_invariant,
     log_split,
     min_dot_rows,
     resolve_async_scheduling,
@@ -108,7 +108,7 @@ class LLMEngine:
             fp8_cache=args.kv_cache_dtype != "auto",
             options=m.attention_options,
         )
-        check_batch_invariant_backend(invariant, backend)
+        check_batch_invariant(invariant, backend, dtype, args)
         # The backend's batch layout: prefill rows in its tiles, or packed back to back.
         tile = get_backend(backend).prefill_tile
         sched_cfg = resolve_scheduler_config(args, self.max_model_len, tile)

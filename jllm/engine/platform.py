@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jllm.attention import AttentionBackend, get_backend
 from jllm.attention.options import AttentionOptions
 from jllm.config import batch_invariant
+from jllm.models import bf16_matmul, f32_matmul
 from pallas_kernels.cpu.build import CpuKernelUnavailable, cpu_flags
 
 logger = logging.getLogger("jllm")
@@ -262,11 +263,29 @@ def resolve_batch_invariant(requested: bool | None, platform: str, tp: int, pp: 
     return on
 
 
-def check_batch_invariant_backend(on: bool, backend: str) -> None:
-    """In the batch-invariant mode (`on`), an attention backend with one order for every row
-    kind: the C++ CPU kernel (the xla backend's chunking follows the bucket)."""
-    if on and backend != "cpu_kernel":
+def check_batch_invariant(on: bool, backend: str, dtype, args) -> None:
+    """In the batch-invariant mode (`on`), what runs a step must sum each row in one order
+    whatever its neighbours: the C++ CPU attention kernel (the xla backend's chunking
+    follows the bucket) and the C++ layer-product kernels (XLA's products block by shape);
+    quantized weights and LoRA deltas, whose products are others, are refused for now."""
+    if not on:
+        return
+    if backend != "cpu_kernel":
         raise ValueError(
             f"Batch-invariant mode needs the 'cpu_kernel' attention backend; {backend!r} sums "
             "a query's keys in an order that depends on the step's shape."
+        )
+    with batch_invariant.scope(True):
+        kernel = bf16_matmul.applies(dtype) or f32_matmul.applies(dtype)
+    if not kernel:
+        raise ValueError(
+            f"Batch-invariant mode needs jllm's C++ layer products for {jnp.dtype(dtype).name} "
+            "on this CPU (float32: x86 with FMA; bfloat16: AVX512-BF16, or AVX2 with FMA "
+            "widening to float32); XLA's products here sum in an order that depends on the "
+            "number of rows."
+        )
+    if args.quantization is not None or args.enable_lora:
+        raise ValueError(
+            "Batch-invariant mode does not cover quantized weights or LoRA adapters in jllm "
+            "yet (their products are not the row-invariant kernels)."
         )

@@ -83,7 +83,10 @@ def enabled(invariant: bool = False) -> bool:
         except CpuKernelUnavailable as e:
             logger.warning("bf16 layer products: XLA's (the kernel is unavailable: %s).", e)
             return False
-        logger.info("bf16 layer products: the C++ kernel (AVX512-BF16 without AMX).")
+        logger.info(
+            "bf16 layer products: the C++ kernel (AVX512-BF16%s).",
+            "" if "amx_bf16" not in flags else ", batch-invariant mode",
+        )
         return True
     logger.info("bf16 layer products: XLA's (%s).", reason)
     return False

@@ -157,7 +157,7 @@ class Linear(nnx.Module):
 def on_bf16_kernel(x) -> bool:
     """Which kernel multiplies an x whose weights are read in place: the bf16 one (AVX512-BF16)
     for bf16 x where it runs, else the float32 one (float32 x, or bf16 x widened)."""
-    return x.dtype == jnp.bfloat16 and bf16_matmul.enabled()
+    return x.dtype == jnp.bfloat16 and bf16_matmul.enabled(batch_invariant.enabled())
 
 
 # A gated MLP's activation, by transformers' `hidden_act` / `hidden_activation` name.
@@ -212,10 +212,13 @@ class RMSNorm(nnx.Module):
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         if batch_invariant.enabled():  # one summation order whatever the rows
+            # and a correctly rounded 1 / sqrt: XLA's vectorized rsqrt (an estimate refined
+            # by Newton's step) and its scalar one differ in the last bit
             var = invariant.row_mean(x32 * x32)
+            normed = x32 * (1.0 / jnp.sqrt(var + self.eps))
         else:
             var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
-        normed = x32 * jax.lax.rsqrt(var + self.eps)
+            normed = x32 * jax.lax.rsqrt(var + self.eps)
         if self.unit_offset:
             return (normed * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return normed.astype(x.dtype) * self.weight[...]

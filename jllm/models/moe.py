@@ -51,9 +51,18 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jllm.config import batch_invariant
+from jllm.models import bf16_matmul, f32_matmul, invariant
 from jllm.models.blocks import layer_window, split_kind
 from jllm.models.decoder import CausalLM
-from jllm.models.layers import Linear, StackedWeight, activation, gated_product, param
+from jllm.models.layers import (
+    Linear,
+    StackedWeight,
+    activation,
+    gated_product,
+    on_bf16_kernel,
+    param,
+)
 from jllm.quantization.weights import QuantizedWeight, dequantize, matmul
 from sharding import MODEL_AXIS
 
@@ -99,11 +108,20 @@ class MoeConfig:
 
 
 def route(logits, k: int, normalize: bool):
-    """logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int32)."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    """logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int32). In the
+    batch-invariant mode the softmax's and the renormalisation's sums run in one order
+    (models/invariant.py): XLA's reductions over E may not for another token count."""
+    logits = logits.astype(jnp.float32)
+    exact = batch_invariant.enabled()
+    if exact:
+        e = invariant.exp_rows(logits - logits.max(-1, keepdims=True))  # a max is exact
+        probs = e / invariant.row_sum(e)
+    else:
+        probs = jax.nn.softmax(logits, axis=-1)
     weights, ids = jax.lax.top_k(probs, k)
     if normalize:
-        weights = weights / weights.sum(-1, keepdims=True)
+        total = invariant.row_sum(weights) if exact else weights.sum(-1, keepdims=True)
+        weights = weights / total
     return weights, ids.astype(jnp.int32)
 
 
@@ -128,7 +146,8 @@ def grouped_ffn(x, w_gate, w_up, w_down, group_sizes, act: str, method: str):
         return jax.lax.ragged_dot((f(gate) * up).astype(x.dtype), w_down, group_sizes)
     if method != "tiles":
         raise ValueError(f"grouped product method must be 'ragged' or 'tiles', got {method!r}")
-    return _tiled_ffn(x, w_gate, w_up, w_down, group_sizes, f)
+    expert_ffn = _kernel_expert_ffn(x, w_gate, w_up, w_down, act)
+    return _tiled_ffn(x, w_gate, w_up, w_down, group_sizes, f, expert_ffn)
 
 
 def _is_view(a) -> bool:
@@ -155,7 +174,39 @@ def _dot(x, w):
     return matmul(x, w) if isinstance(w, QuantizedWeight) else x @ w
 
 
-def _tiled_ffn(x, w_gate, w_up, w_down, sizes, f):
+def _kernel_expert_ffn(x, w_gate, w_up, w_down, act: str):
+    """In the batch-invariant mode, one tile's gated MLP through expert e on the C++
+    layer-product kernels, reading the expert in the stack in place: (rows [M, D], e) ->
+    [M, D]. A row's place in its tile depends on the other tokens, and the kernels sum each
+    row in one order wherever it sits, XLA's product may not. None where they do not apply
+    (the default mode, quantized experts, another activation, another dtype)."""
+    ws = (w_gate, w_up, w_down)
+    if not batch_invariant.enabled() or act != "silu":
+        return None
+    if any(isinstance(w, QuantizedWeight) for w in ws):
+        return None
+    if not (bf16_matmul.applies(x.dtype) or f32_matmul.applies(x.dtype)):
+        return None
+    if any((w.stack.dtype if _is_view(w) else w.dtype) != x.dtype for w in ws):
+        return None
+
+    def flat(w):  # [L * E, In, Out] (a bitcast) and where layer l's expert e sits in it
+        if not _is_view(w):
+            return w, lambda e: e
+        E = w.stack.shape[1]
+        return w.stack.reshape(-1, *w.stack.shape[2:]), lambda e: w.layer * E + e
+
+    (gate, at), (up, _), (down, _) = (flat(w) for w in ws)
+    if on_bf16_kernel(x):
+        return lambda rows, e: bf16_matmul.bf16_matmul(
+            bf16_matmul.bf16_gated_matmul(rows, gate, up, at(e)), down, at(e)
+        )
+    return lambda rows, e: f32_matmul.f32_matmul(
+        f32_matmul.f32_gated_matmul(rows, gate, up, at(e), out_dtype=x.dtype), down, at(e)
+    )
+
+
+def _tiled_ffn(x, w_gate, w_up, w_down, sizes, f, expert_ffn=None):
     N, D = x.shape
     E = sizes.shape[0]
     M = TILE
@@ -174,6 +225,8 @@ def _tiled_ffn(x, w_gate, w_up, w_down, sizes, f):
     def body(t, out):
         rows = jax.lax.dynamic_slice_in_dim(padded, t * M, M)  # [M, D]
         e = tile_expert[t]
+        if expert_ffn is not None:
+            return jax.lax.dynamic_update_slice_in_dim(out, expert_ffn(rows, e), t * M, 0)
         h = f(_dot(rows, _expert(w_gate, e))) * _dot(rows, _expert(w_up, e))  # [M, F]
         y = _dot(h.astype(x.dtype), _expert(w_down, e))
         return jax.lax.dynamic_update_slice_in_dim(out, y, t * M, 0)
@@ -281,6 +334,8 @@ class MoE(nnx.Module):
         devices = 1 if mesh.empty else mesh.shape.get(MODEL_AXIS, 1)
         if self.expert_parallel and devices > 1:
             return self._expert_parallel(x, token, row_weight, sizes, w, mesh)
+        if batch_invariant.enabled():
+            return _combine_in_order(x, order, weights, sizes, w, self.act)
         return _combine(x, token, row_weight, sizes, w, self.act, x.shape[0])
 
     def _expert_parallel(self, x, token, row_weight, sizes, w, mesh):
@@ -319,6 +374,21 @@ def _combine(x, token, row_weight, sizes, w, act: str, T: int):
     live = jnp.arange(token.shape[0]) < sizes.sum()
     y = y * jnp.where(live, row_weight, 0.0)[:, None].astype(y.dtype)
     return jnp.zeros((T, x.shape[1]), y.dtype).at[token].add(y)
+
+
+def _combine_in_order(x, order, weights, sizes, w, act: str):
+    """`_combine` for the batch-invariant mode: each token's k expert outputs gathered back
+    to its own rows and summed in its top-k order by explicit adds, where a scatter-add's
+    order and fusion (a multiply folded into the add) may change with the token count."""
+    T, k = weights.shape
+    method = "tiles" if jax.default_backend() == "cpu" else "ragged"
+    y = grouped_ffn(x[order // k], *w, sizes, act, method)  # [N, D] sorted by expert
+    back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))  # [N]
+    y = y[back].reshape(T, k, -1)  # [T, k, D]: token t's j-th choice at [t, j]
+    out = y[:, 0] * weights[:, :1].astype(y.dtype)
+    for j in range(1, k):
+        out = out + y[:, j] * weights[:, j : j + 1].astype(y.dtype)
+    return out
 
 
 class MoeForCausalLM(CausalLM):

@@ -65,16 +65,22 @@ def unsupported_shape(head_dim: int, block_size: int) -> str | None:
     return None
 
 
-def default_tiling(t: int, r: int, n: int, k: int, s: int) -> tuple[int, int, int]:
+def default_tiling(
+    t: int, r: int, n: int, k: int, s: int, batch_invariant: bool = False
+) -> tuple[int, int, int]:
     """(block_m, pages_per_tile, num_kv_splits) for a batch of T tokens over R requests.
 
     Decode-shaped batches (T <= 2R) get the smallest tile Triton's matrix units take (16
     rows, or G rounded up) so padded rows cost little; prefill-shaped ones 64 rows. KV
     tiles hold 64 positions. Splits give a small batch about 256 programs, at most 16.
+    `batch_invariant`: one tiling whatever the batch (the decode tile, no split), so that a
+    row's sums never depend on the rows beside it (vLLM's num_splits=1 in that mode).
     """
     group = n // k
-    block_m = max(16 if t <= 2 * r else 64, pl.next_power_of_2(group))
     pages_per_tile = max(1, 64 // s)
+    if batch_invariant:
+        return max(16, pl.next_power_of_2(group)), pages_per_tile, 1
+    block_m = max(16 if t <= 2 * r else 64, pl.next_power_of_2(group))
     tiles = pl.cdiv(t, block_m // group) + r
     splits = 1
     while splits < 16 and tiles * k * splits * 2 <= 256:
@@ -103,6 +109,7 @@ def ragged_paged_attention_gpu(
     interpret: bool = False,
     fp8_dtype=None,
     q_horizon: jax.Array | None = None,
+    batch_invariant: bool = False,
 ) -> jax.Array:
     """Attention of a flat ragged batch of queries over a paged KV cache (Pallas GPU).
 
@@ -113,6 +120,7 @@ def ragged_paged_attention_gpu(
     float8 cache (``FP8_DTYPES``, or its bytes with ``fp8_dtype``) is read into q's dtype.
     ``q_horizon`` [T] int32 (optional): the last key position each query row sees when past
     its own (an image's span, seen both ways), as in `ragged_paged_attention_reference`.
+    ``batch_invariant``: the tiling of `default_tiling`'s batch-invariant mode.
     """
     kv_cache, layer, layer_view = as_stacked(kv_cache, layer)
     validate_inputs(
@@ -125,7 +133,7 @@ def ragged_paged_attention_gpu(
     k = two_k // 2
     group = n // k
     r, p = block_tables.shape
-    auto = default_tiling(t, r, n, k, s)
+    auto = default_tiling(t, r, n, k, s, batch_invariant)
     block_m = auto[0] if block_m is None else block_m
     pages_per_tile = auto[1] if pages_per_tile is None else pages_per_tile
     num_kv_splits = auto[2] if num_kv_splits is None else num_kv_splits

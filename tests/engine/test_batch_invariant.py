@@ -3,9 +3,10 @@ request's tokens and logprobs are the same bits alone, in one batch, in the reve
 chunked at a 32-token budget, preempted, at max_num_seqs=3 and from the prefix cache; and the
 logprob a decode step reports equals the prompt logprob of the same token when the sequence
 is prefilled. The embedded SmolLM2 in bf16 (head dim 64: the attention kernel's vector
-routine) and a tiny Llama in float32 (head dim 16: its scalar one), 12 requests each, greedy
-and seeded. The kernels' own properties are in tests/models (products) and
-tests/pallas_kernels (attention)."""
+routine), a tiny Llama in float32 (head dim 16: its scalar one) and a tiny Mixtral in
+float32 (its router and experts), 12 requests each, greedy and seeded. The kernels' own
+properties are in tests/pallas_kernels/test_batch_invariant_kernels.py, the fixed-order ops'
+in tests/models/test_invariant_ops.py."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from oracle import prompt_ids
 
 from jllm import LLM, SamplingParams
+from jllm.models import f32_matmul
 
 BASE = dict(
     max_num_seqs=16,
@@ -54,11 +56,12 @@ def run(llm, order):
     return result
 
 
-@pytest.fixture(scope="module", params=["smollm2-bf16", "tiny-float32"])
-def model(request, llama_dir):
+@pytest.fixture(scope="module", params=["smollm2-bf16", "tiny-float32", "mixtral-float32"])
+def model(request, tiny_models):
     if request.param == "smollm2-bf16":
         return dict(model=None, dtype="bfloat16")
-    return dict(model=llama_dir, dtype="float32")
+    arch = "llama" if request.param == "tiny-float32" else "mixtral"
+    return dict(model=tiny_models[arch], dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +110,15 @@ def test_decode_logprobs_equal_the_prefilled_sequences_prompt_logprobs(engine, a
         assert np.array(lps, np.float32).view(np.int32).tolist() == bits
 
 
-def test_where_it_is_not_built_it_is_refused(llama_dir):
+def test_where_it_is_not_built_it_is_refused(llama_dir, monkeypatch):
     with pytest.raises(ValueError, match="cpu_kernel"):
         LLM(llama_dir, **{**BASE, "attention_backend": "xla"})
     with pytest.raises(ValueError, match="one device"):
         LLM(llama_dir, **{**BASE, "tensor_parallel_size": 2})
+    with pytest.raises(ValueError, match="quantized weights or LoRA"):
+        LLM(llama_dir, **{**BASE, "enable_lora": True})
+    with pytest.raises(ValueError, match="quantized weights or LoRA"):
+        LLM(llama_dir, **{**BASE, "quantization": "fp8"})
+    monkeypatch.setattr(f32_matmul, "applies", lambda dtype: False)  # a CPU without FMA
+    with pytest.raises(ValueError, match="C\\+\\+ layer products"):
+        LLM(llama_dir, **{**BASE, "dtype": "float32"})

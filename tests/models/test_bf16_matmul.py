@@ -166,7 +166,7 @@ def test_engine_on_the_kernel_against_fp32_oracle(bf16_qwen3, monkeypatch, on):
     """The engine with its layer products on the kernel (and, as the control, on XLA's):
     greedy choices stay the float32 argmax or within bf16's error of it, the kernel is in
     the compiled step, and no layer's weight is copied out of the stack there."""
-    monkeypatch.setattr(bf16_matmul, "enabled", lambda: on)
+    monkeypatch.setattr(bf16_matmul, "enabled", lambda invariant=False: on)
     monkeypatch.setattr(f32_matmul, "widens_bf16", lambda: False)  # XLA's, as the control
     jax.clear_caches()  # the decision is made at trace time: no trace of the other choice
     llm = LLM(bf16_qwen3, dtype="bfloat16", **SMALL)
@@ -182,15 +182,16 @@ def test_engine_on_the_kernel_against_fp32_oracle(bf16_qwen3, monkeypatch, on):
 
 
 @pytest.mark.parametrize(
-    "flags,want,reason",
+    "flags,invariant,want,reason",
     [
-        ({"avx512f", "avx512_bf16"}, True, "the C++ kernel"),
-        ({"avx512_bf16", "amx_bf16"}, False, "AMX, which XLA's products use"),
-        ({"avx2"}, False, "no AVX512-BF16"),
+        ({"avx512f", "avx512_bf16"}, False, True, "the C++ kernel"),
+        ({"avx512_bf16", "amx_bf16"}, False, False, "AMX, which XLA's products use"),
+        ({"avx512_bf16", "amx_bf16"}, True, True, "the C++ kernel"),  # batch-invariant mode
+        ({"avx2"}, False, False, "no AVX512-BF16"),
     ],
 )
-def test_where_the_kernel_runs(monkeypatch, caplog, flags, want, reason):
+def test_where_the_kernel_runs(monkeypatch, caplog, flags, invariant, want, reason):
     monkeypatch.setattr(bf16_matmul, "cpu_flags", lambda: flags)
     with caplog.at_level("INFO", logger="jllm"):
-        assert bf16_matmul.enabled.__wrapped__() is want
+        assert bf16_matmul.enabled.__wrapped__(invariant) is want
     assert reason in caplog.text

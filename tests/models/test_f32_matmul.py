@@ -369,7 +369,7 @@ def test_bf16_engine_widened_against_fp32_oracle(bf16_qwen3, monkeypatch):
     has): every layer product and the tied LM head on the kernel, widening the bf16 weights
     in the stack, none copied out of it; greedy choices stay the float32 argmax or within
     bf16's error of it (the bounds of the bf16 kernel's test)."""
-    monkeypatch.setattr(bf16_matmul, "enabled", lambda: False)
+    monkeypatch.setattr(bf16_matmul, "enabled", lambda invariant=False: False)
     monkeypatch.setattr(f32_matmul, "widens_bf16", lambda: True)
     jax.clear_caches()
     llm = LLM(bf16_qwen3, dtype="bfloat16", **SMALL)

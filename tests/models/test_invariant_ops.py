@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jllm.config import batch_invariant
-from jllm.models.invariant import row_sum
+from jllm.models.invariant import exp_rows, row_sum
 from jllm.models.layers import RMSNorm
 
 
@@ -36,3 +36,19 @@ def test_rmsnorm_in_the_mode_is_row_invariant(dtype):
             assert np.array_equal(np.asarray(f(x[:m]))[0], base)
     plain = jax.jit(lambda a: norm(a).astype(jnp.float32))
     np.testing.assert_allclose(np.asarray(plain(x[:4])), np.asarray(f(x[:4])), rtol=2e-2)
+
+
+@pytest.mark.parametrize("e", [8, 60])
+def test_exp_rows_is_the_same_for_any_row_count_and_alone(e):
+    """A router's softmax terms: XLA's own exp of [1, 8] and of [16, 8] rounded a value
+    differently (tests/engine/test_batch_invariant.py's Mixtral caught it)."""
+    x = jnp.asarray(np.random.default_rng(e).standard_normal((300, e)) * 3, jnp.float32)
+    f = jax.jit(lambda a: exp_rows(a - a.max(-1, keepdims=True)))
+    full = np.asarray(f(x))
+    np.testing.assert_allclose(
+        full, np.exp(np.asarray(x) - np.asarray(x).max(-1, keepdims=True)), rtol=2e-7
+    )
+    for m in (1, 2, 7, 64, 65, 200):
+        assert np.array_equal(np.asarray(f(x[:m])), full[:m])
+    for i in range(0, 300, 13):
+        assert np.array_equal(np.asarray(f(x[i : i + 1]))[0], full[i])

@@ -1,7 +1,8 @@
-"""The CPU kernels in the batch-invariant mode: a row's result is the same bits whatever rows
+"""The kernels in the batch-invariant mode: a row's result is the same bits whatever rows
 share the call. Attention: one query's output is the same as a decode row alone, as the last
-or a middle row of a prefill chunk, and beside other requests, on the kernel's scalar (head
-dim 16) and vector (64) routines, float32 and bf16, with and without a window; the layer
+or a middle row of a prefill chunk, and beside other requests, on the C++ kernel's scalar
+(head dim 16) and vector (64) routines and on the Pallas TPU and GPU kernels in interpret
+mode, float32 and bf16, with and without a window; the layer
 products (float32, its gated form and its transposed LM head; bf16): row 0 of 1..M rows.
 The engine-level property is tests/engine/test_batch_invariant.py."""
 
@@ -13,12 +14,30 @@ import pytest
 
 from jllm.config import batch_invariant
 from jllm.models import bf16_matmul, f32_matmul
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention_cpu
+from pallas_kernels.ragged_paged_attention import (
+    ragged_paged_attention,
+    ragged_paged_attention_cpu,
+    ragged_paged_attention_gpu,
+)
 
 S, K, N, L = 16, 2, 4, 45  # block size, kv heads, query heads, the sequence's length
 
 
-def _attend(h, dtype, q_rows, layouts, window):
+# Each flavour as the property is claimed: the C++ and GPU kernels in their batch-invariant
+# mode (the GPU's: one tiling, no KV split), the Pallas TPU kernel (interpret mode) as it is,
+# whose query tiles and KV chunks are static shapes.
+FLAVOURS = {
+    "cpu": lambda *a, **kw: ragged_paged_attention_cpu(*a, **kw, batch_invariant=True),
+    "tpu": lambda *a, **kw: ragged_paged_attention(
+        *a, **kw, block_q=8, pages_per_chunk=2, interpret=True
+    ),
+    "gpu": lambda *a, **kw: ragged_paged_attention_gpu(
+        *a, **kw, interpret=True, batch_invariant=True
+    ),
+}
+
+
+def _attend(flavour, h, dtype, q_rows, layouts, window):
     """Each layout: a list of requests (first position, query count); request 0 of every
     layout is the probed sequence, the others its neighbours. Returns, per layout, the
     output rows of request 0, by position."""
@@ -30,7 +49,7 @@ def _attend(h, dtype, q_rows, layouts, window):
     for requests in layouts:
         starts = np.cumsum([0] + [n for _, n in requests])[:-1]
         q = np.concatenate([q_rows[i][p : p + n] for i, (p, n) in enumerate(requests)])
-        got = ragged_paged_attention_cpu(
+        got = FLAVOURS[flavour](
             jnp.asarray(q, dtype),
             jnp.asarray(cache, dtype),
             jnp.asarray([p + n for p, n in requests], jnp.int32),
@@ -39,7 +58,6 @@ def _attend(h, dtype, q_rows, layouts, window):
             jnp.asarray([n for _, n in requests], jnp.int32),
             jnp.asarray([len(requests)], jnp.int32),
             sliding_window=window,
-            batch_invariant=True,
         )
         first, count = requests[0]
         rows = np.asarray(got.astype(jnp.float32))[:count]
@@ -47,10 +65,12 @@ def _attend(h, dtype, q_rows, layouts, window):
     return out
 
 
-@pytest.mark.parametrize("h", [16, 64])
+@pytest.mark.parametrize(
+    "flavour,h", [("cpu", 16), ("cpu", 64), ("tpu", 64), ("gpu", 64)], ids=lambda v: str(v)
+)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("window", [None, 20])
-def test_attention_row_is_the_same_in_any_layout(h, dtype, window):
+def test_attention_row_is_the_same_in_any_layout(flavour, h, dtype, window):
     rng = np.random.default_rng(7)
     q_rows = [rng.standard_normal((L, N, h)).astype(np.float32) for _ in range(3)]
     probe = L - 1
@@ -61,11 +81,11 @@ def test_attention_row_is_the_same_in_any_layout(h, dtype, window):
         [(0, L), (40, 5)],  # the last of the whole prompt, with a neighbour
         [(30, 15), (0, 20)],  # the last of a chunk starting mid-block
     ]
-    results = _attend(h, dtype, q_rows, layouts, window)
+    results = _attend(flavour, h, dtype, q_rows, layouts, window)
     for got in results[1:]:
         assert np.array_equal(got[probe], results[0][probe])
     # A middle row: inside a chunk, and as the chunk's last row.
-    middle = _attend(h, dtype, q_rows, [[(33, 1)], [(20, 25)], [(0, 34)]], window)
+    middle = _attend(flavour, h, dtype, q_rows, [[(33, 1)], [(20, 25)], [(0, 34)]], window)
     assert np.array_equal(middle[1][33], middle[0][33])
     assert np.array_equal(middle[2][33], middle[0][33])
 
