@@ -6,8 +6,7 @@ The ops that change with it read `enabled()` when they are traced (the LM head's
 routine, the attention kernel's decode rows, RMSNorm's sum; docs/sampling.md says what the
 mode changes and where it holds). An engine's jitted steps take the mode as a static argument
 and trace under `scope(mode)`, so two engines in one process each compile their own; outside
-a scope it is the process's setting: `VLLM_BATCH_INVARIANT`, read once at import, or
-`set_enabled`.
+a scope it is the process's setting: `VLLM_BATCH_INVARIANT`, read once at import.
 """
 
 from __future__ import annotations
@@ -21,11 +20,6 @@ _enabled = os.environ.get("VLLM_BATCH_INVARIANT", "0").strip().lower() not in ("
 
 def enabled() -> bool:
     return _enabled
-
-
-def set_enabled(on: bool) -> None:
-    global _enabled
-    _enabled = bool(on)
 
 
 @contextlib.contextmanager
