@@ -175,13 +175,14 @@ def _dot(x, w):
 
 
 def _kernel_expert_ffn(x, w_gate, w_up, w_down, act: str):
-    """In the batch-invariant mode, one tile's gated MLP through expert e on the C++
-    layer-product kernels, reading the expert in the stack in place: (rows [M, D], e) ->
-    [M, D]. A row's place in its tile depends on the other tokens, and the kernels sum each
-    row in one order wherever it sits, XLA's product may not. None where they do not apply
-    (the default mode, quantized experts, another activation, another dtype)."""
+    """One tile's gated MLP through expert e on the C++ layer-product kernels, reading the
+    expert in the stack in place: (rows [M, D], e) -> [M, D]. XLA's product copies the
+    expert out of the stack first (a dynamic slice per tile); and a row's place in its tile
+    depends on the other tokens, where the kernels sum each row in one order wherever it
+    sits (the batch-invariant mode needs that). None where they do not apply (quantized
+    experts, another activation, another dtype, several devices)."""
     ws = (w_gate, w_up, w_down)
-    if not batch_invariant.enabled() or act != "silu":
+    if act != "silu":
         return None
     if any(isinstance(w, QuantizedWeight) for w in ws):
         return None
