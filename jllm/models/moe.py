@@ -17,7 +17,9 @@ run:
   in use, each one product against its expert's weights: the work is that of the routed
   rows (plus at most one partial tile per expert), and an expert that no token chose is
   never read. The tile count is static per bucket (cdiv(T * k, TILE) + min(E, T * k)), the
-  trip count is the tiles in use.
+  trip count is the tiles in use. Where the CPU's layer-product kernels run (bf16_matmul,
+  f32_matmul) a tile's gated MLP is theirs, reading the expert in the stack in place; else
+  XLA's products of the expert's slice.
 
 Quantized experts (`quantization="fp8"` or `"tpu_int8"`, made on load per output channel)
 are QuantizedWeights [E, F, D] / [E, D, F] in transformers' [Out, In] layout: the tiled
