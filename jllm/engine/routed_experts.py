@@ -26,6 +26,7 @@ import numpy as np
 
 from jllm.engine.request import Request
 from jllm.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+from jllm.runner.input_batch import token_slots
 from jllm.runner.routed_experts import RoutesSpec
 
 
@@ -110,8 +111,9 @@ class RoutedExpertsRecord:
             if req is None or req.is_finished() or hit == 0:
                 continue
             positions = np.arange(hit)
-            blocks = np.asarray(new.block_ids[g][: -(-hit // S)], np.int64)
-            self._of(req).write(positions, self.by_slot[blocks[positions // S] * S + positions % S])
+            table = np.asarray(new.block_ids[g][: -(-hit // S)], np.int64)[None]  # one row
+            slots = token_slots(table, np.zeros(hit, np.int64), positions, S, -1)
+            self._of(req).write(positions, self.by_slot[slots])
 
     def _of(self, req: Request) -> _RequestRoutes:
         routes = self.requests.get(req.request_id)

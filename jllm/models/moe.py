@@ -338,7 +338,7 @@ class MoE(nnx.Module):
         if self.expert_parallel and devices > 1:
             return self._expert_parallel(x, token, row_weight, sizes, w, mesh)
         if batch_invariant.enabled():
-            return _combine_in_order(x, order, weights, sizes, w, self.act)
+            return _combine_in_order(x, order, token, weights, sizes, w, self.act)
         return _combine(x, token, row_weight, sizes, w, self.act, x.shape[0])
 
     def _expert_parallel(self, x, token, row_weight, sizes, w, mesh):
@@ -372,20 +372,25 @@ def _combine(x, token, row_weight, sizes, w, act: str, T: int):
     """The sorted rows (`token` [N] their tokens, `row_weight` [N] their routing weights;
     only the first sum(sizes) are routed) through their experts, summed back per token
     -> [T, D]."""
-    method = "tiles" if jax.default_backend() == "cpu" else "ragged"
-    y = grouped_ffn(x[token], *w, sizes, act, method)  # [N, D]
+    y = _expert_outputs(x, token, sizes, w, act)  # [N, D]
     live = jnp.arange(token.shape[0]) < sizes.sum()
     y = y * jnp.where(live, row_weight, 0.0)[:, None].astype(y.dtype)
     return jnp.zeros((T, x.shape[1]), y.dtype).at[token].add(y)
 
 
-def _combine_in_order(x, order, weights, sizes, w, act: str):
+def _expert_outputs(x, token, sizes, w, act: str):
+    """The sorted rows (`token` [N] their tokens) through their experts -> [N, D]: the CPU's
+    tiles, TPU's and GPU's ragged products."""
+    method = "tiles" if jax.default_backend() == "cpu" else "ragged"
+    return grouped_ffn(x[token], *w, sizes, act, method)
+
+
+def _combine_in_order(x, order, token, weights, sizes, w, act: str):
     """`_combine` for the batch-invariant mode: each token's k expert outputs gathered back
     to its own rows and summed in its top-k order by explicit adds, where a scatter-add's
     order and fusion (a multiply folded into the add) may change with the token count."""
     T, k = weights.shape
-    method = "tiles" if jax.default_backend() == "cpu" else "ragged"
-    y = grouped_ffn(x[order // k], *w, sizes, act, method)  # [N, D] sorted by expert
+    y = _expert_outputs(x, token, sizes, w, act)  # [N, D] sorted by expert
     back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))  # [N]
     y = y[back].reshape(T, k, -1)  # [T, k, D]: token t's j-th choice at [t, j]
     out = y[:, 0] * weights[:, :1].astype(y.dtype)

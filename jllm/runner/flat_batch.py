@@ -14,7 +14,7 @@ import numpy as np
 from jllm.attention.metadata import FlatBatch
 from jllm.models.state import build_state_metadata
 from jllm.runner.buckets import BatchLayout
-from jllm.runner.input_batch import InputBatch
+from jllm.runner.input_batch import InputBatch, token_slots
 
 
 def padded_flat_batch(layout: BatchLayout, key: tuple) -> FlatBatch:
@@ -57,10 +57,8 @@ def in_group(
     the group's `fields` (BatchLayout.group_fields: its token bytes, window or local chunk;
     a windowed or chunked group's table holds freed or null blocks before what its queries
     read, which the backends never read)."""
-    S = flat.block_size
-    live, has = tok_row >= 0, req_row >= 0
-    r, p = np.where(live, tok_row, 0), np.where(live, positions, 0)
-    slots = np.where(live, table[r, p // S] * S + p % S, flat.slot_mapping).astype(np.int32)
+    has = req_row >= 0
+    slots = token_slots(table, tok_row, positions, flat.block_size, flat.slot_mapping)
     tables = np.where(has[:, None], table[np.where(has, req_row, 0)], 0).astype(np.int32)
     return dataclasses.replace(flat, slot_mapping=slots, block_tables=tables, **dict(fields))
 

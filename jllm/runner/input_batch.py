@@ -154,3 +154,12 @@ class InputBatch:
             self.generation[r] += 1
             self._free.append(r)
         return r
+
+
+def token_slots(table: np.ndarray, tok_row, positions, block_size: int, padding) -> np.ndarray:
+    """Each token's flat cache slot in one KV-cache group [T] int32, from the group's block
+    tables `table` [rows, P], its input-batch row `tok_row` [T] and position; `padding`
+    (a scalar, or [T]) where tok_row is -1."""
+    S, live = block_size, tok_row >= 0
+    r, p = np.where(live, tok_row, 0), np.where(live, positions, 0)
+    return np.where(live, table[r, p // S] * S + p % S, padding).astype(np.int32)

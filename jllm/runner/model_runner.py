@@ -45,14 +45,14 @@ from jllm.models.context import StepContext
 from jllm.runner.buckets import BatchLayout
 from jllm.runner.compile_cache import cache_counts
 from jllm.runner.executables import ExecutableTable
-from jllm.runner.input_batch import InputBatch
+from jllm.runner.input_batch import InputBatch, token_slots
 from jllm.runner.inputs import build_step
 from jllm.runner.logit_bias import LogitBiasTable, bias_vector
 from jllm.runner.lora_slots import LoraSlotArrays
 from jllm.runner.penalty_state import PenaltyState
 from jllm.runner.prompt_logprobs import prompt_logprobs_step
 from jllm.runner.prompt_logprobs import unpack as unpack_prompt_logprobs
-from jllm.runner.routed_experts import split_by_request, token_slots
+from jllm.runner.routed_experts import split_by_request
 from jllm.runner.sampled import SampledToken
 from jllm.runner.sampler import sample, unpack_result
 from jllm.runner.sampling_inputs import grammar_rows
@@ -617,7 +617,8 @@ class ModelRunner:
             self.batch.num_pending[g.row] += 1
         if routes is not None:  # cut per request at fetch, with the rows and slots of now
             spec, positions = self.routes, inputs.positions
-            slots = token_slots(spec, self.batch.block_table[spec.group], tok_row, positions)
+            table = self.batch.block_table[spec.group]
+            slots = token_slots(table, tok_row, positions, spec.block_size, -1)
             rows = {self.batch.index[rid]: rid for rid in out.num_scheduled_tokens}
             routes = (routes, tok_row, positions, slots, rows)
         return packed, groups, prompt_packed, prompt_rows, failed, routes

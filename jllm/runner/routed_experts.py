@@ -53,16 +53,6 @@ class StepRoutes:
     ids: np.ndarray
 
 
-def token_slots(spec: RoutesSpec, block_table, tok_row, positions) -> np.ndarray:
-    """Each token's KV slot in the record's group [T] (padding tokens: -1), from the input
-    batch's block table of that group [rows, pages] as the step was built."""
-    live = tok_row >= 0
-    S = spec.block_size
-    pages = np.where(live, positions // S, 0)
-    blocks = block_table[np.where(live, tok_row, 0), pages]
-    return np.where(live, blocks * S + positions % S, -1)
-
-
 def split_by_request(ids, tok_row, positions, slots, row_ids: dict[int, str]) -> dict:
     """The step's record [T, L, k] cut per request: {request id: StepRoutes}. `row_ids`:
     the input-batch rows of the step's requests when it was built."""

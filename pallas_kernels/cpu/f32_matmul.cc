@@ -8,8 +8,9 @@
 // none): rows marked 0, a step's padding, are not computed and come out zero. With the
 // attribute w_transposed, w is [L, N, K] or [N, K] (a tied embedding table as the LM head)
 // and y = x @ w[layer]^T; with batch_invariant, every row's sums run in one order whatever
-// the number of rows (the batch-invariant mode: no dot-product path for a few rows). A second entry point takes two weights of one shape and writes
-// silu(x @ gate) * (x @ up) (a gated MLP's first half), the SiLU taken on the float32 sums.
+// the number of rows (the batch-invariant mode: no dot-product path for a few rows). A second
+// entry point takes two weights of one shape and writes silu(x @ gate) * (x @ up) (a gated
+// MLP's first half), the SiLU taken on the float32 sums.
 //
 // Why not XLA's product: inside the model's layer scan XLA copies each layer's weights out
 // of the stack before multiplying (a dynamic slice into a new buffer, then the product).
