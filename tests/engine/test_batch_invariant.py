@@ -89,14 +89,34 @@ def test_a_batch_in_any_order_and_a_prefix_cache_rerun_equal_each_request_alone(
         {"max_num_batched_tokens": 32},
         {"num_gpu_blocks_override": 6, "max_num_batched_tokens": 32},
         {"max_num_seqs": 3},
+        {"async_scheduling": True},
+        {
+            "speculative_config": {
+                "method": "ngram",
+                "num_speculative_tokens": 3,
+                "prompt_lookup_min": 1,
+                "prompt_lookup_max": 3,
+            }
+        },
     ],
-    ids=["chunked-32", "preempted", "max-num-seqs-3"],
+    ids=["chunked-32", "preempted", "max-num-seqs-3", "async", "ngram"],
 )
 def test_other_layouts_equal_each_request_alone(model, alone, settings):
     llm = LLM(**model, **{**BASE, **settings})
     assert run(llm, list(range(len(PROMPTS)))) == alone
     if "num_gpu_blocks_override" in settings:
         assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_a_sequence_of_n2_equals_the_same_seed_alone(engine, alone):
+    """Sequence j of an n=2 request draws with seed + j: the first is request i's own."""
+    i = 1  # seeded: params(1)'s fields, two sequences
+    pair = SamplingParams(temperature=0.8, seed=i, max_tokens=10, ignore_eos=True, logprobs=0, n=2)
+    out = engine.generate([{"prompt_token_ids": PROMPTS[i]}], pair, use_tqdm=False)[0]
+    first = out.outputs[0]
+    pairs = zip(first.logprobs, first.token_ids, strict=True)
+    bits = np.array([d[t].logprob for d, t in pairs], np.float32).view(np.int32).tolist()
+    assert (list(first.token_ids), bits) == alone[i]
 
 
 def test_decode_logprobs_equal_the_prefilled_sequences_prompt_logprobs(engine, alone):
