@@ -81,3 +81,16 @@ def all_logprobs_llm(llama_dir):
     from jllm import LLM
 
     return LLM(llama_dir, max_logprobs=-1, **SMALL)
+
+
+THINKER_SCRIPT = "<think>Let me see.</think>The answer is four"
+
+
+@pytest.fixture(scope="session")
+def thinker_dir(llama_dir, tmp_path_factory) -> str:
+    """A tiny Llama with `<think>` tags in its vocabulary that answers every chat prompt with
+    THINKER_SCRIPT (scripted_model.save_scripted): a reasoning model for the API tests."""
+    from scripted_model import save_scripted
+
+    path = tmp_path_factory.mktemp("thinker")
+    return save_scripted(llama_dir, path, THINKER_SCRIPT, added=("<think>", "</think>"))

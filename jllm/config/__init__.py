@@ -166,6 +166,10 @@ class EngineArgs:
     # "disable_additional_properties"}) and its older `guided_decoding_backend`.
     structured_outputs_config: dict | None = None
     guided_decoding_backend: str | None = None
+    # vLLM's --reasoning-parser (jllm/reasoning): the server splits reasoning from content,
+    # and a grammar applies once the reasoning has ended (structured_outputs_config's
+    # reasoning_parser, which this sets).
+    reasoning_parser: str | None = None
     disable_log_stats: bool = False
     # Tracing (jllm/tracing.py): vLLM's OTLP endpoint that gets one span per request, and
     # the detailed timings ("model", "worker", "all"; needs the endpoint).
@@ -281,7 +285,7 @@ class EngineArgs:
             self.speculative_config = SpeculativeConfig.create(self.speculative_config)
 
         self.structured_outputs_config = StructuredOutputsConfig.create(
-            self.structured_outputs_config, self.guided_decoding_backend
+            self.structured_outputs_config, self.guided_decoding_backend, self.reasoning_parser
         )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(

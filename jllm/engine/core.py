@@ -327,7 +327,9 @@ class EngineCore:
             so = children[0].sampling_params.structured_outputs
             try:
                 compiled = future.result()
-                matchers = [self.structured.matcher(so, compiled) for _ in children]
+                matchers = [
+                    self.structured.matcher(so, compiled, c.prompt_token_ids) for c in children
+                ]
             except Exception as e:
                 logger.error("Request %s: its grammar failed to compile: %s", request_id, e)
                 for child in children:

@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from jllm.config.structured_outputs import StructuredOutputsConfig  # noqa: F401 (re-exported)
+from jllm.reasoning import make_reasoning_parser
 from jllm.sampling_params import StructuredOutputsParams
 from jllm.structured_output.backends import (
     BACKEND_CLASSES,
@@ -27,6 +28,7 @@ from jllm.structured_output.backends import (
     bitmask_width,
     installed,
 )
+from jllm.structured_output.reasoning import ReasoningGate
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,10 @@ class StructuredOutputManager:
         self._lock = threading.Lock()  # the front end's thread and the engine's
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jllm-grammar")
+        # The reasoning parser's tags gate each grammar (none: it applies from the start).
+        self.reasoner = None
+        if config.reasoning_parser and not config.enable_in_reasoning:
+            self.reasoner = make_reasoning_parser(config.reasoning_parser, tokenizer)
 
     def _backend(self, name: str):
         backend = self._backends.get(name)
@@ -130,8 +136,14 @@ class StructuredOutputManager:
     def _backends_compile(self, backend: str, p: StructuredOutputsParams):
         return self._backend(backend).compile(p)
 
-    def matcher(self, p: StructuredOutputsParams, compiled):
-        return self._backend(p._backend).matcher(compiled)
+    def matcher(self, p: StructuredOutputsParams, compiled, prompt_token_ids=()):
+        """A sequence's matcher; behind a reasoning gate when the engine has a reasoning
+        parser (it opens at once if the prompt has already ended the reasoning)."""
+        matcher = self._backend(p._backend).matcher(compiled)
+        if self.reasoner is None or not any(self.reasoner.gate_ids()):
+            return matcher
+        ended = self.reasoner.ended_in(prompt_token_ids)
+        return ReasoningGate(matcher, *self.reasoner.gate_ids(), ended)
 
     def valid_drafts(self, matcher, drafts: list[int]) -> list[int]:
         """The longest prefix of `drafts` the grammar accepts, up to its end (vLLM trims a

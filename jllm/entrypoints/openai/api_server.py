@@ -131,6 +131,7 @@ def build_app(args: argparse.Namespace, engine: StoppableLLM, metrics: Prometheu
         response_role=args.response_role,
         tool_parser=check_tool_args(args),
         trust_request_chat_template=args.trust_request_chat_template,
+        reasoning_parser=engine.engine.args.reasoning_parser,
         **common,
     )
     tokenizer = engine.get_tokenizer()

@@ -339,6 +339,8 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
+    # With --reasoning-parser: false leaves the reasoning out of the response.
+    include_reasoning: bool = True
 
 
 class TokenizeRequest(OpenAIBaseModel):

@@ -24,7 +24,7 @@ from jllm.entrypoints.openai.serving_engine import (
     check_beam_search,
     clamp,
     prompt_logprobs_json,
-    sse,
+    sse_events,
     usage,
     usage_options,
 )
@@ -38,6 +38,7 @@ from jllm.entrypoints.openai.tool_parsers import (
     required_schema,
 )
 from jllm.outputs import CompletionOutput
+from jllm.reasoning import ReasoningStream, make_reasoning_parser
 from jllm.sampling_params import StructuredOutputsParams
 
 
@@ -182,6 +183,40 @@ def merge_deltas(first: dict | None, second: dict | None) -> dict | None:
     return out
 
 
+class Reasoning:
+    """One request's reasoning split (`--reasoning-parser`): the parser, whether the prompt
+    already ended the reasoning, and whether the response shows it (`include_reasoning`)."""
+
+    def __init__(self, parser, prompt_token_ids, include: bool) -> None:
+        self.parser, self.include = parser, include
+        self.prompt = prompt_token_ids
+        self.ended = parser is not None and parser.ended_in(prompt_token_ids)
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        if self.parser is None:
+            return None, text
+        reasoning, content = self.parser.split(text, self.ended)
+        return (reasoning if self.include else None), content or ""
+
+    def stream(self) -> ReasoningStream | None:
+        return None if self.parser is None else ReasoningStream(self.parser, self.ended)
+
+    def tokens(self, token_ids) -> int | None:
+        """usage's reasoning_tokens (None without a parser: no details, as vLLM)."""
+        if self.parser is None:
+            return None
+        return self.parser.count_reasoning_tokens(token_ids, self.prompt)
+
+
+class ChatRun:
+    """A validated chat request ready to run: its id, prepared prompt, output role, tool
+    mode, reasoning split and trace headers."""
+
+    def __init__(self, request, request_id, prepared, role, mode, reasoning, trace) -> None:
+        self.request, self.request_id, self.prepared = request, request_id, prepared
+        self.role, self.mode, self.reasoning, self.trace = role, mode, reasoning, trace
+
+
 class OpenAIServingChat(OpenAIServing):
     def __init__(
         self,
@@ -190,13 +225,19 @@ class OpenAIServingChat(OpenAIServing):
         response_role: str = "assistant",
         tool_parser: str | None = None,
         trust_request_chat_template: bool = False,
+        reasoning_parser: str | None = None,
         **kwargs,
     ) -> None:
         """`tool_parser`: the parser of tool_choice "auto" (the server's
         `--tool-call-parser` under `--enable-auto-tool-choice`); None: "auto" is refused.
         `trust_request_chat_template`: render a request's own `chat_template` (the server's
-        `--trust-request-chat-template`); otherwise such a request is refused."""
+        `--trust-request-chat-template`); otherwise such a request is refused.
+        `reasoning_parser`: `--reasoning-parser` (jllm/reasoning): messages carry the
+        reasoning apart from the content."""
         super().__init__(*args, **kwargs)
+        self.reasoning_parser = reasoning_parser
+        if reasoning_parser:  # an unknown name or a vocabulary without the tags: refused now
+            make_reasoning_parser(reasoning_parser, self.tokenizer)
         args = self.engine.engine.args
         self.media = MediaConnector(
             args.allowed_local_media_path,
@@ -239,6 +280,16 @@ class OpenAIServingChat(OpenAIServing):
         return text, self.tokenizer.encode(text, add_special_tokens=False), []
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request=None):
+        run = await self.start(request, raw_request)
+        if request.use_beam_search:
+            return await self._beam_search(request, run.request_id, run.prepared[0], run.role)
+        if request.stream:
+            return SSEResponse(sse_events(self.chunks(run)))
+        return await self.full(run)
+
+    async def start(self, request: ChatCompletionRequest, raw_request=None, prefix="chatcmpl"):
+        """Validate, render and prepare a chat request (every refusal is raised here, before
+        anything runs): the `ChatRun` that `full` or `chunks` runs."""
         lora = self.check_request(request)
         mode = self.tool_mode(request)
         if request.top_logprobs is not None and not request.logprobs:
@@ -247,7 +298,7 @@ class OpenAIServingChat(OpenAIServing):
             )
         if not request.messages:
             raise OpenAIError("messages cannot be empty.", 400, "messages")
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
         text, ids, images = await self.off_loop(self.render, request)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens or request.max_tokens
@@ -269,6 +320,7 @@ class OpenAIServingChat(OpenAIServing):
             params.structured_outputs = StructuredOutputsParams(json=schema)
         if mode.choice == "auto" and not mode.plain and not self.tool_parser.skip_special_tokens:
             params.skip_special_tokens = False
+        parser = self._reasoning_parser(request, params)
         prompt = {"prompt_token_ids": ids, "prompt": text}
         if images:
             prompt = {"prompt": text, "multi_modal_data": {"image": images}}
@@ -284,11 +336,23 @@ class OpenAIServingChat(OpenAIServing):
         )
         if request.use_beam_search:
             check_beam_search(params)
-            return await self._beam_search(request, request_id, prepared[0], params, role)
+        prompt_ids = prepared[0][0].prompt_token_ids
+        reasoning = Reasoning(parser, prompt_ids, request.include_reasoning)
         trace = self.trace_headers(raw_request)
-        if request.stream:
-            return SSEResponse(self._stream(request, request_id, prepared, role, mode, trace))
-        return await self._full(request, request_id, prepared, role, mode, trace)
+        return ChatRun(request, request_id, prepared, role, mode, reasoning, trace)
+
+    def _reasoning_parser(self, request, params):
+        """The request's reasoning parser (its chat_template_kwargs may turn thinking off);
+        tags the tokenizer calls special stay in the text the parser reads."""
+        if not self.reasoning_parser:
+            return None
+        parser = make_reasoning_parser(
+            self.reasoning_parser, self.tokenizer, request.chat_template_kwargs
+        )
+        special = set(getattr(self.tokenizer, "all_special_tokens", ()))
+        if special.intersection(parser.markers()):
+            params.skip_special_tokens = False
+        return parser
 
     def tool_mode(self, request) -> ToolMode:
         choice = check_tools(request.tools, request.tool_choice)
@@ -302,9 +366,9 @@ class OpenAIServingChat(OpenAIServing):
         parallel = request.parallel_tool_calls is not False
         return ToolMode(choice, request.tools, self.tool_parser, parallel)
 
-    async def _beam_search(self, request, request_id, item, params, role) -> dict:
+    async def _beam_search(self, request, request_id, item, role) -> dict:
         """`use_beam_search`: the best `n` beams as choices, as vLLM's server returns them."""
-        beams = await self.beam_search(request_id, item, request, params)
+        beams = await self.beam_search(request_id, item, request, item[1])
         choices = [
             {
                 "index": j,
@@ -344,17 +408,26 @@ class OpenAIServingChat(OpenAIServing):
             content.append({**item(sampled), "top_logprobs": [item(lp) for lp in top]})
         return {"content": content}
 
-    async def _full(self, request, request_id, prepared, role, mode: ToolMode, trace=None) -> dict:
+    async def full(self, run: ChatRun) -> dict:
+        """The whole response of a started request (`start`)."""
+        request, mode, reasoning = run.request, run.mode, run.reasoning
         final = None
-        async for _, out in self.run_all(request_id, prepared, request.priority, trace):
+        async for _, out in self.run_all(run.request_id, run.prepared, request.priority, run.trace):
             final = out
-        prefix = self._echo(request, role)
+        prefix = self._echo(request, run.role)
         choices = []
         for c in final.outputs:
-            content, calls, reason = mode.message(c.text, c.finish_reason)
+            thought, text = reasoning.split(c.text)
+            content, calls, reason = mode.message(text, c.finish_reason)
             if content is not None:
                 content = prefix + content
-            message = {"role": role, "content": content, "tool_calls": [t.json() for t in calls]}
+            message = {
+                "role": run.role,
+                "content": content,
+                "tool_calls": [t.json() for t in calls],
+            }
+            if reasoning.parser is not None:
+                message["reasoning"] = thought
             choices.append(
                 {
                     "index": c.index,
@@ -368,8 +441,11 @@ class OpenAIServingChat(OpenAIServing):
             )
         num_generated = sum(len(c.token_ids) for c in final.outputs)
         response = self._response(
-            request, request_id, choices, final.prompt_token_ids, num_generated
+            request, run.request_id, choices, final.prompt_token_ids, num_generated
         )
+        if reasoning.parser is not None:
+            thinking = sum(reasoning.tokens(c.token_ids) for c in final.outputs)
+            response["usage"] = usage(len(final.prompt_token_ids), num_generated, thinking)
         response["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
         return response
 
@@ -383,15 +459,27 @@ class OpenAIServingChat(OpenAIServing):
             "usage": usage(len(prompt_token_ids), num_generated),
         }
 
-    async def _stream(self, request, request_id, prepared, role, mode: ToolMode, trace=None):
+    async def chunks(self, run: ChatRun):
+        """The chunks (dicts) of a started request's stream (`start`): per choice its role,
+        then reasoning, content and tool-call deltas, its finish; the usage last if asked."""
+        request, mode, reasoning = run.request, run.mode, run.reasoning
         created = self.created()
         include_usage, continuous = usage_options(request)
-        num_prompt = len(prepared[0][0].prompt_token_ids)
+        num_prompt = len(run.prepared[0][0].prompt_token_ids)
         generated = [0] * request.n  # tokens so far, per choice
+        token_ids = [[] for _ in range(request.n)]  # with a reasoning parser: its count
 
-        def chunk(choices, **extra) -> str:
+        def usage_of(index=None) -> dict:
+            ids = token_ids if index is None else [token_ids[index]]
+            thinking = None
+            if reasoning.parser is not None:
+                thinking = sum(reasoning.tokens(t) for t in ids)
+            done = sum(generated) if index is None else generated[index]
+            return usage(num_prompt, done, thinking)
+
+        def chunk(choices, **extra) -> dict:
             body = {
-                "id": request_id,
+                "id": run.request_id,
                 "object": "chat.completion.chunk",
                 "created": created,
                 "model": self.served_name(request),
@@ -400,30 +488,36 @@ class OpenAIServingChat(OpenAIServing):
             if include_usage:
                 # Continuous stats: each choice's chunk carries its own tokens so far.
                 index = choices[0]["index"] if choices else None
-                body["usage"] = (
-                    usage(num_prompt, generated[index])
-                    if continuous and index is not None
-                    else None
-                )
+                body["usage"] = usage_of(index) if continuous and index is not None else None
             body.update(extra)
-            return sse(body)
+            return body
 
-        prefix = self._echo(request, role)
+        prefix = self._echo(request, run.role)
         streams = [ChoiceStream(mode) for _ in range(request.n)]
+        thoughts = [reasoning.stream() for _ in range(request.n)]
         for i in range(request.n):
-            delta = {"role": role, "content": prefix}
+            delta = {"role": run.role, "content": prefix}
             yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
-        async for _, out in self.run_all(request_id, prepared, request.priority, trace):
+        async for _, out in self.run_all(run.request_id, run.prepared, request.priority, run.trace):
             for c in out.outputs:
                 generated[c.index] += len(c.token_ids)
+                if reasoning.parser is not None:
+                    token_ids[c.index] += c.token_ids
                 if not (c.text or c.token_ids or c.finish_reason):
                     continue
-                stream = streams[c.index]
-                delta = stream.update(c.text)
+                stream, text, thought = streams[c.index], c.text, None
+                if thoughts[c.index] is not None:
+                    thought, text = thoughts[c.index].update(c.text)
+                    if c.finish_reason is not None:
+                        more, rest = thoughts[c.index].finish()
+                        thought, text = thought + more, text + rest
+                delta = stream.update(text) if text or not thoughts[c.index] else None
                 reason = c.finish_reason
                 if reason is not None:
                     last, reason = stream.finish(reason)
                     delta = merge_deltas(delta, last)
+                if thought and reasoning.include:
+                    delta = {"reasoning": thought, **(delta or {})}
                 logprobs = None
                 if request.logprobs:
                     logprobs = self._logprobs(c, request.top_logprobs or 0)
@@ -439,4 +533,4 @@ class OpenAIServingChat(OpenAIServing):
                     choice["stop_reason"] = c.stop_reason
                 yield chunk([choice])
         if include_usage:
-            yield chunk([], usage=usage(num_prompt, sum(generated)))
+            yield chunk([], usage=usage_of())

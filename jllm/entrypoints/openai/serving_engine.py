@@ -59,6 +59,13 @@ def sse(data: dict | str) -> str:
     return f"data: {payload}\n\n"
 
 
+async def sse_events(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """`data:` events of dict chunks; closing it closes `chunks` (aborting their requests)."""
+    async with contextlib.aclosing(chunks):
+        async for chunk in chunks:
+            yield sse(chunk)
+
+
 async def event_stream(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     """The SSE events of `chunks`, then `[DONE]`. Once the stream has started an error can
     no longer change the status code, so it is sent in-band in OpenAI's error body."""
@@ -122,12 +129,16 @@ def usage_options(request) -> tuple[bool, bool]:
     return include, include and bool(opts.continuous_usage_stats)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> dict:
+    """OpenAI's usage; `reasoning_tokens` (a reasoning parser is on): its details too."""
+    out = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 def fit_max_tokens(params: SamplingParams, num_prompt: int, max_len: int) -> None:

@@ -33,3 +33,21 @@ def client(server) -> openai.OpenAI:
 @pytest.fixture
 def async_client(server) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def agent_server(thinker_dir):
+    """A server over the scripted reasoning model (conftest.THINKER_SCRIPT) with vLLM's
+    DeepSeek-R1 reasoning parser: the routes agents call (chat with reasoning, Responses,
+    Anthropic Messages)."""
+    args = server_args(thinker_dir, "--reasoning-parser", "deepseek_r1")
+    engine, metrics = build_engine(args)
+    running = RunningServer(build_app(args, engine, metrics), engine)
+    yield running
+    running.stop()
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def agent_client(agent_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{agent_server.url}/v1", api_key="unused", max_retries=0)

@@ -1,0 +1,67 @@
+"""A tiny model that says what a test scripts: the tiny Llama turned into a table of next
+tokens, so a server can be driven to emit reasoning tags, tool calls or any text through its
+real sampling path (greedy), without a grammar.
+
+The copier's recipe (oracle.save_copier: residual branches scaled down, embeddings scaled
+up, so the last token's embedding dominates the final hidden state) with an untied output
+projection whose row j is the embedding of the token that j follows: after token i the
+largest logit is script[i]'s. Tokens off the script follow themselves (the copier).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import torch
+import transformers
+
+END = "<|im_end|>"
+
+
+def script_chain(tokenizer, start_id: int, text: str) -> list[int]:
+    """`start_id`, the token ids of `text`, then the chat template's end-of-turn token."""
+    ids = [start_id, *tokenizer.encode(text, add_special_tokens=False)]
+    ids.append(tokenizer.convert_tokens_to_ids(END))
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"a script's tokens must be distinct: {text!r} gives {ids}")
+    return ids
+
+
+def save_scripted(llama_dir: str, path, text: str, added: tuple[str, ...] = ()) -> str:
+    """A copy of the tiny Llama at `llama_dir` that, after a chat prompt's generation prompt
+    (its last token: "\\n"), greedily emits `text` (its tokens must be distinct; `added`: tokens to add to
+    the vocabulary, e.g. reasoning tags) and then `<|im_end|>`."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(llama_dir)
+    if added:
+        tokenizer.add_tokens(list(added))
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir)
+    vocab = len(tokenizer)
+    chain = script_chain(tokenizer, tokenizer.convert_tokens_to_ids("Ċ"), text)
+    with torch.no_grad():
+        old = model.model.embed_tokens.weight
+        embed = torch.empty(vocab, old.shape[1])
+        embed[: old.shape[0]] = old
+        gen = torch.Generator().manual_seed(1)
+        embed[old.shape[0] :] = torch.randn(vocab - old.shape[0], old.shape[1], generator=gen)
+        embed[old.shape[0] :] *= old.std()
+        embed *= 10.0
+        follows = torch.arange(vocab)  # follows[i]: the token emitted after i
+        for i, j in zip(chain, chain[1:], strict=False):
+            k = int((follows == j).nonzero()[0, 0])
+            follows[i], follows[k] = j, follows[i]
+        head = torch.empty_like(embed)
+        head[follows] = embed  # row follows[i] is i's embedding
+        model.resize_token_embeddings(vocab, mean_resizing=False)
+        model.model.embed_tokens.weight.copy_(embed)
+        model.config.tie_word_embeddings = False
+        model.lm_head = torch.nn.Linear(embed.shape[1], vocab, bias=False)
+        model.lm_head.weight.copy_(head)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.1)
+            layer.mlp.down_proj.weight.mul_(0.1)
+    model.config.vocab_size = vocab
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    if not (path / "chat_template.jinja").exists():
+        shutil.copy(f"{llama_dir}/chat_template.jinja", path)
+    return str(path)
