@@ -30,6 +30,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jllm.engine.arg_utils import engine_args_from_namespace
 from jllm.engine.async_llm import EngineDeadError
+from jllm.entrypoints.anthropic.api_router import attach_anthropic_routes
+from jllm.entrypoints.anthropic.protocol import anthropic_error_response, is_anthropic_path
 from jllm.entrypoints.openai.auth import AuthenticationMiddleware, api_keys
 from jllm.entrypoints.openai.chat_templates import check_request_template, renderer_parameters
 from jllm.entrypoints.openai.cli_args import load_chat_template, make_arg_parser
@@ -49,7 +51,6 @@ from jllm.entrypoints.openai.shutdown import GracefulServer, StoppableLLM
 from jllm.logger import setup_logging
 from jllm.metrics.prometheus import PrometheusStatLogger
 from jllm.model_loader.locate import DEFAULT_MODEL_NAME
-from jllm.sampling_params import SamplingParams
 from jllm.version import __version__ as JLLM_VERSION
 
 logger = logging.getLogger("jllm.entrypoints.openai")
@@ -149,43 +150,51 @@ def build_app(args: argparse.Namespace, engine: StoppableLLM, metrics: Prometheu
     if keys:
         app.add_middleware(AuthenticationMiddleware, keys=keys)
 
+    def error(raw: Request, message: str, status: int, param: str | None = None):
+        """An error in the body its route's API uses: Anthropic's on /v1/messages, else
+        OpenAI's."""
+        path = raw.scope["path"].removeprefix(raw.scope.get("root_path", ""))
+        if is_anthropic_path(path):
+            return anthropic_error_response(message, status)
+        return error_response(message, status, param)
+
     @app.exception_handler(RequestValidationError)
-    async def invalid_request(_, exc: RequestValidationError):
+    async def invalid_request(raw: Request, exc: RequestValidationError):
         errors = exc.errors()
         if any(e.get("type") == "json_invalid" for e in errors):
-            return error_response("The request body is not valid JSON.", 400)
+            return error(raw, "The request body is not valid JSON.", 400)
 
         def where(e) -> str:
             return ".".join(str(p) for p in e.get("loc", ())[1:])
 
         message = "; ".join(f"{where(e) or 'body'}: {e.get('msg')}" for e in errors)
         field = errors[0].get("loc", ())[1:2] if errors else ()
-        return error_response(message or "Invalid request.", 400, str(field[0]) if field else None)
+        return error(raw, message or "Invalid request.", 400, str(field[0]) if field else None)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_, exc: StarletteHTTPException):
-        # Starlette's own errors (a body that is not UTF-8, a wrong method, ...) in OpenAI's
-        # error body, like every other error.
-        response = error_response(str(exc.detail), exc.status_code)
+    async def http_error(raw: Request, exc: StarletteHTTPException):
+        # Starlette's own errors (a body that is not UTF-8, a wrong method, ...) in the
+        # route's error body, like every other error.
+        response = error(raw, str(exc.detail), exc.status_code)
         response.headers.update(exc.headers or {})  # e.g. a 405's Allow
         return response
 
     @app.exception_handler(OpenAIError)
-    async def openai_error(_, exc: OpenAIError):
-        return error_response(exc.message, exc.status, exc.param)
+    async def openai_error(raw: Request, exc: OpenAIError):
+        return error(raw, exc.message, exc.status, exc.param)
 
     @app.exception_handler(EngineDeadError)
-    async def engine_dead(_, exc: EngineDeadError):
-        return error_response(str(exc), 503)
+    async def engine_dead(raw: Request, exc: EngineDeadError):
+        return error(raw, str(exc), 503)
 
     @app.exception_handler(ValueError)
-    async def value_error(_, exc: ValueError):
-        return error_response(str(exc), 400)
+    async def value_error(raw: Request, exc: ValueError):
+        return error(raw, str(exc), 400)
 
     @app.exception_handler(Exception)
-    async def internal_error(_, exc: Exception):
+    async def internal_error(raw: Request, exc: Exception):
         logger.exception("Unhandled error in a request handler.")
-        return error_response(f"Internal server error: {exc!r}", 500)
+        return error(raw, f"Internal server error: {exc!r}", 500)
 
     @app.get("/health")
     async def health():
@@ -244,6 +253,8 @@ def build_app(args: argparse.Namespace, engine: StoppableLLM, metrics: Prometheu
             return await chat.create_chat_completion(body, raw)
         return await with_cancellation(raw, chat.create_chat_completion(body, raw))
 
+    attach_anthropic_routes(app, chat, with_cancellation)
+
     def check_tokenizer_request(body) -> None:
         if tokenizer is None:
             raise OpenAIError("The server runs without a tokenizer.", 400)
@@ -256,16 +267,7 @@ def build_app(args: argparse.Namespace, engine: StoppableLLM, metrics: Prometheu
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError("Give exactly one of prompt and messages.", 400, "prompt")
         if body.messages is not None:
-            text, ids, images = await engine.run_processor(chat.render, body)
-            if images:  # the model's processor expands each image's placeholder
-                prompt = {"prompt": text, "multi_modal_data": {"image": images}}
-                try:
-                    processed, _ = await engine.run_processor(
-                        engine.prepare, prompt, SamplingParams(max_tokens=1), None, False
-                    )
-                except ValueError as e:
-                    raise OpenAIError(str(e), 400, "messages") from e
-                ids = processed.prompt_token_ids
+            ids = await chat.prompt_ids(body)
         else:
             # The chat fields mean nothing here, but an untrusted template is refused on every
             # route, as the schema says (a prompt does not make it harmless to accept).

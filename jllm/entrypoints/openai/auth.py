@@ -1,5 +1,6 @@
 """The server's API keys (`--api-key`, else `VLLM_API_KEY`, else `JLLM_API_KEY`): every route
-that renders a template or runs the model answers 401 without `Authorization: Bearer <key>`.
+that renders a template or runs the model answers 401 without `Authorization: Bearer <key>`
+(or Anthropic's `x-api-key: <key>`).
 
 vLLM guards the paths under /v1, /v2, /inference and /cohere; jllm guards every path except
 the probes and documentation listed in `OPEN_PATHS` (and CORS preflights), so /tokenize,
@@ -17,6 +18,7 @@ import secrets
 
 from starlette.datastructures import Headers
 
+from jllm.entrypoints.anthropic.protocol import anthropic_error_response, is_anthropic_path
 from jllm.entrypoints.openai.serving_engine import error_response
 
 # Liveness, version and metrics probes and the API's own documentation need no key.
@@ -60,7 +62,10 @@ class AuthenticationMiddleware:
     def authorized(self, headers: Headers) -> bool:
         scheme, _, token = (headers.get("authorization") or "").partition(" ")
         if scheme.lower() != "bearer":
-            return False
+            # Anthropic's clients send the key as `x-api-key`.
+            scheme, token = "bearer", headers.get("x-api-key") or ""
+            if not token:
+                return False
         digest = _digest(token.strip())
         match = False
         for known in self.digests:  # no early exit: every key is compared
@@ -75,5 +80,9 @@ class AuthenticationMiddleware:
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":
             return await send({"type": "websocket.close", "code": 1008})  # policy violation
-        response = error_response("Unauthorized: a valid API key is required.", 401)
+        message = "Unauthorized: a valid API key is required."
+        if is_anthropic_path(path):
+            response = anthropic_error_response(message, 401)
+        else:
+            response = error_response(message, 401)
         return await response(scope, receive, send)

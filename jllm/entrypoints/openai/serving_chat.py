@@ -39,7 +39,7 @@ from jllm.entrypoints.openai.tool_parsers import (
 )
 from jllm.outputs import CompletionOutput
 from jllm.reasoning import ReasoningStream, make_reasoning_parser
-from jllm.sampling_params import StructuredOutputsParams
+from jllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def message_text(content) -> str:
@@ -278,6 +278,21 @@ class OpenAIServingChat(OpenAIServing):
         if images:
             return text, None, images
         return text, self.tokenizer.encode(text, add_special_tokens=False), []
+
+    async def prompt_ids(self, request) -> list[int]:
+        """The token ids of a chat request's prompt: its rendered template, with each
+        image's placeholder expanded by the model's processor."""
+        text, ids, images = await self.off_loop(self.render, request)
+        if not images:
+            return ids
+        prompt = {"prompt": text, "multi_modal_data": {"image": images}}
+        try:
+            processed, _ = await self.off_loop(
+                self.engine.prepare, prompt, SamplingParams(max_tokens=1), None, False
+            )
+        except ValueError as e:
+            raise OpenAIError(str(e), 400, "messages") from e
+        return processed.prompt_token_ids
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request=None):
         run = await self.start(request, raw_request)

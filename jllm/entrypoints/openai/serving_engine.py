@@ -85,8 +85,10 @@ class SSEResponse(StreamingResponse):
     """An event stream (see `event_stream`) whose generator is always closed, so a dropped
     client aborts its requests even when the server notices only at the next write."""
 
-    def __init__(self, chunks: AsyncIterator[str]) -> None:
-        super().__init__(event_stream(chunks), media_type="text/event-stream")
+    def __init__(self, chunks: AsyncIterator[str], framed: bool = False) -> None:
+        """`framed`: `chunks` are whole events already, errors included (no `[DONE]`)."""
+        body = chunks if framed else event_stream(chunks)
+        super().__init__(body, media_type="text/event-stream")
 
     async def __call__(self, scope, receive, send) -> None:
         try:

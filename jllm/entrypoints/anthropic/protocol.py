@@ -1,0 +1,140 @@
+"""Anthropic's Messages API bodies (`POST /v1/messages`, `/v1/messages/count_tokens`) as
+pydantic models, and Anthropic's error body.
+
+Content blocks are a union on `type` (text, image with a base64 or URL source, tool_use,
+tool_result, thinking, redacted_thinking), so a malformed block is a 400 naming it before
+anything runs. Unknown top-level fields are accepted (as the OpenAI routes do: vLLM's
+behaviour); `metadata` and `service_tier` are accepted and have no effect.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import Field
+
+from jllm.entrypoints.openai.protocol import Int, NonEmpty, OpenAIBaseModel, StopList
+
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
+# Anthropic's error types by HTTP status.
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_error_body(message: str, status: int) -> dict:
+    return {
+        "type": "error",
+        "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message},
+    }
+
+
+def anthropic_error_response(message: str, status: int) -> JSONResponse:
+    return JSONResponse(anthropic_error_body(message, status), status_code=status)
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path.rstrip("/") in ANTHROPIC_PATHS
+
+
+class TextBlock(OpenAIBaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Base64Source(OpenAIBaseModel):
+    type: Literal["base64"]
+    media_type: NonEmpty
+    data: NonEmpty
+
+
+class URLSource(OpenAIBaseModel):
+    type: Literal["url"]
+    url: NonEmpty
+
+
+class ImageBlock(OpenAIBaseModel):
+    type: Literal["image"]
+    source: Annotated[Base64Source | URLSource, Field(discriminator="type")]
+
+
+class ToolUseBlock(OpenAIBaseModel):
+    type: Literal["tool_use"]
+    id: NonEmpty
+    name: NonEmpty
+    input: dict[str, Any]
+
+
+class ToolResultBlock(OpenAIBaseModel):
+    type: Literal["tool_result"]
+    tool_use_id: NonEmpty
+    content: str | list[Annotated[TextBlock | ImageBlock, Field(discriminator="type")]] | None = (
+        None
+    )
+    is_error: bool | None = None
+
+
+class ThinkingBlock(OpenAIBaseModel):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(OpenAIBaseModel):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+Block = Annotated[
+    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    Field(discriminator="type"),
+]
+
+
+class Message(OpenAIBaseModel):
+    role: Literal["user", "assistant"]
+    content: str | Annotated[list[Block], Field(min_length=1)]
+
+
+class Tool(OpenAIBaseModel):
+    name: NonEmpty
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class ToolChoice(OpenAIBaseModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: NonEmpty | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Thinking(OpenAIBaseModel):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: Int(1) | None = None
+
+
+class CountTokensRequest(OpenAIBaseModel):
+    model: NonEmpty
+    messages: Annotated[list[Message], Field(min_length=1)]
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: Int(1)
+    stop_sequences: StopList | None = None
+    stream: bool = False
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: Int(0) | None = None
+    metadata: dict[str, Any] | None = None
