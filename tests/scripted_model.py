@@ -28,9 +28,9 @@ def script_chain(tokenizer, start_id: int, text: str) -> list[int]:
 
 
 def save_scripted(llama_dir: str, path, text: str, added: tuple[str, ...] = ()) -> str:
-    """A copy of the tiny Llama at `llama_dir` that, after a chat prompt's generation prompt
-    (its last token: "\\n"), greedily emits `text` (its tokens must be distinct; `added`: tokens to add to
-    the vocabulary, e.g. reasoning tags) and then `<|im_end|>`."""
+    """A copy of the tiny Llama at `llama_dir` that, after a chat prompt's generation
+    prompt (its last token: "\\n"), greedily emits `text` (its tokens must be distinct)
+    and then `<|im_end|>`; `added`: tokens to add to the vocabulary (reasoning tags)."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(llama_dir)
     if added:
         tokenizer.add_tokens(list(added))

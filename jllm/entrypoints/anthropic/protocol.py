@@ -1,10 +1,11 @@
 """Anthropic's Messages API bodies (`POST /v1/messages`, `/v1/messages/count_tokens`) as
 pydantic models, and Anthropic's error body.
 
-Content blocks are a union on `type` (text, image with a base64 or URL source, tool_use,
-tool_result, thinking, redacted_thinking), so a malformed block is a 400 naming it before
-anything runs. Unknown top-level fields are accepted (as the OpenAI routes do: vLLM's
-behaviour); `metadata` and `service_tier` are accepted and have no effect.
+Content blocks are a union on `type`, per role (a user's text, image with a base64 or URL
+source, tool_result; an assistant's text, tool_use, thinking, redacted_thinking), so a
+malformed or misplaced block is a 400 naming it before anything runs. Unknown top-level
+fields are accepted (as the OpenAI routes do: vLLM's behaviour); `metadata` is accepted and
+has no effect.
 """
 
 from __future__ import annotations
@@ -93,15 +94,23 @@ class RedactedThinkingBlock(OpenAIBaseModel):
     data: str
 
 
-Block = Annotated[
-    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
-    Field(discriminator="type"),
+UserBlock = Annotated[TextBlock | ImageBlock | ToolResultBlock, Field(discriminator="type")]
+AssistantBlock = Annotated[
+    TextBlock | ToolUseBlock | ThinkingBlock | RedactedThinkingBlock, Field(discriminator="type")
 ]
 
 
-class Message(OpenAIBaseModel):
-    role: Literal["user", "assistant"]
-    content: str | Annotated[list[Block], Field(min_length=1)]
+class UserMessage(OpenAIBaseModel):
+    role: Literal["user"]
+    content: str | Annotated[list[UserBlock], Field(min_length=1)]
+
+
+class AssistantMessage(OpenAIBaseModel):
+    role: Literal["assistant"]
+    content: str | Annotated[list[AssistantBlock], Field(min_length=1)]
+
+
+Message = Annotated[UserMessage | AssistantMessage, Field(discriminator="role")]
 
 
 class Tool(OpenAIBaseModel):

@@ -69,8 +69,6 @@ def chat_messages(request: CountTokensRequest) -> list[dict]:
             if b.type in ("text", "image"):
                 parts.append(b)
             elif b.type == "tool_use":
-                if m.role != "assistant":
-                    raise OpenAIError("tool_use blocks belong to assistant messages.", 400)
                 arguments = json.dumps(b.input, ensure_ascii=False)
                 calls.append(
                     {
@@ -80,8 +78,6 @@ def chat_messages(request: CountTokensRequest) -> list[dict]:
                     }
                 )
             elif b.type == "tool_result":
-                if m.role != "user":
-                    raise OpenAIError("tool_result blocks belong to user messages.", 400)
                 content = b.content
                 if isinstance(content, list):
                     content = _content(_parts(content)) if content else ""
@@ -95,7 +91,7 @@ def chat_messages(request: CountTokensRequest) -> list[dict]:
             message["content"] = _content(_parts(parts))
         if calls:
             message["tool_calls"] = calls
-        if thinking and m.role == "assistant":
+        if thinking:
             message["reasoning"] = "".join(thinking)
         if len(message) > 1:
             if "content" not in message:

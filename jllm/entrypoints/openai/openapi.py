@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from fastapi.openapi.utils import get_openapi
 
+from jllm.entrypoints.anthropic.protocol import is_anthropic_path
 from jllm.entrypoints.openai.auth import OPEN_PATHS
 from jllm.entrypoints.openai.openapi_rules import write_rules
 
@@ -35,6 +36,20 @@ ERROR_SCHEMA = {
     },
 }
 ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
+# Anthropic's error body, on its routes (anthropic/protocol.py).
+ANTHROPIC_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {
+            "type": "object",
+            "required": ["type", "message"],
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+        },
+    },
+}
+ANTHROPIC_ERROR_REF = {"$ref": "#/components/schemas/AnthropicErrorResponse"}
 DESCRIPTIONS = {
     "400": "Invalid request (OpenAI's error body).",
     "401": "Missing or wrong API key.",
@@ -42,14 +57,15 @@ DESCRIPTIONS = {
     "500": "Internal error.",
     "503": "The engine has stopped.",
 }
-STREAMING = ("/v1/completions", "/v1/chat/completions")
+STREAMING = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
 PLAIN = {"/health": "text/plain", "/metrics": "text/plain"}
 
 
-def _error(status: str) -> dict:
+def _error(status: str, path: str) -> dict:
+    ref = ANTHROPIC_ERROR_REF if is_anthropic_path(path) else ERROR_REF
     return {
         "description": DESCRIPTIONS[status],
-        "content": {"application/json": {"schema": ERROR_REF}},
+        "content": {"application/json": {"schema": ref}},
     }
 
 
@@ -80,7 +96,7 @@ def build_openapi(app, *, api_key: bool, limits: dict) -> dict:
             if api_key and path not in OPEN_PATHS:
                 statuses.append("401")
             for status in statuses:
-                responses[status] = _error(status)
+                responses[status] = _error(status, path)
             ok = responses.setdefault("200", {"description": "OK"})
             if path in STREAMING:
                 ok["content"] = {"application/json": {"schema": {}}, "text/event-stream": {}}
@@ -90,6 +106,7 @@ def build_openapi(app, *, api_key: bool, limits: dict) -> dict:
     schemas.pop("HTTPValidationError", None)
     schemas.pop("ValidationError", None)
     schemas["ErrorResponse"] = ERROR_SCHEMA
+    schemas["AnthropicErrorResponse"] = ANTHROPIC_ERROR_SCHEMA
     top_token = limits["vocab_size"] - 1
     max_logprobs = limits["max_logprobs"]
     max_logprobs = limits["vocab_size"] if max_logprobs == -1 else max_logprobs
@@ -121,6 +138,9 @@ def build_openapi(app, *, api_key: bool, limits: dict) -> dict:
     for schema in schemas.values():  # the served names: any other is a 404
         model = schema.get("properties", {}).get("model")
         if model is not None:
+            nullable = {"type": "null"} in model.get("anyOf", [])
+            model.clear()
             model["anyOf"] = [{"type": "string", "enum": list(limits["model_names"])}]
-            model["anyOf"].append({"type": "null"})
+            if nullable:
+                model["anyOf"].append({"type": "null"})
     return doc

@@ -188,6 +188,8 @@ def write_rules(schemas: dict, limits: dict) -> None:
                 "required": ["image_url"],
             },
         ][: len(kinds)]
+    if "ImageBlock" in schemas and not limits["images"]:  # Anthropic's image blocks likewise
+        schemas["ImageBlock"] = {"not": {}, "description": "Only for a model that takes images."}
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         schema = schemas.get(name)
         if schema is None:

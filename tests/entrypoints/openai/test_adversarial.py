@@ -147,8 +147,16 @@ def cases() -> list[tuple[str, str, bytes]]:
         ("detokenize-str", "/detokenize", _dump({"tokens": ["a"]})),
         ("detokenize-vocab", "/detokenize", _dump({"tokens": [10**6]})),
     ]
-    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
-        short = path.rsplit("/", 1)[1]
+    out += anthropic_cases()
+    for path in (
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/tokenize",
+        "/detokenize",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+    ):
+        short = path.removeprefix("/v1/").replace("/", "-")
         for name, body in {
             "deep": DEEP.encode(),
             "null": b"null",
@@ -159,6 +167,57 @@ def cases() -> list[tuple[str, str, bytes]]:
             "truncated": b'{"prompt": "a',
         }.items():
             out.append((f"{short}-body-{name}", path, body))
+    return out
+
+
+MESSAGES = {"model": "tiny-llama", "max_tokens": 2, "messages": CHAT["messages"]}
+
+
+def anthropic_cases() -> list[tuple[str, str, bytes]]:
+    """Anthropic's Messages route: its fields' boundaries and malformed content blocks."""
+    out = []
+    for field in ("max_tokens", "top_k"):
+        for value in [*BIG, 0, 1.5, "7", True, None]:
+            out.append(
+                (f"msg-{field}-{value!r}"[:60], "/v1/messages", _dump({**MESSAGES, field: value}))
+            )
+    for field in ("temperature", "top_p"):
+        for literal in NON_FINITE + ['"x"', "-1"]:
+            out.append((f"msg-{field}-{literal}", "/v1/messages", raw(MESSAGES, field, literal)))
+    image = {"type": "base64", "media_type": "image/png", "data": "not base64!"}
+    blocks = {
+        "unknown-block": [{"type": "document", "source": {}}],
+        "text-type": [{"type": "text", "text": 5}],
+        "image-on-text-model": [{"type": "image", "source": image}],
+        "image-source": [{"type": "image", "source": {"type": "file", "path": "/etc/passwd"}}],
+        "tool-use-from-user": [{"type": "tool_use", "id": "a", "name": "f", "input": {}}],
+        "tool-result-type": [{"type": "tool_result", "tool_use_id": "a", "content": 5}],
+        "empty-blocks": [],
+        "long": [{"type": "text", "text": "word " * 50_000}],
+    }
+    for name, content in blocks.items():
+        body = {**MESSAGES, "messages": [{"role": "user", "content": content}]}
+        out.append((f"msg-{name}", "/v1/messages", _dump(body)))
+    hostile = {
+        "no-model": {"model": None},
+        "model-unknown": {"model": "nope"},
+        "no-messages": {"messages": None},
+        "role-system": {"messages": [{"role": "system", "content": "x"}]},
+        "system-type": {"system": 5},
+        "system-blocks": {"system": [{"type": "image", "source": image}]},
+        "stop-many": {"stop_sequences": [str(i) for i in range(1000)]},
+        "stop-empty": {"stop_sequences": [""]},
+        "tools-bad": {"tools": [{"name": "f"}]},
+        "tools-schema-type": {"tools": [{"name": "f", "input_schema": []}]},
+        "tool-choice-unknown": {"tool_choice": {"type": "tool", "name": "nope"}},
+        "tool-choice-no-name": {"tool_choice": {"type": "tool"}},
+        "tool-choice-auto": {"tools": [{"name": "f", "input_schema": {}}]},
+        "thinking-type": {"thinking": {"type": "always"}},
+    }
+    for name, extra in hostile.items():
+        out.append((f"msg-{name}", "/v1/messages", _dump({**MESSAGES, **extra})))
+        count = {k: v for k, v in {**MESSAGES, **extra}.items() if k != "max_tokens"}
+        out.append((f"count-{name}", "/v1/messages/count_tokens", _dump(count)))
     return out
 
 
@@ -202,6 +261,10 @@ def test_hostile_requests_get_4xx_and_harm_nothing(server, bystander):
                 continue
             if r.status_code >= 500:
                 failures.append(f"{name}: {r.status_code} {r.text[:200]}")
+            elif r.status_code >= 400 and path.startswith("/v1/messages"):
+                body = r.json()
+                if not (body.get("type") == "error" and body["error"].get("message")):
+                    failures.append(f"{name}: not Anthropic's error body: {r.text[:200]}")
             elif r.status_code >= 400:
                 error = r.json().get("error", {})
                 if not (error.get("message") and error.get("code") == r.status_code):
