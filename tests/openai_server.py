@@ -76,3 +76,32 @@ def wait_idle(server, timeout: float = 60.0) -> None:
     while scheduler.running or scheduler.waiting or kv.num_free_blocks != kv.num_blocks - 1:
         assert time.monotonic() < deadline, "requests or blocks still held"
         time.sleep(0.05)
+
+
+class HeldEngine:
+    """Holds the engine thread once a running request has `after` output tokens, until the
+    server aborts a request, so a disconnect always meets an unfinished request whatever the
+    machine's speed. (Outputs of the holding step are delivered after the hold.)"""
+
+    def __init__(self, server, after: int):
+        self.llm_engine = server.engine.engine
+        self.scheduler = self.llm_engine.scheduler
+        self.after = after
+        self.aborted: list[str] = []
+        self.abort_seen = threading.Event()
+        self.timed_out = False
+        self._step = self.llm_engine.step
+        self._abort = server.engine.abort
+
+    def step(self):
+        outputs = self._step()
+        if any(r.num_output_tokens >= self.after for r in self.scheduler.running):
+            # The abort command is queued before this returns; the engine loop takes queued
+            # commands before its next step, so the request is aborted mid-generation.
+            self.timed_out = not self.abort_seen.wait(timeout=60)
+        return outputs
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        self._abort(request_id)
+        self.abort_seen.set()

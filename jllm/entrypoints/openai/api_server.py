@@ -43,6 +43,7 @@ from jllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from jllm.entrypoints.openai.responses.api_router import attach_responses_routes
 from jllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jllm.entrypoints.openai.serving_engine import OpenAIError, error_response
@@ -254,6 +255,7 @@ def build_app(args: argparse.Namespace, engine: StoppableLLM, metrics: Prometheu
         return await with_cancellation(raw, chat.create_chat_completion(body, raw))
 
     attach_anthropic_routes(app, chat, with_cancellation)
+    attach_responses_routes(app, chat, with_cancellation, lambda body: check_priority(body, engine))
 
     def check_tokenizer_request(body) -> None:
         if tokenizer is None:

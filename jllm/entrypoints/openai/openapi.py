@@ -57,7 +57,7 @@ DESCRIPTIONS = {
     "500": "Internal error.",
     "503": "The engine has stopped.",
 }
-STREAMING = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
+STREAMING = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
 PLAIN = {"/health": "text/plain", "/metrics": "text/plain"}
 
 

@@ -215,6 +215,7 @@ class ChatRun:
     def __init__(self, request, request_id, prepared, role, mode, reasoning, trace) -> None:
         self.request, self.request_id, self.prepared = request, request_id, prepared
         self.role, self.mode, self.reasoning, self.trace = role, mode, reasoning, trace
+        self.cached_tokens = 0  # prompt tokens read from the prefix cache, once known
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -429,6 +430,7 @@ class OpenAIServingChat(OpenAIServing):
         final = None
         async for _, out in self.run_all(run.request_id, run.prepared, request.priority, run.trace):
             final = out
+        run.cached_tokens = final.num_cached_tokens or 0
         prefix = self._echo(request, run.role)
         choices = []
         for c in final.outputs:
@@ -514,6 +516,7 @@ class OpenAIServingChat(OpenAIServing):
             delta = {"role": run.role, "content": prefix}
             yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
         async for _, out in self.run_all(run.request_id, run.prepared, request.priority, run.trace):
+            run.cached_tokens = out.num_cached_tokens or 0
             for c in out.outputs:
                 generated[c.index] += len(c.token_ids)
                 if reasoning.parser is not None:

@@ -42,7 +42,10 @@ def agent_server(thinker_dir):
     Anthropic Messages)."""
     args = server_args(thinker_dir, "--reasoning-parser", "deepseek_r1")
     engine, metrics = build_engine(args)
-    running = RunningServer(build_app(args, engine, metrics), engine)
+    with pytest.MonkeyPatch.context() as env:  # the Responses store, read at start-up
+        env.setenv("VLLM_ENABLE_RESPONSES_API_STORE", "1")
+        app = build_app(args, engine, metrics)
+    running = RunningServer(app, engine)
     yield running
     running.stop()
     engine.shutdown()

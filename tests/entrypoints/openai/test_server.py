@@ -9,7 +9,7 @@ import threading
 import httpx
 import openai
 import pytest
-from openai_server import MODEL_NAME, RunningServer, server_args, wait_idle
+from openai_server import MODEL_NAME, HeldEngine, RunningServer, server_args, wait_idle
 
 from jllm import SamplingParams
 
@@ -249,35 +249,6 @@ def test_32_concurrent_streams_match_offline(async_client, llama_llm, server):
     assert all(r[1] > 2 for r in results)  # streamed in pieces, not one final chunk
     assert all(isinstance(b, openai.BadRequestError) for b in bad)
     wait_idle(server)
-
-
-class HeldEngine:
-    """Holds the engine thread once a running request has `after` output tokens, until the
-    server aborts a request, so a disconnect always meets an unfinished request whatever the
-    machine's speed. (Outputs of the holding step are delivered after the hold.)"""
-
-    def __init__(self, server, after: int):
-        self.llm_engine = server.engine.engine
-        self.scheduler = self.llm_engine.scheduler
-        self.after = after
-        self.aborted: list[str] = []
-        self.abort_seen = threading.Event()
-        self.timed_out = False
-        self._step = self.llm_engine.step
-        self._abort = server.engine.abort
-
-    def step(self):
-        outputs = self._step()
-        if any(r.num_output_tokens >= self.after for r in self.scheduler.running):
-            # The abort command is queued before this returns; the engine loop takes queued
-            # commands before its next step, so the request is aborted mid-generation.
-            self.timed_out = not self.abort_seen.wait(timeout=60)
-        return outputs
-
-    def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
-        self._abort(request_id)
-        self.abort_seen.set()
 
 
 @pytest.fixture
@@ -678,7 +649,6 @@ def test_cache_salt(client, server):
 def test_tokenization_runs_off_the_event_loop(client, server, monkeypatch):
     """Prompts are tokenized and chat templates applied on the tokenization thread, never on
     the event loop that serves every stream."""
-    import threading
 
     tok = server.engine.get_tokenizer()
     threads = []

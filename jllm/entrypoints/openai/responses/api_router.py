@@ -1,0 +1,38 @@
+"""The Responses API routes: create, retrieve and cancel (`serving.py`)."""
+
+from __future__ import annotations
+
+import os
+
+from fastapi import FastAPI, Request
+
+from jllm.entrypoints.openai.responses.protocol import ResponsesRequest
+from jllm.entrypoints.openai.responses.serving import STORE_ENV, OpenAIServingResponses
+from jllm.entrypoints.openai.serving_engine import OpenAIError, SSEResponse
+
+
+def store_enabled() -> bool:
+    return os.environ.get(STORE_ENV, "").lower() in ("1", "true")
+
+
+def attach_responses_routes(app: FastAPI, chat, with_cancellation, check_priority) -> None:
+    responses = OpenAIServingResponses(chat, store_enabled())
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, raw: Request):
+        check_priority(body)
+        if body.stream:
+            return SSEResponse(await responses.create(body, raw), framed=True)
+        if body.background:  # returns at once; the run outlives the connection
+            return await responses.create(body, raw)
+        return await with_cancellation(raw, responses.create(body, raw))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, stream: bool = False):
+        if stream:
+            raise OpenAIError("Streaming a stored response is not supported.", 400, "stream")
+        return responses.retrieve(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        return await responses.cancel(response_id)

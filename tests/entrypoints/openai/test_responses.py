@@ -1,0 +1,208 @@
+"""The Responses API (`/v1/responses`) through openai's `responses` client against the
+scripted reasoning model (conftest.THINKER_SCRIPT): output items and usage, the event stream
+as the SDK assembles it, input items against chat's rendering of the same conversation, the
+store with `previous_response_id`, retrieval, background runs and cancel, and refusals."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from openai_server import HeldEngine
+
+from jllm.entrypoints.openai.responses.convert import chat_request
+from jllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+REASONING, ANSWER = "Let me see.", "The answer is four"
+QUESTION = "What is two plus two?"
+
+
+def prompt_tokens(client, messages) -> int:
+    r = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=1)
+    return r.usage.prompt_tokens
+
+
+def test_output_items_and_usage(agent_client):
+    r = agent_client.responses.create(model="tiny-llama", input=QUESTION, max_output_tokens=40)
+    assert r.status == "completed" and r.output_text == ANSWER
+    assert [item.type for item in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == REASONING
+    assert r.id.startswith("resp_") and r.output[1].id.startswith("msg_")
+    chat = agent_client.chat.completions.create(
+        model="tiny-llama", messages=[{"role": "user", "content": QUESTION}], max_tokens=40
+    )
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.usage.output_tokens == chat.usage.completion_tokens
+    assert r.usage.output_tokens_details.reasoning_tokens == (
+        chat.usage.completion_tokens_details.reasoning_tokens
+    )
+
+
+def test_incomplete_at_max_output_tokens(agent_client):
+    r = agent_client.responses.create(model="tiny-llama", input=QUESTION, max_output_tokens=8)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+
+
+def test_the_stream(agent_client):
+    with agent_client.responses.stream(
+        model="tiny-llama", input=QUESTION, max_output_tokens=40
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert (reasoning, text) == (REASONING, ANSWER)
+    assert final.output_text == ANSWER and final.status == "completed"
+    assert [i.type for i in final.output] == ["reasoning", "message"]
+
+
+def test_input_items_render_as_chat_messages(agent_client):
+    """Instructions, developer messages, a function call and its output, and reasoning,
+    as the chat template sees them: the same prompt tokens as chat with those messages."""
+    items = [
+        {"role": "developer", "content": "Use tools."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Add 1 and 2."}]},
+        {
+            "type": "reasoning",
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": "tool"}],
+        },
+        {"type": "function_call", "call_id": "c1", "name": "add", "arguments": '{"a": 1}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "3"},
+    ]
+    request = ResponsesRequest.model_validate({"input": items, "instructions": "Be brief."})
+    messages = chat_request(request, []).messages
+    assert messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "Add 1 and 2."},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning": "tool",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "add", "arguments": '{"a": 1}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "3"},
+    ]
+    r = agent_client.responses.create(
+        model="tiny-llama", input=items, instructions="Be brief.", max_output_tokens=2
+    )
+    assert r.usage.input_tokens == prompt_tokens(agent_client, messages)
+
+
+def test_previous_response_id_continues_without_the_instructions(agent_client, agent_server):
+    first = agent_client.responses.create(
+        model="tiny-llama", input=QUESTION, instructions="Be brief.", max_output_tokens=40
+    )
+    second = agent_client.responses.create(
+        model="tiny-llama", input="And three?", previous_response_id=first.id, max_output_tokens=40
+    )
+    assert second.previous_response_id == first.id and second.output_text == ANSWER
+    messages = [
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": ANSWER},
+        {"role": "user", "content": "And three?"},
+    ]
+    assert second.usage.input_tokens == prompt_tokens(agent_client, messages)
+    assert agent_client.responses.retrieve(second.id).output_text == ANSWER
+    r = httpx.post(f"{agent_server.url}/v1/responses/{second.id}/cancel")
+    assert r.status_code == 400 and "synchronous" in r.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError):
+        agent_client.responses.retrieve("resp_nope")
+    with pytest.raises(openai.NotFoundError):
+        agent_client.responses.create(model="tiny-llama", input="x", previous_response_id="resp_x")
+
+
+def test_a_function_tool_and_a_schema(agent_client):
+    tool = {
+        "type": "function",
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}},
+            "required": ["a"],
+        },
+    }
+    r = agent_client.responses.create(
+        model="tiny-llama",
+        input=QUESTION,
+        tools=[tool],
+        tool_choice={"type": "function", "name": "add"},
+        max_output_tokens=12,
+    )
+    (call,) = [i for i in r.output if i.type == "function_call"]
+    assert call.name == "add" and call.arguments.startswith('{"a"') and call.call_id
+    assert r.output[0].type == "reasoning"
+    fmt = {"type": "json_schema", "name": "yn", "schema": {"enum": ["yes", "no"]}}
+    r = agent_client.responses.create(
+        model="tiny-llama", input=QUESTION, text={"format": fmt}, max_output_tokens=40
+    )
+    assert r.output_text in ('"yes"', '"no"')
+
+
+def test_background_runs_and_cancel(agent_client, agent_server, monkeypatch):
+    queued = agent_client.responses.create(
+        model="tiny-llama", input=QUESTION, background=True, max_output_tokens=40
+    )
+    assert queued.status == "queued"
+    while (r := agent_client.responses.retrieve(queued.id)).status in ("queued", "in_progress"):
+        pass
+    assert r.status == "completed" and r.output_text == ANSWER
+    hold = HeldEngine(agent_server, after=4)  # holds the engine until the cancel aborts
+    monkeypatch.setattr(hold.llm_engine, "step", hold.step)
+    monkeypatch.setattr(agent_server.engine, "abort", hold.abort)
+    running = agent_client.responses.create(
+        model="tiny-llama",
+        input=QUESTION,
+        background=True,
+        max_output_tokens=200,
+        extra_body={"ignore_eos": True},
+    )
+    cancelled = agent_client.responses.cancel(running.id)
+    assert cancelled.status == "cancelled" and not hold.timed_out
+    assert agent_client.responses.retrieve(running.id).status == "cancelled"
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"input": ""}, 400, "input"),
+        ({"input": []}, 400, "input"),
+        ({"input": [{"type": "file_search_call"}]}, 400, "input"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "tools"),
+        ({"input": "x", "tool_choice": "required"}, 400, "tool_choice"),
+        ({"input": "x", "background": True, "store": False}, 400, None),
+        ({"input": "x", "background": True, "stream": True}, 400, "stream"),
+        ({"input": "x", "text": {"format": {"type": "json_schema"}}}, 400, "text"),
+        ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "x"}]}, 400, "input"),
+        ({"input": "x", "model": "nope"}, 404, "model"),
+    ],
+)
+def test_refusals(agent_server, body, status, param):
+    r = httpx.post(f"{agent_server.url}/v1/responses", json=body)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_without_the_store(server):
+    """A server started without VLLM_ENABLE_RESPONSES_API_STORE: responses are served and
+    not kept; what needs the store is refused naming the variable."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    r = client.responses.create(model="tiny-llama", input="hi", max_output_tokens=2)
+    assert r.status == "incomplete"
+    with pytest.raises(openai.NotFoundError, match="VLLM_ENABLE_RESPONSES_API_STORE"):
+        client.responses.retrieve(r.id)
+    with pytest.raises(openai.BadRequestError, match="VLLM_ENABLE_RESPONSES_API_STORE"):
+        client.responses.create(model="tiny-llama", input="x", previous_response_id=r.id)
+    with pytest.raises(openai.BadRequestError, match="VLLM_ENABLE_RESPONSES_API_STORE"):
+        client.responses.create(model="tiny-llama", input="x", background=True)
