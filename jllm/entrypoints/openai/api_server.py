@@ -43,7 +43,10 @@ from jllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from jllm.entrypoints.openai.responses.api_router import attach_responses_routes
+from jllm.entrypoints.openai.responses.api_router import (
+    attach_responses_routes,
+    store_enabled,
+)
 from jllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jllm.entrypoints.openai.serving_engine import OpenAIError, error_response
@@ -300,6 +303,7 @@ def build_app(args: argparse.Namespace, engine: StoppableLLM, metrics: Prometheu
         "priority": engine.engine.args.scheduling_policy == "priority",
         "grammar_backend": engine.engine.args.structured_outputs_config.backend,
         "images": engine.engine.max_images_per_prompt > 0,
+        "responses_store": store_enabled(),
         "trust_request_chat_template": args.trust_request_chat_template,
         "renderer_parameters": renderer_parameters(type(tokenizer)),
         "tokenizer_size": engine.engine.model_config.vocab_size

@@ -188,6 +188,19 @@ def write_rules(schemas: dict, limits: dict) -> None:
                 "required": ["image_url"],
             },
         ][: len(kinds)]
+    responses = schemas.get("ResponsesRequest")
+    if responses is not None:
+        props = responses["properties"]
+        if not limits["priority"]:
+            props["priority"] = {"type": "integer", "const": 0}
+        if not limits["responses_store"]:  # background runs live in the store
+            props["background"] = {"type": "boolean", "const": False}
+            props["previous_response_id"] = {"type": "null"}
+        else:  # in the background, stored and not streamed
+            responses["anyOf"] = [
+                {"properties": {"background": {"const": False}}},
+                {"properties": {"store": {"const": True}, "stream": {"const": False}}},
+            ]
     if "ImageBlock" in schemas and not limits["images"]:  # Anthropic's image blocks likewise
         schemas["ImageBlock"] = {"not": {}, "description": "Only for a model that takes images."}
     for name in ("CompletionRequest", "ChatCompletionRequest"):

@@ -147,7 +147,7 @@ def cases() -> list[tuple[str, str, bytes]]:
         ("detokenize-str", "/detokenize", _dump({"tokens": ["a"]})),
         ("detokenize-vocab", "/detokenize", _dump({"tokens": [10**6]})),
     ]
-    out += anthropic_cases()
+    out += anthropic_cases() + responses_cases()
     for path in (
         "/v1/completions",
         "/v1/chat/completions",
@@ -155,6 +155,7 @@ def cases() -> list[tuple[str, str, bytes]]:
         "/detokenize",
         "/v1/messages",
         "/v1/messages/count_tokens",
+        "/v1/responses",
     ):
         short = path.removeprefix("/v1/").replace("/", "-")
         for name, body in {
@@ -218,6 +219,57 @@ def anthropic_cases() -> list[tuple[str, str, bytes]]:
         out.append((f"msg-{name}", "/v1/messages", _dump({**MESSAGES, **extra})))
         count = {k: v for k, v in {**MESSAGES, **extra}.items() if k != "max_tokens"}
         out.append((f"count-{name}", "/v1/messages/count_tokens", _dump(count)))
+    return out
+
+
+def responses_cases() -> list[tuple[str, str, bytes]]:
+    """The Responses route: its fields' boundaries, malformed items, unknown stored ids."""
+    base = {"input": "hi", "max_output_tokens": 2}
+    out = []
+    for field in ("max_output_tokens", "top_logprobs", "seed", "top_k", "priority"):
+        for value in [*BIG, 0, 1.5, "7", True]:
+            out.append(
+                (f"resp-{field}-{value!r}"[:60], "/v1/responses", _dump({**base, field: value}))
+            )
+    for field in ("temperature", "top_p"):
+        for literal in NON_FINITE + ['"x"']:
+            out.append((f"resp-{field}-{literal}", "/v1/responses", raw(base, field, literal)))
+    hostile = {
+        "input-empty": {"input": ""},
+        "input-empty-list": {"input": []},
+        "input-long": {"input": "word " * 50_000},
+        "item-unknown": {"input": [{"type": "computer_call"}]},
+        "item-role": {"input": [{"role": "tool", "content": "x"}]},
+        "item-image-bad": {
+            "input": [
+                {
+                    "role": "user",
+                    "content": [{"type": "input_image", "image_url": "data:image/png;base64,AA"}],
+                }
+            ]
+        },
+        "item-image-file": {
+            "input": [
+                {
+                    "role": "user",
+                    "content": [{"type": "input_image", "image_url": "file:///etc/passwd"}],
+                }
+            ]
+        },
+        "call-args-not-json": {
+            "input": [{"type": "function_call", "call_id": "a", "name": "f", "arguments": "{"}]
+        },
+        "encrypted": {"input": [{"type": "reasoning", "summary": [], "encrypted_content": "x"}]},
+        "tools-other": {"tools": [{"type": "mcp", "server_url": "http://x"}]},
+        "tool-choice-missing": {"tool_choice": {"type": "function", "name": "nope"}},
+        "format-bad": {"text": {"format": {"type": "json_schema", "schema": {"type": 5}}}},
+        "previous-unknown": {"previous_response_id": "resp_nope"},
+        "background-no-store": {"background": True, "store": False},
+        "include-unknown": {"include": ["file_search_call.results"]},
+        "metadata-type": {"metadata": {"a": 1}},
+    }
+    for name, extra in hostile.items():
+        out.append((f"resp-{name}", "/v1/responses", _dump({**base, **extra})))
     return out
 
 

@@ -44,8 +44,18 @@ Part = Annotated[InputText | OutputText | InputImage, Field(discriminator="type"
 
 class MessageItem(OpenAIBaseModel):
     type: Literal["message"] = "message"
-    role: Literal["user", "system", "developer", "assistant"]
+    role: Literal["user", "system", "developer"]
     content: str | list[Part]
+    id: str | None = None
+    status: str | None = None
+
+
+class AssistantItem(OpenAIBaseModel):
+    """An assistant's earlier answer: text only."""
+
+    type: Literal["message"] = "message"
+    role: Literal["assistant"]
+    content: str | list[Annotated[InputText | OutputText, Field(discriminator="type")]]
     id: str | None = None
     status: str | None = None
 
@@ -81,7 +91,7 @@ class ReasoningItem(OpenAIBaseModel):
     status: str | None = None
 
 
-Item = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+Item = MessageItem | AssistantItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 
 
 class FunctionTool(OpenAIBaseModel):
@@ -97,16 +107,20 @@ class NamedFunction(OpenAIBaseModel):
     name: NonEmpty
 
 
-class TextFormat(OpenAIBaseModel):
-    type: Literal["text", "json_object", "json_schema"]
+class PlainFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object"]
+
+
+class SchemaFormat(OpenAIBaseModel):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
     name: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     description: str | None = None
     strict: bool | None = None
 
 
 class TextConfig(OpenAIBaseModel):
-    format: TextFormat | None = None
+    format: PlainFormat | SchemaFormat | None = None
 
 
 class ReasoningConfig(OpenAIBaseModel):
