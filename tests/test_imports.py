@@ -25,7 +25,7 @@ LAYERS = [
     {"config", "utils", "logger", "version", "outputs"},
     {"sampling_params"},
     # Records the engine and the runner share (the KV-cache specs: models read them too).
-    {"scheduler_output", "logits_process", "beam_search", "kv_cache_interface"},
+    {"scheduler_output", "logits_process", "beam_search", "kv_cache_interface", "reasoning"},
     # What a model is built from and what the engine feeds it, none knowing a model: the
     # attention backends, weight formats, the multi-host channel, metrics, grammars, and
     # LoRA's delta, slot arrays and adapters (the model installs its slots: models/lora.py),
