@@ -24,6 +24,7 @@ from jllm.entrypoints.anthropic.protocol import (
 )
 from jllm.entrypoints.openai.protocol import ChatCompletionRequest, StreamOptions
 from jllm.entrypoints.openai.serving_engine import OpenAIError
+from jllm.entrypoints.openai.tool_parsers import chat_tool
 
 
 def _image_url(source) -> str:
@@ -105,14 +106,7 @@ def chat_request(request: CountTokensRequest) -> ChatCompletionRequest:
     body: dict = {"model": request.model, "messages": chat_messages(request)}
     if request.tools:
         body["tools"] = [
-            {
-                "type": "function",
-                "function": {
-                    "name": t.name,
-                    "description": t.description or "",
-                    "parameters": {"type": "object", **t.input_schema},
-                },
-            }
+            chat_tool(t.name, t.description, {"type": "object", **t.input_schema})
             for t in request.tools
         ]
     choice = request.tool_choice

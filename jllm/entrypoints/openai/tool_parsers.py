@@ -32,6 +32,14 @@ class ToolCall:
         }
 
 
+def chat_tool(name: str, description: str | None, parameters: dict) -> dict:
+    """A function tool in chat's shape (what the Responses and Anthropic routes pass on)."""
+    return {
+        "type": "function",
+        "function": {"name": name, "description": description or "", "parameters": parameters},
+    }
+
+
 def make_tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex[:16]}"
 

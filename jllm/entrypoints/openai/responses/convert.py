@@ -12,6 +12,7 @@ import uuid
 from jllm.entrypoints.openai.protocol import ChatCompletionRequest
 from jllm.entrypoints.openai.responses.protocol import ResponsesRequest
 from jllm.entrypoints.openai.serving_engine import OpenAIError
+from jllm.entrypoints.openai.tool_parsers import chat_tool
 
 
 def new_id(prefix: str) -> str:
@@ -77,14 +78,7 @@ def chat_request(request: ResponsesRequest, history: list[dict]) -> ChatCompleti
     body: dict = {"model": request.model, "messages": messages}
     if request.tools:
         body["tools"] = [
-            {
-                "type": "function",
-                "function": {
-                    "name": t.name,
-                    "description": t.description or "",
-                    "parameters": t.parameters or {"type": "object", "properties": {}},
-                },
-            }
+            chat_tool(t.name, t.description, t.parameters or {"type": "object", "properties": {}})
             for t in request.tools
         ]
         choice = request.tool_choice
