@@ -51,6 +51,7 @@ from jllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jllm.entrypoints.openai.serving_engine import OpenAIError, error_response
 from jllm.entrypoints.openai.serving_models import ServingModels
+from jllm.entrypoints.openai.serving_tokens import ServingTokens, attach_token_routes
 from jllm.entrypoints.openai.shutdown import GracefulServer, StoppableLLM
 from jllm.logger import setup_logging
 from jllm.metrics.prometheus import PrometheusStatLogger
@@ -258,7 +259,10 @@ def build_app(args: argparse.Namespace, engine: StoppableLLM, metrics: Prometheu
         return await with_cancellation(raw, chat.create_chat_completion(body, raw))
 
     attach_anthropic_routes(app, chat, with_cancellation)
-    attach_responses_routes(app, chat, with_cancellation, lambda body: check_priority(body, engine))
+    priority = functools.partial(check_priority, engine=engine)
+    attach_responses_routes(app, chat, with_cancellation, priority)
+    tokens = ServingTokens(engine, **common)
+    attach_token_routes(app, tokens, args.enable_scale_out, with_cancellation, priority)
 
     def check_tokenizer_request(body) -> None:
         if tokenizer is None:

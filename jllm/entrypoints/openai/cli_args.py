@@ -86,6 +86,12 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
         help="How tool calls are read from the model's text: 'hermes' (Qwen2.5/Qwen3, Hermes) "
         "or 'llama3_json' (Llama 3.1+).",
     )
+    server.add_argument(
+        "--enable-scale-out",
+        action="store_true",
+        help="Serve vLLM's token-in/token-out routes (/inference/v1/generate, "
+        "/inference/v1/abort_requests); without it they answer 403.",
+    )
     server.add_argument("--allowed-origins", type=_json_list, default=["*"], help="CORS origins.")
     server.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods.")
     server.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers.")

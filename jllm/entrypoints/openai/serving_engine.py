@@ -27,6 +27,7 @@ MIN_LOGPROB = -9999.0
 _STATUS_TYPE = {
     400: "BadRequestError",
     401: "AuthenticationError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",

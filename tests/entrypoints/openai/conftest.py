@@ -39,8 +39,8 @@ def async_client(server) -> openai.AsyncOpenAI:
 def agent_server(thinker_dir):
     """A server over the scripted reasoning model (conftest.THINKER_SCRIPT) with vLLM's
     DeepSeek-R1 reasoning parser: the routes agents call (chat with reasoning, Responses,
-    Anthropic Messages)."""
-    args = server_args(thinker_dir, "--reasoning-parser", "deepseek_r1")
+    Anthropic Messages) and the token-in/token-out route (--enable-scale-out)."""
+    args = server_args(thinker_dir, "--reasoning-parser", "deepseek_r1", "--enable-scale-out")
     engine, metrics = build_engine(args)
     with pytest.MonkeyPatch.context() as env:  # the Responses store, read at start-up
         env.setenv("VLLM_ENABLE_RESPONSES_API_STORE", "1")
