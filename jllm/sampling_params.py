@@ -169,6 +169,8 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.top_k is None or self.top_k == -1:
             self.top_k = 0
+        if self.seed == -1:  # vLLM's: a random seed
+            self.seed = None
         self._verify()
         if self.temperature < SAMPLING_EPS:
             # Greedy: the filters have no effect, as in vLLM.
@@ -229,8 +231,8 @@ class SamplingParams:
             )
         if self.logprobs is not None and self.logprobs < -1:
             raise ValueError(f"logprobs must be non-negative or -1, got {self.logprobs}.")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed}.")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise ValueError(f"seed must be a 64-bit integer, got {self.seed}.")
         if any(not s for s in self.stop):
             raise ValueError("stop cannot contain an empty string.")
         if self.stop and not self.detokenize:

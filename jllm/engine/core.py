@@ -519,11 +519,14 @@ class EngineCore:
     def _record(self, stats: StepStats) -> None:
         if self.stat_loggers:
             sched = SchedulerStats.from_scheduler(self.scheduler)
+            sched.num_deferred = sum(len(children) for children, _ in self._compiling)
             for stat_logger in self.stat_loggers:
                 stat_logger.record(stats, sched)
 
     def _finished_stats(self, req: Request, now: float) -> FinishedRequestStats:
         scheduled = req.first_scheduled_time or now
+        first = req.first_token_time or now
+        last = req.last_token_time or now
         return FinishedRequestStats(
             finish_reason=req.status.finish_reason,
             e2e_latency=now - req.arrival_time,
@@ -532,6 +535,10 @@ class EngineCore:
             num_generation_tokens=req.num_output_tokens,
             max_tokens_param=req.sampling_params.max_tokens,
             n=req.sampling_params.n,
+            prefill_time=first - scheduled,
+            decode_time=last - first,
+            inference_time=last - scheduled,
+            num_preemptions=req.num_preemptions,
         )
 
     def _append(self, req: Request, tok, now: float, stats: StepStats) -> bool:

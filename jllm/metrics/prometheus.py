@@ -57,6 +57,7 @@ class PrometheusStatLogger:
             self.registry.register(collector)
         names = ["model_name", "engine"]
         labels = {"model_name": model_name, "engine": str(engine_index)}
+        self.engine_label = str(engine_index)
         reg = self.registry
 
         def gauge(name, doc):
@@ -146,6 +147,35 @@ class PrometheusStatLogger:
             "Time spent in WAITING phase for request.",
             LATENCY_BUCKETS,
         )
+        self.inference_time = histogram(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            LATENCY_BUCKETS,
+        )
+        self.prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            LATENCY_BUCKETS,
+        )
+        self.decode_time = histogram(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            LATENCY_BUCKETS,
+        )
+        self.request_preemptions = histogram(
+            "vllm:request_num_preemptions",
+            "Number of preemptions per finished request.",
+            [1, 2, 3, 4, 5, 10, 20],
+        )
+        by_reason = Gauge(
+            "vllm:num_requests_waiting_by_reason",
+            "Number of requests waiting, by reason: capacity (the scheduler had no room) or "
+            "deferred (a grammar still compiling).",
+            [*names, "reason"],
+            registry=reg,
+        )
+        self.waiting_capacity = by_reason.labels(**labels, reason="capacity")
+        self.waiting_deferred = by_reason.labels(**labels, reason="deferred")
         self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
         self.spec_draft_tokens = counter(
             "vllm:spec_decode_num_draft_tokens", "Number of draft tokens."
@@ -164,7 +194,9 @@ class PrometheusStatLogger:
 
     def record(self, step: StepStats, sched: SchedulerStats) -> None:
         self.running.set(sched.num_running)
-        self.waiting.set(sched.num_waiting)
+        self.waiting.set(sched.num_waiting + sched.num_deferred)
+        self.waiting_capacity.set(sched.num_waiting)
+        self.waiting_deferred.set(sched.num_deferred)
         self.kv_usage.set(sched.kv_cache_usage)
         # The scheduler keeps cumulative counts; counters advance by the difference.
         self.prefix_queries.inc(sched.prefix_cache_queries - self._seen.prefix_cache_queries)
@@ -180,8 +212,11 @@ class PrometheusStatLogger:
         self._seen = sched
         self.prompt_tokens.inc(step.num_prompt_tokens)
         self.generation_tokens.inc(step.num_generation_tokens)
-        if step.num_computed_tokens:
-            self.iteration_tokens.observe(step.num_computed_tokens)
+        # vLLM's count: the prompt tokens computed and the tokens sampled, the one that ends
+        # a prefill included.
+        iteration = step.num_prefill_tokens + step.num_generation_tokens
+        if iteration:
+            self.iteration_tokens.observe(iteration)
         spec = step.spec_decoding
         if spec.num_drafts:
             self.spec_drafts.inc(spec.num_drafts)
@@ -200,8 +235,23 @@ class PrometheusStatLogger:
             self.request_prompt_tokens.observe(f.num_prompt_tokens)
             self.request_generation_tokens.observe(f.num_generation_tokens)
             self.request_n.observe(f.n)
+            self.inference_time.observe(f.inference_time)
+            self.prefill_time.observe(f.prefill_time)
+            self.decode_time.observe(f.decode_time)
+            self.request_preemptions.observe(f.num_preemptions)
             if f.max_tokens_param is not None:
                 self.request_max_tokens.observe(f.max_tokens_param)
+
+    def log_cache_config(self, info: dict) -> None:
+        """vLLM's `vllm:cache_config_info`: the cache settings as labels of a gauge at 1."""
+        info = {k: str(v) for k, v in info.items()}
+        gauge = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            [*info, "engine"],
+            registry=self.registry,
+        )
+        gauge.labels(**info, engine=self.engine_label).set(1)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

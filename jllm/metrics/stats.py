@@ -25,6 +25,12 @@ class FinishedRequestStats:
     num_generation_tokens: int
     max_tokens_param: int | None
     n: int
+    # vLLM's phases, from the first scheduling: to the first token (prefill), from it to the
+    # last (decode), and both (inference); preemptions included.
+    prefill_time: float = 0.0
+    decode_time: float = 0.0
+    inference_time: float = 0.0
+    num_preemptions: int = 0
 
 
 @dataclass
@@ -81,6 +87,8 @@ class SchedulerStats:
     host_store_bytes: int = 0
     host_load_bytes: int = 0
     host_usage: float | None = None
+    # Requests waiting outside the scheduler (a grammar still compiling): vLLM's "deferred".
+    num_deferred: int = 0
 
     @classmethod
     def from_scheduler(cls, scheduler) -> SchedulerStats:

@@ -105,7 +105,11 @@ def test_models_routing_and_runtime_updates(lora_server, adapters, llama_dir):
     r = post("load_lora_adapter", {"lora_name": "mlp16", "lora_path": adapters["mlp16"][0]})
     assert r.status_code == 400 and "has already been loaded" in r.json()["error"]["message"]
     r = post("load_lora_adapter", {"lora_name": "bad", "lora_path": "/nonexistent"})
+    assert r.status_code == 404 and "No adapter found" in r.json()["error"]["message"]
+    r = post("load_lora_adapter", {"lora_name": "bad", "lora_path": "/etc/hostname"})
     assert r.status_code == 400 and "is not a directory" in r.json()["error"]["message"]
+    r = post("load_lora_adapter", {"lora_name": "tiny-llama", "lora_path": adapters["mlp16"][0]})
+    assert r.status_code == 400 and "conflicts with a served base model" in r.text
     r = post("load_lora_adapter", {"lora_name": "nopath"})
     assert r.status_code == 400
     r = post("unload_lora_adapter", {"lora_name": "mlp16"})

@@ -37,6 +37,7 @@ from jllm.entrypoints.openai.chat_templates import check_request_template, rende
 from jllm.entrypoints.openai.cli_args import load_chat_template, make_arg_parser
 from jllm.entrypoints.openai.dev_routes import attach_dev_routes, dev_mode
 from jllm.entrypoints.openai.openapi import build_openapi
+from jllm.entrypoints.openai.probes import attach_probe_routes
 from jllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -129,6 +130,7 @@ def build_app(args: argparse.Namespace, engine: StoppableLLM, metrics: Prometheu
         models=models,
         log_requests=log_requests(args),
         max_log_len=args.max_log_len,
+        prompt_tokens_details=args.enable_prompt_tokens_details,
     )
     completions = OpenAIServingCompletion(engine, **common)
     chat = OpenAIServingChat(
@@ -264,6 +266,15 @@ def build_app(args: argparse.Namespace, engine: StoppableLLM, metrics: Prometheu
     tokens = ServingTokens(engine, **common)
     attach_token_routes(app, tokens, args.enable_scale_out, with_cancellation, priority)
 
+    attach_probe_routes(
+        app,
+        engine=engine,
+        args=args,
+        models=models,
+        created=completions.created,
+        handlers={"chat": create_chat_completion, "completions": create_completion},
+    )
+
     def check_tokenizer_request(body) -> None:
         if tokenizer is None:
             raise OpenAIError("The server runs without a tokenizer.", 400)
@@ -335,7 +346,24 @@ def build_engine(args: argparse.Namespace) -> tuple[StoppableLLM, PrometheusStat
         llm_engine.follow()  # headless: no API on processes other than 0
         raise SystemExit(0)
     metrics = PrometheusStatLogger(served_model_names(args)[0], llm_engine.max_model_len)
+    metrics.log_cache_config(cache_config_info(llm_engine))
     return StoppableLLM(llm_engine, [metrics]), metrics
+
+
+def cache_config_info(llm_engine) -> dict:
+    """The cache settings `vllm:cache_config_info` labels (vLLM's CacheConfig names)."""
+    args, kv = llm_engine.args, llm_engine.scheduler.kv_cache
+    return {
+        "block_size": args.block_size,
+        "cache_dtype": args.kv_cache_dtype,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "prefix_caching_hash_algo": "sha256",
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+        "num_gpu_blocks": kv.num_blocks,
+        "num_cpu_blocks": kv.host.num_blocks if kv.host is not None else 0,
+        "kv_offloading_size": args.kv_offloading_size,
+    }
 
 
 def _terminate(signum, frame) -> None:
@@ -363,7 +391,16 @@ def run_server(args: argparse.Namespace) -> None:
     app = build_app(args, engine, metrics)
     host = args.host or "0.0.0.0"
     scheme = "https" if args.ssl_certfile else "http"
-    logger.info("Starting jllm API server on %s://%s:%d", scheme, host, args.port)
+    if args.api_server_count > 1:
+        logger.warning(
+            "--api-server-count %d: jllm serves from one API process (its front end's work runs "
+            "on a worker pool).",
+            args.api_server_count,
+        )
+    if args.uds:
+        logger.info("Starting jllm API server on unix:%s", args.uds)
+    else:
+        logger.info("Starting jllm API server on %s://%s:%d", scheme, host, args.port)
     logger.info(
         "Available routes: %s",
         ", ".join(sorted(r.path for r in app.routes if hasattr(r, "methods"))),
@@ -378,6 +415,7 @@ def run_server(args: argparse.Namespace) -> None:
         port=args.port,
         log_level=args.uvicorn_log_level,
         timeout_keep_alive=5,
+        uds=args.uds,
         **ssl_options(args),
     )
     server = GracefulServer(config, engine, args.shutdown_timeout)

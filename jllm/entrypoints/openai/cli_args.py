@@ -18,6 +18,13 @@ def _json_list(value: str) -> list[str]:
     return items
 
 
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
 def _non_negative_int(value: str) -> int:
     number = int(value)
     if number < 0:
@@ -92,6 +99,16 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
         help="Serve vLLM's token-in/token-out routes (/inference/v1/generate, "
         "/inference/v1/abort_requests); without it they answer 403.",
     )
+    server.add_argument(
+        "--enable-server-load-tracking",
+        action="store_true",
+        help="Count the model requests in flight, reported by GET /load.",
+    )
+    server.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="Serve GET /tokenizer_info (the tokenizer's configuration and chat template).",
+    )
     server.add_argument("--allowed-origins", type=_json_list, default=["*"], help="CORS origins.")
     server.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods.")
     server.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers.")
@@ -118,6 +135,35 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
         "2 required), as vLLM's flag.",
     )
     server.add_argument("--root-path", default=None, help="ASGI root path behind a proxy.")
+    server.add_argument(
+        "--uds", default=None, help="Listen on this Unix domain socket (--host and --port ignored)."
+    )
+    server.add_argument(
+        "--api-server-count",
+        type=_positive_int,
+        default=1,
+        help="vLLM's API server processes; jllm serves from one process (the front end's "
+        "templates and tokenization run on a worker pool), so a larger count is accepted with "
+        "a warning.",
+    )
+    server.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="Add usage.prompt_tokens_details.cached_tokens (prompt tokens read from the "
+        "prefix cache) to completions and chat.",
+    )
+    server.add_argument(
+        "--show-hidden-metrics-for-version",
+        default=None,
+        help="vLLM's re-enabling of metrics hidden after a deprecation; jllm has hidden none, "
+        "so it changes nothing (as in vLLM 0.32).",
+    )
+    server.add_argument(
+        "--disable-frontend-multiprocessing",
+        action="store_true",
+        help="Accepted: jllm's front end always runs in the engine's process (vLLM removed "
+        "the flag).",
+    )
     server.add_argument(
         "--uvicorn-log-level",
         default="info",

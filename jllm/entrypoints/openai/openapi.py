@@ -57,8 +57,14 @@ DESCRIPTIONS = {
     "500": "Internal error.",
     "503": "The engine has stopped.",
 }
-STREAMING = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
-PLAIN = {"/health": "text/plain", "/metrics": "text/plain"}
+STREAMING = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/messages",
+    "/v1/responses",
+    "/invocations",
+)
+PLAIN = {"/health": "text/plain", "/ping": "text/plain", "/metrics": "text/plain"}
 
 
 def _error(status: str, path: str) -> dict:
@@ -97,6 +103,9 @@ def build_openapi(app, *, api_key: bool, limits: dict) -> dict:
                 statuses.append("401")
             for status in statuses:
                 responses[status] = _error(status, path)
+            for param in op.get("parameters", []):  # GET /v1/models/{model}: a served one
+                if param["in"] == "path" and param["name"] == "model":
+                    param["schema"] = {"type": "string", "enum": list(limits["model_names"])}
             ok = responses.setdefault("200", {"description": "OK"})
             if path in STREAMING:
                 ok["content"] = {"application/json": {"schema": {}}, "text/event-stream": {}}

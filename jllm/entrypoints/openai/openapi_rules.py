@@ -129,8 +129,13 @@ def both(rule: dict, branches: list[dict]) -> dict:
 
 
 # A stream carries no prompt logprobs and no beams (vLLM's refusals).
-STREAM = [
-    {"properties": {"stream": {"const": False}}},
+STREAM = [  # not streamed: no stream options (vLLM's rule; an empty object passes)
+    {
+        "properties": {
+            "stream": {"const": False},
+            "stream_options": {"anyOf": [{"type": "null"}, {"type": "object", "maxProperties": 0}]},
+        }
+    },
     {"properties": {"prompt_logprobs": {"type": "null"}, "use_beam_search": {"const": False}}},
 ]
 # top_logprobs asks for logprobs=true (chat).

@@ -96,7 +96,8 @@ class OpenAIBaseModel(BaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
-    include_usage: bool | None = True
+    # vLLM's current defaults: no usage unless asked, even with `stream_options: {}`.
+    include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
 
 
@@ -110,7 +111,7 @@ class SamplingFields(OpenAIBaseModel):
     presence_penalty: float | None = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=0.0, ge=-2, le=2)
     stop: NonEmpty | StopList | None = None
-    seed: Int(0) | None = None
+    seed: Int(-(2**63)) | None = None  # the full 64-bit range; -1 is a random seed (vLLM's)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -140,6 +141,8 @@ class SamplingFields(OpenAIBaseModel):
     priority: Int(-INT64_MAX - 1) = 0
     # vLLM's: the prompt's logprobs in the response (not with stream, as vLLM).
     prompt_logprobs: Int(-1) | None = None
+    # vLLM's: the prompt's and each choice's token ids in the response.
+    return_token_ids: bool | None = None
     # Structured outputs (see the module's docstring).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -152,6 +155,14 @@ class SamplingFields(OpenAIBaseModel):
     # Defined by OpenAI or vLLM, not supported by jllm yet (a 400 when set).
     best_of: Int(1) | None = None
     lora_request: Any = None
+
+    def check_stream_options(self) -> None:
+        """vLLM's rule: stream options only with a stream (an empty object passes)."""
+        opts = self.stream_options
+        if opts is not None and not self.stream and (opts.model_fields_set or opts.model_extra):
+            raise FieldError(
+                "stream_options", "Stream options can only be defined when `stream=True`."
+            )
 
     def unsupported_field(self) -> str | None:
         """The first field set that jllm cannot honour, if any."""
@@ -319,7 +330,7 @@ class CompletionRequest(SamplingFields):
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     )
     max_tokens: Count | None = 16
-    logprobs: Int(0) | None = None
+    logprobs: Int(-1) | None = None  # -1: the whole vocabulary (within max_logprobs)
     echo: bool = False
     suffix: str | None = None
 
@@ -329,7 +340,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: Int(0) | None = None
+    top_logprobs: Int(-1) | None = None  # -1: the whole vocabulary (within max_logprobs)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None

@@ -445,25 +445,30 @@ class OpenAIServingChat(OpenAIServing):
             }
             if reasoning.parser is not None:
                 message["reasoning"] = thought
-            choices.append(
-                {
-                    "index": c.index,
-                    "message": message,
-                    "logprobs": (
-                        self._logprobs(c, request.top_logprobs or 0) if request.logprobs else None
-                    ),
-                    "finish_reason": reason,
-                    "stop_reason": c.stop_reason,
-                }
-            )
+            choice = {
+                "index": c.index,
+                "message": message,
+                "logprobs": (
+                    self._logprobs(c, request.top_logprobs or 0) if request.logprobs else None
+                ),
+                "finish_reason": reason,
+                "stop_reason": c.stop_reason,
+            }
+            if request.return_token_ids:
+                choice["token_ids"] = list(c.token_ids)
+            choices.append(choice)
         num_generated = sum(len(c.token_ids) for c in final.outputs)
         response = self._response(
             request, run.request_id, choices, final.prompt_token_ids, num_generated
         )
+        thinking = None
         if reasoning.parser is not None:
             thinking = sum(reasoning.tokens(c.token_ids) for c in final.outputs)
-            response["usage"] = usage(len(final.prompt_token_ids), num_generated, thinking)
+        cached = self.cached([final])
+        response["usage"] = usage(len(final.prompt_token_ids), num_generated, thinking, cached)
         response["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
+        if request.return_token_ids:
+            response["prompt_token_ids"] = list(final.prompt_token_ids)
         return response
 
     def _response(self, request, request_id, choices, prompt_token_ids, num_generated: int) -> dict:
@@ -492,7 +497,8 @@ class OpenAIServingChat(OpenAIServing):
             if reasoning.parser is not None:
                 thinking = sum(reasoning.tokens(t) for t in ids)
             done = sum(generated) if index is None else generated[index]
-            return usage(num_prompt, done, thinking)
+            cached = run.cached_tokens if self.prompt_tokens_details else None
+            return usage(num_prompt, done, thinking, cached)
 
         def chunk(choices, **extra) -> dict:
             body = {
@@ -514,7 +520,11 @@ class OpenAIServingChat(OpenAIServing):
         thoughts = [reasoning.stream() for _ in range(request.n)]
         for i in range(request.n):
             delta = {"role": run.role, "content": prefix}
-            yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
+            first = [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]
+            if request.return_token_ids:
+                yield chunk(first, prompt_token_ids=list(run.prepared[0][0].prompt_token_ids))
+            else:
+                yield chunk(first)
         async for _, out in self.run_all(run.request_id, run.prepared, request.priority, run.trace):
             run.cached_tokens = out.num_cached_tokens or 0
             for c in out.outputs:
@@ -539,7 +549,8 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs = None
                 if request.logprobs:
                     logprobs = self._logprobs(c, request.top_logprobs or 0)
-                if delta is None and reason is None and logprobs is None:
+                ids = request.return_token_ids and bool(c.token_ids)
+                if delta is None and reason is None and logprobs is None and not ids:
                     continue
                 choice = {
                     "index": c.index,
@@ -547,6 +558,8 @@ class OpenAIServingChat(OpenAIServing):
                     "logprobs": logprobs,
                     "finish_reason": reason,
                 }
+                if request.return_token_ids:
+                    choice["token_ids"] = list(c.token_ids)
                 if reason is not None:
                     choice["stop_reason"] = c.stop_reason
                 yield chunk([choice])

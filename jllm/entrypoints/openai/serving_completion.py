@@ -149,17 +149,23 @@ class OpenAIServingCompletion(OpenAIServing):
                 logprobs = None
                 if request.logprobs is not None:
                     logprobs = self._choice_logprobs(request, out, c, len(prefix))
-                choices.append(
-                    {
-                        "index": i * n + c.index,
-                        "text": prefix + c.text,
-                        "logprobs": logprobs,
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
-                        "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs),
-                    }
-                )
-        return self._response(request, request_id, prepared, choices, num_generated)
+                choice = {
+                    "index": i * n + c.index,
+                    "text": prefix + c.text,
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                    "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs),
+                }
+                if request.return_token_ids:
+                    choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                    choice["token_ids"] = list(c.token_ids)
+                choices.append(choice)
+        response = self._response(request, request_id, prepared, choices, num_generated)
+        cached = self.cached(finals.values())
+        if cached is not None:
+            response["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}
+        return response
 
     def _response(self, request, request_id, prepared, choices, num_generated: int) -> dict:
         return {
@@ -178,7 +184,10 @@ class OpenAIServingCompletion(OpenAIServing):
         echoed: set[int] = set()
         offsets: dict[int, int] = {}
         generated: dict[int, int] = {}  # tokens so far, per choice
+        sent_ids: set[int] = set()  # choices whose prompt token ids went out
+        last = {}  # each prompt's latest output
         async for i, out in self.run_all(request_id, prepared, request.priority, trace):
+            last[i] = out
             for c in out.outputs:
                 index = i * n + c.index
                 text = c.text
@@ -201,20 +210,24 @@ class OpenAIServingCompletion(OpenAIServing):
                     offsets[index] = logprobs["text_offset"][-1] if logprobs["tokens"] else start
                     if logprobs["tokens"]:
                         offsets[index] += len(logprobs["tokens"][-1])
+                choice = {
+                    "index": index,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                if request.return_token_ids:
+                    choice["token_ids"] = list(c.token_ids)
+                    if index not in sent_ids:  # the prompt's ids once, with the first chunk
+                        sent_ids.add(index)
+                        choice["prompt_token_ids"] = list(out.prompt_token_ids)
                 chunk = {
                     "id": request_id,
                     "object": "text_completion",
                     "created": created,
                     "model": self.served_name(request),
-                    "choices": [
-                        {
-                            "index": index,
-                            "text": text,
-                            "logprobs": logprobs,
-                            "finish_reason": c.finish_reason,
-                            "stop_reason": c.stop_reason,
-                        }
-                    ],
+                    "choices": [choice],
                 }
                 if include_usage:
                     chunk["usage"] = (
@@ -232,6 +245,10 @@ class OpenAIServingCompletion(OpenAIServing):
                     "created": created,
                     "model": self.served_name(request),
                     "choices": [],
-                    "usage": usage(num_prompt, sum(generated.values())),
+                    "usage": usage(
+                        num_prompt,
+                        sum(generated.values()),
+                        cached_tokens=self.cached(last.values()),
+                    ),
                 }
             )

@@ -132,8 +132,14 @@ def usage_options(request) -> tuple[bool, bool]:
     return include, include and bool(opts.continuous_usage_stats)
 
 
-def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> dict:
-    """OpenAI's usage; `reasoning_tokens` (a reasoning parser is on): its details too."""
+def usage(
+    prompt_tokens: int,
+    completion_tokens: int,
+    reasoning_tokens: int | None = None,
+    cached_tokens: int | None = None,
+) -> dict:
+    """OpenAI's usage; `reasoning_tokens` (a reasoning parser is on) and `cached_tokens`
+    (--enable-prompt-tokens-details): their details too."""
     out = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -141,6 +147,8 @@ def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | No
     }
     if reasoning_tokens is not None:
         out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
     return out
 
 
@@ -192,8 +200,10 @@ class OpenAIServing:
         models,
         log_requests: bool = True,
         max_log_len: int | None = None,
+        prompt_tokens_details: bool = False,
     ) -> None:
         self.engine = engine
+        self.prompt_tokens_details = prompt_tokens_details  # --enable-prompt-tokens-details
         self.models = models  # ServingModels (serving_models.py): base names and adapters
         self.model_name = models.base_names[0]
         self.log_requests = log_requests
@@ -210,6 +220,10 @@ class OpenAIServing:
         """Refuses what the request asks that this server cannot do; returns the LoRA
         adapter its `model` names, or None for the base model."""
         lora = self.models.resolve(request.model)
+        try:
+            request.check_stream_options()
+        except ValueError as e:
+            raise OpenAIError(str(e), 400, getattr(e, "param", None)) from e
         field = request.unsupported_field()
         if field is not None:
             raise OpenAIError(f"{field} is not supported by jllm yet.", 400, field)
@@ -363,6 +377,12 @@ class OpenAIServing:
             await asyncio.gather(*tasks, return_exceptions=True)
             if self.log_requests:
                 logger.info("Finished request %s.", request_id)
+
+    def cached(self, outputs) -> int | None:
+        """usage's cached_tokens of some outputs, when the server reports them."""
+        if not self.prompt_tokens_details:
+            return None
+        return sum(out.num_cached_tokens or 0 for out in outputs)
 
     @staticmethod
     def created() -> int:

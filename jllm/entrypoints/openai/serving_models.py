@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import threading
 
 from jllm.entrypoints.openai.serving_engine import OpenAIError
@@ -90,11 +91,19 @@ class ServingModels:
         if self._cache is None:
             raise OpenAIError("LoRA is not enabled: start the server with --enable-lora.", 400)
         with self._lock:
-            if name in self.loras or name in self.base_names:
+            if name in self.base_names:
+                raise OpenAIError(
+                    f"The lora adapter '{name}' conflicts with a served base model.", 400
+                )
+            if name in self.loras:
                 raise OpenAIError(f"The lora adapter '{name}' has already been loaded.", 400)
+            if not os.path.exists(path):  # vLLM's 404 for an adapter that is not there
+                raise OpenAIError(
+                    f"Loading lora {name} failed: No adapter found for {path}", 404, "lora_path"
+                )
             try:
                 self.add(name, path, body.get("base_model_name"))
-            except (ValueError, TypeError) as e:
+            except (ValueError, TypeError, OSError) as e:
                 raise OpenAIError(str(e), 400) from e
         logger.info("Loaded LoRA adapter %r from %s.", name, path)
         return f"Success: LoRA adapter '{name}' added successfully."

@@ -30,6 +30,7 @@ CONTENT_REFUSALS = (
     "for structured outputs",
     "longer than the maximum model length",
     "bad word",
+    "bad-word token sequences",  # more multi-token bad words than a step's mask holds
     "bad_words entries must tokenize",  # a word of spaces only
     "min_tokens must be less than or equal to max_tokens",
     # The model's chat template may refuse what it likes (roles out of order, a generation
@@ -43,6 +44,7 @@ CONTENT_REFUSALS = (
 # must name one of them; "auto" needs the server's tool parser).
 CHAT_STREAM_REFUSALS = (
     "prompt_logprobs are not available when stream is enabled",
+    "Stream options can only be defined when `stream=True`",
     "Streaming is not currently supported with beam search",
 )
 CHAT_TOOL_FIELDS = ("tools", "tool_choice")
@@ -74,7 +76,7 @@ def schema_valid_is_accepted(ctx, response, case):
             return None
         if "arguments are not JSON" in error["message"]:  # a string holding JSON
             return None
-    if case.path == "/v1/chat/completions" and (
+    if case.path in ("/v1/chat/completions", "/invocations") and (
         any(r in message for r in CHAT_STREAM_REFUSALS)
         or response.json()["error"].get("param") in CHAT_TOOL_FIELDS
     ):
@@ -108,9 +110,11 @@ def fuzz(url: str, max_examples: int, headers: dict | None = None) -> dict:
     for result in schema.get_all_operations():
         operation = result.ok()
         # The GET routes and the cancel route take no body: nothing invalid to send them (any
-        # string is a path's id).
+        # string is a path's id); /invocations dispatches to chat and completions, whose
+        # refusals are fuzzed there.
         bodiless = operation.method.upper() == "GET" or not len(operation.body)
-        modes = [GenerationMode.POSITIVE] if bodiless else GenerationMode
+        positive_only = bodiless or operation.path == "/invocations"
+        modes = [GenerationMode.POSITIVE] if positive_only else GenerationMode
         for mode in modes:
             before = sent
 
