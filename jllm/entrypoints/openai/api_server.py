@@ -50,7 +50,7 @@ from jllm.entrypoints.openai.responses.api_router import (
 )
 from jllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from jllm.entrypoints.openai.serving_engine import OpenAIError, error_response
+from jllm.entrypoints.openai.serving_engine import OpenAIError, error_response, json_object
 from jllm.entrypoints.openai.serving_models import ServingModels
 from jllm.entrypoints.openai.serving_tokens import ServingTokens, attach_token_routes
 from jllm.entrypoints.openai.shutdown import GracefulServer, StoppableLLM
@@ -83,16 +83,6 @@ async def with_cancellation(request: Request, work):
     if task.cancelled():
         return Response(status_code=499)
     return task.result()
-
-
-async def _json_object(raw: Request) -> dict:
-    try:
-        body = await raw.json()
-    except ValueError:
-        raise OpenAIError("The request body is not valid JSON.", 400) from None
-    if not isinstance(body, dict):
-        raise OpenAIError("The request body must be a JSON object.", 400)
-    return body
 
 
 def served_model_names(args: argparse.Namespace) -> list[str]:
@@ -239,12 +229,12 @@ def build_app(args: argparse.Namespace, engine: StoppableLLM, metrics: Prometheu
         @app.post("/v1/load_lora_adapter")
         async def load_lora_adapter(raw: Request):
             return PlainTextResponse(
-                await engine.run_processor(models.load, await _json_object(raw))
+                await engine.run_processor(models.load, await json_object(raw))
             )
 
         @app.post("/v1/unload_lora_adapter")
         async def unload_lora_adapter(raw: Request):
-            return PlainTextResponse(models.unload(await _json_object(raw)))
+            return PlainTextResponse(models.unload(await json_object(raw)))
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw: Request):

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from jllm.entrypoints.openai.auth import OPEN_PATHS
 from jllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from jllm.entrypoints.openai.serving_engine import OpenAIError
+from jllm.entrypoints.openai.serving_engine import OpenAIError, json_object
 
 # Paths whose requests `/load` counts: the ones that run the model.
 LOADED_PREFIXES = ("/v1/", "/inference/", "/invocations")
@@ -91,12 +91,7 @@ def attach_probe_routes(app: FastAPI, *, engine, args, models, created, handlers
 
     @app.post("/invocations", openapi_extra={"requestBody": body_doc})
     async def invocations(raw: Request):
-        try:
-            body = await raw.json()
-        except ValueError:
-            raise OpenAIError("The request body is not valid JSON.", 400) from None
-        if not isinstance(body, dict):
-            raise OpenAIError("The request body must be a JSON object.", 400)
+        body = await json_object(raw)
         kinds = (("chat", ChatCompletionRequest), ("completions", CompletionRequest))
         for name, model in kinds:
             try:

@@ -112,7 +112,7 @@ class ToolMode:
         if self.choice == "auto":
             if finish_reason == "length":
                 return text, [], finish_reason
-            content, calls = self.parser.parse(text)
+            content, calls = self.parser.parse(text, self.tools)
             calls = calls if self.parallel else calls[:1]
             return content, calls, "tool_calls" if calls else finish_reason
         if self.choice == "required":

@@ -55,6 +55,17 @@ def error_response(message: str, status: int = 400, param: str | None = None) ->
     return JSONResponse(error_body(message, status, param), status_code=status)
 
 
+async def json_object(raw) -> dict:
+    """A request's body as a JSON object, else a 400 saying what it is not."""
+    try:
+        body = await raw.json()
+    except ValueError:
+        raise OpenAIError("The request body is not valid JSON.", 400) from None
+    if not isinstance(body, dict):
+        raise OpenAIError("The request body must be a JSON object.", 400)
+    return body
+
+
 def sse(data: dict | str) -> str:
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
     return f"data: {payload}\n\n"

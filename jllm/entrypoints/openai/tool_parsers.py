@@ -3,8 +3,9 @@ enforce `tool_choice="required"` and a named function.
 
 A parser reads the model's text after generation: `hermes` (Hermes 2 Pro and Qwen2.5/Qwen3
 templates: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, content before
-the first block) and `llama3_json` (Llama 3.1+: an optional `<|python_tag|>` and then JSON
-objects `{"name": ..., "parameters"|"arguments": {...}}`). Text that does not parse is
+the first block), `llama3_json` (Llama 3.1+: an optional `<|python_tag|>` and then JSON
+objects `{"name": ..., "parameters"|"arguments": {...}}`), and `tool_formats.py`'s
+`mistral`, `pythonic`, `qwen3_coder`/`qwen3_xml` and `deepseek_v3`. Text that does not parse is
 returned as content, as vLLM does. `stream_start` says where a tool call can begin in a
 stream, so the server holds back from the content whatever might be one.
 """
@@ -13,39 +14,16 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
-from dataclasses import dataclass
 
 from jllm.entrypoints.openai.serving_engine import OpenAIError
-
-
-@dataclass
-class ToolCall:
-    name: str
-    arguments: str  # a JSON string
-
-    def json(self) -> dict:
-        return {
-            "id": make_tool_call_id(),
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
-
-
-def chat_tool(name: str, description: str | None, parameters: dict) -> dict:
-    """A function tool in chat's shape (what the Responses and Anthropic routes pass on)."""
-    return {
-        "type": "function",
-        "function": {"name": name, "description": description or "", "parameters": parameters},
-    }
-
-
-def make_tool_call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex[:16]}"
-
-
-def _arguments(value) -> str:
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+from jllm.entrypoints.openai.tool_calls import (  # noqa: F401 (re-exported)
+    ToolCall,
+    chat_tool,
+    held_back,
+    json_arguments,
+    make_tool_call_id,
+)
+from jllm.entrypoints.openai.tool_formats import MORE_TOOL_PARSERS
 
 
 class HermesToolParser:
@@ -55,14 +33,14 @@ class HermesToolParser:
     skip_special_tokens = False
     _calls = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    def parse(self, text: str, tools=None) -> tuple[str | None, list[ToolCall]]:
         if self.start not in text:
             return text, []
         try:
             calls = []
             for closed, open_ in self._calls.findall(text):
                 obj = json.loads(closed or open_)
-                calls.append(ToolCall(obj["name"], _arguments(obj["arguments"])))
+                calls.append(ToolCall(obj["name"], json_arguments(obj["arguments"])))
         except (ValueError, KeyError, TypeError):
             return text, []
         content = text[: text.index(self.start)]
@@ -84,7 +62,7 @@ class Llama3JsonToolParser:
     python_tag = "<|python_tag|>"
     skip_special_tokens = True
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    def parse(self, text: str, tools=None) -> tuple[str | None, list[ToolCall]]:
         """Calls only when the text starts with them (`<|python_tag|>` or `{`), as vLLM's
         parser; anything else is content."""
         stripped = text.lstrip()
@@ -105,7 +83,7 @@ class Llama3JsonToolParser:
             args = obj.get("arguments", obj.get("parameters"))
             if args is None:
                 return text, []
-            calls.append(ToolCall(obj["name"], _arguments(args)))
+            calls.append(ToolCall(obj["name"], json_arguments(args)))
             i = body.find("{", end)
         return None, calls
 
@@ -116,7 +94,7 @@ class Llama3JsonToolParser:
         return None
 
 
-TOOL_PARSERS = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser)}
+TOOL_PARSERS = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser, *MORE_TOOL_PARSERS)}
 
 
 def check_tools(tools, tool_choice):
@@ -206,6 +184,6 @@ def parse_required(text: str) -> list[ToolCall]:
     when the text is not one (cut by a stop string, say)."""
     try:
         items = json.loads(text)
-        return [ToolCall(item["name"], _arguments(item["parameters"])) for item in items]
+        return [ToolCall(item["name"], json_arguments(item["parameters"])) for item in items]
     except (ValueError, KeyError, TypeError):
         return []
