@@ -122,3 +122,30 @@ def test_models_routing_and_runtime_updates(lora_server, adapters, llama_dir):
         model="all8", messages=[{"role": "user", "content": "hi"}], max_tokens=3
     )
     assert chat.choices[0].message.content is not None and chat.model == "all8"
+
+
+def test_the_agent_routes_pick_the_adapter(lora_server):
+    """Responses and Anthropic Messages name an adapter as chat does: the same greedy answer
+    as chat with that adapter, and another than the base model's."""
+    import anthropic
+
+    client = openai.OpenAI(base_url=f"{lora_server.url}/v1", api_key="x", max_retries=0)
+    claude = anthropic.Anthropic(base_url=lora_server.url, api_key="x", max_retries=0)
+    question = [{"role": "user", "content": "Tell me a story."}]
+
+    def chat(model: str) -> str:
+        r = client.chat.completions.create(
+            model=model, messages=question, max_tokens=8, temperature=0
+        )
+        return r.choices[0].message.content
+
+    for model in ("all8", MODEL_NAME):
+        r = client.responses.create(
+            model=model, input=question[0]["content"], max_output_tokens=8, temperature=0
+        )
+        assert r.output_text == chat(model) and r.model == model
+        m = claude.messages.create(
+            model=model, max_tokens=8, messages=question, extra_body={"temperature": 0}
+        )
+        assert m.content[0].text == chat(model)
+    assert chat("all8") != chat(MODEL_NAME)
