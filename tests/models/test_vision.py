@@ -203,6 +203,7 @@ def test_no_compile_after_warmup_with_images(llava):
 def test_server_chat_with_data_url_equals_llm_chat(llava, llava_dir):
     """The openai client against the server: an image as a data URL answers as LLM.chat;
     an http URL from a domain not allowed is a 400 at once, and the server goes on."""
+    import httpx
     import openai
     from openai_server import MODEL_NAME, RunningServer, server_args
 
@@ -242,6 +243,36 @@ def test_server_chat_with_data_url_equals_llm_chat(llava, llava_dir):
             model=MODEL_NAME, messages=messages, max_tokens=2, temperature=0.0
         )
         assert again.choices[0].finish_reason == "length"
+        # The agent routes carry the same image: Responses' input_image, Anthropic's base64
+        # block (the same greedy answer, EOS ignored through the routes' extra fields).
+        url = data_url(image)
+        r = client.responses.create(
+            model=MODEL_NAME,
+            input=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "What is it? "},
+                        {"type": "input_image", "image_url": url},
+                    ],
+                }
+            ],
+            max_output_tokens=GREEDY.max_tokens,
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )
+        assert r.output_text == expected
+        media, _, b64 = url.removeprefix("data:").partition(";base64,")
+        block = {"type": "image", "source": {"type": "base64", "media_type": media, "data": b64}}
+        body = {
+            "model": MODEL_NAME,
+            "max_tokens": 2,
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "What is it? "}, block]}
+            ],
+        }
+        m = httpx.post(f"{running.url}/v1/messages", json=body, timeout=120)
+        assert m.status_code == 200 and m.json()["usage"]["input_tokens"] == r.usage.input_tokens
     finally:
         running.stop()
         engine.shutdown()
