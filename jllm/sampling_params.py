@@ -78,6 +78,15 @@ class StructuredOutputsParams:
             )
         if self.json_object is False:
             raise ValueError("json_object must be true when given.")
+        for name in (
+            "json_object",
+            "disable_fallback",
+            "disable_any_whitespace",
+            "disable_additional_properties",
+        ):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be a boolean, got {type(value).__name__}.")
 
     @property
     def kind(self) -> str:
