@@ -201,10 +201,10 @@ def write_rules(schemas: dict, limits: dict) -> None:
         if not limits["responses_store"]:  # background runs live in the store
             props["background"] = {"type": "boolean", "const": False}
             props["previous_response_id"] = {"type": "null"}
-        else:  # in the background, stored and not streamed
+        else:  # in the background, stored
             responses["anyOf"] = [
                 {"properties": {"background": {"const": False}}},
-                {"properties": {"store": {"const": True}, "stream": {"const": False}}},
+                {"properties": {"store": {"const": True}}},
             ]
     if "ImageBlock" in schemas and not limits["images"]:  # Anthropic's image blocks likewise
         schemas["ImageBlock"] = {"not": {}, "description": "Only for a model that takes images."}

@@ -173,6 +173,42 @@ def test_background_runs_and_cancel(agent_client, agent_server, monkeypatch):
     assert agent_client.responses.retrieve(running.id).status == "cancelled"
 
 
+def test_a_background_stream_and_its_replay(agent_client, agent_server, monkeypatch):
+    """background with stream: the creating request streams the events, a GET with
+    stream=true&starting_after=N streams them again from N + 1; a cancel ends the stream
+    without response.completed and leaves the response cancelled."""
+    stream = agent_client.responses.create(
+        model="tiny-llama", input=QUESTION, background=True, stream=True, max_output_tokens=40
+    )
+    events = list(stream)
+    assert events[-1].type == "response.completed"
+    assert events[-1].response.output_text == ANSWER
+    rid = events[0].response.id
+    again = agent_client.responses.retrieve(rid, stream=True, starting_after=3)
+    replayed = list(again)
+    assert [e.sequence_number for e in replayed] == [e.sequence_number for e in events[4:]]
+    assert replayed[-1].response.output_text == ANSWER
+    hold = HeldEngine(agent_server, after=4)
+    monkeypatch.setattr(hold.llm_engine, "step", hold.step)
+    monkeypatch.setattr(agent_server.engine, "abort", hold.abort)
+    running = agent_client.responses.create(
+        model="tiny-llama",
+        input=QUESTION,
+        background=True,
+        stream=True,
+        max_output_tokens=200,
+        extra_body={"ignore_eos": True},
+    )
+    first = next(iter(running))
+    assert first.type == "response.created"
+    assert agent_client.responses.cancel(first.response.id).status == "cancelled"
+    rest = [e.type for e in running]
+    assert "response.completed" not in rest and not hold.timed_out
+    assert agent_client.responses.retrieve(first.response.id).status == "cancelled"
+    r = httpx.get(f"{agent_server.url}/v1/responses/{rid}x", params={"stream": "true"})
+    assert r.status_code == 404
+
+
 @pytest.mark.parametrize(
     "body, status, param",
     [
@@ -182,7 +218,6 @@ def test_background_runs_and_cancel(agent_client, agent_server, monkeypatch):
         ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "tools"),
         ({"input": "x", "tool_choice": "required"}, 400, "tool_choice"),
         ({"input": "x", "background": True, "store": False}, 400, None),
-        ({"input": "x", "background": True, "stream": True}, 400, "stream"),
         ({"input": "x", "text": {"format": {"type": "json_schema"}}}, 400, "text"),
         ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "x"}]}, 400, "input"),
         ({"input": "x", "model": "nope"}, 404, "model"),

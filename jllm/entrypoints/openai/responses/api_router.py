@@ -8,7 +8,7 @@ from fastapi import FastAPI, Request
 
 from jllm.entrypoints.openai.responses.protocol import ResponsesRequest
 from jllm.entrypoints.openai.responses.serving import STORE_ENV, OpenAIServingResponses
-from jllm.entrypoints.openai.serving_engine import OpenAIError, SSEResponse
+from jllm.entrypoints.openai.serving_engine import SSEResponse
 
 
 def store_enabled() -> bool:
@@ -21,16 +21,18 @@ def attach_responses_routes(app: FastAPI, chat, with_cancellation, check_priorit
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, raw: Request):
         check_priority(body)
-        if body.stream:
+        if body.stream:  # in the background too: its stream reads the stored events
             return SSEResponse(await responses.create(body, raw), framed=True)
-        if body.background:  # returns at once; the run outlives the connection
+        if body.background:  # the run outlives the connection
             return await responses.create(body, raw)
         return await with_cancellation(raw, responses.create(body, raw))
 
     @app.get("/v1/responses/{response_id}")
-    async def retrieve_response(response_id: str, stream: bool = False):
+    async def retrieve_response(
+        response_id: str, stream: bool = False, starting_after: int | None = None
+    ):
         if stream:
-            raise OpenAIError("Streaming a stored response is not supported.", 400, "stream")
+            return SSEResponse(responses.stream_stored(response_id, starting_after), framed=True)
         return responses.retrieve(response_id)
 
     @app.post("/v1/responses/{response_id}/cancel")

@@ -7,6 +7,8 @@ default) with the conversation a `previous_response_id` continues, up to
 `MAX_STORED_RESPONSES` (the oldest finished ones go first). Without it `store` has no effect
 and `previous_response_id`, retrieval and `background` are refused. `background: true` returns
 the response `queued` at once and runs it on the server; `GET` polls it, `cancel` stops it.
+With `stream` too, its events are kept: the creating request streams them, and
+`GET ...?stream=true&starting_after=N` streams them again from sequence number N + 1.
 """
 
 from __future__ import annotations
@@ -98,13 +100,6 @@ class OpenAIServingResponses:
             self._store("background")
             if not request.store:
                 raise OpenAIError("background can only be used when `store` is true.", 400)
-            if request.stream:
-                raise OpenAIError(
-                    "background responses are not streamed by jllm; poll GET "
-                    "/v1/responses/{id} instead.",
-                    400,
-                    "stream",
-                )
         history = self._history(request)
         conversation = history + input_messages(request)
         chat = chat_request(request, history)
@@ -115,11 +110,16 @@ class OpenAIServingResponses:
         turn = (request, run, rid, model, conversation, keep)
         if request.background:
             queued = response_object(request, rid, model, status="queued")
-            task = asyncio.create_task(self._background(turn))
+            self.store.put(rid, queued)
+            entry = self.store.entries[rid]
+            if request.stream:  # the events are kept for this stream and later readers
+                entry.update(events=[], done=False, changed=asyncio.Condition())
+            work = self._background_stream if request.stream else self._background
+            task = asyncio.create_task(work(turn, entry))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
-            self.store.put(rid, queued, task=task)
-            return queued
+            entry["task"] = task
+            return self.replay(entry, -1) if request.stream else queued
         if request.stream:
             return self.events(turn)
         return await self._full(turn)
@@ -142,7 +142,48 @@ class OpenAIServingResponses:
             self.store.put(rid, response, history_of(conversation, items))
         return response
 
-    async def _background(self, turn) -> None:
+    async def _background_stream(self, turn, entry) -> None:
+        """A background stream: its events into the store as they come, for `replay`."""
+        request, _, rid, model, _, _ = turn
+        self.store.put(rid, response_object(request, rid, model, status="in_progress"))
+        events = self.events(turn)
+        try:
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    async with entry["changed"]:
+                        entry["events"].append(event)
+                        entry["changed"].notify_all()
+        finally:
+            entry["done"] = True
+            async with entry["changed"]:
+                entry["changed"].notify_all()
+
+    async def replay(self, entry, after: int):
+        """A background stream's events after sequence number `after`, following it until
+        it ends (completed, failed or cancelled); leaving early leaves the run going."""
+        index = after + 1
+        while True:
+            async with entry["changed"]:
+                await entry["changed"].wait_for(
+                    lambda i=index: len(entry["events"]) > i or entry["done"]
+                )
+            while index < len(entry["events"]):
+                yield entry["events"][index]
+                index += 1
+            if entry["done"] and index >= len(entry["events"]):
+                return
+
+    def stream_stored(self, response_id: str, after: int | None):
+        entry = self._store("response_id").get(response_id)
+        if "events" not in entry:
+            raise OpenAIError(
+                "Only a response created with background and stream can be streamed again.",
+                400,
+                "stream",
+            )
+        return self.replay(entry, -1 if after is None else after)
+
+    async def _background(self, turn, entry=None) -> None:
         request, _, rid, model, _, _ = turn
         self.store.put(rid, response_object(request, rid, model, status="in_progress"))
         try:
