@@ -133,7 +133,9 @@ def fuzz(url: str, max_examples: int, headers: dict | None = None) -> dict:
 
 
 def test_contract(server):
-    sent = fuzz(server.url, max_examples=25)
+    # 15 examples per operation and mode: the document grew to twice the operations (the
+    # agent, token and probe routes), and the suite's time with it.
+    sent = fuzz(server.url, max_examples=15)
     assert sum(sent.values()) > 200 and all(sent.values()), sent
 
 
