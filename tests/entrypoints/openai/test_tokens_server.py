@@ -79,3 +79,47 @@ def test_routed_experts_travel_as_npy():
     back = np.load(io.BytesIO(base64.b64decode(npy_base64(experts))), allow_pickle=False)
     assert back.dtype == np.uint8 and (back == experts).all()
     assert npy_base64(None) is None
+
+
+HOSTILE = {
+    "ids-empty": {"token_ids": [], "sampling_params": {}},
+    "ids-negative": {"token_ids": [-1], "sampling_params": {}},
+    "ids-huge": {"token_ids": [2**63], "sampling_params": {}},
+    "ids-past-vocab": {"token_ids": [10**7], "sampling_params": {}},
+    "ids-float": {"token_ids": [1.5], "sampling_params": {}},
+    "ids-long": {"token_ids": [5] * 100_000, "sampling_params": {}},
+    "params-missing": {"token_ids": [5]},
+    "params-type": {"token_ids": [5], "sampling_params": [1]},
+    "n-huge": {"token_ids": [5], "sampling_params": {"n": 2**40}},
+    "logprobs-huge": {"token_ids": [5], "sampling_params": {"logprobs": 2**40}},
+    "seed-huge": {"token_ids": [5], "sampling_params": {"seed": 2**70}},
+    "stop-empty": {"token_ids": [5], "sampling_params": {"stop": [""]}},
+    "grammar-bad": {"token_ids": [5], "sampling_params": {"structured_outputs": {"x": 1}}},
+    "extra-args": {"token_ids": [5], "sampling_params": {"extra_args": [1]}},
+    "mode": {"token_ids": [5], "sampling_params": {}, "output_mode": "logits"},
+    "salt-empty": {"token_ids": [5], "sampling_params": {}, "cache_salt": ""},
+}
+
+
+def test_hostile_generate_requests_get_4xx_and_harm_nothing(agent_server):
+    """Each is refused with OpenAI's error body (or served); the server stays healthy and a
+    well-formed request answers as before."""
+    params = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
+    body = {"token_ids": IDS, "sampling_params": params}
+    url = f"{agent_server.url}/inference/v1/generate"
+    before = httpx.post(url, json=body, timeout=120).json()["choices"][0]["token_ids"]
+    failures = []
+    for name, hostile in HOSTILE.items():
+        r = httpx.post(url, json=hostile, timeout=120)
+        if r.status_code >= 500 or (
+            r.status_code >= 400 and r.json().get("error", {}).get("code") != r.status_code
+        ):
+            failures.append(f"{name}: {r.status_code} {r.text[:200]}")
+    for raw in (b"null", b"[]", b"5", b"{", b'{"token_ids": "\xff"}'):
+        r = httpx.post(url, content=raw, headers={"content-type": "application/json"})
+        if r.status_code != 400:
+            failures.append(f"{raw!r}: {r.status_code}")
+    assert not failures, "\n".join(failures)
+    assert httpx.get(f"{agent_server.url}/health").status_code == 200
+    after = httpx.post(url, json=body, timeout=120).json()["choices"][0]["token_ids"]
+    assert after == before
