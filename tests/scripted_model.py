@@ -2,10 +2,13 @@
 tokens, so a server can be driven to emit reasoning tags, tool calls or any text through its
 real sampling path (greedy), without a grammar.
 
-The copier's recipe (oracle.save_copier: residual branches scaled down, embeddings scaled
-up, so the last token's embedding dominates the final hidden state) with an untied output
-projection whose row j is the embedding of the token that j follows: after token i the
-largest logit is script[i]'s. Tokens off the script follow themselves (the copier).
+The residual branches are zeroed and the final norm's weight set to ones, so the final
+hidden state is the last token's embedding scaled to unit RMS; every embedding row has the
+same norm, so by Cauchy-Schwarz a row's dot product with itself is the strict maximum over
+the vocabulary. The untied output projection's row j is the embedding of the token that j
+follows: after token i the largest logit is script[i]'s, whatever the random weights (the
+margin: 1 - the largest cosine between two rows, times the head's scale). Tokens off the
+script follow themselves. `save_scripted` checks the script with transformers before it returns.
 """
 
 from __future__ import annotations
@@ -44,24 +47,37 @@ def save_scripted(llama_dir: str, path, text: str, added: tuple[str, ...] = ()) 
         gen = torch.Generator().manual_seed(1)
         embed[old.shape[0] :] = torch.randn(vocab - old.shape[0], old.shape[1], generator=gen)
         embed[old.shape[0] :] *= old.std()
-        embed *= 10.0
+        embed /= embed.norm(dim=1, keepdim=True)
         follows = torch.arange(vocab)  # follows[i]: the token emitted after i
         for i, j in zip(chain, chain[1:], strict=False):
             k = int((follows == j).nonzero()[0, 0])
             follows[i], follows[k] = j, follows[i]
         head = torch.empty_like(embed)
-        head[follows] = embed  # row follows[i] is i's embedding
+        head[follows] = 50.0 * embed  # row follows[i] is i's embedding; sampling at
+        # temperature 1 follows the script too (the gap is hundreds of nats)
         model.resize_token_embeddings(vocab, mean_resizing=False)
         model.model.embed_tokens.weight.copy_(embed)
         model.config.tie_word_embeddings = False
         model.lm_head = torch.nn.Linear(embed.shape[1], vocab, bias=False)
         model.lm_head.weight.copy_(head)
         for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(0.1)
-            layer.mlp.down_proj.weight.mul_(0.1)
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.fill_(1.0)
     model.config.vocab_size = vocab
     model.save_pretrained(path)
+    _check(path, chain)
     tokenizer.save_pretrained(path)
     if not (path / "chat_template.jinja").exists():
         shutil.copy(f"{llama_dir}/chat_template.jinja", path)
     return str(path)
+
+
+def _check(path, chain: list[int]) -> None:
+    """The saved model, reloaded by transformers, follows its script token by token."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([chain])).logits[0]
+    got = logits.argmax(-1).tolist()[:-1]
+    if got != chain[1:]:
+        raise AssertionError(f"the scripted model does not follow {chain[1:]}: {got}")

@@ -39,8 +39,17 @@ def async_client(server) -> openai.AsyncOpenAI:
 def agent_server(thinker_dir):
     """A server over the scripted reasoning model (conftest.THINKER_SCRIPT) with vLLM's
     DeepSeek-R1 reasoning parser: the routes agents call (chat with reasoning, Responses,
-    Anthropic Messages) and the token-in/token-out route (--enable-scale-out)."""
-    args = server_args(thinker_dir, "--reasoning-parser", "deepseek_r1", "--enable-scale-out")
+    Anthropic Messages) and the token-in/token-out route (--enable-scale-out). Off its
+    script the model has no preference worth the name, so grammars allow no free whitespace:
+    a schema's object then has one way to begin ('{"a"')."""
+    args = server_args(
+        thinker_dir,
+        "--reasoning-parser",
+        "deepseek_r1",
+        "--enable-scale-out",
+        "--structured-outputs-config",
+        '{"disable_any_whitespace": true}',
+    )
     engine, metrics = build_engine(args)
     with pytest.MonkeyPatch.context() as env:  # the Responses store, read at start-up
         env.setenv("VLLM_ENABLE_RESPONSES_API_STORE", "1")

@@ -105,5 +105,5 @@ def test_a_named_tool_after_the_reasoning(agent_client):
     message = r.choices[0].message
     assert message.model_extra["reasoning"] == REASONING
     (call,) = message.tool_calls
-    # The grammar's arguments (the tiny model may pad them with whitespace up to max_tokens).
+    # The grammar's arguments (no free whitespace on this server; the digits may run on).
     assert call.function.name == "add" and call.function.arguments.startswith('{"a"')
