@@ -93,6 +93,14 @@ class HeldEngine:
         self._step = self.llm_engine.step
         self._abort = server.engine.abort
 
+    @classmethod
+    def install(cls, server, after: int, monkeypatch) -> HeldEngine:
+        """A hold on `server`'s engine for the test's duration (`monkeypatch` undoes it)."""
+        hold = cls(server, after)
+        monkeypatch.setattr(hold.llm_engine, "step", hold.step)
+        monkeypatch.setattr(server.engine, "abort", hold.abort)
+        return hold
+
     def step(self):
         outputs = self._step()
         if any(r.num_output_tokens >= self.after for r in self.scheduler.running):

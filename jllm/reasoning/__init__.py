@@ -18,7 +18,10 @@ held back, so a stream's deltas always add up to the non-streamed split.
 from __future__ import annotations
 
 import bisect
+import copy
 import re
+
+from jllm.utils import partial_marker
 
 __all__ = ["REASONING_PARSERS", "ReasoningParser", "ReasoningStream", "make_reasoning_parser"]
 
@@ -32,10 +35,9 @@ class ReasoningParser:
     # Tags that end the reasoning and belong to the content (and to its grammar).
     implicit_ends: tuple[str, ...] = ()
 
-    def __init__(self, tokenizer, chat_template_kwargs: dict | None = None) -> None:
+    def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        kwargs = chat_template_kwargs or {}
-        self.thinking = kwargs.get("enable_thinking", kwargs.get("thinking", True)) is not False
+        self.thinking = True
         vocab = tokenizer.get_vocab() if tokenizer is not None else {}
         missing = [t for t in (self.start, self.end) if t not in vocab]
         if missing:
@@ -45,6 +47,14 @@ class ReasoningParser:
             )
         self.start_id, self.end_id = vocab[self.start], vocab[self.end]
         self.implicit_end_ids = frozenset(vocab[t] for t in self.implicit_ends if t in vocab)
+
+    def for_request(self, chat_template_kwargs: dict | None) -> ReasoningParser:
+        """This parser for one request: its `chat_template_kwargs` may turn thinking off
+        (`enable_thinking`, or `thinking`, false). A copy: the vocabulary is read once."""
+        kwargs = chat_template_kwargs or {}
+        parser = copy.copy(self)
+        parser.thinking = kwargs.get("enable_thinking", kwargs.get("thinking", True)) is not False
+        return parser
 
     # -- tokens (the engine's grammar gate and the usage count) --
 
@@ -121,7 +131,7 @@ class GraniteReasoningParser(ReasoningParser):
     _think = re.compile(r"Here(?:'s| is) my thought process:")
     _answer = re.compile(r"Here(?:'s| is) my response:")
 
-    def __init__(self, tokenizer, chat_template_kwargs: dict | None = None) -> None:
+    def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.thinking = True
         self.implicit_end_ids = frozenset()
@@ -174,12 +184,15 @@ REASONING_PARSERS = {
 def make_reasoning_parser(
     name: str, tokenizer, chat_template_kwargs: dict | None = None
 ) -> ReasoningParser:
-    """The parser `--reasoning-parser NAME` selects; ValueError naming the choices."""
+    """The parser `--reasoning-parser NAME` selects (for a request's `chat_template_kwargs`
+    when given); ValueError naming the choices. Build it once and derive each request's
+    with `for_request`: building reads the whole vocabulary."""
     if name not in REASONING_PARSERS:
         raise ValueError(
             f"invalid reasoning parser: {name} (choose from {sorted(REASONING_PARSERS)})"
         )
-    return REASONING_PARSERS[name](tokenizer, chat_template_kwargs)
+    parser = REASONING_PARSERS[name](tokenizer)
+    return parser if chat_template_kwargs is None else parser.for_request(chat_template_kwargs)
 
 
 class ReasoningStream:
@@ -198,19 +211,11 @@ class ReasoningStream:
     def finish(self) -> tuple[str, str]:
         return self._emit(self.text)
 
-    def split(self) -> tuple[str | None, str | None]:
-        return self.parser.split(self.text, self.ended)
-
     def _stable(self, text: str) -> str:
         """`text` without a tail that may be the beginning of a marker."""
         if self.ended:
             return text
-        for marker in self.parser.markers():
-            for k in range(min(len(marker) - 1, len(text)), 0, -1):
-                if text.endswith(marker[:k]):
-                    text = text[:-k]
-                    break
-        return text
+        return text[: len(text) - partial_marker(text, self.parser.markers())]
 
     def _emit(self, text: str) -> tuple[str, str]:
         parts = self.parser.split(text, self.ended)

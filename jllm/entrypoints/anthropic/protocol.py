@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from jllm.entrypoints.openai.protocol import Int, NonEmpty, OpenAIBaseModel, StopList
+from jllm.entrypoints.openai.serving_engine import error_response
 
 ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 # Anthropic's error types by HTTP status.
@@ -44,6 +45,19 @@ def anthropic_error_response(message: str, status: int) -> JSONResponse:
 
 def is_anthropic_path(path: str) -> bool:
     return path.rstrip("/") in ANTHROPIC_PATHS
+
+
+def route_path(scope) -> str:
+    """A request's path as the routes name it (behind --root-path too)."""
+    return scope["path"].removeprefix(scope.get("root_path", "")) or "/"
+
+
+def route_error_response(scope, message: str, status: int, param: str | None = None):
+    """An error in the body its route's API uses: Anthropic's on /v1/messages, else
+    OpenAI's."""
+    if is_anthropic_path(route_path(scope)):
+        return anthropic_error_response(message, status)
+    return error_response(message, status, param)
 
 
 class TextBlock(OpenAIBaseModel):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import uuid
 
 from jllm.entrypoints.anthropic.protocol import (
     CountTokensRequest,
@@ -23,7 +22,7 @@ from jllm.entrypoints.anthropic.protocol import (
     anthropic_error_body,
 )
 from jllm.entrypoints.openai.protocol import ChatCompletionRequest, StreamOptions
-from jllm.entrypoints.openai.serving_engine import OpenAIError
+from jllm.entrypoints.openai.serving_engine import OpenAIError, sse_event
 from jllm.entrypoints.openai.tool_parsers import chat_tool
 
 
@@ -158,10 +157,6 @@ def _tool_input(arguments: str) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def message_id() -> str:
-    return f"msg_{uuid.uuid4().hex}"
-
-
 class AnthropicServingMessages:
     def __init__(self, chat) -> None:
         self.chat = chat  # OpenAIServingChat
@@ -170,7 +165,7 @@ class AnthropicServingMessages:
         run = await self.chat.start(chat_request(request), raw_request, prefix="msg")
         if request.stream:
             return self.events(run)
-        return self.message(await self.chat.full(run), run)
+        return self.message(await self.chat.full(run))
 
     async def count_tokens(self, request: CountTokensRequest) -> dict:
         chat = chat_request(request)
@@ -179,7 +174,7 @@ class AnthropicServingMessages:
         ids = await self.chat.prompt_ids(chat)
         return {"input_tokens": len(ids)}
 
-    def message(self, response: dict, run) -> dict:
+    def message(self, response: dict) -> dict:
         choice = response["choices"][0]
         msg = choice["message"]
         content = []
@@ -274,10 +269,6 @@ class AnthropicServingMessages:
         yield sse_event("message_stop", {"type": "message_stop"})
 
 
-def sse_event(name: str, data: dict) -> str:
-    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
 class BlockStream:
     """The content blocks of a stream: one open at a time, numbered from 0."""
 
@@ -311,8 +302,7 @@ class BlockStream:
             if kind == "thinking":
                 empty["signature"] = ""
             yield from self._open(kind, empty)
-        key = "thinking" if kind == "thinking" else "text"
-        yield self._delta({"type": f"{kind}_delta", key: text})
+        yield self._delta({"type": f"{kind}_delta", kind: text})
 
     def tool(self, call: dict):
         fn = call.get("function") or {}

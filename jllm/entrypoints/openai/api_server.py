@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jllm.engine.arg_utils import engine_args_from_namespace
 from jllm.engine.async_llm import EngineDeadError
 from jllm.entrypoints.anthropic.api_router import attach_anthropic_routes
-from jllm.entrypoints.anthropic.protocol import anthropic_error_response, is_anthropic_path
+from jllm.entrypoints.anthropic.protocol import route_error_response
 from jllm.entrypoints.openai.auth import AuthenticationMiddleware, api_keys
 from jllm.entrypoints.openai.chat_templates import check_request_template, renderer_parameters
 from jllm.entrypoints.openai.cli_args import load_chat_template, make_arg_parser
@@ -50,7 +50,7 @@ from jllm.entrypoints.openai.responses.api_router import (
 )
 from jllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from jllm.entrypoints.openai.serving_engine import OpenAIError, error_response, json_object
+from jllm.entrypoints.openai.serving_engine import OpenAIError, json_object
 from jllm.entrypoints.openai.serving_models import ServingModels
 from jllm.entrypoints.openai.serving_tokens import ServingTokens, attach_token_routes
 from jllm.entrypoints.openai.shutdown import GracefulServer, StoppableLLM
@@ -148,12 +148,7 @@ def build_app(args: argparse.Namespace, engine: StoppableLLM, metrics: Prometheu
         app.add_middleware(AuthenticationMiddleware, keys=keys)
 
     def error(raw: Request, message: str, status: int, param: str | None = None):
-        """An error in the body its route's API uses: Anthropic's on /v1/messages, else
-        OpenAI's."""
-        path = raw.scope["path"].removeprefix(raw.scope.get("root_path", ""))
-        if is_anthropic_path(path):
-            return anthropic_error_response(message, status)
-        return error_response(message, status, param)
+        return route_error_response(raw.scope, message, status, param)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(raw: Request, exc: RequestValidationError):
@@ -197,6 +192,8 @@ def build_app(args: argparse.Namespace, engine: StoppableLLM, metrics: Prometheu
     async def health():
         engine.check_health()
         return Response(status_code=200, media_type="text/plain")
+
+    app.add_api_route("/ping", health, methods=["GET", "POST"])  # SageMaker's health probe
 
     @app.get("/version")
     async def version():

@@ -18,8 +18,7 @@ import secrets
 
 from starlette.datastructures import Headers
 
-from jllm.entrypoints.anthropic.protocol import anthropic_error_response, is_anthropic_path
-from jllm.entrypoints.openai.serving_engine import error_response
+from jllm.entrypoints.anthropic.protocol import route_error_response, route_path
 
 # Liveness, version and metrics probes and the API's own documentation need no key.
 OPEN_PATHS = frozenset(
@@ -75,14 +74,11 @@ class AuthenticationMiddleware:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
             return await self.app(scope, receive, send)
-        path = scope["path"].removeprefix(scope.get("root_path", "")) or "/"
+        path = route_path(scope)
         if path.rstrip("/") in OPEN_PATHS or self.authorized(Headers(scope=scope)):
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":
             return await send({"type": "websocket.close", "code": 1008})  # policy violation
         message = "Unauthorized: a valid API key is required."
-        if is_anthropic_path(path):
-            response = anthropic_error_response(message, 401)
-        else:
-            response = error_response(message, 401)
+        response = route_error_response(scope, message, 401)
         return await response(scope, receive, send)

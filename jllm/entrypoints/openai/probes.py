@@ -1,4 +1,4 @@
-"""The rest of vLLM's server surface around generation: `/ping` (SageMaker's health probe),
+"""The rest of vLLM's server surface around generation (`/ping` is `/health`'s route too):
 `/load` (requests in flight, counted under `--enable-server-load-tracking`),
 `/tokenizer_info` (`--enable-tokenizer-info-endpoint`), `GET /v1/models/{model}` (OpenAI's
 retrieve), and SageMaker's `/invocations`, which serves a body the way the route whose
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
@@ -55,11 +55,6 @@ def attach_probe_routes(app: FastAPI, *, engine, args, models, created, handlers
     app.state.server_load = 0
     if args.enable_server_load_tracking:
         app.add_middleware(LoadTracker, state=app.state)
-
-    @app.api_route("/ping", methods=["GET", "POST"])
-    async def ping():
-        engine.check_health()
-        return Response(status_code=200, media_type="text/plain")
 
     @app.get("/load")
     async def load():

@@ -236,9 +236,13 @@ class OpenAIServingChat(OpenAIServing):
         `reasoning_parser`: `--reasoning-parser` (jllm/reasoning): messages carry the
         reasoning apart from the content."""
         super().__init__(*args, **kwargs)
-        self.reasoning_parser = reasoning_parser
-        if reasoning_parser:  # an unknown name or a vocabulary without the tags: refused now
-            make_reasoning_parser(reasoning_parser, self.tokenizer)
+        # Built now (an unknown name or a vocabulary without the tags is refused at start),
+        # then derived per request; tags the tokenizer calls special stay in the text.
+        self.reasoner, self.reasoning_keeps_special = None, False
+        if reasoning_parser:
+            self.reasoner = make_reasoning_parser(reasoning_parser, self.tokenizer)
+            special = set(getattr(self.tokenizer, "all_special_tokens", ()))
+            self.reasoning_keeps_special = bool(special.intersection(self.reasoner.markers()))
         args = self.engine.engine.args
         self.media = MediaConnector(
             args.allowed_local_media_path,
@@ -358,17 +362,12 @@ class OpenAIServingChat(OpenAIServing):
         return ChatRun(request, request_id, prepared, role, mode, reasoning, trace)
 
     def _reasoning_parser(self, request, params):
-        """The request's reasoning parser (its chat_template_kwargs may turn thinking off);
-        tags the tokenizer calls special stay in the text the parser reads."""
-        if not self.reasoning_parser:
+        """The request's reasoning parser (its chat_template_kwargs may turn thinking off)."""
+        if self.reasoner is None:
             return None
-        parser = make_reasoning_parser(
-            self.reasoning_parser, self.tokenizer, request.chat_template_kwargs
-        )
-        special = set(getattr(self.tokenizer, "all_special_tokens", ()))
-        if special.intersection(parser.markers()):
+        if self.reasoning_keeps_special:
             params.skip_special_tokens = False
-        return parser
+        return self.reasoner.for_request(request.chat_template_kwargs)
 
     def tool_mode(self, request) -> ToolMode:
         choice = check_tools(request.tools, request.tool_choice)
@@ -396,7 +395,8 @@ class OpenAIServingChat(OpenAIServing):
             for j, (beam, _, text) in enumerate(beams)
         ]
         num_generated = sum(len(tokens) for _, tokens, _ in beams)
-        return self._response(request, request_id, choices, item[0].prompt_token_ids, num_generated)
+        num_prompt = len(item[0].prompt_token_ids)
+        return self._response(request, request_id, choices, usage(num_prompt, num_generated))
 
     def _echo(self, request, role: str) -> str:
         last = request.messages[-1]
@@ -458,27 +458,28 @@ class OpenAIServingChat(OpenAIServing):
                 choice["token_ids"] = list(c.token_ids)
             choices.append(choice)
         num_generated = sum(len(c.token_ids) for c in final.outputs)
-        response = self._response(
-            request, run.request_id, choices, final.prompt_token_ids, num_generated
-        )
         thinking = None
         if reasoning.parser is not None:
             thinking = sum(reasoning.tokens(c.token_ids) for c in final.outputs)
-        cached = self.cached([final])
-        response["usage"] = usage(len(final.prompt_token_ids), num_generated, thinking, cached)
+        response = self._response(
+            request,
+            run.request_id,
+            choices,
+            usage(len(final.prompt_token_ids), num_generated, thinking, self.cached([final])),
+        )
         response["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
         if request.return_token_ids:
             response["prompt_token_ids"] = list(final.prompt_token_ids)
         return response
 
-    def _response(self, request, request_id, choices, prompt_token_ids, num_generated: int) -> dict:
+    def _response(self, request, request_id, choices, usage_: dict) -> dict:
         return {
             "id": request_id,
             "object": "chat.completion",
             "created": self.created(),
             "model": self.served_name(request),
             "choices": choices,
-            "usage": usage(len(prompt_token_ids), num_generated),
+            "usage": usage_,
         }
 
     async def chunks(self, run: ChatRun):

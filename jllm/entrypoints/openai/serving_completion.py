@@ -161,20 +161,20 @@ class OpenAIServingCompletion(OpenAIServing):
                     choice["prompt_token_ids"] = list(out.prompt_token_ids)
                     choice["token_ids"] = list(c.token_ids)
                 choices.append(choice)
-        response = self._response(request, request_id, prepared, choices, num_generated)
         cached = self.cached(finals.values())
-        if cached is not None:
-            response["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}
-        return response
+        return self._response(request, request_id, prepared, choices, num_generated, cached)
 
-    def _response(self, request, request_id, prepared, choices, num_generated: int) -> dict:
+    def _response(
+        self, request, request_id, prepared, choices, num_generated: int, cached=None
+    ) -> dict:
+        num_prompt = sum(len(p[0].prompt_token_ids) for p in prepared)
         return {
             "id": request_id,
             "object": "text_completion",
             "created": self.created(),
             "model": self.served_name(request),
             "choices": choices,
-            "usage": usage(sum(len(p[0].prompt_token_ids) for p in prepared), num_generated),
+            "usage": usage(num_prompt, num_generated, cached_tokens=cached),
         }
 
     async def _stream(self, request, request_id, prepared, trace=None):

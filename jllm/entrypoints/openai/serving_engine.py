@@ -71,6 +71,11 @@ def sse(data: dict | str) -> str:
     return f"data: {payload}\n\n"
 
 
+def sse_event(name: str, data: dict) -> str:
+    """A named event (Anthropic's and the Responses API's streams): `event:` and `data:`."""
+    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
 async def sse_events(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
     """`data:` events of dict chunks; closing it closes `chunks` (aborting their requests)."""
     async with contextlib.aclosing(chunks):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import io
-import time
 import uuid
 from typing import Annotated, Any, Literal
 
@@ -27,6 +26,7 @@ from jllm.entrypoints.openai.protocol import (
     TokenId,
 )
 from jllm.entrypoints.openai.serving_engine import (
+    MIN_LOGPROB,
     OpenAIError,
     OpenAIServing,
     SSEResponse,
@@ -107,6 +107,11 @@ class AbortRequests(OpenAIBaseModel):
     request_ids: list[NonEmpty]
 
 
+def engine_request_id(request_id: str) -> str:
+    """vLLM's id of a token route's request (its prompt's engine request adds "-0")."""
+    return f"generate-tokens-{request_id}"
+
+
 def npy_base64(array: np.ndarray | None) -> str | None:
     """An array as vLLM sends it: base64 of `np.save`'s bytes (no pickle)."""
     if array is None:
@@ -128,7 +133,7 @@ def token_logprobs(c) -> dict:
         content.append(
             {
                 "token_id": tid,
-                "logprob": clamp(sampled.logprob) if sampled else -9999.0,
+                "logprob": clamp(sampled.logprob) if sampled else MIN_LOGPROB,
                 "rank": sampled.rank if sampled else None,
                 "top_logprobs": [
                     {"token_id": t, "logprob": clamp(lp.logprob), "rank": lp.rank} for t, lp in top
@@ -146,7 +151,7 @@ class ServingTokens(OpenAIServing):
         params = request.sampling_params.build(request.stream)
         if request.output_mode == "tokens":
             params.detokenize = False
-        request_id = f"generate-tokens-{request.request_id or uuid.uuid4().hex}"
+        request_id = engine_request_id(request.request_id or uuid.uuid4().hex)
         prompt = {"prompt_token_ids": request.token_ids}
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
@@ -174,7 +179,7 @@ class ServingTokens(OpenAIServing):
         return {
             "request_id": request_id,
             "model": self.served_name(request),
-            "created": int(time.time()),
+            "created": self.created(),
             "output_mode": request.output_mode,
         }
 
@@ -240,5 +245,5 @@ def attach_token_routes(
     async def abort_requests(body: AbortRequests):
         check()
         for rid in body.request_ids:
-            serving.engine.abort(f"generate-tokens-{rid}-0")
+            serving.engine.abort(f"{engine_request_id(rid)}-0")  # run_all's one prompt
         return {}

@@ -7,6 +7,8 @@ import json
 import uuid
 from dataclasses import dataclass
 
+from jllm.utils import partial_marker
+
 
 @dataclass
 class ToolCall:
@@ -45,8 +47,5 @@ def held_back(text: str, markers: tuple[str, ...]) -> int | None:
     found = [i for i in (text.find(m) for m in markers) if i >= 0]
     if found:
         return min(found)
-    for marker in markers:
-        for k in range(min(len(marker) - 1, len(text)), 0, -1):
-            if text.endswith(marker[:k]):
-                return len(text) - k
-    return None
+    tail = partial_marker(text, markers)
+    return len(text) - tail if tail else None

@@ -48,13 +48,7 @@ class HermesToolParser:
 
     def stream_start(self, text: str) -> int | None:
         """Where a tool call begins or might begin (a prefix of the tag at the end)."""
-        at = text.find(self.start)
-        if at >= 0:
-            return at
-        for k in range(min(len(self.start) - 1, len(text)), 0, -1):
-            if text.endswith(self.start[:k]):
-                return len(text) - k
-        return None
+        return held_back(text, (self.start,))
 
 
 class Llama3JsonToolParser:

@@ -10,7 +10,7 @@ import openai
 import pytest
 from openai_server import HeldEngine
 
-from jllm.entrypoints.openai.responses.convert import chat_request
+from jllm.entrypoints.openai.responses.convert import chat_request, input_messages
 from jllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
 REASONING, ANSWER = "Let me see.", "The answer is four"
@@ -75,7 +75,7 @@ def test_input_items_render_as_chat_messages(agent_client):
         {"type": "function_call_output", "call_id": "c1", "output": "3"},
     ]
     request = ResponsesRequest.model_validate({"input": items, "instructions": "Be brief."})
-    messages = chat_request(request, []).messages
+    messages = chat_request(request, input_messages(request)).messages
     assert messages == [
         {"role": "system", "content": "Be brief."},
         {"role": "system", "content": "Use tools."},
@@ -158,9 +158,7 @@ def test_background_runs_and_cancel(agent_client, agent_server, monkeypatch):
     while (r := agent_client.responses.retrieve(queued.id)).status in ("queued", "in_progress"):
         pass
     assert r.status == "completed" and r.output_text == ANSWER
-    hold = HeldEngine(agent_server, after=4)  # holds the engine until the cancel aborts
-    monkeypatch.setattr(hold.llm_engine, "step", hold.step)
-    monkeypatch.setattr(agent_server.engine, "abort", hold.abort)
+    hold = HeldEngine.install(agent_server, 4, monkeypatch)  # until the cancel aborts
     running = agent_client.responses.create(
         model="tiny-llama",
         input=QUESTION,
@@ -188,9 +186,7 @@ def test_a_background_stream_and_its_replay(agent_client, agent_server, monkeypa
     replayed = list(again)
     assert [e.sequence_number for e in replayed] == [e.sequence_number for e in events[4:]]
     assert replayed[-1].response.output_text == ANSWER
-    hold = HeldEngine(agent_server, after=4)
-    monkeypatch.setattr(hold.llm_engine, "step", hold.step)
-    monkeypatch.setattr(agent_server.engine, "abort", hold.abort)
+    hold = HeldEngine.install(agent_server, 4, monkeypatch)
     running = agent_client.responses.create(
         model="tiny-llama",
         input=QUESTION,

@@ -254,10 +254,7 @@ def test_32_concurrent_streams_match_offline(async_client, llama_llm, server):
 @pytest.fixture
 def held(server, monkeypatch):
     def hold(after: int) -> HeldEngine:
-        h = HeldEngine(server, after)
-        monkeypatch.setattr(h.llm_engine, "step", h.step)
-        monkeypatch.setattr(server.engine, "abort", h.abort)
-        return h
+        return HeldEngine.install(server, after, monkeypatch)
 
     return hold
 

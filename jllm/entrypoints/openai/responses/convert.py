@@ -9,10 +9,14 @@ from __future__ import annotations
 import time
 import uuid
 
+from pydantic import TypeAdapter
+
 from jllm.entrypoints.openai.protocol import ChatCompletionRequest
-from jllm.entrypoints.openai.responses.protocol import ResponsesRequest
+from jllm.entrypoints.openai.responses.protocol import Item, ResponsesRequest
 from jllm.entrypoints.openai.serving_engine import OpenAIError
 from jllm.entrypoints.openai.tool_parsers import chat_tool
+
+OUTPUT_ITEMS = TypeAdapter(list[Item])  # output items read back as input items
 
 
 def new_id(prefix: str) -> str:
@@ -34,19 +38,24 @@ def _parts(content) -> str | list[dict]:
 
 
 def input_messages(request: ResponsesRequest) -> list[dict]:
-    """The request's input items as chat messages: function calls join the assistant message
-    before them (or open one), their outputs are `tool` messages, reasoning rides on the
-    assistant message as `reasoning`."""
+    """The request's input (text, or items: `item_messages`) as chat messages."""
     if isinstance(request.input, str):
         return [{"role": "user", "content": request.input}]
+    return item_messages(request.input)
+
+
+def item_messages(items) -> list[dict]:
+    """Input items as chat messages: function calls join the assistant message before them
+    (or open one), their outputs are `tool` messages, reasoning rides on the assistant
+    message as `reasoning`."""
     messages: list[dict] = []
 
     def assistant() -> dict:
-        if not messages or messages[-1]["role"] != "assistant" or messages[-1].get("_closed"):
+        if not messages or messages[-1]["role"] != "assistant":
             messages.append({"role": "assistant", "content": ""})
         return messages[-1]
 
-    for item in request.input:
+    for item in items:
         if item.type == "message":
             role = "system" if item.role == "developer" else item.role
             if role == "assistant":
@@ -69,12 +78,13 @@ def input_messages(request: ResponsesRequest) -> list[dict]:
     return messages
 
 
-def chat_request(request: ResponsesRequest, history: list[dict]) -> ChatCompletionRequest:
-    """The chat completion request that serves a Responses one."""
+def chat_request(request: ResponsesRequest, conversation: list[dict]) -> ChatCompletionRequest:
+    """The chat completion request that serves a Responses one: its instructions, then the
+    `conversation` (the stored history and the input as chat messages)."""
     messages = []
     if request.instructions:
         messages.append({"role": "system", "content": request.instructions})
-    messages += history + input_messages(request)
+    messages += conversation
     body: dict = {"model": request.model, "messages": messages}
     if request.tools:
         body["tools"] = [
@@ -244,18 +254,7 @@ def output_items(chat_response: dict) -> tuple[list[dict], str | None]:
 
 def history_of(messages: list[dict], output: list[dict]) -> list[dict]:
     """What a later `previous_response_id` continues from: the conversation without the
-    instructions (they are not carried over), then the output as the assistant's turn."""
-    turn: dict = {"role": "assistant", "content": ""}
-    for item in output:
-        if item["type"] == "message":
-            turn["content"] += "".join(p["text"] for p in item["content"])
-        elif item["type"] == "function_call":
-            call = {
-                "id": item["call_id"],
-                "type": "function",
-                "function": {"name": item["name"], "arguments": item["arguments"]},
-            }
-            turn.setdefault("tool_calls", []).append(call)
-        elif item["type"] == "reasoning":
-            turn["reasoning"] = "".join(p["text"] for p in item["content"])
-    return [*messages, turn]
+    instructions (they are not carried over), then the output as the assistant's turn, read
+    as input items are (so it renders as if the client had sent them back)."""
+    turn = item_messages(OUTPUT_ITEMS.validate_python(output))
+    return [*messages, *(turn or [{"role": "assistant", "content": ""}])]

@@ -5,18 +5,13 @@ time (reasoning, then the message, then each function call), OpenAI's event type
 
 from __future__ import annotations
 
-import json
-
 from jllm.entrypoints.openai.responses.convert import (
     call_item,
     message_item,
     new_id,
     reasoning_item,
 )
-
-
-def sse_event(body: dict) -> str:
-    return f"event: {body['type']}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+from jllm.entrypoints.openai.serving_engine import sse_event
 
 
 class EventStream:
@@ -29,7 +24,7 @@ class EventStream:
     def event(self, kind: str, **fields) -> str:
         body = {"type": kind, **fields, "sequence_number": self.seq}
         self.seq += 1
-        return sse_event(body)
+        return sse_event(kind, body)
 
     @property
     def index(self) -> int:

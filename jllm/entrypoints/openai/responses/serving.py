@@ -100,9 +100,8 @@ class OpenAIServingResponses:
             self._store("background")
             if not request.store:
                 raise OpenAIError("background can only be used when `store` is true.", 400)
-        history = self._history(request)
-        conversation = history + input_messages(request)
-        chat = chat_request(request, history)
+        conversation = self._history(request) + input_messages(request)
+        chat = chat_request(request, conversation)
         run = await self.chat.start(chat, raw_request, prefix="resp")
         rid = new_id("resp")
         model = self.chat.served_name(chat)
@@ -125,9 +124,13 @@ class OpenAIServingResponses:
         return await self._full(turn)
 
     async def _full(self, turn) -> dict:
-        request, run, rid, model, conversation, keep = turn
-        chat_response = await self.chat.full(run)
+        chat_response = await self.chat.full(turn[1])
         items, finish = output_items(chat_response)
+        return self._finish(turn, items, finish, chat_response["usage"])
+
+    def _finish(self, turn, items: list[dict], finish, chat_usage: dict) -> dict:
+        """The finished response of a turn (kept in the store when it asked to be)."""
+        request, run, rid, model, conversation, keep = turn
         status, incomplete = status_of(finish)
         response = response_object(
             request,
@@ -136,11 +139,18 @@ class OpenAIServingResponses:
             status=status,
             incomplete_details=incomplete,
             output=items,
-            usage=usage(chat_response["usage"], run.cached_tokens),
+            usage=usage(chat_usage, run.cached_tokens),
         )
         if keep:
             self.store.put(rid, response, history_of(conversation, items))
         return response
+
+    @staticmethod
+    def _failed(turn, e: Exception) -> dict:
+        request, _, rid, model, _, _ = turn
+        message = e.message if isinstance(e, OpenAIError) else f"Internal server error: {e!r}"
+        error = {"code": "server_error", "message": message}
+        return response_object(request, rid, model, status="failed", error=error)
 
     async def _background_stream(self, turn, entry) -> None:
         """A background stream: its events into the store as they come, for `replay`."""
@@ -188,12 +198,8 @@ class OpenAIServingResponses:
         self.store.put(rid, response_object(request, rid, model, status="in_progress"))
         try:
             await self._full(turn)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - kept as the response's error
-            message = e.message if isinstance(e, OpenAIError) else f"Internal server error: {e!r}"
-            error = {"code": "server_error", "message": message}
-            self.store.put(rid, response_object(request, rid, model, status="failed", error=error))
+        except Exception as e:  # noqa: BLE001 - kept as the response's error (a cancel is not one)
+            self.store.put(rid, self._failed(turn, e))
 
     def retrieve(self, response_id: str) -> dict:
         return self._store("response_id").get(response_id)["response"]
@@ -209,7 +215,7 @@ class OpenAIServingResponses:
 
     async def events(self, turn):
         """The stream's events; an error after it started is a `response.failed` event."""
-        request, run, rid, model, conversation, keep = turn
+        request, run, rid, model, _, _ = turn
         es = EventStream()
         started = response_object(request, rid, model)
         yield es.event("response.created", response=started)
@@ -237,23 +243,7 @@ class OpenAIServingResponses:
                 for e in es.close():
                     yield e
             except Exception as e:  # noqa: BLE001 - reported in-band: the stream has started
-                message = (
-                    e.message if isinstance(e, OpenAIError) else f"Internal server error: {e!r}"
-                )
-                error = {"code": "server_error", "message": message}
-                failed = response_object(request, rid, model, status="failed", error=error)
-                yield es.event("response.failed", response=failed)
+                yield es.event("response.failed", response=self._failed(turn, e))
                 return
-        status, incomplete = status_of(finish)
-        final = response_object(
-            request,
-            rid,
-            model,
-            status=status,
-            incomplete_details=incomplete,
-            output=es.items,
-            usage=usage(chat_usage, run.cached_tokens),
-        )
-        if keep:
-            self.store.put(rid, final, history_of(conversation, es.items))
+        final = self._finish(turn, es.items, finish, chat_usage)
         yield es.event("response.completed", response=final)
