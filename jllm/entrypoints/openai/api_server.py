@@ -193,7 +193,8 @@ def build_app(args: argparse.Namespace, engine: StoppableLLM, metrics: Prometheu
         engine.check_health()
         return Response(status_code=200, media_type="text/plain")
 
-    app.add_api_route("/ping", health, methods=["GET", "POST"])  # SageMaker's health probe
+    for method in ("GET", "POST"):  # SageMaker's health probe; a route per method, so
+        app.add_api_route("/ping", health, methods=[method])  # OpenAPI ids stay unique
 
     @app.get("/version")
     async def version():
