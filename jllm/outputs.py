@@ -71,3 +71,85 @@ class RequestOutput:
     lora_request: object | None = None  # the LoRARequest it ran with (jllm/lora/request.py)
     kv_transfer_params: None = None
     extra: dict = field(default_factory=dict, repr=False)
+
+
+# ---- pooling (vLLM's names; the vectors are numpy arrays, not torch tensors) ------------
+@dataclass
+class PoolingOutput:
+    data: np.ndarray  # what the head made of the pooled hidden state
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PoolingOutput) and bool(np.array_equal(self.data, other.data))
+
+
+@dataclass
+class PoolingRequestOutput:
+    request_id: str
+    outputs: object  # PoolingOutput, or the task's output below
+    prompt_token_ids: list[int]
+    num_cached_tokens: int
+    finished: bool
+    error: str | None = None  # why the request failed, if it did
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput):
+        return cls(
+            request_id=out.request_id,
+            outputs=cls._output(out.outputs),
+            prompt_token_ids=out.prompt_token_ids,
+            num_cached_tokens=out.num_cached_tokens,
+            finished=out.finished,
+            error=out.error,
+        )
+
+    @staticmethod
+    def _output(pooled: PoolingOutput):
+        return pooled
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    @staticmethod
+    def _output(pooled: PoolingOutput) -> EmbeddingOutput:
+        if pooled.data.ndim != 1:
+            raise ValueError("pooled_data should be a 1-D embedding vector")
+        return EmbeddingOutput(pooled.data.tolist())
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+class ClassificationRequestOutput(PoolingRequestOutput):
+    @staticmethod
+    def _output(pooled: PoolingOutput) -> ClassificationOutput:
+        if pooled.data.ndim != 1:
+            raise ValueError("pooled_data should be a 1-D probability vector")
+        return ClassificationOutput(pooled.data.tolist())
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+class ScoringRequestOutput(PoolingRequestOutput):
+    @staticmethod
+    def _output(pooled: PoolingOutput) -> ScoringOutput:
+        data = np.asarray(pooled.data).squeeze()
+        if data.ndim != 0:
+            raise ValueError("pooled_data should be a scalar score")
+        return ScoringOutput(float(data))

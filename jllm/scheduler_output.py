@@ -94,3 +94,6 @@ class ModelRunnerOutput:
     # req id -> its routed experts this step (enable_return_routed_experts): a StepRoutes
     # of runner/routed_experts.py (positions, KV slots, ids [n, L, k])
     routed_experts: dict[str, object] = field(default_factory=dict)
+    # A pooling model's step: req id -> the final-norm hidden state [D] float32 of the
+    # request's last prompt token (jllm/pooling)
+    pooled: dict[str, object] = field(default_factory=dict)

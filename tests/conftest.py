@@ -94,3 +94,28 @@ def thinker_dir(llama_dir, tmp_path_factory) -> str:
 
     path = tmp_path_factory.mktemp("thinker")
     return save_scripted(llama_dir, path, THINKER_SCRIPT, added=("<think>", "</think>"))
+
+
+@pytest.fixture(scope="session")
+def st_model(llama_dir, tmp_path_factory):
+    """(folder, SentenceTransformer): a sentence-transformers embedding model over the tiny
+    Llama (pooling_oracle.save_st_model)."""
+    from pooling_oracle import save_st_model
+
+    return save_st_model(llama_dir, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def classifier_dir(llama_dir, tmp_path_factory) -> str:
+    """LlamaForSequenceClassification with three labels."""
+    from pooling_oracle import save_classifier
+
+    return save_classifier(llama_dir, tmp_path_factory.mktemp("classifier"), 3)
+
+
+@pytest.fixture(scope="session")
+def cross_encoder_dir(llama_dir, tmp_path_factory) -> str:
+    """LlamaForSequenceClassification with one label: a cross-encoder that scores pairs."""
+    from pooling_oracle import save_classifier
+
+    return save_classifier(llama_dir, tmp_path_factory.mktemp("cross-encoder"), 1)

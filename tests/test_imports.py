@@ -23,9 +23,17 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 LAYERS = [
     # Config and the helpers and records every layer reads: they import nothing from jllm.
     {"config", "utils", "logger", "version", "outputs"},
-    {"sampling_params"},
-    # Records the engine and the runner share (the KV-cache specs: models read them too).
-    {"scheduler_output", "logits_process", "beam_search", "kv_cache_interface", "reasoning"},
+    {"sampling_params", "pooling_params"},
+    # Records the engine and the runner share (the KV-cache specs: models read them too),
+    # and host-side request logic the engine and the front end share (reasoning, pooling).
+    {
+        "scheduler_output",
+        "logits_process",
+        "beam_search",
+        "kv_cache_interface",
+        "reasoning",
+        "pooling",
+    },
     # What a model is built from and what the engine feeds it, none knowing a model: the
     # attention backends, weight formats, the multi-host channel, metrics, grammars, and
     # LoRA's delta, slot arrays and adapters (the model installs its slots: models/lora.py),

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from jllm.config.legacy import apply_legacy
 from jllm.config.observability import check_otel_available, detailed_modules
+from jllm.config.pooler import CONVERTS, RUNNERS, PoolerConfig
 from jllm.config.quantization import check_method
 from jllm.config.speculative import SpeculativeConfig
 from jllm.config.structured_outputs import StructuredOutputsConfig
@@ -98,6 +99,12 @@ class EngineArgs:
     # vLLM's hf_overrides: fields written over the checkpoint's config before the model is
     # built (engine/model_setup.py). The seeds' rope_scaling and rope_theta are folded in.
     hf_overrides: dict | None = None
+    # Pooling models (jllm/pooling): vLLM's runner ("auto", "generate", "pooling"), convert
+    # ("auto", "none", "embed", "classify": a decoder served as an embedding or
+    # classification model) and pooler_config (config/pooler.py).
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: dict | None = None
     rope_scaling: dict | None = None
     rope_theta: float | None = None
     # Attend over the whole context on sliding-window layers, capping max_model_len at the
@@ -284,6 +291,11 @@ class EngineArgs:
         if not isinstance(self.speculative_config, SpeculativeConfig):
             self.speculative_config = SpeculativeConfig.create(self.speculative_config)
 
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {list(RUNNERS)}, got {self.runner!r}.")
+        if self.convert not in CONVERTS:
+            raise ValueError(f"convert must be one of {list(CONVERTS)}, got {self.convert!r}.")
+        self.pooler_config = PoolerConfig.create(self.pooler_config)
         self.structured_outputs_config = StructuredOutputsConfig.create(
             self.structured_outputs_config, self.guided_decoding_backend, self.reasoning_parser
         )

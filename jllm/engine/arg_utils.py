@@ -24,6 +24,7 @@ from jllm.config import (
     EngineArgs,
 )
 from jllm.config.legacy import LEGACY_FLAGS
+from jllm.config.pooler import CONVERTS, RUNNERS
 
 HELP = {
     "model": "Model: a Hugging Face directory, a hub id in the local HF cache, or a .gguf "
@@ -143,6 +144,12 @@ HELP = {
     "refused when this host's JAX lacks it.",
     "hf_overrides": "Config fields written over the checkpoint's, as JSON (vLLM's): e.g. "
     "'{\"rope_theta\": 500000}'.",
+    "runner": "vLLM's --runner: auto (from the architecture and a sentence-transformers "
+    "modules.json), generate, or pooling (embeddings, classification, scores).",
+    "convert": "vLLM's --convert: serve a decoder as a pooling model: embed or classify "
+    "(auto: from the architecture's name).",
+    "pooler_config": 'The pooler as JSON (vLLM\'s), e.g. \'{"pooling_type": "LAST", '
+    '"use_activation": true, "dimensions": 256}\'.',
     "rope_scaling": "Deprecated: RoPE scaling as JSON, folded into --hf-overrides.",
     "rope_theta": "Deprecated: the RoPE base, folded into --hf-overrides.",
     "limit_mm_per_prompt": "Images a prompt may carry, as JSON: '{\"image\": 4}' (default: "
@@ -169,6 +176,8 @@ CHOICES = {
     "scheduling_policy": SCHEDULING_POLICIES,
     "lora_dtype": LORA_DTYPES,
     "logprobs_mode": LOGPROBS_MODES,
+    "runner": RUNNERS,
+    "convert": CONVERTS,
 }
 
 
@@ -208,6 +217,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             "limit_mm_per_prompt",
             "mm_processor_kwargs",
             "hf_overrides",
+            "pooler_config",
             "rope_scaling",
             "weight_transfer_config",
         ):

@@ -459,7 +459,9 @@ class EngineCore:
                 outputs += self._fail(rid, f"{type(e).__name__}: {e}", now, stats)
                 continue
             if appended or prompt_logprobs is not None:
-                outputs.append(self._output(req, appended, prompt_logprobs, version))
+                outputs.append(
+                    self._output(req, appended, prompt_logprobs, version, result.pooled.get(rid))
+                )
         self._record(stats)
         if self.proposer is not None or result.spec_token_ids:
             num_running = len(self.scheduler.running)
@@ -475,11 +477,11 @@ class EngineCore:
         return outputs
 
     def _output(
-        self, req: Request, tokens: list, prompt_logprobs, version: str | None = None
+        self, req: Request, tokens: list, prompt_logprobs, version: str | None = None, pooled=None
     ) -> EngineCoreOutput:
         """What the front end needs of `req` after this step: its new `tokens` (the runner's
         SampledTokens, sampled under weight `version`) and `prompt_logprobs`, its finish
-        and timings."""
+        and timings; a pooling model's `pooled` hidden state."""
         return EngineCoreOutput(
             request_id=req.request_id,
             new_token_ids=[tok.token_id for tok in tokens],
@@ -493,6 +495,7 @@ class EngineCore:
             model_execute_time=req.model_execute_time,
             weight_version=version,
             routed_experts=None if self.routes is None else self.routes.take(req),
+            pooled=pooled,
         )
 
     def _fail(self, child_id: str, reason: str, now: float, stats=None) -> list[EngineCoreOutput]:

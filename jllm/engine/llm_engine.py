@@ -9,6 +9,7 @@ generation_config.py, runner/kv_cache.py.
 from __future__ import annotations
 
 import atexit
+import copy
 import dataclasses
 import logging
 import random
@@ -58,6 +59,7 @@ from jllm.logits_process import LogitsProcessorConfig, load_logits_processors
 from jllm.lora.manager import LoraCache, LoraSlots
 from jllm.metrics.stats import LoggingStatLogger
 from jllm.model_loader.update import UpdateTarget
+from jllm.pooling_params import PoolingParams
 from jllm.rl.transfer import TransferConfig
 from jllm.runner.buckets import BatchLayout
 from jllm.runner.compile_cache import enable_compilation_cache
@@ -66,13 +68,21 @@ from jllm.runner.host_kv import HostKVCache, host_tier_blocks
 from jllm.runner.kv_cache import allocate_kv_caches, resolve_kv_cache_dtype, size_kv_cache
 from jllm.runner.model_runner import ModelRunner
 from jllm.runner.weight_sync import WeightSync
-from jllm.sampling_params import SamplingParams
+from jllm.sampling_params import RequestOutputKind, SamplingParams
 from jllm.scheduler_output import PROMPT_LOGPROB_ROWS
 from jllm.spec_decode import make_proposer
 from jllm.structured_output import StructuredOutputManager
 from sharding import replicated
 
 logger = logging.getLogger("jllm")
+
+# What runs a pooling request's prompt: one placeholder token, never sampled, ends it.
+POOLING_SAMPLING = SamplingParams(
+    max_tokens=1,
+    temperature=0.0,
+    detokenize=False,
+    output_kind=RequestOutputKind.FINAL_ONLY,
+)
 
 
 class LLMEngine:
@@ -94,6 +104,10 @@ class LLMEngine:
         m = load_engine_model(args, platform)
         loaded = time.perf_counter()
         cfg, dtype, self.max_model_len = m.config, m.dtype, m.max_model_len
+        # A pooling model's task and head (jllm/pooling/model.py); None: a generative model.
+        self.pooling = m.pooling
+        if m.pooling is not None and args.speculative_config is not None:
+            raise ValueError("Speculative decoding does not apply to a pooling model.")
         self.model_config, self.dtype, self.tokenizer = cfg, dtype, m.tokenizer
         if args.max_logprobs > cfg.vocab_size:
             # A cap, as in vLLM: past the vocabulary it is the vocabulary (the sampler's
@@ -170,6 +184,7 @@ class LLMEngine:
             logprobs_mode=args.logprobs_mode,
             routes=routes,
             invariant=invariant,
+            pooling=m.pooling is not None,
         )
         sizing = time.perf_counter()
         specs, kv_config = size_kv_cache(
@@ -283,7 +298,7 @@ class LLMEngine:
         # utility calls); each step's outputs are processed inline (LLM) unless AsyncLLM
         # sets `output_handler`, its output thread (engine/output_thread.py).
         self.engine_core = InprocClient(self.core)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, m.pooling)
         self.output_handler = None
         mm = None
         if vision is not None:
@@ -376,6 +391,32 @@ class LLMEngine:
         logger.info("Process 0 stopped; process %d is done.", self.rank)
 
     # ---- requests ------------------------------------------------------------------------
+    def _lora(self, lora_request):
+        if self.lora_cache is None:
+            raise ValueError(
+                f"LoRA adapter {getattr(lora_request, 'lora_name', lora_request)!r} was "
+                "requested, but LoRA is not enabled: start the engine with enable_lora=True."
+            )
+        return self.lora_cache.get(lora_request)
+
+    def pooling_params(self, params: PoolingParams | None, task: str, api: str = "LLM.encode()"):
+        """`params` for a `task` request ("embed", "classify") of a pooling model, checked
+        and with the pooler config's defaults (ValueError with vLLM's messages)."""
+        if self.pooling is None:
+            raise ValueError(
+                f"{api} is only supported for pooling models. Try passing `--runner pooling` "
+                "to use the model as a pooling model."
+            )
+        if task not in self.pooling.supported_tasks:
+            name = {"embed": "Embedding", "classify": "Classification"}.get(task, task)
+            raise ValueError(
+                f"{name} API is not supported by this model. Try converting the model using "
+                f"`--convert {task}`."
+            )
+        params = PoolingParams() if params is None else params.clone()
+        params.task = task
+        return params.verify(self.pooling, self.args.model)
+
     def prepare(
         self, prompt, params: SamplingParams, lora_request=None, add_special_tokens: bool = True
     ):
@@ -387,15 +428,22 @@ class LLMEngine:
                 f"This is process {self.rank} of a {self.args.nnodes}-process engine; only "
                 "process 0 takes requests."
             )
+        if isinstance(params, PoolingParams):
+            processed = self.processor.process_prompt(
+                prompt, POOLING_SAMPLING, add_special_tokens, pooling=True
+            )
+            if lora_request is not None:
+                processed.lora = self._lora(lora_request)
+            return processed, params
+        if self.pooling is not None:
+            raise ValueError(
+                "LLM.generate() is only supported for generative models. Try passing "
+                "`--runner generate` to use the model as a generative model."
+            )
         params = self._own_params(params)
         processed = self.processor.process_prompt(prompt, params, add_special_tokens)
         if lora_request is not None:
-            if self.lora_cache is None:
-                raise ValueError(
-                    f"LoRA adapter {getattr(lora_request, 'lora_name', lora_request)!r} was "
-                    "requested, but LoRA is not enabled: start the engine with enable_lora=True."
-                )
-            processed.lora = self.lora_cache.get(lora_request)
+            processed.lora = self._lora(lora_request)
         for proc in self.logits_processors:
             proc.validate_params(params)
         if params.structured_outputs is not None:
@@ -454,7 +502,11 @@ class LLMEngine:
         trace_headers: dict | None = None,
     ) -> None:
         """Admit a prepared request (ValueError if its id is already running). Its outputs
-        come from `step()`, or from AsyncLLM's output thread when that handles them."""
+        come from `step()`, or from AsyncLLM's output thread when that handles them.
+        `params`: SamplingParams, or a pooling model's verified PoolingParams."""
+        pooling = None
+        if isinstance(params, PoolingParams):
+            pooling, params = params, copy.copy(POOLING_SAMPLING)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         request = EngineCoreRequest(
             request_id=request_id,
@@ -466,6 +518,7 @@ class LLMEngine:
             priority=priority,
             lora=processed.lora,
             mm_items=processed.mm_items,
+            pooling_params=pooling,
         )
         self.engine_core.add_request(request)
         outputs = self.output_handler or self.output_processor

@@ -21,6 +21,7 @@ from jllm.models import registry
 from jllm.models.config import settle, sliding_window
 from jllm.models.lora import with_lora_slots
 from jllm.models.pipeline import stage_layers, stage_repeats
+from jllm.pooling.model import HeadWeights, dummy_head, resolve_pooling
 from jllm.quantization import resolve_quantization
 from jllm.spec_decode.draft_model import DraftModel
 from sharding import kv_head_replicas, make_mesh
@@ -47,6 +48,8 @@ class EngineModel:
     # Every layer's AttentionOptions (jllm/attention/options.py), which the backend must take
     attention_options: frozenset = frozenset()
     arch: object = None  # the family's Architecture (models/architecture.py)
+    # A pooling model's task and head (jllm/pooling/model.py PoolingSpec); None: generative.
+    pooling: object = None
 
 
 def replicate_kv_heads(cfg, tp: int):
@@ -129,8 +132,15 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
     )
     if args.hf_overrides:
         apply_hf_overrides(source.hf_config, args.hf_overrides)
+    pooling = resolve_pooling(
+        args.runner, args.convert, args.pooler_config, source.hf_config, source.path
+    )
     arch = registry.resolve(source.hf_config)
     cfg = arch.config(source.hf_config)
+    if pooling is not None:
+        if getattr(cfg, "vision", None) is not None:
+            raise ValueError("Pooling runs text models only; this one is a vision model.")
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=True)  # no LM head is built
     derived_len, key = cfg.max_position_embeddings, "max_position_embeddings"
     window = sliding_window(cfg)
     if args.disable_sliding_window and window is not None and window < derived_len:
@@ -198,10 +208,20 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
     scaled, file_scales = resolve_kv_scales(args, source, cfg.num_layers, arch.rename)
     if scaled:
         cfg = dataclasses.replace(cfg, kv_scales=True)
+    weights = source
+    if pooling is not None:
+        ids = []
+        if pooling.from_tokens:
+            if tokenizer is None:
+                raise ValueError("classifier_from_token needs the tokenizer.")
+            ids = [tokenizer.convert_tokens_to_ids(t) for t in pooling.from_tokens]
+        weights = HeadWeights(source, pooling, ids)
+        if args.load_format == "dummy":
+            dummy_head(pooling, cfg.hidden_size, args.seed or 0)
     graphdef, state = load_model(
         arch,
         cfg,
-        source,
+        weights,
         dtype,
         mesh,
         args.load_format,
@@ -240,6 +260,7 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
         None if cfg.stage_repeats is None else stage_layers(arch.module, cfg),
         attention_options,
         arch,
+        pooling,
     )
 
 

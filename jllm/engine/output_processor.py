@@ -29,7 +29,15 @@ from jllm.engine.outputs import (
     EngineCoreRequest,
     sequence_id,
 )
-from jllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, WeightVersionSpan
+from jllm.outputs import (
+    CompletionOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+    WeightVersionSpan,
+)
+from jllm.pooling.head import apply_head
 from jllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -64,6 +72,7 @@ class RequestState:
         self.model_execute_time = 0.0
         self.weight_versions: list[list] = []  # [version, start, end] over output tokens
         self.routed_experts: list = []  # the core's routing chunks ([n, L, k] each)
+        self.pooled = None  # a pooling request's hidden state [D], once computed
 
     @property
     def num_output_tokens(self) -> int:
@@ -113,6 +122,7 @@ class ParentRequest:
     # The W3C trace headers of the HTTP request it came from (jllm/tracing.py), if traced.
     trace_headers: dict | None = None
     lora_request: object | None = None  # the LoRARequest it runs with
+    pooling_params: object | None = None  # a pooling request's (jllm/pooling)
 
     @property
     def finished(self) -> bool:
@@ -130,8 +140,9 @@ class OutputProcessorOutput:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, pooling=None) -> None:
         self.tokenizer = tokenizer
+        self.pooling = pooling  # a pooling model's PoolingSpec: its head runs here
         self.logprobs = LogprobsProcessor(tokenizer)
         self.parents: dict[str, ParentRequest] = {}
         self.sequences: dict[str, RequestState] = {}  # sequence id -> its state
@@ -167,6 +178,7 @@ class OutputProcessor:
             request.arrival_time,
             trace_headers=trace_headers,
             lora_request=None if lora is None else lora.request,
+            pooling_params=request.pooling_params,
         )
         self.parents[rid] = parent
         for child in children:
@@ -244,6 +256,8 @@ class OutputProcessor:
         seq.scheduler_time, seq.model_execute_time = out.scheduler_time, out.model_execute_time
         if out.routed_experts is not None:
             seq.routed_experts.append(out.routed_experts)
+        if out.pooled is not None:
+            seq.pooled = out.pooled
         if out.new_prompt_logprobs is not None:
             self.logprobs.record_prompt(seq, *out.new_prompt_logprobs)
         tokens = out.new_token_ids
@@ -279,6 +293,15 @@ class OutputProcessor:
             if not child.is_finished():
                 child.finish_reason = "error"
         self._forget(parent)
+        if parent.pooling_params is not None:
+            return PoolingRequestOutput(
+                parent.request_id,
+                PoolingOutput(np.zeros(0, np.float32)),
+                parent.prompt_token_ids,
+                0,
+                True,
+                error="the request failed in the engine",
+            )
         outputs = [
             CompletionOutput(
                 index=i,
@@ -313,6 +336,8 @@ class OutputProcessor:
         """CUMULATIVE and FINAL_ONLY: every sequence so far. DELTA: only the sequences that
         moved this step (`touched`), each with the text, tokens and logprobs since the last
         output; their `index` says which of the `n` they are."""
+        if parent.pooling_params is not None:
+            return self._pooling_output(parent)
         p = parent.params
         delta = p.output_kind == RequestOutputKind.DELTA
         completions = []
@@ -368,4 +393,18 @@ class OutputProcessor:
             metrics=metrics,
             num_cached_tokens=first.num_cached_tokens,
             lora_request=parent.lora_request,
+        )
+
+    def _pooling_output(self, parent: ParentRequest) -> PoolingRequestOutput:
+        """A pooling request's one output: the model's head over its pooled hidden state."""
+        seq = parent.children[0]
+        if seq.pooled is None:
+            raise RuntimeError("the engine returned no hidden state for a pooling request")
+        data = apply_head(self.pooling, parent.pooling_params, seq.pooled)
+        return PoolingRequestOutput(
+            parent.request_id,
+            PoolingOutput(data),
+            parent.prompt_token_ids,
+            seq.num_cached_tokens,
+            True,
         )

@@ -37,6 +37,9 @@ class EngineCoreRequest:
     priority: int = 0
     lora: object | None = None  # its LoRA adapter (jllm/lora/peft.py:LoraAdapter)
     mm_items: list = field(default_factory=list)  # its images (engine/multimodal.py)
+    # A pooling request (jllm/pooling): its verified PoolingParams; `sampling_params` then
+    # runs its prompt and ends it after one placeholder token.
+    pooling_params: object | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -67,6 +70,8 @@ class EngineCoreOutput:
     # enable_return_routed_experts: the routing rows that became final this step
     # ([n, L, k], engine/routed_experts.py), or None
     routed_experts: object = None
+    # A pooling request's final-norm hidden state [D] float32 (jllm/pooling), at its end
+    pooled: object = None
 
     @property
     def finished(self) -> bool:

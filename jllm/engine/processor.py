@@ -56,10 +56,11 @@ class Processor:
         self.mm = mm  # a vision-language model's MultiModalProcessor, else None
 
     def process_prompt(
-        self, prompt, params: SamplingParams, add_special_tokens: bool = True
+        self, prompt, params: SamplingParams, add_special_tokens: bool = True, pooling=False
     ) -> ProcessedPrompt:
         """`add_special_tokens`: whether a text prompt's tokenization adds the tokenizer's
-        special tokens (False for a chat template's output, which holds them)."""
+        special tokens (False for a chat template's output, which holds them). `pooling`: a
+        pooling request's prompt (it generates nothing)."""
         salt = cache_salt_of(prompt)
         if isinstance(prompt, dict) and any(k in prompt for k in MULTIMODAL_KEYS):
             return self._process_multimodal(prompt, params, salt, add_special_tokens)
@@ -82,6 +83,12 @@ class Processor:
             ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         if params.truncate_prompt_tokens is not None:
             ids = ids[-params.truncate_prompt_tokens :]
+        if pooling and len(ids) > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt contains {len(ids)} input tokens, which exceeds this limit even "
+                "without any output tokens. Please reduce the length of the input prompt."
+            )
         self.validate(ids, params)
         return ProcessedPrompt(text, ids, salt)
 

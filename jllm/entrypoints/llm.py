@@ -19,7 +19,17 @@ from jllm.config import EngineArgs
 from jllm.engine.llm_engine import LLMEngine
 from jllm.entrypoints.media import MediaConnector, chat_messages_with_images
 from jllm.logger import setup_logging
-from jllm.outputs import RequestOutput
+from jllm.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from jllm.pooling.head import cosine
+from jllm.pooling.scoring import cross_encoder_prompt, score_pairs, scoring_spec
+from jllm.pooling_params import PoolingParams
 from jllm.sampling_params import RequestOutputKind, SamplingParams
 from jllm.tracing import start_tracing
 
@@ -288,12 +298,127 @@ class LLM:
             prompts, sampling_params, use_tqdm, lora_request, add_special_tokens=False
         )
 
+    # ---- pooling models (jllm/pooling) -----------------------------------------------------
+    def encode(
+        self,
+        prompts,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        lora_request=None,
+        pooling_task: str | None = None,
+        tokenization_kwargs: dict | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's encode: each prompt's pooled vector after the model's head
+        (`PoolingRequestOutput.outputs.data`, a numpy array) for `pooling_task` ("embed" or
+        "classify"). `tokenization_kwargs`: {"truncate_prompt_tokens": N} keeps a prompt's
+        last N tokens (-1: max_model_len)."""
+        if pooling_task is None:
+            raise ValueError(
+                "pooling_task is required for LLM.encode(): pass 'embed' or 'classify'."
+            )
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        engine = self.llm_engine
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_params = [pooling_params] * len(prompts)
+        elif len(pooling_params) != len(prompts):
+            raise ValueError(
+                f"The lengths of prompts ({len(prompts)}) and pooling_params "
+                f"({len(pooling_params)}) must be the same."
+            )
+        params = [engine.pooling_params(p, pooling_task) for p in pooling_params]
+        loras = _per_prompt(lora_request, len(prompts), "lora_request")
+        truncate = (tokenization_kwargs or {}).get("truncate_prompt_tokens")
+        prepared = []
+        for prompt, p, lora in zip(prompts, params, loras, strict=True):
+            if truncate is not None:
+                prompt = self._truncated(prompt, truncate)
+            prepared.append(engine.prepare(prompt, p, lora))
+        return self._run(prepared, use_tqdm, [0] * len(prompts))
+
+    def _truncated(self, prompt, n: int):
+        """The prompt as token ids, its last `n` (-1: max_model_len) kept."""
+        limit = self.llm_engine.max_model_len
+        if n == -1:
+            n = limit
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"truncate_prompt_tokens must be an int >= 1 or -1, got {n!r}.")
+        if n > limit:
+            raise ValueError(
+                "truncate_prompt_tokens value is greater than max_model_len. Please request "
+                "a smaller truncation size."
+            )
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = list(prompt["prompt_token_ids"])
+        else:
+            text = prompt["prompt"] if isinstance(prompt, dict) else prompt
+            ids = self.get_tokenizer().encode(text)
+        return {"prompt_token_ids": ids[-n:]}
+
+    def embed(self, prompts, pooling_params=None, **kwargs) -> list[EmbeddingRequestOutput]:
+        """vLLM's embed: one embedding per prompt (`outputs.embedding`); `encode`'s keyword
+        arguments but `pooling_task`."""
+        outs = self.encode(prompts, pooling_params, pooling_task="embed", **kwargs)
+        return [EmbeddingRequestOutput.from_base(o) for o in outs]
+
+    def classify(self, prompts, pooling_params=None, **kwargs) -> list[ClassificationRequestOutput]:
+        """vLLM's classify: each prompt's class probabilities (`outputs.probs`)."""
+        outs = self.encode(prompts, pooling_params, pooling_task="classify", **kwargs)
+        return [ClassificationRequestOutput.from_base(o) for o in outs]
+
+    def score(
+        self,
+        data_1,
+        data_2,
+        /,
+        *,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+        lora_request=None,
+        tokenization_kwargs: dict | None = None,
+        chat_template: str | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's score: a score per (data_1, data_2) pair, 1:1, 1:N or N:N, in data_2's
+        order. A classifier with one label scores each pair joined into one prompt (a
+        cross-encoder); an embedding model the cosine of the two texts' embeddings."""
+        spec = scoring_spec(self.llm_engine.pooling, "LLM.score()")
+        common = dict(
+            use_tqdm=use_tqdm, lora_request=lora_request, tokenization_kwargs=tokenization_kwargs
+        )
+        queries, docs = score_pairs(data_1, data_2)
+        if spec.task == "classify":
+            prompts = [
+                cross_encoder_prompt(self.get_tokenizer(), q, d, chat_template, spec)
+                for q, d in zip(queries, docs, strict=True)
+            ]
+            outs = self.encode(prompts, pooling_params, pooling_task="classify", **common)
+            return [ScoringRequestOutput.from_base(o) for o in outs]
+        unique = list(dict.fromkeys(queries))
+        outs = self.encode(unique + docs, pooling_params, pooling_task="embed", **common)
+        embedded = {q: o for q, o in zip(unique, outs, strict=False)}
+        results = []
+        for q, doc_out in zip(queries, outs[len(unique) :], strict=True):
+            q_out = embedded[q]
+            results.append(
+                ScoringRequestOutput(
+                    request_id=f"{q_out.request_id}_{doc_out.request_id}",
+                    outputs=ScoringOutput(cosine(q_out.outputs.data, doc_out.outputs.data)),
+                    prompt_token_ids=q_out.prompt_token_ids + doc_out.prompt_token_ids,
+                    num_cached_tokens=doc_out.num_cached_tokens,
+                    finished=True,
+                )
+            )
+        return results
+
     def _run(self, prepared, use_tqdm: bool, priority: list[int]) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = []
         try:
             for (processed, params), prio in zip(prepared, priority, strict=True):
-                params.output_kind = RequestOutputKind.FINAL_ONLY
+                if isinstance(params, SamplingParams):
+                    params.output_kind = RequestOutputKind.FINAL_ONLY
                 rid = str(next(self._counter))
                 engine.add_request(rid, processed, params, int(prio))
                 ids.append(rid)
@@ -314,7 +439,8 @@ class LLM:
                     results[out.request_id] = out
                     if bar is not None:
                         in_toks += len(out.prompt_token_ids)
-                        out_toks += sum(len(c.token_ids) for c in out.outputs)
+                        if isinstance(out, RequestOutput):
+                            out_toks += sum(len(c.token_ids) for c in out.outputs)
                         elapsed = time.perf_counter() - start
                         bar.postfix = (
                             f"est. speed input: {in_toks / elapsed:.2f} toks/s, "

@@ -54,7 +54,7 @@ from jllm.runner.prompt_logprobs import prompt_logprobs_step
 from jllm.runner.prompt_logprobs import unpack as unpack_prompt_logprobs
 from jllm.runner.routed_experts import split_by_request
 from jllm.runner.sampled import SampledToken
-from jllm.runner.sampler import sample, unpack_result
+from jllm.runner.sampler import pooled_result, sample, unpack_pooled, unpack_result
 from jllm.runner.sampling_inputs import grammar_rows
 from jllm.runner.step_message import StepPlan, from_message, to_message
 from jllm.runner.transfer import Layout, pack, unpack
@@ -156,10 +156,15 @@ def _sample_step(
     num_logprobs,
     logits_processors,
     logprobs_mode="raw_logprobs",
+    pooling=False,
 ):
     """The LM head on the first Rs of the forward's [logit_rows, D] hidden states (Rs: the
-    rows of the packed sampling metadata `buf`), then the sampler (runner/sampler.py)."""
+    rows of the packed sampling metadata `buf`), then the sampler (runner/sampler.py). A
+    pooling model's (`pooling`) runs neither: its rows' hidden states go back in the packed
+    result (sampler.pooled_result)."""
     md = unpack(buf, layout)
+    if pooling:
+        return pooled_result(hidden, md.batch_row.shape[0], num_logprobs), counts, last_tokens
     model = nnx.merge(graphdef, state)
     # Padding sample rows belong to the input batch's padding row, the last.
     sampled = md.batch_row < last_tokens.shape[0] - 1
@@ -189,6 +194,7 @@ sample_step = jax.jit(
         "num_logprobs",
         "logits_processors",
         "logprobs_mode",
+        "pooling",
         "invariant",
     ),
     donate_argnames=("counts", "last_tokens"),
@@ -215,8 +221,11 @@ class ModelRunner:
         logprobs_mode: str = "raw_logprobs",
         routes=None,
         invariant: bool = False,
+        pooling: bool = False,
     ) -> None:
         self.graphdef = graphdef
+        # A pooling model (jllm/pooling): its steps return hidden states, not tokens.
+        self.pooling = pooling
         # The batch-invariant mode its steps are traced in (jllm/config/batch_invariant.py)
         self.invariant = invariant
         # enable_return_routed_experts: what the forward records (runner/routed_experts.py)
@@ -396,6 +405,7 @@ class ModelRunner:
                 num_logprobs=self.max_logprobs,
                 logits_processors=self.logits_processors,
                 logprobs_mode=self.logprobs_mode,
+                pooling=self.pooling,
                 invariant=self.invariant,
             )
 
@@ -633,6 +643,9 @@ class ModelRunner:
             logger.info("First step took %.2f s.", time.perf_counter() - self._first_step)
         tokens, lp, rank, emitted, top_ids, top_lp = unpack_result(packed, self.max_logprobs)
         result = ModelRunnerOutput(failed=failed)
+        if self.pooling:
+            states = unpack_pooled(packed, self.max_logprobs)
+            result.pooled = {g.req_id: states[g.first].copy() for g in groups}
         batch = self.batch
         for g in groups:
             rows = range(g.first, g.first + g.count)

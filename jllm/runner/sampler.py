@@ -264,6 +264,31 @@ def sample(
     return packed, counts, last_tokens
 
 
+def pooled_result(hidden, rows: int, num_logprobs: int):
+    """A pooling model's step (jllm/pooling): no LM head and no sampler. The packed result
+    of `sample`'s layout for `rows` rows, each emitting a placeholder token (0) that ends its
+    request, then the row's hidden state [D] as float32 bits (read by `unpack_pooled`)."""
+    J = num_logprobs
+    states = hidden[:rows].astype(jnp.float32)
+    packed = jnp.concatenate(
+        [
+            jnp.zeros((rows, 3), jnp.int32),
+            jnp.ones((rows, 1), jnp.int32),
+            jnp.zeros((rows, 2 * J), jnp.int32),
+            _as_int32(states),
+        ],
+        axis=1,
+    )
+    if not jax.sharding.get_abstract_mesh().empty:
+        packed = jax.lax.with_sharding_constraint(packed, jax.sharding.PartitionSpec())
+    return packed
+
+
+def unpack_pooled(packed: np.ndarray, num_logprobs: int) -> np.ndarray:
+    """[R, D] float32: the hidden states of `pooled_result`."""
+    return packed[:, 4 + 2 * num_logprobs :].view(np.float32)
+
+
 def unpack_result(packed: np.ndarray, num_logprobs: int):
     """Host side of the packed result: tokens, logprobs, ranks, emitted, top ids, top lps."""
     J = num_logprobs

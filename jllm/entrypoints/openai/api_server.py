@@ -37,6 +37,7 @@ from jllm.entrypoints.openai.chat_templates import check_request_template, rende
 from jllm.entrypoints.openai.cli_args import load_chat_template, make_arg_parser
 from jllm.entrypoints.openai.dev_routes import attach_dev_routes, dev_mode
 from jllm.entrypoints.openai.openapi import build_openapi
+from jllm.entrypoints.openai.pooling.serving import ServingPooling, attach_pooling_routes
 from jllm.entrypoints.openai.probes import attach_probe_routes
 from jllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -234,25 +235,33 @@ def build_app(args: argparse.Namespace, engine: StoppableLLM, metrics: Prometheu
         async def unload_lora_adapter(raw: Request):
             return PlainTextResponse(models.unload(await json_object(raw)))
 
-    @app.post("/v1/completions")
-    async def create_completion(body: CompletionRequest, raw: Request):
-        check_priority(body, engine)
-        if body.stream:
-            return await completions.create_completion(body, raw)
-        return await with_cancellation(raw, completions.create_completion(body, raw))
+    handlers = {}
+    if engine.engine.pooling is None:  # a generative model: the generation routes
 
-    @app.post("/v1/chat/completions")
-    async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
-        check_priority(body, engine)
-        if body.stream:
-            return await chat.create_chat_completion(body, raw)
-        return await with_cancellation(raw, chat.create_chat_completion(body, raw))
+        @app.post("/v1/completions")
+        async def create_completion(body: CompletionRequest, raw: Request):
+            check_priority(body, engine)
+            if body.stream:
+                return await completions.create_completion(body, raw)
+            return await with_cancellation(raw, completions.create_completion(body, raw))
 
-    attach_anthropic_routes(app, chat, with_cancellation)
-    priority = functools.partial(check_priority, engine=engine)
-    attach_responses_routes(app, chat, with_cancellation, priority)
-    tokens = ServingTokens(engine, **common)
-    attach_token_routes(app, tokens, args.enable_scale_out, with_cancellation, priority)
+        @app.post("/v1/chat/completions")
+        async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
+            check_priority(body, engine)
+            if body.stream:
+                return await chat.create_chat_completion(body, raw)
+            return await with_cancellation(raw, chat.create_chat_completion(body, raw))
+
+        attach_anthropic_routes(app, chat, with_cancellation)
+        priority = functools.partial(check_priority, engine=engine)
+        attach_responses_routes(app, chat, with_cancellation, priority)
+        tokens = ServingTokens(engine, **common)
+        attach_token_routes(app, tokens, args.enable_scale_out, with_cancellation, priority)
+        handlers = {"chat": create_chat_completion, "completions": create_completion}
+    else:  # a pooling model: vLLM mounts its routes in their place
+        pooling = ServingPooling(engine, chat, **common)
+        priority = functools.partial(check_priority, engine=engine)
+        attach_pooling_routes(app, pooling, with_cancellation, priority)
 
     attach_probe_routes(
         app,
@@ -260,7 +269,7 @@ def build_app(args: argparse.Namespace, engine: StoppableLLM, metrics: Prometheu
         args=args,
         models=models,
         created=completions.created,
-        handlers={"chat": create_chat_completion, "completions": create_completion},
+        handlers=handlers,
     )
 
     def check_tokenizer_request(body) -> None:

@@ -51,7 +51,7 @@ def tokenizer_info(tokenizer) -> dict:
 
 def attach_probe_routes(app: FastAPI, *, engine, args, models, created, handlers) -> None:
     """`handlers`: {"chat": create_chat_completion, "completions": create_completion}, the
-    route functions `/invocations` dispatches to."""
+    route functions `/invocations` dispatches to (none: no `/invocations`)."""
     app.state.server_load = 0
     if args.enable_server_load_tracking:
         app.add_middleware(LoadTracker, state=app.state)
@@ -76,6 +76,8 @@ def attach_probe_routes(app: FastAPI, *, engine, args, models, created, handlers
                 raise OpenAIError("The server runs without a tokenizer.", 404)
             return JSONResponse(tokenizer_info(tokenizer))
 
+    if not handlers:  # a pooling model: no generation routes to dispatch to
+        return
     either = {
         "anyOf": [
             {"$ref": "#/components/schemas/ChatCompletionRequest"},

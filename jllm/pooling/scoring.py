@@ -1,0 +1,48 @@
+"""Scoring (vLLM's `LLM.score`, `/score`, `/rerank`): which models score, how the two sides
+pair, and a cross-encoder's prompt for one pair. Host-side only."""
+
+from __future__ import annotations
+
+
+def scoring_spec(spec, api: str):
+    """The pooling spec of a model that scores (ValueError with vLLM's messages else)."""
+    if spec is None:
+        raise ValueError(
+            f"{api} is only supported for pooling models. Try passing `--runner pooling` to "
+            "use the model as a pooling model."
+        )
+    if spec.task == "classify" and spec.num_labels != 1:
+        raise ValueError("Scoring API is only enabled for num_labels == 1.")
+    if not spec.enable_scoring:
+        raise ValueError("This model does not support the Scoring API.")
+    return spec
+
+
+def score_pairs(data_1, data_2) -> tuple[list, list]:
+    """vLLM's pairing: 1:1, 1:N (the one query for every document) or N:N; the documents'
+    order is the outputs'."""
+    first = [data_1] if isinstance(data_1, (str, dict)) else list(data_1)
+    second = [data_2] if isinstance(data_2, (str, dict)) else list(data_2)
+    if not first or not second:
+        raise ValueError("At least one text element must be given")
+    if len(first) > 1 and len(first) != len(second):
+        raise ValueError("Input lengths must be either 1:1, 1:N or N:N")
+    if len(first) == 1:
+        first = first * len(second)
+    for text in (*first, *second):
+        if not isinstance(text, str):
+            raise ValueError("Scoring inputs must be strings.")
+    return first, second
+
+
+def cross_encoder_prompt(tokenizer, query: str, doc: str, chat_template: str | None, spec=None):
+    """One pair as one prompt, as vLLM builds it for a classifier: the chat template's
+    rendering of a "query" and a "document" message when given, the tokenizer's text pair
+    for a model whose config sets `use_sep_token`, else the two texts joined."""
+    if chat_template is not None:
+        messages = [{"role": "query", "content": query}, {"role": "document", "content": doc}]
+        text = tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False)
+        return {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+    if spec is not None and spec.use_sep_token:
+        return {"prompt_token_ids": tokenizer(text=query, text_pair=doc)["input_ids"]}
+    return query + doc

@@ -1,0 +1,175 @@
+"""The pooling routes on a live server against the offline engine and the oracles: the
+`openai` client's embeddings (floats, and its default base64), /pooling, /classify, /score
+and /rerank with vLLM's bodies; the generation routes are not mounted; hostile requests
+get 4xx and harm nothing beside them."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import httpx
+import ml_dtypes
+import numpy as np
+import openai
+import pytest
+from openai_server import MODEL_NAME, RunningServer, server_args
+from pooling_oracle import hf_last_logits
+
+from jllm.entrypoints.openai.api_server import build_app, build_engine
+
+TEXTS = ["Hello world", "The quick brown fox jumps over the lazy dog", "a"]
+
+
+def serve(model: str, *extra: str):
+    args = server_args(model, *extra)
+    engine, metrics = build_engine(args)
+    return RunningServer(build_app(args, engine, metrics), engine), engine
+
+
+@pytest.fixture(scope="module")
+def embed_server(st_model):
+    running, engine = serve(st_model[0])
+    yield running
+    running.stop()
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cross_server(cross_encoder_dir):
+    running, engine = serve(cross_encoder_dir)
+    yield running
+    running.stop()
+    engine.shutdown()
+
+
+def st_vectors(st_model, texts):
+    return np.stack([st_model[1].encode(t) for t in texts])
+
+
+def test_openai_client_embeddings(embed_server, st_model):
+    client = openai.OpenAI(base_url=f"{embed_server.url}/v1", api_key="x", max_retries=0)
+    want = st_vectors(st_model, TEXTS)
+    floats = client.embeddings.create(model=MODEL_NAME, input=TEXTS, encoding_format="float")
+    np.testing.assert_allclose([d.embedding for d in floats.data], want, atol=2e-5)
+    assert [d.index for d in floats.data] == [0, 1, 2] and floats.model == MODEL_NAME
+    assert floats.usage.prompt_tokens == floats.usage.total_tokens > 0
+    default = client.embeddings.create(model=MODEL_NAME, input=TEXTS[0])  # base64 on the wire
+    np.testing.assert_allclose(default.data[0].embedding, want[0], atol=2e-5)
+
+
+def test_embedding_body_fields(embed_server, st_model):
+    url = f"{embed_server.url}/v1/embeddings"
+    ids = st_model[1].tokenizer.encode(TEXTS[1])
+    body = {"input": [ids], "encoding_format": "base64", "embed_dtype": "bfloat16"}
+    r = httpx.post(url, json=body, headers={"X-Request-Id": "mine"})
+    assert r.status_code == 200 and r.json()["id"] == "embd-mine"
+    raw = np.frombuffer(base64.b64decode(r.json()["data"][0]["embedding"]), ml_dtypes.bfloat16)
+    want = st_vectors(st_model, TEXTS[1:2])[0]
+    np.testing.assert_allclose(raw.astype(np.float32), want, atol=1e-2)
+    big = {"input": TEXTS[0], "encoding_format": "base64", "endianness": "big"}
+    vec = np.frombuffer(
+        base64.b64decode(httpx.post(url, json=big).json()["data"][0]["embedding"]), ">f4"
+    )
+    np.testing.assert_allclose(vec, st_vectors(st_model, TEXTS[:1])[0], atol=2e-5)
+    cut = httpx.post(url, json={"input": TEXTS[1], "truncate_prompt_tokens": 2}).json()
+    assert cut["usage"]["prompt_tokens"] == 2
+    chat = httpx.post(url, json={"messages": [{"role": "user", "content": "Hi"}]})
+    assert chat.status_code == 400 and "chat template" in chat.json()["error"]["message"]
+
+
+def test_pooling_and_score_routes(embed_server, st_model):
+    base = embed_server.url
+    pooled = httpx.post(f"{base}/pooling", json={"input": TEXTS[:2]}).json()
+    assert [d["object"] for d in pooled["data"]] == ["pooling", "pooling"]
+    np.testing.assert_allclose(
+        [d["data"] for d in pooled["data"]], st_vectors(st_model, TEXTS[:2]), atol=2e-5
+    )
+    score = httpx.post(f"{base}/score", json={"queries": "Hello", "documents": TEXTS}).json()
+    q = st_model[1].encode("Hello")
+    want = st_vectors(st_model, TEXTS) @ q
+    np.testing.assert_allclose([d["score"] for d in score["data"]], want, atol=2e-5)
+    assert score["id"].startswith("score-") and score["object"] == "list"
+    rerank = httpx.post(
+        f"{base}/v1/rerank", json={"query": "Hello", "documents": TEXTS, "top_n": 2}
+    ).json()
+    order = list(np.argsort(-want)[:2])
+    assert [r["index"] for r in rerank["results"]] == order
+    assert rerank["results"][0]["document"] == {"text": TEXTS[order[0]], "multi_modal": None}
+    assert "object" not in rerank and rerank["usage"]["total_tokens"] > 0
+
+
+def test_cross_encoder_routes(cross_server, cross_encoder_dir):
+    base = cross_server.url
+    score = httpx.post(f"{base}/score", json={"data_1": "Where?", "data_2": TEXTS}).json()
+    classify = httpx.post(f"{base}/classify", json={"input": TEXTS}).json()
+    assert [d["num_classes"] for d in classify["data"]] == [1, 1, 1]
+    assert classify["data"][0]["label"] == "label_0"
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = httpx.post(
+        f"{base}/classify", json={"messages": messages, "add_generation_prompt": True}
+    )
+    tokenizer = cross_server.engine.get_tokenizer()
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat.json()["usage"]["prompt_tokens"] == len(tokenizer.encode(text))
+    r = httpx.post(f"{base}/v1/embeddings", json={"input": "a"})
+    assert r.status_code == 404  # not mounted: the model is a classifier
+    tokenizer = cross_server.engine.get_tokenizer()
+    for text, d in zip(TEXTS, score["data"], strict=True):
+        (logit,) = hf_last_logits(cross_encoder_dir, tokenizer.encode("Where?" + text))
+        assert d["score"] == pytest.approx(1 / (1 + np.exp(-logit)), abs=2e-5)
+
+
+def test_generation_routes_are_not_mounted(embed_server):
+    r = httpx.post(
+        f"{embed_server.url}/v1/chat/completions",
+        json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}]},
+    )
+    assert r.status_code == 404
+    assert httpx.post(f"{embed_server.url}/classify", json={"input": "a"}).status_code == 404
+
+
+HOSTILE = [
+    ({"input": []}, 400, "at least one prompt"),
+    ({"input": ""}, 400, "cannot be empty"),
+    ({"input": [[10**9]]}, 400, "out of vocabulary"),
+    ({"input": "a", "normalize": True}, 400, "`normalize` was removed"),
+    ({"input": "a", "dimensions": 8}, 400, "does not support Matryoshka"),
+    ({"input": "a", "model": "nope"}, 404, "does not exist"),
+    ({"input": "a", "truncate_prompt_tokens": 10**6}, 400, "greater than max_model_len"),
+    ({"input": "a", "encoding_format": "bytes"}, 400, None),
+    ({"input": "a", "embed_dtype": "int8"}, 400, None),
+    ({"input": "a", "priority": 5}, 400, "Priority scheduling is not enabled"),
+    ({"input": "a" * 4000}, 400, "maximum context length"),
+    ({"input": {"a": 1}}, 400, None),
+    ({"input": "a", "messages": [{"role": "user", "content": "b"}]}, 400, "not both"),
+]
+
+
+def test_hostile_embedding_requests(embed_server, st_model):
+    url = f"{embed_server.url}/v1/embeddings"
+    want = st_vectors(st_model, TEXTS[:1])[0]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as client:
+            good = client.post(url, json={"input": TEXTS[0], "encoding_format": "float"})
+            bad = [client.post(url, json=body) for body, _, _ in HOSTILE]
+            return await asyncio.gather(good, *bad)
+
+    good, *bad = asyncio.run(run())
+    np.testing.assert_allclose(good.json()["data"][0]["embedding"], want, atol=2e-5)
+    for (body, status, message), r in zip(HOSTILE, bad, strict=True):
+        assert r.status_code == status, (body, r.text)
+        if status != 200:
+            assert set(r.json()["error"]) >= {"message", "type", "code"}
+            if message:
+                assert message in r.json()["error"]["message"], (body, r.text)
+    assert httpx.get(f"{embed_server.url}/health").status_code == 200
+
+
+def test_openapi_document_lists_the_pooling_routes(embed_server):
+    doc = httpx.get(f"{embed_server.url}/openapi.json")
+    assert doc.status_code == 200
+    paths = doc.json()["paths"]
+    assert {"/v1/embeddings", "/pooling", "/score", "/rerank"} <= set(paths)
+    assert "/v1/chat/completions" not in paths and "/classify" not in paths
