@@ -4,8 +4,8 @@ embedding model: last-token pooling, normalized, as `--convert embed` makes it).
 
     python benchmarks/embeddings.py --peer vllm-cpu
 
-Workloads: E1, 256 texts of about 128 tokens (a corpus being indexed); E2, 64 queries of
-about 16 tokens. Prints texts/s and prompt tokens/s per engine and jllm's ratio to each.
+Workloads: E1, 256 texts of 32 to 256 tokens (a corpus being indexed); E2, 64 queries of
+8 to 16 tokens. Prints texts/s and prompt tokens/s per engine and jllm's ratio to each.
 The model is the peer set-up's SmolLM2 folder (../shared/peers/vllm_cpu/setup.sh), else the
 embedded GGUF's.
 """
@@ -28,9 +28,10 @@ WORDS = (
 ).split()
 
 
-def texts(n: int, words: int, seed: int) -> list[str]:
+def texts(n: int, low: int, high: int, seed: int) -> list[str]:
+    """`n` texts of `low` to `high` words (about as many tokens), lengths drawn uniformly."""
     rng = np.random.default_rng(seed)
-    return [" ".join(rng.choice(WORDS, words)) for _ in range(n)]
+    return [" ".join(rng.choice(WORDS, rng.integers(low, high + 1))) for _ in range(n)]
 
 
 def model_dir() -> str:
@@ -95,7 +96,7 @@ def main() -> None:
     ap.add_argument("--skip-st", action="store_true", help="no sentence-transformers run")
     args = ap.parse_args()
     model = model_dir()
-    workloads = {"E1": texts(256, 100, 1), "E2": texts(64, 12, 2)}
+    workloads = {"E1": texts(256, 32, 256, 1), "E2": texts(64, 8, 16, 2)}
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(model)

@@ -23,7 +23,7 @@ def plain_copy(model_dir: str, path) -> str:
     return str(path)
 
 
-def save_st_model(llama_dir: str, tmp_path_factory):
+def save_st_model(llama_dir: str, tmp_path_factory, mode: str = "lasttoken"):
     """(folder, SentenceTransformer): the tiny Llama with last-token pooling and Normalize,
     saved as sentence-transformers saves it (modules.json, a LlamaModel checkpoint)."""
     from sentence_transformers import SentenceTransformer
@@ -31,7 +31,7 @@ def save_st_model(llama_dir: str, tmp_path_factory):
 
     plain = plain_copy(llama_dir, tmp_path_factory.mktemp("st") / "plain")
     body = Transformer(plain)
-    pooling = Pooling(body.get_embedding_dimension(), pooling_mode="lasttoken")
+    pooling = Pooling(body.get_embedding_dimension(), pooling_mode=mode)
     model = SentenceTransformer(modules=[body, pooling, Normalize()], device="cpu")
     path = tmp_path_factory.mktemp("st-embed")
     model.save(str(path))

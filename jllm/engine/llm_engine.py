@@ -184,7 +184,7 @@ class LLMEngine:
             logprobs_mode=args.logprobs_mode,
             routes=routes,
             invariant=invariant,
-            pooling=m.pooling is not None,
+            pooling=None if m.pooling is None else m.pooling.pooling_type,
         )
         sizing = time.perf_counter()
         specs, kv_config = size_kv_cache(

@@ -140,6 +140,15 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
     if pooling is not None:
         if getattr(cfg, "vision", None) is not None:
             raise ValueError("Pooling runs text models only; this one is a vision model.")
+        if pooling.pooling_type != "LAST" and (
+            args.enable_chunked_prefill or args.enable_prefix_caching
+        ):
+            # vLLM's rule: MEAN and CLS read every prompt token in the step that ends the
+            # prompt, so prompts are not split and not read from the prefix cache.
+            logger.info(
+                "%s pooling: chunked prefill and prefix caching are off.", pooling.pooling_type
+            )
+            args.enable_chunked_prefill = args.enable_prefix_caching = False
         cfg = dataclasses.replace(cfg, tie_word_embeddings=True)  # no LM head is built
     derived_len, key = cfg.max_position_embeddings, "max_position_embeddings"
     window = sliding_window(cfg)

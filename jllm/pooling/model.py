@@ -51,7 +51,7 @@ class PoolingSpec:
 
     task: str  # "embed" or "classify"
     pooler: PoolerConfig
-    pooling_type: str  # "LAST" (MEAN, CLS: refused until the runner pools them)
+    pooling_type: str  # "LAST", "MEAN" or "CLS" (the prompt's first token)
     embedding_size: int
     is_matryoshka: bool = False
     matryoshka_dimensions: list[int] | None = None
@@ -162,11 +162,6 @@ def resolve_pooling(runner: str, convert: str, pooler_config, hf, path: str) -> 
         pooler.seq_pooling_type = st_type or "LAST"
     if modules is not None and pooler.use_activation is None and task == "embed":
         pooler.use_activation = st_normalize
-    if pooler.seq_pooling_type != "LAST":
-        raise ValueError(
-            f"{pooler.seq_pooling_type} pooling is not supported by jllm yet (LAST is: the "
-            "decoder models' pooling, Qwen3-Embedding's and the rerankers')."
-        )
     hidden = hf.get_text_config().hidden_size
     mds = getattr(hf, "matryoshka_dimensions", None)
     spec = PoolingSpec(

@@ -84,6 +84,7 @@ def _forward(
     draft_graphdef=None,
     routes_k=0,
     routes_dtype=None,
+    pooling=None,
 ):
     """One packed buffer in: the step's inputs. Tokens sampled by the previous step are read
     from `last_tokens` on the device. Hands on the hidden states of the tokens sample rows
@@ -99,7 +100,9 @@ def _forward(
     vision-language model's encoder cache [slots, P, D] (runner/encoder.py), whose rows
     replace the image tokens' embeddings. With `routes_k` (enable_return_routed_experts) it
     also returns every layer's routed experts [T, L, k] as `routes_dtype`
-    (runner/routed_experts.py); else None."""
+    (runner/routed_experts.py); else None. A pooling model's MEAN or CLS `pooling` hands on,
+    for each sample row, its prompt's mean or first state instead (float32; the prompt is
+    whole in the step: chunked prefill and the prefix cache are off for them)."""
     batch = unpack(buf, layout)
     on_device = last_tokens[jnp.maximum(batch.from_device, 0)]
     token_ids = jnp.where(batch.from_device >= 0, on_device, batch.token_ids)
@@ -121,7 +124,28 @@ def _forward(
         kv_cache = (kv_cache, draft_cache)
     if routes is not None:
         routes = routes.transpose(1, 0, 2).astype(routes_dtype)  # [T, L, k]
-    return hidden[batch.logits_indices], kv_cache, hidden[batch.prompt_lp_indices], routes
+    rows = hidden[batch.logits_indices]
+    if pooling in ("MEAN", "CLS"):
+        rows = prompt_pool(hidden, batch.positions, batch.logits_indices, pooling)
+    return rows, kv_cache, hidden[batch.prompt_lp_indices], routes
+
+
+def prompt_pool(hidden, positions, last, kind: str):
+    """[R, D] float32: each sample row's prompt states pooled, `last` [R] its last token's
+    index and the prompt whole in the step (its first token at last - positions[last]):
+    their mean (MEAN) or the first (CLS)."""
+    first = last - positions[last]
+    if kind == "CLS":
+        return hidden[first].astype(jnp.float32)
+    t = jnp.arange(hidden.shape[0])
+    mask = (t[None, :] >= first[:, None]) & (t[None, :] <= last[:, None])
+    sums = jnp.einsum(
+        "RT,TD->RD",
+        mask.astype(jnp.float32),
+        hidden.astype(jnp.float32),
+        precision=jax.lax.Precision.HIGHEST,
+    )
+    return sums / (positions[last] + 1).astype(jnp.float32)[:, None]
 
 
 # `invariant` (batch_invariant.keyed): the batch-invariant mode the step is traced in.
@@ -134,6 +158,7 @@ forward_step = jax.jit(
         "draft_graphdef",
         "routes_k",
         "routes_dtype",
+        "pooling",
         "invariant",
     ),
     donate_argnames=("kv_cache",),
@@ -221,10 +246,11 @@ class ModelRunner:
         logprobs_mode: str = "raw_logprobs",
         routes=None,
         invariant: bool = False,
-        pooling: bool = False,
+        pooling: str | None = None,
     ) -> None:
         self.graphdef = graphdef
-        # A pooling model (jllm/pooling): its steps return hidden states, not tokens.
+        # A pooling model's pooling type (jllm/pooling: "LAST", "MEAN", "CLS"): its steps
+        # return pooled hidden states, not tokens. None: a generative model.
         self.pooling = pooling
         # The batch-invariant mode its steps are traced in (jllm/config/batch_invariant.py)
         self.invariant = invariant
@@ -373,6 +399,7 @@ class ModelRunner:
             draft_graphdef=None if self.draft is None else self.draft.graphdef,
             routes_k=0 if self.routes is None else self.routes.k,
             routes_dtype=None if self.routes is None else self.routes.dtype,
+            pooling=self.pooling,
             invariant=self.invariant,
         )
 
@@ -405,7 +432,7 @@ class ModelRunner:
                 num_logprobs=self.max_logprobs,
                 logits_processors=self.logits_processors,
                 logprobs_mode=self.logprobs_mode,
-                pooling=self.pooling,
+                pooling=self.pooling is not None,
                 invariant=self.invariant,
             )
 

@@ -182,8 +182,8 @@ def test_refusals(embedder, llama_llm, st_model):
         embedder.classify("Hello")
     with pytest.raises(ValueError, match="Embedding models do not support `--runner generate`"):
         LLM(st_model[0], **SMALL, runner="generate")
-    with pytest.raises(ValueError, match="MEAN pooling is not supported"):
-        LLM(st_model[0], **SMALL, pooler_config={"pooling_type": "MEAN"})
+    with pytest.raises(ValueError, match="seq_pooling_type must be one of"):
+        LLM(st_model[0], **SMALL, pooler_config={"pooling_type": "MAX"})
     with pytest.raises(ValueError, match="`normalize` was removed"):
         LLM(st_model[0], **SMALL, pooler_config={"normalize": True})
 
@@ -236,3 +236,22 @@ def test_lora_embeddings_match_the_merged_model(llama_dir, tmp_path_factory):
                 ids = torch.tensor([tokenizer.encode(text)])
                 h = model(ids).last_hidden_state[0, -1].numpy()
             np.testing.assert_allclose(out.outputs.embedding, h / np.linalg.norm(h), atol=5e-5)
+
+
+@pytest.mark.parametrize("mode", ["mean", "cls"])
+def test_mean_and_cls_pooling_match_sentence_transformers(llama_dir, tmp_path_factory, mode):
+    """MEAN and CLS read the whole prompt in the step that ends it: chunked prefill and the
+    prefix cache are off (vLLM's rule), and a prompt longer than the step budget still fits
+    one step."""
+    from pooling_oracle import save_st_model
+
+    path, st = save_st_model(llama_dir, tmp_path_factory, mode)
+    llm = LLM(path, **{**SMALL, "max_num_batched_tokens": 16})
+    texts = TEXTS + [TEXTS[3] * 3]  # the last is longer than 16 tokens
+    outs = llm.embed(texts)
+    np.testing.assert_allclose([o.outputs.embedding for o in outs], st_embed(st, texts), atol=2e-5)
+    args = llm.llm_engine.args
+    assert not args.enable_chunked_prefill and not args.enable_prefix_caching
+    again = llm.embed(texts[:1])
+    assert again[0].num_cached_tokens == 0
+    np.testing.assert_array_equal(again[0].outputs.embedding, outs[0].outputs.embedding)

@@ -54,6 +54,22 @@ def test_without_the_flag_the_routes_do_not_exist(dev):
     with TestClient(plain) as client:
         assert client.post("/pause").status_code == 404
         assert client.get("/weight_info").status_code == 404
+        assert client.get("/server_info").status_code == 404
+
+
+def test_server_info(dev, monkeypatch):
+    server, _, _ = dev
+    monkeypatch.setenv("VLLM_API_KEY", "secret")
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
+    info = httpx.get(f"{server.url}/server_info", params={"config_format": "json"}).json()
+    assert info["vllm_config"]["model"] == server.engine.engine.args.model
+    assert info["vllm_config"]["enable_sleep_mode"] is True
+    assert (
+        info["vllm_env"]["VLLM_LOGGING_LEVEL"] == "INFO" and "VLLM_API_KEY" not in info["vllm_env"]
+    )
+    assert info["system_env"]["jax_version"]
+    text = httpx.get(f"{server.url}/server_info").json()
+    assert isinstance(text["vllm_config"], str)
 
 
 def test_a_weight_update_through_the_safetensors_transfer(dev, llama_dir):

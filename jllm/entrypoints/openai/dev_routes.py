@@ -9,19 +9,43 @@ model cannot take) is an OpenAI-style 400, never a 500; the engine goes on servi
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import platform
+import sys
 from typing import Annotated, Any, Literal
 
 from fastapi import Body, FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 
 from jllm.entrypoints.openai.serving_engine import error_response
+from jllm.version import __version__ as JLLM_VERSION
 
 PauseMode = Literal["abort", "wait", "keep"]
 
 
 def dev_mode() -> bool:
     return os.environ.get("VLLM_SERVER_DEV_MODE", "") == "1"
+
+
+def engine_config(args) -> dict:
+    """The engine arguments as JSON values (anything else as its text)."""
+    return json.loads(json.dumps(dataclasses.asdict(args), default=str))
+
+
+def system_env() -> dict:
+    import jax
+
+    return {
+        "python_version": sys.version,
+        "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "jax_version": jax.__version__,
+        "devices": [str(d) for d in jax.devices()],
+        "jllm_version": JLLM_VERSION,
+    }
 
 
 def attach_dev_routes(app: FastAPI, engine) -> None:
@@ -33,6 +57,19 @@ def attach_dev_routes(app: FastAPI, engine) -> None:
         except (ValueError, RuntimeError) as e:
             return error_response(str(e), 400)
         return JSONResponse(reply)
+
+    @app.get("/server_info")
+    async def server_info(config_format: Annotated[Literal["text", "json"], Query()] = "text"):
+        """vLLM's: the engine's configuration, the VLLM_* variables (none holding a key) and
+        the system's."""
+        config = engine_config(engine.engine.args)
+        return {
+            "vllm_config": str(config) if config_format == "text" else config,
+            "vllm_env": {
+                k: v for k, v in os.environ.items() if k.startswith("VLLM_") and "KEY" not in k
+            },
+            "system_env": system_env(),
+        }
 
     @app.post("/pause")
     async def pause(mode: Annotated[PauseMode, Query()] = "abort", clear_cache: bool = True):
