@@ -255,3 +255,30 @@ def test_mean_and_cls_pooling_match_sentence_transformers(llama_dir, tmp_path_fa
     again = llm.embed(texts[:1])
     assert again[0].num_cached_tokens == 0
     np.testing.assert_array_equal(again[0].outputs.embedding, outs[0].outputs.embedding)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["lasttoken", "mean"])
+def test_no_compile_after_warmup(llama_dir, tmp_path_factory, mode):
+    """A pooling engine compiles its buckets (forward, and the pooling step in place of the
+    sampler) at start-up: embedding prompts of every size afterwards compiles nothing."""
+    from oracle import prompt_ids
+    from pooling_oracle import save_st_model
+
+    from jllm.runner.compile_guard import count_compiles
+
+    path, _ = save_st_model(llama_dir, tmp_path_factory, mode)
+    llm = LLM(
+        path,
+        kv_cache_memory_bytes=16 << 20,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        disable_log_stats=True,
+    )
+    assert llm.llm_engine.runner.compile_guard
+    prompts = [{"prompt_token_ids": p} for p in prompt_ids(6, 3, seed=1)]
+    prompts.append({"prompt_token_ids": prompt_ids(1, 150, seed=2)[0]})
+    with count_compiles() as events:
+        outs = llm.embed(prompts, use_tqdm=False)
+    assert len(outs) == 7 and events == []
