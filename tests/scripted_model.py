@@ -2,7 +2,8 @@
 tokens, so a server can be driven to emit reasoning tags, tool calls or any text through its
 real sampling path (greedy), without a grammar.
 
-The residual branches are zeroed and the final norm's weight set to ones, so the final
+A fresh model of the tiny Llama's shape (nothing of its weights is kept). The residual
+branches are zeroed and the final norm's weight set to ones, so the final
 hidden state is the last token's embedding scaled to unit RMS; every embedding row has the
 same norm, so by Cauchy-Schwarz a row's dot product with itself is the strict maximum over
 the vocabulary. The untied output projection's row j is the embedding of the token that j
@@ -37,16 +38,17 @@ def save_scripted(llama_dir: str, path, text: str, added: tuple[str, ...] = ()) 
     tokenizer = transformers.AutoTokenizer.from_pretrained(llama_dir)
     if added:
         tokenizer.add_tokens(list(added))
-    model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir)
     vocab = len(tokenizer)
     chain = script_chain(tokenizer, tokenizer.convert_tokens_to_ids("Ċ"), text)
+    # A fresh model of the tiny Llama's shape, untied from the start: no weight of it comes
+    # from the checkpoint (whose random init, resize and tie state are what failed before).
+    config = transformers.AutoConfig.from_pretrained(llama_dir)
+    config.vocab_size, config.tie_word_embeddings = vocab, False
+    torch.manual_seed(1)
+    model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
-        old = model.model.embed_tokens.weight
-        embed = torch.empty(vocab, old.shape[1])
-        embed[: old.shape[0]] = old
         gen = torch.Generator().manual_seed(1)
-        embed[old.shape[0] :] = torch.randn(vocab - old.shape[0], old.shape[1], generator=gen)
-        embed[old.shape[0] :] *= old.std()
+        embed = torch.randn(vocab, config.hidden_size, generator=gen)
         embed /= embed.norm(dim=1, keepdim=True)
         follows = torch.arange(vocab)  # follows[i]: the token emitted after i
         for i, j in zip(chain, chain[1:], strict=False):
@@ -55,16 +57,12 @@ def save_scripted(llama_dir: str, path, text: str, added: tuple[str, ...] = ()) 
         head = torch.empty_like(embed)
         head[follows] = 50.0 * embed  # row follows[i] is i's embedding; sampling at
         # temperature 1 follows the script too (the gap is hundreds of nats)
-        model.resize_token_embeddings(vocab, mean_resizing=False)
         model.model.embed_tokens.weight.copy_(embed)
-        model.config.tie_word_embeddings = False
-        model.lm_head = torch.nn.Linear(embed.shape[1], vocab, bias=False)
         model.lm_head.weight.copy_(head)
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
         model.model.norm.weight.fill_(1.0)
-    model.config.vocab_size = vocab
     model.save_pretrained(path)
     _check(path, chain)
     tokenizer.save_pretrained(path)
@@ -80,4 +78,9 @@ def _check(path, chain: list[int]) -> None:
         logits = model(torch.tensor([chain])).logits[0]
     got = logits.argmax(-1).tolist()[:-1]
     if got != chain[1:]:
-        raise AssertionError(f"the scripted model does not follow {chain[1:]}: {got}")
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+        raise AssertionError(
+            f"the scripted model does not follow {chain[1:]}: {got} (non-finite: embeddings "
+            f"{int((~torch.isfinite(embed)).sum())}, head {int((~torch.isfinite(head)).sum())}; "
+            f"head is the embeddings: {bool(torch.equal(embed, head))})"
+        )
