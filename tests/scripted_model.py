@@ -52,9 +52,13 @@ def save_scripted(llama_dir: str, path, text: str, added: tuple[str, ...] = ()) 
         embed /= embed.norm(dim=1, keepdim=True)
         follows = torch.arange(vocab)  # follows[i]: the token emitted after i
         for i, j in zip(chain, chain[1:], strict=False):
-            k = int((follows == j).nonzero()[0, 0])
-            follows[i], follows[k] = j, follows[i]
-        head = torch.empty_like(embed)
+            # A swap keeps `follows` a permutation. (`follows[i]` on the right would be a
+            # view that the first assignment changes: a duplicate, a row of the head never
+            # written, whatever the allocator left there: the order-dependent failure.)
+            k, displaced = int((follows == j).nonzero()[0, 0]), int(follows[i])
+            follows[i], follows[k] = j, displaced
+        assert torch.equal(follows.sort().values, torch.arange(vocab))
+        head = torch.zeros_like(embed)
         head[follows] = 50.0 * embed  # row follows[i] is i's embedding; sampling at
         # temperature 1 follows the script too (the gap is hundreds of nats)
         model.model.embed_tokens.weight.copy_(embed)
