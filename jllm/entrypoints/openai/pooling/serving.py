@@ -74,7 +74,7 @@ class ServingPooling(OpenAIServing):
 
     async def _prompts(self, request) -> list:
         """The request's inputs as prompts: texts, token-id lists, or its chat messages
-        rendered; each cut to `truncate_prompt_tokens` when set."""
+        rendered."""
         if getattr(request, "messages", None) is not None:
             if request.input is not None:
                 raise OpenAIError("Give input or messages, not both.", 400, "messages")
@@ -96,8 +96,6 @@ class ServingPooling(OpenAIServing):
             if isinstance(value, str) or isinstance(value[0], int):
                 value = [value]
             prompts = [v if isinstance(v, str) else {"prompt_token_ids": list(v)} for v in value]
-        if request.truncate_prompt_tokens is not None:
-            prompts = [await self.off_loop(self._truncate, p, request) for p in prompts]
         return prompts
 
     def _truncate(self, prompt, request) -> dict:
@@ -124,9 +122,11 @@ class ServingPooling(OpenAIServing):
             raise OpenAIError(str(e), 400) from e
 
     async def _run(self, raw, request, rid: str, prompts: list, params: PoolingParams) -> list:
-        """Every prompt through the engine (all refused before any runs); their final
-        outputs in order."""
+        """Every prompt, cut to `truncate_prompt_tokens` when set, through the engine (all
+        refused before any runs); their final outputs in order."""
         lora = self.models.resolve(request.model)
+        if request.truncate_prompt_tokens is not None:
+            prompts = [await self.off_loop(self._truncate, p, request) for p in prompts]
         if request.cache_salt is not None:
             prompts = [
                 {"prompt": p, "cache_salt": request.cache_salt}
@@ -242,15 +242,10 @@ class ServingPooling(OpenAIServing):
                 cross_encoder_prompt(self.tokenizer, q, d, None, spec)
                 for q, d in zip(queries, docs, strict=True)
             ]
-            if request.truncate_prompt_tokens is not None:
-                prompts = [await self.off_loop(self._truncate, p, request) for p in prompts]
             outs = await self._run(raw, request, rid, prompts, params)
             return [float(np.asarray(o.outputs.data).squeeze()) for o in outs], outs
         unique = list(dict.fromkeys(queries))
-        prompts = unique + docs
-        if request.truncate_prompt_tokens is not None:
-            prompts = [await self.off_loop(self._truncate, p, request) for p in prompts]
-        outs = await self._run(raw, request, rid, prompts, params)
+        outs = await self._run(raw, request, rid, unique + docs, params)
         vectors = {q: o.outputs.data for q, o in zip(unique, outs, strict=False)}
         doc_outs = outs[len(unique) :]
         scores = [
