@@ -31,6 +31,8 @@ class NewRequestData:
     num_computed_tokens: int  # before this step (the prefix-cache hit)
     lora_slot: int = 0  # the device slot of its LoRA adapter (1-based; 0: none)
     lora: object | None = None  # that adapter (jllm/lora/peft.py:LoraAdapter)
+    # An embeddings prompt: its token ids are placeholders (no prompt tokens to penalize)
+    prompt_is_embeds: bool = False
 
 
 @dataclass
@@ -71,6 +73,9 @@ class SchedulerOutput:
     # then host to device (host block, device block) for host hits.
     kv_stores: list[tuple[int, int]] = field(default_factory=list)
     kv_loads: list[tuple[int, int]] = field(default_factory=list)
+    # Embeddings prompts (enable_prompt_embeds): per request, the rows [n, D] float32 of its
+    # scheduled prompt positions, from its first scheduled token on (engine/request.py)
+    prompt_embeds: dict[str, object] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return not self.num_scheduled_tokens

@@ -164,6 +164,10 @@ class EngineArgs:
     # RL's routing replay: each request's chosen experts per layer and position in
     # CompletionOutput.routed_experts (mixtures of experts; engine/routed_experts.py).
     enable_return_routed_experts: bool = False
+    # Prompts given as embedding rows (vLLM's `prompt_embeds`: the rows the first decoder
+    # layer takes, one per prompt token) beside token prompts; every step then carries an
+    # embedding row per token slot (engine/processor.py, runner/inputs.py).
+    enable_prompt_embeds: bool = False
     weight_transfer_config: dict | None = None
     # Custom logits processors: jllm.logits_process.LogitsProcessor classes or
     # "module:Class" names, compiled into the sampler (vLLM's engine-level form).

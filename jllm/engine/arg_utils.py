@@ -98,6 +98,8 @@ HELP = {
     "reasoning has ended.",
     "enable_return_routed_experts": "Return each request's routed experts per layer and "
     "position (CompletionOutput.routed_experts) for RL routing replay; mixtures of experts.",
+    "enable_prompt_embeds": "Accept prompts as embeddings (a prompt's prompt_embeds, the "
+    "completions API's base64 tensors) beside token prompts; see docs/prompt-embeds.md.",
     "weight_transfer_config": 'Weight transfer for update_weights as JSON: {"backend": '
     '"jax"} (in process, the default) or {"backend": "safetensors", "dir": PATH} (a trainer '
     "in another process writes safetensors files there).",

@@ -43,17 +43,21 @@ def block_key(
     lora: bytes | None = None,
     images: tuple[bytes, ...] = (),
     root: bytes | None = None,
+    embeds: bytes | None = None,
 ) -> bytes:
     """The prefix-cache key of a full block: a 32-byte sha256 digest. Blocks have a fixed
     token count, so the encoding is unambiguous with the extra keys last: the content hash
     of each image whose tokens the block holds (32 bytes each; the placeholder tokens are
-    the same for every image), the LoRA adapter's 32-byte digest, then the salt. `root`:
+    the same for every image), the digest of an embeddings prompt's rows in the block (its
+    token ids are placeholders), the LoRA adapter's 32-byte digest, then the salt. `root`:
     the first block's parent instead of ROOT_KEY (the KV-cache manager's, new with every
     weight update)."""
     h = hashlib.sha256(parent if parent is not None else root or ROOT_KEY)
     h.update(np.asarray(tokens, np.int64).tobytes())
     for image in images:
         h.update(b"image:" + image)
+    if embeds is not None:
+        h.update(b"prompt_embeds:" + embeds)
     if parent is None and lora is not None:
         h.update(b"lora:" + lora)
     if parent is None and cache_salt is not None:

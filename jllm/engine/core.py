@@ -113,10 +113,11 @@ class EngineCore:
         priority: int = 0,
         lora=None,
         mm_items=(),
+        prompt_embeds=None,
     ) -> None:
         """Admit a validated request; its `n` sequences get seeds `seed`, `seed + 1`, ...
-        and share its `cache_salt`, `priority`, LoRA adapter (`lora`) and images
-        (`mm_items`)."""
+        and share its `cache_salt`, `priority`, LoRA adapter (`lora`), images (`mm_items`)
+        and an embeddings prompt's rows (`prompt_embeds`)."""
         if request_id in self.parents:
             raise ValueError(f"Request id {request_id!r} is already running.")
         if params.structured_outputs is not None:
@@ -138,6 +139,7 @@ class EngineCore:
                 priority,
                 lora,
                 mm_items,
+                prompt_embeds,
             )
             children.append(child)
         self.scheduler.check_fits(children[0])  # its sequences are alike

@@ -32,6 +32,7 @@ class InprocClient:
             priority=request.priority,
             lora=request.lora,
             mm_items=request.mm_items,
+            prompt_embeds=request.prompt_embeds,
         )
 
     def abort_requests(

@@ -208,8 +208,9 @@ class KVCacheManager:
             parent = req.block_hashes[i - 1] if i else None
             block = tokens[i * size : (i + 1) * size]
             images = tuple(it.hash for it in req.mm_items if it.overlaps(i * size, (i + 1) * size))
+            embeds = req.embeds_digest(i * size, (i + 1) * size)
             req.block_hashes.append(
-                block_key(parent, block, req.cache_salt, req.lora_digest, images, self.root)
+                block_key(parent, block, req.cache_salt, req.lora_digest, images, self.root, embeds)
             )
 
     def get_computed_blocks(self, req: Request) -> tuple[tuple[list[int], ...], int]:

@@ -85,6 +85,20 @@ POOLING_SAMPLING = SamplingParams(
 )
 
 
+def check_prompt_embeds(args: EngineArgs, vision, draft) -> None:
+    """enable_prompt_embeds where jllm runs it: not beside images (both replace token
+    embeddings) nor with a draft model (which would see only the placeholder ids)."""
+    if not args.enable_prompt_embeds:
+        return
+    if vision is not None:
+        raise ValueError("enable_prompt_embeds is not supported with image inputs yet.")
+    if draft is not None:
+        raise ValueError(
+            "enable_prompt_embeds is not supported with a speculative draft model (it would "
+            "read the placeholder token ids); n-gram speculation works."
+        )
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         start = time.perf_counter()
@@ -132,6 +146,7 @@ class LLMEngine:
             draft = load_draft_model(args, m, backend, platform, kv_dtype.itemsize)
         groups = (*m.kv_caches, *(() if draft is None else draft.kv_caches))
         vision = getattr(cfg, "vision", None)
+        check_prompt_embeds(args, vision, draft)
         token_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
         layout = BatchLayout.create(
             args.block_size,
@@ -150,6 +165,7 @@ class LLMEngine:
             group_fields=tuple(spec.step_fields(kv_dtype) for spec in groups),
             image_tokens=0 if vision is None else vision.tokens_per_image,
             image_spans=vision is not None and vision.bidirectional,
+            embeds_dim=cfg.hidden_size if args.enable_prompt_embeds else 0,
         )
         if draft is not None:
             draft.layout = dataclasses.replace(layout, kv_token_bytes=draft.token_bytes)
@@ -311,7 +327,12 @@ class LLMEngine:
                 args.trust_remote_code,
             )
         self.processor = Processor(
-            self.tokenizer, self.max_model_len, cfg.vocab_size, args.max_logprobs, mm
+            self.tokenizer,
+            self.max_model_len,
+            cfg.vocab_size,
+            args.max_logprobs,
+            mm,
+            embeds_size=cfg.hidden_size if args.enable_prompt_embeds else 0,
         )
         self._rng = random.Random(args.seed)
         done = time.perf_counter()
@@ -432,6 +453,8 @@ class LLMEngine:
             processed = self.processor.process_prompt(
                 prompt, POOLING_SAMPLING, add_special_tokens, pooling=True
             )
+            if processed.prompt_embeds is not None:
+                raise ValueError("Pooling models take text or token prompts, not prompt_embeds.")
             if lora_request is not None:
                 processed.lora = self._lora(lora_request)
             return processed, params
@@ -518,6 +541,7 @@ class LLMEngine:
             priority=priority,
             lora=processed.lora,
             mm_items=processed.mm_items,
+            prompt_embeds=processed.prompt_embeds,
             pooling_params=pooling,
         )
         self.engine_core.add_request(request)

@@ -163,10 +163,12 @@ class OutputProcessor:
         params = request.sampling_params
         rid, ids = request.request_id, request.prompt_token_ids
         children = []
+        # An embeddings prompt's ids are placeholders: its text starts from no context.
+        context = [] if request.prompt_embeds is not None else ids
         for i in range(params.n):
             detok = None
             if params.detokenize and self.tokenizer is not None:
-                detok = IncrementalDetokenizer(self.tokenizer, ids, params)
+                detok = IncrementalDetokenizer(self.tokenizer, context, params)
             children.append(RequestState(sequence_id(rid, i, params.n), ids, params, detok))
         lora = request.lora
         parent = ParentRequest(

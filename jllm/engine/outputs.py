@@ -37,6 +37,8 @@ class EngineCoreRequest:
     priority: int = 0
     lora: object | None = None  # its LoRA adapter (jllm/lora/peft.py:LoraAdapter)
     mm_items: list = field(default_factory=list)  # its images (engine/multimodal.py)
+    # An embeddings prompt's rows [tokens, D] float32 (its token ids are placeholders)
+    prompt_embeds: object | None = None
     # A pooling request (jllm/pooling): its verified PoolingParams; `sampling_params` then
     # runs its prompt and ends it after one placeholder token.
     pooling_params: object | None = None

@@ -2,8 +2,9 @@
 
 Accepts vLLM's prompt forms (a string, `{"prompt": ...}`, `{"prompt_token_ids": [...]}`,
 either dict with vLLM's `cache_salt`, and for a vision-language model `multi_modal_data` and
-`mm_processor_kwargs`, which go through the model's processor: `engine/multimodal.py`),
-tokenizes, truncates on request and rejects what the
+`mm_processor_kwargs`, which go through the model's processor: `engine/multimodal.py`;
+with `enable_prompt_embeds`, `{"prompt_embeds": [tokens, hidden_size] floats}`), tokenizes,
+truncates on request and rejects what the
 engine cannot serve with a ValueError that names the problem, before anything reaches the
 scheduler. Host-side only: no JAX import.
 """
@@ -12,13 +13,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from jllm.config.limits import MAX_BAD_WORDS, MAX_BAD_WORDS_TOTAL_TOKENS
 from jllm.sampling_params import MAX_SUPPRESS, SamplingParams
 
 # Prompt-dict keys vLLM defines that jllm cannot honour yet: refused by name, never ignored.
 UNSUPPORTED_PROMPT_KEYS = ("multi_modal_uuids",)
 MULTIMODAL_KEYS = ("multi_modal_data", "mm_processor_kwargs")
-PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt", *MULTIMODAL_KEYS)
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds", "cache_salt", *MULTIMODAL_KEYS)
+PROMPT_EMBEDS_OFF = "You must set `--enable-prompt-embeds` to input `prompt_embeds`."
 
 
 @dataclass
@@ -28,6 +32,46 @@ class ProcessedPrompt:
     cache_salt: str | None = None
     lora: object | None = None  # the LoRA adapter (jllm/lora/peft.py:LoraAdapter), if any
     mm_items: list = field(default_factory=list)  # its images (engine/multimodal.py)
+    # An embeddings prompt's rows [tokens, hidden_size] float32 (its token ids are 0s, as in
+    # vLLM: placeholders the forward replaces with these rows)
+    prompt_embeds: np.ndarray | None = None
+
+
+def prompt_embeds_array(value, hidden_size: int) -> np.ndarray:
+    """A prompt's `prompt_embeds` (a numpy, JAX or PyTorch array) as float32 [tokens,
+    hidden_size], checked as vLLM checks them (a leading axis of 1 is dropped; floats only;
+    the model's hidden size) and finite: a NaN row would reach no other request, but it is
+    a caller's mistake."""
+    if hasattr(value, "detach"):  # a torch tensor, without importing torch
+        value = value.detach().cpu()
+        if not value.is_floating_point():
+            raise ValueError("`prompt_embeds` must hold floats.")
+        value = value.float().numpy()
+    try:
+        array = np.asarray(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"`prompt_embeds` must be an array, got {type(value).__name__}.") from e
+    if array.ndim == 3 and array.shape[0] == 1:
+        array = array[0]
+    if array.ndim != 2:
+        raise ValueError(
+            "`prompt_embeds` must be a 2D tensor of shape (num_tokens, hidden_size); got shape "
+            f"{tuple(array.shape)}."
+        )
+    if array.dtype.kind != "f" and array.dtype.name != "bfloat16":
+        raise ValueError(
+            f"`prompt_embeds` dtype {array.dtype} is not a floating-point type, cannot safely "
+            "cast to the model's dtype."
+        )
+    if array.shape[1] != hidden_size:
+        raise ValueError(
+            f"`prompt_embeds` hidden_size {array.shape[1]} does not match the model's "
+            f"hidden_size {hidden_size}."
+        )
+    array = np.ascontiguousarray(array, np.float32)
+    if not np.isfinite(array).all():
+        raise ValueError("`prompt_embeds` must be finite (no NaN or infinity).")
+    return array
 
 
 def cache_salt_of(prompt) -> str | None:
@@ -48,12 +92,22 @@ def cache_salt_of(prompt) -> str | None:
 
 
 class Processor:
-    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, max_logprobs: int, mm=None):
+    def __init__(
+        self,
+        tokenizer,
+        max_model_len: int,
+        vocab_size: int,
+        max_logprobs: int,
+        mm=None,
+        embeds_size: int = 0,
+    ):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs
         self.mm = mm  # a vision-language model's MultiModalProcessor, else None
+        # enable_prompt_embeds: the model's hidden size, which the rows must have (0: off)
+        self.embeds_size = embeds_size
 
     def process_prompt(
         self, prompt, params: SamplingParams, add_special_tokens: bool = True, pooling=False
@@ -62,6 +116,8 @@ class Processor:
         special tokens (False for a chat template's output, which holds them). `pooling`: a
         pooling request's prompt (it generates nothing)."""
         salt = cache_salt_of(prompt)
+        if isinstance(prompt, dict) and "prompt_embeds" in prompt:
+            return self._process_embeds(prompt, params, salt)
         if isinstance(prompt, dict) and any(k in prompt for k in MULTIMODAL_KEYS):
             return self._process_multimodal(prompt, params, salt, add_special_tokens)
         text = None
@@ -91,6 +147,24 @@ class Processor:
             )
         self.validate(ids, params)
         return ProcessedPrompt(text, ids, salt)
+
+    def _process_embeds(self, prompt: dict, params, salt) -> ProcessedPrompt:
+        if not self.embeds_size:
+            raise ValueError(PROMPT_EMBEDS_OFF)
+        others = sorted(set(prompt) - {"prompt_embeds", "cache_salt"})
+        if others:
+            raise ValueError(
+                f"A prompt_embeds prompt takes only 'cache_salt' beside it, not {others[0]!r} "
+                "(prompts that mix token ids and embeddings are not supported yet)."
+            )
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not compatible with prompt embeds.")
+        rows = prompt_embeds_array(prompt["prompt_embeds"], self.embeds_size)
+        if params.truncate_prompt_tokens is not None:
+            rows = rows[-params.truncate_prompt_tokens :]
+        ids = [0] * len(rows)
+        self.validate(ids, params)
+        return ProcessedPrompt(None, ids, salt, prompt_embeds=rows)
 
     def _process_multimodal(self, prompt: dict, params, salt, add_special_tokens: bool):
         if self.mm is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 
 from jllm.sampling_params import SamplingParams
@@ -51,8 +52,13 @@ class Request:
         priority: int = 0,
         lora=None,
         mm_items=(),
+        prompt_embeds=None,
     ) -> None:
         self.request_id = request_id
+        # An embeddings prompt's rows [prompt tokens, D] float32, which the forward takes
+        # instead of its placeholder token ids' embeddings; None for a token prompt.
+        self.prompt_embeds = prompt_embeds
+        self._embeds_digests: dict[int, bytes] = {}
         # Its images (engine/multimodal.py:ImageItem), in prompt order.
         self.mm_items = list(mm_items)
         # Its LoRA adapter (jllm/lora/peft.py:LoraAdapter) or None, and the device slot it
@@ -103,6 +109,18 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    def embeds_digest(self, start: int, end: int) -> bytes | None:
+        """sha256 of the prompt embedding rows at positions start .. end - 1 (a block's: a
+        prefix-cache key's extra key, as vLLM's); None past them or for a token prompt."""
+        if self.prompt_embeds is None or start >= len(self.prompt_embeds):
+            return None
+        digest = self._embeds_digests.get(start)
+        if digest is None:
+            rows = self.prompt_embeds[start:end]
+            digest = hashlib.sha256(str(rows.shape).encode() + rows.tobytes()).digest()
+            self._embeds_digests[start] = digest
+        return digest
 
     def reached_length(self, max_model_len: int, pending: int = 0) -> bool:
         """Whether the sequence is at its length limit (`max_tokens`, else the context),

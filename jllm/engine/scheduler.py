@@ -355,6 +355,7 @@ class Scheduler:
                         req.num_computed_tokens,
                         req.lora_slot,
                         req.lora,
+                        prompt_is_embeds=req.prompt_embeds is not None,
                     )
                 )
             else:
@@ -366,6 +367,8 @@ class Scheduler:
             self._sent_blocks[rid] = tuple(map(len, blocks))
             out.num_scheduled_tokens[rid] = num_new
             out.total_num_scheduled_tokens += num_new
+            if req.prompt_embeds is not None and row.start < len(req.prompt_embeds):
+                out.prompt_embeds[rid] = req.prompt_embeds[row.start : row.start + num_new]
             if drafts:
                 out.scheduled_spec_decode_tokens[rid] = list(drafts)
             req.spec_token_ids = []

@@ -66,6 +66,9 @@ class BatchLayout:
     # tokens attend to each other in both directions (each token's `q_horizon`).
     image_tokens: int = 0
     image_spans: bool = False
+    # enable_prompt_embeds: the model's hidden size D; every step then carries an embedding
+    # row [T, D] per token slot and a mask of the slots that take it (0: off)
+    embeds_dim: int = 0
 
     @staticmethod
     def create(
@@ -83,6 +86,7 @@ class BatchLayout:
         group_fields=(),
         image_tokens=0,
         image_spans=False,
+        embeds_dim=0,
     ):
         """`min_rows`: the smallest decode, token and sample bucket (see `min_dot_rows`).
         Buckets stop at what the limits can reach: a step holds at most `budget` tokens
@@ -108,6 +112,7 @@ class BatchLayout:
             group_fields=tuple(tuple(sorted(dict(f).items())) for f in group_fields),
             image_tokens=image_tokens,
             image_spans=image_spans,
+            embeds_dim=embeds_dim,
         )
 
     def with_blocks(self, num_blocks: int) -> BatchLayout:

@@ -41,6 +41,8 @@ from jllm.scheduler_output import PROMPT_LOGPROB_ROWS, SchedulerOutput
         "attn",
         "lora_slots",
         "embed_index",
+        "embeds",
+        "embeds_mask",
     ],
     meta_fields=[],
 )
@@ -61,6 +63,11 @@ class StepInputs:
     # [T] with images: the row of the encoder cache (flattened [slots * P, D]) whose
     # embedding replaces each token's (-1: its own); None for a text-only model
     embed_index: jax.Array | None = None
+    # [T, D] float32 and [T] with enable_prompt_embeds: the embedding row each token slot
+    # takes instead of its token's, where the mask is set (an embeddings prompt's
+    # positions); None otherwise
+    embeds: jax.Array | None = None
+    embeds_mask: jax.Array | None = None
 
 
 def build_step(
@@ -94,6 +101,14 @@ def build_step(
         np.zeros(PROMPT_LOGPROB_ROWS, np.int32) if prompt_rows is None else prompt_rows.indices
     )
     embed_index = place_images(p, batch, out, layout) if layout.image_tokens else None
+    embeds = embeds_mask = None
+    if layout.embeds_dim:
+        embeds = np.zeros((len(p.token_ids), layout.embeds_dim), np.float32)
+        embeds_mask = np.zeros(len(p.token_ids), bool)
+        for rid, rows in out.prompt_embeds.items():
+            start = p.flat_start[rid]
+            embeds[start : start + len(rows)] = rows
+            embeds_mask[start : start + len(rows)] = True
     every_group = range(len(batch.block_table))
     attn = group_metadata(
         backend, p.flat, batch, every_group, p.tok_row, p.positions, p.req_row, layout.group_fields
@@ -108,5 +123,7 @@ def build_step(
         attn,
         lora_slots,
         embed_index,
+        embeds,
+        embeds_mask,
     )
     return inputs, md, p.groups, plan.shape, prompt_rows, p.tok_row

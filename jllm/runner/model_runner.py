@@ -119,6 +119,8 @@ def _forward(
         rows = images.reshape(-1, images.shape[-1])  # [slots * P, D]
         index = batch.embed_index
         ctx = ctx.replace(embeds=rows[jnp.maximum(index, 0)], embeds_mask=index >= 0)
+    elif batch.embeds is not None:  # enable_prompt_embeds: embeddings prompts' rows
+        ctx = ctx.replace(embeds=batch.embeds, embeds_mask=batch.embeds_mask)
     hidden, kv_cache, routes = model.forward(token_ids, ctx, kv_cache, routes_k)
     if draft_graphdef is not None:
         kv_cache = (kv_cache, draft_cache)
@@ -607,7 +609,8 @@ class ModelRunner:
                 failed[new.req_id] = self._admit_neutral(new, e)
                 continue
             if p.has_penalties:
-                admitted.append((row + 1, new.prompt_token_ids, new.output_token_ids))
+                prompt = () if new.prompt_is_embeds else new.prompt_token_ids
+                admitted.append((row + 1, prompt, new.output_token_ids))
             if bias is not None:
                 bias_writes.append((row + 1, bias))
         self.batch.update(out.scheduled_cached_reqs)

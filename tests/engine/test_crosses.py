@@ -1,6 +1,7 @@
 """Features that share state, crossed: random mixes of requests that meet in the prefix cache
 (a common prefix admitted in one step, n = 2 over a prompt one token past a block boundary,
-the same prompt under a cache salt), beside seeded sampling, penalties and logprobs, on
+the same prompt under a cache salt, embeddings prompts that share their first blocks' rows),
+beside seeded sampling, penalties and logprobs, on
 engines that each add what changes when and where blocks are written: chunked prefill with
 preemption, async scheduling under the priority policy with preemption, the host KV tier,
 tensor and pipeline parallelism. Every request's output equals its output alone on the
@@ -11,14 +12,15 @@ once per layout."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from oracle import SMALL, prompt_ids, same_outputs
 
 from jllm import LLM, SamplingParams
 
-ARGS = {**SMALL, "dtype": "float32"}
+ARGS = {**SMALL, "dtype": "float32", "enable_prompt_embeds": True}
 LAYOUTS = {
     "chunked-preempting": dict(max_num_batched_tokens=16, num_gpu_blocks_override=8),
     "async-priority-preempting": dict(
@@ -30,6 +32,7 @@ LAYOUTS = {
 }
 
 PREFIX = prompt_ids(1, 40, seed=21)[0]  # two full blocks and a half
+ROWS = np.random.default_rng(26).normal(0.0, 0.25, (59, 64)).astype(np.float32)
 GREEDY = dict(temperature=0.0, max_tokens=6, ignore_eos=True)
 KINDS = {
     "shared-a": ({"prompt_token_ids": PREFIX + [5, 6, 7]}, dict(**GREEDY, logprobs=2)),
@@ -46,6 +49,13 @@ KINDS = {
         dict(**GREEDY, repetition_penalty=1.3, presence_penalty=0.5),
     ),
     "short": ({"prompt_token_ids": prompt_ids(1, 5, seed=25)[0]}, GREEDY),
+    # Embeddings prompts (the tiny model's hidden size, 64) sharing two blocks of rows, each
+    # 46 rows: three blocks, and a fourth as they decode.
+    "embeds-a": ({"prompt_embeds": ROWS[:46]}, dict(**GREEDY, logprobs=2)),
+    "embeds-b": (
+        {"prompt_embeds": np.concatenate([ROWS[:33], ROWS[46:]])},
+        dict(temperature=0.8, seed=5, n=2, max_tokens=6, ignore_eos=True),
+    ),
 }
 SETTINGS = settings(
     max_examples=6,
@@ -80,6 +90,9 @@ def test_random_mixes_equal_each_request_alone(model, alone, layout):
     )
 
     @given(mix=mixes)
+    # Embeddings prompts meeting in the prefix cache: three sequences on 5 blocks that
+    # each need a fourth of their own as they decode (8 blocks: one is preempted).
+    @example(mix=[("embeds-a", 0), ("embeds-b", 0), ("shared-a", 0)])
     @SETTINGS
     def check(mix):
         prompts = [KINDS[name][0] for name, _ in mix]

@@ -88,8 +88,6 @@ def test_a_tensor_reaching_past_its_storage_is_refused():
     [
         ("not base64!", "must be base64"),
         (base64.b64encode(b"").decode(), "could not be deserialized"),
-        (saved(torch.randn(3)), "2-D"),
-        (saved(torch.zeros(0, 4)), "at least one token"),
         (saved(torch.arange(6).reshape(2, 3)), "could not be deserialized"),  # LongStorage
     ],
 )

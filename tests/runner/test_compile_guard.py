@@ -74,3 +74,30 @@ def test_guard_refuses_unknown_bucket(llama_llm):
             runner.forward_for((3, 3))
     finally:
         runner.compile_guard = False
+
+
+@pytest.mark.slow
+def test_no_compile_after_warmup_with_prompt_embeds(llama_dir):
+    """enable_prompt_embeds widens every step's inputs (a row per token slot), compiled at
+    start-up like the rest: embeddings prompts, chunked and beside token prompts, compile
+    nothing afterwards."""
+    import numpy as np
+
+    llm = LLM(
+        llama_dir,
+        kv_cache_memory_bytes=16 << 20,
+        max_num_seqs=2,
+        max_num_batched_tokens=32,
+        max_model_len=128,
+        enable_prompt_embeds=True,
+        disable_log_stats=True,
+    )
+    assert llm.llm_engine.runner.compile_guard
+    rows = np.random.default_rng(0).normal(0, 0.25, (70, 64)).astype(np.float32)
+    prompts = [{"prompt_embeds": rows}, {"prompt_embeds": rows[:5]}]
+    prompts.append({"prompt_token_ids": prompt_ids(1, 9, seed=3)[0]})
+    with count_compiles() as events:
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6, 6]
+    assert events == []

@@ -315,6 +315,7 @@ def build_app(args: argparse.Namespace, engine: StoppableLLM, metrics: Prometheu
         "priority": engine.engine.args.scheduling_policy == "priority",
         "grammar_backend": engine.engine.args.structured_outputs_config.backend,
         "images": engine.engine.max_images_per_prompt > 0,
+        "prompt_embeds": engine.engine.args.enable_prompt_embeds,
         "responses_store": store_enabled(),
         "trust_request_chat_template": args.trust_request_chat_template,
         "renderer_parameters": renderer_parameters(type(tokenizer)),

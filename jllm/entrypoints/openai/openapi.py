@@ -75,21 +75,23 @@ def _error(status: str, path: str) -> dict:
     }
 
 
-def _set_max(schema: dict, maximum: int) -> None:
-    """`maximum` on an integer schema, or on each integer branch of an anyOf."""
+def _set_bound(schema: dict, bound: str, value: int) -> None:
+    """`bound` ("maximum", "minimum") on an integer schema, or on each integer branch of an
+    anyOf."""
     if schema.get("type") == "integer":
-        schema["maximum"] = maximum
+        schema[bound] = value
     for branch in schema.get("anyOf", []):
-        _set_max(branch, maximum)
+        _set_bound(branch, bound, value)
     if "items" in schema:
-        _set_max(schema["items"], maximum)
+        _set_bound(schema["items"], bound, value)
 
 
 def build_openapi(app, *, api_key: bool, limits: dict) -> dict:
     """`limits`: {"model_names", "vocab_size", "max_model_len", "max_logprobs" (-1: the
     vocabulary), "tokenizer_size" (the ids /detokenize takes), "priority" (whether the
     scheduling policy is priority), "grammar_backend" (the structured outputs backend),
-    "images" (whether the model takes images), "trust_request_chat_template" (the flag),
+    "images" (whether the model takes images), "prompt_embeds" (--enable-prompt-embeds),
+    "trust_request_chat_template" (the flag),
     "renderer_parameters" (the chat_template_kwargs a request may not set)}."""
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
     for path, operations in doc["paths"].items():
@@ -138,11 +140,15 @@ def build_openapi(app, *, api_key: bool, limits: dict) -> dict:
         },
         "DetokenizeRequest": {"tokens": limits["tokenizer_size"] - 1},
     }
+    # -1 (the whole vocabulary) only where max_logprobs allows the whole vocabulary
+    whole = max_logprobs >= limits["vocab_size"]
     for name, fields in maxima.items():
         props = schemas.get(name, {}).get("properties", {})
         for field, maximum in fields.items():
             if field in props:
-                _set_max(props[field], maximum)
+                _set_bound(props[field], "maximum", maximum)
+                if "logprobs" in field and not whole:
+                    _set_bound(props[field], "minimum", 0)
     write_rules(schemas, limits)
     for schema in schemas.values():  # the served names: any other is a 404
         model = schema.get("properties", {}).get("model")

@@ -145,6 +145,29 @@ TOP_LOGPROBS = [
 ]
 
 
+def prompt_rule(schema: dict, limits: dict) -> dict:
+    """Completions take a prompt, prompt embeddings (under --enable-prompt-embeds) or both;
+    without the flag, `prompt_embeds` is null only."""
+    props = schema["properties"]
+    prompt = {"anyOf": [b for b in props["prompt"]["anyOf"] if b != {"type": "null"}]}
+    if not limits["prompt_embeds"]:
+        props["prompt_embeds"] = {
+            "type": "null",
+            "description": "Only with --enable-prompt-embeds.",
+        }
+        return {"properties": {"prompt": prompt}, "required": ["prompt"]}
+    embeds = {"anyOf": [b for b in props["prompt_embeds"]["anyOf"] if b != {"type": "null"}]}
+    embeds["anyOf"] = [
+        {**b, "minItems": 1} if b.get("type") == "array" else b for b in embeds["anyOf"]
+    ]
+    return {
+        "anyOf": [
+            {"properties": {"prompt": prompt}, "required": ["prompt"]},
+            {"properties": {"prompt_embeds": embeds}, "required": ["prompt_embeds"]},
+        ]
+    }
+
+
 def write_rules(schemas: dict, limits: dict) -> None:
     """Write the rules into the request schemas of the completions and chat routes.
     `limits`: as `openapi.build_openapi`'s."""
@@ -246,7 +269,7 @@ def write_rules(schemas: dict, limits: dict) -> None:
         # does not state it (the one rule it leaves out).
         if name == "CompletionRequest":
             props["suffix"] = NOT_SUPPORTED
-            rules = [one_constraint(), {"anyOf": STREAM}]
+            rules = [one_constraint(), {"anyOf": STREAM}, prompt_rule(schema, limits)]
         else:
             rules = [both(one_constraint(), TOP_LOGPROBS)]
         schema["allOf"] = rules

@@ -91,6 +91,8 @@ def attach_probe_routes(app: FastAPI, *, engine, args, models, created, handlers
         body = await json_object(raw)
         kinds = (("chat", ChatCompletionRequest), ("completions", CompletionRequest))
         for name, model in kinds:
+            if name == "completions" and not {"prompt", "prompt_embeds"} & body.keys():
+                continue
             try:
                 request = model.model_validate(body)
             except ValidationError:

@@ -17,7 +17,14 @@ import json
 import re
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    model_validator,
+)
 
 from jllm.config import limits
 from jllm.config.limits import INT64_MAX, MAX_N_SEQUENCES
@@ -328,7 +335,21 @@ class CompletionRequest(SamplingFields):
         | Annotated[list[NonEmpty], Field(min_length=1)]
         | Annotated[list[TokenId], Field(min_length=1)]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
-    )
+        | None
+    ) = None
+    # vLLM's: prompts as embeddings (--enable-prompt-embeds), each the base64 of a torch.save
+    # or safetensors file of one [tokens, hidden_size] tensor; they come before `prompt`'s
+    prompt_embeds: NonEmpty | list[NonEmpty] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_prompt_beside_embeds(cls, data):
+        """vLLM counts an empty `prompt` as none: beside embeddings it adds no prompt (the
+        `openai` client needs some `prompt`)."""
+        if isinstance(data, dict) and data.get("prompt") == "" and data.get("prompt_embeds"):
+            data = {**data, "prompt": None}
+        return data
+
     max_tokens: Count | None = 16
     logprobs: Int(-1) | None = None  # -1: the whole vocabulary (within max_logprobs)
     echo: bool = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 
+from jllm.engine.processor import PROMPT_EMBEDS_OFF
 from jllm.entrypoints.openai.protocol import CompletionRequest
 from jllm.entrypoints.openai.serving_engine import (
     OpenAIError,
@@ -17,6 +18,7 @@ from jllm.entrypoints.openai.serving_engine import (
     usage,
     usage_options,
 )
+from jllm.entrypoints.prompt_embeds import load_prompt_embeds
 from jllm.outputs import CompletionOutput
 
 
@@ -50,7 +52,7 @@ class OpenAIServingCompletion(OpenAIServing):
             raise OpenAIError(str(e), 400, getattr(e, "param", None)) from e
         if request.use_beam_search:
             check_beam_search(params)
-        prompts = normalize_prompts(request.prompt, request.cache_salt)
+        prompts = await self._prompts(request, params)
         prepared = [
             await self.off_loop(self.prepare, f"{request_id}-{i}", p, params, lora)
             for i, p in enumerate(prompts)
@@ -61,6 +63,35 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.stream:
             return SSEResponse(self._stream(request, request_id, prepared, trace))
         return await self._full(request, request_id, prepared, trace)
+
+    async def _prompts(self, request: CompletionRequest, params) -> list[dict]:
+        """The request's prompts: its `prompt_embeds` first (vLLM's order), then `prompt`'s."""
+        embeds = request.prompt_embeds
+        embeds = [] if embeds is None else [embeds] if isinstance(embeds, str) else embeds
+        if not embeds and request.prompt is None:
+            raise OpenAIError(
+                "Either prompt or prompt_embeds must be provided and non-empty.", 400, "prompt"
+            )
+        prompts = []
+        if embeds:
+            if not self.engine.engine.args.enable_prompt_embeds:
+                raise OpenAIError(PROMPT_EMBEDS_OFF, 400, "prompt_embeds")
+            if request.echo:
+                raise OpenAIError("Echo is unsupported with prompt embeds.", 400, "echo")
+            if params.prompt_logprobs is not None:
+                raise OpenAIError(
+                    "prompt_logprobs is not compatible with prompt embeds.", 400, "prompt_logprobs"
+                )
+            for data in embeds:
+                try:
+                    rows = await self.off_loop(load_prompt_embeds, data)
+                except ValueError as e:
+                    raise OpenAIError(str(e), 400, "prompt_embeds") from e
+                salt = {} if request.cache_salt is None else {"cache_salt": request.cache_salt}
+                prompts.append({"prompt_embeds": rows, **salt})
+        if request.prompt is not None:
+            prompts += normalize_prompts(request.prompt, request.cache_salt)
+        return prompts
 
     async def _beam_search(self, request, request_id, prepared, params) -> dict:
         """`use_beam_search`: the best `n` beams per prompt, as vLLM's server returns them."""

@@ -104,6 +104,14 @@ def cases() -> list[tuple[str, str, bytes]]:
     }
     for name, prompt in prompts.items():
         out.append((f"prompt-{name}", "/v1/completions", _dump({"prompt": prompt})))
+    # Prompt embeddings on a server without --enable-prompt-embeds, and no prompt at all.
+    for name, body in {
+        "embeds-off": {"prompt_embeds": "AAAA"},
+        "embeds-type": {"prompt_embeds": 5},
+        "embeds-empty": {"prompt_embeds": []},
+        "none": {"max_tokens": 2},
+    }.items():
+        out.append((f"prompt-{name}", "/v1/completions", _dump(body)))
     messages = {
         "empty": [],
         "empty-message": [{}],
