@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -21,6 +22,22 @@ def server_args(model: str, *extra: str):
     for key, value in SMALL.items():
         argv += [flag(key)] if value is True else [flag(key), str(value)]
     return make_arg_parser().parse_args([*argv, *extra])
+
+
+@contextlib.contextmanager
+def serving(model: str, *extra: str):
+    """A server over `model` (the tests' SMALL engine) with `extra` flags, for a fixture's
+    lifetime."""
+    from jllm.entrypoints.openai.api_server import build_app, build_engine
+
+    args = server_args(model, *extra)
+    engine, metrics = build_engine(args)
+    running = RunningServer(build_app(args, engine, metrics), engine)
+    try:
+        yield running
+    finally:
+        running.stop()
+        engine.shutdown()
 
 
 def free_port() -> int:

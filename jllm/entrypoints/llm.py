@@ -27,8 +27,8 @@ from jllm.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from jllm.pooling.head import cosine
-from jllm.pooling.scoring import cross_encoder_prompt, score_pairs, scoring_spec
+from jllm.pooling.prompts import truncated_prompt
+from jllm.pooling.scoring import pair_scores, score_pairs, score_prompts, scoring_spec
 from jllm.pooling_params import PoolingParams
 from jllm.sampling_params import RequestOutputKind, SamplingParams
 from jllm.tracing import start_tracing
@@ -334,28 +334,10 @@ class LLM:
         prepared = []
         for prompt, p, lora in zip(prompts, params, loras, strict=True):
             if truncate is not None:
-                prompt = self._truncated(prompt, truncate)
+                limit, tokenize = engine.max_model_len, self.get_tokenizer().encode
+                prompt = truncated_prompt(prompt, truncate, limit, tokenize)
             prepared.append(engine.prepare(prompt, p, lora))
         return self._run(prepared, use_tqdm, [0] * len(prompts))
-
-    def _truncated(self, prompt, n: int):
-        """The prompt as token ids, its last `n` (-1: max_model_len) kept."""
-        limit = self.llm_engine.max_model_len
-        if n == -1:
-            n = limit
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"truncate_prompt_tokens must be an int >= 1 or -1, got {n!r}.")
-        if n > limit:
-            raise ValueError(
-                "truncate_prompt_tokens value is greater than max_model_len. Please request "
-                "a smaller truncation size."
-            )
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = list(prompt["prompt_token_ids"])
-        else:
-            text = prompt["prompt"] if isinstance(prompt, dict) else prompt
-            ids = self.get_tokenizer().encode(text)
-        return {"prompt_token_ids": ids[-n:]}
 
     def embed(self, prompts, pooling_params=None, **kwargs) -> list[EmbeddingRequestOutput]:
         """vLLM's embed: one embedding per prompt (`outputs.embedding`); `encode`'s keyword
@@ -388,29 +370,18 @@ class LLM:
             use_tqdm=use_tqdm, lora_request=lora_request, tokenization_kwargs=tokenization_kwargs
         )
         queries, docs = score_pairs(data_1, data_2)
-        if spec.task == "classify":
-            prompts = [
-                cross_encoder_prompt(self.get_tokenizer(), q, d, chat_template, spec)
-                for q, d in zip(queries, docs, strict=True)
-            ]
-            outs = self.encode(prompts, pooling_params, pooling_task="classify", **common)
-            return [ScoringRequestOutput.from_base(o) for o in outs]
-        unique = list(dict.fromkeys(queries))
-        outs = self.encode(unique + docs, pooling_params, pooling_task="embed", **common)
-        embedded = {q: o for q, o in zip(unique, outs, strict=False)}
-        results = []
-        for q, doc_out in zip(queries, outs[len(unique) :], strict=True):
-            q_out = embedded[q]
-            results.append(
-                ScoringRequestOutput(
-                    request_id=f"{q_out.request_id}_{doc_out.request_id}",
-                    outputs=ScoringOutput(cosine(q_out.outputs.data, doc_out.outputs.data)),
-                    prompt_token_ids=q_out.prompt_token_ids + doc_out.prompt_token_ids,
-                    num_cached_tokens=doc_out.num_cached_tokens,
-                    finished=True,
-                )
+        prompts = score_prompts(spec, queries, docs, self.get_tokenizer(), chat_template)
+        outs = self.encode(prompts, pooling_params, pooling_task=spec.task, **common)
+        return [
+            ScoringRequestOutput(
+                request_id="_".join(o.request_id for o in used),
+                outputs=ScoringOutput(score),
+                prompt_token_ids=[t for o in used for t in o.prompt_token_ids],
+                num_cached_tokens=used[-1].num_cached_tokens,
+                finished=True,
             )
-        return results
+            for score, used in pair_scores(spec, queries, outs)
+        ]
 
     def _run(self, prepared, use_tqdm: bool, priority: list[int]) -> list[RequestOutput]:
         engine = self.llm_engine

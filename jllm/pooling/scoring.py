@@ -3,6 +3,10 @@ pair, and a cross-encoder's prompt for one pair. Host-side only."""
 
 from __future__ import annotations
 
+import numpy as np
+
+from jllm.pooling.head import cosine
+
 
 def scoring_spec(spec, api: str):
     """The pooling spec of a model that scores (ValueError with vLLM's messages else)."""
@@ -46,3 +50,29 @@ def cross_encoder_prompt(tokenizer, query: str, doc: str, chat_template: str | N
     if spec is not None and spec.use_sep_token:
         return {"prompt_token_ids": tokenizer(text=query, text_pair=doc)["input_ids"]}
     return query + doc
+
+
+def score_prompts(spec, queries: list, docs: list, tokenizer, chat_template=None) -> list:
+    """What to pool for the pairs of `score_pairs`: each pair joined into one prompt for a
+    cross-encoder (a classifier); for a bi-encoder each distinct query once, then every
+    document."""
+    if spec.task == "classify":
+        return [
+            cross_encoder_prompt(tokenizer, q, d, chat_template, spec)
+            for q, d in zip(queries, docs, strict=True)
+        ]
+    return list(dict.fromkeys(queries)) + list(docs)
+
+
+def pair_scores(spec, queries: list, outs: list) -> list[tuple[float, tuple]]:
+    """Each pair's score from the pooled outputs of `score_prompts`' prompts, in order, with
+    the outputs it came from: a cross-encoder's one, a bi-encoder's query and document (the
+    cosine of their embeddings)."""
+    if spec.task == "classify":
+        return [(float(np.asarray(o.outputs.data).squeeze()), (o,)) for o in outs]
+    unique = list(dict.fromkeys(queries))
+    first = dict(zip(unique, outs, strict=False))
+    return [
+        (cosine(first[q].outputs.data, d.outputs.data), (first[q], d))
+        for q, d in zip(queries, outs[len(unique) :], strict=True)
+    ]

@@ -13,34 +13,22 @@ import ml_dtypes
 import numpy as np
 import openai
 import pytest
-from openai_server import MODEL_NAME, RunningServer, server_args
+from openai_server import MODEL_NAME, serving
 from pooling_oracle import hf_last_logits
-
-from jllm.entrypoints.openai.api_server import build_app, build_engine
 
 TEXTS = ["Hello world", "The quick brown fox jumps over the lazy dog", "a"]
 
 
-def serve(model: str, *extra: str):
-    args = server_args(model, *extra)
-    engine, metrics = build_engine(args)
-    return RunningServer(build_app(args, engine, metrics), engine), engine
-
-
 @pytest.fixture(scope="module")
 def embed_server(st_model):
-    running, engine = serve(st_model[0])
-    yield running
-    running.stop()
-    engine.shutdown()
+    with serving(st_model[0]) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
 def cross_server(cross_encoder_dir):
-    running, engine = serve(cross_encoder_dir)
-    yield running
-    running.stop()
-    engine.shutdown()
+    with serving(cross_encoder_dir) as running:
+        yield running
 
 
 def st_vectors(st_model, texts):

@@ -18,10 +18,8 @@ import safetensors.torch
 import torch
 import transformers
 from embeds_oracle import embeds_of, hf_from_embeds, payload
-from openai_server import MODEL_NAME, RunningServer, server_args
+from openai_server import MODEL_NAME, serving
 from oracle import prompt_ids
-
-from jllm.entrypoints.openai.api_server import build_app, build_engine
 
 GREEDY = {"max_tokens": 6, "temperature": 0.0}
 EXTRA = {"ignore_eos": True, "return_token_ids": True}
@@ -29,12 +27,8 @@ EXTRA = {"ignore_eos": True, "return_token_ids": True}
 
 @pytest.fixture(scope="module")
 def embeds_server(llama_dir):
-    args = server_args(llama_dir, "--enable-prompt-embeds")
-    engine, metrics = build_engine(args)
-    running = RunningServer(build_app(args, engine, metrics), engine)
-    yield running
-    running.stop()
-    engine.shutdown()
+    with serving(llama_dir, "--enable-prompt-embeds") as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

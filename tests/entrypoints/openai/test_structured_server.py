@@ -16,10 +16,9 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from openai_server import MODEL_NAME, RunningServer, server_args
+from openai_server import MODEL_NAME, serving
 from pydantic import BaseModel, Field
 
-from jllm.entrypoints.openai.api_server import build_app, build_engine
 from jllm.entrypoints.openai.tool_parsers import HermesToolParser, Llama3JsonToolParser
 
 CHAT = [{"role": "user", "content": "Fill in the form."}]
@@ -62,19 +61,10 @@ class Form(BaseModel):
 
 @pytest.fixture(scope="module")
 def tool_server(llama_dir):
-    args = server_args(
-        llama_dir,
-        "--enable-auto-tool-choice",
-        "--tool-call-parser",
-        "hermes",
-        "--structured-outputs-config",
-        '{"disable_any_whitespace": true}',
-    )
-    engine, metrics = build_engine(args)
-    running = RunningServer(build_app(args, engine, metrics), engine)
-    yield running
-    running.stop()
-    engine.shutdown()
+    flags = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    grammar = ("--structured-outputs-config", '{"disable_any_whitespace": true}')
+    with serving(llama_dir, *flags, *grammar) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,8 @@ from jllm.entrypoints.openai.pooling.protocol import (
 )
 from jllm.entrypoints.openai.protocol import TokenizeRequest
 from jllm.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing
-from jllm.pooling.head import cosine
-from jllm.pooling.scoring import cross_encoder_prompt, score_pairs, scoring_spec
+from jllm.pooling.prompts import truncated_prompt
+from jllm.pooling.scoring import pair_scores, score_pairs, score_prompts, scoring_spec
 from jllm.pooling_params import PoolingParams
 
 # embed_dtype -> the numpy dtype whose bytes base64 carries (vLLM's tensor2binary).
@@ -99,21 +99,14 @@ class ServingPooling(OpenAIServing):
         return prompts
 
     def _truncate(self, prompt, request) -> dict:
+        def tokenize(text: str) -> list[int]:
+            return self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+
         n, limit = request.truncate_prompt_tokens, self.engine.max_model_len
-        n = limit if n == -1 else n
-        if n > limit:
-            raise OpenAIError(
-                "truncate_prompt_tokens value is greater than max_model_len. Please request a "
-                "smaller truncation size.",
-                400,
-                "truncate_prompt_tokens",
-            )
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
-        else:
-            ids = prompt["prompt_token_ids"]
-        kept = ids[:n] if request.truncation_side == "right" else ids[-n:] if n else []
-        return {"prompt_token_ids": kept}
+        try:
+            return truncated_prompt(prompt, n, limit, tokenize, request.truncation_side)
+        except ValueError as e:
+            raise OpenAIError(str(e), 400, "truncate_prompt_tokens") from e
 
     def _params(self, params: PoolingParams, task: str, api: str) -> PoolingParams:
         try:
@@ -237,21 +230,9 @@ class ServingPooling(OpenAIServing):
         params = self._params(
             PoolingParams(use_activation=request.use_activation), spec.task, "Scoring API"
         )
-        if spec.task == "classify":
-            prompts = [
-                cross_encoder_prompt(self.tokenizer, q, d, None, spec)
-                for q, d in zip(queries, docs, strict=True)
-            ]
-            outs = await self._run(raw, request, rid, prompts, params)
-            return [float(np.asarray(o.outputs.data).squeeze()) for o in outs], outs
-        unique = list(dict.fromkeys(queries))
-        outs = await self._run(raw, request, rid, unique + docs, params)
-        vectors = {q: o.outputs.data for q, o in zip(unique, outs, strict=False)}
-        doc_outs = outs[len(unique) :]
-        scores = [
-            cosine(vectors[q], o.outputs.data) for q, o in zip(queries, doc_outs, strict=True)
-        ]
-        return scores, outs
+        prompts = score_prompts(spec, queries, docs, self.tokenizer)
+        outs = await self._run(raw, request, rid, prompts, params)
+        return [score for score, _ in pair_scores(spec, queries, outs)], outs
 
     async def score(self, request: ScoreRequest, raw: Request) -> dict:
         try:
