@@ -127,6 +127,76 @@ def route(logits, k: int, normalize: bool):
     return weights, ids.astype(jnp.int32)
 
 
+@dataclass(frozen=True, kw_only=True)
+class GroupedRouting:
+    """DeepSeek's routers (V2: softmax scores, `topk_method` "greedy" or
+    "group_limited_greedy"; V3: sigmoid scores, "noaux_tc", an `e_score_correction_bias`):
+    experts chosen within the `topk_group` best of `n_group` groups (a group's score: its
+    best expert's, or with the bias its two best's sum), the chosen experts' scores as
+    weights, renormalised with `norm_topk_prob`, times `routed_scaling_factor`."""
+
+    scoring: str = "softmax"  # or "sigmoid"
+    biased: bool = False  # noaux_tc: the choice adds e_score_correction_bias
+    n_group: int = 1
+    topk_group: int = 1
+    normalize: bool = False
+    scale: float = 1.0
+
+    @classmethod
+    def from_hf(cls, hf, default_method: str = "greedy") -> GroupedRouting:
+        """`default_method`: a config without `topk_method` (transformers' DeepSeek-V3 always
+        routes by "noaux_tc")."""
+        method = getattr(hf, "topk_method", None) or default_method
+        default_scoring = "sigmoid" if method == "noaux_tc" else "softmax"
+        scoring = getattr(hf, "scoring_func", None) or default_scoring
+        if method not in ("greedy", "group_limited_greedy", "noaux_tc") or scoring not in (
+            "softmax",
+            "sigmoid",
+        ):
+            raise ValueError(f"MoE router {scoring!r} / {method!r} is not supported by jllm yet.")
+        grouped = method != "greedy"
+        return cls(
+            scoring=scoring,
+            biased=method == "noaux_tc",
+            n_group=int(getattr(hf, "n_group", None) or 1) if grouped else 1,
+            topk_group=int(getattr(hf, "topk_group", None) or 1) if grouped else 1,
+            normalize=bool(getattr(hf, "norm_topk_prob", False)),
+            scale=float(getattr(hf, "routed_scaling_factor", None) or 1.0),
+        )
+
+
+def route_grouped(logits, k: int, r: GroupedRouting, bias=None):
+    """logits [T, E] (and with `r.biased` the correction bias [E]) -> (weights [T, k]
+    float32, expert ids [T, k] int32) by DeepSeek's rule (`GroupedRouting`)."""
+    logits = logits.astype(jnp.float32)
+    exact = batch_invariant.enabled()
+    if r.scoring == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    elif exact:
+        e = invariant.exp_rows(logits - logits.max(-1, keepdims=True))
+        scores = e / invariant.row_sum(e)
+    else:
+        scores = jax.nn.softmax(logits, axis=-1)
+    choice = scores + bias.astype(jnp.float32) if r.biased else scores
+    T, E = choice.shape
+    if r.n_group > 1:
+        grouped = choice.reshape(T, r.n_group, E // r.n_group)
+        if r.biased:  # the sum of each group's two best, in one order
+            best = jax.lax.top_k(grouped, 2)[0]
+            group_score = best[..., 0] + best[..., 1]
+        else:
+            group_score = grouped.max(-1)
+        _, groups = jax.lax.top_k(group_score, r.topk_group)  # [T, topk_group]
+        keep = jnp.zeros((T, r.n_group), bool).at[jnp.arange(T)[:, None], groups].set(True)
+        choice = jnp.where(jnp.repeat(keep, E // r.n_group, axis=1), choice, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, k)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if r.normalize:
+        total = invariant.row_sum(weights) if exact else weights.sum(-1, keepdims=True)
+        weights = weights / (total + 1e-20)
+    return weights * r.scale, ids.astype(jnp.int32)
+
+
 def sort_by_expert(ids, num_experts: int):
     """ids [T, k] -> (order [N]: the flat (token, slot) index of each sorted row,
     group_sizes [E] int32)."""
