@@ -32,6 +32,19 @@ TINY = dict(
 ARCHS = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    # YaRN from 32 positions (the prompts run past them), as Qwen configures long contexts.
+    "qwen2-yarn": (
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        },
+    ),
     "llama3-untied": (
         transformers.LlamaConfig,
         transformers.LlamaForCausalLM,

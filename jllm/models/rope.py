@@ -1,5 +1,6 @@
-"""Rotary position embeddings: default, linear, llama3 and LongRoPE (Phi-3's `longrope`, once
-`su`) frequency scaling, over the whole head or its first `partial_rotary_factor` share.
+"""Rotary position embeddings: default, linear, llama3, YaRN (`yarn`: Qwen's long contexts,
+DeepSeek's with its `mscale`, gpt-oss's) and LongRoPE (Phi-3's `longrope`, once `su`)
+frequency scaling, over the whole head or its first `partial_rotary_factor` share.
 
 Frequencies are computed once on the host (numpy) from the Hugging Face config, in the
 rotate-half layout Hugging Face checkpoints use. A config whose layers differ (Gemma 3's local
@@ -51,6 +52,9 @@ class RopeConfig:
             return cls(_tuple(_llama3(inv_freq, params)))
         if rope_type in ("longrope", "su"):
             return _longrope(hf, params, theta, exponents)
+        if rope_type == "yarn":
+            truncate = (getattr(hf, "rope_parameters", None) or {}).get("truncate", True)
+            return _yarn(hf, params, theta, dim, truncate)
         if rope_type != "default":
             raise ValueError(f"RoPE scaling {rope_type!r} is not supported by jllm yet.")
         return cls(_tuple(inv_freq))
@@ -86,6 +90,45 @@ def _longrope(hf, params: dict, theta: float, exponents: np.ndarray) -> RopeConf
     return RopeConfig(
         _tuple(1.0 / (short * base)), float(scaling), _tuple(1.0 / (long * base)), original
     )
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context `scale` times the original."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(hf, p: dict, theta: float, dim: int, truncate: bool) -> RopeConfig:
+    """YaRN as transformers computes it: each frequency between its interpolated (divided by
+    `factor`) and original value by a linear ramp over the dims between the corrections of
+    `beta_fast` and `beta_slow` rotations, and cos/sin scaled by `attention_factor` (from
+    `mscale` / `mscale_all_dim` where given, DeepSeek's)."""
+    original = (
+        p.get("original_max_position_embeddings")
+        or getattr(hf, "original_max_position_embeddings", None)
+        or hf.max_position_embeddings
+    )
+    factor = p.get("factor") or hf.max_position_embeddings / original
+    scaling = p.get("attention_factor")
+    mscale, mscale_all_dim = p.get("mscale"), p.get("mscale_all_dim")
+    if scaling is None:
+        if mscale and mscale_all_dim:
+            scaling = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            scaling = yarn_mscale(factor)
+
+    def correction(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction(p.get("beta_fast") or 32), correction(p.get("beta_slow") or 1)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    extrapolated = 1 - np.clip((np.arange(dim // 2) - low) / (high - low), 0, 1)
+    base = theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    inv_freq = extrapolated / base + (1 - extrapolated) / (factor * base)
+    return RopeConfig(_tuple(inv_freq), float(scaling))
 
 
 def _llama3(inv_freq: np.ndarray, p: dict) -> np.ndarray:

@@ -13,7 +13,9 @@ from jllm import LLM, SamplingParams
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3-untied", "qwen3", "llama-bias"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen2", "qwen2-yarn", "llama3-untied", "qwen3", "llama-bias"]
+)
 def test_greedy_matches_transformers(tiny_models, arch):
     prompts = prompt_ids(4, 5) + prompt_ids(1, 40, seed=1)
     llm = LLM(tiny_models[arch], **SMALL)
