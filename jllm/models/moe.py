@@ -394,8 +394,12 @@ class MoE(nnx.Module):
             out = out + (gate * self.shared_expert(x, ctx).astype(jnp.float32)).astype(out.dtype)
         return out
 
+    def choose(self, logits):
+        """The router's logits [T, E] float32 -> (weights [T, k], expert ids [T, k])."""
+        return route(logits, self.k, self.normalize)
+
     def _routed(self, x, ctx):
-        weights, ids = route(self.gate(x, ctx, out_dtype=jnp.float32), self.k, self.normalize)
+        weights, ids = self.choose(self.gate(x, ctx, out_dtype=jnp.float32))
         if ctx is not None and ctx.routes is not None:
             ctx.routes.ids = ids
         order, sizes = sort_by_expert(ids, self.num_experts)

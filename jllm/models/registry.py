@@ -31,6 +31,8 @@ MODEL_TYPES: dict[str, tuple[str, str]] = {
     "mixtral": ("mixtral", "MixtralForCausalLM"),
     "qwen2_moe": ("qwen_moe", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("qwen_moe", "Qwen3MoeForCausalLM"),
+    "deepseek_v2": ("deepseek", "DeepseekV2ForCausalLM"),
+    "deepseek_v3": ("deepseek", "DeepseekV3ForCausalLM"),
     "gemma2": ("gemma", "Gemma2ForCausalLM"),
     "gemma3_text": ("gemma", "Gemma3ForCausalLM"),
     "llava": ("llava", "LlavaForConditionalGeneration"),
