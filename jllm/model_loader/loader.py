@@ -402,8 +402,14 @@ def _checkpoint_values(t: _Target, arch: Architecture, cfg, source) -> dict:
     experts: dict[tuple, dict[int, np.ndarray]] = {}  # (path, layer) -> expert -> weight
     layer_weights, fused = arch.layer_weights(cfg), arch.fused_weights(cfg)
     weights = _renamed(arch, source.iter_weights(keep_quantized=t.quantization == "gguf"))
+    # Layers past the decoder's that a config declares for drafting (DeepSeek-V3's MTP
+    # layers, `num_nextn_predict_layers`): not part of the model that generates.
+    drafting = range(cfg.num_layers, cfg.num_layers + getattr(cfg, "draft_layers", 0))
     for name, w in _fused_parts(_without_kv_scales(weights, t), fused):
         if IGNORED.fullmatch(name):
+            continue
+        layer_name = _LAYER.fullmatch(name)
+        if layer_name is not None and int(layer_name.group(1)) in drafting:
             continue
         mapped = _map_name(name, layer_weights, arch.top_weights, t.model.layer_slot)
         extra_bias = name.endswith(".bias") and packed_checkpoint

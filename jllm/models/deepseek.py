@@ -62,6 +62,9 @@ class DeepseekConfig(DecoderConfig):
     softmax_scale: float
     rope_interleave: bool
     attention_bias: bool = False
+    # DeepSeek-V3's multi-token-prediction layers after the decoder's
+    # (`num_nextn_predict_layers`): in its checkpoints, not in the model that generates
+    draft_layers: int = 0
 
     @classmethod
     def from_hf(cls, hf, v3: bool) -> DeepseekConfig:
@@ -103,6 +106,7 @@ class DeepseekConfig(DecoderConfig):
             # DeepSeek's checkpoints rotate interleaved pairs (V2's transformers code always)
             rope_interleave=getattr(hf, "rope_interleave", None) is not False,
             attention_bias=bool(getattr(hf, "attention_bias", False)),
+            draft_layers=int(getattr(hf, "num_nextn_predict_layers", 0) or 0),
         )
 
 

@@ -6,6 +6,7 @@ preemption, prefix hits, tensor parallelism and expert parallelism give the same
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -112,3 +113,31 @@ def test_layouts_give_the_same_tokens(checkpoints, settings):
     assert_matches(eager(path), prompts, generate(llm, prompts, params))
     if preempting:
         assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_the_checkpoints_mtp_layer_is_left_out(checkpoints, tmp_path):
+    """DeepSeek-V3's checkpoints carry `num_nextn_predict_layers` layers after the decoder's
+    (the MTP module: a layer's tensors and its own norms and projection): the model that
+    generates leaves them out; a layer past the decoder's that no config declares is refused."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    path = tmp_path / "mtp"
+    shutil.copytree(checkpoints["v3-q-lora"], path)
+    tensors = load_file(path / "model.safetensors")
+    L = TINY["num_hidden_layers"]
+    extra = {
+        k.replace("layers.2.", f"layers.{L}."): v for k, v in tensors.items() if "layers.2." in k
+    }
+    extra[f"model.layers.{L}.eh_proj.weight"] = np.zeros((64, 128), np.float32)
+    extra[f"model.layers.{L}.enorm.weight"] = np.ones(64, np.float32)
+    save_file({**tensors, **extra}, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    with pytest.raises(ValueError, match=f"layers.{L}"):
+        LLM(str(path), **{**SMALL, "dtype": "float32"})
+    (path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    llm = LLM(str(path), **{**SMALL, "dtype": "float32"})
+    assert_matches(eager(checkpoints["v3-q-lora"]), PROMPTS[:1], generate(llm, PROMPTS[:1]))
