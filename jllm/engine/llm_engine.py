@@ -147,6 +147,8 @@ class LLMEngine:
         groups = (*m.kv_caches, *(() if draft is None else draft.kv_caches))
         vision = getattr(cfg, "vision", None)
         check_prompt_embeds(args, vision, draft)
+        # enable_prompt_embeds: the rows' width, which the processor checks and steps carry
+        self.embeds_dim = cfg.hidden_size if args.enable_prompt_embeds else 0
         token_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
         layout = BatchLayout.create(
             args.block_size,
@@ -165,7 +167,7 @@ class LLMEngine:
             group_fields=tuple(spec.step_fields(kv_dtype) for spec in groups),
             image_tokens=0 if vision is None else vision.tokens_per_image,
             image_spans=vision is not None and vision.bidirectional,
-            embeds_dim=cfg.hidden_size if args.enable_prompt_embeds else 0,
+            embeds_dim=self.embeds_dim,
         )
         if draft is not None:
             draft.layout = dataclasses.replace(layout, kv_token_bytes=draft.token_bytes)
@@ -332,7 +334,7 @@ class LLMEngine:
             cfg.vocab_size,
             args.max_logprobs,
             mm,
-            embeds_size=cfg.hidden_size if args.enable_prompt_embeds else 0,
+            embeds_size=self.embeds_dim,
         )
         self._rng = random.Random(args.seed)
         done = time.perf_counter()
