@@ -8,10 +8,12 @@ in place (`kv_cache[layer]` here would copy the layer per layer per step). Under
 parallelism (the runner traces inside `jax.set_mesh`) each device runs the kernel on its own
 heads.
 
-Both kernels implement the sliding window and the soft cap; sinks, chunked local attention,
-MLA's latent attention (a cache of one latent per token, no head axis) and a value head size
-unlike the key head size they lack for now (`supported`), so a model that needs one is
-refused by name at start-up (`auto` takes the XLA attention).
+Both kernels implement the sliding window and the soft cap, and the Pallas ones MLA's latent
+attention (a cache of one latent per token, no head axis, replicated under TP; its values
+are its first v_head_dim lanes, the only value head size unlike the key's they take). Sinks,
+chunked local attention, a value head size unlike the key's otherwise, and the latent on
+the C++ kernel are lacking for now (`supported`), so a model that needs one is refused by
+name at start-up (`auto` takes the XLA attention).
 """
 
 from __future__ import annotations
@@ -21,9 +23,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jllm.attention.base import AttentionBackend, write_step_kv
+from jllm.attention.base import (
+    AttentionBackend,
+    latent_inputs,
+    write_step_kv,
+    write_step_latent,
+)
 from jllm.attention.metadata import FlatBatch, RaggedMetadata, build_ragged
-from jllm.attention.options import AttentionOptions
+from jllm.attention.options import OPTION_NAMES, AttentionOptions
 from jllm.config import batch_invariant
 from pallas_kernels.ragged_paged_attention import (
     SUPPORTED_DTYPES,
@@ -110,6 +117,24 @@ class PallasBackend(_Ragged):
     """`pallas` (TPU), `pallas_gpu` (Triton), and either in interpret mode."""
 
     name: str = "pallas"
+    supported = frozenset({"window", "soft_cap", "latent", "v_head_dim"})
+
+    def check(self, options: AttentionOptions) -> None:
+        super().check(options)
+        if options.v_head_dim is not None and not options.latent:
+            raise ValueError(
+                f"attention backend {self.name!r} has no {OPTION_NAMES['v_head_dim']} "
+                f"(v_head_dim={options.v_head_dim}) outside a latent layer"
+            )
+        # A latent's value lanes are one of the GPU kernel's two loads (its rotary lanes,
+        # the model's head_dim, the other: `unsupported`).
+        if options.latent and self.name.startswith("pallas_gpu"):
+            reason = unsupported_shape(options.v_head_dim, 16)
+            if reason:
+                raise ValueError(
+                    f"attention backend {self.name!r}, a latent's value lanes "
+                    f"(kv_lora_rank {options.v_head_dim}): {reason}"
+                )
 
     def unsupported(self, platform, dtype, head_dim, block_size, fp8_cache):
         if not self.name.startswith("pallas_gpu"):
@@ -124,7 +149,11 @@ class PallasBackend(_Ragged):
 
     def attend(self, q, k, v, kv_cache, layer, md, options: AttentionOptions, sinks=None):
         self.check(options)
-        kv_cache, fp8 = write_step_kv(kv_cache, layer, k, v, md)
+        if options.latent:
+            latent = latent_inputs(q, k, v, kv_cache, options)
+            kv_cache, fp8 = write_step_latent(kv_cache, layer, latent, md)
+        else:
+            kv_cache, fp8 = write_step_kv(kv_cache, layer, k, v, md)
         args = (q, kv_cache, md.kv_lens, md.block_tables, md.query_start, md.query_lens)
         args = (*args, md.num_seqs)
         gpu = self.name.startswith("pallas_gpu")
@@ -137,6 +166,8 @@ class PallasBackend(_Ragged):
             interpret=self.name.endswith("_interpret"),
             fp8_dtype=fp8,
         )
+        if options.latent:
+            kw |= dict(latent=True, v_head_dim=options.v_head_dim)
         if md.q_horizon is not None:  # image tokens that attend both ways (Gemma 3)
             kw["q_horizon"] = md.q_horizon
         if gpu and batch_invariant.enabled():  # one tiling, no KV split

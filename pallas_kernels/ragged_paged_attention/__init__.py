@@ -3,9 +3,10 @@
 ``ragged_paged_attention`` is the Pallas TPU kernel (``interpret=True`` runs it on CPU),
 ``ragged_paged_attention_gpu`` the same contract in Pallas on Triton for GPUs (likewise),
 ``ragged_paged_attention_reference`` the pure-jnp oracle it is tested against (which alone
-also takes attention sinks, chunked local attention, values narrower than the keys and MLA's
-latent cache ``[B, S, H]``, ``latent_cache_shape``: the oracle of jllm's XLA attention,
-until the kernels have them),
+also takes attention sinks, chunked local attention and values narrower than the keys: the
+oracle of jllm's XLA attention, until the kernels have them). MLA's latent cache
+``[B, S, H]`` (``latent_cache_shape``; ``latent=True, v_head_dim=``) is taken by the
+reference and the two Pallas kernels,
 ``validate_inputs`` the shared static checks, ``kv_cache_shape`` the cache layout
 ``[B, S, 2K, H]`` (K and V interleaved on the head axis; the queries' float dtype or a
 float8 format, ``FP8_DTYPES``, as that dtype or as its bytes with ``fp8_dtype=``; written

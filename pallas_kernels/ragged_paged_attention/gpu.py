@@ -33,8 +33,14 @@ part writes its normalised output and log-sum-exp, and a small jnp epilogue merg
 Output. Rows no valid request owns stay zero (the output aliases a zero array). Each
 program writes only its own rows, so programs never race.
 
-Triton needs power-of-two tile shapes: the head dim, the block size and the tiles are
-checked before lowering. The Triton lowering runs on any CUDA GPU and, with
+Latent (MLA's absorbed form). With ``latent`` the cache is ``[L, B, S, H]``, one latent
+vector per token: one KV head (K = 1, G = N) whose first ``v_head_dim`` lanes are also its
+value. H (576 for DeepSeek-V3: 512 + 64) is not a power of two, so the queries and keys are
+loaded as two parts, the value lanes and the rotary rest, and a score is the sum of their
+two products; the values are the keys' first part, loaded once.
+
+Triton needs power-of-two tile shapes: the head dim (each part of a latent), the block size
+and the tiles are checked before lowering. The Triton lowering runs on any CUDA GPU and, with
 ``interpret=True``, on the CPU.
 """
 
@@ -49,16 +55,25 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .cache import from_cache, is_fp8_cache
-from .validation import as_stacked, validate_inputs, validate_options, validate_q_horizon
+from .validation import as_stacked, validate_kernel_inputs, validate_options, validate_q_horizon
 
 
 def _pow2(x: int) -> bool:
     return x >= 1 and x & (x - 1) == 0
 
 
-def unsupported_shape(head_dim: int, block_size: int) -> str | None:
-    """Why the GPU kernel cannot take a model's head dim and KV block size, or None."""
-    if not _pow2(head_dim) or head_dim < 16:
+def unsupported_shape(head_dim: int, block_size: int, v_head_dim: int | None = None) -> str | None:
+    """Why the GPU kernel cannot take a model's head dim and KV block size, or None. With
+    `v_head_dim` (a latent cache of `head_dim` lanes) the two parts it loads apart, the
+    value lanes and the rest, must each be a power of two of at least 16."""
+    if v_head_dim is not None:
+        rest = head_dim - v_head_dim
+        if min(v_head_dim, rest) < 16 or not (_pow2(v_head_dim) and _pow2(rest)):
+            return (
+                "the GPU kernel needs a latent's value lanes and its rotary lanes each a "
+                f"power of two of at least 16, got {v_head_dim} + {rest}"
+            )
+    elif not _pow2(head_dim) or head_dim < 16:
         return f"the GPU kernel needs a power-of-two head dim of at least 16, got {head_dim}"
     if not _pow2(block_size):
         return f"the GPU kernel needs a power-of-two block size, got {block_size}"
@@ -110,6 +125,8 @@ def ragged_paged_attention_gpu(
     fp8_dtype=None,
     q_horizon: jax.Array | None = None,
     batch_invariant: bool = False,
+    latent: bool = False,
+    v_head_dim: int | None = None,
 ) -> jax.Array:
     """Attention of a flat ragged batch of queries over a paged KV cache (Pallas GPU).
 
@@ -120,24 +137,35 @@ def ragged_paged_attention_gpu(
     float8 cache (``FP8_DTYPES``, or its bytes with ``fp8_dtype``) is read into q's dtype.
     ``q_horizon`` [T] int32 (optional): the last key position each query row sees when past
     its own (an image's span, seen both ways), as in `ragged_paged_attention_reference`.
-    ``batch_invariant``: the tiling of `default_tiling`'s batch-invariant mode.
+    ``batch_invariant``: the tiling of `default_tiling`'s batch-invariant mode. ``latent``
+    (MLA): kv_cache is the latent cache [L, B, S, H] (or [B, S, H]) whose first
+    ``v_head_dim`` lanes are the values; the result is [T, N, v_head_dim].
     """
-    kv_cache, layer, layer_view = as_stacked(kv_cache, layer)
-    validate_inputs(
-        q, layer_view, kv_lens, block_tables, query_start, query_lens, num_seqs, fp8_dtype
+    kv_cache, layer, layer_view = as_stacked(kv_cache, layer, latent)
+    validate_kernel_inputs(
+        q,
+        layer_view,
+        kv_lens,
+        block_tables,
+        query_start,
+        query_lens,
+        num_seqs,
+        fp8_dtype,
+        latent=latent,
+        v_head_dim=v_head_dim,
     )
     validate_options(sm_scale, sliding_window, soft_cap)
     validate_q_horizon(q_horizon, q.shape[0])
     t, n, h = q.shape
-    _, _, s, two_k, _ = kv_cache.shape
-    k = two_k // 2
+    s, hv = kv_cache.shape[2], v_head_dim or h
+    k = 1 if latent else kv_cache.shape[3] // 2
     group = n // k
     r, p = block_tables.shape
     auto = default_tiling(t, r, n, k, s, batch_invariant)
     block_m = auto[0] if block_m is None else block_m
     pages_per_tile = auto[1] if pages_per_tile is None else pages_per_tile
     num_kv_splits = auto[2] if num_kv_splits is None else num_kv_splits
-    reason = unsupported_shape(h, s)
+    reason = unsupported_shape(h, s, v_head_dim if latent else None)
     if reason:
         raise ValueError(reason)
     for name, value in (("block_m", block_m), ("pages_per_tile", pages_per_tile)):
@@ -163,8 +191,8 @@ def ragged_paged_attention_gpu(
     split = num_kv_splits > 1
     horizon = q_horizon is not None
     out_dtype = jnp.float32 if split else q.dtype
-    out_shape = [jax.ShapeDtypeStruct((num_kv_splits, k, rows, h), out_dtype)]
-    inits = [jnp.zeros((num_kv_splits, k, rows, h), out_dtype)]
+    out_shape = [jax.ShapeDtypeStruct((num_kv_splits, k, rows, hv), out_dtype)]
+    inits = [jnp.zeros((num_kv_splits, k, rows, hv), out_dtype)]
     if split:
         out_shape.append(jax.ShapeDtypeStruct((num_kv_splits, k, rows), jnp.float32))
         inits.append(jnp.full((num_kv_splits, k, rows), -jnp.inf, jnp.float32))
@@ -182,6 +210,7 @@ def ragged_paged_attention_gpu(
         split=split,
         fp8_dtype=fp8_dtype,
         horizon=horizon,
+        latent=latent,
     )
     inputs = [
         tile_req,
@@ -206,15 +235,15 @@ def ragged_paged_attention_gpu(
         name="ragged_paged_attention_gpu",
     )(*inputs, *inits)
     if split:
-        o, lse = outs  # [splits, K, rows, H], [splits, K, rows]
+        o, lse = outs  # [splits, K, rows, Hv], [splits, K, rows]
         top = jnp.max(lse, axis=0)
         weight = jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0))  # [splits, K, rows]
         total = weight.sum(axis=0)
         out = (weight[..., None] * o).sum(axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
     else:
         out = outs[0][0]
-    out = out[:, : t * group].astype(q.dtype).reshape(k, t, group, h)
-    return jnp.swapaxes(out, 0, 1).reshape(t, n, h)
+    out = out[:, : t * group].astype(q.dtype).reshape(k, t, group, hv)
+    return jnp.swapaxes(out, 0, 1).reshape(t, n, hv)
 
 
 def _tile_table(query_lens, num_seqs, tokens_per_tile, num_tiles):
@@ -239,7 +268,7 @@ def _kernel(
     query_lens_ref,  # [R]
     layer_ref,  # [1]
     q_ref,  # [K, rows, H]
-    kv_ref,  # [L, B, S, 2K, H]
+    kv_ref,  # [L, B, S, 2K, H] (latent: [L, B, S, H])
     *refs,  # [hz_ref [rows]], the output inits, their aliases: o_ref [, lse_ref]
     sm_scale: float,
     sliding_window: int | None,
@@ -252,6 +281,7 @@ def _kernel(
     split: bool,
     fp8_dtype,
     horizon: bool,
+    latent: bool,
 ):
     if horizon:
         hz_ref, *refs = refs
@@ -262,7 +292,10 @@ def _kernel(
     tile, kh, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_blocks = kv_ref.shape[1]
     num_parts = pl.num_programs(2)
-    h = q_ref.shape[2]
+    h, hv = q_ref.shape[2], o_ref.shape[3]
+    # The lanes of q and the keys loaded apart, (first, count) each: a latent's value lanes
+    # and its rotary rest, or the whole head.
+    parts = ((0, hv), (hv, h - hv)) if latent else ((0, h),)
     s = kv_ref.shape[2]
     tile_kv = pages_per_tile * s
     req = tile_req_ref[tile]
@@ -294,9 +327,14 @@ def _kernel(
         lo = tile_lo + part * per_part
         hi = jnp.minimum(lo + per_part, tile_hi)
 
-        q = plgpu.load(q_ref.at[kh, pl.ds(row0, block_m), :], mask=row_ok[:, None], other=0.0)
+        qs = [
+            plgpu.load(
+                q_ref.at[kh, pl.ds(row0, block_m), pl.ds(a, w)], mask=row_ok[:, None], other=0.0
+            )
+            for a, w in parts
+        ]  # [M, w] each
         fp8 = is_fp8_cache(kv_ref.dtype, fp8_dtype)
-        kv_dtype = q.dtype if fp8 else kv_ref.dtype
+        kv_dtype = q_ref.dtype if fp8 else kv_ref.dtype
         precision = jax.lax.Precision.HIGHEST if kv_dtype == jnp.float32 else None
 
         def body(c, carry):
@@ -319,23 +357,34 @@ def _kernel(
             # element: [TK, 1] pages and slots against [1, H] lanes.
             tok_page = jnp.broadcast_to(pages[:, None], (pages_per_tile, s)).reshape(tile_kv)
             tok_slot = jax.lax.broadcasted_iota(jnp.int32, (tile_kv,), 0) % s
-            lanes = jax.lax.broadcasted_iota(jnp.int32, (1, h), 1)
             at = (layer_ref[0], tok_page[:, None], tok_slot[:, None])
-            keys = plgpu.load(kv_ref.at[(*at, 2 * kh, lanes)])  # [TK, H]
-            values = plgpu.load(kv_ref.at[(*at, 2 * kh + 1, lanes)])  # [TK, H]
+
+            def lanes(a, w):  # [1, w]: lanes a .. a + w - 1
+                return a + jax.lax.broadcasted_iota(jnp.int32, (1, w), 1)
+
+            head = () if latent else (2 * kh,)
+            keys = [plgpu.load(kv_ref.at[(*at, *head, lanes(a, w))]) for a, w in parts]
             if fp8:  # a float8 cache's pages in the queries' dtype (scale 1)
-                keys = from_cache(keys, q.dtype, fp8_dtype)
-                values = from_cache(values, q.dtype, fp8_dtype)
+                keys = [from_cache(x, q_ref.dtype, fp8_dtype) for x in keys]
+            if latent:  # the value is the latent's first Hv lanes: the first part
+                values = keys[0]  # [TK, Hv]
+            else:
+                values = plgpu.load(kv_ref.at[(*at, 2 * kh + 1, lanes(0, h))])  # [TK, H]
+                if fp8:
+                    values = from_cache(values, q_ref.dtype, fp8_dtype)
             kv_pos = c * tile_kv + jax.lax.broadcasted_iota(jnp.int32, (tile_kv,), 0)
             seen = (kv_pos >= first_pos) & (kv_pos <= last_pos)  # [TK]
             values = jnp.where(seen[:, None], values, jnp.zeros_like(values))
 
-            scores = jax.lax.dot_general(
-                q.astype(keys.dtype),
-                keys,
-                (((1,), (1,)), ((), ())),
-                precision=precision,
-                preferred_element_type=jnp.float32,
+            scores = sum(
+                jax.lax.dot_general(
+                    q.astype(key.dtype),
+                    key,
+                    (((1,), (1,)), ((), ())),
+                    precision=precision,
+                    preferred_element_type=jnp.float32,
+                )
+                for q, key in zip(qs, keys, strict=True)
             )  # [M, TK]
             scores = scores * sm_scale
             if soft_cap is not None:
@@ -355,11 +404,11 @@ def _kernel(
                 (((1,), (0,)), ((), ())),
                 precision=precision,
                 preferred_element_type=jnp.float32,
-            )  # [M, H]
+            )  # [M, Hv]
             return alpha[:, None] * acc + pv, m_new, l_new
 
         init = (
-            jnp.zeros((block_m, h), jnp.float32),
+            jnp.zeros((block_m, hv), jnp.float32),
             jnp.full((block_m,), -jnp.inf, jnp.float32),
             jnp.zeros((block_m,), jnp.float32),
         )

@@ -34,6 +34,12 @@ position (the end of its kv walk) out to the furthest horizon of its rows, and t
 horizons themselves as ``[1, T, 1]`` in HBM, of which the step copies its window to mask
 row by row. Without it the kernel is compiled exactly as before.
 
+Latent (MLA's absorbed form). With ``latent`` the cache is ``[L, B, S, H]``, one latent
+vector per token (kv_lora_rank + qk_rope_head_dim lanes): one KV head that every query
+head reads (K = 1, G = N), whose first ``v_head_dim`` lanes are also its value. A page is
+copied once into the chunk buffer and read as both; the accumulator and the output have
+``v_head_dim`` lanes. The scores are one product over all H lanes.
+
 Known costs: the grid has R * cdiv(T, block_q) steps and most of them are empty for a
 large batch (each costs only the SMEM reads and a branch); the output window is copied
 in and out once per non-empty step.
@@ -48,7 +54,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .cache import from_cache, is_fp8_cache
-from .validation import as_stacked, validate_inputs, validate_options, validate_q_horizon
+from .validation import as_stacked, validate_kernel_inputs, validate_options, validate_q_horizon
 
 
 def ragged_paged_attention(
@@ -69,6 +75,8 @@ def ragged_paged_attention(
     interpret: bool | pltpu.InterpretParams = False,
     fp8_dtype=None,
     q_horizon: jax.Array | None = None,
+    latent: bool = False,
+    v_head_dim: int | None = None,
 ) -> jax.Array:
     """Attention of a flat ragged batch of queries over a paged KV cache (Pallas TPU).
 
@@ -81,17 +89,28 @@ def ragged_paged_attention(
     bytes with ``fp8_dtype``: cache.py) is read into q's dtype. ``q_horizon`` [T] int32
     (optional): the last key position each query row sees when past its own (an image's
     span, seen both ways), as in `ragged_paged_attention_reference`; None is causal.
+    ``latent`` (MLA): kv_cache is the latent cache [L, B, S, H] (or [B, S, H]) whose first
+    ``v_head_dim`` lanes are the values; the result is [T, N, v_head_dim].
     """
-    kv_cache, layer, layer_view = as_stacked(kv_cache, layer)
-    validate_inputs(
-        q, layer_view, kv_lens, block_tables, query_start, query_lens, num_seqs, fp8_dtype
+    kv_cache, layer, layer_view = as_stacked(kv_cache, layer, latent)
+    validate_kernel_inputs(
+        q,
+        layer_view,
+        kv_lens,
+        block_tables,
+        query_start,
+        query_lens,
+        num_seqs,
+        fp8_dtype,
+        latent=latent,
+        v_head_dim=v_head_dim,
     )
     validate_options(sm_scale, sliding_window, soft_cap)
     validate_q_horizon(q_horizon, q.shape[0])
     if block_q < 1 or pages_per_chunk < 1:
         raise ValueError(f"block_q={block_q} and pages_per_chunk={pages_per_chunk} must be >= 1")
     t, n, h = q.shape
-    _, _, s, two_k, _ = kv_cache.shape
+    hv = v_head_dim or h
     r, p = block_tables.shape
     bq = min(block_q, t)
     ppc = min(pages_per_chunk, p)
@@ -109,6 +128,7 @@ def ragged_paged_attention(
         pages_per_seq=p,
         fp8_dtype=fp8_dtype,
         horizon=horizon,
+        latent=latent,
     )
     prefetch = [
         kv_lens,
@@ -118,12 +138,12 @@ def ragged_paged_attention(
         jnp.asarray(num_seqs, jnp.int32).reshape(1),
         jnp.asarray(layer, jnp.int32).reshape(1),
     ]
-    inputs = [jnp.swapaxes(q, 0, 1), kv_cache]  # [N, T, H], [L, B, S, 2K, H]
+    inputs = [jnp.swapaxes(q, 0, 1), kv_cache]  # [N, T, H], [L, B, S, 2K, H] or [L, B, S, H]
     scratch = [
         pltpu.VMEM((n, bq, h), q.dtype),  # q window
-        pltpu.VMEM((n, bq, h), q.dtype),  # output window
-        pltpu.VMEM((2, ppc, s, two_k, h), kv_cache.dtype),  # kv chunks, double-buffered
-        pltpu.VMEM((n, bq, h), jnp.float32),  # accumulator
+        pltpu.VMEM((n, bq, hv), q.dtype),  # output window
+        pltpu.VMEM((2, ppc, *kv_cache.shape[2:]), kv_cache.dtype),  # kv chunks, double-buffered
+        pltpu.VMEM((n, bq, hv), jnp.float32),  # accumulator
         pltpu.VMEM((n, bq, 1), jnp.float32),  # running max
         pltpu.VMEM((n, bq, 1), jnp.float32),  # running normaliser
         pltpu.SemaphoreType.DMA((2, ppc)),  # one per page slot
@@ -142,14 +162,14 @@ def ragged_paged_attention(
     )
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((n, t, h), q.dtype),
+        out_shape=jax.ShapeDtypeStruct((n, t, hv), q.dtype),
         grid_spec=grid_spec,
         input_output_aliases={len(prefetch) + len(inputs): 0},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(*prefetch, *inputs, jnp.zeros((n, t, h), q.dtype))  # the zeros are aliased to the output
-    return jnp.swapaxes(out, 0, 1)  # [T, N, H]
+    )(*prefetch, *inputs, jnp.zeros((n, t, hv), q.dtype))  # the zeros are aliased to the output
+    return jnp.swapaxes(out, 0, 1)  # [T, N, Hv]
 
 
 def _horizon_ahead(q_horizon: jax.Array, bq: int) -> jax.Array:
@@ -177,20 +197,23 @@ def _kernel(
     pages_per_seq: int,
     fp8_dtype,
     horizon: bool,
+    latent: bool,
 ):
     if horizon:  # the horizon's operands: one more of each kind, last of each
         ahead_ref, q_hbm, kv_hbm, hz_hbm, _out_init_hbm, out_hbm, *scratch, hz_buf = refs
     else:
         q_hbm, kv_hbm, _out_init_hbm, out_hbm, *scratch = refs
-    # ahead_ref [T] (SMEM); q_hbm [N, T, H]; kv_hbm [L, B, S, 2K, H]; hz_hbm [1, T, 1];
-    # _out_init_hbm aliased to out_hbm [N, T, H]; hz_buf [1, bq, 1] int32.
+    # ahead_ref [T] (SMEM); q_hbm [N, T, H]; kv_hbm [L, B, S, 2K, H] (latent: [L, B, S, H]);
+    # hz_hbm [1, T, 1]; _out_init_hbm aliased to out_hbm [N, T, Hv]; hz_buf [1, bq, 1] int32.
     q_buf, o_buf, kv_buf, acc_ref, m_ref, l_ref, kv_sems, io_sems = scratch
-    # q_buf, o_buf [N, bq, H]; kv_buf [2, ppc, S, 2K, H]; acc_ref [N, bq, H] f32;
-    # m_ref, l_ref [N, bq, 1] f32; kv_sems [2, ppc]; io_sems [2] (or [3], with the horizon)
+    # q_buf [N, bq, H]; o_buf [N, bq, Hv]; kv_buf [2, ppc, S, 2K, H] (latent: [2, ppc, S, H]);
+    # acc_ref [N, bq, Hv] f32; m_ref, l_ref [N, bq, 1] f32; kv_sems [2, ppc]; io_sems [2]
+    # (or [3], with the horizon)
     req, qblk = pl.program_id(0), pl.program_id(1)
     n, bq, h = q_buf.shape
-    _, ppc, s, two_k, _ = kv_buf.shape
-    num_kv_heads = two_k // 2
+    hv = o_buf.shape[2]
+    ppc, s = kv_buf.shape[1:3]
+    num_kv_heads = 1 if latent else kv_buf.shape[3] // 2
     group = n // num_kv_heads
     t = q_hbm.shape[1]
     chunk = ppc * s
@@ -269,11 +292,16 @@ def _kernel(
             v_ok = (v_pos >= lo_pos) & (v_pos <= last_pos)  # [C, 1]
             for kh in range(num_kv_heads):
                 heads = slice(kh * group, (kh + 1) * group)
-                k = kv_buf[slot, :, :, 2 * kh, :].reshape(chunk, h)  # [C, H]
-                v = kv_buf[slot, :, :, 2 * kh + 1, :].reshape(chunk, h)  # [C, H]
-                if fp8:
-                    k = from_cache(k, compute_dtype, fp8_dtype)
-                    v = from_cache(v, compute_dtype, fp8_dtype)
+                if latent:  # one vector: the key, and in its first Hv lanes the value
+                    k = kv_buf[slot].reshape(chunk, h)  # [C, H]
+                    k = from_cache(k, compute_dtype, fp8_dtype) if fp8 else k
+                    v = k[:, :hv]  # [C, Hv]
+                else:
+                    k = kv_buf[slot, :, :, 2 * kh, :].reshape(chunk, h)  # [C, H]
+                    v = kv_buf[slot, :, :, 2 * kh + 1, :].reshape(chunk, h)  # [C, H]
+                    if fp8:
+                        k = from_cache(k, compute_dtype, fp8_dtype)
+                        v = from_cache(v, compute_dtype, fp8_dtype)
                 v = jnp.where(v_ok, v, jnp.zeros_like(v))
                 qg = q_buf[heads].reshape(group * bq, h)  # [G*bq, H]
                 scores = jax.lax.dot_general(
@@ -297,15 +325,15 @@ def _kernel(
                     probs.reshape(group * bq, chunk).astype(v.dtype),
                     v,
                     preferred_element_type=jnp.float32,
-                )  # [G*bq, H]
-                acc_ref[heads] = alpha * acc_ref[heads] + pv.reshape(group, bq, h)
+                )  # [G*bq, Hv]
+                acc_ref[heads] = alpha * acc_ref[heads] + pv.reshape(group, bq, hv)
                 m_ref[heads] = m_new
             return carry
 
         jax.lax.fori_loop(c_start, c_end, chunk_body, 0)
 
         denom = l_ref[...]
-        out = acc_ref[...] / jnp.where(denom == 0.0, 1.0, denom)  # [N, bq, H]
+        out = acc_ref[...] / jnp.where(denom == 0.0, 1.0, denom)  # [N, bq, Hv]
         rows = window + jax.lax.broadcasted_iota(jnp.int32, (1, bq, 1), 1)
         owned = (rows >= row_lo) & (rows < row_hi)
         o_read.wait()

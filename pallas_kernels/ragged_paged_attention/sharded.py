@@ -5,8 +5,9 @@ Each device runs the kernel on its own query heads and the kv heads they read: q
 (K/V interleaved, so a device's slice holds whole kv heads), with the ragged metadata
 (and ``q_horizon``, when given) replicated. Heads never talk to each other in attention,
 so no collective is needed; GQA groups stay intact as long as N and K divide by the axis
-size (what `sharding.kv_head_replicas` enforces). ``kernel`` picks the flavour: the TPU
-kernel by default, or `ragged_paged_attention_gpu`.
+size (what `sharding.kv_head_replicas` enforces). A latent cache (``latent=True``, MLA) has
+no head axis and is replicated: each device reads the whole of it for its own query heads.
+``kernel`` picks the flavour: the TPU kernel by default, or `ragged_paged_attention_gpu`.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ def ragged_paged_attention_sharded(
 ):
     """`kernel` (a ragged paged attention flavour) with heads split over `mesh` axis `axis`;
     same arguments."""
-    kv_cache, layer, _ = as_stacked(kv_cache, layer)
+    latent = kernel_options.get("latent", False)
+    kv_cache, layer, _ = as_stacked(kv_cache, layer, latent)
     heads = P(None, axis, None)
-    cache = P(None, None, None, axis, None)
+    cache = P() if latent else P(None, None, None, axis, None)
     metadata = [kv_lens, block_tables, query_start, query_lens, num_seqs]
     # The layer and the horizon travel as arguments: they are traced in the model's scan.
     metadata.append(jnp.asarray(layer, jnp.int32))

@@ -90,18 +90,49 @@ def validate_q_horizon(q_horizon, num_tokens: int) -> None:
         )
 
 
-def as_stacked(kv_cache, layer):
+def as_stacked(kv_cache, layer, latent: bool = False):
     """A kernel's cache argument as (stacked cache [L, B, S, 2K, H], the layer to read, that
     layer's shape and dtype for `validate_inputs`). A stacked cache needs ``layer``; a
-    one-layer cache [B, S, 2K, H] takes none and becomes layer 0 of a stack of one."""
-    if kv_cache.ndim == 5:
+    one-layer cache [B, S, 2K, H] takes none and becomes layer 0 of a stack of one. A latent
+    cache has no head axis: [L, B, S, H] stacked, [B, S, H] for one layer."""
+    layout = "[L, B, S, H]" if latent else "[L, B, S, 2K, H]"
+    if kv_cache.ndim == (4 if latent else 5):
         if layer is None:
-            raise ValueError("a stacked kv_cache [L, B, S, 2K, H] needs layer=")
+            raise ValueError(f"a stacked kv_cache {layout} needs layer=")
     elif layer is not None:
-        raise ValueError("layer= needs the stacked kv_cache [L, B, S, 2K, H]")
+        raise ValueError(f"layer= needs the stacked kv_cache {layout}")
     else:
         kv_cache, layer = kv_cache[None], 0
     return kv_cache, layer, jax.ShapeDtypeStruct(kv_cache.shape[1:], kv_cache.dtype)
+
+
+def validate_kernel_inputs(
+    q,
+    layer_view,
+    kv_lens,
+    block_tables,
+    query_start,
+    query_lens,
+    num_seqs,
+    fp8_dtype,
+    *,
+    latent: bool = False,
+    v_head_dim=None,
+) -> None:
+    """`validate_inputs` for a kernel, whose values are either a value head's lanes (no
+    `v_head_dim`) or, with `latent`, the first `v_head_dim` lanes of one latent cache
+    ([B, S, H], `layer_view` of `as_stacked`)."""
+    if latent:
+        validate_latent(layer_view, v_head_dim)
+        layer_view = latent_as_kv(layer_view)
+    elif v_head_dim is not None:
+        raise ValueError(
+            "the kernels take v_head_dim only with a latent cache (latent=True); a layer whose "
+            "values are narrower than its keys runs on the XLA attention"
+        )
+    validate_inputs(
+        q, layer_view, kv_lens, block_tables, query_start, query_lens, num_seqs, fp8_dtype
+    )
 
 
 def validate_options(

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from ragged_batches import tiled_flat_batch
 
-from jllm.attention import BACKENDS, AttentionOptions, get_backend
+from jllm.attention import AttentionOptions, get_backend
 from jllm.attention.base import write_latent
 from jllm.engine.platform import resolve_backend
 from pallas_kernels.ragged_paged_attention import (
@@ -25,7 +25,7 @@ from pallas_kernels.ragged_paged_attention import (
 )
 
 S, C, P = 16, 4, 48
-R, ROPE, N = 32, 8, 4  # kv_lora_rank, qk_rope_head_dim, query heads
+R, ROPE, N = 32, 16, 4  # kv_lora_rank, qk_rope_head_dim, query heads
 NOPE, V = 16, 16  # the expanded form's qk_nope_head_dim and v_head_dim
 H = R + ROPE  # the latent's width
 SCALE = (NOPE + ROPE) ** -0.5
@@ -48,8 +48,8 @@ def token_positions(flat):
     return [(q0 + i, row, kv - n + i) for row, (q0, n, kv) in enumerate(rows) for i in range(n)]
 
 
-def run_step(options, q, latent, seed=0, fp8=None):
-    """One step of layer 1 on the XLA backend with the latent queries q [T, N, H] and new
+def run_step(options, q, latent, seed=0, fp8=None, backend="xla"):
+    """One step of layer 1 on `backend` with the latent queries q [T, N, H] and new
     latents [T, H]: layer 0 is NaN (NaN bytes in a float8 cache) and, with a window or a local
     chunk, so is every slot of a row's pages that its queries do not see. Checks the latents
     the step wrote. -> (out, the reference's, the cache as written, the flat batch, the
@@ -80,10 +80,10 @@ def run_step(options, q, latent, seed=0, fp8=None):
             pos = pos[(pos < lo) | (pos >= kv)]
             cache[1, flat.block_tables[row, pos // S], pos % S] = np.nan
     sinks = jnp.asarray(rng.normal(size=N) * 2, jnp.float32) if options.sinks else None
-    xla = get_backend("xla")
-    md = xla.build_metadata(flat)
+    impl = get_backend(backend)
+    md = impl.build_metadata(flat)
     attend = jax.jit(
-        lambda q, k, cache, md, sinks: xla.attend(q, k, None, cache, 1, md, options, sinks)
+        lambda q, k, cache, md, sinks: impl.attend(q, k, None, cache, 1, md, options, sinks)
     )
     out, written = attend(q, latent, jnp.asarray(cache), md, sinks)
 
@@ -187,22 +187,48 @@ def test_latent_float8_cache():
     np.testing.assert_allclose(out[rows], ref[rows], atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", [name for name in BACKENDS if name != "xla"])
-def test_every_kernel_refuses_latent_layers_by_name(backend):
-    impl = get_backend(backend)
-    message = f"attention backend '{backend}' has no MLA latent attention \\(latent=True\\)"
+@pytest.mark.parametrize("backend", ["pallas_interpret", "pallas_gpu_interpret"])
+@pytest.mark.parametrize("fp8", [None, FP8])
+def test_pallas_backends_attend_latent_layers(backend, fp8):
+    """The step's latents written and read by the Pallas kernels (interpret mode) as by the
+    reference, a float8 cache too; the window and soft cap cross with the latent."""
+    rng = np.random.default_rng(4)
+    q = jnp.asarray(rng.normal(size=(T, N, H)), jnp.float32)
+    latent = jnp.asarray(rng.normal(size=(T, H)), jnp.float32)
+    options = latent_options(window=40, soft_cap=2.0) if fp8 is None else latent_options()
+    out, ref, _, flat, _ = run_step(options, q, latent, fp8=fp8, backend=backend)
+    rows = [t for t, _, _ in token_positions(flat)]
+    assert out.shape == (T, N, R) and np.isfinite(out).all()
+    np.testing.assert_allclose(out[rows], ref[rows], atol=1e-4 if fp8 else 2e-5, rtol=1e-5)
+
+
+def test_the_cpu_kernel_refuses_latent_layers_by_name():
+    impl = get_backend("cpu_kernel")
+    message = "attention backend 'cpu_kernel' has no MLA latent attention \\(latent=True\\)"
     with pytest.raises(ValueError, match=message):
         impl.check(latent_options())
     with pytest.raises(ValueError, match=message):
         impl.attend(None, None, None, None, 0, None, latent_options())
+    # The Pallas kernels take a latent, not narrower values beside keys of their own.
+    narrower = "unlike the key head size \\(v_head_dim=8\\) outside a latent layer"
+    for name in ("pallas", "pallas_gpu"):
+        with pytest.raises(ValueError, match=narrower):
+            get_backend(name).check(AttentionOptions(scale=1.0, v_head_dim=8))
 
 
-def test_start_up_refuses_latent_layers_or_takes_xla():
+def test_start_up_takes_the_pallas_kernels_or_xla_for_latent_layers():
     layers = [latent_options()]
     with pytest.raises(ValueError, match="'cpu_kernel': .* MLA latent attention"):
         resolve_backend("cpu_kernel", "cpu", jnp.float32, options=layers)
-    for platform in ("cpu", "gpu", "tpu"):
-        assert resolve_backend("auto", platform, jnp.bfloat16, options=layers) == "xla"
+    assert resolve_backend("auto", "cpu", jnp.bfloat16, options=layers) == "xla"
+    assert resolve_backend("auto", "tpu", jnp.bfloat16, options=layers) == "pallas"
+    # DeepSeek's head_dim is its rotary lanes, the GPU kernel's other load beside the values
+    gpu = resolve_backend("auto", "gpu", jnp.bfloat16, head_dim=ROPE, options=layers)
+    assert gpu == "pallas_gpu"
+    odd = [AttentionOptions(scale=1.0, latent=True, v_head_dim=24)]
+    assert resolve_backend("auto", "gpu", jnp.bfloat16, head_dim=ROPE, options=odd) == "xla"
+    with pytest.raises(ValueError, match="kv_lora_rank 24"):
+        resolve_backend("pallas_gpu_interpret", "cpu", jnp.float32, options=odd)
 
 
 def test_latent_inputs_are_checked():
@@ -223,13 +249,13 @@ def test_latent_inputs_are_checked():
         xla.attend(q, k, None, cache[:, :, :, None], 0, md, latent_options())
     with pytest.raises(ValueError, match="k \\[T, H\\] or \\[T, 1, H\\]"):
         xla.attend(q, k[:, :R], None, cache, 0, md, latent_options())
-    with pytest.raises(ValueError, match="v_head_dim=40\\) are the first lanes"):
+    with pytest.raises(ValueError, match="v_head_dim=48\\) are the first lanes"):
         xla.attend(q, k, None, cache, 0, md, AttentionOptions(scale=1.0, latent=True, v_head_dim=H))
     metadata = map(
         jnp.asarray, (flat.kv_lens, flat.block_tables, flat.query_start, flat.query_lens)
     )
     args = (*metadata, jnp.asarray([len(flat.kv_lens)], np.int32))
-    with pytest.raises(ValueError, match="fewer than its 40: got v_head_dim=None"):
+    with pytest.raises(ValueError, match="fewer than its 48: got v_head_dim=None"):
         ragged_paged_attention_reference(q, cache[0], *args, latent=True)
     with pytest.raises(ValueError, match=r"latent kv_cache is \[B, S, H\]"):
         ragged_paged_attention_reference(q, cache, *args, latent=True, v_head_dim=R)

@@ -2,7 +2,8 @@
 float32: V3 with a q LoRA and grouped, biased routing; V3 without q LoRA, with YaRN and its
 mscale; V2 with softmax routing. Greedy tokens equal and each token's logprob within 1e-4,
 teacher-forced; the cache holds one latent per token and layer; chunked prefill with
-preemption, prefix hits, tensor parallelism and expert parallelism give the same tokens."""
+preemption, prefix hits, tensor parallelism and expert parallelism give the same tokens, and
+so does the GPU kernel (interpret mode) over heads split in two."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ TINY = dict(
     first_k_dense_replace=1,
     kv_lora_rank=16,
     qk_nope_head_dim=16,
-    qk_rope_head_dim=8,
+    qk_rope_head_dim=16,  # with kv_lora_rank, the GPU kernel's two loads
     v_head_dim=16,
     n_shared_experts=1,
     max_position_embeddings=512,
@@ -84,7 +85,7 @@ def generate(llm, prompts, params=GREEDY):
 def test_matches_transformers(checkpoints, variant):
     llm = LLM(checkpoints[variant], **{**SMALL, "dtype": "float32"})
     kv = llm.llm_engine.scheduler.kv_cache
-    assert [spec.describe() for spec in kv.specs] == ["MLA latent 16+8"]  # one latent a token
+    assert [spec.describe() for spec in kv.specs] == ["MLA latent 16+16"]  # one latent a token
     assert_matches(eager(checkpoints[variant]), PROMPTS, generate(llm, PROMPTS))
     again = generate(llm, [p[:34] + [7, 8, 9] for p in PROMPTS[2:]])  # two blocks cached
     assert again[0].num_cached_tokens == 32
@@ -98,8 +99,9 @@ def test_matches_transformers(checkpoints, variant):
         {"tensor_parallel_size": 2},
         {"tensor_parallel_size": 2, "enable_expert_parallel": True},
         {"tensor_parallel_size": 4, "enable_expert_parallel": True},
+        {"tensor_parallel_size": 2, "attention_backend": "pallas_gpu_interpret"},
     ],
-    ids=["chunked-preempting", "tp2", "ep2", "ep4"],
+    ids=["chunked-preempting", "tp2", "ep2", "ep4", "tp2-gpu-kernel"],
 )
 def test_layouts_give_the_same_tokens(checkpoints, settings):
     path = checkpoints["v3-q-lora"]

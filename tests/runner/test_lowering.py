@@ -2,7 +2,8 @@
 needed): the forward of every bucket with the attention kernel `auto` picks there (the
 Pallas TPU kernel through Mosaic, the Pallas GPU kernel through Triton), and the sampler of
 every row bucket, on an abstract mesh naming the target device, at TP=1 and TP=4 (and the
-pipelined step of two stages of TP=2), for a tiny model and for Llama-3.1-8B's shapes. A
+pipelined step of two stages of TP=2), for a tiny model and for the shapes of Llama-3.1-8B
+and DeepSeek-V2-Lite (latent attention, 64 experts). A
 lowering error fails here instead of on a user's TPU or GPU, and no CPU kernel leaks into a
 step traced for another platform."""
 
@@ -99,8 +100,9 @@ def lower_every_step(runner, layout: BatchLayout, state, caches, mesh, platform)
                 backend=get_backend(backend),
             )
             text = traced.lower(**lower).as_text()
-            # one attention kernel (the scan's body), nothing else foreign
-            assert re.findall(r"custom_call @([\w$.]+)", text) == [kernel], key
+            # the attention kernel (once per scan of like layers), nothing else foreign
+            calls = re.findall(r"custom_call @([\w$.]+)", text)
+            assert calls and set(calls) == {kernel}, key
             hidden = traced.out_info[0]
         for rows in layout.sample_buckets:
             buf, md_layout = pack(target._warmup_step(keys[0], rows)[1])
@@ -161,25 +163,34 @@ def test_every_bucket_lowers_for_the_accelerator(runners, platform, dtype, tp, p
     assert n == len(layout.token_buckets) + len(layout.sample_buckets)
 
 
-@pytest.fixture(scope="module")
-def llama_8b():
-    """Llama-3.1-8B's shapes from its config alone (benchmarks/gpu/configs), every parameter
-    abstract: nothing the size of the model is allocated."""
-    hf = AutoConfig.from_pretrained(CONFIGS / "llama-3.1-8b")
+# Config-only folders (benchmarks/gpu/configs): their real shapes, every parameter abstract.
+CONFIG_ONLY = [
+    # 32 heads over 8 kv heads of 128, a 128256-token vocabulary
+    "llama-3.1-8b",
+    # MLA: 16 heads over a latent of 512 + 64 (the GPU kernel's two loads); 64 experts of
+    # 1408 after one dense layer, YaRN, a 102400-token vocabulary
+    "deepseek-v2-lite",
+]
+
+
+@pytest.fixture(scope="module", params=CONFIG_ONLY)
+def config_only(request):
+    """A model's shapes from its config alone: nothing the size of the model is allocated."""
+    hf = AutoConfig.from_pretrained(CONFIGS / request.param)
     arch = registry.resolve(hf)
     cfg = arch.config(hf)
     model = abstract_model(arch, cfg, jnp.bfloat16)
     graphdef, state = nnx.split(model)
-    return arch, cfg, graphdef, state
+    return request.param, arch, cfg, graphdef, state
 
 
 @pytest.mark.parametrize("platform", list(TARGETS))
 @pytest.mark.parametrize("tp", [1, 4])
-def test_llama_8b_shapes_lower_for_the_accelerator(llama_8b, platform, tp):
-    """The real shapes (32 heads over 8 kv heads of 128, a 128256-token vocabulary) at the
-    engine's default limits (256 sequences, 2048 batched tokens), on TP=1 and TP=4: every
-    forward key and sampler bucket."""
-    arch, cfg, graphdef, state = llama_8b
+def test_config_only_shapes_lower_for_the_accelerator(config_only, platform, tp):
+    """The real shapes at the engine's default limits (256 sequences, 2048 batched tokens),
+    on TP=1 and TP=4: every forward key and sampler bucket, with the kernel `auto` picks
+    there for the model's attention (the latent one for DeepSeek)."""
+    _, arch, cfg, graphdef, state = config_only
     device, backend, kernel = TARGETS[platform]
     mesh = target_mesh(device, tp)
     flat = dict(nnx.to_flat_state(state))
@@ -191,17 +202,18 @@ def test_llama_8b_shapes_lower_for_the_accelerator(llama_8b, platform, tp):
             for path, var in flat.items()
         }
     )
-    kv_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * 2
-    layout = BatchLayout.create(16, 4096, 1, 8192, 256, 2048, kv_bytes, tiles=False)
     specs = arch.module.kv_cache_specs(cfg)
+    (spec,) = specs
+    kv_bytes = spec.step_fields(jnp.bfloat16)["kv_token_bytes"]
+    layout = BatchLayout.create(16, 4096, 1, 8192, 256, 2048, kv_bytes, tiles=False)
     runner = ModelRunner(
         graphdef, params, layout, cfg.vocab_size, 256, 20, "cpu_kernel", True, make_mesh(), specs
     )
-    shapes = [(s.num_layers, 4096, 16, 2 * s.num_kv_heads, s.head_size) for s in specs]
-    caches = tuple(
-        jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=named_sharding(mesh, CACHE_AXES, shape))
-        for shape in shapes
-    )
-    n = lower_every_step(runner, layout, params, caches, mesh, platform)
+    caches = []
+    for shape, dtype in spec.cache_arrays(4096, 16, jnp.bfloat16):
+        axes = CACHE_AXES if len(shape) == 5 else (None,) * len(shape)  # a latent: replicated
+        sharding = named_sharding(mesh, axes, shape)
+        caches.append(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
+    n = lower_every_step(runner, layout, params, tuple(caches), mesh, platform)
     # the token axis 1 .. 2048 and the sample rows 1 .. 256
     assert n == 12 + 9
