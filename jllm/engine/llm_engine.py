@@ -589,7 +589,7 @@ def _update_target(m, args) -> UpdateTarget:
     if m.source.kind == "gguf" or getattr(m.source, "checkpoint_quantization", None):
         raise RuntimeError(
             "This engine cannot take weight updates: its weights are a packed checkpoint's "
-            "(GGUF, AWQ, GPTQ). Load the float checkpoint, with quantization='fp8' or "
+            "(GGUF, AWQ, GPTQ, FP8). Load the float checkpoint, with quantization='fp8' or "
             "'tpu_int8' to quantize each update."
         )
     if args.nnodes > 1:

@@ -239,19 +239,26 @@ def _dummy_packed(key, var, spec, mesh) -> QuantizedWeight:
     return QuantizedWeight(codes, scale, offset, "int8")
 
 
-def _dummy_quantized(key, var, method: str, mesh, layered: bool) -> QuantizedWeight:
+def _dummy_quantized(key, var, method: str, mesh, layered: bool, group: int | None = None):
     """Random N(0, 0.02) weights quantized per output channel, drawn and quantized on the
-    devices."""
+    devices; with `group`, each channel's scale repeated for every `group` inputs (a dummy
+    FP8 checkpoint's blocks)."""
     out, width = _quantized_in_out(var, layered)
     shape = (var.shape[0], out, width) if layered else (out, width)
     if var.get_metadata().get("stacked_experts"):  # [L, E, In, Out] -> [L, E, Out, In]
         shape = (*var.shape[:2], var.shape[3], var.shape[2])
     axes = _quantized_axes(var)
     codes_sharding = named_sharding(mesh, axes, shape, "a dummy weight's codes")
-    scale_sharding = named_sharding(mesh, axes, (*shape[:-1], 1), replicate_uneven=True)
+    if group is not None and shape[-1] % group:
+        raise ValueError(
+            f"weight_block_size {group} does not divide a weight's {shape[-1]} inputs."
+        )
+    scale_shape = (*shape[:-1], 1 if group is None else shape[-1] // group)
+    scale_sharding = named_sharding(mesh, axes, scale_shape, replicate_uneven=True)
 
     def draw(key):
-        return quantize_channels(0.02 * jax.random.normal(key, shape, jnp.float32), method)
+        codes, scale = quantize_channels(0.02 * jax.random.normal(key, shape, jnp.float32), method)
+        return codes, jnp.broadcast_to(scale, scale_shape)
 
     codes, scale = jax.jit(draw, out_shardings=(codes_sharding, scale_sharding))(key)
     return QuantizedWeight(codes, scale, None, ONLINE_KINDS[method])
@@ -274,14 +281,18 @@ class _Target:
     checkpoint_scales: dict = dataclasses.field(default_factory=dict)
 
     def online(self, path) -> bool:  # quantized on load ("fp8", "tpu_int8")
+        if self.packed_checkpoint:  # an FP8 checkpoint: stored float8, the rest as it is
+            return False
         meta = self.meta(path)
         if meta.get("vision"):  # an image encoder's weights stay in the model's dtype
             return False
         quantized = "contract" in meta or meta.get("stacked_experts", False)
         return self.quantization in ONLINE_METHODS and quantized
 
-    def packed(self, path) -> bool:  # an AWQ/GPTQ checkpoint's projections (never lm_head)
-        return self.packed_checkpoint and _in_layers(path) and "contract" in self.meta(path)
+    def packed(self, path) -> bool:  # an AWQ/GPTQ/FP8 checkpoint's projections (never lm_head)
+        meta = self.meta(path)
+        fp8_experts = self.quantization == "fp8" and meta.get("stacked_experts", False)
+        return self.packed_checkpoint and _in_layers(path) and ("contract" in meta or fp8_experts)
 
     def meta(self, path) -> dict:
         return self.flat[path].get_metadata()
@@ -381,8 +392,12 @@ def _dummy_values(t: _Target, source, seed: int) -> dict:
         norm = len(path) > 1 and "norm" in path[-2]
         layered = _in_layers(path)
         if t.packed(path):
-            spec = source.checkpoint_quantization
-            values[path] = _dummy_packed(jax.random.fold_in(key, i), var, spec, mesh)
+            spec, k = source.checkpoint_quantization, jax.random.fold_in(key, i)
+            if spec.method == "fp8":  # float8 codes, a scale per block of inputs
+                group = None if spec.block is None else spec.block[1]
+                values[path] = _dummy_quantized(k, var, "fp8", mesh, layered, group)
+            else:
+                values[path] = _dummy_packed(k, var, spec, mesh)
             continue
         if t.online(path):
             values[path] = _dummy_quantized(
@@ -467,7 +482,9 @@ def _expert_weight(t: _Target, name: str, w, path, kind):
     """One expert's tensor in our layout ([In, Out], or transformers' [Out, In] quantized
     per output channel) for its place in the stacked experts [L, E, ...]."""
     var = t.flat[path]
-    if t.online(path):
+    if isinstance(w, QuantizedWeight):  # stored quantized (an FP8 checkpoint's)
+        expected, host = (var.shape[3], var.shape[2]), w
+    elif t.online(path):
         expected = var.shape[3], var.shape[2]
         host = quantize_weight(w, t.quantization)
     else:

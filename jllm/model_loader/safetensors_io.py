@@ -92,11 +92,13 @@ def checkpoint_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, n) for n in names]
 
 
-def iter_safetensors(files: list[str], integers: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+def iter_safetensors(
+    files: list[str], integers: bool = False, fp8: bool = False
+) -> Iterator[tuple[str, np.ndarray]]:
     """Yield `(name, float32 array)` for every tensor of every file, in file order.
 
     integers: int32 tensors (AWQ/GPTQ packed codes) come as they are stored instead of being
-    refused."""
+    refused. fp8: float8 tensors (an FP8 checkpoint's codes) come as stored, not widened."""
     for path in files:
         entries = read_header(path)
         if not entries:
@@ -117,7 +119,7 @@ def iter_safetensors(files: list[str], integers: bool = False) -> Iterator[tuple
                     f"shape {entry.shape} and dtype {entry.dtype}; the file is corrupt."
                 )
             raw = blob[entry.start : entry.end].view(dtype).reshape(entry.shape)
-            if dtype.kind == "i":
+            if dtype.kind == "i" or (fp8 and entry.dtype.startswith("F8")):
                 yield entry.name, np.asarray(raw)
                 continue
             # float32 stays a read-only view of the map; everything else is converted (one copy).

@@ -35,7 +35,7 @@ class ModelSource:
     tokenizer: the tokenizer to load, as the user gave it (a path or hub id); None means the
         model's own.
     download_dir: the Hugging Face cache directory to resolve a hub-id tokenizer in.
-    checkpoint_quantization: an AWQ/GPTQ checkpoint's `quantization_config`, checked.
+    checkpoint_quantization: an AWQ/GPTQ/FP8 checkpoint's `quantization_config`, checked.
     """
 
     kind: Literal["hf", "gguf", "orbax"]
@@ -64,12 +64,14 @@ class ModelSource:
 
         keep_quantized (GGUF only): quantized matrices come as `QuantizedWeight`s instead.
         An AWQ/GPTQ checkpoint's projections always come as `QuantizedWeight`s
-        (`P.weight`, from `P.qweight`, `P.qzeros`, `P.scales`, `P.g_idx`).
+        (`P.weight`, from `P.qweight`, `P.qzeros`, `P.scales`, `P.g_idx`), and so do an FP8
+        checkpoint's float8 ones (from `P.weight` and its scale).
         """
         if self.kind == "gguf":
             yield from self._gguf().iter_weights(keep_quantized)
         elif self.checkpoint_quantization is not None:
-            tensors = iter_safetensors(self.weight_files, integers=True)
+            spec = self.checkpoint_quantization
+            tensors = iter_safetensors(self.weight_files, integers=True, fp8=spec.method == "fp8")
             yield from iter_quantized(tensors, self.checkpoint_quantization)
         else:
             yield from iter_safetensors(self.weight_files)

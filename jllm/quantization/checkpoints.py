@@ -1,5 +1,7 @@
 """AWQ and GPTQ checkpoints: a safetensors folder whose config.json has a
-`quantization_config`, read into `QuantizedWeight`s (numpy, host side).
+`quantization_config`, read into `QuantizedWeight`s (numpy, host side). Float8 checkpoints
+(quant_method "fp8") are read by fp8_checkpoints.py; `parse_config` and `iter_quantized`
+take all three.
 
 Both formats store each quantized projection `P` as int32 words of packed codes plus group
 scales and zero points, and both dequantize as w = (q - z) * s per group of `group_size`
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jllm.quantization import CHECKPOINT_METHODS
+from jllm.quantization.fp8_checkpoints import iter_fp8, parse_block
 from jllm.quantization.weights import QuantizedWeight
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word -> output channel 8c + AWQ_ORDER[i]
@@ -40,10 +43,11 @@ _PARTS = ("qweight", "qzeros", "scales", "g_idx")
 class CheckpointQuantization:
     """A checkpoint's `quantization_config`, checked: what jllm reads it with."""
 
-    method: str  # "awq" | "gptq"
+    method: str  # "awq" | "gptq" | "fp8"
     bits: int
     group_size: int  # -1: one group per output channel
     v1_zeros: bool = False  # GPTQ's original format: stored zero points are z - 1
+    block: tuple[int, int] | None = None  # fp8's weight_block_size [Out, In], or None
 
 
 def _get(config: dict, *keys, default=None):
@@ -57,10 +61,14 @@ def parse_config(quantization_config, path: str) -> CheckpointQuantization:
     if not isinstance(qc, dict):
         qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
     method = str(_get(qc, "quant_method", default="unknown")).lower()
+    if method == "fp8":
+        block = parse_block(qc, path)
+        return CheckpointQuantization("fp8", 8, -1 if block is None else block[1], block=block)
     if method not in CHECKPOINT_METHODS:
         raise ValueError(
-            f"{path} is a {method!r}-quantized checkpoint; jllm reads AWQ and GPTQ checkpoints "
-            "(quant_method 'awq' or 'gptq'), unquantized safetensors and GGUF files."
+            f"{path} is a {method!r}-quantized checkpoint; jllm reads AWQ, GPTQ and FP8 "
+            "checkpoints (quant_method 'awq', 'gptq' or 'fp8'), unquantized safetensors and "
+            "GGUF files."
         )
     bits = int(_get(qc, "bits", "w_bit", default=4))
     group_size = int(_get(qc, "group_size", "q_group_size", default=128))
@@ -185,6 +193,9 @@ def iter_quantized(
     """The checkpoint's tensors with each quantized projection's parts (`P.qweight`,
     `P.qzeros`, `P.scales`, `P.g_idx`) gathered into one `(P.weight, QuantizedWeight)`; other
     tensors pass through. A projection is yielded once its parts are all read."""
+    if spec.method == "fp8":  # float8 weights and their scales (fp8_checkpoints.py)
+        yield from iter_fp8(tensors, spec.block)
+        return
     read = awq_weight if spec.method == "awq" else gptq_weight
     need = set(_PARTS[:3]) | ({"g_idx"} if spec.method == "gptq" else set())
     pending: dict[str, dict] = {}
