@@ -21,6 +21,7 @@ prompts with left padding, each batch generating up to its longest max_tokens.
     python benchmarks/throughput.py --lora 0 1 4   # W1 with LoRA adapters (benchmarks/lora.py)
     python benchmarks/throughput.py --sliding-window   # Gemma-3-1B shape, windows on and off
     python benchmarks/throughput.py --moe   # Qwen3-30B-A3B shape scaled down, beside dense
+    python benchmarks/throughput.py --deepseek  # DeepSeek-V2-Lite shape scaled, beside dense
     python benchmarks/throughput.py --pipeline-parallel-size 1 2 4   # the schedule's cost
 
 `--peer vllm-cpu` runs vLLM's CPU backend (set up by ../shared/peers/vllm_cpu/setup.sh, found
@@ -403,6 +404,12 @@ def main() -> None:
         "grouped product alone (benchmarks/moe.py)",
     )
     ap.add_argument(
+        "--deepseek",
+        action="store_true",
+        help="only a scaled-down DeepSeek-V2-Lite shape (latent attention, 64 experts) beside "
+        "its dense twin, W1 and S1, and their KV bytes per token (benchmarks/deepseek.py)",
+    )
+    ap.add_argument(
         "--sliding-window",
         action="store_true",
         help="only a Gemma-3-1B-shaped model with and without its windows at --context tokens "
@@ -455,6 +462,11 @@ def main() -> None:
         import moe
 
         moe.run(args, w1, s1, run_jllm)
+        return
+    if args.deepseek:
+        import deepseek
+
+        deepseek.run(args, w1, s1, run_jllm)
         return
     if args.lora is not None:
         from lora import run as run_lora

@@ -412,7 +412,7 @@ def resolve_scheduler_config(
     spec = args.speculative_config
     if spec is not None:
         slots = max(slots, spec.num_speculative_tokens)
-        if spec.method == "draft_model":
+        if spec.method in ("draft_model", "mtp"):
             ahead = spec.num_speculative_tokens
     return SchedulerConfig(
         max_num_seqs,

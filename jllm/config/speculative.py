@@ -8,8 +8,6 @@ from dataclasses import dataclass
 NOT_YET = (
     "eagle",
     "eagle3",
-    "mtp",
-    "deepseek_mtp",
     "suffix",
     "ngram_gpu",
     "medusa",
@@ -25,7 +23,7 @@ def _int_at_least(value, low: int) -> bool:
 class SpeculativeConfig:
     """vLLM's `speculative_config` (a dict offline, JSON for `--speculative-config`)."""
 
-    method: str  # "ngram" or "draft_model"
+    method: str  # "ngram", "draft_model" or "mtp"
     num_speculative_tokens: int
     prompt_lookup_min: int = 0  # ngram only
     prompt_lookup_max: int = 0
@@ -69,12 +67,14 @@ class SpeculativeConfig:
                     "speculative_config needs a method ('ngram') or a draft model, e.g. "
                     '{"method": "ngram", "num_speculative_tokens": 4}.'
                 )
+        if method == "deepseek_mtp":  # vLLM's former name, replaced by "mtp"
+            method = "mtp"
         if method in NOT_YET:
             raise ValueError(
                 f"Speculative method {method!r} is not supported by jllm yet; use "
-                "method='ngram' or a draft model ({'model': PATH})."
+                "method='ngram', 'mtp' or a draft model ({'model': PATH})."
             )
-        if method not in ("ngram", "draft_model"):
+        if method not in ("ngram", "draft_model", "mtp"):
             raise ValueError(f"Unsupported speculative method: {method!r}.")
         k = spec.get("num_speculative_tokens")
         if not _int_at_least(k, 1):
@@ -87,6 +87,8 @@ class SpeculativeConfig:
                 "Expect the batch size threshold of disabling speculative decoding is > 1, "
                 f"but got {off!r}"
             )
+        if method == "mtp":  # the target's own MTP layers (a model path is the target's)
+            return cls(method, k, disable_by_batch_size=off, model=model)
         if method == "draft_model":
             if not isinstance(model, str) or not model:
                 raise ValueError("speculative_config: method 'draft_model' needs a 'model' path.")

@@ -59,6 +59,7 @@ class KVCacheManager:
         pools: Sequence[int] | None = None,
         host: HostKVTier | None = None,
         same_step_hits: bool = True,
+        drop_last_hit: bool = False,
     ) -> None:
         """`specs`: each group's spec (default: one full-attention group); `pools`: the pool
         each group draws from, numbered from 0 in order of first use (default: one each);
@@ -66,7 +67,9 @@ class KVCacheManager:
         `host`: the host-memory tier (one full-attention group only), or None.
         `same_step_hits`: whether a request may hit blocks that the step it is scheduled in
         computes, which needs every write of a step before its reads (False under pipeline
-        stages; `begin_step` then starts each step)."""
+        stages; `begin_step` then starts each step). `drop_last_hit`: a hit gives up its
+        last block (vLLM's block drop for drafts that read the target's hidden states: an
+        MTP entry at a block's end depends on the next block's first token)."""
         specs = (FullAttentionSpec(num_kv_heads=1, head_size=1),) if specs is None else specs
         self.specs = tuple(specs)
         self.pool_of = tuple(range(len(self.specs)) if pools is None else pools)
@@ -89,6 +92,7 @@ class KVCacheManager:
         self.num_blocks = max(num_blocks)  # the largest pool (the runner's padding slot)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.drop_last_hit = drop_last_hit
         self.pools = [BlockPool(n, same_step_hits) for n in num_blocks]
         self.managers = [
             SingleTypeManager(
@@ -225,16 +229,22 @@ class KVCacheManager:
             return self.no_blocks(), 0
         self._update_hashes(req, req.num_tokens - 1)
         keys = req.block_hashes[: (req.num_tokens - 1) // self.block_size]
-        n = len(keys)
-        while True:  # a fixed point, as vLLM's hybrid coordinator: each group may cut n
-            m = min(manager.hit_length(keys, n) for manager in self.managers)
-            if m == n:
-                break
-            n = m
+        n = self._hit_length(keys, len(keys))
+        if self.drop_last_hit and n:
+            n = self._hit_length(keys, n - 1)
         hits = tuple(manager.hit_blocks(keys, n) for manager in self.managers)
         if self.host is not None:
             self.host_hits = self.host.lookup(keys[n:])
         return hits, n * self.block_size
+
+    def _hit_length(self, keys: list[bytes], n: int) -> int:
+        """The longest hit of at most `n` blocks every group accepts: a fixed point, as
+        vLLM's hybrid coordinator (each group may cut n)."""
+        while True:
+            m = min(manager.hit_length(keys, n) for manager in self.managers)
+            if m == n:
+                return n
+            n = m
 
     def record_host_lookup(self, req: Request, num_device_hit: int, host_hits: list[int]):
         """Count one admitted request's host lookup: the tokens past the device's hits."""

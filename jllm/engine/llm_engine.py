@@ -169,6 +169,8 @@ class LLMEngine:
             image_spans=vision is not None and vision.bidirectional,
             embeds_dim=self.embeds_dim,
         )
+        if getattr(draft, "takes_hidden", False):  # MTP: each token's successor too
+            layout = dataclasses.replace(layout, next_tokens=True)
         if draft is not None:
             draft.layout = dataclasses.replace(layout, kv_token_bytes=draft.token_bytes)
         encoder, encoder_cache = None, None
@@ -262,6 +264,8 @@ class LLMEngine:
             host=host_tier,
             # Stages run a step's rows in micro-batches, not all writes before all reads.
             same_step_hits=args.pipeline_parallel_size == 1,
+            # An MTP draft's cache entry at a block's end depends on the next block's token.
+            drop_last_hit=getattr(draft, "takes_hidden", False),
         )
         self.lora_cache = None
         slots = None

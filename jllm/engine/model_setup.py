@@ -284,6 +284,10 @@ def load_draft_model(
     flat batch (with its own KV-cache groups' metadata, built with the target's layout,
     which the engine gives it with its own `token_bytes`)."""
     spec = args.speculative_config
+    if spec.method == "mtp":
+        from jllm.spec_decode.mtp import load_mtp_draft
+
+        return load_mtp_draft(spec, target, args, kv_itemsize)
     if spec.method != "draft_model":
         return None
     tp = args.tensor_parallel_size

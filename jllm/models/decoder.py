@@ -317,7 +317,12 @@ class CausalLM(nnx.Module):
         """`__call__`, and with `routes_k` > 0 also every layer's routed experts [L, T, k]
         int32 in layer order (`enable_return_routed_experts`): a mixture of experts' top-k
         ids, zeros for a dense layer (vLLM's record). Else None."""
-        x = self.embed(token_ids, ctx)
+        x, kv_caches, routes = self.run_layers(self.embed(token_ids, ctx), ctx, kv_caches, routes_k)
+        return self.norm(x), kv_caches, routes
+
+    def run_layers(self, x, ctx: StepContext, kv_caches: tuple, routes_k: int = 0):
+        """The decoder's layers over the embeddings x [T, D]: (x before the final norm, the
+        updated caches, the routed experts as `forward` gives them)."""
         kernel = bf16_matmul.applies(self.dtype) or f32_matmul.applies(self.dtype)
         in_place = _stays_stacked(jnp.dtype(self.dtype), bool(kernel))
         first = ctx.attn[0]  # group 0's metadata; its pool is pool 0
@@ -338,7 +343,7 @@ class CausalLM(nnx.Module):
                 parts = self.segment_parts(s, in_place)
                 x, kv_caches, ids = self.scan_segment(s, parts, x, ctx, kv_caches, None, routes_k)
                 routes.append(ids)
-        return self.norm(x), kv_caches, jnp.concatenate(routes) if routes_k else None
+        return x, kv_caches, jnp.concatenate(routes) if routes_k else None
 
     def segment_parts(self, s: int, in_place) -> list[tuple]:
         """Segment `s`'s stacked modules, each split as (graphdef, the weights its layers

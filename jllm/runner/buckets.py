@@ -69,6 +69,8 @@ class BatchLayout:
     # enable_prompt_embeds: the model's hidden size D; every step then carries an embedding
     # row [T, D] per token slot and a mask of the slots that take it (0: off)
     embeds_dim: int = 0
+    # An MTP draft: every step carries each token's successor (`StepInputs.next_tokens`)
+    next_tokens: bool = False
 
     @staticmethod
     def create(

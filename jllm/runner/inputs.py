@@ -43,6 +43,7 @@ from jllm.scheduler_output import PROMPT_LOGPROB_ROWS, SchedulerOutput
         "embed_index",
         "embeds",
         "embeds_mask",
+        "next_tokens",
     ],
     meta_fields=[],
 )
@@ -68,6 +69,29 @@ class StepInputs:
     # positions); None otherwise
     embeds: jax.Array | None = None
     embeds_mask: jax.Array | None = None
+    # [T] with an MTP draft: each token's successor in its request (the next token of the
+    # step, or of the prompt past the chunk; 0 where it is yet to be sampled); else None
+    next_tokens: jax.Array | None = None
+
+
+def successors(p: Placed, batch: InputBatch) -> np.ndarray:
+    """[T] int32: each placed token's successor in its request (`StepInputs.next_tokens`).
+    A row's tokens sit at consecutive positions, though not always side by side (a
+    verification row's tokens are decode rows, sorted by context length)."""
+    out = np.zeros(len(p.token_ids), np.int32)
+    placed = np.flatnonzero(p.tok_row >= 0)
+    if placed.size == 0:
+        return out
+    row, pos = p.tok_row[placed], p.positions[placed]
+    order = np.lexsort((pos, row))
+    at, row, pos = placed[order], row[order], pos[order]
+    follows = (row[1:] == row[:-1]) & (pos[1:] == pos[:-1] + 1)
+    out[at[:-1][follows]] = p.token_ids[at[1:][follows]]
+    last = np.append(~follows, True)  # each row's last token of the step
+    at, row, pos = at[last], row[last], pos[last]
+    known = pos + 1 < batch.num_tokens[row]  # a chunk that stops inside the prompt
+    out[at[known]] = batch.token_ids[row[known], pos[known] + 1]
+    return out
 
 
 def build_step(
@@ -109,6 +133,7 @@ def build_step(
             start = p.flat_start[rid]
             embeds[start : start + len(rows)] = rows
             embeds_mask[start : start + len(rows)] = True
+    next_tokens = successors(p, batch) if layout.next_tokens else None
     every_group = range(len(batch.block_table))
     attn = group_metadata(
         backend, p.flat, batch, every_group, p.tok_row, p.positions, p.req_row, layout.group_fields
@@ -125,5 +150,6 @@ def build_step(
         embed_index,
         embeds,
         embeds_mask,
+        next_tokens,
     )
     return inputs, md, p.groups, plan.shape, prompt_rows, p.tok_row

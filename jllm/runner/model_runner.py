@@ -106,12 +106,15 @@ def _forward(
     batch = unpack(buf, layout)
     on_device = last_tokens[jnp.maximum(batch.from_device, 0)]
     token_ids = jnp.where(batch.from_device >= 0, on_device, batch.token_ids)
+    takes_hidden = False  # an MTP draft runs after the target, over its hidden states
     if draft_graphdef is not None:
         (state, draft_state), (kv_cache, draft_cache) = state, kv_cache
         draft = nnx.merge(draft_graphdef, draft_state)
         draft_attn = batch.attn[-len(draft.kv_cache_specs(draft.cfg)) :]  # after the model's
-        ctx = StepContext(batch.positions, draft_attn, backend)
-        _, draft_cache = draft(token_ids, ctx, draft_cache)
+        draft_ctx = StepContext(batch.positions, draft_attn, backend)
+        takes_hidden = getattr(draft, "takes_hidden", False)
+        if not takes_hidden:
+            _, draft_cache = draft(token_ids, draft_ctx, draft_cache)
     model = nnx.merge(graphdef, state)
     attn = batch.attn[: len(model.kv_cache_specs(model.cfg))]
     ctx = StepContext(batch.positions, attn, backend, lora_slots=batch.lora_slots)
@@ -122,6 +125,8 @@ def _forward(
     elif batch.embeds is not None:  # enable_prompt_embeds: embeddings prompts' rows
         ctx = ctx.replace(embeds=batch.embeds, embeds_mask=batch.embeds_mask)
     hidden, kv_cache, routes = model.forward(token_ids, ctx, kv_cache, routes_k)
+    if takes_hidden:  # each token paired with its successor (spec_decode/mtp.py)
+        _, draft_cache = draft.propose(batch.next_tokens, hidden, draft_ctx, draft_cache)
     if draft_graphdef is not None:
         kv_cache = (kv_cache, draft_cache)
     if routes is not None:
@@ -129,6 +134,8 @@ def _forward(
     rows = hidden[batch.logits_indices]
     if pooling in ("MEAN", "CLS"):
         rows = prompt_pool(hidden, batch.positions, batch.logits_indices, pooling)
+    if takes_hidden and not jax.sharding.get_abstract_mesh().empty:  # the MTP steps read it
+        rows = jax.lax.with_sharding_constraint(rows, jax.sharding.PartitionSpec())
     return rows, kv_cache, hidden[batch.prompt_lp_indices], routes
 
 
@@ -314,6 +321,13 @@ class ModelRunner:
         # The last token each input-batch row sampled, where the next step reads it.
         last = np.zeros(max_num_seqs + 1, np.int32)
         self.last_tokens = jax.device_put(last, self.replicated)
+        # An MTP draft's first step reads the step's sample rows' hidden states: the last
+        # forward's [logit_rows, D] (spec_decode/mtp.py).
+        self.step_hidden = None
+        if getattr(draft, "takes_hidden", False):
+            rows = (layout.logit_rows, draft.config.hidden_size)
+            hidden = np.zeros(rows, jnp.dtype(draft.dtype))
+            self.step_hidden = jax.device_put(hidden, self.replicated)
         self._layouts: dict[tuple, tuple] = {}  # (key, Rs) -> packed layouts
         self.channel = None  # process 0 of a multi-process engine: a StepChannel
         self._first_step: float | None = None  # when the first step was dispatched
@@ -566,6 +580,8 @@ class ModelRunner:
             self.kv_cache = caches
         else:
             self.kv_cache, self.draft.kv_cache = caches
+        if self.step_hidden is not None:
+            self.step_hidden = hidden
         smp = self._sample_executable(plan.rs, hidden)
         packed, self.penalties.counts, self.last_tokens = smp(
             self.state, hidden, md_buf, *self._sampler_state(self._bitmask(plan.rs, plan.bitmask))
@@ -673,6 +689,7 @@ class ModelRunner:
             logger.info("First step took %.2f s.", time.perf_counter() - self._first_step)
         tokens, lp, rank, emitted, top_ids, top_lp = unpack_result(packed, self.max_logprobs)
         result = ModelRunnerOutput(failed=failed)
+        emitted_by = {}
         if self.pooling:
             states = unpack_pooled(packed, self.max_logprobs)
             result.pooled = {g.req_id: states[g.first].copy() for g in groups}
@@ -680,6 +697,7 @@ class ModelRunner:
         for g in groups:
             rows = range(g.first, g.first + g.count)
             n = int(emitted[g.first : g.first + g.count].sum())
+            emitted_by[g.req_id] = n
             if batch.generation[g.row] == g.generation:
                 batch.num_pending[g.row] -= 1
                 batch.append_tokens(g.row, tokens[g.first : g.first + n])
@@ -688,7 +706,7 @@ class ModelRunner:
                 for r in rows[:n]
             ]
         if self.draft is not None:
-            result.spec_token_ids = self.draft.propose(self, groups)
+            result.spec_token_ids = self.draft.propose(self, groups, emitted_by)
         if prompt_rows is not None:
             fields = unpack_prompt_logprobs(
                 np.asarray(prompt_packed.addressable_shards[0].data), self.max_logprobs

@@ -90,7 +90,7 @@ class NgramProposer:
 def make_proposer(config: SpeculativeConfig | None):
     """The engine core's host-side proposer for `config`: None without speculative decoding,
     and for a draft model, whose drafts the model runner returns with each step's results."""
-    if config is None or config.method == "draft_model":
+    if config is None or config.method in ("draft_model", "mtp"):
         return None
     logger.info(
         "Speculative decoding: %s, %d tokens, prompt lookup %d-%d%s.",

@@ -124,12 +124,16 @@ draft_step = jax.jit(
 )
 
 
-def draft_inputs(batch, rows: np.ndarray, step: int, layout: BatchLayout, backend, Rd: int, groups):
+def draft_inputs(
+    batch, rows: np.ndarray, step: int, layout: BatchLayout, backend, Rd: int, groups, back=1
+):
     """The packed inputs of draft step `step` for input-batch `rows` (each has L known
-    tokens and reads its token at position L - 1 + step from the device); `groups`: the
+    tokens and reads its token from the device), at position L - `back` + step (1: the
+    draft model's, whose step 0 reads the last token at its own position; 2: an MTP
+    draft's, which reads it beside the hidden state of the position before); `groups`: the
     draft's KV-cache groups (indices into the input batch's block tables)."""
     n = len(rows)
-    pos = batch.num_tokens[rows] - 1 + step
+    pos = batch.num_tokens[rows] - back + step
     positions = np.zeros(Rd, np.int32)
     positions[:n] = pos
     flat = padded_flat_batch(layout, layout.decode_key(Rd))
@@ -228,9 +232,10 @@ class DraftModel:
             )
             self._executable(runner, Rd, jax.device_put(buf, runner.replicated), layout)
 
-    def propose(self, runner, groups) -> dict[str, list[int]]:
+    def propose(self, runner, groups, emitted=None) -> dict[str, list[int]]:
         """Drafts for every request that sampled in the step just fetched (`groups`, their
-        tokens already appended to the input batch): up to k tokens each."""
+        tokens already appended to the input batch): up to k tokens each. (`emitted`, the
+        tokens each emitted, is the MTP proposer's.)"""
         batch = runner.batch
         live = [g for g in groups if batch.generation[g.row] == g.generation]
         if not live:
