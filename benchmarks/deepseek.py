@@ -9,8 +9,9 @@ hidden size and depth with full multi-head attention (16 heads of 128, keys and 
 head: the attention MLA compresses) and one MLP as wide as a token's 8 experts (6 routed and
 2 shared). Random weights (`load_format="dummy"`), the same 102400-token vocabulary.
 
-Printed: each model's KV-cache bytes per token (all layers) and the tokens a fixed cache
-holds, then W1 and S1 on both.
+A third model, MLA with the twin's MLP in every layer (no experts), separates the
+attention's cost from the experts'. Printed: each model's KV-cache bytes per token (all
+layers) and the tokens a fixed cache holds, then W1 and S1.
 
     python benchmarks/throughput.py --deepseek
 """
@@ -18,6 +19,7 @@ holds, then W1 and S1 on both.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import shutil
 import tempfile
@@ -31,7 +33,7 @@ LAYERS, HIDDEN, EXPERT = 8, 1024, 384
 CACHE_GIB = 1.0  # the fixed cache size the concurrency is reckoned at
 
 
-def config_dir(dense: bool) -> str:
+def config_dir(dense: bool, experts: bool = True) -> str:
     with open(os.path.join(CONFIG, "config.json")) as f:
         config = json.load(f)
     active = (config["num_experts_per_tok"] + config["n_shared_experts"]) * EXPERT
@@ -42,6 +44,8 @@ def config_dir(dense: bool) -> str:
         intermediate_size=active,  # the first, dense layer
         max_position_embeddings=4096,
     )
+    if not experts:  # MLA with the twin's MLP in every layer: the attention's share alone
+        config.update(first_k_dense_replace=LAYERS)
     if dense:  # multi-head attention of 16 heads of 128, one MLP as wide as 8 experts
         heads = config["num_attention_heads"]
         config = {
@@ -73,34 +77,52 @@ def kv_bytes_per_token(llm) -> int:
     return sum(s.page_size_bytes(1, engine.dtype) for s in engine.scheduler.kv_cache.specs)
 
 
-def run(args, w1, s1, run_jllm) -> None:
-    rng = np.random.default_rng(args.seed)
+def _measure(dtype: str, seed: int, dense: bool, experts: bool, w1, s1, run_jllm) -> dict:
+    """One model's KV bytes per token and W1 and S1 (in a process of its own: three
+    engines' executables in one process ran out of memory maps while compiling)."""
+    path = config_dir(dense, experts)
+    llm = LLM(
+        path,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype=dtype,
+        max_model_len=1024,
+        disable_log_stats=True,
+        kv_cache_memory_bytes=int(CACHE_GIB * 2**30),
+    )
+    rng = np.random.default_rng(seed)
     loads = {"W1": w1(rng), "S1": s1(rng)}
+    run_jllm(llm, w1(np.random.default_rng(99))[:8], "warm-up")
+    row = {w: run_jllm(llm, reqs, w)["tok_s"] for w, reqs in loads.items()}
+    row["kv"] = kv_bytes_per_token(llm)
+    shutil.rmtree(path)
+    return row
+
+
+def run(args, w1, s1, run_jllm) -> None:
+    models = (
+        ("DeepSeek (MLA, 64 experts)", False, True),
+        ("MLA, the twin's MLP", False, False),
+        ("dense twin (MHA)", True, False),
+    )
+    spawn = multiprocessing.get_context("spawn")
     rows = {}
-    for name, dense in (("DeepSeek (MLA, 64 experts)", False), ("dense twin (MHA)", True)):
-        path = config_dir(dense)
-        llm = LLM(
-            path,
-            load_format="dummy",
-            skip_tokenizer_init=True,
-            dtype=args.dtype,
-            max_model_len=1024,
-            disable_log_stats=True,
-        )
-        per_token = kv_bytes_per_token(llm)
-        run_jllm(llm, w1(np.random.default_rng(99))[:8], "warm-up")
-        rows[name] = {w: run_jllm(llm, reqs, w)["tok_s"] for w, reqs in loads.items()}
-        rows[name]["kv"] = per_token
-        del llm
-        shutil.rmtree(path)
+    for name, dense, experts in models:
+        with spawn.Pool(1) as pool:
+            measure = (args.dtype, args.seed, dense, experts, w1, s1, run_jllm)
+            rows[name] = pool.apply(_measure, measure)
     print(f"\n| model | KV bytes / token | tokens in {CACHE_GIB:g} GiB | W1 tok/s | S1 tok/s |")
     print("|---|---|---|---|---|")
     for name, r in rows.items():
         tokens = int(CACHE_GIB * 2**30 // r["kv"])
         print(f"| {name} | {r['kv']} | {tokens} | {r['W1']:.1f} | {r['S1']:.1f} |")
-    mla, mha = rows.values()
+    mla, attention, mha = rows.values()
     print(
-        f"MLA / MHA: KV bytes {mla['kv'] / mha['kv']:.3f}x (concurrency "
+        f"DeepSeek / twin: KV bytes {mla['kv'] / mha['kv']:.3f}x (concurrency "
         f"{mha['kv'] / mla['kv']:.1f}x), W1 {mla['W1'] / mha['W1']:.2f}x, "
         f"S1 {mla['S1'] / mha['S1']:.2f}x"
+    )
+    print(
+        f"MLA with the twin's MLP / twin (the attention alone): W1 "
+        f"{attention['W1'] / mha['W1']:.2f}x, S1 {attention['S1'] / mha['S1']:.2f}x"
     )

@@ -47,9 +47,10 @@ VARIANTS = {
 }
 
 
-def save_tiny(variant: str, path, tokenizer_dir) -> str:
+def save_tiny(variant: str, path, tokenizer_dir, dtype=torch.float32, bias_std=0.3) -> str:
     """A tiny random checkpoint of `variant` (VARIANTS) with non-trivial norms and a
-    correction bias that matters, saved with a tokenizer at `path`."""
+    correction bias that matters (of spread `bias_std`), saved in `dtype` with a tokenizer
+    at `path`."""
     (config_cls, model_cls), extra = VARIANTS[variant]
     torch.manual_seed(0)
     model = model_cls(config_cls(**TINY, **extra)).eval()
@@ -59,7 +60,7 @@ def save_tiny(variant: str, path, tokenizer_dir) -> str:
                 p.uniform_(0.5, 1.5)
         for bname, b in model.named_buffers():
             if bname.endswith("e_score_correction_bias"):
-                b.normal_(0.0, 0.3)
-    model.save_pretrained(path)
+                b.normal_(0.0, bias_std)
+    model.to(dtype).save_pretrained(path)
     transformers.AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
     return str(path)

@@ -300,17 +300,17 @@ def worst_teacher_forced_gaps(model, runs) -> tuple[float, float]:
     return gap, error
 
 
-def assert_bf16_near_fp32(llm, model_dir: str) -> None:
+def assert_bf16_near_fp32(llm, model_dir: str, vocab: int = 49152) -> None:
     """A bf16 engine's greedy choices on a batch and on one prompt decoding alone (a 1-row
     step, padded to 2 rows) stay the float32 argmax or within bf16's error of it (0.1 nats),
     and its logprobs within 0.25: the same bf16 weights through transformers in float32,
     teacher-forced on the engine's tokens. bf16 keeps 8 significant bits: the hidden state is
     rounded in every layer, and logits of magnitude ~10 (tiny random models' weights are
-    wide) carry errors of a few hundredths."""
+    wide) carry errors of a few hundredths. `vocab`: the prompts' token range."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
-    batch = prompt_ids(4, 5) + prompt_ids(1, 40, seed=1)
-    alone = prompt_ids(1, 23, seed=2)
+    batch = prompt_ids(4, 5, vocab=vocab) + prompt_ids(1, 40, seed=1, vocab=vocab)
+    alone = prompt_ids(1, 23, seed=2, vocab=vocab)
     outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
     outs += llm.generate([{"prompt_token_ids": p} for p in alone], params, use_tqdm=False)
     runs = [(p, o.outputs[0]) for p, o in zip(batch + alone, outs, strict=True)]

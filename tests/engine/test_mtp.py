@@ -231,8 +231,8 @@ def test_no_compile_after_warmup_with_mtp(mtp_checkpoint):
         mtp_checkpoint,
         dtype="float32",
         kv_cache_memory_bytes=16 << 20,
-        max_num_seqs=4,
-        max_num_batched_tokens=32,
+        max_num_seqs=2,
+        max_num_batched_tokens=16,
         disable_log_stats=True,
         speculative_config={"method": "mtp", "num_speculative_tokens": 2},
     )
