@@ -201,14 +201,23 @@ class DraftModel:
         self.kv_cache = kv_cache
         self.layout = self.layout.with_blocks(num_blocks)
 
+    step_name = "draft step"  # the executables' name in the runner's table
+
+    def _step(self):
+        return draft_step
+
+    def _inputs(self, runner, Rd: int) -> tuple:
+        """The step's device arguments between the cache and the packed buffer."""
+        return (runner.last_tokens,)
+
     def _executable(self, runner, Rd: int, buf, layout):
         return runner.table.get(
-            "draft step",
+            self.step_name,
             Rd,
-            lambda: draft_step.lower(
+            lambda: self._step().lower(
                 self.state,
                 self.kv_cache,
-                runner.last_tokens,
+                *self._inputs(runner, Rd),
                 buf,
                 layout=layout,
                 graphdef=self.graphdef,

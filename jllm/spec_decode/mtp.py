@@ -82,24 +82,13 @@ class MtpDraft(DraftModel):
     takes_hidden = True
     dtype = None  # the target's, which its hidden states have
 
-    def _executable(self, runner, Rd: int, buf, layout):
-        return runner.table.get(
-            "mtp step",
-            Rd,
-            lambda: mtp_step.lower(
-                self.state,
-                self.kv_cache,
-                runner.last_tokens,
-                runner.step_hidden,
-                jnp.zeros(Rd, jnp.int32),
-                buf,
-                layout=layout,
-                graphdef=self.graphdef,
-                backend=runner.attention,
-                logits_sharding=runner.logits_sharding,
-                invariant=runner.invariant,
-            ),
-        )
+    step_name = "mtp step"
+
+    def _step(self):
+        return mtp_step
+
+    def _inputs(self, runner, Rd: int) -> tuple:
+        return (runner.last_tokens, runner.step_hidden, jnp.zeros(Rd, jnp.int32))
 
     def compile_all(self, runner) -> None:
         for Rd in self.layout.decode_buckets[1:]:

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..cpu.build import CpuKernelUnavailable, FfiKernel
 from .cache import is_fp8_cache
-from .validation import as_stacked, validate_inputs, validate_options
+from .validation import stacked_and_checked, validate_options
 
 __all__ = [
     "CpuKernelUnavailable",
@@ -55,10 +55,8 @@ def _checked_args(
 ):
     """Validates the arguments and returns them as the FFI call takes them: the stacked cache
     and the layer and num_seqs as int32 [1]."""
-    kv_cache, layer, layer_view = as_stacked(kv_cache, layer)
-    validate_inputs(
-        q, layer_view, kv_lens, block_tables, query_start, query_lens, num_seqs, fp8_dtype
-    )
+    metadata = (kv_lens, block_tables, query_start, query_lens, num_seqs)
+    kv_cache, layer = stacked_and_checked(q, kv_cache, layer, metadata, fp8_dtype)
     fp8 = is_fp8_cache(kv_cache.dtype, fp8_dtype)
     if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES or not (fp8 or q.dtype == kv_cache.dtype):
         raise ValueError(

@@ -54,7 +54,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .cache import from_cache, is_fp8_cache
-from .validation import as_stacked, validate_kernel_inputs, validate_options, validate_q_horizon
+from .validation import stacked_and_checked, validate_options, validate_q_horizon
 
 
 def ragged_paged_attention(
@@ -92,18 +92,9 @@ def ragged_paged_attention(
     ``latent`` (MLA): kv_cache is the latent cache [L, B, S, H] (or [B, S, H]) whose first
     ``v_head_dim`` lanes are the values; the result is [T, N, v_head_dim].
     """
-    kv_cache, layer, layer_view = as_stacked(kv_cache, layer, latent)
-    validate_kernel_inputs(
-        q,
-        layer_view,
-        kv_lens,
-        block_tables,
-        query_start,
-        query_lens,
-        num_seqs,
-        fp8_dtype,
-        latent=latent,
-        v_head_dim=v_head_dim,
+    metadata = (kv_lens, block_tables, query_start, query_lens, num_seqs)
+    kv_cache, layer = stacked_and_checked(
+        q, kv_cache, layer, metadata, fp8_dtype, latent, v_head_dim
     )
     validate_options(sm_scale, sliding_window, soft_cap)
     validate_q_horizon(q_horizon, q.shape[0])

@@ -106,22 +106,12 @@ def as_stacked(kv_cache, layer, latent: bool = False):
     return kv_cache, layer, jax.ShapeDtypeStruct(kv_cache.shape[1:], kv_cache.dtype)
 
 
-def validate_kernel_inputs(
-    q,
-    layer_view,
-    kv_lens,
-    block_tables,
-    query_start,
-    query_lens,
-    num_seqs,
-    fp8_dtype,
-    *,
-    latent: bool = False,
-    v_head_dim=None,
-) -> None:
-    """`validate_inputs` for a kernel, whose values are either a value head's lanes (no
-    `v_head_dim`) or, with `latent`, the first `v_head_dim` lanes of one latent cache
-    ([B, S, H], `layer_view` of `as_stacked`)."""
+def stacked_and_checked(q, kv_cache, layer, metadata, fp8_dtype, latent=False, v_head_dim=None):
+    """A kernel's cache as (the stacked cache, the layer to read) by `as_stacked`, after
+    `validate_inputs` on it and `metadata` (kv_lens, block_tables, query_start, query_lens,
+    num_seqs). The values are a value head's lanes (no `v_head_dim`) or, with `latent`, the
+    first `v_head_dim` lanes of one latent cache ([B, S, H] a layer)."""
+    kv_cache, layer, layer_view = as_stacked(kv_cache, layer, latent)
     if latent:
         validate_latent(layer_view, v_head_dim)
         layer_view = latent_as_kv(layer_view)
@@ -130,9 +120,8 @@ def validate_kernel_inputs(
             "the kernels take v_head_dim only with a latent cache (latent=True); a layer whose "
             "values are narrower than its keys runs on the XLA attention"
         )
-    validate_inputs(
-        q, layer_view, kv_lens, block_tables, query_start, query_lens, num_seqs, fp8_dtype
-    )
+    validate_inputs(q, layer_view, *metadata, fp8_dtype)
+    return kv_cache, layer
 
 
 def validate_options(
