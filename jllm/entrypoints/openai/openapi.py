@@ -15,9 +15,14 @@ from __future__ import annotations
 
 from fastapi.openapi.utils import get_openapi
 
+from jllm.config.limits import INT64_MAX
 from jllm.entrypoints.anthropic.protocol import is_anthropic_path
 from jllm.entrypoints.openai.auth import OPEN_PATHS
 from jllm.entrypoints.openai.openapi_rules import write_rules
+
+# The largest float64 at most INT64_MAX (2^63 - 1024): a 64-bit field's published maximum,
+# which a reader holding numbers as doubles cannot round up past what the server takes.
+FLOAT_SAFE_INT64_MAX = 2**63 - 1024
 
 ERROR_SCHEMA = {
     "type": "object",
@@ -158,4 +163,19 @@ def build_openapi(app, *, api_key: bool, limits: dict) -> dict:
             model["anyOf"] = [{"type": "string", "enum": list(limits["model_names"])}]
             if nullable:
                 model["anyOf"].append({"type": "null"})
+    _float_safe_maxima(doc)
     return doc
+
+
+def _float_safe_maxima(node) -> None:
+    """Every `maximum` of INT64_MAX in the document as FLOAT_SAFE_INT64_MAX: as a double,
+    2^63 - 1 reads as 2^63, a value the server refuses, and a client or fuzzer that
+    generates from the document in doubles then sends it as allowed."""
+    if isinstance(node, dict):
+        if node.get("maximum") == INT64_MAX:
+            node["maximum"] = FLOAT_SAFE_INT64_MAX
+        for value in node.values():
+            _float_safe_maxima(value)
+    elif isinstance(node, list):
+        for value in node:
+            _float_safe_maxima(value)
