@@ -91,10 +91,6 @@ class DeepseekMTP(DeepseekForCausalLM):
         return self.compute_logits(self.norm(x))
 
 
-def mtp_layer_weights(cfg: DeepseekConfig) -> dict:
-    return layer_weights(cfg)
-
-
 MTP_TOP_WEIGHTS = TOP_WEIGHTS | {
     "mtp.enorm.weight": (("enorm", "weight"), None),
     "mtp.hnorm.weight": (("hnorm", "weight"), None),
@@ -127,7 +123,7 @@ def mtp_architecture(target_layers: int, names: set[str]) -> Architecture:
         name="DeepseekMTP",
         config=lambda hf: None,  # built from the target's config (mtp_config)
         module=DeepseekMTP,
-        layer_weights=mtp_layer_weights,
+        layer_weights=layer_weights,
         top_weights=MTP_TOP_WEIGHTS,
         rename=rename,
     )

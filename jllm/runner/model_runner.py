@@ -689,7 +689,6 @@ class ModelRunner:
             logger.info("First step took %.2f s.", time.perf_counter() - self._first_step)
         tokens, lp, rank, emitted, top_ids, top_lp = unpack_result(packed, self.max_logprobs)
         result = ModelRunnerOutput(failed=failed)
-        emitted_by = {}
         if self.pooling:
             states = unpack_pooled(packed, self.max_logprobs)
             result.pooled = {g.req_id: states[g.first].copy() for g in groups}
@@ -697,7 +696,6 @@ class ModelRunner:
         for g in groups:
             rows = range(g.first, g.first + g.count)
             n = int(emitted[g.first : g.first + g.count].sum())
-            emitted_by[g.req_id] = n
             if batch.generation[g.row] == g.generation:
                 batch.num_pending[g.row] -= 1
                 batch.append_tokens(g.row, tokens[g.first : g.first + n])
@@ -706,7 +704,7 @@ class ModelRunner:
                 for r in rows[:n]
             ]
         if self.draft is not None:
-            result.spec_token_ids = self.draft.propose(self, groups, emitted_by)
+            result.spec_token_ids = self.draft.propose(self, groups, result.sampled)
         if prompt_rows is not None:
             fields = unpack_prompt_logprobs(
                 np.asarray(prompt_packed.addressable_shards[0].data), self.max_logprobs

@@ -202,6 +202,7 @@ class DraftModel:
         self.layout = self.layout.with_blocks(num_blocks)
 
     step_name = "draft step"  # the executables' name in the runner's table
+    back = 1  # step 0's position is L - back (`draft_inputs`)
 
     def _step(self):
         return draft_step
@@ -237,29 +238,45 @@ class DraftModel:
             none = np.zeros(0, np.int32)
             groups = self.groups(runner)
             buf, layout = draft_inputs(
-                runner.batch, none, 0, self.layout, runner.attention, Rd, groups
+                runner.batch, none, 0, self.layout, runner.attention, Rd, groups, self.back
             )
             self._executable(runner, Rd, jax.device_put(buf, runner.replicated), layout)
 
-    def propose(self, runner, groups, emitted=None) -> dict[str, list[int]]:
-        """Drafts for every request that sampled in the step just fetched (`groups`, their
-        tokens already appended to the input batch): up to k tokens each. (`emitted`, the
-        tokens each emitted, is the MTP proposer's.)"""
+    def drafting(self, runner) -> bool:
+        """False from `disable_by_batch_size` running requests on (vLLM V0's rule)."""
+        off = self.disable_by_batch_size
+        return off is None or len(runner.batch.index) < off
+
+    def live_rows(self, runner, groups):
+        """The groups that sampled in the step just fetched and still hold their rows,
+        longest first (the xla bands), their input-batch rows, and each one's room: the
+        draft steps it may run while the positions they write stay inside its blocks (the
+        scheduler's lookahead) and the context."""
         batch = runner.batch
         live = [g for g in groups if batch.generation[g.row] == g.generation]
-        if not live:
-            return {}
-        if self.disable_by_batch_size is not None:
-            if len(batch.index) >= self.disable_by_batch_size:
-                return {}
-        live.sort(key=lambda g: -batch.num_tokens[g.row])  # longest first: the xla bands
+        live.sort(key=lambda g: -batch.num_tokens[g.row])
         rows = np.array([g.row for g in live], np.int32)
-        # Positions L - 1 .. L + k - 2 are written; a row drafts while they stay inside its
-        # blocks (the scheduler's lookahead) and the context.
-        groups = self.groups(runner)
-        blocks = batch.num_blocks[groups.start, rows]  # every group holds the whole context
+        blocks = batch.num_blocks[self.groups(runner).start, rows]  # each holds the context
         room = np.minimum(blocks * self.layout.block_size, batch.max_model_len)
-        room = room - (batch.num_tokens[rows] - 1)
+        return live, rows, room - (batch.num_tokens[rows] - 1)
+
+    @staticmethod
+    def drafts(live, room, outs) -> dict[str, list[int]]:
+        """Each live group's drafts from the draft steps' outputs (`outs`: the token arrays
+        by input-batch row), as many as its room."""
+        drafted = [np.asarray(o.addressable_shards[0].data) for o in outs]
+        n = np.minimum(np.maximum(room, 0), len(drafted))
+        return {g.req_id: [int(drafted[i][g.row]) for i in range(n[j])] for j, g in enumerate(live)}
+
+    def propose(self, runner, groups, sampled=None) -> dict[str, list[int]]:
+        """Drafts for every request that sampled in the step just fetched (`groups`, their
+        tokens already appended to the input batch): up to k tokens each. (`sampled`, each
+        request's emitted tokens, is the MTP proposer's.)"""
+        batch = runner.batch
+        live, rows, room = self.live_rows(runner, groups)
+        if not live or not self.drafting(runner):
+            return {}
+        groups = self.groups(runner)
         src = runner.last_tokens
         outs = []
         for step in range(self.k):
@@ -273,6 +290,4 @@ class DraftModel:
             exe = self._executable(runner, Rd, buf, layout)
             src, self.kv_cache = exe(self.state, self.kv_cache, src, buf)
             outs.append(src)
-        drafted = [np.asarray(o.addressable_shards[0].data) for o in outs]
-        n = np.minimum(np.maximum(room, 0), len(drafted))
-        return {g.req_id: [int(drafted[i][g.row]) for i in range(n[j])] for j, g in enumerate(live)}
+        return self.drafts(live, room, outs)

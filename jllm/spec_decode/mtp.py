@@ -83,6 +83,7 @@ class MtpDraft(DraftModel):
     dtype = None  # the target's, which its hidden states have
 
     step_name = "mtp step"
+    back = 2  # step 0 pairs the last token with the hidden state at L - 2
 
     def _step(self):
         return mtp_step
@@ -90,33 +91,18 @@ class MtpDraft(DraftModel):
     def _inputs(self, runner, Rd: int) -> tuple:
         return (runner.last_tokens, runner.step_hidden, jnp.zeros(Rd, jnp.int32))
 
-    def compile_all(self, runner) -> None:
-        for Rd in self.layout.decode_buckets[1:]:
-            none = np.zeros(0, np.int32)
-            groups = self.groups(runner)
-            buf, layout = draft_inputs(
-                runner.batch, none, 0, self.layout, runner.attention, Rd, groups, back=2
-            )
-            self._executable(runner, Rd, jax.device_put(buf, runner.replicated), layout)
-
-    def propose(self, runner, groups, emitted=None) -> dict[str, list[int]]:
+    def propose(self, runner, groups, sampled=None) -> dict[str, list[int]]:
         """Drafts for every request that sampled in the step just fetched (`groups`, their
-        tokens already appended; `emitted`: {req id: tokens emitted}), up to k each."""
+        tokens already appended; `sampled`: {req id: its emitted tokens}), up to k each."""
         batch = runner.batch
-        live = [g for g in groups if batch.generation[g.row] == g.generation]
+        live, rows, room = self.live_rows(runner, groups)
         if not live:
             return {}
-        live.sort(key=lambda g: -batch.num_tokens[g.row])  # longest first: the xla bands
-        rows = np.array([g.row for g in live], np.int32)
         # The sample row whose logits gave each request's last emitted token: the target's
         # hidden state at position L - 2.
-        at = np.array([g.first + emitted[g.req_id] - 1 for g in live], np.int32)
+        at = [g.first + len(sampled[g.req_id]) - 1 for g in live]
         groups = self.groups(runner)
-        blocks = batch.num_blocks[groups.start, rows]
-        room = np.minimum(blocks * self.layout.block_size, batch.max_model_len)
-        room = room - (batch.num_tokens[rows] - 1)
-        off = self.disable_by_batch_size
-        drafting = off is None or len(batch.index) < off
+        drafting = self.drafting(runner)
         src, prev, slot = runner.last_tokens, runner.step_hidden, dict(zip(rows, at, strict=True))
         outs = []
         for step in range(self.k):
@@ -126,7 +112,7 @@ class MtpDraft(DraftModel):
             Rd = bucket(active.size, self.layout.decode_buckets)
             backend = runner.attention
             buf, layout = draft_inputs(
-                batch, active, step, self.layout, backend, Rd, groups, back=2
+                batch, active, step, self.layout, backend, Rd, groups, self.back
             )
             buf = jax.device_put(buf, runner.replicated)
             index = np.zeros(Rd, np.int32)
@@ -136,11 +122,7 @@ class MtpDraft(DraftModel):
             src, prev, self.kv_cache = exe(self.state, self.kv_cache, src, prev, index, buf)
             slot = {r: i for i, r in enumerate(active)}
             outs.append(src)
-        if not drafting:
-            return {}
-        drafted = [np.asarray(o.addressable_shards[0].data) for o in outs]
-        n = np.minimum(np.maximum(room, 0), len(drafted))
-        return {g.req_id: [int(drafted[i][g.row]) for i in range(n[j])] for j, g in enumerate(live)}
+        return self.drafts(live, room, outs) if drafting else {}
 
 
 def load_mtp_draft(spec, target, args, kv_itemsize: int) -> MtpDraft:

@@ -148,8 +148,8 @@ def recording(llm):
     draft, calls = runner.draft, []
     propose = draft.propose
 
-    def wrapped(runner_, groups, emitted=None):
-        out = propose(runner_, groups, emitted)
+    def wrapped(runner_, groups, sampled=None):
+        out = propose(runner_, groups, sampled)
         batch = runner_.batch
         for g in groups:
             row = g.row
