@@ -168,12 +168,18 @@ def build_openapi(app, *, api_key: bool, limits: dict) -> dict:
 
 
 def _float_safe_maxima(node) -> None:
-    """Every `maximum` of INT64_MAX in the document as FLOAT_SAFE_INT64_MAX: as a double,
-    2^63 - 1 reads as 2^63, a value the server refuses, and a client or fuzzer that
-    generates from the document in doubles then sends it as allowed."""
+    """Every integer bound in the document as an integer, and every maximum at or past
+    INT64_MAX as FLOAT_SAFE_INT64_MAX. FastAPI writes the bounds as floats, so INT64_MAX
+    arrives as 2.0^63, a value the server refuses; and a client or fuzzer that reads the
+    document in doubles would round 2^63 - 1 up to it too."""
     if isinstance(node, dict):
-        if node.get("maximum") == INT64_MAX:
-            node["maximum"] = FLOAT_SAFE_INT64_MAX
+        if node.get("type") == "integer":
+            for bound in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+                value = node.get(bound)
+                if isinstance(value, float) and value.is_integer():
+                    node[bound] = int(value)
+            if node.get("maximum", 0) >= INT64_MAX:
+                node["maximum"] = FLOAT_SAFE_INT64_MAX
         for value in node.values():
             _float_safe_maxima(value)
     elif isinstance(node, list):

@@ -191,3 +191,26 @@ def test_the_document_says_what_the_server_does(server):
         headers={"content-type": "application/json"},
     )
     assert r.status_code == 400 and r.json()["error"]["code"] == 400
+
+
+def test_integer_bounds_are_integers_a_double_holds(server):
+    """FastAPI writes a schema's bounds as floats: INT64_MAX arrives as 2.0^63, one past what
+    the server takes. The document states every integer bound as an integer, the 64-bit
+    maxima as 2^63 - 1024, which a reader holding numbers as doubles keeps exactly."""
+    doc = httpx.get(f"{server.url}/openapi.json").json()
+    bounds = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            if node.get("type") == "integer":
+                bounds.extend(node[k] for k in ("minimum", "maximum") if k in node)
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(doc)
+    assert bounds and all(type(b) is int for b in bounds)
+    assert max(bounds) == 2**63 - 1024 == int(float(2**63 - 1024))
+    assert min(bounds) == -(2**63)
