@@ -47,13 +47,15 @@ VARIANTS = {
 }
 
 
-def save_tiny(variant: str, path, tokenizer_dir, dtype=torch.float32, bias_std=0.3) -> str:
-    """A tiny random checkpoint of `variant` (VARIANTS) with non-trivial norms and a
-    correction bias that matters (of spread `bias_std`), saved in `dtype` with a tokenizer
-    at `path`."""
+def save_tiny(
+    variant: str, path, tokenizer_dir, dtype=torch.float32, bias_std=0.3, **overrides
+) -> str:
+    """A tiny random checkpoint of `variant` (VARIANTS, its config fields `overrides`d) with
+    non-trivial norms and a correction bias that matters (of spread `bias_std`), saved in
+    `dtype` with a tokenizer at `path`."""
     (config_cls, model_cls), extra = VARIANTS[variant]
     torch.manual_seed(0)
-    model = model_cls(config_cls(**TINY, **extra)).eval()
+    model = model_cls(config_cls(**{**TINY, **extra, **overrides})).eval()
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if pname.endswith("norm.weight"):

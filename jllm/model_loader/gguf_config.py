@@ -48,10 +48,13 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 def gguf_hf_config(gf: GgufFile) -> PretrainedConfig:
     """The transformers config (LlamaConfig, Qwen2Config, Qwen3Config, Gemma2Config,
-    Gemma3TextConfig, Phi3Config) a GGUF file describes."""
+    Gemma3TextConfig, Phi3Config, DeepseekV2Config, DeepseekV3Config) a GGUF file describes."""
     arch = gf.architecture
-    if gf.arch_key("expert_count"):
-        raise ValueError(f"{gf.path} is a mixture-of-experts GGUF; jllm loads dense models only.")
+    if gf.arch_key("expert_count") and arch != "deepseek2":
+        raise ValueError(
+            f"{gf.path} is a mixture-of-experts GGUF of architecture {arch!r}; jllm loads "
+            "the experts of deepseek2 files only. Use the model's safetensors checkpoint."
+        )
     num_heads = int(gf.arch_key("attention.head_count"))
     num_kv_heads = gf.arch_key("attention.head_count_kv", num_heads)
     if isinstance(num_kv_heads, list):
@@ -75,6 +78,10 @@ def gguf_hf_config(gf: GgufFile) -> PretrainedConfig:
         "eos_token_id": gf.metadata.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": gf.metadata.get("tokenizer.ggml.padding_token_id"),
     }
+    if arch == "deepseek2":
+        model_type, class_name, own = _deepseek2(gf)
+        kwargs |= own | {"architectures": [class_name]}
+        return AutoConfig.for_model(model_type, **kwargs)
     if arch in ("llama", "qwen3", "gemma2", "gemma3"):
         kwargs["head_dim"] = head_dim
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
@@ -232,3 +239,82 @@ def _longrope(gf: GgufFile, context: int, original: int) -> dict:
     if attn_factor is not None and not math.isclose(attn_factor, default, rel_tol=1e-6):
         params["attention_factor"] = _f32(attn_factor)
     return params
+
+
+def _deepseek2(gf: GgufFile) -> tuple[str, str, dict]:
+    """llama.cpp's `deepseek2` (DeepSeek-V2, V3, R1, Kimi K2): (model type, class, fields).
+
+    Its converter writes MLA as one shared KV head (`head_count_kv` 1, `key_length` the
+    latent's kv_lora_rank + rope lanes) and the per-head widths under `key_length_mla` /
+    `value_length_mla`; files from before it (kv_b_proj whole) state the per-head widths
+    under the plain keys. Sigmoid gating with the `exp_probs_b` correction bias is V3's router
+    ("noaux_tc"); softmax is V2's, grouped where the file has groups. YaRN's
+    `yarn_log_multiplier` is 0.1 x mscale_all_dim; llama.cpp rotates with no magnitude
+    correction, which is transformers' with mscale equal to mscale_all_dim (as DeepSeek's
+    released configs have them)."""
+    if gf.arch_key("nextn_predict_layers"):
+        raise ValueError(
+            f"{gf.path} holds DeepSeek's multi-token-prediction layers, which jllm does not "
+            "load from GGUF; use a file converted without them or the safetensors checkpoint."
+        )
+    heads = int(gf.arch_key("attention.head_count"))
+    rope_dim = int(gf.arch_key("rope.dimension_count"))
+    key = gf.arch_key("attention.key_length_mla", gf.arch_key("attention.key_length"))
+    value = gf.arch_key("attention.value_length_mla", gf.arch_key("attention.value_length"))
+    q_lora = gf.arch_key("attention.q_lora_rank")
+    experts = int(gf.arch_key("expert_count", 0))
+    groups = int(gf.arch_key("expert_group_count", 1) or 1)
+    sigmoid = gf.arch_key("expert_gating_func") == _SIGMOID
+    biased = "blk.{}.exp_probs_b.bias".format(gf.arch_key("leading_dense_block_count", 0))
+    if experts and sigmoid != (biased in gf.tensors):
+        raise ValueError(
+            f"{gf.path} gates its experts by {'sigmoid' if sigmoid else 'softmax'} "
+            f"{'without' if sigmoid else 'with'} a correction bias (exp_probs_b); jllm "
+            "loads DeepSeek-V3's router (sigmoid, biased) and V2's (softmax)."
+        )
+    fields = {
+        "num_key_value_heads": heads,
+        "kv_lora_rank": int(gf.arch_key("attention.kv_lora_rank")),
+        "q_lora_rank": int(q_lora) if q_lora else None,
+        "qk_rope_head_dim": rope_dim,
+        "qk_nope_head_dim": int(key) - rope_dim,
+        "v_head_dim": int(value),
+        "head_dim": rope_dim,
+        "n_routed_experts": experts or None,
+        "num_experts_per_tok": int(gf.arch_key("expert_used_count", 1)),
+        "n_shared_experts": int(gf.arch_key("expert_shared_count", 0)),
+        "moe_intermediate_size": int(gf.arch_key("expert_feed_forward_length")),
+        "first_k_dense_replace": int(gf.arch_key("leading_dense_block_count", 0)),
+        "routed_scaling_factor": _f32(gf.arch_key("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(gf.arch_key("expert_weights_norm", False)),
+        "n_group": groups,
+        "topk_group": int(gf.arch_key("expert_group_used_count", 1) or 1),
+        "rope_parameters": _deepseek2_rope(gf),
+    }
+    if sigmoid:
+        return "deepseek_v3", "DeepseekV3ForCausalLM", fields | {"rope_interleave": True}
+    method = "group_limited_greedy" if groups > 1 else "greedy"
+    return "deepseek_v2", "DeepseekV2ForCausalLM", fields | {"topk_method": method}
+
+
+_SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (1: softmax)
+
+
+def _deepseek2_rope(gf: GgufFile) -> dict:
+    theta = _f32(gf.arch_key("rope.freq_base", 10000.0))
+    scaling = gf.arch_key("rope.scaling.type", "none")
+    if scaling == "none":
+        return {"rope_type": "default", "rope_theta": theta}
+    if scaling != "yarn":
+        raise ValueError(f"{gf.path} uses rope scaling {scaling!r}; DeepSeek's is yarn.")
+    mscale = round(_f32(gf.arch_key("rope.scaling.yarn_log_multiplier", 0.0)) * 10, 6)
+    return {
+        "rope_type": "yarn",
+        "rope_theta": theta,
+        "factor": _f32(gf.arch_key("rope.scaling.factor")),
+        "original_max_position_embeddings": int(
+            gf.arch_key("rope.scaling.original_context_length")
+        ),
+        "mscale": mscale,
+        "mscale_all_dim": mscale,
+    }

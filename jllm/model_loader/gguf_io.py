@@ -121,6 +121,11 @@ class GgufFile:
         keep_quantized: yield the matrices of the types `formats.GGUF_KEPT` lists as
         `QuantizedWeight`s (numpy arrays, rows are output channels) instead of dequantizing
         them (quantization="gguf"); see `_kept_tensors` for which."""
+        weights = self._iter_weights(keep_quantized)
+        regroup = self.family.regroup
+        yield from weights if regroup is None else regroup(weights)
+
+    def _iter_weights(self, keep_quantized: bool) -> Iterator[tuple[str, object]]:
         permute, plus_one = self.family.permuted, self.family.norm_plus_one
         num_heads = self.arch_key("attention.head_count")
         num_kv_heads = self.arch_key("attention.head_count_kv", num_heads)

@@ -20,7 +20,7 @@ combine into their maps.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 
@@ -52,6 +52,9 @@ class GgufFamily:
     layer_names: dict[str, str] = field(default_factory=dict)
     permuted: bool = False
     norm_plus_one: bool = False
+    # The transformers-named tensors -> the checkpoint's, where llama.cpp's converter did
+    # more than rename (DeepSeek's: the experts stacked, kv_b_proj split in two).
+    regroup: Callable[[Iterator[tuple[str, object]]], Iterator[tuple[str, object]]] | None = None
 
 
 TOP_WEIGHTS = {

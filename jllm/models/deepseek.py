@@ -25,10 +25,12 @@ qk_nope_head_dim, v v_head_dim, Q q_lora_rank.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jllm.attention.options import AttentionOptions
@@ -37,6 +39,7 @@ from jllm.models.architecture import (
     LAYER_NORMS,
     TOP_WEIGHTS,
     Architecture,
+    GgufFamily,
     expert_weights,
     mlp_weights,
 )
@@ -276,4 +279,59 @@ def _architecture(name: str, v3: bool) -> Architecture:
 ARCHITECTURES = {
     "DeepseekV2ForCausalLM": _architecture("DeepseekV2ForCausalLM", v3=False),
     "DeepseekV3ForCausalLM": _architecture("DeepseekV3ForCausalLM", v3=True),
+}
+
+
+def _gguf_regroup(weights: Iterator[tuple[str, object]]) -> Iterator[tuple[str, object]]:
+    """llama.cpp's `deepseek2` tensors as the checkpoint's: each layer's experts stacked
+    ([E, out, in]) back into one tensor per expert, the router's correction bias under its
+    name, and kv_b_proj from the two halves the converter splits it into for its absorbed
+    attention (`attn_k_b`: [N, R, h], the key half per head transposed; `attn_v_b`:
+    [N, v, R]). Files from before the split hold kv_b_proj whole."""
+    halves: dict[str, dict[str, np.ndarray]] = {}
+    for name, w in weights:
+        if name.endswith(".e_score_correction.bias"):
+            yield name.removesuffix(".bias") + "_bias", w
+        elif name.endswith(("self_attn.k_b_proj.weight", "self_attn.v_b_proj.weight")):
+            layer, part = name.rsplit(".self_attn.", 1)
+            pair = halves.setdefault(layer, {})
+            pair[part[0]] = np.asarray(w)
+            if len(pair) == 2:
+                del halves[layer]
+                k_b, v_b = pair["k"], pair["v"]
+                kv_b = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)  # [N, h + v, R]
+                yield f"{layer}.self_attn.kv_b_proj.weight", kv_b.reshape(-1, v_b.shape[2])
+        elif ".mlp.experts." in name and np.ndim(w) == 3:
+            stem, proj = name.rsplit(".mlp.experts.", 1)
+            for e, expert in enumerate(np.asarray(w)):
+                yield f"{stem}.mlp.experts.{e}.{proj}", expert
+        else:
+            yield name, w
+    if halves:
+        raise ValueError(f"GGUF layers {sorted(halves)} hold one half of kv_b_proj only.")
+
+
+_GGUF_NAMES = {
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "attn_k_b": "self_attn.k_b_proj",
+    "attn_v_b": "self_attn.v_b_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "exp_probs_b": "mlp.gate.e_score_correction",
+    **{f"ffn_{p}_exps": f"mlp.experts.{p}_proj" for p in ("gate", "up", "down")},
+    **{f"ffn_{p}_shexp": f"mlp.shared_experts.{p}_proj" for p in ("gate", "up", "down")},
+}
+# One llama.cpp architecture for V2 and V3: the reader (model_loader/gguf_config.py) tells
+# them apart by the router and names the class.
+GGUF = {
+    "deepseek2": GgufFamily(
+        model_type="deepseek_v3",
+        class_name="DeepseekV3ForCausalLM",
+        layer_names=_GGUF_NAMES,
+        regroup=_gguf_regroup,
+    )
 }

@@ -48,6 +48,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "gemma2": "gemma",
     "gemma3": "gemma",
     "phi3": "phi3",
+    "deepseek2": "deepseek",
 }
 
 # Tensors some checkpoints carry that hold no weights: buffers transformers once saved.
