@@ -20,7 +20,7 @@ from jllm.model_loader.loader import load_model
 from jllm.models import registry
 from jllm.models.config import settle, sliding_window
 from jllm.models.lora import with_lora_slots
-from jllm.models.pipeline import stage_layers, stage_repeats
+from jllm.models.pipeline import stage_layers, stage_plan
 from jllm.pooling.model import HeadWeights, dummy_head, resolve_pooling
 from jllm.quantization import resolve_quantization
 from jllm.spec_decode.draft_model import DraftModel
@@ -202,13 +202,14 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
         )
     if pp > 1:
         whole = arch.module.segments_of(cfg)
-        cfg = dataclasses.replace(cfg, stage_repeats=stage_repeats(arch.module, cfg, pp))
+        cfg = dataclasses.replace(cfg, **stage_plan(arch.module, cfg, pp))
         if source.kind == "orbax" and arch.module.segments_of(cfg) != whole:
+            plan = cfg.stage_repeats or cfg.stage_segments
             raise ValueError(
                 f"{source.path} is a converted checkpoint, whose layer stacks restore onto "
-                f"stages of equal whole repeats of the layer pattern only; this split pads "
-                f"them ({cfg.stage_repeats} repeats per stage): give the original checkpoint, "
-                "or a pipeline_parallel_size that divides the layers."
+                f"stages of equal whole repeats of one layer pattern only; this split pads "
+                f"them ({plan} repeats per stage): give the original checkpoint, or a "
+                "pipeline_parallel_size that divides the layers."
             )
     mesh = make_mesh(tp, engine_devices(args.devices, tp * pp), pipeline_parallel_size=pp)
     cfg = expert_parallel(cfg, args.enable_expert_parallel, tp)
@@ -266,7 +267,9 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
         arch.module.kv_cache_specs(cfg),
         lora,
         quantization,
-        None if cfg.stage_repeats is None else stage_layers(arch.module, cfg),
+        None
+        if (cfg.stage_repeats or cfg.stage_segments) is None
+        else stage_layers(arch.module, cfg),
         attention_options,
         arch,
         pooling,

@@ -7,9 +7,9 @@ shared decoder (`models/decoder.py`) and the engine read the fields here and not
 a field one family needs (Gemma's soft caps, MoE's experts) lives on that family's config,
 or on the shared block that reads it (`models/moe.py:MoeConfig`).
 
-Three fields are the engine's, not the checkpoint's: `kv_scales` (a float8 KV cache with
-per-layer scales, model_loader/kv_scales.py), `stage_repeats` (pipeline stages,
-models/pipeline.py) and `vision` (a vision-language family's encoder, models/vision.py).
+Four fields are the engine's, not the checkpoint's: `kv_scales` (a float8 KV cache with
+per-layer scales, model_loader/kv_scales.py), `stage_repeats` or `stage_segments` (pipeline
+stages, models/pipeline.py) and `vision` (a vision-language family's encoder, models/vision.py).
 
 Sliding windows follow transformers: a layer whose `layer_types` entry is
 "sliding_attention" attends over `sliding_window`. `settle` fixes what depends on the engine:
@@ -43,9 +43,11 @@ class DecoderConfig:
     # Per layer: "sliding_attention" or "full_attention" (transformers' `layer_types`).
     layer_types: tuple[str, ...] | None = None
     # The engine's: per-layer float8 KV-cache scales exist; each pipeline stage's repeats of
-    # the layer pattern (unequal counts pad the stacks, decoder.py); the vision encoder.
+    # the layer pattern (unequal counts pad the stacks, decoder.py), or, for layers that are
+    # not one pattern, each stage's repeats of each segment's; the vision encoder.
     kv_scales: bool = False
     stage_repeats: tuple[int, ...] | None = None
+    stage_segments: tuple[tuple[int, ...], ...] | None = None
     vision: object | None = None
 
     @staticmethod

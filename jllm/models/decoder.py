@@ -174,48 +174,78 @@ class CausalLM(nnx.Module):
 
     @classmethod
     def segments_of(cls, cfg) -> tuple[Segment, ...]:
-        """The model's layers as segments (`plan_segments`). Under pipeline stages
-        (`cfg.stage_repeats`, models/pipeline.py) they are one segment: the first segment's
-        pattern, as many repeats per stage as the largest stage holds (a model whose last
-        repeat is cut short, Gemma 3's 26 layers of 5 local and 1 global, counts it whole);
-        the slots no checkpoint layer fills (`stage_slots`) are never run."""
+        """The model's layers as segments (`plan_segments`). Under pipeline stages each
+        segment's stack holds, per stage, as many repeats as the stage holding most of them
+        (`stage_slots`: the slots no checkpoint layer fills, never run), stage after stage.
+        Layers of one pattern (`cfg.stage_repeats`) are then one segment: the first
+        segment's pattern (a model whose last repeat is cut short, Gemma 3's 26 layers of 5
+        local and 1 global, counts it whole). Otherwise (`cfg.stage_segments`) each segment
+        stays, its `first` the layer it starts at within a stage's run."""
         segments = plan_segments(cls.layer_kinds(cfg))
+        plan = getattr(cfg, "stage_segments", None)
+        if plan is not None:
+            out, first = [], 0
+            for k, seg in enumerate(segments):
+                width = max(row[k] for row in plan)
+                out.append(Segment(seg.pattern, len(plan) * width, first))
+                first += width * len(seg.pattern)
+            return tuple(out)
         stages = getattr(cfg, "stage_repeats", None)
         if stages is None or (len(segments) == 1 and len(set(stages)) == 1):
             return segments
         return (Segment(segments[0].pattern, len(stages) * max(stages), 0),)
 
     @classmethod
-    def stage_slots(cls, cfg) -> tuple[tuple[int | None, ...], ...] | None:
-        """Under pipeline stages with empty slots: per position j of the pattern, per row
-        of its stack, the checkpoint layer the slot holds (None: empty, the padding of a
-        stage shorter than the largest or of a cut repeat). None when every slot is
-        filled."""
-        stages = getattr(cfg, "stage_repeats", None)
-        if stages is None:
+    def num_stages(cls, cfg) -> int:
+        """The pipeline stages the config splits the layers over (1: none)."""
+        plan = getattr(cfg, "stage_segments", None) or getattr(cfg, "stage_repeats", None)
+        return 1 if plan is None else len(plan)
+
+    @classmethod
+    def stage_slots(cls, cfg) -> tuple | None:
+        """Under pipeline stages with empty slots: per segment, per position j of its
+        pattern, per row of its stack, the checkpoint layer the slot holds (None: empty,
+        the padding of a stage holding fewer repeats than the largest, or of a cut repeat).
+        None when every slot of one pattern's stack is filled."""
+        plan = getattr(cfg, "stage_segments", None)
+        if plan is None and getattr(cfg, "stage_repeats", None) is None:
             return None
-        (seg,) = cls.segments_of(cfg)
-        unit, width = len(seg.pattern), max(stages)
-        table = [[None] * seg.repeats for _ in range(unit)]
-        first = 0  # the stage's first repeat in the checkpoint
-        for stage, count in enumerate(stages):
-            for k in range(count):
-                for j in range(unit):
-                    layer = (first + k) * unit + j
-                    if layer < cfg.num_layers:
-                        table[j][stage * width + k] = layer
-            first += count
-        if all(layer is not None for row in table for layer in row):
-            return None
-        return tuple(tuple(row) for row in table)
+        if plan is None:  # one pattern: its repeats, stage after stage
+            plan = tuple((count,) for count in cfg.stage_repeats)
+            starts = [0]
+        else:
+            starts = [seg.first for seg in plan_segments(cls.layer_kinds(cfg))]
+        segments = cls.segments_of(cfg)
+        tables = []
+        for k, seg in enumerate(segments):
+            unit, width = len(seg.pattern), seg.repeats // len(plan)
+            table = [[None] * seg.repeats for _ in range(unit)]
+            first = starts[k]  # the stage's first layer of this segment in the checkpoint
+            for stage, row in enumerate(plan):
+                for r in range(row[k]):
+                    for j in range(unit):
+                        layer = first + r * unit + j
+                        if layer < cfg.num_layers:
+                            table[j][stage * width + r] = layer
+                first += row[k] * unit
+            tables.append(tuple(tuple(rows) for rows in table))
+        full = all(layer is not None for t in tables for rows in t for layer in rows)
+        return None if full and cfg.stage_segments is None else tuple(tables)
 
     @classmethod
     def kv_cache_groups(cls, cfg) -> tuple[KVCacheGroup, ...]:
         """The model's KV-cache groups, in order of their first layer (under pipeline
-        stages, the padded slots count: `segments_of`)."""
+        stages, the padded slots count: `segments_of`, and the rows go stage after stage,
+        each stage's rows laid out alike, so that the stage axis splits them)."""
         groups: dict[KVCacheSpec, list[int]] = {}
-        kinds = [k for seg in cls.segments_of(cfg) for _ in range(seg.repeats) for k in seg.pattern]
-        for i, kind in enumerate(kinds):
+        stages = cls.num_stages(cfg)
+        stage = [
+            k
+            for seg in cls.segments_of(cfg)
+            for _ in range(seg.repeats // stages)
+            for k in seg.pattern
+        ]
+        for i, kind in enumerate(stage * stages):
             groups.setdefault(cls.layer_cache_spec(cfg, kind), []).append(i)
         return tuple(
             KVCacheGroup(dataclasses.replace(spec, num_layers=len(layers)), tuple(layers))
@@ -272,7 +302,7 @@ class CausalLM(nnx.Module):
         {} without pipeline padding."""
         if self.slots is None:
             return {}
-        rows = self.slots[path[2] if path[0] == "blocks" else 0]
+        rows = self.slots[path[1]][path[2]] if path[0] == "blocks" else self.slots[0][0]
         source = rows.index(next(layer for layer in rows if layer is not None))
         return {row: source for row, layer in enumerate(rows) if layer is None}
 
@@ -280,9 +310,11 @@ class CausalLM(nnx.Module):
         """Where checkpoint layer `index` lives: (the path of its stacked module, its index
         in the stack)."""
         if self.slots is not None:
-            for j, rows in enumerate(self.slots):
-                if index in rows:
-                    return (("layers",) if self.uniform else ("blocks", 0, j)), rows.index(index)
+            for k, table in enumerate(self.slots):
+                for j, rows in enumerate(table):
+                    if index in rows:
+                        path = ("layers",) if self.uniform else ("blocks", k, j)
+                        return path, rows.index(index)
             raise IndexError(f"layer {index} of a {self.cfg.num_layers}-layer model")
         if self.uniform:
             return ("layers",), index

@@ -106,33 +106,41 @@ def micro_batch(ctx, m, size: int, micro: int):
 
 def run(model, x, ctx, kv_caches: tuple, stages: int, in_place):
     """The decoder's layers over `stages` stages: x [T, D] -> (x [T, D] after the last
-    layer, the updated caches). `model`: the CausalLM, whose layers are one segment under
-    stages (`CausalLM.segments_of`), its repeats an equal number of rows per stage;
+    layer, the updated caches). `model`: the CausalLM, each of whose segments' stacks has
+    an equal number of rows per stage (`CausalLM.segments_of`): a stage runs its rows of
+    each segment in turn, the empty ones skipped;
     `in_place`: its filter of the weights the layers read from the whole stack
     (`decoder._stays_stacked`)."""
     T, D = x.shape
     micro = num_micro_batches(T, stages, ctx.attn)
     size = T // micro
-    parts = model.segment_parts(0, in_place)
-    width = model.segments[0].repeats // stages  # each stage's rows
-    slots = None  # [pattern, stages x width]: the filled slots, when some are empty
+    count = len(model.segments)
+    parts = [model.segment_parts(k, in_place) for k in range(count)]
+    widths = [seg.repeats // stages for seg in model.segments]  # each stage's rows
+    # Per segment [pattern, stages x width]: the filled slots, when some are empty.
+    slots = [None] * count
     if model.slots is not None:
-        slots = jnp.asarray([[layer is not None for layer in row] for row in model.slots])
-    graphdefs = [graphdef for graphdef, _, _ in parts]
-    arrays = [(stacked, state) for _, stacked, state in parts]
+        slots = [jnp.asarray([[n is not None for n in row] for row in t]) for t in model.slots]
+    graphdefs = [[graphdef for graphdef, _, _ in p] for p in parts]
+    arrays = [[(stacked, state) for _, stacked, state in p] for p in parts]
 
     def stage_step(arrays, kv_caches, x, step_ctx):
         stage = jax.lax.axis_index(STAGE_AXIS)
-        parts = [(g, stacked, state) for g, (stacked, state) in zip(graphdefs, arrays, strict=True)]
+        parts = [
+            [(g, stacked, state) for g, (stacked, state) in zip(gs, a, strict=True)]
+            for gs, a in zip(graphdefs, arrays, strict=True)
+        ]
         xs = x.reshape(micro, size, D)
-
-        active = None  # the stage's own slots
-        if slots is not None:
-            active = jax.lax.dynamic_slice_in_dim(slots, stage * width, width, axis=1)
+        active = [  # the stage's own slots of each segment
+            None if t is None else jax.lax.dynamic_slice_in_dim(t, stage * w, w, axis=1)
+            for t, w in zip(slots, widths, strict=True)
+        ]
 
         def layers(h, caches, m):
             ctx_m = micro_batch(step_ctx, m, size, micro)
-            return model.scan_segment(0, parts, h, ctx_m, caches, active)[:2]
+            for k in range(count):
+                h, caches = model.scan_segment(k, parts[k], h, ctx_m, caches, active[k])[:2]
+            return h, caches
 
         def idle(h, caches, m):
             return h, caches
@@ -182,20 +190,26 @@ def vllm_partition(layers: int, stages: int) -> list[int]:
 
 def stage_layers(module, cfg) -> tuple[int, ...]:
     """The checkpoint layers each pipeline stage of decoder `module` (a CausalLM class)
-    holds, for a config with `stage_repeats`."""
+    holds, for a config with `stage_repeats` or `stage_segments`."""
+    if cfg.stage_segments is not None:
+        from jllm.models.decoder import plan_segments  # noqa: PLC0415 - decoder imports us
+
+        units = [len(seg.pattern) for seg in plan_segments(module.layer_kinds(cfg))]
+        return tuple(
+            sum(r * u for r, u in zip(row, units, strict=True)) for row in cfg.stage_segments
+        )
     stages, unit = cfg.stage_repeats, len(module.segments_of(cfg)[0].pattern)
     ends = [min(sum(stages[: s + 1]) * unit, cfg.num_layers) for s in range(len(stages))]
     return tuple(end - start for start, end in zip([0, *ends[:-1]], ends, strict=True))
 
 
-def stage_repeats(module, cfg, stages: int) -> tuple[int, ...]:
-    """How many repeats of its layer pattern each of `stages` stages holds, for decoder
-    `module` (a CausalLM class) of config `cfg`; refuses, with the reason, a split jllm
-    cannot run. The model's layers must be one pattern repeated, the last repeat perhaps cut
-    short (Gemma 3's 26 layers: 5 local and 1 global, four times, then 2 local); a stage
-    holds whole repeats. The split is VLLM_PP_LAYER_PARTITION's when set, else vLLM's
-    default (`vllm_partition`) over the layers, or over the repeats where that would cut
-    one."""
+def stage_plan(module, cfg, stages: int) -> dict:
+    """The config fields that split decoder `module`'s (a CausalLM class) layers of config
+    `cfg` over `stages` stages: `stage_repeats` for layers that are one pattern repeated
+    (`stage_repeats`), else `stage_segments`: each stage's repeats of each segment
+    (`decoder.plan_segments`: DeepSeek's dense layers then its sparse ones, Qwen3-MoE's
+    dense layers among the sparse), every stage holding consecutive layers, vLLM's split.
+    Refuses, with the reason, a split jllm cannot run."""
     if getattr(cfg, "vision", None) is not None:
         raise ValueError(
             "pipeline_parallel_size > 1 is not supported for vision-language models yet."
@@ -205,44 +219,93 @@ def stage_repeats(module, cfg, stages: int) -> tuple[int, ...]:
     if stages > layers:
         raise ValueError(f"pipeline_parallel_size={stages} exceeds the model's {layers} layers.")
     pattern = module.segments_of(cfg)[0].pattern
-    unit = len(pattern)
-    repeats = -(-layers // unit)
-    if (pattern * repeats)[:layers] != kinds:
-        raise ValueError(
-            f"pipeline_parallel_size={stages}: this model's layers are not one repeated "
-            "pattern (its layer kinds change along the depth), which jllm's stages do not "
-            "split yet."
-        )
-    if stages > repeats:
-        raise ValueError(
-            f"pipeline_parallel_size={stages} exceeds the {repeats} repeats of the model's "
-            f"{unit}-layer pattern, which a stage holds whole."
-        )
+    repeats = -(-layers // len(pattern))
+    if (pattern * repeats)[:layers] == kinds:
+        return {"stage_repeats": stage_repeats(module, cfg, stages)}
+    return {"stage_segments": stage_segments(kinds, stages)}
+
+
+def _partition(layers: int, stages: int, unit: int = 1) -> list[int] | None:
+    """VLLM_PP_LAYER_PARTITION's stage sizes, checked (each stage but the last whole repeats
+    of a `unit`-layer pattern), or None when it is not set."""
     partition = os.environ.get("VLLM_PP_LAYER_PARTITION")
     if partition is None:
-        sizes = vllm_partition(layers, stages)
-        if any(n % unit for n in sizes[:-1]):
-            sizes = [n * unit for n in vllm_partition(repeats, stages)]
-            sizes[-1] -= repeats * unit - layers  # the cut repeat
-    else:
-        try:
-            sizes = [int(n) for n in partition.split(",")]
-        except ValueError as err:
-            raise ValueError(f"Invalid VLLM_PP_LAYER_PARTITION: {partition!r}.") from err
-        if len(sizes) != stages or sum(sizes) != layers or min(sizes) < 1:
-            raise ValueError(
-                f"VLLM_PP_LAYER_PARTITION={partition!r} must name {stages} stage sizes of at "
-                f"least one layer that add up to the model's {layers} layers."
-            )
-        if any(n % unit for n in sizes[:-1]):
-            raise ValueError(
-                f"VLLM_PP_LAYER_PARTITION={partition!r}: each stage must hold whole repeats "
-                f"of the model's {unit}-layer pattern."
-            )
+        return None
+    try:
+        sizes = [int(n) for n in partition.split(",")]
+    except ValueError as err:
+        raise ValueError(f"Invalid VLLM_PP_LAYER_PARTITION: {partition!r}.") from err
+    if len(sizes) != stages or sum(sizes) != layers or min(sizes) < 1:
+        raise ValueError(
+            f"VLLM_PP_LAYER_PARTITION={partition!r} must name {stages} stage sizes of at "
+            f"least one layer that add up to the model's {layers} layers."
+        )
+    if any(n % unit for n in sizes[:-1]):
+        raise ValueError(
+            f"VLLM_PP_LAYER_PARTITION={partition!r}: each stage must hold whole repeats "
+            f"of the model's {unit}-layer pattern."
+        )
+    return sizes
+
+
+def _log_uneven(sizes: list[int]) -> None:
     if len(set(sizes)) > 1:
         logger.info(
             "Hidden layers were unevenly partitioned: [%s] (VLLM_PP_LAYER_PARTITION overrides "
             "it); each stage's layer stacks are padded to the largest stage's.",
             ",".join(map(str, sizes)),
         )
+
+
+def stage_segments(kinds: tuple, stages: int) -> tuple[tuple[int, ...], ...]:
+    """Per stage, its repeats of each segment of layer kinds `kinds` (`plan_segments`): the
+    stages hold vLLM's runs of consecutive layers (or VLLM_PP_LAYER_PARTITION's), each
+    starting and ending on whole repeats of the segments it cuts."""
+    from jllm.models.decoder import plan_segments  # noqa: PLC0415 - decoder imports us
+
+    layers = len(kinds)
+    segments = plan_segments(kinds)
+    sizes = _partition(layers, stages) or vllm_partition(layers, stages)
+    plan, start = [], 0
+    for size in sizes:
+        end, row = start + size, []
+        for seg in segments:
+            first, last = max(start, seg.first), min(end, seg.first + seg.num_layers)
+            count, unit = max(0, last - first), len(seg.pattern)
+            if count and ((first - seg.first) % unit or count % unit):
+                raise ValueError(
+                    f"pipeline_parallel_size={stages}: the stages' layers {sizes} cut a "
+                    f"repeat of the model's {unit}-layer pattern at layers "
+                    f"{seg.first}..{seg.first + seg.num_layers - 1}; set "
+                    "VLLM_PP_LAYER_PARTITION to stages of whole repeats."
+                )
+            row.append(count // unit)
+        plan.append(tuple(row))
+        start = end
+    _log_uneven(sizes)
+    return tuple(plan)
+
+
+def stage_repeats(module, cfg, stages: int) -> tuple[int, ...]:
+    """How many repeats of its layer pattern each of `stages` stages holds, for decoder
+    `module` (a CausalLM class) of config `cfg` whose layers are one pattern repeated, the
+    last repeat perhaps cut short (Gemma 3's 26 layers: 5 local and 1 global, four times,
+    then 2 local); a stage holds whole repeats. The split is VLLM_PP_LAYER_PARTITION's when
+    set, else vLLM's default (`vllm_partition`) over the layers, or over the repeats where
+    that would cut one."""
+    layers = cfg.num_layers
+    unit = len(module.segments_of(cfg)[0].pattern)
+    repeats = -(-layers // unit)
+    if stages > repeats:
+        raise ValueError(
+            f"pipeline_parallel_size={stages} exceeds the {repeats} repeats of the model's "
+            f"{unit}-layer pattern, which a stage holds whole."
+        )
+    sizes = _partition(layers, stages, unit)
+    if sizes is None:
+        sizes = vllm_partition(layers, stages)
+        if any(n % unit for n in sizes[:-1]):
+            sizes = [n * unit for n in vllm_partition(repeats, stages)]
+            sizes[-1] -= repeats * unit - layers  # the cut repeat
+    _log_uneven(sizes)
     return tuple(-(-n // unit) for n in sizes)

@@ -2,8 +2,9 @@
 float32: V3 with a q LoRA and grouped, biased routing; V3 without q LoRA, with YaRN and its
 mscale; V2 with softmax routing. Greedy tokens equal and each token's logprob within 1e-4,
 teacher-forced; the cache holds one latent per token and layer; chunked prefill with
-preemption, prefix hits, tensor parallelism and expert parallelism give the same tokens, and
-so does the GPU kernel (interpret mode) over heads split in two."""
+preemption, prefix hits, tensor parallelism, expert parallelism and pipeline stages (the
+dense layer and the sparse ones in one stage or two) give the same tokens, and so does the
+GPU kernel (interpret mode) over heads split in two and over stages."""
 
 from __future__ import annotations
 
@@ -47,8 +48,24 @@ def test_matches_transformers(checkpoints, variant):
         {"tensor_parallel_size": 2, "enable_expert_parallel": True},
         {"tensor_parallel_size": 4, "enable_expert_parallel": True},
         {"tensor_parallel_size": 2, "attention_backend": "pallas_gpu_interpret"},
+        {"pipeline_parallel_size": 3, "max_num_batched_tokens": 16},
+        {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "enable_expert_parallel": True},
+        {
+            "pipeline_parallel_size": 2,
+            "attention_backend": "pallas_gpu_interpret",
+            "max_num_batched_tokens": 16,
+        },
     ],
-    ids=["chunked-preempting", "tp2", "ep2", "ep4", "tp2-gpu-kernel"],
+    ids=[
+        "chunked-preempting",
+        "tp2",
+        "ep2",
+        "ep4",
+        "tp2-gpu-kernel",
+        "pp3",
+        "pp2-ep2",
+        "pp2-gpu-kernel",
+    ],
 )
 def test_layouts_give_the_same_tokens(checkpoints, settings):
     path = checkpoints["v3-q-lora"]
@@ -62,6 +79,10 @@ def test_layouts_give_the_same_tokens(checkpoints, settings):
     assert_matches(eager(path), prompts, generate(llm, prompts, params))
     if preempting:
         assert llm.llm_engine.scheduler.num_preemptions > 0
+    stages = settings.get("pipeline_parallel_size", 1)
+    if stages > 1:  # the dense layer, then the two sparse ones: vLLM's consecutive runs
+        plan = {3: ((1, 0), (0, 1), (0, 1)), 2: ((1, 1), (0, 1))}[stages]
+        assert llm.llm_engine.model_config.stage_segments == plan
 
 
 def test_the_checkpoints_mtp_layer_is_left_out(checkpoints, tmp_path):

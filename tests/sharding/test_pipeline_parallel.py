@@ -14,6 +14,7 @@ from lora_oracle import assert_each_matches_merged, lora_requests, make_adapters
 from oracle import SMALL, prompt_ids, same_outputs
 
 from jllm import LLM, SamplingParams
+from jllm.models.pipeline import stage_segments
 from jllm.runner.compile_guard import count_compiles
 from sharding import STAGE_AXIS
 
@@ -126,6 +127,23 @@ def test_two_kv_groups_gemma2(tiny_models):
     assert_stage_holds_its_layers(cache, llm.llm_engine.runner.mesh, 2)
 
 
+@pytest.mark.parametrize(
+    ("model", "plan"),
+    [("qwen3-moe", ((2, 0, 0), (0, 1, 1))), ("qwen2-window", ((1, 1), (0, 1)))],
+)
+def test_layers_of_several_patterns(tiny_models, model, plan):
+    """Layers whose kinds change along the depth, as segments: Qwen3-MoE's sparse, sparse,
+    dense, sparse (stage 0 runs the first two sparse layers, stage 1 the dense one and the
+    last) and Qwen2's full-attention layer before two sliding ones (two KV-cache groups,
+    each split over the stages). Each stack holds a stage's slots, those it does not fill
+    empty; the plain engine's tokens and logprobs."""
+    args = {**ARGS, "max_num_batched_tokens": 64}
+    want = run(LLM(tiny_models[model], **args))
+    llm = LLM(tiny_models[model], pipeline_parallel_size=2, **args)
+    same_outputs(run(llm), want)
+    assert llm.llm_engine.model_config.stage_segments == plan
+
+
 def test_cut_pattern_gemma3(tiny_models):
     """Gemma 3's pattern (local, local, global) twice, then two local layers, over two
     stages of whole repeats (2 and 1): the second stage's global slot in the cut repeat, and
@@ -190,7 +208,6 @@ def test_uneven_stages_with_adapters(tiny_models, tmp_path):
         ("llama-l4", dict(pipeline_parallel_size=2), "two,2", r"Invalid VLLM_PP_LAYER_PARTITION"),
         ("gemma2", dict(pipeline_parallel_size=2), "3,1", r"whole repeats of the model's 2-layer"),
         ("gemma2", dict(pipeline_parallel_size=4), None, r"exceeds the 2 repeats"),
-        ("qwen3-moe", dict(pipeline_parallel_size=2), None, r"not one repeated pattern"),
         ("llama-l4", dict(pipeline_parallel_size=0), None, r"at least 1"),
     ],
 )
@@ -217,3 +234,15 @@ def test_draft_model_refused(tiny_models):
     spec = {"model": tiny_models["llama"], "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="draft model is not supported with pipeline"):
         LLM(tiny_models["llama-l4"], pipeline_parallel_size=2, speculative_config=spec, **ARGS)
+
+
+def test_a_stage_holds_whole_repeats_of_each_pattern(monkeypatch):
+    """Layers of several patterns split at vLLM's runs of consecutive layers, each stage's
+    repeats of each segment; a run that cuts a repeat is refused, and
+    VLLM_PP_LAYER_PARTITION mends it."""
+    kinds = ("a", "b", "a", "b", "c")  # (a, b) twice, then c
+    assert stage_segments(kinds, 3) == ((1, 0), (1, 0), (0, 1))  # runs 2, 2, 1
+    with pytest.raises(ValueError, match=r"cut a repeat of the model's 2-layer pattern"):
+        stage_segments(kinds, 2)  # runs 3, 2
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "4,1")
+    assert stage_segments(kinds, 2) == ((2, 0), (0, 1))
