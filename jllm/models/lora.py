@@ -78,8 +78,14 @@ def add_lora_slots(
             name = path[-1]
             replicas = kv_replicas if name in ("k_proj", "v_proj") else 1
             target = LoraTarget(path, tuple(in_shape), tuple(out_shape), replicas)
-            if targets.setdefault(name, target) != target:
-                raise ValueError(f"LoRA target {name} differs between layer kinds.")
+            first = targets.setdefault(name, target)
+            if first != target:
+                raise ValueError(
+                    f"LoRA target {name} differs between layer kinds ({'.'.join(first.path)} "
+                    f"{first.in_shape}->{first.out_shape}, {'.'.join(path)} "
+                    f"{target.in_shape}->{target.out_shape}): jllm serves no adapters on this "
+                    "model yet."
+                )
     return targets
 
 

@@ -241,3 +241,32 @@ def test_no_compile_after_warmup_with_mtp(mtp_checkpoint):
         run(llm, PROMPTS)
     assert events == []
     assert spec_counts(prom)[0] > 0
+
+
+def test_mtp_crosses_shared_prefixes_and_several_samples(mtp_checkpoint, oracle):
+    """Two requests with one 20-token prefix admitted in the same step (the second's hit
+    waits for the first's writes, the drafts' successors read from either), and a request
+    of n = 2 (its samples fork the prompt's blocks): the engine's outputs without
+    speculation, and every greedy draft the oracle's."""
+    spec = {"method": "mtp", "num_speculative_tokens": K}
+    shared = prompt_ids(1, 20, seed=9, vocab=512)[0]
+    prompts = [shared + [5, 6, 7], shared + [8, 9], prompt_ids(1, 9, seed=10, vocab=512)[0]]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1),
+        SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=9, ignore_eos=True),
+    ]
+    requests = [{"prompt_token_ids": p} for p in prompts]
+
+    def outputs(llm):
+        return [c for o in llm.generate(requests, params, use_tqdm=False) for c in o.outputs]
+
+    want = outputs(LLM(mtp_checkpoint, **{**SMALL, "dtype": "float32"}))
+    llm = LLM(mtp_checkpoint, **{**SMALL, "dtype": "float32", "speculative_config": spec})
+    calls = recording(llm)
+    got = outputs(llm)
+    same(got, want)
+    assert len(got) == 4 and got[2].token_ids != got[3].token_ids
+    assert len(calls) > 4
+    for known, drafts in calls:
+        assert drafts == oracle.drafts(known, len(drafts)), len(known)
