@@ -33,6 +33,9 @@ CONTENT_REFUSALS = (
     "bad-word token sequences",  # more multi-token bad words than a step's mask holds
     "bad_words entries must tokenize",  # a word of spaces only
     "min_tokens must be less than or equal to max_tokens",
+    # A constraint the backend "auto" picks xgrammar for, with an option only guidance
+    # takes and disable_fallback set: which backend a constraint gets is no schema's to say.
+    "is not supported by the xgrammar backend",
     # The model's chat template may refuse what it likes (roles out of order, a generation
     # prompt after a message to continue).
     "Could not apply the chat template",
