@@ -144,6 +144,7 @@ def build_openapi(app, *, api_key: bool, limits: dict) -> dict:
             **token_fields,
         },
         "DetokenizeRequest": {"tokens": limits["tokenizer_size"] - 1},
+        "ResponsesRequest": {"stop_token_ids": top_token},
     }
     # -1 (the whole vocabulary) only where max_logprobs allows the whole vocabulary
     whole = max_logprobs >= limits["vocab_size"]

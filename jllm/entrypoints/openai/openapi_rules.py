@@ -229,8 +229,9 @@ def write_rules(schemas: dict, limits: dict) -> None:
                 {"properties": {"background": {"const": False}}},
                 {"properties": {"store": {"const": True}}},
             ]
-    if "ImageBlock" in schemas and not limits["images"]:  # Anthropic's image blocks likewise
-        schemas["ImageBlock"] = {"not": {}, "description": "Only for a model that takes images."}
+    for name in ("ImageBlock", "InputImage"):  # Anthropic's image blocks, Responses' parts
+        if name in schemas and not limits["images"]:
+            schemas[name] = {"not": {}, "description": "Only for a model that takes images."}
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         schema = schemas.get(name)
         if schema is None:

@@ -217,3 +217,13 @@ def test_integer_bounds_are_integers_a_double_holds(server):
     assert bounds and all(type(b) is int for b in bounds)
     assert max(bounds) == 2**63 - 1024 == int(float(2**63 - 1024))
     assert min(bounds) == -(2**63)
+
+
+def test_responses_bounds_of_a_text_model(server):
+    """What random fuzzing of /v1/responses found the document allowing and the server
+    refusing: image parts for a text-only model, stop token ids past the vocabulary."""
+    schemas = httpx.get(f"{server.url}/openapi.json").json()["components"]["schemas"]
+    assert schemas["InputImage"]["not"] == {} and schemas["ImageBlock"]["not"] == {}
+    stop = schemas["ResponsesRequest"]["properties"]["stop_token_ids"]["anyOf"][0]["items"]
+    chat = schemas["ChatCompletionRequest"]["properties"]["stop_token_ids"]["anyOf"][0]["items"]
+    assert stop["maximum"] == chat["maximum"] < 1 << 20
