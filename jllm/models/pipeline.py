@@ -283,6 +283,18 @@ def stage_segments(kinds: tuple, stages: int) -> tuple[tuple[int, ...], ...]:
         plan.append(tuple(row))
         start = end
     _log_uneven(sizes)
+    empty = [
+        stages * max(row[k] for row in plan) * len(seg.pattern) - seg.num_layers
+        for k, seg in enumerate(segments)
+    ]
+    logger.info(
+        "Pipeline stages of layers in %d segments (%s layers): each segment's stack holds as "
+        "many slots per stage as its fullest stage, %s of them empty (each a copy of a "
+        "layer's weights and cache rows); VLLM_PP_LAYER_PARTITION may balance them.",
+        len(segments),
+        ", ".join(str(seg.num_layers) for seg in segments),
+        ", ".join(map(str, empty)),
+    )
     return tuple(plan)
 
 

@@ -236,12 +236,14 @@ def test_draft_model_refused(tiny_models):
         LLM(tiny_models["llama-l4"], pipeline_parallel_size=2, speculative_config=spec, **ARGS)
 
 
-def test_a_stage_holds_whole_repeats_of_each_pattern(monkeypatch):
+def test_a_stage_holds_whole_repeats_of_each_pattern(monkeypatch, caplog):
     """Layers of several patterns split at vLLM's runs of consecutive layers, each stage's
-    repeats of each segment; a run that cuts a repeat is refused, and
-    VLLM_PP_LAYER_PARTITION mends it."""
+    repeats of each segment (the start-up log counts the empty slots that pads); a run that
+    cuts a repeat is refused, and VLLM_PP_LAYER_PARTITION mends it."""
     kinds = ("a", "b", "a", "b", "c")  # (a, b) twice, then c
-    assert stage_segments(kinds, 3) == ((1, 0), (1, 0), (0, 1))  # runs 2, 2, 1
+    with caplog.at_level("INFO", logger="jllm"):
+        assert stage_segments(kinds, 3) == ((1, 0), (1, 0), (0, 1))  # runs 2, 2, 1
+    assert "2 segments (4, 1 layers)" in caplog.text and "2, 2 of them empty" in caplog.text
     with pytest.raises(ValueError, match=r"cut a repeat of the model's 2-layer pattern"):
         stage_segments(kinds, 2)  # runs 3, 2
     monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "4,1")
