@@ -267,9 +267,7 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
         arch.module.kv_cache_specs(cfg),
         lora,
         quantization,
-        None
-        if (cfg.stage_repeats or cfg.stage_segments) is None
-        else stage_layers(arch.module, cfg),
+        stage_layers(arch.module, cfg) if arch.module.num_stages(cfg) > 1 else None,
         attention_options,
         arch,
         pooling,

@@ -192,9 +192,7 @@ def stage_layers(module, cfg) -> tuple[int, ...]:
     """The checkpoint layers each pipeline stage of decoder `module` (a CausalLM class)
     holds, for a config with `stage_repeats` or `stage_segments`."""
     if cfg.stage_segments is not None:
-        from jllm.models.decoder import plan_segments  # noqa: PLC0415 - decoder imports us
-
-        units = [len(seg.pattern) for seg in plan_segments(module.layer_kinds(cfg))]
+        units = [len(seg.pattern) for seg in module.segments_of(cfg)]
         return tuple(
             sum(r * u for r, u in zip(row, units, strict=True)) for row in cfg.stage_segments
         )
@@ -218,11 +216,12 @@ def stage_plan(module, cfg, stages: int) -> dict:
     layers = len(kinds)
     if stages > layers:
         raise ValueError(f"pipeline_parallel_size={stages} exceeds the model's {layers} layers.")
-    pattern = module.segments_of(cfg)[0].pattern
+    segments = module.segments_of(cfg)
+    pattern = segments[0].pattern
     repeats = -(-layers // len(pattern))
     if (pattern * repeats)[:layers] == kinds:
         return {"stage_repeats": stage_repeats(module, cfg, stages)}
-    return {"stage_segments": stage_segments(kinds, stages)}
+    return {"stage_segments": stage_segments(segments, stages)}
 
 
 def _partition(layers: int, stages: int, unit: int = 1) -> list[int] | None:
@@ -257,14 +256,11 @@ def _log_uneven(sizes: list[int]) -> None:
         )
 
 
-def stage_segments(kinds: tuple, stages: int) -> tuple[tuple[int, ...], ...]:
-    """Per stage, its repeats of each segment of layer kinds `kinds` (`plan_segments`): the
-    stages hold vLLM's runs of consecutive layers (or VLLM_PP_LAYER_PARTITION's), each
+def stage_segments(segments, stages: int) -> tuple[tuple[int, ...], ...]:
+    """Per stage, its repeats of each of the model's `segments` (`decoder.plan_segments`):
+    the stages hold vLLM's runs of consecutive layers (or VLLM_PP_LAYER_PARTITION's), each
     starting and ending on whole repeats of the segments it cuts."""
-    from jllm.models.decoder import plan_segments  # noqa: PLC0415 - decoder imports us
-
-    layers = len(kinds)
-    segments = plan_segments(kinds)
+    layers = sum(seg.num_layers for seg in segments)
     sizes = _partition(layers, stages) or vllm_partition(layers, stages)
     plan, start = [], 0
     for size in sizes:

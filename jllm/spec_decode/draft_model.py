@@ -285,7 +285,9 @@ class DraftModel:
                 break
             Rd = bucket(active.size, self.layout.decode_buckets)
             backend = runner.attention
-            buf, layout = draft_inputs(batch, active, step, self.layout, backend, Rd, groups)
+            buf, layout = draft_inputs(
+                batch, active, step, self.layout, backend, Rd, groups, self.back
+            )
             buf = jax.device_put(buf, runner.replicated)
             exe = self._executable(runner, Rd, buf, layout)
             src, self.kv_cache = exe(self.state, self.kv_cache, src, buf)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import transformers
 from deepseek_oracle import YARN, save_tiny
+from model_loader.test_gguf import CONFIG_FIELDS
 from oracle import SMALL, assert_matches, eager, prompt_ids
 from safetensors.numpy import load_file
 
@@ -32,13 +33,9 @@ CASES = {
     "v3-yarn-whole-kv-b": ("v3-yarn", EQUAL_MSCALE, False),
     "v2": ("v2", {}, True),
 }
-CONFIG_FIELDS = [
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
+# transformers' fields every GGUF config states (rope_parameters compared below: the file
+# keeps YaRN's own parameters, not the defaults transformers adds), and MLA's and the MoE's.
+FIELDS = [f for f in CONFIG_FIELDS if f != "rope_parameters"] + [
     "kv_lora_rank",
     "q_lora_rank",
     "qk_nope_head_dim",
@@ -51,7 +48,6 @@ CONFIG_FIELDS = [
     "first_k_dense_replace",
     "routed_scaling_factor",
     "norm_topk_prob",
-    "tie_word_embeddings",
 ]
 
 
@@ -82,6 +78,9 @@ def write_deepseek_gguf(
     w.add_head_count_kv(1 if split_kv_b else N)
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    for kind in ("bos", "eos", "pad"):  # the special vocabulary's ids
+        if getattr(cfg, f"{kind}_token_id") is not None:
+            getattr(w, f"add_{kind}_token_id")(getattr(cfg, f"{kind}_token_id"))
     w.add_expert_count(cfg.n_routed_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     if v3:  # transformers' V2 config has no scoring function: llama.cpp assumes softmax
@@ -172,7 +171,7 @@ def test_tensors_and_config_are_the_sources(files, case):
 
     cfg, src = loaded.hf_config, transformers.AutoConfig.from_pretrained(source)
     assert type(cfg) is type(src) and cfg.architectures == src.architectures
-    for field in CONFIG_FIELDS:
+    for field in FIELDS:
         assert getattr(cfg, field) == pytest.approx(getattr(src, field)), field
     if src.model_type == "deepseek_v3":
         assert (cfg.n_group, cfg.topk_group) == (src.n_group, src.topk_group)

@@ -14,6 +14,7 @@ from lora_oracle import assert_each_matches_merged, lora_requests, make_adapters
 from oracle import SMALL, prompt_ids, same_outputs
 
 from jllm import LLM, SamplingParams
+from jllm.models.decoder import plan_segments
 from jllm.models.pipeline import stage_segments
 from jllm.runner.compile_guard import count_compiles
 from sharding import STAGE_AXIS
@@ -242,9 +243,9 @@ def test_a_stage_holds_whole_repeats_of_each_pattern(monkeypatch, caplog):
     cuts a repeat is refused, and VLLM_PP_LAYER_PARTITION mends it."""
     kinds = ("a", "b", "a", "b", "c")  # (a, b) twice, then c
     with caplog.at_level("INFO", logger="jllm"):
-        assert stage_segments(kinds, 3) == ((1, 0), (1, 0), (0, 1))  # runs 2, 2, 1
+        assert stage_segments(plan_segments(kinds), 3) == ((1, 0), (1, 0), (0, 1))  # 2, 2, 1
     assert "2 segments (4, 1 layers)" in caplog.text and "2, 2 of them empty" in caplog.text
     with pytest.raises(ValueError, match=r"cut a repeat of the model's 2-layer pattern"):
-        stage_segments(kinds, 2)  # runs 3, 2
+        stage_segments(plan_segments(kinds), 2)  # runs 3, 2
     monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "4,1")
-    assert stage_segments(kinds, 2) == ((2, 0), (0, 1))
+    assert stage_segments(plan_segments(kinds), 2) == ((2, 0), (0, 1))
