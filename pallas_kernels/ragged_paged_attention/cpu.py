@@ -10,6 +10,9 @@ It takes the whole stacked cache ``[L, B, S, 2K, H]`` and a layer index rather t
 layer's slice, so that a model's scan over layers never copies a layer out of the cache.
 Same arguments and results as ``ragged_paged_attention_reference`` otherwise, ``q_horizon``
 included: without one the kernel gets an empty buffer in its place and attends causally.
+MLA's latent cache (``latent=True``: ``[L, B, S, H]``, one vector per token whose first
+``v_head_dim`` lanes are its value) goes through the kernel's prefill routine for every row,
+its query heads the lanes of one key stream.
 """
 
 from __future__ import annotations
@@ -50,13 +53,13 @@ def load_cpu_kernel() -> str:
     return ATTENTION.load()
 
 
-def _checked_args(
-    q, kv_cache, layer, kv_lens, block_tables, query_start, query_lens, num_seqs, fp8_dtype
-):
-    """Validates the arguments and returns them as the FFI call takes them: the stacked cache
-    and the layer and num_seqs as int32 [1]."""
-    metadata = (kv_lens, block_tables, query_start, query_lens, num_seqs)
-    kv_cache, layer = stacked_and_checked(q, kv_cache, layer, metadata, fp8_dtype)
+def _checked_args(q, kv_cache, layer, metadata, fp8_dtype, latent=False, v_head_dim=None):
+    """Validates the arguments and returns them as the FFI call takes them: q, the stacked
+    cache, the layer as int32 [1], then `metadata` (kv_lens, block_tables, query_start,
+    query_lens, num_seqs) with num_seqs as int32 [1]."""
+    kv_cache, layer = stacked_and_checked(
+        q, kv_cache, layer, metadata, fp8_dtype, latent, v_head_dim
+    )
     fp8 = is_fp8_cache(kv_cache.dtype, fp8_dtype)
     if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES or not (fp8 or q.dtype == kv_cache.dtype):
         raise ValueError(
@@ -64,8 +67,9 @@ def _checked_args(
             f"float8 one, got q {q.dtype} and kv_cache {kv_cache.dtype}"
         )
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    *metadata, num_seqs = metadata
     num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(1)
-    return q, kv_cache, layer, kv_lens, block_tables, query_start, query_lens, num_seqs
+    return q, kv_cache, layer, *metadata, num_seqs
 
 
 def _horizon(q, q_horizon) -> jax.Array:
@@ -81,7 +85,7 @@ def _horizon(q, q_horizon) -> jax.Array:
     return q_horizon
 
 
-def _options(q, sm_scale, sliding_window, soft_cap, batch_invariant=False) -> dict:
+def _options(q, sm_scale, sliding_window, soft_cap, batch_invariant=False, v_head_dim=None) -> dict:
     """The checked options as the kernel's attributes (0 for an option that is off)."""
     validate_options(sm_scale, sliding_window, soft_cap)
     return dict(
@@ -89,6 +93,7 @@ def _options(q, sm_scale, sliding_window, soft_cap, batch_invariant=False) -> di
         sliding_window=np.int64(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0),
         batch_invariant=bool(batch_invariant),
+        v_head_dim=np.int64(v_head_dim or 0),
     )
 
 
@@ -97,10 +102,11 @@ FP8_FORMATS = {jnp.dtype(jnp.float8_e4m3fn): 1, jnp.dtype(jnp.float8_e5m2): 2}
 
 
 def _call(*args, fp8_dtype=None, **options):
-    """The FFI call on checked arguments (q first) with `_options`' attributes."""
+    """The FFI call on checked arguments (q first) with `_options`' attributes: [T, N, Hv]."""
     q = args[0]
     fp8 = np.int64(0 if fp8_dtype is None else FP8_FORMATS[jnp.dtype(fp8_dtype)])
-    return jax.ffi.ffi_call(load_cpu_kernel(), jax.ShapeDtypeStruct(q.shape, q.dtype))(
+    shape = (*q.shape[:2], int(options["v_head_dim"]) or q.shape[2])
+    return jax.ffi.ffi_call(load_cpu_kernel(), jax.ShapeDtypeStruct(shape, q.dtype))(
         *args, fp8=fp8, **options
     )
 
@@ -121,6 +127,8 @@ def ragged_paged_attention_cpu(
     fp8_dtype=None,
     q_horizon: jax.Array | None = None,
     batch_invariant: bool = False,
+    latent: bool = False,
+    v_head_dim: int | None = None,
 ) -> jax.Array:
     """Ragged paged attention on the CPU; the reference's arguments and result.
 
@@ -131,11 +139,12 @@ def ragged_paged_attention_cpu(
     each query sees where later than its own position (None: causal), as in the reference.
     batch_invariant: every query through one routine (a decode row's too), so that a query's
     result does not depend on the rows beside it or on whether it decodes.
+    latent (MLA): kv_cache is the latent cache [L, B, S, H] (or [B, S, H]) whose first
+    ``v_head_dim`` lanes are the values; the result is [T, N, v_head_dim].
     """
-    args = _checked_args(
-        q, kv_cache, layer, kv_lens, block_tables, query_start, query_lens, num_seqs, fp8_dtype
-    )
-    options = _options(q, sm_scale, sliding_window, soft_cap, batch_invariant)
+    metadata = (kv_lens, block_tables, query_start, query_lens, num_seqs)
+    args = _checked_args(q, kv_cache, layer, metadata, fp8_dtype, latent, v_head_dim)
+    options = _options(q, sm_scale, sliding_window, soft_cap, batch_invariant, v_head_dim)
     return _call(*args, _horizon(q, q_horizon), fp8_dtype=fp8_dtype, **options)
 
 
@@ -157,20 +166,23 @@ def ragged_paged_attention_cpu_sharded(
     fp8_dtype=None,
     q_horizon=None,
     batch_invariant: bool = False,
+    latent: bool = False,
+    v_head_dim: int | None = None,
 ):
     """The CPU kernel with heads split over `mesh` axis `axis` (as in sharded.py): each device
-    runs it on its own query heads and kv heads; kv_cache is the stacked cache. The metadata,
+    runs it on its own query heads and kv heads; kv_cache is the stacked cache (a latent
+    cache replicated: every device reads all of it for its own heads). The metadata,
     q_horizon included, is replicated."""
-    args = _checked_args(
-        q, kv_cache, layer, kv_lens, block_tables, query_start, query_lens, num_seqs, fp8_dtype
-    )
-    options = _options(q, sm_scale, sliding_window, soft_cap, batch_invariant)
+    metadata = (kv_lens, block_tables, query_start, query_lens, num_seqs)
+    args = _checked_args(q, kv_cache, layer, metadata, fp8_dtype, latent, v_head_dim)
+    options = _options(q, sm_scale, sliding_window, soft_cap, batch_invariant, v_head_dim)
     heads = P(None, axis, None)
     replicated = (P(),) * 7
+    cache = P() if latent else P(None, None, None, axis, None)
     return jax.shard_map(
         functools.partial(_call, fp8_dtype=fp8_dtype, **options),
         mesh=mesh,
-        in_specs=(heads, P(None, None, None, axis, None), *replicated),
+        in_specs=(heads, cache, *replicated),
         out_specs=heads,
         check_vma=False,
     )(*args, _horizon(q, q_horizon))

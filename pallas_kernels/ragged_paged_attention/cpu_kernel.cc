@@ -13,7 +13,9 @@
 // before the mask and the softmax). An optional q_horizon [T] (a [0] buffer for none: causal)
 // moves each query's last key from its position p to max(p, q_horizon[t]), clipped to its
 // request's kv_len - 1 (bidirectional spans, Gemma 3's images); a window still counts back
-// from p.
+// from p. A latent cache [L, B, S, H] (MLA's absorbed form, a rank-4 cache) holds one vector
+// per token: the key of one kv head that every query head reads, and in its first
+// `v_head_dim` lanes the value; out is then [T, N, v_head_dim].
 //
 // One work item is one request's block of up to kQueryBlock queries with all its heads,
 // reading the request's pages front to back. Items are shared out over XLA's intra-op thread
@@ -21,7 +23,8 @@
 // and head dims 64 and 128, prefetching the next page; run_decode_bf16 for a bf16 q and cache
 // where the CPU has AVX512-BF16); prefill blocks by arithmetic, which runs on 16-lane
 // vectors (GCC's vector extension) with a block's rows as the lanes (run_prefill, the same
-// shapes). run_item, scalar, takes every other shape.
+// shapes, and a latent's rows of every kind: its lane count a multiple of 16, its value lanes
+// of 8). run_item, scalar, takes every other shape.
 //
 // Built at run time by pallas_kernels/cpu/build.py with GCC (g++ -O3 -march=native; it uses GCC's vector
 // extension, __builtin_shuffle and __builtin_shufflevector).
@@ -372,7 +375,7 @@ inline v16 soft_cap16(v16 s, float c) { return c * tanh16(s * (1.0f / c)); }
 
 struct Problem {
   const void* q;
-  const void* cache;  // this layer's [B, S, 2K, H]
+  const void* cache;  // this layer's [B, S, 2K, H], or with `latent` [B, S, H]
   void* out;
   const int32_t* kv_lens;
   const int32_t* block_tables;
@@ -380,11 +383,22 @@ struct Problem {
   const int32_t* query_lens;
   const int32_t* horizon;  // [T] q_horizon, null for causal attention
   int64_t S, K, G, H, P;
+  int64_t Hv;  // value lanes: H, or a latent's first Hv
+  bool latent;  // MLA's cache: one vector per token, the key of K = 1 head and its value
   float scale;
   int64_t window;  // sliding window W, 0 for none
   float soft_cap;  // 0 for none
   bool invariant;  // the batch-invariant mode: decode rows through the prefill routine
 };
+
+// A token's elements in the cache, and where kv head k's key and value start among them: K
+// and V interleaved by head ([2K, H]), or one latent that is the key and, in its first Hv
+// lanes, the value.
+inline int64_t row_elems(const Problem& pb) { return pb.latent ? pb.H : 2 * pb.K * pb.H; }
+inline int64_t key_at(const Problem& pb, int64_t k) { return pb.latent ? 0 : 2 * k * pb.H; }
+inline int64_t value_at(const Problem& pb, int64_t k) {
+  return pb.latent ? 0 : (2 * k + 1) * pb.H;
+}
 
 // The first key position a query at `pos` sees: pos - W + 1, or 0 without a window.
 inline int64_t first_key(const Problem& pb, int64_t pos) {
@@ -421,18 +435,18 @@ template <typename D, typename C>
 void run_item(const Problem& pb, const Item& it, std::vector<float>& scratch) {
   using St = typename D::Storage;
   using Ct = typename C::Storage;
-  const int64_t H = pb.H, S = pb.S;
-  const int64_t G = pb.G, K = pb.K, K2 = 2 * pb.K, N = K * G;
+  const int64_t H = pb.H, Hv = pb.Hv, S = pb.S;
+  const int64_t G = pb.G, K = pb.K, N = K * G;
   const int64_t rows = it.num_queries * N;
-  scratch.resize(size_t(rows * (2 * H + 2) + 2 * S * H + S));
-  float* qf = scratch.data();  // [rows, H], scaled
-  float* acc = qf + rows * H;  // [rows, H]
-  float* m = acc + rows * H;   // [rows] running max
-  float* l = m + rows;         // [rows] running denominator
-  float* kf = l + rows;        // [S, H] keys
-  float* vf = kf + S * H;      // [S, H] values
-  float* sj = vf + S * H;      // [S] one row's scores, then probabilities
-  std::fill(acc, acc + rows * H, 0.0f);
+  scratch.resize(size_t(rows * (H + Hv + 2) + S * (H + Hv) + S));
+  float* qf = scratch.data();   // [rows, H], scaled
+  float* acc = qf + rows * H;   // [rows, Hv]
+  float* m = acc + rows * Hv;   // [rows] running max
+  float* l = m + rows;          // [rows] running denominator
+  float* kf = l + rows;         // [S, H] keys
+  float* vf = kf + S * H;       // [S, Hv] values
+  float* sj = vf + S * Hv;      // [S] one row's scores, then probabilities
+  std::fill(acc, acc + rows * Hv, 0.0f);
   std::fill(m, m + rows, -INFINITY);
   std::fill(l, l + rows, 0.0f);
 
@@ -452,7 +466,7 @@ void run_item(const Problem& pb, const Item& it, std::vector<float>& scratch) {
   const int64_t num_pages = (kv_end + S - 1) / S;
   const int32_t* table = pb.block_tables + r * pb.P;
   const Ct* cache = static_cast<const Ct*>(pb.cache);
-  const int64_t page_elems = S * K2 * H;
+  const int64_t token_elems = row_elems(pb), page_elems = S * token_elems;
   const float cap = pb.soft_cap;
 
   for (int64_t pi = kv_lo / S; pi < num_pages; ++pi) {
@@ -462,9 +476,10 @@ void run_item(const Problem& pb, const Item& it, std::vector<float>& scratch) {
     for (int64_t k = 0; k < K; ++k) {
       // This kv head's keys and values some query sees, in float32.
       for (int64_t t = std::max<int64_t>(0, kv_lo - key0); t < nt; ++t) {
-        const Ct* kp = page + (t * K2 + 2 * k) * H;
+        const Ct* kp = page + t * token_elems + key_at(pb, k);
+        const Ct* vp = page + t * token_elems + value_at(pb, k);
         for (int64_t h = 0; h < H; ++h) kf[t * H + h] = C::load(kp[h]);
-        for (int64_t h = 0; h < H; ++h) vf[t * H + h] = C::load(kp[H + h]);
+        for (int64_t h = 0; h < Hv; ++h) vf[t * Hv + h] = C::load(vp[h]);
       }
       for (int64_t i = 0; i < it.num_queries; ++i) {
         const int64_t last = last_key(pb, r, q_row0 + i, pos0 + i);
@@ -492,20 +507,20 @@ void run_item(const Problem& pb, const Item& it, std::vector<float>& scratch) {
           m[j] = m_new;
           // acc = acc * alpha + sum_t p_t v_t, over visible keys only (a later position's
           // non-finite value times p = 0 would be NaN).
-          float* aj = acc + j * H;
-          for (int64_t h = 0; h < H; ++h) aj[h] *= alpha;
+          float* aj = acc + j * Hv;
+          for (int64_t h = 0; h < Hv; ++h) aj[h] *= alpha;
           for (int64_t t = t0; t < visible; ++t) {
             const float p = sj[t];
-            for (int64_t h = 0; h < H; ++h) aj[h] += p * vf[t * H + h];
+            for (int64_t h = 0; h < Hv; ++h) aj[h] += p * vf[t * Hv + h];
           }
         }
       }
     }
   }
-  St* out = static_cast<St*>(pb.out) + q_row0 * N * H;
+  St* out = static_cast<St*>(pb.out) + q_row0 * N * Hv;
   for (int64_t j = 0; j < rows; ++j) {
     const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;
-    for (int64_t h = 0; h < H; ++h) out[j * H + h] = D::store(acc[j * H + h] * inv);
+    for (int64_t h = 0; h < Hv; ++h) out[j * Hv + h] = D::store(acc[j * Hv + h] * inv);
   }
 }
 
@@ -582,7 +597,8 @@ inline void prefetch_share(const char* p, int64_t bytes, int64_t i, int64_t n) {
 }
 
 // A block of queries (a prefill's, or one query with more than kDecodeMaxG heads per kv
-// head), block size 16, head dim 64 or 128. The rows of each kv head (query i, query head
+// head, or a latent's), block size 16, head dim 64 or 128 (kH), or for a latent (kH = 0) the
+// Problem's H, a multiple of 16, and Hv values, a multiple of 8. The rows of each kv head (query i, query head
 // g: num_queries x G of them, query by query) are the lanes of 16-lane vectors, so a page's
 // scores are 16 vectors, one per key, and the online softmax (max, exp, sum, rescale) runs
 // lane by lane with no reductions across lanes; a key's or value's element enters as a
@@ -591,28 +607,31 @@ inline void prefetch_share(const char* p, int64_t bytes, int64_t i, int64_t n) {
 // Pages are read once per item, front to back, the next one prefetched into L2 over the
 // lane groups' passes; a float32 cache is read in place, other caches are widened a page of one
 // kv head at a time. Against the row-at-a-time loop it replaced (keys transposed per page,
-// each row's softmax reduced across lanes): see docs/performance.md.
+// each row's softmax reduced across lanes): see docs/performance.md. A latent's one kv head
+// is every query head's (G = N), its key all H lanes of a token, its value the first Hv: one
+// widened copy of a page serves both.
 template <typename D, typename C, int kH>
 void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch) {
   using St = typename D::Storage;
   using Ct = typename C::Storage;
   constexpr int kS = 16, kL = 16;
   constexpr bool in_place = std::is_same_v<Ct, float>;
-  const int64_t G = pb.G, K = pb.K, K2 = 2 * pb.K, N = K * G;
+  const int64_t H = kH ? kH : pb.H, Hv = kH ? kH : pb.Hv;  // key (and query) lanes, value lanes
+  const int64_t G = pb.G, K = pb.K, N = K * G;
   const int64_t nr = it.num_queries * G, ng = (nr + kL - 1) / kL;  // rows, lane groups
   const int64_t groups = K * ng;  // (kv head, lane group) pairs, each with its own state
-  scratch.resize(
-      size_t(groups * kL * (2 * kH + 2) + 2 * ng * kL + 2 * ng + kS * kL + 2 * kS * kH));
+  scratch.resize(size_t(groups * kL * (H + Hv + 2) + 2 * ng * kL + 2 * ng + kS * kL +
+                       kS * (H + Hv)));
   float* qt = scratch.data();          // [K, ng, H, 16] queries, scaled; lane = row
-  float* acc = qt + groups * kH * kL;  // [K, ng, H, 16]
-  float* m = acc + groups * kH * kL;   // [K, ng, 16] running max
+  float* acc = qt + groups * H * kL;   // [K, ng, Hv, 16]
+  float* m = acc + groups * Hv * kL;   // [K, ng, 16] running max
   float* l = m + groups * kL;          // [K, ng, 16] running denominator
   float* qpos = l + groups * kL;       // [ng, 16] the row's position; -1 for padding lanes
   float* qlast = qpos + ng * kL;       // [ng, 16] the row's last key (last_key); -1 likewise
   float* reach = qlast + ng * kL;      // [ng, 2] the least and the most of a group's qlast
   float* s = reach + 2 * ng;           // [16 keys, 16] scores, then probabilities
   float* kf = s + kS * kL;             // [16, H] a page's keys of one kv head, widened
-  float* vf = kf + kS * kH;            // [16, H] values
+  float* vf = kf + kS * H;             // [16, Hv] values (a latent's are kf's)
 
   const int64_t r = it.request;
   const int64_t q_row0 = int64_t(pb.query_start[r]) + it.first_query;
@@ -620,10 +639,10 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
   const int64_t kv_lo = first_key(pb, pos0), W = pb.window;  // the first key some row sees
   const int32_t* table = pb.block_tables + r * pb.P;
   const Ct* cache = static_cast<const Ct*>(pb.cache);
-  const int64_t page_elems = kS * K2 * kH, row_elems = K2 * kH;
+  const int64_t token_elems = row_elems(pb), page_elems = kS * token_elems;
   const int64_t page_bytes = page_elems * int64_t(sizeof(Ct));
-  const St* q = static_cast<const St*>(pb.q) + q_row0 * N * kH;
-  St* out = static_cast<St*>(pb.out) + q_row0 * N * kH;
+  const St* q = static_cast<const St*>(pb.q) + q_row0 * N * H;
+  St* out = static_cast<St*>(pb.out) + q_row0 * N * Hv;
   const v16 zero = zero_vector(), minus_inf = zero - INFINITY;
 
   // Rows' positions and last keys (exact as floats below 2^24), and each group's least and
@@ -649,17 +668,17 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
       const St* src[8];
       for (int e = 0; e < 8; ++e) {
         const int64_t row = row0 + e;
-        src[e] = row < nr ? q + ((row / G) * N + k * G + row % G) * kH : nullptr;
+        src[e] = row < nr ? q + ((row / G) * N + k * G + row % G) * H : nullptr;
       }
-      float* dst = qt + (k * ng + row0 / kL) * kH * kL + row0 % kL;
-      for (int64_t h0 = 0; h0 < kH; h0 += 8) {
+      float* dst = qt + (k * ng + row0 / kL) * H * kL + row0 % kL;
+      for (int64_t h0 = 0; h0 < H; h0 += 8) {
         v8 b[8];
         for (int e = 0; e < 8; ++e) b[e] = src[e] ? D::load8(src[e] + h0) * pb.scale : v8{};
         transpose8(b);
         for (int e = 0; e < 8; ++e) std::memcpy(dst + (h0 + e) * kL, &b[e], sizeof(v8));
       }
     }
-  std::fill(acc, acc + groups * kH * kL, 0.0f);
+  std::fill(acc, acc + groups * Hv * kL, 0.0f);
   std::fill(m, m + groups * kL, -INFINITY);
   std::fill(l, l + groups * kL, 0.0f);
 
@@ -671,21 +690,21 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
       const float *keys, *values;
       int64_t stride;
       if constexpr (in_place) {
-        keys = page + 2 * k * kH;
-        values = keys + kH;
-        stride = row_elems;
+        keys = page + key_at(pb, k);
+        values = page + value_at(pb, k);
+        stride = token_elems;
       } else {  // the tokens some row sees
         const int64_t nt = std::min<int64_t>(kS, kv_end - key0);
         for (int64_t t = std::max<int64_t>(0, kv_lo - key0); t < nt; ++t) {
-          const Ct* kp = page + t * row_elems + 2 * k * kH;
-          for (int64_t h = 0; h < kH; h += 16) {
-            store16(kf + t * kH + h, C::load16(kp + h));
-            store16(vf + t * kH + h, C::load16(kp + kH + h));
-          }
+          const Ct* kp = page + t * token_elems + key_at(pb, k);
+          for (int64_t h = 0; h < H; h += 16) store16(kf + t * H + h, C::load16(kp + h));
+          if (pb.latent) continue;
+          const Ct* vp = page + t * token_elems + value_at(pb, k);
+          for (int64_t h = 0; h < Hv; h += 16) store16(vf + t * Hv + h, C::load16(vp + h));
         }
         keys = kf;
-        values = vf;
-        stride = kH;
+        values = pb.latent ? kf : vf;
+        stride = H;
       }
       for (int64_t gi = 0; gi < ng; ++gi) {
         // Rows go query by query: the group's first and last query's positions bound its
@@ -708,8 +727,8 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
         }
         const int64_t full = std::clamp<int64_t>(all + 1 - key0, shared, nt);
         const int64_t group = k * ng + gi;
-        const float* qg = qt + group * kH * kL;
-        float* ag = acc + group * kH * kL;
+        const float* qg = qt + group * H * kL;
+        float* ag = acc + group * Hv * kL;
         const v16 pos = load16(qpos + gi * kL), upto = load16(qlast + gi * kL);
         // Scores of keys begin <= t < nt (a tile outside reads the page's stale rows or
         // ones no row sees; never used).
@@ -717,7 +736,7 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
           v16 a[kKeyTile];
           for (int u = 0; u < kKeyTile; ++u) a[u] = zero;
           const float* kt = keys + t0 * stride;
-          for (int64_t h = 0; h < kH; ++h) {
+          for (int64_t h = 0; h < H; ++h) {
             const v16 qh = in_registers(load16(qg + h * kL));
             for (int u = 0; u < kKeyTile; ++u) a[u] += kt[u * stride + h] * qh;
           }
@@ -755,7 +774,7 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
         // acc = acc * alpha + sum_t p_t v_t. Outside shared .. full, a row that does not see
         // key t keeps its sum as it was: its p is 0, but another position's non-finite value
         // times 0 would be NaN. The window's lower edge takes a pass of its own, after.
-        for (int64_t h0 = 0; h0 < kH; h0 += kDimTile) {
+        for (int64_t h0 = 0; h0 < Hv; h0 += kDimTile) {
           v16 a[kDimTile];
           for (int u = 0; u < kDimTile; ++u) a[u] = load16(ag + (h0 + u) * kL) * alpha;
           for (int64_t t = shared; t < full; ++t) {
@@ -774,7 +793,7 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
         }
         if (begin < shared) {
           const v16 lo = pos - float(W - 1);
-          for (int64_t h0 = 0; h0 < kH; h0 += kDimTile) {
+          for (int64_t h0 = 0; h0 < Hv; h0 += kDimTile) {
             v16 a[kDimTile];
             for (int u = 0; u < kDimTile; ++u) a[u] = load16(ag + (h0 + u) * kL);
             for (int64_t t = begin; t < shared; ++t) {
@@ -793,17 +812,17 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
   // Out of lanes, 8 head dims by 8 rows at a time, each row divided by its denominator.
   for (int64_t k = 0; k < K; ++k)
     for (int64_t row0 = 0; row0 < nr; row0 += 8) {
-      const float* src = acc + (k * ng + row0 / kL) * kH * kL + row0 % kL;
+      const float* src = acc + (k * ng + row0 / kL) * Hv * kL + row0 % kL;
       const int rows = int(std::min<int64_t>(8, nr - row0));
       St* dst[8];
       float inv[8];
       for (int e = 0; e < rows; ++e) {
         const int64_t row = row0 + e;
         const float lr = l[k * ng * kL + row];
-        dst[e] = out + ((row / G) * N + k * G + row % G) * kH;
+        dst[e] = out + ((row / G) * N + k * G + row % G) * Hv;
         inv[e] = lr > 0.0f ? 1.0f / lr : 0.0f;
       }
-      for (int64_t h0 = 0; h0 < kH; h0 += 8) {
+      for (int64_t h0 = 0; h0 < Hv; h0 += 8) {
         v8 b[8];
         for (int e = 0; e < 8; ++e) std::memcpy(&b[e], src + (h0 + e) * kL, sizeof(v8));
         transpose8(b);
@@ -1124,6 +1143,12 @@ void run(const Problem& pb, const Item& it, std::vector<float>& scratch) {
   // The batch-invariant mode takes run_prefill for one query too: its lanes are queries, each
   // summing its keys page by page in one order whatever the other lanes hold (a masked key
   // adds exactly nothing), while run_decode sums a page's keys across vector lanes.
+  // A latent's rows take run_prefill whatever their kind (its query heads are the lanes,
+  // sharing one key stream), so its decode rows are batch-invariant in either mode.
+  if (pb.latent) {
+    if (pb.S == 16 && pb.H % 16 == 0 && pb.Hv % 8 == 0) return run_prefill<D, C, 0>(pb, it, scratch);
+    return run_item<D, C>(pb, it, scratch);
+  }
   const bool decode = !pb.invariant && it.num_queries == 1 && pb.G <= kDecodeMaxG;
 #ifdef __AVX512BF16__
   if constexpr (std::is_same_v<D, Bf16> && std::is_same_v<C, Bf16>) {
@@ -1152,11 +1177,16 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_c
                      ffi::Buffer<ffi::S32> query_lens, ffi::Buffer<ffi::S32> num_seqs,
                      ffi::Buffer<ffi::S32> q_horizon, ffi::Result<ffi::AnyBuffer> out,
                      float sm_scale, int64_t fp8_bytes, int64_t sliding_window, float soft_cap,
-                     bool batch_invariant) {
+                     bool batch_invariant, int64_t v_head_dim) {
   const auto qd = q.dimensions();
   const auto cd = kv_cache.dimensions();
-  if (qd.size() != 3 || cd.size() != 5)
-    return ffi::Error::InvalidArgument("q must be [T, N, H] and kv_cache [L, B, S, 2K, H]");
+  const auto od = out->dimensions();
+  // A latent cache [L, B, S, H] (MLA) has no head axis: one kv head, its value the first
+  // v_head_dim lanes.
+  const bool latent = cd.size() == 4;
+  if (qd.size() != 3 || (cd.size() != 5 && !latent) || od.size() != 3)
+    return ffi::Error::InvalidArgument(
+        "q must be [T, N, H] and kv_cache [L, B, S, 2K, H] (or a latent's [L, B, S, H])");
   const auto dtype = q.element_type(), cache_dtype = kv_cache.element_type();
   // 1: e4m3fn, 2: e5m2; uint8 caches hold the bytes of the format `fp8_bytes` names.
   const int fp8 = cache_dtype == ffi::DataType::F8E4M3FN ? 1
@@ -1167,7 +1197,14 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_c
       (fp8 == 0 && dtype != cache_dtype))
     return ffi::Error::InvalidArgument(
         "q must be float32 or bfloat16 and kv_cache of q's dtype or float8 (e4m3fn, e5m2)");
-  const int64_t num_layers = cd[0], B = cd[1], S = cd[2], K2 = cd[3], H = cd[4];
+  const int64_t num_layers = cd[0], B = cd[1], S = cd[2];
+  const int64_t K2 = latent ? 2 : cd[3], H = cd[cd.size() - 1];
+  const int64_t Hv = latent ? v_head_dim : H;
+  if (qd[2] != H || !(latent ? 0 < Hv && Hv < H : v_head_dim == 0) || qd[1] % (K2 / 2) ||
+      od[0] != qd[0] || od[1] != qd[1] || od[2] != Hv)
+    return ffi::Error::InvalidArgument(
+        "q [T, N, H] must match the cache's head dim and kv heads, a latent's v_head_dim lie "
+        "in 1 .. H - 1 (0 without a latent), and out be [T, N, v_head_dim or H]");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= num_layers) return ffi::Error::InvalidArgument("layer out of range");
   if (sliding_window < 0 || !(soft_cap >= 0.0f))
@@ -1178,7 +1215,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_c
   Problem pb;
   pb.q = q.untyped_data();
   pb.cache = static_cast<const char*>(kv_cache.untyped_data()) +
-             l * B * S * K2 * H * int64_t(ffi::ByteWidth(cache_dtype));
+             l * B * S * (latent ? H : K2 * H) * int64_t(ffi::ByteWidth(cache_dtype));
   pb.out = out->untyped_data();
   pb.kv_lens = kv_lens.typed_data();
   pb.block_tables = block_tables.typed_data();
@@ -1189,6 +1226,8 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_c
   pb.K = K2 / 2;
   pb.G = qd[1] / pb.K;
   pb.H = H;
+  pb.Hv = Hv;
+  pb.latent = latent;
   pb.P = block_tables.dimensions()[1];
   pb.scale = sm_scale;
   pb.window = sliding_window;
@@ -1237,7 +1276,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmRaggedPagedAttention, Attention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()         // q [T, N, H]
-                                  .Arg<ffi::AnyBuffer>()  // kv_cache [L, B, S, 2K, H], q's or fp8
+                                  .Arg<ffi::AnyBuffer>()  // kv_cache [L, B, S, 2K, H] or
+                                                          // [L, B, S, H]; q's or fp8
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [R]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables [R, P]
@@ -1245,9 +1285,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmRaggedPagedAttention, Attention,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_lens [R]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs [1]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q_horizon [T], or [0]
-                                  .Ret<ffi::AnyBuffer>()         // out [T, N, H]
+                                  .Ret<ffi::AnyBuffer>()         // out [T, N, Hv]
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("fp8")              // a uint8 cache's format
                                   .Attr<int64_t>("sliding_window")   // 0: none
                                   .Attr<float>("soft_cap")           // 0: none
-                                  .Attr<bool>("batch_invariant"));
+                                  .Attr<bool>("batch_invariant")
+                                  .Attr<int64_t>("v_head_dim"));    // a latent's; 0: none

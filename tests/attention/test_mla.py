@@ -187,11 +187,12 @@ def test_latent_float8_cache():
     np.testing.assert_allclose(out[rows], ref[rows], atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["pallas_interpret", "pallas_gpu_interpret"])
+@pytest.mark.parametrize("backend", ["cpu_kernel", "pallas_interpret", "pallas_gpu_interpret"])
 @pytest.mark.parametrize("fp8", [None, FP8])
-def test_pallas_backends_attend_latent_layers(backend, fp8):
-    """The step's latents written and read by the Pallas kernels (interpret mode) as by the
-    reference, a float8 cache too; the window and soft cap cross with the latent."""
+def test_kernel_backends_attend_latent_layers(backend, fp8):
+    """The step's latents written and read by the C++ kernel and the Pallas kernels
+    (interpret mode) as by the reference, a float8 cache too; the window and soft cap cross
+    with the latent."""
     rng = np.random.default_rng(4)
     q = jnp.asarray(rng.normal(size=(T, N, H)), jnp.float32)
     latent = jnp.asarray(rng.normal(size=(T, H)), jnp.float32)
@@ -202,25 +203,24 @@ def test_pallas_backends_attend_latent_layers(backend, fp8):
     np.testing.assert_allclose(out[rows], ref[rows], atol=1e-4 if fp8 else 2e-5, rtol=1e-5)
 
 
-def test_the_cpu_kernel_refuses_latent_layers_by_name():
-    impl = get_backend("cpu_kernel")
-    message = "attention backend 'cpu_kernel' has no MLA latent attention \\(latent=True\\)"
-    with pytest.raises(ValueError, match=message):
-        impl.check(latent_options())
-    with pytest.raises(ValueError, match=message):
-        impl.attend(None, None, None, None, 0, None, latent_options())
-    # The Pallas kernels take a latent, not narrower values beside keys of their own.
+def test_the_kernels_refuse_narrower_values_outside_a_latent():
+    """The kernels take a latent, not narrower values beside keys of their own, nor a
+    latent's sinks."""
     narrower = "unlike the key head size \\(v_head_dim=8\\) outside a latent layer"
-    for name in ("pallas", "pallas_gpu"):
+    for name in ("cpu_kernel", "pallas", "pallas_gpu"):
+        impl = get_backend(name)
         with pytest.raises(ValueError, match=narrower):
-            get_backend(name).check(AttentionOptions(scale=1.0, v_head_dim=8))
+            impl.check(AttentionOptions(scale=1.0, v_head_dim=8))
+        with pytest.raises(ValueError, match=f"'{name}' has no attention sinks"):
+            impl.attend(None, None, None, None, 0, None, latent_options(sinks=True))
 
 
-def test_start_up_takes_the_pallas_kernels_or_xla_for_latent_layers():
+def test_start_up_takes_the_kernels_or_xla_for_latent_layers():
     layers = [latent_options()]
-    with pytest.raises(ValueError, match="'cpu_kernel': .* MLA latent attention"):
-        resolve_backend("cpu_kernel", "cpu", jnp.float32, options=layers)
-    assert resolve_backend("auto", "cpu", jnp.bfloat16, options=layers) == "xla"
+    assert resolve_backend("cpu_kernel", "cpu", jnp.float32, options=layers) == "cpu_kernel"
+    assert resolve_backend("auto", "cpu", jnp.bfloat16, options=layers) == "cpu_kernel"
+    sinks = [latent_options(sinks=True)]
+    assert resolve_backend("auto", "cpu", jnp.bfloat16, options=sinks) == "xla"
     assert resolve_backend("auto", "tpu", jnp.bfloat16, options=layers) == "pallas"
     # DeepSeek's head_dim is its rotary lanes, the GPU kernel's other load beside the values
     gpu = resolve_backend("auto", "gpu", jnp.bfloat16, head_dim=ROPE, options=layers)

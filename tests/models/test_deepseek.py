@@ -48,6 +48,7 @@ def test_matches_transformers(checkpoints, variant):
         {"tensor_parallel_size": 2, "enable_expert_parallel": True},
         {"tensor_parallel_size": 4, "enable_expert_parallel": True},
         {"tensor_parallel_size": 2, "attention_backend": "pallas_gpu_interpret"},
+        {"attention_backend": "xla", "max_num_batched_tokens": 16},
         {"pipeline_parallel_size": 3, "max_num_batched_tokens": 16},
         {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "enable_expert_parallel": True},
         {
@@ -62,6 +63,7 @@ def test_matches_transformers(checkpoints, variant):
         "ep2",
         "ep4",
         "tp2-gpu-kernel",
+        "xla-chunked",
         "pp3",
         "pp2-ep2",
         "pp2-gpu-kernel",

@@ -1,8 +1,9 @@
-"""MLA's latent attention (`latent=True`) in the kit's Pallas kernels: the TPU kernel and the
-GPU one, each in interpret mode on the CPU, against the jnp reference. A latent cache
-[B, S, H] holds one vector per token whose first v_head_dim lanes are its value; the
-batches are `make_batch`'s (permuted block tables, gaps of NaN rows, padding requests, NaN in
-every slot no request owns) with one KV head, whose keys become the latents.
+"""MLA's latent attention (`latent=True`) in the kit's kernels: the TPU kernel and the GPU
+one, each in interpret mode on the CPU, and the C++ CPU kernel, against the jnp reference.
+A latent cache [B, S, H] holds one vector per token whose first v_head_dim lanes are its
+value; the batches are `make_batch`'s (permuted block tables, gaps of NaN rows, padding
+requests, NaN in every slot no request owns) with one KV head, whose keys become the
+latents.
 
 Crossed with the options a latent layer takes on these kernels (a window, a soft cap), a
 float8 cache (as float8, and as bytes), one layer of a stacked cache read in place under
@@ -19,6 +20,7 @@ from ragged_batches import MIX, make_batch, owned_rows
 
 from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
+    ragged_paged_attention_cpu,
     ragged_paged_attention_gpu,
     ragged_paged_attention_reference,
     ragged_paged_attention_sharded,
@@ -31,6 +33,7 @@ H = R + ROPE
 FLAVOURS = {
     "tpu": functools.partial(ragged_paged_attention, block_q=8, pages_per_chunk=2, interpret=True),
     "gpu": functools.partial(ragged_paged_attention_gpu, interpret=True),
+    "cpu": functools.partial(ragged_paged_attention_cpu),
 }
 
 
@@ -155,3 +158,42 @@ def test_latent_kernel_inputs_are_checked():
     assert "512 + 8" in unsupported_shape(520, 16, 512)
     with pytest.raises(ValueError, match="24 \\+ 24"):
         ragged_paged_attention_gpu(*args, latent=True, v_head_dim=24, interpret=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("h,r", [(H, R), (576, 512)])
+@pytest.mark.parametrize("sliding_window,soft_cap,horizon", [(None, None, False), (5, 2.0, True)])
+def test_latent_cpu_kernel_vector_routine(dtype, h, r, sliding_window, soft_cap, horizon):
+    """Block size 16 takes the C++ kernel's vector routine (query heads as lanes), at this
+    file's lanes and at DeepSeek-V2/V3's (512 + 64; 16 heads), with every row kind of `MIX`,
+    crossed with a window, a soft cap and bidirectional spans (q_horizon)."""
+    args, _ = make_batch(MIX, n=16, k=1, h=h, s=16, dtype=dtype, seed=13)
+    q, cache, *meta = args
+    args = (q, cache[:, :, 0], *meta)
+    options = dict(sliding_window=sliding_window, soft_cap=soft_cap)
+    if horizon:  # horizons at or past the queries' positions (clipped to their contexts)
+        options["q_horizon"] = jnp.arange(q.shape[0], dtype=jnp.int32) + 2 - meta[2][0]
+    ref = ragged_paged_attention_reference(*args, latent=True, v_head_dim=r, **options)
+    out = ragged_paged_attention_cpu(*args, latent=True, v_head_dim=r, **options)
+    assert out.dtype == dtype and out.shape == (q.shape[0], 16, r)
+    out, ref = (np.asarray(x.astype(jnp.float32)) for x in (out, ref))
+    assert not np.isnan(out).any() and (out[~owned_rows(args)] == 0).all()
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(out, ref, atol=tol, rtol=tol)
+
+
+def test_latent_cpu_kernel_rows_are_batch_invariant():
+    """A latent's every row takes one routine, so a request's output bits do not depend on
+    the rows beside it, nor on whether it decodes: each request of `MIX` alone equals its
+    rows in the whole batch, in bfloat16 at DeepSeek's lanes, without the batch-invariant
+    mode."""
+    args, _ = make_batch(MIX, n=16, k=1, h=576, s=16, dtype=jnp.bfloat16, seed=17)
+    q, cache, kv_lens, tables, starts, lens, _ = args
+    cache = cache[:, :, 0]
+    run = functools.partial(ragged_paged_attention_cpu, latent=True, v_head_dim=512)
+    whole = np.asarray(run(q, cache, kv_lens, tables, starts, lens, jnp.int32(len(MIX))))
+    for r in range(len(MIX)):
+        one = (kv_lens[r : r + 1], tables[r : r + 1], starts[r : r + 1], lens[r : r + 1])
+        alone = np.asarray(run(q, cache, *one, jnp.int32(1)))
+        rows = slice(int(starts[r]), int(starts[r] + lens[r]))
+        np.testing.assert_array_equal(alone[rows], whole[rows])
