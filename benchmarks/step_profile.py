@@ -5,6 +5,7 @@ XLA's per-thunk trace events on, attributed by wall clock.
     python benchmarks/step_profile.py                 # W1 decode steps, the embedded SmolLM2
     python benchmarks/step_profile.py --workload W3 --skip 30 --steps 20
     python benchmarks/step_profile.py --skip 0 --steps 3 --dtype bfloat16   # W1's prefill
+    python benchmarks/step_profile.py --workload S1 --deepseek moe   # benchmarks/deepseek.py's
 
 Attribution: each instant of the traced steps is split evenly over the XLA thunks running
 then (XLA runs independent thunks side by side on its worker threads, so summing their
@@ -91,9 +92,28 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="steps traced")
     ap.add_argument("--top", type=int, default=12, help="thunks listed by name")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument(
+        "--deepseek",
+        choices=["moe", "mla", "twin"],
+        help="benchmarks/deepseek.py's DeepSeek-V2-Lite shape (moe), MLA with the twin's MLP "
+        "(mla) or the dense twin, random weights, instead of SmolLM2",
+    )
     args = ap.parse_args()
     logging.disable(logging.INFO)
-    llm = LLM(dtype=args.dtype, disable_log_stats=True)
+    if args.deepseek:
+        import deepseek
+
+        path = deepseek.config_dir(dense=args.deepseek == "twin", experts=args.deepseek == "moe")
+        llm = LLM(
+            path,
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            dtype=args.dtype,
+            max_model_len=1024,
+            disable_log_stats=True,
+        )
+    else:
+        llm = LLM(dtype=args.dtype, disable_log_stats=True)
     engine = llm.llm_engine
     rng = np.random.default_rng(0)
     reqs = {"W1": w1, "W3": w3, "S1": s1}[args.workload](rng)
