@@ -7,8 +7,14 @@ jllm's `dtype="auto"`, bf16 on an AMX CPU, or `--dtype float32`):
   W3  256 chat-like requests: inputs 16-512 tokens, outputs 4-256 tokens with a long tail,
       each request its own max_tokens.
   S1  one 128-token prompt, 128 output tokens: decode tokens/s and time to first token.
-The roofline is a bare jitted forward of the same weights with only the matmuls (no
-attention, no sampling) at batch 64 and batch 1: what this machine can do at best.
+The decode roofline is a bare jitted forward of the same weights with only the matmuls (no
+attention, no sampling) at batch 64 and batch 1: what this machine's products do at best
+with the weights' bytes. The prefill roofline is compute: the machine's best measured product
+rate (a 2048 x 2048 x 2048 product in the model's dtype, XLA's and, where the model's layer
+products run there, the C++ kernel's: the faster) over the FLOPs of a W1 prompt token (its
+layer products, its causal attention over a 128-token prompt, and a 128th of the LM head: one
+row a prompt samples). Each phase's share of its roofline is printed: W1's decode steps at
+batch 64, S1's at batch 1, and W1's prefill steps (those that carry prompt tokens).
 
 transformers runs `model.generate` the way a user without a serving engine would: batches of
 prompts with left padding, each batch generating up to its longest max_tokens.
@@ -167,6 +173,13 @@ class StepTimer:
         self._wait += time.perf_counter() - t0
         return self.inner["fetch"](handle)
 
+    def prefill_rate(self):
+        """Prompt tokens per second over the steps that carry some: their prompt tokens over
+        their whole time (the decode rows beside them, at most one a request, included)."""
+        steps = [(t - d, dt) for d, t, dt, *_ in self.records[1:] if t > d]
+        seconds = sum(dt for _, dt in steps)
+        return sum(n for n, _ in steps) / seconds if seconds else float("nan")
+
     def decode_steps(self, batch):
         return [r for r in self.records[1:] if r[0] == batch and r[1] == batch]
 
@@ -292,12 +305,55 @@ def roofline(llm, batch):
 
     # A 16-bit model on CPU runs at least 2 rows a step (min_dot_rows): so does its roofline.
     ids = jnp.zeros((max(batch, llm.llm_engine.runner.layout.sample_buckets[0]),), jnp.int32)
-    fwd(layers, ids).block_until_ready()
+    return batch * calls_per_second(fwd, layers, ids)
+
+
+def calls_per_second(f, *args, seconds=5.0) -> float:
+    """Calls of the jitted `f` per second, after one to compile."""
+    f(*args).block_until_ready()
     n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < 5.0:
-        fwd(layers, ids).block_until_ready()
+    while time.perf_counter() - t0 < seconds:
+        f(*args).block_until_ready()
         n += 1
-    return batch * n / (time.perf_counter() - t0)
+    return n / (time.perf_counter() - t0)
+
+
+def peak_product_flops(dtype) -> tuple[float, str]:
+    """The best FLOP/s of a 2048 x 2048 x 2048 product in `dtype` (float32 sums) on this
+    machine: XLA's dot and, where a bfloat16 model's layer products run on the C++ kernel,
+    the kernel's. -> (FLOP/s, which)."""
+    import jax.numpy as jnp
+
+    from jllm.models import bf16_matmul
+
+    n = 2048
+    a = jnp.ones((n, n), dtype)
+    b = jnp.ones((n, n), dtype) * 0.5
+    paths = {"XLA's dot": lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)}
+    if jnp.dtype(dtype) == jnp.bfloat16 and bf16_matmul.enabled():
+        paths["the C++ bf16 kernel"] = lambda a, b: bf16_matmul.bf16_matmul(a, b)
+    rates = {name: 2 * n**3 * calls_per_second(jax.jit(f), a, b) for name, f in paths.items()}
+    best = max(rates, key=rates.get)
+    return rates[best], best
+
+
+def prompt_token_flops(llm, prompt_len: int = 128) -> float:
+    """FLOPs of one prompt token of a `prompt_len`-token prompt: the layer products (2 per
+    weight), its causal attention (q.k and p.v over half the prompt, on average), and the LM
+    head for one row per prompt."""
+    from flax import nnx
+
+    model = nnx.merge(llm.llm_engine.runner.graphdef, llm.llm_engine.runner.state)
+    cfg = model.cfg
+    layers = nnx.state(model.layers)
+    weights = sum(
+        leaf.size
+        for path, leaf in jax.tree_util.tree_leaves_with_path(layers)
+        if leaf.ndim >= 3 and "weight" in jax.tree_util.keystr(path)
+    )
+    attention = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * (prompt_len + 1) / 2
+    head = 2 * cfg.hidden_size * cfg.vocab_size / prompt_len
+    return 2 * weights + attention + head
 
 
 def run_vllm_cpu(reqs, dtype: str, extra_args=(), script="vllm_cpu_offline.py", model=None) -> dict:
@@ -505,12 +561,15 @@ def main() -> None:
         results[w]["padding"] = timer.padding.copy()
         if w == "W1":
             results[w]["decode64"] = timer.decode_rate(64)
+            results[w]["prefill"] = timer.prefill_rate()
             results[w]["host64"] = timer.host_profile(64)
         if w == "W2":
             results[w]["host256"] = timer.host_profile(256)
         if w == "S1":
             results[w]["decode1"] = timer.decode_rate(1)
     roof = {64: roofline(llm, 64), 1: roofline(llm, 1)}
+    peak, peak_path = peak_product_flops(llm.llm_engine.dtype)
+    token_flops = prompt_token_flops(llm)
     if not args.skip_hf:
         model = hf_model(llm.llm_engine.dtype.name)
         for w in args.workloads:
@@ -546,7 +605,18 @@ def main() -> None:
     if args.phases:
         print_phases(results, vllm)
     print(f"\nroofline (matmuls only): batch 64 {roof[64]:.0f} tok/s, batch 1 {roof[1]:.1f} tok/s")
+    prefill_roof = peak / token_flops
+    print(
+        f"prefill roofline (compute): {peak / 1e9:.0f} GFLOP/s ({peak_path}, 2048^3 in "
+        f"{llm.llm_engine.dtype.name}) / {token_flops / 1e6:.0f} MFLOP a W1 prompt token = "
+        f"{prefill_roof:.0f} tok/s"
+    )
     if "W1" in results:
+        p = results["W1"]["prefill"]
+        print(
+            f"jllm prefill in W1: {p:.0f} prompt tok/s = {p / prefill_roof:.0%} of the prefill "
+            f"roofline ({p * token_flops / 1e9:.0f} GFLOP/s)"
+        )
         d = results["W1"]["decode64"]
         print(f"jllm decode at batch 64: {d:.0f} tok/s = {d / roof[64]:.0%} of the roofline")
     for w, batch in (("W1", 64), ("W2", 256)):
