@@ -43,6 +43,7 @@ test-fast: lint docs
 # The C++ kernels' AVX-512 and AVX512-BF16 builds on a CPU without them, intrinsics from SIMDe
 # (apt-get install libsimde-dev): what they compute, not their speed (tools/avx512_emulation).
 AVX512_TESTS := tests/pallas_kernels/test_ragged_paged_attention.py tests/models/test_f32_matmul.py \
+	tests/pallas_kernels/test_ragged_paged_mla.py \
 	tests/models/test_bf16_matmul.py tests/models/test_fp8_kv_cache.py \
 	tests/models/test_attention_backends.py tests/model_loader/test_quantization.py \
 	tests/model_loader/test_awq_gptq.py tests/engine/test_bf16.py
