@@ -80,19 +80,24 @@ def kv_bytes_per_token(llm) -> int:
     return sum(s.page_size_bytes(1, engine.dtype) for s in engine.scheduler.kv_cache.specs)
 
 
-def _measure(dtype: str, seed: int, dense: bool, experts: bool, w1, s1, run_jllm) -> dict:
-    """One model's KV bytes per token and W1 and S1 (in a process of its own: three
-    engines' executables in one process ran out of memory maps while compiling)."""
-    path = config_dir(dense, experts)
-    llm = LLM(
+def engine(path: str, dtype: str, **more) -> LLM:
+    """jllm on a `config_dir` folder: random weights, no tokenizer, 1024-token contexts."""
+    return LLM(
         path,
         load_format="dummy",
         skip_tokenizer_init=True,
         dtype=dtype,
         max_model_len=1024,
         disable_log_stats=True,
-        kv_cache_memory_bytes=int(CACHE_GIB * 2**30),
+        **more,
     )
+
+
+def _measure(dtype: str, seed: int, dense: bool, experts: bool, w1, s1, run_jllm) -> dict:
+    """One model's KV bytes per token and W1 and S1 (in a process of its own: three
+    engines' executables in one process ran out of memory maps while compiling)."""
+    path = config_dir(dense, experts)
+    llm = engine(path, dtype, kv_cache_memory_bytes=int(CACHE_GIB * 2**30))
     rng = np.random.default_rng(seed)
     loads = {"W1": w1(rng), "S1": s1(rng)}
     run_jllm(llm, w1(np.random.default_rng(99))[:8], "warm-up")

@@ -104,14 +104,7 @@ def main() -> None:
         import deepseek
 
         path = deepseek.config_dir(dense=args.deepseek == "twin", experts=args.deepseek == "moe")
-        llm = LLM(
-            path,
-            load_format="dummy",
-            skip_tokenizer_init=True,
-            dtype=args.dtype,
-            max_model_len=1024,
-            disable_log_stats=True,
-        )
+        llm = deepseek.engine(path, args.dtype)
     else:
         llm = LLM(dtype=args.dtype, disable_log_stats=True)
     engine = llm.llm_engine

@@ -1146,7 +1146,8 @@ void run(const Problem& pb, const Item& it, std::vector<float>& scratch) {
   // A latent's rows take run_prefill whatever their kind (its query heads are the lanes,
   // sharing one key stream), so its decode rows are batch-invariant in either mode.
   if (pb.latent) {
-    if (pb.S == 16 && pb.H % 16 == 0 && pb.Hv % 8 == 0) return run_prefill<D, C, 0>(pb, it, scratch);
+    if (pb.S == 16 && pb.H % 16 == 0 && pb.Hv % 8 == 0)
+      return run_prefill<D, C, 0>(pb, it, scratch);
     return run_item<D, C>(pb, it, scratch);
   }
   const bool decode = !pb.invariant && it.num_queries == 1 && pb.G <= kDecodeMaxG;
