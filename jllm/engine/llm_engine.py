@@ -70,7 +70,7 @@ from jllm.runner.model_runner import ModelRunner
 from jllm.runner.weight_sync import WeightSync
 from jllm.sampling_params import RequestOutputKind, SamplingParams
 from jllm.scheduler_output import PROMPT_LOGPROB_ROWS
-from jllm.spec_decode import make_proposer
+from jllm.spec_decode import check_state_speculation, make_proposer
 from jllm.structured_output import StructuredOutputManager
 from sharding import replicated
 
@@ -145,6 +145,7 @@ class LLMEngine:
         if args.speculative_config is not None:
             draft = load_draft_model(args, m, backend, platform, kv_dtype.itemsize)
         groups = (*m.kv_caches, *(() if draft is None else draft.kv_caches))
+        check_state_speculation(args.speculative_config, groups)
         vision = getattr(cfg, "vision", None)
         check_prompt_embeds(args, vision, draft)
         # enable_prompt_embeds: the rows' width, which the processor checks and steps carry

@@ -215,7 +215,7 @@ def log_split(mesh, state, kv_cache: tuple, replicas: int, stage_layers=None) ->
         per_device_bytes(weights) / 2**30,
         total / 2**30,
         per_device_bytes(kv_cache) / 2**30,
-        sum(c.nbytes for c in kv_cache) / 2**30,
+        sum(c.nbytes for c in jax.tree.leaves(kv_cache)) / 2**30,
     )
 
 

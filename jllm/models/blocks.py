@@ -16,6 +16,7 @@ Glossary: T tokens, D model dim, N query heads, K kv heads, H head dim, F ffn.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -33,8 +34,10 @@ class Attention(nnx.Module):
     scores' scale (default head_dim ** -0.5); `soft_cap`: a cap on the scores; `sinks`: a
     learned per-head logit in each softmax's denominator (`self_attn.sinks` [N], float32);
     `qkv_bias` / `o_bias`: biases on the q/k/v and output projections; `qk_norm`: per-head
-    RMSNorm of q and k (Qwen3, Gemma 3), scaling by `1 + w` with `norm_offset` (Gemma's).
-    The options reach the backend as one record (jllm/attention/options.py)."""
+    RMSNorm of q and k (Qwen3, Gemma 3), scaling by `1 + w` with `norm_offset` (Gemma's);
+    `output_gate`: q_proj also yields a gate per head (each head's H query rows, then its H
+    gate rows) and the heads' outputs are scaled by its sigmoid (Qwen3-Next's gated
+    attention). The options reach the backend as one record (jllm/attention/options.py)."""
 
     def __init__(
         self,
@@ -52,6 +55,7 @@ class Attention(nnx.Module):
         o_bias: bool = False,
         qk_norm: bool = False,
         norm_offset: bool = False,
+        output_gate: bool = False,
     ):
         D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.rope = rope
@@ -63,9 +67,11 @@ class Attention(nnx.Module):
             sinks=sinks,
         )
         self.qk_norm, self.kv_scales = qk_norm, cfg.kv_scales
+        self.output_gate = output_gate
         b = 2 if qkv_bias else 0
         q_axes, kv_axes = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
-        self.q_proj = Linear("TD,DNH->TNH", (D, N, H), q_axes, dtype, rngs, b)
+        Hq = 2 * H if output_gate else H  # the gate's rows follow each head's query rows
+        self.q_proj = Linear("TD,DNH->TNH", (D, N, Hq), q_axes, dtype, rngs, b)
         self.k_proj = Linear("TD,DKH->TKH", (D, K, H), kv_axes, dtype, rngs, b)
         self.v_proj = Linear("TD,DKH->TKH", (D, K, H), kv_axes, dtype, rngs, b)
         o_axes = ("heads", "head_dim", "embed")
@@ -81,6 +87,8 @@ class Attention(nnx.Module):
 
     def __call__(self, x, ctx: StepContext, kv_caches):
         q, k, v = self.q_proj(x, ctx), self.k_proj(x, ctx), self.v_proj(x, ctx)  # [T, N|K, H]
+        if self.output_gate:
+            q, gate = jnp.split(q, 2, axis=-1)  # [T, N, H] each
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
@@ -91,6 +99,8 @@ class Attention(nnx.Module):
         o, kv_caches = ctx.attend(
             q, k, v, kv_caches, options=self.options, sinks=sinks, kv_scales=kv_scales
         )
+        if self.output_gate:
+            o = o * jax.nn.sigmoid(gate).astype(o.dtype)
         return self.o_proj(o, ctx), kv_caches  # o: [T, N, H]
 
 

@@ -25,7 +25,7 @@ from jllm.models.qwen import QwenConfig, qwen_attention, qwen_attention_weights
 def sparse_layers(hf) -> tuple[bool, ...]:
     """Qwen-MoE's sparse layers: every `decoder_sparse_step`-th but `mlp_only_layers`."""
     only_dense = set(getattr(hf, "mlp_only_layers", None) or [])
-    step = hf.decoder_sparse_step
+    step = getattr(hf, "decoder_sparse_step", 1) or 1
     return tuple(
         i not in only_dense and hf.num_experts > 0 and (i + 1) % step == 0
         for i in range(hf.num_hidden_layers)
@@ -72,18 +72,24 @@ class QwenMoeForCausalLM(MoeForCausalLM):
     layer_cls = QwenMoeDecoderLayer
 
 
-def layer_weights(cfg: QwenMoeConfig) -> dict:
-    """Qwen's attention, the dense MLP's names where some layers are dense, the router and
-    experts, and Qwen2-MoE's shared expert."""
-    names = qwen_attention_weights(cfg) | LAYER_NORMS
-    if not all(cfg.moe.sparse_layers):
-        names |= mlp_weights()
-    experts = {p: f"mlp.experts.*.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
-    names |= expert_weights("mlp.gate.weight", experts)
-    if cfg.moe.shared_expert_intermediate_size:
-        names |= mlp_weights("mlp.shared_expert")
-        names["mlp.shared_expert_gate.weight"] = "t"
+def mlp_names(moe: MoeConfig | None) -> dict:
+    """The MLPs' names of a Qwen model with experts `moe` (None: all dense): the dense MLP's
+    where some layers are dense, the router and experts where some are sparse, and the
+    shared expert where there is one (Qwen2-MoE's, Qwen3-Next's)."""
+    sparse = moe.sparse_layers if moe is not None else ()
+    names = {} if sparse and all(sparse) else mlp_weights()
+    if any(sparse):
+        experts = {p: f"mlp.experts.*.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+        names |= expert_weights("mlp.gate.weight", experts)
+        if moe.shared_expert_intermediate_size:
+            names |= mlp_weights("mlp.shared_expert")
+            names["mlp.shared_expert_gate.weight"] = "t"
     return names
+
+
+def layer_weights(cfg: QwenMoeConfig) -> dict:
+    """Qwen's attention and the MLPs' names (`mlp_names`)."""
+    return qwen_attention_weights(cfg) | LAYER_NORMS | mlp_names(cfg.moe)
 
 
 def _architecture(name: str, qwen3: bool) -> Architecture:

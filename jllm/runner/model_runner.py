@@ -40,7 +40,6 @@ from flax import nnx
 from jllm.attention import get_backend
 from jllm.config import batch_invariant
 from jllm.distributed.codec import MalformedMessage
-from jllm.kv_cache_interface import MambaSpec
 from jllm.models.context import StepContext
 from jllm.runner.buckets import BatchLayout
 from jllm.runner.compile_cache import cache_counts
@@ -270,13 +269,6 @@ class ModelRunner:
         # The KV-cache groups' specs (jllm/kv_cache_interface.py): the model's, then the
         # draft model's. Every step carries each group's attention metadata.
         self.kv_groups = tuple(kv_caches) + (() if draft is None else tuple(draft.kv_caches))
-        # Per-request state runs in the model's layers (models/state.py), but a draft's
-        # rejected tokens would leave it advanced past them: no snapshots to roll back yet.
-        if draft is not None and any(isinstance(s, MambaSpec) for s in self.kv_groups):
-            raise ValueError(
-                "Speculative decoding does not run with a model that keeps per-request state "
-                "(linear attention): a rejected draft token would stay in its state."
-            )
         self.mesh = mesh
         self.table = ExecutableTable(mesh)
         # Step inputs and penalty state are replicated on every device of the mesh.

@@ -19,6 +19,7 @@ import weakref
 import numpy as np
 
 from jllm.config.speculative import SpeculativeConfig  # noqa: F401 (re-exported)
+from jllm.kv_cache_interface import MambaSpec
 
 logger = logging.getLogger("jllm")
 
@@ -84,6 +85,20 @@ class NgramProposer:
             return []
         return ngram_lookup(
             self._tokens(req), c.prompt_lookup_min, c.prompt_lookup_max, c.num_speculative_tokens
+        )
+
+
+def check_state_speculation(config: SpeculativeConfig | None, specs) -> None:
+    """Refuse speculative decoding for a model that keeps per-request state (linear
+    attention: `MambaSpec`): a rejected draft token would stay in the state, and the states
+    to roll back to are not kept yet."""
+    if config is None:
+        return
+    if any(isinstance(spec, MambaSpec) for spec in specs):
+        raise ValueError(
+            f"Speculative decoding ({config.method}) is not supported by jllm yet for a model "
+            "that keeps per-request state (linear attention: Qwen3-Next, Qwen3.5): a rejected "
+            "draft token would stay in its state."
         )
 
 

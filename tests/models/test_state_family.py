@@ -18,7 +18,7 @@ from oracle import SMALL, generate, prompt_ids
 from jllm import LLM
 from jllm.kv_cache_interface import FullAttentionSpec, MambaSpec
 from jllm.models.state import build_state_metadata
-from jllm.runner.model_runner import ModelRunner
+from jllm.spec_decode import check_state_speculation
 
 # A short prompt beside longer ones: under a budget of 16 tokens its decodes run in the steps
 # that hold the others' prefill chunks.
@@ -134,11 +134,18 @@ def test_state_metadata_of_a_step():
     assert md.query_lens.tolist() == [1, 3, 2, 0]
 
 
-def test_speculative_decoding_is_refused_with_state():
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "mtp"])
+def test_speculative_decoding_is_refused_with_state(method):
     """A rejected draft token would stay in a request's state (no snapshots to roll back
-    to): the runner refuses a draft model beside a per-request state group, by name."""
-    state = state_family.LinearAttention.spec
-    draft = SimpleNamespace(kv_caches=(FullAttentionSpec(num_kv_heads=1, head_size=16),))
-    specs = (state(SimpleNamespace(num_heads=4, head_dim=16, hidden_size=64)),)
-    with pytest.raises(ValueError, match="Speculative decoding does not run"):
-        ModelRunner(None, None, None, 512, 4, 1, "xla", True, None, specs, (), draft)
+    to): the engine refuses every speculative method beside a per-request state group (the
+    model's or a draft's), by name (end to end: tests/models/test_qwen3_next.py)."""
+    state = state_family.LinearAttention.spec(
+        SimpleNamespace(num_heads=4, head_dim=16, hidden_size=64)
+    )
+    full = FullAttentionSpec(num_kv_heads=1, head_size=16)
+    config = SimpleNamespace(method=method)
+    for specs in [(state, full), (full, state)]:
+        with pytest.raises(ValueError, match=f"Speculative decoding \\({method}\\).*per-request"):
+            check_state_speculation(config, specs)
+    check_state_speculation(config, (full,))
+    check_state_speculation(None, (state,))

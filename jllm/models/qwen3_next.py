@@ -1,0 +1,290 @@
+"""Qwen3-Next and Qwen3.5's text models: hybrids of gated DeltaNet layers (linear attention:
+a fixed-size state per request) and gated full attention, in the order `layer_types` gives
+(three linear layers to one full in the released models), with Qwen's mixture of experts and
+its shared expert (Qwen3-Next, Qwen3.5-MoE) or a dense MLP (Qwen3.5).
+
+A gated DeltaNet layer (`GatedDeltaNet`) projects each token to q, k, v (per key head q
+and k, `Hv / Hk` value heads per key head), an output gate z, a write strength b and a decay
+input a; runs q, k, v through a short causal depthwise convolution (width
+`linear_conv_kernel_dim`, SiLU after); then the gated delta rule (pallas_kernels/
+gated_delta_rule: beta = sigmoid(b), log decay g = -exp(A_log) * softplus(a + dt_bias), q and
+k L2-normalised); then an RMSNorm per value head gated by SiLU(z), and the output
+projection. Its per-request state, a KV-cache spec of its own (`MambaSpec`), is the
+recurrent state [Hv, K, V] and the conv window [J - 1, channels], both float32 (vLLM's
+"mamba" cache); the step's rows load and store them through the step context
+(models/state.py). Qwen3-Next fuses the projections per key head (`in_proj_qkvz`,
+`in_proj_ba`); Qwen3.5 keeps them apart (`in_proj_qkv`, `in_proj_z`, `in_proj_b`,
+`in_proj_a`).
+
+A full-attention layer is Qwen3's with an output gate (q_proj yields each head's gate,
+sigmoid-scaled outputs: `blocks.Attention(output_gate=True)`), per-head q/k norms, and
+rotary positions on the first `partial_rotary_factor` of each head. Every RMSNorm but the
+DeltaNet's gated one scales by `1 + w` (Gemma's form).
+
+Not yet: prefix-cache hits (the state group caches nothing, so a hybrid takes only the empty
+hit: kv_cache_interface.MambaSpec), speculative decoding, the linear layers split over
+tensor-parallel devices (they run replicated; attention and experts split as Qwen3-MoE's).
+
+Glossary: T tokens, D model dim, Hk key heads, Hv value heads, K key dim, V value dim,
+G key-head groups of a fused projection, X a group's fused width, C conv channels, J taps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jllm.kv_cache_interface import MambaSpec
+from jllm.models.architecture import (
+    LAYER_NORMS,
+    TOP_WEIGHTS,
+    Architecture,
+    attention_weights,
+)
+from jllm.models.blocks import Attention, GatedMLP, split_kind
+from jllm.models.config import DecoderConfig
+from jllm.models.context import StepContext
+from jllm.models.decoder import CausalLM
+from jllm.models.layers import Linear, RMSNorm, activation
+from jllm.models.moe import MoE, MoeConfig
+from jllm.models.qwen_moe import mlp_names, sparse_layers
+from pallas_kernels.gated_delta_rule import causal_conv, gated_delta_rule_chunked
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinearAttentionConfig:
+    """A gated DeltaNet layer's shape (transformers' `linear_*` fields)."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel_dim: int
+    fused_projections: bool  # Qwen3-Next's in_proj_qkvz / in_proj_ba
+
+    @property
+    def conv_dim(self) -> int:
+        """The convolution's channels: q and k of every key head, v of every value head."""
+        return (
+            2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+        )
+
+    def spec(self) -> MambaSpec:
+        """One layer's per-request state: the recurrent state and the conv window."""
+        Hv, K, V = self.num_value_heads, self.key_head_dim, self.value_head_dim
+        window = (self.conv_kernel_dim - 1, self.conv_dim)
+        return MambaSpec(shapes=((Hv, K, V), window), dtypes=("float32", "float32"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Qwen3NextConfig(DecoderConfig):
+    linear: LinearAttentionConfig
+    moe: MoeConfig | None = None  # None: every layer's MLP is dense (Qwen3.5)
+    attention_bias: bool = False
+    norm_unit_offset: bool = True  # the final norm's 1 + w (models/decoder.py)
+
+    @classmethod
+    def from_hf(cls, hf, *, fused: bool) -> Qwen3NextConfig:
+        types = tuple(hf.layer_types)
+        unknown = sorted(set(types) - {LINEAR, FULL})
+        if unknown:
+            raise ValueError(f"Qwen3-Next layer types {unknown} are not supported by jllm yet.")
+        linear = LinearAttentionConfig(
+            num_key_heads=hf.linear_num_key_heads,
+            num_value_heads=hf.linear_num_value_heads,
+            key_head_dim=hf.linear_key_head_dim,
+            value_head_dim=hf.linear_value_head_dim,
+            conv_kernel_dim=hf.linear_conv_kernel_dim,
+            fused_projections=fused,
+        )
+        if linear.num_value_heads % linear.num_key_heads:
+            raise ValueError(
+                f"linear_num_value_heads ({linear.num_value_heads}) must be a multiple of "
+                f"linear_num_key_heads ({linear.num_key_heads})."
+            )
+        moe = None
+        if getattr(hf, "num_experts", 0):
+            normalize = getattr(hf, "norm_topk_prob", None)  # Qwen3.5-MoE's: always
+            moe = MoeConfig.from_hf(
+                hf,
+                sparse_layers=sparse_layers(hf),
+                num_experts=hf.num_experts,
+                intermediate_size=hf.moe_intermediate_size,
+                norm_topk_prob=True if normalize is None else normalize,
+                shared=hf.shared_expert_intermediate_size,
+            )
+        return cls(
+            **DecoderConfig.fields_of(hf, windows=False),
+            layer_types=types,
+            linear=linear,
+            moe=moe,
+            attention_bias=bool(getattr(hf, "attention_bias", False)),
+        )
+
+
+class GatedDeltaNet(nnx.Module):
+    """The gated DeltaNet token mixer (module docstring)."""
+
+    def __init__(self, cfg: Qwen3NextConfig, dtype, rngs: nnx.Rngs):
+        lin, D = cfg.linear, cfg.hidden_size
+        Hk, Hv, K, V = lin.num_key_heads, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim
+        r = Hv // Hk
+        self.lin, self.act = lin, activation(cfg.hidden_act)
+        if lin.fused_projections:  # per key head: q, k, r values, r gates; r b's, r a's
+            axes = ("embed", None, None)
+            X = 2 * K + 2 * r * V
+            self.in_proj_qkvz = Linear("TD,DGX->TGX", (D, Hk, X), axes, dtype, rngs)
+            self.in_proj_ba = Linear("TD,DGX->TGX", (D, Hk, 2 * r), axes, dtype, rngs)
+        else:
+            axes = ("embed", None)
+            self.in_proj_qkv = Linear("TD,DC->TC", (D, lin.conv_dim), axes, dtype, rngs)
+            self.in_proj_z = Linear("TD,DC->TC", (D, Hv * V), axes, dtype, rngs)
+            self.in_proj_b = Linear("TD,DN->TN", (D, Hv), axes, dtype, rngs)
+            self.in_proj_a = Linear("TD,DN->TN", (D, Hv), axes, dtype, rngs)
+        self.conv1d = Conv1d(lin.conv_dim, lin.conv_kernel_dim, dtype)
+        self.A_log = nnx.Param(jnp.zeros((Hv,), jnp.float32), logical_axes=(None,))
+        self.dt_bias = nnx.Param(jnp.ones((Hv,), jnp.float32), logical_axes=(None,))
+        self.norm = RMSNorm(V, cfg.rms_norm_eps, dtype)
+        self.out_proj = Linear("TNV,NVD->TD", (Hv, V, D), (None, None, "embed"), dtype, rngs)
+
+    def projections(self, x, ctx):
+        """x [T, D] -> (the conv's input [T, C], z [T, Hv, V], b and a [T, Hv])."""
+        lin, T = self.lin, x.shape[0]
+        Hk, Hv, K, V = lin.num_key_heads, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim
+        if not lin.fused_projections:
+            z = self.in_proj_z(x, ctx).reshape(T, Hv, V)
+            return self.in_proj_qkv(x, ctx), z, self.in_proj_b(x, ctx), self.in_proj_a(x, ctx)
+        r = Hv // Hk
+        qkvz = self.in_proj_qkvz(x, ctx)  # [T, Hk, X]
+        q, k, v, z = jnp.split(qkvz, [K, 2 * K, 2 * K + r * V], axis=-1)
+        ba = self.in_proj_ba(x, ctx)  # [T, Hk, 2r]
+        b, a = ba[..., :r].reshape(T, Hv), ba[..., r:].reshape(T, Hv)
+        mixed = jnp.concatenate([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], axis=-1)
+        return mixed, z.reshape(T, Hv, V), b, a
+
+    def __call__(self, x, ctx: StepContext, kv_caches):
+        lin, T, f32 = self.lin, x.shape[0], jnp.float32
+        Hk, Hv, K, V = lin.num_key_heads, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim
+        md = ctx.attn[ctx.group]
+        state, window = ctx.load_state(kv_caches)  # [R, Hv, K, V], [R, J - 1, C]
+        mixed, z, b, a = self.projections(x, ctx)
+        taps = self.conv1d.weight[...][:, 0, :].T  # [J, C]
+        y, window = causal_conv(mixed, taps, window, md.query_start, md.query_lens)
+        y = self.act(y).astype(x.dtype)  # [T, C]
+        q, k, v = jnp.split(y, [Hk * K, 2 * Hk * K], axis=-1)
+        beta = jax.nn.sigmoid(b.astype(f32))  # [T, Hv]
+        g = -jnp.exp(self.A_log[...].astype(f32)) * jax.nn.softplus(
+            a.astype(f32) + self.dt_bias[...].astype(f32)
+        )
+        o, state = gated_delta_rule_chunked(
+            q.reshape(T, Hk, K),
+            k.reshape(T, Hk, K),
+            v.reshape(T, Hv, V),
+            g,
+            beta,
+            state,
+            md.query_start,
+            md.query_lens,
+        )
+        o = self.norm(o.astype(x.dtype)).astype(f32) * jax.nn.silu(z.astype(f32))
+        kv_caches = ctx.store_state(kv_caches, (state, window))
+        return self.out_proj(o.astype(x.dtype), ctx), kv_caches
+
+
+class Conv1d(nnx.Module):
+    """The depthwise convolution's taps, in transformers' layout [C, 1, J]."""
+
+    def __init__(self, channels: int, taps: int, dtype):
+        self.weight = nnx.Param(jnp.zeros((channels, 1, taps), dtype), logical_axes=(None,) * 3)
+
+
+class Qwen3NextDecoderLayer(nnx.Module):
+    """x + mixer(norm(x)), then x + mlp(norm(x)), the norms scaling by 1 + w. `kind`: (the
+    layer's `layer_types` entry, whether its MLP is sparse); the mixer sits at
+    `linear_attn` or `self_attn`, as in the checkpoint."""
+
+    def __init__(self, cfg: Qwen3NextConfig, dtype, rngs: nnx.Rngs, kind=None):
+        attn_kind, sparse = split_kind(kind)
+        D, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(D, eps, dtype, unit_offset=True)
+        self.linear = attn_kind == LINEAR
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(cfg, dtype, rngs)
+        else:
+            bias = cfg.attention_bias
+            self.self_attn = Attention(
+                cfg,
+                dtype,
+                rngs,
+                rope=cfg.rope,
+                qkv_bias=bias,
+                o_bias=bias,
+                qk_norm=True,
+                norm_offset=True,
+                output_gate=True,
+            )
+        self.post_attention_layernorm = RMSNorm(D, eps, dtype, unit_offset=True)
+        if sparse:
+            self.mlp = MoE.of(D, cfg.moe, cfg.hidden_act, dtype, rngs)
+        else:
+            self.mlp = GatedMLP(D, cfg.intermediate_size, cfg.hidden_act, dtype, rngs)
+
+    def __call__(self, x, ctx: StepContext, kv_caches):
+        mixer = self.linear_attn if self.linear else self.self_attn
+        h, kv_caches = mixer(self.input_layernorm(x), ctx, kv_caches)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x), ctx), kv_caches
+
+
+class Qwen3NextForCausalLM(CausalLM):
+    layer_cls = Qwen3NextDecoderLayer
+
+    @classmethod
+    def layer_kinds(cls, cfg: Qwen3NextConfig):
+        sparse = cfg.moe.sparse_layers if cfg.moe else (False,) * cfg.num_layers
+        return tuple(zip(cfg.layer_types, sparse, strict=True))
+
+    @classmethod
+    def attention_kind(cls, cfg: Qwen3NextConfig, kind):
+        return cfg.linear.spec() if split_kind(kind)[0] == LINEAR else None
+
+
+def layer_weights(cfg: Qwen3NextConfig) -> dict:
+    """Both mixers' names (each layer has one; a name its layer lacks is not in its
+    checkpoint) and the MLPs' (`qwen_moe.mlp_names`)."""
+    bias = cfg.attention_bias
+    names = attention_weights(qkv_bias=bias, o_bias=bias, qk_norm=True) | LAYER_NORMS
+    if cfg.linear.fused_projections:
+        names |= {"linear_attn.in_proj_qkvz.weight": "qkv", "linear_attn.in_proj_ba.weight": "qkv"}
+    else:
+        names |= {f"linear_attn.in_proj_{p}.weight": "t" for p in ("qkv", "z", "b", "a")}
+    names |= {
+        "linear_attn.conv1d.weight": None,
+        "linear_attn.A_log": None,
+        "linear_attn.dt_bias": None,
+        "linear_attn.norm.weight": None,
+        "linear_attn.out_proj.weight": "o",
+    }
+    return names | mlp_names(cfg.moe)
+
+
+def _architecture(name: str, fused: bool) -> Architecture:
+    return Architecture(
+        name=name,
+        config=lambda hf: Qwen3NextConfig.from_hf(hf, fused=fused),
+        module=Qwen3NextForCausalLM,
+        layer_weights=layer_weights,
+        top_weights=TOP_WEIGHTS,
+    )
+
+
+ARCHITECTURES = {
+    "Qwen3NextForCausalLM": _architecture("Qwen3NextForCausalLM", fused=True),
+    "Qwen3_5ForCausalLM": _architecture("Qwen3_5ForCausalLM", fused=False),
+    "Qwen3_5MoeForCausalLM": _architecture("Qwen3_5MoeForCausalLM", fused=False),
+}

@@ -1,0 +1,170 @@
+"""Qwen3-Next and Qwen3.5's text models (gated DeltaNet layers beside gated full attention)
+against transformers' torch path: tiny random models (float32, 4 layers: three linear, one
+full; Qwen3-Next's experts with a shared one and a dense layer among them), 40-90 token
+prompts, greedy tokens equal and each chosen token's logprob within 1e-4 of transformers'
+teacher-forced one. Crosses: prefix caching on (a hybrid takes no hit yet), chunked prefill
+smaller than a prompt (the state carried across chunks, decodes beside chunks) one step ahead,
+the packed batch layout, preemption (the state slot freed, the request recomputed), tensor
+parallelism with expert parallelism, bf16 as near float32 as transformers' bf16;
+speculative decoding refused."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+from oracle import (
+    SMALL,
+    assert_matches,
+    generate,
+    oracle_tokens,
+    prompt_ids,
+    teacher_forced_logprobs,
+    worst_teacher_forced_gaps,
+)
+
+from jllm import LLM, SamplingParams
+
+VOCAB = 512
+PROMPTS = prompt_ids(3, 40, vocab=VOCAB) + prompt_ids(1, 90, seed=1, vocab=VOCAB)
+
+SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,  # partial_rotary_factor 0.25 rotates 4 of its dims
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,  # two value heads per key head
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    initializer_range=0.25,
+    tie_word_embeddings=False,
+)
+EXPERTS = dict(
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+)
+MODELS = {
+    "qwen3_next": (
+        transformers.Qwen3NextForCausalLM,
+        EXPERTS | {"decoder_sparse_step": 1, "mlp_only_layers": [1]},
+    ),
+    "qwen3_5_text": (transformers.Qwen3_5ForCausalLM, {}),
+    "qwen3_5_moe_text": (transformers.Qwen3_5MoeForCausalLM, EXPERTS),
+}
+
+
+def save_hybrid(model_type: str, root, tokenizer_dir: str) -> str:
+    """A tiny random model of `model_type` with non-trivial norms (1 + w around 1), decays
+    (A_log, dt_bias) and gated norms."""
+    cls, extra = MODELS[model_type]
+    config = transformers.AutoConfig.for_model(model_type, **SHAPE, **extra)
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                param.uniform_(0.5, 1.5)
+            elif name.endswith("norm.weight"):  # scales by 1 + w
+                param.uniform_(-0.5, 0.5)
+            elif name.endswith("dt_bias"):
+                param.uniform_(-1.0, 1.0)
+            elif name.endswith("A_log"):
+                param.uniform_(-2.0, 0.5)
+    path = root / model_type
+    model.save_pretrained(path)
+    transformers.AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def hybrids(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("hybrid")
+    return {name: save_hybrid(name, root, tokenizer_dir) for name in MODELS}
+
+
+@pytest.fixture(scope="module")
+def oracles(hybrids) -> dict:
+    return {
+        name: transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+        for name, path in hybrids.items()
+    }
+
+
+@pytest.mark.parametrize(
+    "model_type, settings",
+    [
+        ("qwen3_next", {}),
+        # A 16-token budget: every prompt is cut into chunks, decodes run beside them.
+        ("qwen3_next", {"max_num_batched_tokens": 16, "async_scheduling": True}),
+        # Rows packed back to back (the ragged kernels' layout) instead of on tiles.
+        ("qwen3_next", {"max_num_batched_tokens": 32, "attention_backend": "cpu_kernel"}),
+        # 7 usable blocks: two requests' 16 tokens each outgrow them.
+        ("qwen3_next", {"num_gpu_blocks_override": 8}),
+        ("qwen3_next", {"tensor_parallel_size": 2, "enable_expert_parallel": True}),
+        ("qwen3_5_text", {"max_num_batched_tokens": 16}),
+        ("qwen3_5_moe_text", {}),
+    ],
+    ids=[
+        "next",
+        "next-chunked-async",
+        "next-packed",
+        "next-preempting",
+        "next-tp2-ep",
+        "3.5-chunked",
+        "3.5-moe",
+    ],
+)
+def test_matches_transformers(hybrids, oracles, model_type, settings):
+    llm = LLM(hybrids[model_type], **{**SMALL, "dtype": "float32", **settings})
+    tokens = 16 if "num_gpu_blocks_override" in settings else 8
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=1)
+    outs = generate(llm, PROMPTS, params)
+    assert_matches(oracles[model_type], PROMPTS, outs)
+    if "num_gpu_blocks_override" in settings:
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+    if settings == {}:  # prefix caching is on: the same prompts again take no hit, same output
+        again = generate(llm, PROMPTS)
+        assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
+        assert all(not o.num_cached_tokens for o in again)
+
+
+def test_bf16_as_near_float32_as_transformers_bf16(hybrids, oracles):
+    """bf16 moves this tiny model's logprobs far (its random norms and decays amplify the
+    rounding): transformers' own bf16 run lands up to ~1.7 nats from float32. jllm's bf16
+    run must be no further from float32 than transformers' bf16 run, teacher-forced on each
+    one's own greedy tokens (within 1.5x and 0.1 nats)."""
+    path = hybrids["qwen3_next"]
+    prompts = prompt_ids(4, 5, vocab=VOCAB) + prompt_ids(1, 40, seed=1, vocab=VOCAB)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    llm = LLM(path, **{**SMALL, "dtype": "bfloat16"})
+    outs = generate(llm, prompts, params)
+    ours = worst_teacher_forced_gaps(oracles["qwen3_next"], [
+        (p, o.outputs[0]) for p, o in zip(prompts, outs, strict=True)
+    ])  # fmt: skip
+    bf16 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    theirs = []
+    for prompt, tokens in zip(prompts, oracle_tokens(bf16, prompts, 8), strict=True):
+        logprobs = teacher_forced_logprobs(bf16, prompt, tokens)
+        chosen = [{t: SimpleNamespace(logprob=logprobs[i, t].item())} for i, t in enumerate(tokens)]
+        theirs.append((prompt, SimpleNamespace(token_ids=tokens, logprobs=chosen)))
+    hf_choice, hf_logprob = worst_teacher_forced_gaps(oracles["qwen3_next"], theirs)
+    assert ours[0] <= 1.5 * hf_choice + 0.1, (ours, hf_choice)
+    assert ours[1] <= 1.5 * hf_logprob + 0.1, (ours, hf_logprob)
+
+
+def test_speculative_decoding_is_refused(hybrids):
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    with pytest.raises(ValueError, match="per-request state"):
+        LLM(hybrids["qwen3_next"], **SMALL, speculative_config=spec)

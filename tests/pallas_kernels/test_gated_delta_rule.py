@@ -1,0 +1,101 @@
+"""The gated delta rule kit (pallas_kernels/gated_delta_rule): the chunked XLA path against
+the token-by-token reference over flat ragged batches (rows of every length, rows without
+tokens, padding tokens past the rows, every chunk size), both against transformers' torch
+functions on one sequence, and the causal convolution against its own reference."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+import torch
+from transformers.models.qwen3_next import modeling_qwen3_next as hf
+
+from pallas_kernels.gated_delta_rule import (
+    causal_conv,
+    causal_conv_reference,
+    chunk_plan,
+    gated_delta_rule_chunked,
+    gated_delta_rule_reference,
+)
+
+# Rows: a decode, a long prefill chunk, an empty (padding) row, a mid-sized one; the batch
+# runs past the rows (padding tokens).
+LENS = np.array([1, 37, 0, 9, 5, 1], np.int32)
+T = 64
+
+
+def _batch(rng, Hk=2, Hv=4, K=8, V=6):
+    starts = np.concatenate([[0], np.cumsum(LENS)[:-1]]).astype(np.int32)
+    R = len(LENS)
+    q, k = (rng.normal(size=(T, Hk, K)).astype(np.float32) for _ in range(2))
+    v = rng.normal(size=(T, Hv, V)).astype(np.float32)
+    g = -rng.uniform(0.01, 1.5, (T, Hv)).astype(np.float32)
+    beta = rng.uniform(0.0, 1.0, (T, Hv)).astype(np.float32)
+    state = rng.normal(size=(R, Hv, K, V)).astype(np.float32)
+    return q, k, v, g, beta, state, starts, LENS
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 16, 64, None])
+def test_chunked_matches_the_reference(chunk):
+    args = _batch(np.random.default_rng(0))
+    o_ref, s_ref = gated_delta_rule_reference(*args)
+    chunked = jax.jit(lambda *a: gated_delta_rule_chunked(*a, chunk_size=chunk))
+    o, s = chunked(*args)
+    np.testing.assert_allclose(o, o_ref, atol=2e-5)
+    np.testing.assert_allclose(s, s_ref, atol=2e-5)
+    end = int(LENS.sum())
+    assert not np.asarray(o[end:]).any()  # padding tokens
+    np.testing.assert_array_equal(s[2], args[5][2])  # the empty row keeps its state
+
+
+def test_chunk_plan_covers_each_row_in_order():
+    starts = np.concatenate([[0], np.cumsum(LENS)[:-1]]).astype(np.int32)
+    row, start, size = (np.asarray(a) for a in chunk_plan(starts, LENS, T, 8))
+    live = size > 0
+    assert len(row) == T // 8 + len(LENS)
+    for r, n in enumerate(LENS):
+        mine = live & (row == r)
+        assert size[mine].sum() == n
+        np.testing.assert_array_equal(start[mine], starts[r] + 8 * np.arange(mine.sum()))
+    assert list(row[live]) == sorted(row[live])  # a row's chunks are consecutive, in order
+
+
+@pytest.mark.parametrize("path", ["reference", "chunked"])
+def test_matches_transformers_on_one_sequence(path):
+    q, k, v, g, beta, state, starts, lens = _batch(np.random.default_rng(1))
+    r = 1
+    span = slice(starts[r], starts[r] + lens[r])
+    one = lambda a: torch.tensor(a[span])[None]  # noqa: E731
+    want, want_state = hf.torch_chunk_gated_delta_rule(
+        one(q), one(k), one(v), one(g), one(beta),
+        chunk_size=8,
+        initial_state=torch.tensor(state[r : r + 1]),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    rule = gated_delta_rule_reference if path == "reference" else gated_delta_rule_chunked
+    o, s = rule(q, k, v, g, beta, state, starts, lens)
+    np.testing.assert_allclose(o[span], want[0].numpy(), atol=2e-5)
+    np.testing.assert_allclose(s[r], want_state[0].numpy(), atol=2e-5)
+
+
+def test_causal_conv_matches_its_reference():
+    rng = np.random.default_rng(2)
+    starts = np.concatenate([[0], np.cumsum(LENS)[:-1]]).astype(np.int32)
+    C, J = 5, 4
+    x = rng.normal(size=(T, C)).astype(np.float32)
+    w = rng.normal(size=(J, C)).astype(np.float32)
+    window = rng.normal(size=(len(LENS), J - 1, C)).astype(np.float32)
+    y, new = causal_conv(x, w, window, starts, LENS)
+    y_ref, new_ref = causal_conv_reference(x, w, window, starts, LENS)
+    np.testing.assert_allclose(y, y_ref, atol=1e-5)
+    np.testing.assert_array_equal(new, new_ref)
+    # One whole sequence from an empty window equals transformers' convolution (no activation).
+    r = 1
+    span = slice(starts[r], starts[r] + LENS[r])
+    torch_w = torch.tensor(w.T.copy())  # [C, J]
+    want = hf.causal_conv1d_fn(torch.tensor(x[span].T.copy())[None], torch_w, None, None)
+    zero = np.zeros_like(window)
+    got, _ = causal_conv(x, w, zero, starts, LENS)
+    np.testing.assert_allclose(got[span], want[0].numpy().T, atol=1e-5)
