@@ -261,14 +261,21 @@ class MambaSpec(KVCacheSpec):
     never skipped. Not split over TP devices here (a model that splits its state heads
     declares the per-device shapes). Block size and cache dtype do not apply.
 
-    Prefix hits: a hit of n blocks would need the state after n * S tokens, a snapshot
-    taken at that block boundary (vLLM's "align" mode). None are taken yet, so such a group
-    caches nothing and accepts no hit but the empty one (vLLM's "none" mode), which turns
-    prefix caching off for a model that has one."""
+    Prefix hits: a hit of n blocks needs the state after n * S tokens. With
+    `cache_interval` C (tokens, a multiple of the block size; vLLM's `mamba_cache_mode=
+    "align"` with `mamba_block_size`) the state after each multiple of C a step ends at is
+    snapshotted into a slot of the pool, kept in the prefix cache under that block's key
+    (engine/single_type_manager.py: StateManager), and a hit is the longest such snapshot.
+    With 0 (vLLM's "none" mode) the group caches nothing and accepts no hit but the empty
+    one, which turns prefix caching off for the model."""
 
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
-    prefix_cacheable: ClassVar[bool] = False
+    cache_interval: int = 0
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return self.cache_interval > 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -299,7 +306,18 @@ class MambaSpec(KVCacheSpec):
         return 1
 
     def pool_cap(self, block_size: int, max_num_seqs: int, max_step_tokens: int) -> int:
-        return max_num_seqs + 1
+        """One slot per request; with snapshots as many again, which hold the snapshots a
+        step pins (written or read) and the cached ones."""
+        return (2 if self.cache_interval else 1) * max_num_seqs + 1
+
+
+def with_state_snapshots(specs, interval: int) -> tuple[KVCacheSpec, ...]:
+    """`specs` with every per-request state group snapshotting every `interval` tokens
+    (`MambaSpec.cache_interval`)."""
+    return tuple(
+        dataclasses.replace(s, cache_interval=interval) if isinstance(s, MambaSpec) else s
+        for s in specs
+    )
 
 
 def share_pools(specs) -> tuple[int, ...]:

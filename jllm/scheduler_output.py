@@ -73,6 +73,9 @@ class SchedulerOutput:
     # then host to device (host block, device block) for host hits.
     kv_stores: list[tuple[int, int]] = field(default_factory=list)
     kv_loads: list[tuple[int, int]] = field(default_factory=list)
+    # Per-request state snapshots (engine/single_type_manager.py: StateManager): slots to
+    # copy before this step's forward, in order, as (KV-cache group, source, destination).
+    state_copies: list[tuple[int, int, int]] = field(default_factory=list)
     # Embeddings prompts (enable_prompt_embeds): per request, the rows [n, D] float32 of its
     # scheduled prompt positions, from its first scheduled token on (engine/request.py)
     prompt_embeds: dict[str, object] = field(default_factory=dict)

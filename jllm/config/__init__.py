@@ -122,6 +122,11 @@ class EngineArgs:
     # deprecation warning.
     kv_offloading_size: float | None = None
     kv_offloading_backend: str = "native"
+    # Linear-attention state in the prefix cache (vLLM's names): "align" snapshots the state
+    # every `mamba_block_size` tokens (a multiple of block_size; default 4 blocks) that a
+    # step ends at, "none" caches none; None: "align" with prefix caching, else "none".
+    mamba_cache_mode: str | None = None
+    mamba_block_size: int | None = None
     swap_space: float | None = None
     # Scheduler.
     max_num_batched_tokens: int | None = None
@@ -259,6 +264,32 @@ class EngineArgs:
         if self.otlp_traces_endpoint is not None:
             check_otel_available()  # the SDK is an extra: fail before the model loads
 
+    def _check_mamba_cache(self) -> None:
+        """Settle `mamba_cache_mode` and `mamba_block_size` (vLLM's: "align" needs prefix
+        caching; the size is this engine's snapshot interval, in whole blocks)."""
+        mode = self.mamba_cache_mode
+        if mode is None:
+            mode = "align" if self.enable_prefix_caching else "none"
+        if mode not in ("none", "align"):
+            raise ValueError(f"mamba_cache_mode must be 'none' or 'align', got {mode!r}.")
+        if mode == "align" and not self.enable_prefix_caching:
+            raise ValueError(
+                "mamba_cache_mode='align' caches state for prefix caching, which is off "
+                "(enable_prefix_caching=False)."
+            )
+        size = self.mamba_block_size
+        bad = isinstance(size, bool) or not isinstance(size, int) or size < self.block_size
+        if size is not None and (bad or size % self.block_size):
+            raise ValueError(
+                f"mamba_block_size must be a multiple of block_size ({self.block_size}), "
+                f"got {size!r}."
+            )
+        if size is not None and mode == "none":
+            raise ValueError("mamba_block_size is set but mamba_cache_mode is 'none'.")
+        self.mamba_cache_mode = mode
+        if mode == "align" and size is None:
+            self.mamba_block_size = 4 * self.block_size
+
     def _check_offloading(self) -> None:
         if self.kv_offloading_backend != "native":
             raise ValueError(
@@ -351,6 +382,7 @@ class EngineArgs:
             )
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ValueError("num_gpu_blocks_override must be at least 2.")
+        self._check_mamba_cache()
         if self.pipeline_parallel_size < 1:
             raise ValueError(
                 f"pipeline_parallel_size must be at least 1, got {self.pipeline_parallel_size}."

@@ -61,6 +61,11 @@ HELP = {
     "kv_cache_memory_bytes": "KV-cache size per device in bytes (the CPU default is 4 GiB, "
     "like vLLM's VLLM_CPU_KVCACHE_SPACE).",
     "enable_prefix_caching": "Reuse the KV cache of shared prompt prefixes.",
+    "mamba_cache_mode": "Linear-attention state in the prefix cache: 'align' snapshots it "
+    "every --mamba-block-size tokens a step ends at, 'none' caches none (default: 'align' "
+    "with prefix caching).",
+    "mamba_block_size": "Tokens between linear-attention state snapshots, a multiple of "
+    "--block-size (default 4 blocks).",
     "max_num_batched_tokens": "Token budget of one engine step (default 2048).",
     "max_num_seqs": "Most sequences in one step (default 256).",
     "enable_chunked_prefill": "Split long prompts over several steps.",
@@ -180,6 +185,7 @@ CHOICES = {
     "logprobs_mode": LOGPROBS_MODES,
     "runner": RUNNERS,
     "convert": CONVERTS,
+    "mamba_cache_mode": ("none", "align"),
 }
 
 

@@ -29,8 +29,8 @@ draft never enters the cache. Freed blocks (a window's too) keep their key and s
 LRU free queue until the pool needs them back. Each group caches its own blocks under the
 request's keys. A hit of n blocks (the next position n*S) needs what each group's spec says
 (a full group all n, a sliding one those its window reads from there, a chunked one those
-of the current chunk, per-request state none but the empty hit); a hit is the longest n
-every group accepts (vLLM's rule).
+of the current chunk, per-request state the snapshot at n: StateManager); a hit is the
+longest n every group accepts (vLLM's rule).
 Host-side only: no JAX import.
 """
 
@@ -44,8 +44,12 @@ import numpy as np
 from jllm.engine.block_pool import ROOT_KEY, BlockPool, block_key
 from jllm.engine.host_kv_tier import HostKVTier
 from jllm.engine.request import Request
-from jllm.engine.single_type_manager import SingleTypeManager
-from jllm.kv_cache_interface import FullAttentionSpec, KVCacheSpec
+from jllm.engine.single_type_manager import SingleTypeManager, StateManager
+from jllm.kv_cache_interface import FullAttentionSpec, KVCacheSpec, MambaSpec
+
+
+def _is_state(spec: KVCacheSpec) -> bool:
+    return isinstance(spec, MambaSpec)
 
 
 class KVCacheManager:
@@ -93,9 +97,14 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.drop_last_hit = drop_last_hit
-        self.pools = [BlockPool(n, same_step_hits) for n in num_blocks]
+        # A pool of per-request state takes its snapshots as hits from the step after
+        # the one that caches them (StateManager): they are copied one step late.
+        state = {p for spec, p in zip(self.specs, self.pool_of, strict=True) if _is_state(spec)}
+        self.pools = [
+            BlockPool(n, same_step_hits and p not in state) for p, n in enumerate(num_blocks)
+        ]
         self.managers = [
-            SingleTypeManager(
+            (StateManager if _is_state(spec) else SingleTypeManager)(
                 spec,
                 self.pools[p],
                 block_size,
@@ -141,6 +150,26 @@ class KVCacheManager:
         if self.host is not None:
             self.host.step_scheduled()
         return stores, loads
+
+    def take_state_copies(self) -> list[tuple[int, int, int]]:
+        """The per-request state copies the step being handed on makes before its forward,
+        in order: (group, source slot, destination slot) (StateManager.take_copies)."""
+        return [
+            (g, src, dst)
+            for g, manager in enumerate(self.managers)
+            if isinstance(manager, StateManager)
+            for src, dst in manager.take_copies()
+        ]
+
+    def align(self, start: int, num_new: int) -> int:
+        """`num_new` tokens from `start`, cut to end where a per-request state group
+        snapshots (StateManager.align) when prefix caching is on."""
+        if not self.enable_prefix_caching:
+            return num_new
+        for manager in self.managers:
+            if isinstance(manager, StateManager):
+                num_new = manager.align(start, num_new)
+        return num_new
 
     def begin_step(self) -> None:
         """A new step is being scheduled: the blocks cached by the last one are written
@@ -285,10 +314,7 @@ class KVCacheManager:
         groups = list(zip(self.managers, blocks, hits, strict=True))
         for manager, held, _ in groups:
             manager.free_skipped(held, start)
-        grow = [
-            max(0, manager.num_needed(total + lookahead) - len(held) - len(hit))
-            for manager, held, hit in groups
-        ]
+        grow = [manager.num_fresh(held, hit, total + lookahead) for manager, held, hit in groups]
         if num_hit or num_loaded or any(grow):
             taken = [0] * len(self.pools)  # per pool: fresh blocks and free blocks hit
             for g, (manager, _, hit) in enumerate(groups):
@@ -297,18 +323,17 @@ class KVCacheManager:
                 return None
             # Every group's hits first: a fresh block of one group must not evict a free
             # block that another group of its pool is about to take as a hit.
-            for manager, held, hit in groups:
+            for manager, _, hit in groups:
                 manager.pool.take(hit)
-                held.extend(hit)
-            for (manager, held, _), n in zip(groups, grow, strict=True):
+            for (manager, held, hit), n in zip(groups, grow, strict=True):
                 fresh = manager.pool.allocate(n)
                 if num_loaded:  # the first fresh blocks take the host hits' contents
                     self.kv_loads.extend(zip(host_hits, fresh[:num_loaded], strict=True))
-                    first = len(held)
+                    first = len(held) + len(hit)
                     self._update_hashes(req, (first + num_loaded) * self.block_size)
                     self.host.touch(req.block_hashes[first : first + num_loaded])
                     self.host.loads += num_loaded
-                held.extend(fresh)
+                manager.extend(held, hit, fresh)
         if self.enable_prefix_caching:
             self._cache_full_blocks(req, blocks, min(total, req.num_tokens))
         return blocks

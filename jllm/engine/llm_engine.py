@@ -55,6 +55,7 @@ from jllm.engine.processor import Processor
 from jllm.engine.request import RequestStatus
 from jllm.engine.routed_experts import RoutedExpertsRecord, routes_spec
 from jllm.engine.scheduler import Scheduler
+from jllm.kv_cache_interface import MambaSpec, with_state_snapshots
 from jllm.logits_process import LogitsProcessorConfig, load_logits_processors
 from jllm.lora.manager import LoraCache, LoraSlots
 from jllm.metrics.stats import LoggingStatLogger
@@ -67,6 +68,7 @@ from jllm.runner.encoder import ImageEncoder
 from jllm.runner.host_kv import HostKVCache, host_tier_blocks
 from jllm.runner.kv_cache import allocate_kv_caches, resolve_kv_cache_dtype, size_kv_cache
 from jllm.runner.model_runner import ModelRunner
+from jllm.runner.state_copies import StateCopies
 from jllm.runner.weight_sync import WeightSync
 from jllm.sampling_params import RequestOutputKind, SamplingParams
 from jllm.scheduler_output import PROMPT_LOGPROB_ROWS
@@ -116,6 +118,8 @@ class LLMEngine:
             args.pipeline_parallel_size,
         )
         m = load_engine_model(args, platform)
+        if args.mamba_cache_mode == "align":  # linear-attention state in the prefix cache
+            m.kv_caches = with_state_snapshots(m.kv_caches, args.mamba_block_size)
         loaded = time.perf_counter()
         cfg, dtype, self.max_model_len = m.config, m.dtype, m.max_model_len
         # A pooling model's task and head (jllm/pooling/model.py); None: a generative model.
@@ -237,6 +241,12 @@ class LLMEngine:
                 host_blocks * HostKVCache.block_bytes(specs[0]) / 2**30,
                 args.tensor_parallel_size,
             )
+        state_pools = {
+            g: kv_config.pools[g] for g, s in enumerate(m.kv_caches) if isinstance(s, MambaSpec)
+        }
+        if state_pools:  # the prefix cache's state snapshots, copied before a step
+            copies = 2 * sched_cfg.max_num_seqs
+            self.runner.state_copies = StateCopies(state_pools, copies, replicated(m.mesh))
         compiling = time.perf_counter()
         # The caches are zeroed on a thread while the steps compile against their shapes.
         with ThreadPoolExecutor(1, "jllm-kv-cache") as pool:

@@ -138,8 +138,11 @@ class Scheduler:
         return budget.fit_images(req, start, end)
 
     def _fit_row(self, req: Request, start: int, num_new: int, budget: StepBudget) -> int:
-        """`num_new` (already within the step's tokens) cut to the step's prompt-logprob
-        rows and encoder room."""
+        """`num_new` (already within the step's tokens) cut where per-request state
+        snapshots (KVCacheManager.align; with chunked prefill), then to the step's
+        prompt-logprob rows and encoder room."""
+        if self.config.enable_chunked_prefill:
+            num_new = self.kv_cache.align(start, num_new)
         num_new = budget.fit_prompt_logprobs(req, start, num_new)
         if num_new and req.mm_items:
             num_new = self._fit_images(req, start, num_new, budget)
@@ -333,6 +336,7 @@ class Scheduler:
         if not rows:  # no step runs: the runner hears of these with the next one
             return
         out.kv_stores, out.kv_loads = self.kv_cache.take_copies()
+        out.state_copies = self.kv_cache.take_state_copies()
         out.finished_req_ids, self._finished_ids = self._finished_ids, set()
         out.preempted_req_ids, self._preempted_ids = self._preempted_ids, set()
         cached = out.scheduled_cached_reqs

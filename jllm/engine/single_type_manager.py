@@ -32,6 +32,16 @@ class SingleTypeManager:
         """The length of the block list of a request with `num_tokens` slots."""
         return self.spec.num_blocks(num_tokens, self.block_size)
 
+    def num_fresh(self, held: list[int], hit: list[int], num_tokens: int) -> int:
+        """How many fresh blocks a request holding `held` needs, after the hits `hit`, to
+        hold `num_tokens` slots."""
+        return max(0, self.num_needed(num_tokens) - len(held) - len(hit))
+
+    def extend(self, held: list[int], hit: list[int], fresh: list[int]) -> None:
+        """Append the hits (taken) and the fresh blocks to the request's list."""
+        held.extend(hit)
+        held.extend(fresh)
+
     def _hit(self, key: bytes) -> int | None:
         return self.pool.hit(key + self.tag)
 
@@ -98,3 +108,103 @@ class SingleTypeManager:
                 del pool.cached[key]
                 pool.block_hash[b] = None
                 pool.unfresh(b)
+
+
+class StateManager(SingleTypeManager):
+    """A per-request state group (`MambaSpec`): each request's list is its one live slot.
+    With the spec's `cache_interval` C (vLLM's "align" mode), the state after each multiple
+    of C that a step ends at (the scheduler cuts prefill chunks there: `align`) is
+    snapshotted into a slot of its own, cached under the key of the block it ends, and a
+    prefix hit of n blocks (n * S a multiple of C) starts a request from the snapshot at n.
+
+    Snapshots are copies of whole slots, made on the device before a step's forward
+    (`SchedulerOutput.state_copies`, in order): first the live slots of the steps that ended
+    at a multiple of C into their snapshot slots (the step that reached the multiple has
+    run by then), then the snapshots hit into the new requests' live slots. A snapshot is
+    therefore written one step after the step that computed it, so its pool takes it as a
+    hit only from the step after it was cached (`same_step_hits=False`: the pool's `fresh`
+    blocks), and each slot a copy reads or writes stays held until the copies are handed
+    to the step that makes them (`take_copies`). Not in any request's list, a cached
+    snapshot is a free block with a key, evicted (LRU) like any other."""
+
+    def __init__(self, spec, pool, block_size: int, tag: bytes = b""):
+        super().__init__(spec, pool, block_size, tag)
+        self.interval = spec.cache_interval
+        self.stride = self.interval // block_size  # blocks between snapshots
+        # Snapshots (live slot, snapshot slot, block) of the step being scheduled, those of
+        # the step scheduled before it (copied before the next step's forward), and the
+        # loads (snapshot, live slot) of the step being scheduled; every slot here is held.
+        self.snapshots: list[tuple[int, int, int]] = []
+        self.ready: list[tuple[int, int, int]] = []
+        self.loads: list[tuple[int, int]] = []
+
+    def align(self, start: int, num_new: int) -> int:
+        """`num_new` tokens from `start` cut to end at the last multiple of the interval they
+        cross, so that the step snapshots there (a prompt's end too: its tail runs in the
+        next step, beside the others' rows)."""
+        if not self.interval:
+            return num_new
+        boundary = (start + num_new) // self.interval * self.interval
+        return boundary - start if boundary > start else num_new
+
+    def hit_length(self, keys: list[bytes], n: int) -> int:
+        """The longest m <= n at a snapshot (m a multiple of the stride) whose snapshot is
+        cached and written (not one the step being scheduled caches)."""
+        if not self.interval:
+            return 0
+        for m in range(n // self.stride * self.stride, 0, -self.stride):
+            if self._hit(keys[m - 1]) is not None:
+                return m
+        return 0
+
+    def hit_blocks(self, keys: list[bytes], n: int) -> list[int]:
+        """The snapshot a hit of n blocks starts from (taken until its copy is handed on)."""
+        return [] if n == 0 else [self.pool.cached[keys[n - 1] + self.tag]]
+
+    def num_fresh(self, held: list[int], hit: list[int], num_tokens: int) -> int:
+        return 0 if held else 1  # the live slot
+
+    def extend(self, held: list[int], hit: list[int], fresh: list[int]) -> None:
+        held.extend(fresh)
+        if hit:  # the live slot starts as the snapshot
+            self.loads.append((hit[0], held[0]))
+
+    def free_skipped(self, held: list[int], start: int) -> None:
+        """The live slot is read by every step."""
+
+    def cache_blocks(self, held: list[int], keys: list[bytes], start: int, end: int) -> None:
+        """Snapshot the state at block `end` when a step ends there at a multiple of the
+        interval (best effort: none when the pool has no free slot)."""
+        if not self.interval or end <= start or end % self.stride or self.pool.num_free == 0:
+            return
+        key = keys[end - 1] + self.tag
+        if key in self.pool.cached:
+            return
+        (slot,) = self.pool.allocate(1)
+        self.pool.cache(slot, key)
+        self.snapshots.append((held[0], slot, end))
+
+    def forget(self, held: list[int], keys: list[bytes], first: int) -> None:
+        """A request taken back out of the step it was scheduled in: its snapshot past
+        `first` blocks (never to be computed) is dropped."""
+        keep = []
+        for live, slot, end in self.snapshots:
+            if held and live == held[0] and end > first:
+                key = self.pool.block_hash[slot]
+                if self.pool.cached.get(key) == slot:
+                    del self.pool.cached[key]
+                self.pool.block_hash[slot] = None
+                self.pool.unfresh(slot)
+                self.pool.release([slot])
+            else:
+                keep.append((live, slot, end))
+        self.snapshots = keep
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copies the step being handed on makes before its forward, in order: the
+        snapshots of the step before it (which has run by then), then its own loads. Their
+        slots are released: any later use of them runs after these copies."""
+        copies = [(live, slot) for live, slot, _ in self.ready] + self.loads
+        self.pool.release([slot for _, slot, _ in self.ready] + [snap for snap, _ in self.loads])
+        self.ready, self.snapshots, self.loads = self.snapshots, [], []
+        return copies

@@ -21,9 +21,9 @@ sigmoid-scaled outputs: `blocks.Attention(output_gate=True)`), per-head q/k norm
 rotary positions on the first `partial_rotary_factor` of each head. Every RMSNorm but the
 DeltaNet's gated one scales by `1 + w` (Gemma's form).
 
-Not yet: prefix-cache hits (the state group caches nothing, so a hybrid takes only the empty
-hit: kv_cache_interface.MambaSpec), speculative decoding, the linear layers split over
-tensor-parallel devices (they run replicated; attention and experts split as Qwen3-MoE's).
+Prefix hits resume from state snapshots (engine/single_type_manager.py: StateManager). Not
+yet: speculative decoding, the linear layers split over tensor-parallel devices (they run
+replicated; attention and experts split as Qwen3-MoE's).
 
 Glossary: T tokens, D model dim, Hk key heads, Hv value heads, K key dim, V value dim,
 G key-head groups of a fused projection, X a group's fused width, C conv channels, J taps.

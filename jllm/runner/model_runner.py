@@ -303,6 +303,8 @@ class ModelRunner:
         self.lora = None if lora is None else LoraSlotArrays(lora, state, self.replicated)
         self.encoder = encoder  # a vision-language model's ImageEncoder (runner/encoder.py)
         self.host_kv = None  # the host KV tier's HostKVCache (runner/host_kv.py), if any
+        # A linear-attention model's state snapshots (runner/state_copies.py), if any.
+        self.state_copies = None
         self.penalties = PenaltyState(max_num_seqs, max_len, vocab_size, self.replicated)
         self.bias = LogitBiasTable(self.penalties.num_rows, vocab_size, self.replicated)
         self.vocab_size = vocab_size
@@ -328,7 +330,14 @@ class ModelRunner:
     @property
     def managers(self) -> list:
         """The managers this engine has, in the order their writes run in a step."""
-        every = (self.lora, self.encoder, self.host_kv, self.penalties, self.bias)
+        every = (
+            self.lora,
+            self.encoder,
+            self.host_kv,
+            self.state_copies,
+            self.penalties,
+            self.bias,
+        )
         return [m for m in every if m is not None]
 
     @property
@@ -628,6 +637,8 @@ class ModelRunner:
             writes[self.encoder.name] = list(out.encoder_inputs)
         if self.host_kv is not None:
             writes[self.host_kv.name] = (list(out.kv_stores), list(out.kv_loads))
+        if self.state_copies is not None:
+            writes[self.state_copies.name] = list(out.state_copies)
         return writes, failed
 
     def _admit_neutral(self, new, error: Exception) -> str:

@@ -6,6 +6,8 @@ holding one block together."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from kv_specs import MLA, STATE, attention, chunked, groups
 
@@ -110,14 +112,50 @@ def test_state_takes_one_slot_from_admission_to_finish_or_preemption():
 
 
 def test_state_takes_no_prefix_hit():
-    """No state snapshots: a group of per-request state accepts only the empty hit, so a
-    model with one computes every prompt, though its attention blocks are cached."""
+    """No state snapshots (cache_interval 0, mamba_cache_mode="none"): a group of
+    per-request state accepts only the empty hit, so a model with one computes every
+    prompt, though its attention blocks are cached."""
     kv = KVCacheManager(16, 4, enable_prefix_caching=True, specs=[attention(), STATE])
     kv.allocate_slots(req("a", list(range(13))), 13)
     assert kv.get_computed_blocks(req("b", list(range(13)))) == (([], []), 0)
     alone = KVCacheManager(16, 4, enable_prefix_caching=True, specs=[attention()])
     alone.allocate_slots(req("a", list(range(13))), 13)
     assert alone.get_computed_blocks(req("b", list(range(13))))[1] == 12
+
+
+def test_state_snapshots_are_hits_from_the_next_step_and_copy_in_order():
+    """cache_interval 8 (S=4: every 2 blocks): a step ending at 8 tokens snapshots the live
+    slot into a slot cached under block 1's key. The copy is made before the next step's
+    forward, so the snapshot is a hit from that step on, and that step's copies put the
+    snapshot first and the hit's load after it; each slot is held until its copy is handed
+    on, then the snapshot stays cached as a free slot. Hits land only on snapshots."""
+    snap = dataclasses.replace(STATE, cache_interval=8)
+    kv = KVCacheManager(16, 4, enable_prefix_caching=True, specs=[attention(), snap])
+    state = kv.pools[1]
+    a = req("a", list(range(13)))
+    live_a = kv.allocate_slots(a, 8)[1][0]
+    b = req("b", list(range(13)))
+    assert kv.get_computed_blocks(b)[1] == 0  # written by the step after this one
+    assert kv.take_state_copies() == []  # this step computes it: nothing to copy yet
+    kv.begin_step()
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 8 and len(hits[1]) == 1
+    (snapshot,) = hits[1]
+    assert state.ref_cnt[snapshot] == 1  # held until its copy is handed on
+    kv.allocate_slots(b, 5, hits)
+    (live_b,) = kv.block_ids("b")[1]
+    assert kv.take_state_copies() == [(1, live_a, snapshot), (1, snapshot, live_b)]
+    assert state.ref_cnt[snapshot] == 0 and snapshot in state.cached.values()
+    c = req("c", list(range(7)) + [99] * 6)  # shares block 0 only: before any snapshot
+    assert kv.get_computed_blocks(c)[1] == 0
+
+
+def test_state_snapshot_align_cuts_chunks_at_the_interval():
+    snap = dataclasses.replace(STATE, cache_interval=8)
+    kv = KVCacheManager(16, 4, enable_prefix_caching=True, specs=[attention(), snap])
+    assert [kv.align(0, 13), kv.align(8, 5), kv.align(3, 4), kv.align(5, 20)] == [8, 5, 4, 19]
+    off = KVCacheManager(16, 4, enable_prefix_caching=False, specs=[attention(), snap])
+    assert off.align(0, 13) == 13
 
 
 # ---- shared pools -----------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 against transformers' torch path: tiny random models (float32, 4 layers: three linear, one
 full; Qwen3-Next's experts with a shared one and a dense layer among them), 40-90 token
 prompts, greedy tokens equal and each chosen token's logprob within 1e-4 of transformers'
-teacher-forced one. Crosses: prefix caching on (a hybrid takes no hit yet), chunked prefill
+teacher-forced one. Crosses: prefix hits from state snapshots, chunked prefill
 smaller than a prompt (the state carried across chunks, decodes beside chunks) one step ahead,
 the packed batch layout, preemption (the state slot freed, the request recomputed), tensor
 parallelism with expert parallelism, bf16 as near float32 as transformers' bf16;
@@ -134,10 +134,10 @@ def test_matches_transformers(hybrids, oracles, model_type, settings):
     assert_matches(oracles[model_type], PROMPTS, outs)
     if "num_gpu_blocks_override" in settings:
         assert llm.llm_engine.scheduler.num_preemptions > 0
-    if settings == {}:  # prefix caching is on: the same prompts again take no hit, same output
-        again = generate(llm, PROMPTS)
-        assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
-        assert all(not o.num_cached_tokens for o in again)
+    if settings == {}:  # prefix caching: the 90-token prompt's state at 64 is a hit
+        again = generate(llm, PROMPTS, params)
+        assert_matches(oracles[model_type], PROMPTS, again)
+        assert [o.num_cached_tokens for o in again] == [0, 0, 0, 64]
 
 
 def test_bf16_as_near_float32_as_transformers_bf16(hybrids, oracles):
@@ -168,3 +168,49 @@ def test_speculative_decoding_is_refused(hybrids):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
     with pytest.raises(ValueError, match="per-request state"):
         LLM(hybrids["qwen3_next"], **SMALL, speculative_config=spec)
+
+
+# A long prompt, the next turn of its conversation (the prompt, 8 generated tokens and 20
+# new ones), the prompt again, and an unrelated one.
+LONG = prompt_ids(1, 150, seed=3, vocab=VOCAB)[0]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        # Chunks of 16: snapshots at 64 and 128 as the chunks reach them; one step ahead.
+        {"max_num_batched_tokens": 16, "async_scheduling": True},
+        # 40 tokens each: the second batch's three requests outgrow 19 usable blocks.
+        {"num_gpu_blocks_override": 20},
+        {"tensor_parallel_size": 2},
+    ],
+    ids=["plain", "chunked-async", "preempting", "tp2"],
+)
+def test_prefix_hits_resume_from_state_snapshots(hybrids, oracles, settings):
+    """The state after 128 tokens (the last multiple of mamba_block_size=64 the first
+    request's prefill reaches) is snapshotted; a later turn of the conversation and the same
+    prompt start from it (128 cached tokens) and still equal transformers; an unrelated
+    prompt hits nothing. A twin admitted in the same step as the snapshot's writer does not
+    read it before it is written."""
+    llm = LLM(hybrids["qwen3_next"], **{**SMALL, "dtype": "float32", **settings})
+    tokens = 40 if "num_gpu_blocks_override" in settings else 8
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=1)
+    first = generate(llm, [LONG, LONG], params)  # twins: no hit on the state written beside
+    assert_matches(oracles["qwen3_next"], [LONG, LONG], first)
+    turn = LONG + list(first[0].outputs[0].token_ids) + prompt_ids(1, 20, seed=4, vocab=VOCAB)[0]
+    other = prompt_ids(1, 70, seed=5, vocab=VOCAB)[0]
+    prompts = [turn, LONG, other]
+    outs = generate(llm, prompts, params)
+    assert_matches(oracles["qwen3_next"], prompts, outs)
+    assert [o.num_cached_tokens for o in outs] == [128, 128, 0]
+    if "num_gpu_blocks_override" in settings:
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_mamba_cache_mode_none_takes_no_hit(hybrids, oracles):
+    llm = LLM(hybrids["qwen3_next"], **SMALL, dtype="float32", mamba_cache_mode="none")
+    generate(llm, [LONG])
+    outs = generate(llm, [LONG])
+    assert_matches(oracles["qwen3_next"], [LONG], outs)
+    assert outs[0].num_cached_tokens == 0

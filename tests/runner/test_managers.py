@@ -23,6 +23,7 @@ from jllm.lora.request import LoRARequest
 from jllm.runner.encoder import ImageEncoder
 from jllm.runner.manager import RunnerManager
 from jllm.runner.penalty_state import PenaltyState
+from jllm.runner.state_copies import StateCopies, rounds
 from jllm.runner.step_message import StepPlan, from_message, to_message
 from sharding import make_mesh, replicated
 
@@ -146,8 +147,24 @@ def test_each_wire_form_round_trips_and_checks():
         pen.decode([[w.reset_rows, w.rows[:3], w.tokens[:3], w.is_output[:3]]])
 
 
+def test_state_copies_wire_form_and_rounds():
+    """The prefix cache's state copies: (group, source, destination) triples on the wire,
+    a group with no state refused; a copy that reads what an earlier one writes goes in a
+    later call."""
+    copies = StateCopies({1: 1}, 4, replicated(make_mesh(1)))
+    writes = [(1, 3, 5), (1, 5, 7)]
+    assert copies.decode(codec.decode(codec.encode(copies.encode(writes)))) == writes
+    for bad in ([[0, 3, 5]], [[1, 3]], [["1", 3, 5]]):
+        with pytest.raises(MalformedMessage):
+            copies.decode(bad)
+    assert rounds([(3, 5), (4, 6), (5, 7), (6, 8), (9, 3)]) == [
+        [(3, 5), (4, 6)],
+        [(5, 7), (6, 8), (9, 3)],
+    ]
+
+
 def test_every_manager_kind_is_covered():
     """A new manager class must join this file's checks: the relay engine's managers or
     the unit checks above."""
-    covered = {"lora", "host_kv", "penalties", "bias", "images"}
+    covered = {"lora", "host_kv", "state_copies", "penalties", "bias", "images"}
     assert {m.name for m in RunnerManager.__subclasses__()} == covered
