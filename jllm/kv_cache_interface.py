@@ -272,6 +272,9 @@ class MambaSpec(KVCacheSpec):
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
     cache_interval: int = 0
+    # Speculative decoding: each request also holds a slot with its state before its last
+    # verification step, which a step that rejected drafts restores (StateManager).
+    backups: bool = False
 
     @property
     def prefix_cacheable(self) -> bool:
@@ -300,22 +303,26 @@ class MambaSpec(KVCacheSpec):
         return {"state": True}
 
     def num_blocks(self, num_tokens: int, block_size: int) -> int:
-        return 1
+        return 2 if self.backups else 1
 
     def max_blocks_per_request(self, num_tokens: int, block_size: int, max_step_tokens: int) -> int:
-        return 1
+        return 2 if self.backups else 1
 
     def pool_cap(self, block_size: int, max_num_seqs: int, max_step_tokens: int) -> int:
-        """One slot per request; with snapshots as many again, which hold the snapshots a
-        step pins (written or read) and the cached ones."""
-        return (2 if self.cache_interval else 1) * max_num_seqs + 1
+        """One slot per request (two with backups); with snapshots as many again as
+        requests, which hold the snapshots a step pins (written or read) and cached ones."""
+        per_request = (2 if self.backups else 1) + (1 if self.cache_interval else 0)
+        return per_request * max_num_seqs + 1
 
 
-def with_state_snapshots(specs, interval: int) -> tuple[KVCacheSpec, ...]:
-    """`specs` with every per-request state group snapshotting every `interval` tokens
-    (`MambaSpec.cache_interval`)."""
+def with_state_options(specs, interval: int, backups: bool) -> tuple[KVCacheSpec, ...]:
+    """`specs` with every per-request state group snapshotting every `interval` tokens (0:
+    never; `MambaSpec.cache_interval`) and, with `backups`, keeping a backup slot per
+    request for speculative decoding."""
     return tuple(
-        dataclasses.replace(s, cache_interval=interval) if isinstance(s, MambaSpec) else s
+        dataclasses.replace(s, cache_interval=interval, backups=backups)
+        if isinstance(s, MambaSpec)
+        else s
         for s in specs
     )
 

@@ -444,7 +444,7 @@ class EngineCore:
                 req.num_output_placeholders -= 1
             drafts = sched_out.scheduled_spec_decode_tokens.get(rid, ())
             if drafts:
-                self.scheduler.reject_drafts(req, len(drafts) + 1 - len(tokens))
+                self.scheduler.reject_drafts(req, len(drafts) + 1 - len(tokens), num_new)
                 if tokens:
                     stats.spec_decoding.observe(len(drafts), len(tokens) - 1)
             elif req.num_computed_tokens - num_new < req.num_prompt_tokens or not tokens:

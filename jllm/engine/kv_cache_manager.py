@@ -161,6 +161,27 @@ class KVCacheManager:
             for src, dst in manager.take_copies()
         ]
 
+    def _state_managers(self, req: Request):
+        blocks = self.req_blocks.get(req.request_id)
+        for manager, held in zip(self.managers, blocks or (), strict=False):
+            if isinstance(manager, StateManager) and manager.spec.backups and held:
+                yield manager, held
+
+    def save_state(self, req: Request) -> None:
+        """`req` verifies drafts in the step being scheduled: its per-request state is kept
+        as it is before the step (StateManager.save)."""
+        for manager, held in self._state_managers(req):
+            manager.save(held)
+
+    def restore_state(self, req: Request) -> bool:
+        """`req`'s last step rejected drafts: its per-request state goes back to before that
+        step (StateManager.restore). False when it keeps no such state (nothing to do)."""
+        restored = False
+        for manager, held in self._state_managers(req):
+            manager.restore(held)
+            restored = True
+        return restored
+
     def align(self, start: int, num_new: int) -> int:
         """`num_new` tokens from `start`, cut to end where a per-request state group
         snapshots (StateManager.align) when prefix caching is on."""
@@ -335,7 +356,7 @@ class KVCacheManager:
                     self.host.loads += num_loaded
                 manager.extend(held, hit, fresh)
         if self.enable_prefix_caching:
-            self._cache_full_blocks(req, blocks, min(total, req.num_tokens))
+            self._cache_full_blocks(req, blocks, min(total, req.num_tokens), total)
         return blocks
 
     def new_weights(self, requests) -> None:
@@ -351,7 +372,7 @@ class KVCacheManager:
             else:
                 req.block_hashes.clear()
 
-    def _cache_full_blocks(self, req: Request, blocks, num_tokens: int) -> None:
+    def _cache_full_blocks(self, req: Request, blocks, num_tokens: int, step_end: int) -> None:
         if req.request_id in self.stale:
             return
         start = self.num_cached_blocks.get(req.request_id, 0)
@@ -360,7 +381,7 @@ class KVCacheManager:
             return
         self._update_hashes(req, num_tokens)
         for manager, held in zip(self.managers, blocks, strict=True):
-            manager.cache_blocks(held, req.block_hashes, start, end)
+            manager.cache_blocks(held, req.block_hashes, start, end, step_end)
         self.num_cached_blocks[req.request_id] = end
 
     def forget_uncomputed(self, req: Request, num_computed: int) -> None:
@@ -385,6 +406,8 @@ class KVCacheManager:
             self.stale.discard(req.request_id)
             req.block_hashes.clear()
         for manager, held in zip(self.managers, blocks, strict=True):
+            if isinstance(manager, StateManager):
+                manager.drop(held)
             manager.pool.release(held)
 
     def reset_prefix_cache(self) -> bool:

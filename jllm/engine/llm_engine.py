@@ -55,7 +55,7 @@ from jllm.engine.processor import Processor
 from jllm.engine.request import RequestStatus
 from jllm.engine.routed_experts import RoutedExpertsRecord, routes_spec
 from jllm.engine.scheduler import Scheduler
-from jllm.kv_cache_interface import MambaSpec, with_state_snapshots
+from jllm.kv_cache_interface import MambaSpec, with_state_options
 from jllm.logits_process import LogitsProcessorConfig, load_logits_processors
 from jllm.lora.manager import LoraCache, LoraSlots
 from jllm.metrics.stats import LoggingStatLogger
@@ -118,8 +118,10 @@ class LLMEngine:
             args.pipeline_parallel_size,
         )
         m = load_engine_model(args, platform)
-        if args.mamba_cache_mode == "align":  # linear-attention state in the prefix cache
-            m.kv_caches = with_state_snapshots(m.kv_caches, args.mamba_block_size)
+        # Linear-attention state: snapshots for the prefix cache, backups for speculation.
+        interval = args.mamba_block_size if args.mamba_cache_mode == "align" else 0
+        speculative = args.speculative_config is not None
+        m.kv_caches = with_state_options(m.kv_caches, interval, speculative)
         loaded = time.perf_counter()
         cfg, dtype, self.max_model_len = m.config, m.dtype, m.max_model_len
         # A pooling model's task and head (jllm/pooling/model.py); None: a generative model.

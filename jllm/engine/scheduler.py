@@ -261,10 +261,13 @@ class Scheduler:
             num_new = self._fit_row(req, start, num_new, budget)
             if num_new == 0:  # its prompt logprobs or its images wait for the next step
                 continue
+            drafts = drafts[: max(0, num_new - known)]  # a row cut short verifies fewer
             if not self._make_room(req, num_new, rows, victims, budget):
                 break
             rows[req.request_id] = _Row(req=req, start=start, num_new=num_new, drafts=drafts)
             budget.take(req, start, num_new)
+            if drafts:  # a linear-attention state is kept as it is before the drafts
+                self.kv_cache.save_state(req)
         if victims:
             self.running = [r for r in self.running if r.request_id not in victims]
         return list(rows.values()), victims
@@ -419,8 +422,14 @@ class Scheduler:
         if self._sent_blocks.pop(req.request_id, None) is not None:
             self._finished_ids.add(req.request_id)
 
-    def reject_drafts(self, req: Request, num_rejected: int) -> None:
-        """A verification row accepted fewer drafts than it computed: their positions are
-        computed again later (their KV slots get overwritten; their blocks were never
-        cached, see `KVCacheManager.allocate_slots`)."""
+    def reject_drafts(self, req: Request, num_rejected: int, num_scheduled: int = 0) -> None:
+        """A verification row of `num_scheduled` tokens accepted fewer drafts than it
+        computed: their positions are computed again later (their KV slots get
+        overwritten; their blocks were never cached, see `KVCacheManager.allocate_slots`).
+        A model with per-request state (linear attention) ran the rejected drafts into it:
+        the state goes back to its backup from before the step, and the whole row is
+        computed again from its first token (the accepted drafts and the token sampled
+        after them now known)."""
         req.num_computed_tokens -= num_rejected
+        if num_rejected and self.kv_cache.restore_state(req):
+            req.num_computed_tokens -= num_scheduled - num_rejected

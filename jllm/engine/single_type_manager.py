@@ -91,8 +91,11 @@ class SingleTypeManager:
             held[i] = NULL_BLOCK
         self.pool.release(dead[::-1])  # the later blocks are evicted first, as a tail
 
-    def cache_blocks(self, held: list[int], keys: list[bytes], start: int, end: int) -> None:
-        """Register the full blocks `start` .. `end` - 1 under their keys."""
+    def cache_blocks(
+        self, held: list[int], keys: list[bytes], start: int, end: int, step_end: int = 0
+    ) -> None:
+        """Register the full blocks `start` .. `end` - 1 under their keys (`step_end`: where
+        the step that fills them ends, in tokens)."""
         if not self.spec.prefix_cacheable:
             return
         for i in range(start, end):
@@ -137,6 +140,11 @@ class StateManager(SingleTypeManager):
         self.snapshots: list[tuple[int, int, int]] = []
         self.ready: list[tuple[int, int, int]] = []
         self.loads: list[tuple[int, int]] = []
+        # Speculative decoding (the spec's `backups`: a request's list is [live, backup]):
+        # restores (backup, live) of requests whose last step rejected drafts, and saves
+        # (live, backup) of the rows that verify drafts in the step being scheduled.
+        self.restores: list[tuple[int, int]] = []
+        self.saves: list[tuple[int, int]] = []
 
     def align(self, start: int, num_new: int) -> int:
         """`num_new` tokens from `start` cut to end at the last multiple of the interval they
@@ -162,7 +170,25 @@ class StateManager(SingleTypeManager):
         return [] if n == 0 else [self.pool.cached[keys[n - 1] + self.tag]]
 
     def num_fresh(self, held: list[int], hit: list[int], num_tokens: int) -> int:
-        return 0 if held else 1  # the live slot
+        return 0 if held else self.spec.num_blocks(num_tokens, self.block_size)
+
+    def save(self, held: list[int]) -> None:
+        """The request verifies drafts in the step being scheduled: keep its state before
+        the step in its backup (unless a restore puts it back there already)."""
+        if all(dst != held[0] for _, dst in self.restores):
+            self.saves.append((held[0], held[1]))
+
+    def drop(self, held: list[int]) -> None:
+        """The request gives its slots back: its saves and restores not handed on yet are
+        dropped (its slots may serve another request in the same step)."""
+        mine = set(held)
+        self.saves = [c for c in self.saves if not mine & set(c)]
+        self.restores = [c for c in self.restores if not mine & set(c)]
+
+    def restore(self, held: list[int]) -> None:
+        """The request's last step rejected drafts, which stay in its live state: the next
+        step starts from its backup (the state before that step)."""
+        self.restores.append((held[1], held[0]))
 
     def extend(self, held: list[int], hit: list[int], fresh: list[int]) -> None:
         held.extend(fresh)
@@ -172,10 +198,15 @@ class StateManager(SingleTypeManager):
     def free_skipped(self, held: list[int], start: int) -> None:
         """The live slot is read by every step."""
 
-    def cache_blocks(self, held: list[int], keys: list[bytes], start: int, end: int) -> None:
-        """Snapshot the state at block `end` when a step ends there at a multiple of the
+    def cache_blocks(
+        self, held: list[int], keys: list[bytes], start: int, end: int, step_end: int = 0
+    ) -> None:
+        """Snapshot the state at block `end` when the step ends there (`step_end`, in
+        tokens: not past it, with drafts or tokens still in flight) at a multiple of the
         interval (best effort: none when the pool has no free slot)."""
         if not self.interval or end <= start or end % self.stride or self.pool.num_free == 0:
+            return
+        if step_end != end * self.block_size:
             return
         key = keys[end - 1] + self.tag
         if key in self.pool.cached:
@@ -205,6 +236,8 @@ class StateManager(SingleTypeManager):
         snapshots of the step before it (which has run by then), then its own loads. Their
         slots are released: any later use of them runs after these copies."""
         copies = [(live, slot) for live, slot, _ in self.ready] + self.loads
+        copies += self.restores + self.saves
         self.pool.release([slot for _, slot, _ in self.ready] + [snap for snap, _ in self.loads])
         self.ready, self.snapshots, self.loads = self.snapshots, [], []
+        self.restores, self.saves = [], []
         return copies

@@ -21,9 +21,10 @@ sigmoid-scaled outputs: `blocks.Attention(output_gate=True)`), per-head q/k norm
 rotary positions on the first `partial_rotary_factor` of each head. Every RMSNorm but the
 DeltaNet's gated one scales by `1 + w` (Gemma's form).
 
-Prefix hits resume from state snapshots (engine/single_type_manager.py: StateManager). Not
-yet: speculative decoding, the linear layers split over tensor-parallel devices (they run
-replicated; attention and experts split as Qwen3-MoE's).
+Prefix hits resume from state snapshots, and n-gram drafts that are rejected put the state
+back (engine/single_type_manager.py: StateManager). Not yet: draft models and MTP as
+proposers, the linear layers split over tensor-parallel devices (they run replicated;
+attention and experts split as Qwen3-MoE's).
 
 Glossary: T tokens, D model dim, Hk key heads, Hv value heads, K key dim, V value dim,
 G key-head groups of a fused projection, X a group's fused width, C conv channels, J taps.

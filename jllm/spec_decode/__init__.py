@@ -89,16 +89,16 @@ class NgramProposer:
 
 
 def check_state_speculation(config: SpeculativeConfig | None, specs) -> None:
-    """Refuse speculative decoding for a model that keeps per-request state (linear
-    attention: `MambaSpec`): a rejected draft token would stay in the state, and the states
-    to roll back to are not kept yet."""
-    if config is None:
+    """Refuse a draft model or MTP for a model that keeps per-request state (linear
+    attention: `MambaSpec`). N-gram drafts run: a step that rejects some puts the state back
+    to its backup from before the step (engine/single_type_manager.py: StateManager)."""
+    if config is None or config.method == "ngram":
         return
     if any(isinstance(spec, MambaSpec) for spec in specs):
         raise ValueError(
             f"Speculative decoding ({config.method}) is not supported by jllm yet for a model "
-            "that keeps per-request state (linear attention: Qwen3-Next, Qwen3.5): a rejected "
-            "draft token would stay in its state."
+            "that keeps per-request state (linear attention: Qwen3-Next, Qwen3.5); n-gram "
+            "drafts are."
         )
 
 

@@ -150,6 +150,28 @@ def test_state_snapshots_are_hits_from_the_next_step_and_copy_in_order():
     assert kv.get_computed_blocks(c)[1] == 0
 
 
+def test_state_backups_save_restore_and_drop():
+    """With speculative decoding a request holds [live, backup]: a row verifying drafts
+    saves live into backup; a step that rejected drafts restores backup into live (and a
+    save in the same step is then left out: the backup already holds that state); a
+    request that gives its slots back drops its copies not handed on yet."""
+    spec = dataclasses.replace(STATE, backups=True)
+    kv = KVCacheManager(16, 4, enable_prefix_caching=False, specs=[attention(), spec])
+    a = req("a", list(range(5)))
+    live, backup = kv.allocate_slots(a, 5)[1]
+    kv.save_state(a)
+    assert kv.take_state_copies() == [(1, live, backup)]
+    assert kv.restore_state(a)
+    kv.save_state(a)
+    assert kv.take_state_copies() == [(1, backup, live)]
+    kv.save_state(a)
+    kv.free(a)
+    assert kv.take_state_copies() == []
+    plain = KVCacheManager(16, 4, enable_prefix_caching=False, specs=[attention(), STATE])
+    plain.allocate_slots(a, 5)
+    assert not plain.restore_state(a)  # nothing kept: the caller changes nothing
+
+
 def test_state_snapshot_align_cuts_chunks_at_the_interval():
     snap = dataclasses.replace(STATE, cache_interval=8)
     kv = KVCacheManager(16, 4, enable_prefix_caching=True, specs=[attention(), snap])

@@ -5,8 +5,8 @@ prompts, greedy tokens equal and each chosen token's logprob within 1e-4 of tran
 teacher-forced one. Crosses: prefix hits from state snapshots, chunked prefill
 smaller than a prompt (the state carried across chunks, decodes beside chunks) one step ahead,
 the packed batch layout, preemption (the state slot freed, the request recomputed), tensor
-parallelism with expert parallelism, bf16 as near float32 as transformers' bf16;
-speculative decoding refused."""
+parallelism with expert parallelism, bf16 as near float32 as transformers' bf16; n-gram
+speculation exact (the state put back after rejected drafts), draft models refused."""
 
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ from oracle import (
     generate,
     oracle_tokens,
     prompt_ids,
+    spec_counts,
     teacher_forced_logprobs,
+    with_metrics,
     worst_teacher_forced_gaps,
 )
 
@@ -164,10 +166,37 @@ def test_bf16_as_near_float32_as_transformers_bf16(hybrids, oracles):
     assert ours[1] <= 1.5 * hf_logprob + 0.1, (ours, hf_logprob)
 
 
-def test_speculative_decoding_is_refused(hybrids):
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+def test_draft_models_are_refused(hybrids):
+    spec = {"model": hybrids["qwen3_5_text"], "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="per-request state"):
         LLM(hybrids["qwen3_next"], **SMALL, speculative_config=spec)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"max_num_batched_tokens": 16}],
+    ids=["plain", "chunked"],
+)
+def test_ngram_speculation_is_exact(hybrids, oracles, settings):
+    """N-gram drafts where they partly hold: each prompt is P + G + P, G the model's own
+    greedy continuation of P, so after the second P the drafts are G's tokens, which the
+    model takes up to where the longer context changes its mind. The steps that reject
+    drafts put the linear layers' state back to before the step and compute the row again:
+    greedy tokens and logprobs equal transformers'; drafts were accepted and rejected."""
+    oracle = oracles["qwen3_next"]
+    bases = prompt_ids(3, 20, seed=6, vocab=VOCAB)
+    prompts = [p + g + p for p, g in zip(bases, oracle_tokens(oracle, bases, 24), strict=True)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    llm = LLM(
+        hybrids["qwen3_next"],
+        **{**SMALL, "dtype": "float32", "speculative_config": spec, **settings},
+    )
+    prom = with_metrics(llm)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
+    outs = generate(llm, prompts, params)
+    assert_matches(oracle, prompts, outs)
+    drafts, draft_tokens, accepted = spec_counts(prom)
+    assert drafts > 0 and 0 < accepted < draft_tokens
 
 
 # A long prompt, the next turn of its conversation (the prompt, 8 generated tokens and 20

@@ -136,11 +136,11 @@ def test_state_metadata_of_a_step():
     assert md.query_lens.tolist() == [1, 3, 2, 0]
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "mtp"])
-def test_speculative_decoding_is_refused_with_state(method):
-    """A rejected draft token would stay in a request's state (no snapshots to roll back
-    to): the engine refuses every speculative method beside a per-request state group (the
-    model's or a draft's), by name (end to end: tests/models/test_qwen3_next.py)."""
+@pytest.mark.parametrize("method", ["draft_model", "mtp"])
+def test_draft_models_are_refused_with_state(method):
+    """A draft model or MTP beside a per-request state group (the model's or a draft's) is
+    refused by name; n-gram drafts run, the state put back after rejections (end to end:
+    tests/models/test_qwen3_next.py)."""
     state = state_family.LinearAttention.spec(
         SimpleNamespace(num_heads=4, head_dim=16, hidden_size=64)
     )
@@ -151,3 +151,4 @@ def test_speculative_decoding_is_refused_with_state(method):
             check_state_speculation(config, specs)
     check_state_speculation(config, (full,))
     check_state_speculation(None, (state,))
+    check_state_speculation(SimpleNamespace(method="ngram"), (state, full))
