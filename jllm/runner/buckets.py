@@ -128,6 +128,12 @@ class BatchLayout:
         rows a step can have."""
         return self.sample_buckets[-1]
 
+    @property
+    def has_state(self) -> bool:
+        """Whether a KV-cache group keeps per-request state (linear attention), whose
+        layers run each request row's tokens in order from its one state."""
+        return any(dict(f).get("state") for f in self.group_fields)
+
     def dims(self, key: tuple) -> tuple[int, int, int, int]:
         """(T tokens, R request rows, Rd decode rows, Tt tiles) of a forward key."""
         if self.tiles:

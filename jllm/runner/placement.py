@@ -79,10 +79,11 @@ def plan_rows(batch: InputBatch, out: SchedulerOutput, layout: BatchLayout, shap
     # With tiles, a verification row (its last token, then its drafts) is laid out as decode
     # rows of one query each, at consecutive positions (each sees the K/V written before it
     # in the step), while they fit the largest decode bucket: in tiles its k + 1 tokens
-    # would take C slots. Packed, it is a row like any other.
+    # would take C slots. Packed, it is a row like any other, and so it is with per-request
+    # state (a linear-attention layer runs a request row's tokens in order from its state).
     spec = out.scheduled_spec_decode_tokens
     verify = np.zeros(len(ids), bool)
-    if spec and shape is None and layout.tiles:
+    if spec and shape is None and layout.tiles and not layout.has_state:
         room = layout.decode_buckets[-1] - int(single.sum())
         for i in np.flatnonzero(~single):
             n = int(counts[i])

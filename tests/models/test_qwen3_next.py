@@ -174,8 +174,8 @@ def test_draft_models_are_refused(hybrids):
 
 @pytest.mark.parametrize(
     "settings",
-    [{}, {"max_num_batched_tokens": 16}],
-    ids=["plain", "chunked"],
+    [{}, {"max_num_batched_tokens": 16}, {"attention_backend": "xla"}],
+    ids=["plain", "chunked", "tiles"],
 )
 def test_ngram_speculation_is_exact(hybrids, oracles, settings):
     """N-gram drafts where they partly hold: each prompt is P + G + P, G the model's own
