@@ -152,6 +152,11 @@ class LLMEngine:
             draft = load_draft_model(args, m, backend, platform, kv_dtype.itemsize)
         groups = (*m.kv_caches, *(() if draft is None else draft.kv_caches))
         check_state_speculation(args.speculative_config, groups)
+        if args.enable_lora and any(isinstance(g, MambaSpec) for g in groups):
+            raise ValueError(
+                "LoRA adapters on a model with linear-attention layers (Qwen3-Next, Qwen3.5) "
+                "are not supported by jllm yet."
+            )
         vision = getattr(cfg, "vision", None)
         check_prompt_embeds(args, vision, draft)
         # enable_prompt_embeds: the rows' width, which the processor checks and steps carry

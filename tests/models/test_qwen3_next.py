@@ -166,6 +166,11 @@ def test_bf16_as_near_float32_as_transformers_bf16(hybrids, oracles):
     assert ours[1] <= 1.5 * hf_logprob + 0.1, (ours, hf_logprob)
 
 
+def test_lora_is_refused(hybrids):
+    with pytest.raises(ValueError, match="LoRA adapters on a model with linear-attention"):
+        LLM(hybrids["qwen3_5_text"], **SMALL, enable_lora=True)
+
+
 def test_draft_models_are_refused(hybrids):
     spec = {"model": hybrids["qwen3_5_text"], "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="per-request state"):
