@@ -17,6 +17,7 @@ import torch
 import transformers
 from oracle import (
     SMALL,
+    TINY,
     assert_matches,
     generate,
     oracle_tokens,
@@ -44,12 +45,10 @@ SHAPE = dict(
     linear_num_value_heads=4,  # two value heads per key head
     linear_key_head_dim=16,
     linear_value_head_dim=8,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-5,
-    bos_token_id=1,
-    eos_token_id=2,
-    initializer_range=0.25,
     tie_word_embeddings=False,
+    # The tiny models' lengths, norms, special ids and wide weights (oracle.TINY).
+    **{k: TINY[k] for k in ("max_position_embeddings", "rms_norm_eps", "initializer_range")},
+    **{k: TINY[k] for k in ("bos_token_id", "eos_token_id")},
 )
 EXPERTS = dict(
     num_experts=8,
