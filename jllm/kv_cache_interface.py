@@ -306,7 +306,7 @@ class MambaSpec(KVCacheSpec):
         return 2 if self.backups else 1
 
     def max_blocks_per_request(self, num_tokens: int, block_size: int, max_step_tokens: int) -> int:
-        return 2 if self.backups else 1
+        return self.num_blocks(num_tokens, block_size)
 
     def pool_cap(self, block_size: int, max_num_seqs: int, max_step_tokens: int) -> int:
         """One slot per request (two with backups); with snapshots as many again as

@@ -132,6 +132,14 @@ class BlockPool:
         if self.fresh is not None:
             self.fresh.clear()
 
+    def uncache(self, block: int) -> None:
+        """Forget `block`'s key: its contents will not be written after all."""
+        key = self.block_hash[block]
+        if key is not None and self.cached.get(key) == block:
+            del self.cached[key]
+        self.block_hash[block] = None
+        self.unfresh(block)
+
     def unfresh(self, block: int) -> None:
         if self.fresh is not None:
             self.fresh.discard(block)

@@ -176,11 +176,10 @@ class KVCacheManager:
     def restore_state(self, req: Request) -> bool:
         """`req`'s last step rejected drafts: its per-request state goes back to before that
         step (StateManager.restore). False when it keeps no such state (nothing to do)."""
-        restored = False
-        for manager, held in self._state_managers(req):
+        kept = list(self._state_managers(req))
+        for manager, held in kept:
             manager.restore(held)
-            restored = True
-        return restored
+        return bool(kept)
 
     def align(self, start: int, num_new: int) -> int:
         """`num_new` tokens from `start`, cut to end where a per-request state group

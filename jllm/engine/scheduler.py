@@ -422,7 +422,7 @@ class Scheduler:
         if self._sent_blocks.pop(req.request_id, None) is not None:
             self._finished_ids.add(req.request_id)
 
-    def reject_drafts(self, req: Request, num_rejected: int, num_scheduled: int = 0) -> None:
+    def reject_drafts(self, req: Request, num_rejected: int, num_scheduled: int) -> None:
         """A verification row of `num_scheduled` tokens accepted fewer drafts than it
         computed: their positions are computed again later (their KV slots get
         overwritten; their blocks were never cached, see `KVCacheManager.allocate_slots`).

@@ -108,9 +108,7 @@ class SingleTypeManager:
         for i in range(first, min(len(held), len(keys))):
             b, key = held[i], keys[i] + self.tag
             if b != NULL_BLOCK and pool.block_hash[b] == key and pool.cached.get(key) == b:
-                del pool.cached[key]
-                pool.block_hash[b] = None
-                pool.unfresh(b)
+                pool.uncache(b)
 
 
 class StateManager(SingleTypeManager):
@@ -221,11 +219,7 @@ class StateManager(SingleTypeManager):
         keep = []
         for live, slot, end in self.snapshots:
             if held and live == held[0] and end > first:
-                key = self.pool.block_hash[slot]
-                if self.pool.cached.get(key) == slot:
-                    del self.pool.cached[key]
-                self.pool.block_hash[slot] = None
-                self.pool.unfresh(slot)
+                self.pool.uncache(slot)
                 self.pool.release([slot])
             else:
                 keep.append((live, slot, end))

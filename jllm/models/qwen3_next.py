@@ -69,15 +69,19 @@ class LinearAttentionConfig:
     fused_projections: bool  # Qwen3-Next's in_proj_qkvz / in_proj_ba
 
     @property
+    def dims(self) -> tuple[int, int, int, int]:
+        """(Hk key heads, Hv value heads, K key dim, V value dim)."""
+        return self.num_key_heads, self.num_value_heads, self.key_head_dim, self.value_head_dim
+
+    @property
     def conv_dim(self) -> int:
         """The convolution's channels: q and k of every key head, v of every value head."""
-        return (
-            2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
-        )
+        Hk, Hv, K, V = self.dims
+        return 2 * Hk * K + Hv * V
 
     def spec(self) -> MambaSpec:
         """One layer's per-request state: the recurrent state and the conv window."""
-        Hv, K, V = self.num_value_heads, self.key_head_dim, self.value_head_dim
+        _, Hv, K, V = self.dims
         window = (self.conv_kernel_dim - 1, self.conv_dim)
         return MambaSpec(shapes=((Hv, K, V), window), dtypes=("float32", "float32"))
 
@@ -133,7 +137,7 @@ class GatedDeltaNet(nnx.Module):
 
     def __init__(self, cfg: Qwen3NextConfig, dtype, rngs: nnx.Rngs):
         lin, D = cfg.linear, cfg.hidden_size
-        Hk, Hv, K, V = lin.num_key_heads, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim
+        Hk, Hv, K, V = lin.dims
         r = Hv // Hk
         self.lin, self.act = lin, activation(cfg.hidden_act)
         if lin.fused_projections:  # per key head: q, k, r values, r gates; r b's, r a's
@@ -156,7 +160,7 @@ class GatedDeltaNet(nnx.Module):
     def projections(self, x, ctx):
         """x [T, D] -> (the conv's input [T, C], z [T, Hv, V], b and a [T, Hv])."""
         lin, T = self.lin, x.shape[0]
-        Hk, Hv, K, V = lin.num_key_heads, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim
+        Hk, Hv, K, V = lin.dims
         if not lin.fused_projections:
             z = self.in_proj_z(x, ctx).reshape(T, Hv, V)
             return self.in_proj_qkv(x, ctx), z, self.in_proj_b(x, ctx), self.in_proj_a(x, ctx)
@@ -170,7 +174,7 @@ class GatedDeltaNet(nnx.Module):
 
     def __call__(self, x, ctx: StepContext, kv_caches):
         lin, T, f32 = self.lin, x.shape[0], jnp.float32
-        Hk, Hv, K, V = lin.num_key_heads, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim
+        Hk, Hv, K, V = lin.dims
         md = ctx.attn[ctx.group]
         state, window = ctx.load_state(kv_caches)  # [R, Hv, K, V], [R, J - 1, C]
         mixed, z, b, a = self.projections(x, ctx)

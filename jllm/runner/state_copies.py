@@ -80,12 +80,12 @@ class StateCopies(RunnerManager):
     def _copy(self, table, pool: tuple, pairs) -> tuple:
         largest = self.buckets[-1]
         slots = pool[0].shape[1]
+        put = partial(jax.device_put, device=self.replicated)
         for lo in range(0, len(pairs), largest):
             part = pairs[lo : lo + largest]
             n = next(b for b in self.buckets if b >= len(part))
             src, dst = np.zeros(n, np.int32), np.full(n, slots, np.int32)
             src[: len(part)], dst[: len(part)] = zip(*part, strict=True)
-            put = partial(jax.device_put, device=self.replicated)
             pool = self._executable(table, pool, n)(pool, put(src), put(dst))
         return pool
 
