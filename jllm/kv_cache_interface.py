@@ -258,8 +258,9 @@ class MambaSpec(KVCacheSpec):
     layer keeps, per request, fixed-size arrays of `shapes` and `dtypes` (a conv window and
     a recurrent state), [Lg, slots, *shape] each, whatever the context length. A request's
     block list is its one slot: taken at admission, freed when it finishes or is preempted,
-    never skipped. Not split over TP devices here (a model that splits its state heads
-    declares the per-device shapes). Block size and cache dtype do not apply.
+    never skipped. `head_axes` names, per array, the dimension of its shape that tensor
+    parallelism splits (its heads), or None: replicated. Block size and cache dtype do not
+    apply.
 
     Prefix hits: a hit of n blocks needs the state after n * S tokens. With
     `cache_interval` C (tokens, a multiple of the block size; vLLM's `mamba_cache_mode=
@@ -271,6 +272,7 @@ class MambaSpec(KVCacheSpec):
 
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
+    head_axes: tuple[int | None, ...] = ()  # () : none split
     cache_interval: int = 0
     # Speculative decoding: each request also holds a slot with its state before its last
     # verification step, which a step that rejected drafts restores (StateManager).
@@ -284,6 +286,23 @@ class MambaSpec(KVCacheSpec):
         super().__post_init__()
         if not self.shapes or len(self.shapes) != len(self.dtypes):
             raise ValueError(f"Per-request state needs one dtype per state shape, got {self}.")
+        if self.head_axes and len(self.head_axes) != len(self.shapes):
+            raise ValueError(f"Per-request state needs one head axis per state shape, got {self}.")
+
+    def array_axes(self) -> tuple[tuple[str | None, ...], ...]:
+        """Each array's logical axes after [Lg, slots]: "heads" on its head axis."""
+        heads = self.head_axes or (None,) * len(self.shapes)
+        return tuple(
+            tuple("heads" if d == h else None for d in range(len(shape)))
+            for shape, h in zip(self.shapes, heads, strict=True)
+        )
+
+    def shard(self, tp: int, pp: int) -> MambaSpec:
+        shapes = tuple(
+            tuple(n // tp if a == "heads" else n for n, a in zip(shape, axes, strict=True))
+            for shape, axes in zip(self.shapes, self.array_axes(), strict=True)
+        )
+        return dataclasses.replace(self, num_layers=self.num_layers // pp, shapes=shapes)
 
     def cache_arrays(self, num_blocks: int, block_size: int, dtype) -> tuple[tuple, ...]:
         return tuple(
@@ -292,7 +311,7 @@ class MambaSpec(KVCacheSpec):
         )
 
     def pool_key(self) -> tuple:
-        return ("state", self.num_layers, self.shapes, self.dtypes)
+        return ("state", self.num_layers, self.shapes, self.dtypes, self.head_axes)
 
     def describe(self) -> str:
         return "per-request state"

@@ -13,7 +13,10 @@ A backend is a frozen dataclass (hashable: the step's jit takes it as a static a
 - declares the batch layout it reads (`prefill_tile`): rows of several tokens packed back to
   back after the decode rows (None: the ragged kernels read any row at any offset), or each
   starting on, and filling, tiles of that many tokens (the XLA path's tiles). The step
-  builder lays the batch out so, and the scheduler charges its budget so.
+  builder lays the batch out so, and the scheduler charges its budget so;
+- runs the gated delta rule of a linear-attention layer (`gated_delta_rule`: the XLA path
+  here, the Pallas kernels in the Pallas backends), its heads split under tensor
+  parallelism.
 
 Both write the new K/V into the cache first (padding tokens write to an out-of-range slot
 that is dropped), so every query sees its own chunk and any block shared in the same step.
@@ -36,10 +39,13 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+import jax
 import jax.numpy as jnp
 
 from jllm.attention.options import OPTION_NAMES, AttentionOptions
+from pallas_kernels.gated_delta_rule import gated_delta_rule_sharded, gated_delta_rule_xla
 from pallas_kernels.ragged_paged_attention import to_cache
+from sharding import MODEL_AXIS
 
 
 def write_kv(kv_cache, layer, k, v, slot_mapping, fp8_dtype=None):
@@ -96,6 +102,12 @@ def write_step_latent(kv_cache, layer, latent, md):
     return write_latent(kv_cache, layer, latent, md.slot_mapping, fp8), fp8
 
 
+def model_mesh():
+    """The abstract mesh when the heads are split over its model axis, else None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh if not mesh.empty and mesh.shape.get(MODEL_AXIS, 1) > 1 else None
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionBackend:
     name: str
@@ -133,3 +145,19 @@ class AttentionBackend:
         v None and its cache [L, B, S, H] -> out [T, N, Hv]. `sinks`: the layer's [N] sink
         logits when options.sinks, else None."""
         raise NotImplementedError
+
+    def delta_rule_kernel(self, key_dim: int, value_dim: int):
+        """The gated delta rule path this backend runs (the kit's contract): XLA's."""
+        return gated_delta_rule_xla
+
+    def gated_delta_rule(self, q, k, v, g, beta, state, md):
+        """A linear-attention layer's gated delta rule over the step's rows (the kit's
+        contract: pallas_kernels/gated_delta_rule, with md's query_start and query_lens):
+        q, k [T, Hk, K], v [T, Hv, V], g, beta [T, Hv], state [R, Hv, K, V] -> (o
+        [T, Hv, V] float32, the new state)."""
+        kernel = self.delta_rule_kernel(q.shape[-1], v.shape[-1])
+        args = (q, k, v, g, beta, state, md.query_start, md.query_lens)
+        mesh = model_mesh()
+        if mesh is not None:
+            return gated_delta_rule_sharded(mesh, MODEL_AXIS, *args, kernel=kernel)
+        return kernel(*args)

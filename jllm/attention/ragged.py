@@ -19,6 +19,7 @@ XLA attention).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -26,12 +27,14 @@ import jax.numpy as jnp
 from jllm.attention.base import (
     AttentionBackend,
     latent_inputs,
+    model_mesh,
     write_step_kv,
     write_step_latent,
 )
 from jllm.attention.metadata import FlatBatch, RaggedMetadata, build_ragged
 from jllm.attention.options import OPTION_NAMES, AttentionOptions
 from jllm.config import batch_invariant
+from pallas_kernels import gated_delta_rule as delta_rule
 from pallas_kernels.ragged_paged_attention import (
     SUPPORTED_DTYPES,
     is_fp8_cache,
@@ -44,12 +47,6 @@ from pallas_kernels.ragged_paged_attention import (
     unsupported_shape,
 )
 from sharding import MODEL_AXIS
-
-
-def _model_mesh():
-    """The abstract mesh when the heads are split over its model axis, else None."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return mesh if not mesh.empty and mesh.shape.get(MODEL_AXIS, 1) > 1 else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +119,7 @@ class CpuKernelBackend(_Ragged):
         )
         if md.q_horizon is not None:  # image tokens that attend both ways (Gemma 3)
             kw["q_horizon"] = md.q_horizon
-        mesh = _model_mesh()
+        mesh = model_mesh()
         if mesh is not None:
             out = ragged_paged_attention_cpu_sharded(
                 mesh, MODEL_AXIS, q, kv_cache, layer, *args, **kw
@@ -161,6 +158,16 @@ class PallasBackend(_Ragged):
             reason = gpu_without_fp8(platform)
         return reason
 
+    def delta_rule_kernel(self, key_dim: int, value_dim: int):
+        """The kit's TPU or GPU kernel (interpreted under `*_interpret`); XLA's path where
+        Triton cannot take the head dims."""
+        interpret = self.name.endswith("_interpret")
+        if not self.name.startswith("pallas_gpu"):
+            return functools.partial(delta_rule.gated_delta_rule, interpret=interpret)
+        if delta_rule.unsupported_shape(key_dim, value_dim):
+            return delta_rule.gated_delta_rule_xla
+        return functools.partial(delta_rule.gated_delta_rule_gpu, interpret=interpret)
+
     def attend(self, q, k, v, kv_cache, layer, md, options: AttentionOptions, sinks=None):
         self.check(options)
         kv_cache, fp8, kw = self.write(q, k, v, kv_cache, layer, md, options)
@@ -180,7 +187,7 @@ class PallasBackend(_Ragged):
             kw["q_horizon"] = md.q_horizon
         if gpu and batch_invariant.enabled():  # one tiling, no KV split
             kw["batch_invariant"] = True
-        mesh = _model_mesh()
+        mesh = model_mesh()
         if mesh is not None:
             out = ragged_paged_attention_sharded(mesh, MODEL_AXIS, *args, kernel=kernel, **kw)
         else:

@@ -61,6 +61,17 @@ def replicate_kv_heads(cfg, tp: int):
     return cfg, replicas
 
 
+def check_linear_heads(cfg, tp: int) -> None:
+    """A linear-attention model splits its key heads (each with its value heads) over the
+    devices, whole: their count must divide by `tp` (nothing is repeated, unlike kv heads)."""
+    linear = getattr(cfg, "linear", None)
+    if linear is not None and linear.num_key_heads % tp:
+        raise ValueError(
+            f"Linear-attention key heads (linear_num_key_heads={linear.num_key_heads}) must "
+            f"be divisible by tensor_parallel_size ({tp})."
+        )
+
+
 def expert_parallel(cfg, enabled: bool, tp: int):
     """cfg with its experts placed whole over the `tp` devices (`enable_expert_parallel`);
     a model without experts ignores the flag, as vLLM does."""
@@ -213,6 +224,7 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
             )
     mesh = make_mesh(tp, engine_devices(args.devices, tp * pp), pipeline_parallel_size=pp)
     cfg = expert_parallel(cfg, args.enable_expert_parallel, tp)
+    check_linear_heads(cfg, tp)
     cfg, replicas = replicate_kv_heads(cfg, tp)
     # Per-layer float8 KV-cache scales, from the checkpoint or quantization_param_path.
     scaled, file_scales = resolve_kv_scales(args, source, cfg.num_layers, arch.rename)

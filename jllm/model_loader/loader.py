@@ -48,7 +48,7 @@ def _convert(w: np.ndarray, kind: str | None, shape: tuple[int, ...]) -> np.ndar
         return w.T.reshape(shape)
     if kind == "o":  # [D, N*H] -> [N, H, D]
         return w.T.reshape(shape)
-    if kind == "bias":  # [N*H] -> [N, H]
+    if kind in ("bias", "heads"):  # [N*H, ...] -> [N, H, ...]
         return w.reshape(shape)
     if kind == "t":
         return w.T

@@ -5,10 +5,10 @@ A weight map names every checkpoint tensor the module takes (transformers' names
 layer, or at the top level) and how its layout converts to ours; a tensor that no entry names
 and that is not a known leftover is an error that names it, never silently dropped (a
 checkpoint with biases the module lacks must not load without them). Layouts: "qkv"
-[N*H, D] -> [D, N, H]; "o" [D, N*H] -> [N, H, D]; "bias" [N*H] -> [N, H]; "t" [out, in] ->
-[in, out]; None as is. An entry may also be (our name, layout) where our name differs, and
-one expert's tensor is named with `*` for its index (`mlp.experts.*.gate_proj.weight`): the
-loader stacks the experts.
+[N*H, D] -> [D, N, H]; "o" [D, N*H] -> [N, H, D]; "bias" [N*H] -> [N, H]; "heads"
+[N*H, ...] -> [N, H, ...]; "t" [out, in] -> [in, out]; None as is. An entry may also be
+(our name, layout) where our name differs, and one expert's tensor is named with `*` for its
+index (`mlp.experts.*.gate_proj.weight`): the loader stacks the experts.
 
 A checkpoint that fuses projections (Phi-3's `qkv_proj` and `gate_up_proj`) names each
 fused tensor's parts (`fused_weights`): the loader splits it by rows into the projections the

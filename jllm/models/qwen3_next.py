@@ -21,13 +21,15 @@ sigmoid-scaled outputs: `blocks.Attention(output_gate=True)`), per-head q/k norm
 rotary positions on the first `partial_rotary_factor` of each head. Every RMSNorm but the
 DeltaNet's gated one scales by `1 + w` (Gemma's form).
 
-Prefix hits resume from state snapshots, and n-gram drafts that are rejected put the state
-back (engine/single_type_manager.py: StateManager). Not yet: draft models and MTP as
-proposers, the linear layers split over tensor-parallel devices (they run replicated;
-attention and experts split as Qwen3-MoE's).
+Under tensor parallelism a DeltaNet layer is split by key head (with its Hv / Hk value
+heads): the projections by output heads, the conv by channel (ordered key head by key head:
+each head's q, k and v), the state by head, the output projection by input heads (one
+reduction, as attention's). Prefix hits resume from state snapshots, and n-gram drafts that
+are rejected put the state back (engine/single_type_manager.py: StateManager). Not yet: draft
+models and MTP as proposers.
 
 Glossary: T tokens, D model dim, Hk key heads, Hv value heads, K key dim, V value dim,
-G key-head groups of a fused projection, X a group's fused width, C conv channels, J taps.
+G key-head groups of a fused projection, X a group's fused (or conv) width, J taps.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from jllm.models.decoder import CausalLM
 from jllm.models.layers import Linear, RMSNorm, activation
 from jllm.models.moe import MoE, MoeConfig
 from jllm.models.qwen_moe import mlp_names, sparse_layers
-from pallas_kernels.gated_delta_rule import causal_conv, gated_delta_rule_chunked
+from pallas_kernels.gated_delta_rule import causal_conv
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -74,16 +76,19 @@ class LinearAttentionConfig:
         return self.num_key_heads, self.num_value_heads, self.key_head_dim, self.value_head_dim
 
     @property
-    def conv_dim(self) -> int:
-        """The convolution's channels: q and k of every key head, v of every value head."""
+    def group_width(self) -> int:
+        """A key head's conv channels: its q and k, and its Hv / Hk heads' v."""
         Hk, Hv, K, V = self.dims
-        return 2 * Hk * K + Hv * V
+        return 2 * K + Hv // Hk * V
 
     def spec(self) -> MambaSpec:
-        """One layer's per-request state: the recurrent state and the conv window."""
-        _, Hv, K, V = self.dims
-        window = (self.conv_kernel_dim - 1, self.conv_dim)
-        return MambaSpec(shapes=((Hv, K, V), window), dtypes=("float32", "float32"))
+        """One layer's per-request state: the recurrent state [Hv, K, V] and the conv window
+        [J - 1, Hk, X], split over tensor-parallel devices by their heads."""
+        Hk, Hv, K, V = self.dims
+        window = (self.conv_kernel_dim - 1, Hk, self.group_width)
+        return MambaSpec(
+            shapes=((Hv, K, V), window), dtypes=("float32", "float32"), head_axes=(0, 1)
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,74 +143,86 @@ class GatedDeltaNet(nnx.Module):
     def __init__(self, cfg: Qwen3NextConfig, dtype, rngs: nnx.Rngs):
         lin, D = cfg.linear, cfg.hidden_size
         Hk, Hv, K, V = lin.dims
-        r = Hv // Hk
+        r, J = Hv // Hk, lin.conv_kernel_dim
         self.lin, self.act = lin, activation(cfg.hidden_act)
+        heads = ("embed", "heads", None)
         if lin.fused_projections:  # per key head: q, k, r values, r gates; r b's, r a's
-            axes = ("embed", None, None)
             X = 2 * K + 2 * r * V
-            self.in_proj_qkvz = Linear("TD,DGX->TGX", (D, Hk, X), axes, dtype, rngs)
-            self.in_proj_ba = Linear("TD,DGX->TGX", (D, Hk, 2 * r), axes, dtype, rngs)
+            self.in_proj_qkvz = Linear("TD,DGX->TGX", (D, Hk, X), heads, dtype, rngs)
+            self.in_proj_ba = Linear("TD,DGX->TGX", (D, Hk, 2 * r), heads, dtype, rngs)
         else:
-            axes = ("embed", None)
-            self.in_proj_qkv = Linear("TD,DC->TC", (D, lin.conv_dim), axes, dtype, rngs)
-            self.in_proj_z = Linear("TD,DC->TC", (D, Hv * V), axes, dtype, rngs)
-            self.in_proj_b = Linear("TD,DN->TN", (D, Hv), axes, dtype, rngs)
-            self.in_proj_a = Linear("TD,DN->TN", (D, Hv), axes, dtype, rngs)
-        self.conv1d = Conv1d(lin.conv_dim, lin.conv_kernel_dim, dtype)
-        self.A_log = nnx.Param(jnp.zeros((Hv,), jnp.float32), logical_axes=(None,))
-        self.dt_bias = nnx.Param(jnp.ones((Hv,), jnp.float32), logical_axes=(None,))
+            for name, N, H in (("q", Hk, K), ("k", Hk, K), ("v", Hv, V), ("z", Hv, V)):
+                proj = Linear("TD,DNH->TNH", (D, N, H), heads, dtype, rngs)
+                setattr(self, f"in_proj_{name}", proj)
+            self.in_proj_b = Linear("TD,DN->TN", (D, Hv), ("embed", "heads"), dtype, rngs)
+            self.in_proj_a = Linear("TD,DN->TN", (D, Hv), ("embed", "heads"), dtype, rngs)
+        self.conv1d_q = Conv1d(Hk, K, J, dtype)
+        self.conv1d_k = Conv1d(Hk, K, J, dtype)
+        self.conv1d_v = Conv1d(Hv, V, J, dtype)
+        self.A_log = nnx.Param(jnp.zeros((Hv,), jnp.float32), logical_axes=("heads",))
+        self.dt_bias = nnx.Param(jnp.ones((Hv,), jnp.float32), logical_axes=("heads",))
         self.norm = RMSNorm(V, cfg.rms_norm_eps, dtype)
-        self.out_proj = Linear("TNV,NVD->TD", (Hv, V, D), (None, None, "embed"), dtype, rngs)
+        self.out_proj = Linear("TNV,NVD->TD", (Hv, V, D), ("heads", None, "embed"), dtype, rngs)
 
     def projections(self, x, ctx):
-        """x [T, D] -> (the conv's input [T, C], z [T, Hv, V], b and a [T, Hv])."""
+        """x [T, D] -> (q, k [T, Hk, K], v, z [T, Hv, V], b, a [T, Hv])."""
         lin, T = self.lin, x.shape[0]
         Hk, Hv, K, V = lin.dims
         if not lin.fused_projections:
-            z = self.in_proj_z(x, ctx).reshape(T, Hv, V)
-            return self.in_proj_qkv(x, ctx), z, self.in_proj_b(x, ctx), self.in_proj_a(x, ctx)
+            qkvz = (self.in_proj_q, self.in_proj_k, self.in_proj_v, self.in_proj_z)
+            return (*(p(x, ctx) for p in qkvz), self.in_proj_b(x, ctx), self.in_proj_a(x, ctx))
         r = Hv // Hk
         qkvz = self.in_proj_qkvz(x, ctx)  # [T, Hk, X]
         q, k, v, z = jnp.split(qkvz, [K, 2 * K, 2 * K + r * V], axis=-1)
         ba = self.in_proj_ba(x, ctx)  # [T, Hk, 2r]
         b, a = ba[..., :r].reshape(T, Hv), ba[..., r:].reshape(T, Hv)
-        mixed = jnp.concatenate([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], axis=-1)
-        return mixed, z.reshape(T, Hv, V), b, a
+        return q, k, v.reshape(T, Hv, V), z.reshape(T, Hv, V), b, a
+
+    def conv(self, q, k, v, window, md):
+        """The causal conv (SiLU after) over each key head's channels [q | k | v], in that
+        group-major order so that a device's heads hold whole groups: q, k [T, Hk, K], v
+        [T, Hv, V], window [R, J - 1, Hk, X] -> (q, k, v as given, the new window)."""
+        T, (Hk, Hv, K, V) = q.shape[0], self.lin.dims
+        R, J = window.shape[0], self.lin.conv_kernel_dim
+        mixed = jnp.concatenate([q, k, v.reshape(T, Hk, -1)], axis=-1)  # [T, Hk, X]
+        parts = (self.conv1d_q, self.conv1d_k, self.conv1d_v)
+        w = [c.weight[...] for c in parts]
+        taps = jnp.concatenate([w[0], w[1], w[2].reshape(Hk, -1, J)], axis=1)  # [Hk, X, J]
+        y, new = causal_conv(
+            mixed.reshape(T, -1),
+            taps.reshape(-1, J).T,
+            window.reshape(R, J - 1, -1),
+            md.query_start,
+            md.query_lens,
+        )
+        y = self.act(y).astype(q.dtype).reshape(T, Hk, -1)
+        q, k, v = jnp.split(y, [K, 2 * K], axis=-1)
+        return q, k, v.reshape(T, Hv, V), new.reshape(window.shape)
 
     def __call__(self, x, ctx: StepContext, kv_caches):
-        lin, T, f32 = self.lin, x.shape[0], jnp.float32
-        Hk, Hv, K, V = lin.dims
+        f32 = jnp.float32
         md = ctx.attn[ctx.group]
-        state, window = ctx.load_state(kv_caches)  # [R, Hv, K, V], [R, J - 1, C]
-        mixed, z, b, a = self.projections(x, ctx)
-        taps = self.conv1d.weight[...][:, 0, :].T  # [J, C]
-        y, window = causal_conv(mixed, taps, window, md.query_start, md.query_lens)
-        y = self.act(y).astype(x.dtype)  # [T, C]
-        q, k, v = jnp.split(y, [Hk * K, 2 * Hk * K], axis=-1)
+        state, window = ctx.load_state(kv_caches)  # [R, Hv, K, V], [R, J - 1, Hk, X]
+        q, k, v, z, b, a = self.projections(x, ctx)
+        q, k, v, window = self.conv(q, k, v, window, md)
         beta = jax.nn.sigmoid(b.astype(f32))  # [T, Hv]
         g = -jnp.exp(self.A_log[...].astype(f32)) * jax.nn.softplus(
             a.astype(f32) + self.dt_bias[...].astype(f32)
         )
-        o, state = gated_delta_rule_chunked(
-            q.reshape(T, Hk, K),
-            k.reshape(T, Hk, K),
-            v.reshape(T, Hv, V),
-            g,
-            beta,
-            state,
-            md.query_start,
-            md.query_lens,
-        )
+        o, state = ctx.backend.gated_delta_rule(q, k, v, g, beta, state, md)
         o = self.norm(o.astype(x.dtype)).astype(f32) * jax.nn.silu(z.astype(f32))
         kv_caches = ctx.store_state(kv_caches, (state, window))
         return self.out_proj(o.astype(x.dtype), ctx), kv_caches
 
 
 class Conv1d(nnx.Module):
-    """The depthwise convolution's taps, in transformers' layout [C, 1, J]."""
+    """Depthwise convolution taps of N heads of H channels: [N, H, J] (transformers' [C, 1,
+    J] conv1d, split by the loader into its q, k and v channels)."""
 
-    def __init__(self, channels: int, taps: int, dtype):
-        self.weight = nnx.Param(jnp.zeros((channels, 1, taps), dtype), logical_axes=(None,) * 3)
+    def __init__(self, heads: int, width: int, taps: int, dtype):
+        self.weight = nnx.Param(
+            jnp.zeros((heads, width, taps), dtype), logical_axes=("heads", None, None)
+        )
 
 
 class Qwen3NextDecoderLayer(nnx.Module):
@@ -267,15 +284,29 @@ def layer_weights(cfg: Qwen3NextConfig) -> dict:
     if cfg.linear.fused_projections:
         names |= {"linear_attn.in_proj_qkvz.weight": "qkv", "linear_attn.in_proj_ba.weight": "qkv"}
     else:
-        names |= {f"linear_attn.in_proj_{p}.weight": "t" for p in ("qkv", "z", "b", "a")}
+        names |= {f"linear_attn.in_proj_{p}.weight": "qkv" for p in "qkvz"}
+        names |= {f"linear_attn.in_proj_{p}.weight": "t" for p in "ba"}
+    names |= {f"linear_attn.conv1d_{p}.weight": "heads" for p in "qkv"}
     names |= {
-        "linear_attn.conv1d.weight": None,
         "linear_attn.A_log": None,
         "linear_attn.dt_bias": None,
         "linear_attn.norm.weight": None,
         "linear_attn.out_proj.weight": "o",
     }
     return names | mlp_names(cfg.moe)
+
+
+def fused_weights(cfg: Qwen3NextConfig) -> dict[str, tuple[tuple[str, int], ...]]:
+    """The conv's channels (and Qwen3.5's in_proj_qkv's rows), q | k | v, split into their
+    parts, each with a head axis tensor parallelism splits."""
+    Hk, Hv, K, V = cfg.linear.dims
+    widths = {"q": Hk * K, "k": Hk * K, "v": Hv * V}
+    fused = {"linear_attn.conv1d.weight": "linear_attn.conv1d_{}.weight"}
+    if not cfg.linear.fused_projections:
+        fused["linear_attn.in_proj_qkv.weight"] = "linear_attn.in_proj_{}.weight"
+    return {
+        name: tuple((part.format(p), n) for p, n in widths.items()) for name, part in fused.items()
+    }
 
 
 def _architecture(name: str, fused: bool) -> Architecture:
@@ -285,6 +316,7 @@ def _architecture(name: str, fused: bool) -> Architecture:
         module=Qwen3NextForCausalLM,
         layer_weights=layer_weights,
         top_weights=TOP_WEIGHTS,
+        fused_weights=fused_weights,
     )
 
 

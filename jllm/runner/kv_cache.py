@@ -31,7 +31,13 @@ import jax
 import jax.numpy as jnp
 
 from jllm.config import DEFAULT_CPU_KV_CACHE_BYTES
-from jllm.kv_cache_interface import AttentionSpec, KVCacheConfig, KVCacheSpec, share_pools
+from jllm.kv_cache_interface import (
+    AttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    MambaSpec,
+    share_pools,
+)
 from sharding import named_sharding
 
 logger = logging.getLogger(__name__)
@@ -133,12 +139,17 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype, platform: str):
 def abstract_kv_cache(spec: KVCacheSpec, num_blocks, block_size, dtype, mesh):
     """A pool's cache (of groups of `spec`'s arrays): its shape, dtype and sharding. Attention
     is [Lg, B, S, 2K, H], each layer's slice the kernel's [B, S, 2K, H] page-major layout,
-    sharded on the kv-head axis; other kinds are split on their layer axis only (pipeline
-    stages), and per-request state is a tuple of arrays. Lowering against it allocates
-    nothing (the profile); `allocate_kv_cache` makes it real."""
+    sharded on the kv-head axis; other kinds are split on their layer axis (pipeline
+    stages), and per-request state, a tuple of arrays, on its head axes too. Lowering
+    against it allocates nothing (the profile); `allocate_kv_cache` makes it real."""
     out = []
-    for shape, array_dtype in spec.cache_arrays(num_blocks, block_size, dtype):
-        axes = CACHE_AXES if isinstance(spec, AttentionSpec) else ("layers",)
+    arrays = spec.cache_arrays(num_blocks, block_size, dtype)
+    state_axes = spec.array_axes() if isinstance(spec, MambaSpec) else ((),) * len(arrays)
+    for (shape, array_dtype), inner in zip(arrays, state_axes, strict=True):
+        if isinstance(spec, AttentionSpec):
+            axes = CACHE_AXES
+        else:
+            axes = ("layers", None, *inner) if inner else ("layers",)
         axes += (None,) * (len(shape) - len(axes))
         sharding = named_sharding(mesh, axes, shape, "The KV cache")
         out.append(jax.ShapeDtypeStruct(shape, jnp.dtype(array_dtype), sharding=sharding))

@@ -18,21 +18,36 @@ the work inside a chunk done at once with a unit lower-triangular solve (the WY 
 of DeltaNet's chunked algorithm, as the FLA library's ``chunk_gated_delta_rule``), and one
 scan over the chunks carries each row's state. ``causal_conv`` is the short depthwise
 convolution in front of it over the same flat batch, each row resuming from its conv window.
-``validate_inputs`` holds the shared static checks.
+``gated_delta_rule_recurrent`` is the XLA update of a decode-only step (every row one token,
+no scan), and ``gated_delta_rule_xla`` picks it or the chunked path per step.
+``gated_delta_rule`` (Pallas TPU) and ``gated_delta_rule_gpu`` (Pallas on Triton) are the
+same contract as kernels, each with a chunk kernel and a recurrent one (``interpret=True``
+runs them on the CPU); ``gated_delta_rule_sharded`` runs any of them with the heads split
+over tensor-parallel devices. ``validate_inputs`` holds the shared static checks.
 """
 
 from .chunked import chunk_plan, gated_delta_rule_chunked
 from .conv import causal_conv, causal_conv_reference
+from .gpu import gated_delta_rule_gpu, unsupported_shape
+from .kernel import gated_delta_rule
+from .recurrent import gated_delta_rule_recurrent, gated_delta_rule_xla
 from .reference import gated_delta_rule_reference
+from .sharded import gated_delta_rule_sharded
 from .validation import l2_normalize, token_rows, validate_inputs
 
 __all__ = [
     "causal_conv",
     "causal_conv_reference",
     "chunk_plan",
+    "gated_delta_rule",
     "gated_delta_rule_chunked",
+    "gated_delta_rule_gpu",
+    "gated_delta_rule_recurrent",
     "gated_delta_rule_reference",
+    "gated_delta_rule_sharded",
+    "gated_delta_rule_xla",
     "l2_normalize",
     "token_rows",
+    "unsupported_shape",
     "validate_inputs",
 ]

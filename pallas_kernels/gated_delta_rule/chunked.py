@@ -55,6 +55,37 @@ def chunk_plan(query_start, query_lens, T: int, C: int):
     return row, start, size
 
 
+def chunk_inputs(q, k, v, g, beta, query_start, query_lens, C: int):
+    """The Pallas kernels' layout of prepared inputs (validation.prepare): the step's chunks
+    head-major. Returns (row, size [NC] as `chunk_plan`, but chunks past the last row's
+    belong to the last row that has one, so a kernel walking them in order never returns to
+    an earlier row; tokens [NC, C], each slot's token or T; q, k [Hv, NC, C, K]; k
+    transposed [Hv, NC, K, C]; v [Hv, NC, C, V]; the cumulative log decay as a column
+    [Hv, NC, C, 1] and as a row [Hv, NC, 1, C]; beta [Hv, NC, C, 1]; the chunk's total log
+    decay [Hv, NC, 1, 1]), slots outside the chunks zero (they neither read nor write)."""
+    T = q.shape[0]
+    row, start, size = chunk_plan(query_start, query_lens, T, C)
+    last = row[jnp.maximum(jnp.sum(size > 0) - 1, 0)]
+    row = jnp.where(size > 0, row, last)
+    offsets = jnp.arange(C, dtype=jnp.int32)
+    tokens = jnp.where(offsets[None] < size[:, None], start[:, None] + offsets[None], T)
+
+    def gather(x):  # [T, Hv, ...] -> [Hv, NC, C, ...]
+        return jnp.moveaxis(x.at[tokens].get(mode="fill", fill_value=0), 2, 0)
+
+    qc, kc, vc, gc, bc = (gather(x) for x in (q, k, v, g, beta))
+    G = jnp.cumsum(gc, axis=-1)  # [Hv, NC, C]
+    kT = jnp.swapaxes(kc, -1, -2)
+    total = G[..., -1:, None]  # padding adds g = 0, so the last slot holds the chunk's total
+    return row, size, tokens, qc, kc, kT, vc, G[..., None], G[..., None, :], bc[..., None], total
+
+
+def scatter_chunks(o, tokens, T: int):
+    """o [Hv, NC, C, V] -> [T, Hv, V] float32 at the chunks' tokens, zero elsewhere."""
+    o = jnp.moveaxis(o.astype(jnp.float32), 0, 2)  # [NC, C, Hv, V]
+    return jnp.zeros((T, *o.shape[2:]), jnp.float32).at[tokens].set(o, mode="drop")
+
+
 def gated_delta_rule_chunked(
     q,
     k,

@@ -5,7 +5,8 @@ prompts, greedy tokens equal and each chosen token's logprob within 1e-4 of tran
 teacher-forced one. Crosses: prefix hits from state snapshots, chunked prefill
 smaller than a prompt (the state carried across chunks, decodes beside chunks) one step ahead,
 the packed batch layout, preemption (the state slot freed, the request recomputed), tensor
-parallelism with expert parallelism, bf16 as near float32 as transformers' bf16; n-gram
+parallelism (the linear layers split by head) with expert parallelism, the Pallas TPU and GPU
+kernels interpreted, bf16 as near float32 as transformers' bf16; n-gram
 speculation exact (the state put back after rejected drafts), draft models refused."""
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ SHAPE = dict(
     linear_num_key_heads=2,
     linear_num_value_heads=4,  # two value heads per key head
     linear_key_head_dim=16,
-    linear_value_head_dim=8,
+    linear_value_head_dim=16,  # Triton's smallest tile
     tie_word_embeddings=False,
     # The tiny models' lengths, norms, special ids and wide weights (oracle.TINY).
     **{k: TINY[k] for k in ("max_position_embeddings", "rms_norm_eps", "initializer_range")},
@@ -116,6 +117,10 @@ def oracles(hybrids) -> dict:
         ("qwen3_next", {"tensor_parallel_size": 2, "enable_expert_parallel": True}),
         ("qwen3_5_text", {"max_num_batched_tokens": 16}),
         ("qwen3_5_moe_text", {}),
+        # The Pallas kernels, interpreted: the delta rule's chunk and recurrent kernels and
+        # the full layers' ragged attention, for TPU and for GPU.
+        ("qwen3_next", {"attention_backend": "pallas_interpret", "max_num_batched_tokens": 32}),
+        ("qwen3_5_text", {"attention_backend": "pallas_gpu_interpret"}),
     ],
     ids=[
         "next",
@@ -125,6 +130,8 @@ def oracles(hybrids) -> dict:
         "next-tp2-ep",
         "3.5-chunked",
         "3.5-moe",
+        "next-pallas-tpu",
+        "3.5-pallas-gpu",
     ],
 )
 def test_matches_transformers(hybrids, oracles, model_type, settings):
@@ -247,3 +254,8 @@ def test_mamba_cache_mode_none_takes_no_hit(hybrids, oracles):
     outs = generate(llm, [LONG])
     assert_matches(oracles["qwen3_next"], [LONG], outs)
     assert outs[0].num_cached_tokens == 0
+
+
+def test_tensor_parallel_must_divide_the_linear_key_heads(hybrids):
+    with pytest.raises(ValueError, match=r"linear_num_key_heads=2\) must be divisible"):
+        LLM(hybrids["qwen3_next"], **SMALL, tensor_parallel_size=4)

@@ -1,11 +1,21 @@
 """The gated delta rule kit (pallas_kernels/gated_delta_rule): the chunked XLA path against
 the token-by-token reference over flat ragged batches (rows of every length, rows without
 tokens, padding tokens past the rows, every chunk size), both against transformers' torch
-functions on one sequence, and the causal convolution against its own reference."""
+functions on one sequence; every path (XLA's switch, the TPU and GPU kernels interpreted)
+on mixed and decode-only steps, and under a head split over two devices; the kernels
+lowered for TPU and CUDA at Qwen3-Next-80B-A3B's shapes; and the causal convolution against
+its own reference."""
 
 from __future__ import annotations
 
+import functools
+import json
+import re
+import warnings
+from pathlib import Path
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -15,8 +25,13 @@ from pallas_kernels.gated_delta_rule import (
     causal_conv,
     causal_conv_reference,
     chunk_plan,
+    gated_delta_rule,
     gated_delta_rule_chunked,
+    gated_delta_rule_gpu,
     gated_delta_rule_reference,
+    gated_delta_rule_sharded,
+    gated_delta_rule_xla,
+    unsupported_shape,
 )
 
 # Rows: a decode, a long prefill chunk, an empty (padding) row, a mid-sized one; the batch
@@ -99,3 +114,81 @@ def test_causal_conv_matches_its_reference():
     zero = np.zeros_like(window)
     got, _ = causal_conv(x, w, zero, starts, LENS)
     np.testing.assert_allclose(got[span], want[0].numpy().T, atol=1e-5)
+
+
+PATHS = {
+    "xla": gated_delta_rule_xla,
+    "tpu": functools.partial(gated_delta_rule, interpret=True),
+    "gpu": functools.partial(gated_delta_rule_gpu, interpret=True, block_v=16),
+}
+# A decode-only step: every row one token or none (the recurrent kernels' case).
+DECODE_STARTS = np.array([0, 1, 2, 2, 3, 4], np.int32)
+DECODE_LENS = np.array([1, 1, 0, 1, 1, 0], np.int32)
+
+
+@pytest.mark.parametrize("step", ["mixed", "decode"])
+@pytest.mark.parametrize("path", list(PATHS))
+def test_every_path_matches_the_reference(path, step):
+    """Triton's shapes: head dims powers of two of at least 16."""
+    args = list(_batch(np.random.default_rng(3), K=16, V=32))
+    if step == "decode":
+        args[6:] = DECODE_STARTS, DECODE_LENS
+    o_ref, s_ref = gated_delta_rule_reference(*args)
+    o, s = jax.jit(PATHS[path])(*args)
+    np.testing.assert_allclose(o, o_ref, atol=2e-5)
+    np.testing.assert_allclose(s, s_ref, atol=2e-5)
+    empty = np.flatnonzero(args[7] == 0)
+    np.testing.assert_array_equal(np.asarray(s)[empty], args[5][empty])  # kept bit for bit
+    assert not np.asarray(o[int(args[6][-1] + args[7][-1]) :]).any()  # padding tokens
+
+
+@pytest.mark.parametrize("path", ["xla", "tpu"])
+def test_heads_split_over_two_devices(path):
+    """Two key heads, four value heads: each device holds one key head and its two."""
+    args = _batch(np.random.default_rng(4), K=16, V=32)
+    auto = (jax.sharding.AxisType.Auto,)  # as the engine's mesh
+    mesh = jax.make_mesh((2,), ("model",), devices=jax.devices()[:2], axis_types=auto)
+    o_ref, s_ref = gated_delta_rule_reference(*args)
+    run = jax.jit(lambda *a: gated_delta_rule_sharded(mesh, "model", *a, kernel=PATHS[path]))
+    o, s = run(*args)
+    np.testing.assert_allclose(o, o_ref, atol=2e-5)
+    np.testing.assert_allclose(s, s_ref, atol=2e-5)
+
+
+def test_gpu_refuses_head_dims_triton_cannot_tile():
+    assert unsupported_shape(128, 128) is None
+    assert "power of two" in unsupported_shape(8, 128)
+    with pytest.raises(ValueError, match="value head dim"):
+        gated_delta_rule_gpu(*_batch(np.random.default_rng(0), K=16, V=24), interpret=True)
+
+
+QWEN3_NEXT = Path(__file__).parents[2] / "benchmarks/gpu/configs/qwen3-next-80b-a3b/config.json"
+TARGETS = {
+    "tpu": (("TPU v5 lite", 1, "tpu"), gated_delta_rule, "tpu_custom_call"),
+    "cuda": (("NVIDIA H100 80GB HBM3", 132, "gpu"), gated_delta_rule_gpu, "__gpu$xla.gpu.triton"),
+}
+
+
+@pytest.mark.parametrize("platform", list(TARGETS))
+@pytest.mark.parametrize("T,R", [(64, 64), (512, 8), (8192, 256)])
+def test_lowers_at_qwen3_next_shapes(platform, T, R):
+    """Lowering (no accelerator needed) at Qwen3-Next-80B-A3B's linear-attention shapes in
+    bf16, for a decode bucket, a mixed one and the largest: each path lowers to one call
+    (the recurrent kernel and the chunk kernel, one of which a step runs)."""
+    cfg = json.loads(QWEN3_NEXT.read_text())
+    Hk, Hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    K, V = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    device, kernel, call = TARGETS[platform]
+    S = jax.ShapeDtypeStruct
+    bf16, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
+    shapes = (
+        *(S((T, Hk, K), bf16), S((T, Hk, K), bf16), S((T, Hv, V), bf16)),
+        *(S((T, Hv), f32), S((T, Hv), f32), S((R, Hv, K, V), f32), S((R,), i32), S((R,), i32)),
+    )
+    mesh = jax.sharding.AbstractMesh(
+        (1,), ("x",), abstract_device=jax.sharding.AbstractDevice(*device)
+    )
+    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
+        warnings.simplefilter("ignore", DeprecationWarning)  # the Triton backend's notice
+        text = jax.jit(kernel).trace(*shapes).lower(lowering_platforms=(platform,)).as_text()
+    assert re.findall(r"custom_call @([\w$.]+)", text) == [call, call]

@@ -3,7 +3,8 @@ needed): the forward of every bucket with the attention kernel `auto` picks ther
 Pallas TPU kernel through Mosaic, the Pallas GPU kernel through Triton), and the sampler of
 every row bucket, on an abstract mesh naming the target device, at TP=1 and TP=4 (and the
 pipelined step of two stages of TP=2), for a tiny model and for the shapes of Llama-3.1-8B
-and DeepSeek-V2-Lite (latent attention, 64 experts). A
+and DeepSeek-V2-Lite (latent attention, 64 experts) and Qwen3-Next-80B-A3B (the gated
+delta rule's kernels beside attention). A
 lowering error fails here instead of on a user's TPU or GPU, and no CPU kernel leaks into a
 step traced for another platform."""
 
@@ -23,10 +24,11 @@ from transformers import AutoConfig
 
 from jllm import LLM
 from jllm.attention import get_backend
+from jllm.kv_cache_interface import MambaSpec
 from jllm.model_loader.loader import abstract_model
 from jllm.models import registry
 from jllm.runner.buckets import BatchLayout
-from jllm.runner.kv_cache import CACHE_AXES
+from jllm.runner.kv_cache import CACHE_AXES, abstract_kv_cache
 from jllm.runner.model_runner import ModelRunner, forward_step, sample_step
 from jllm.runner.transfer import pack
 from sharding import make_mesh, named_sharding, param_axes
@@ -163,17 +165,22 @@ def test_every_bucket_lowers_for_the_accelerator(runners, platform, dtype, tp, p
     assert n == len(layout.token_buckets) + len(layout.sample_buckets)
 
 
-# Config-only folders (benchmarks/gpu/configs): their real shapes, every parameter abstract.
-CONFIG_ONLY = [
+# Config-only folders (benchmarks/gpu/configs): their real shapes, every parameter abstract,
+# and the tensor-parallel size each is split over besides 1 (at most its kv heads: the
+# engine's repetition of fewer kv heads than devices is the loader's, not here).
+CONFIG_ONLY = {
     # 32 heads over 8 kv heads of 128, a 128256-token vocabulary
-    "llama-3.1-8b",
+    "llama-3.1-8b": 4,
     # MLA: 16 heads over a latent of 512 + 64 (the GPU kernel's two loads); 64 experts of
     # 1408 after one dense layer, YaRN, a 102400-token vocabulary
-    "deepseek-v2-lite",
-]
+    "deepseek-v2-lite": 4,
+    # gated DeltaNet (16 key, 32 value heads of 128: the delta rule's chunk and recurrent
+    # kernels) three layers in four, gated attention (2 kv heads of 256), 512 experts
+    "qwen3-next-80b-a3b": 2,
+}
 
 
-@pytest.fixture(scope="module", params=CONFIG_ONLY)
+@pytest.fixture(scope="module", params=list(CONFIG_ONLY))
 def config_only(request):
     """A model's shapes from its config alone: nothing the size of the model is allocated."""
     hf = AutoConfig.from_pretrained(CONFIGS / request.param)
@@ -185,12 +192,13 @@ def config_only(request):
 
 
 @pytest.mark.parametrize("platform", list(TARGETS))
-@pytest.mark.parametrize("tp", [1, 4])
-def test_config_only_shapes_lower_for_the_accelerator(config_only, platform, tp):
+@pytest.mark.parametrize("split", [False, True], ids=["tp1", "tp"])
+def test_config_only_shapes_lower_for_the_accelerator(config_only, platform, split):
     """The real shapes at the engine's default limits (256 sequences, 2048 batched tokens),
-    on TP=1 and TP=4: every forward key and sampler bucket, with the kernel `auto` picks
-    there for the model's attention (the latent one for DeepSeek)."""
-    _, arch, cfg, graphdef, state = config_only
+    on TP=1 and the config's split: every forward key and sampler bucket, with the kernel
+    `auto` picks there for the model's attention (the latent one for DeepSeek)."""
+    name, arch, cfg, graphdef, state = config_only
+    tp = CONFIG_ONLY[name] if split else 1
     device, backend, kernel = TARGETS[platform]
     mesh = target_mesh(device, tp)
     flat = dict(nnx.to_flat_state(state))
@@ -203,17 +211,23 @@ def test_config_only_shapes_lower_for_the_accelerator(config_only, platform, tp)
         }
     )
     specs = arch.module.kv_cache_specs(cfg)
-    (spec,) = specs
-    kv_bytes = spec.step_fields(jnp.bfloat16)["kv_token_bytes"]
-    layout = BatchLayout.create(16, 4096, 1, 8192, 256, 2048, kv_bytes, tiles=False)
+    fields = tuple(spec.step_fields(jnp.bfloat16) for spec in specs)
+    kv_bytes = max(f.get("kv_token_bytes", 0) for f in fields)
+    layout = BatchLayout.create(
+        16, 4096, 1, 8192, 256, 2048, kv_bytes, tiles=False, group_fields=fields
+    )
     runner = ModelRunner(
         graphdef, params, layout, cfg.vocab_size, 256, 20, "cpu_kernel", True, make_mesh(), specs
     )
     caches = []
-    for shape, dtype in spec.cache_arrays(4096, 16, jnp.bfloat16):
-        axes = CACHE_AXES if len(shape) == 5 else (None,) * len(shape)  # a latent: replicated
-        sharding = named_sharding(mesh, axes, shape)
-        caches.append(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
+    for spec in specs:  # one pool per group here
+        if isinstance(spec, MambaSpec):  # per-request state, split by its heads
+            caches.append(abstract_kv_cache(spec, 257, 16, jnp.bfloat16, mesh))
+            continue
+        for shape, dtype in spec.cache_arrays(4096, 16, jnp.bfloat16):
+            axes = CACHE_AXES if len(shape) == 5 else (None,) * len(shape)  # a latent: whole
+            sharding = named_sharding(mesh, axes, shape)
+            caches.append(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
     n = lower_every_step(runner, layout, params, tuple(caches), mesh, platform)
     # the token axis 1 .. 2048 and the sample rows 1 .. 256
     assert n == 12 + 9
