@@ -69,10 +69,11 @@ class SchedulerOutput:
     encoder_inputs: list[tuple[int, object]] = field(default_factory=list)
     mm_slots: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
     # The host KV tier (engine/host_kv_tier.py): blocks to copy before this step, device to
-    # host (device block, host block) for blocks evicted from the device's prefix cache,
-    # then host to device (host block, device block) for host hits.
-    kv_stores: list[tuple[int, int]] = field(default_factory=list)
-    kv_loads: list[tuple[int, int]] = field(default_factory=list)
+    # host (pool, device block, host block) for blocks (and state snapshots) evicted from
+    # the device's prefix cache, then host to device (pool, host block, device block) for
+    # host hits.
+    kv_stores: list[tuple[int, int, int]] = field(default_factory=list)
+    kv_loads: list[tuple[int, int, int]] = field(default_factory=list)
     # Per-request state snapshots (engine/single_type_manager.py: StateManager): slots to
     # copy before this step's forward, in order, as (KV-cache group, source, destination).
     state_copies: list[tuple[int, int, int]] = field(default_factory=list)

@@ -31,6 +31,11 @@ request's keys. A hit of n blocks (the next position n*S) needs what each group'
 (a full group all n, a sliding one those its window reads from there, a chunked one those
 of the current chunk, per-request state the snapshot at n: StateManager); a hit is the
 longest n every group accepts (vLLM's rule).
+
+The host tier (`host`, engine/host_kv_tier.py) keeps evicted full-attention blocks; on a
+hybrid of full attention and per-request state (Qwen3-Next) a second tier (`state_host`)
+keeps evicted state snapshots, and a hit may then take its attention blocks from the device
+and then the host, and the state at its end from either (`_hybrid_host_hit`).
 Host-side only: no JAX import.
 """
 
@@ -62,13 +67,16 @@ class KVCacheManager:
         *,
         pools: Sequence[int] | None = None,
         host: HostKVTier | None = None,
+        state_host: HostKVTier | None = None,
         same_step_hits: bool = True,
         drop_last_hit: bool = False,
     ) -> None:
         """`specs`: each group's spec (default: one full-attention group); `pools`: the pool
         each group draws from, numbered from 0 in order of first use (default: one each);
         `num_blocks`: each pool's size (an int: every pool's).
-        `host`: the host-memory tier (one full-attention group only), or None.
+        `host`: the host-memory tier of a model's one full-attention group, or None;
+        `state_host`: its tier of state snapshots, for a model whose other groups are
+        per-request state (`host_tier_groups`).
         `same_step_hits`: whether a request may hit blocks that the step it is scheduled in
         computes, which needs every write of a step before its reads (False under pipeline
         stages; `begin_step` then starts each step). `drop_last_hit`: a hit gives up its
@@ -122,33 +130,44 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
-        self.host = host
+        self.host, self.state_host = host, state_host
         self.host_hits: list[int] = []  # the last lookup's host blocks (get_computed_blocks)
-        # The copies the next step makes: (device block, host block) stores of evicted
-        # blocks, and (host block, device block) loads of host hits.
-        self.kv_stores: list[tuple[int, int]] = []
-        self.kv_loads: list[tuple[int, int]] = []
+        # The last lookup's state snapshot on the host: (request, host slot, key), loaded
+        # into the request's live slot when it is admitted.
+        self.host_state_hit: tuple[str, int, bytes] | None = None
+        # The copies the next step makes, (pool, source, destination) each: stores of
+        # evicted blocks (device block, host block), then loads of host hits (host block,
+        # device block).
+        self.kv_stores: list[tuple[int, int, int]] = []
+        self.kv_loads: list[tuple[int, int, int]] = []
+        self.attention_group, self.state_group = 0, None  # the groups the host tiers keep
         if host is not None:
-            one_full = len(self.specs) == 1 and isinstance(self.specs[0], FullAttentionSpec)
-            if not one_full or not enable_prefix_caching:
-                raise ValueError(
-                    "The host KV tier (kv_offloading_size) needs prefix caching and one "
-                    "KV-cache group of full attention; this model has "
-                    f"{', '.join(s.describe() for s in self.specs)}."
-                )
-            self.pools[0].on_evict = self._store
+            self.attention_group, self.state_group = host_tier_groups(self.specs)
+            if not enable_prefix_caching:
+                raise ValueError("The host KV tier (kv_offloading_size) needs prefix caching.")
+            if (self.state_group is None) != (state_host is None):
+                raise ValueError("A hybrid model's host tier keeps its state snapshots too.")
+            self.pools[self.pool_of[self.attention_group]].on_evict = self._store
+            if state_host is not None:
+                self.pools[self.pool_of[self.state_group]].on_evict = self._store_state
 
     def _store(self, block: int, key: bytes) -> None:
         host_block = self.host.store(key)
         if host_block is not None:
-            self.kv_stores.append((block, host_block))
+            self.kv_stores.append((self.pool_of[self.attention_group], block, host_block))
 
-    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    def _store_state(self, slot: int, key: bytes) -> None:
+        host_slot = self.state_host.store(key)
+        if host_slot is not None:
+            self.kv_stores.append((self.pool_of[self.state_group], slot, host_slot))
+
+    def take_copies(self) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
         """The stores and loads gathered since the last call, for the step that runs next."""
         stores, loads = self.kv_stores, self.kv_loads
         self.kv_stores, self.kv_loads = [], []
-        if self.host is not None:
-            self.host.step_scheduled()
+        for tier in (self.host, self.state_host):
+            if tier is not None:
+                tier.step_scheduled()
         return stores, loads
 
     def take_state_copies(self) -> list[tuple[int, int, int]]:
@@ -273,7 +292,7 @@ class KVCacheManager:
         none (vLLM's rule: they are computed for the whole prompt); its blocks are still
         cached for others. With the host tier, `host_hits` has the host blocks of the keys
         that follow the device's hits (their tokens are not counted here)."""
-        self.host_hits = []
+        self.host_hits, self.host_state_hit = [], None
         if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
             return self.no_blocks(), 0
         self._update_hashes(req, req.num_tokens - 1)
@@ -282,9 +301,37 @@ class KVCacheManager:
         if self.drop_last_hit and n:
             n = self._hit_length(keys, n - 1)
         hits = tuple(manager.hit_blocks(keys, n) for manager in self.managers)
-        if self.host is not None:
+        if self.state_host is not None:
+            hits, n = self._hybrid_host_hit(req, keys, hits, n)
+        elif self.host is not None:
             self.host_hits = self.host.lookup(keys[n:])
         return hits, n * self.block_size
+
+    def _hybrid_host_hit(self, req: Request, keys: list[bytes], hits, n: int):
+        """A hybrid's hit through the host tiers, when longer than the device's `n` blocks:
+        its attention blocks from the device, then the host (`host_hits`), and the state
+        snapshot at its end from the device or the host (`host_state_hit`). Returns (each
+        group's device hits, the device's share of the attention blocks)."""
+        attention = self.managers[self.attention_group]
+        state = self.managers[self.state_group]
+        on_device = attention.hit_length(keys, len(keys))
+        from_host = self.host.lookup(keys[on_device:])
+        top = on_device + len(from_host)
+        for m in range(top // state.stride * state.stride, n, -state.stride):
+            device_state = state.hit_length(keys, m) == m
+            key = keys[m - 1] + state.tag
+            host_state = [] if device_state else self.state_host.lookup([key])
+            if not (device_state or host_state):
+                continue
+            first = min(m, on_device)
+            hits = list(hits)
+            hits[self.attention_group] = attention.hit_blocks(keys, first)
+            hits[self.state_group] = state.hit_blocks(keys, m) if device_state else []
+            self.host_hits = from_host[: m - first]
+            if host_state:
+                self.host_state_hit = (req.request_id, host_state[0], key)
+            return tuple(hits), first
+        return hits, n
 
     def _hit_length(self, keys: list[bytes], n: int) -> int:
         """The longest hit of at most `n` blocks every group accepts: a fixed point, as
@@ -345,18 +392,33 @@ class KVCacheManager:
             # block that another group of its pool is about to take as a hit.
             for manager, _, hit in groups:
                 manager.pool.take(hit)
-            for (manager, held, hit), n in zip(groups, grow, strict=True):
+            for g, ((manager, held, hit), n) in enumerate(zip(groups, grow, strict=True)):
                 fresh = manager.pool.allocate(n)
-                if num_loaded:  # the first fresh blocks take the host hits' contents
-                    self.kv_loads.extend(zip(host_hits, fresh[:num_loaded], strict=True))
+                if num_loaded and g == self.attention_group:  # the host hits' contents
+                    pool = self.pool_of[g]
+                    loaded = zip(host_hits, fresh[:num_loaded], strict=True)
+                    self.kv_loads.extend((pool, h, d) for h, d in loaded)
                     first = len(held) + len(hit)
                     self._update_hashes(req, (first + num_loaded) * self.block_size)
                     self.host.touch(req.block_hashes[first : first + num_loaded])
                     self.host.loads += num_loaded
                 manager.extend(held, hit, fresh)
+                if g == self.state_group and fresh:
+                    self._load_state(req, fresh[0])
         if self.enable_prefix_caching:
             self._cache_full_blocks(req, blocks, min(total, req.num_tokens), total)
         return blocks
+
+    def _load_state(self, req: Request, live: int) -> None:
+        """`req` was admitted on a state snapshot from the host: load it into its live
+        slot before the step."""
+        if self.host_state_hit is None or self.host_state_hit[0] != req.request_id:
+            return
+        _, host_slot, key = self.host_state_hit
+        self.host_state_hit = None
+        self.kv_loads.append((self.pool_of[self.state_group], host_slot, live))
+        self.state_host.touch([key])
+        self.state_host.loads += 1
 
     def new_weights(self, requests) -> None:
         """The model's weights changed: from now on keys chain from a new root, so the
@@ -416,7 +478,22 @@ class KVCacheManager:
             return False
         for pool in self.pools:
             pool.reset()
-        if self.host is not None:
-            self.host.reset()
-            self.kv_stores.clear()  # stores not sent yet: their keys are forgotten too
+        for tier in (self.host, self.state_host):
+            if tier is not None:
+                tier.reset()
+        self.kv_stores.clear()  # stores not sent yet: their keys are forgotten too
         return True
+
+
+def host_tier_groups(specs) -> tuple[int, int | None]:
+    """The groups the host tier keeps: (the one full-attention group, the per-request state
+    group with snapshots, or None); ValueError naming the model's kinds when it has others."""
+    attention = [g for g, s in enumerate(specs) if isinstance(s, FullAttentionSpec)]
+    state = [g for g, s in enumerate(specs) if _is_state(s) and s.prefix_cacheable]
+    if len(attention) != 1 or len(state) > 1 or len(attention) + len(state) != len(specs):
+        raise ValueError(
+            "The host KV tier (kv_offloading_size) needs one KV-cache group of full "
+            "attention, and at most one of per-request state with snapshots beside it; this "
+            f"model has {', '.join(s.describe() for s in specs)}."
+        )
+    return attention[0], (state[0] if state else None)

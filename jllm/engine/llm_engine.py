@@ -37,7 +37,7 @@ from jllm.engine.generation_config import (
     model_generation_config,
 )
 from jllm.engine.host_kv_tier import HostKVTier
-from jllm.engine.kv_cache_manager import KVCacheManager
+from jllm.engine.kv_cache_manager import KVCacheManager, host_tier_groups
 from jllm.engine.model_setup import load_draft_model, load_engine_model
 from jllm.engine.multimodal import MultiModalProcessor, encoder_slots
 from jllm.engine.output_processor import OutputProcessor
@@ -236,16 +236,31 @@ class LLMEngine:
             profile=self.runner.profile_step_bytes,
         )
         num_blocks = max(kv_config.num_blocks)  # the padding tokens' slot lies past every pool's
-        host_tier = None
-        host_blocks = host_tier_blocks(args.kv_offloading_size, specs[0], args.nnodes)
+        host_tier = state_tier = None
+        host_blocks, attention_pool = {}, 0
+        if args.kv_offloading_size:
+            attention, state = host_tier_groups(kv_config.specs)
+            attention_pool = kv_config.pools[attention]
+            shares = {attention_pool: 1}
+            if state is not None:  # a snapshot for every run of attention blocks it ends
+                interval = kv_config.specs[state].cache_interval // args.block_size
+                shares = {attention_pool: interval, kv_config.pools[state]: 1}
+            host_blocks = host_tier_blocks(args.kv_offloading_size, specs[0], shares, args.nnodes)
         if host_blocks:
             self.runner.host_kv = HostKVCache(host_blocks, specs[0], replicated(m.mesh))
-            host_tier = HostKVTier(host_blocks, HostKVCache.block_bytes(specs[0]))
+            tiers = [
+                HostKVTier(n, HostKVCache.block_bytes(specs[0][pool]))
+                for pool, n in host_blocks.items()
+            ]
+            host_tier, state_tier = tiers[0], (tiers[1] if len(tiers) > 1 else None)
             logger.info(
-                "Host KV tier: %d blocks (%.2f GiB of this host's memory, every shard of the "
+                "Host KV tier: %s (%.2f GiB of this host's memory, every shard of the "
                 "%d device(s)).",
-                host_blocks,
-                host_blocks * HostKVCache.block_bytes(specs[0]) / 2**30,
+                " and ".join(
+                    f"{tier.num_blocks} {'blocks' if tier is host_tier else 'state snapshots'}"
+                    for tier in tiers
+                ),
+                sum(tier.num_blocks * tier.block_bytes for tier in tiers) / 2**30,
                 args.tensor_parallel_size,
             )
         state_pools = {
@@ -280,6 +295,7 @@ class LLMEngine:
             kv_config.specs,
             pools=kv_config.pools,
             host=host_tier,
+            state_host=state_tier,
             # Stages run a step's rows in micro-batches, not all writes before all reads.
             same_step_hits=args.pipeline_parallel_size == 1,
             # An MTP draft's cache entry at a block's end depends on the next block's token.
@@ -331,7 +347,10 @@ class LLMEngine:
             routes=None
             if routes is None
             else RoutedExpertsRecord(
-                routes, kv_config.num_blocks[kv_config.pools[routes.group]], host_blocks
+                routes,
+                kv_config.num_blocks[kv_config.pools[routes.group]],
+                host_blocks.get(attention_pool, 0),
+                attention_pool,
             ),
         )
         # The front end reaches the core only through its client (add, abort, outputs,

@@ -71,10 +71,11 @@ class _RequestRoutes:
 
 
 class RoutedExpertsRecord:
-    def __init__(self, spec, num_blocks: int, host_blocks: int = 0) -> None:
+    def __init__(self, spec, num_blocks: int, host_blocks: int = 0, pool: int = 0) -> None:
         """`spec`: the runner's RoutesSpec (layers, k, dtype, group, block size);
-        `num_blocks`: the record group's pool; `host_blocks`: the host KV tier's."""
-        self.spec = spec
+        `num_blocks`: the record group's pool's size, `pool` its index; `host_blocks`: the
+        host KV tier's."""
+        self.spec, self.pool = spec, pool
         self.dtype = np.dtype(spec.dtype)
         S = spec.block_size
         self.by_slot = np.zeros((num_blocks * S, *spec.shape), self.dtype)
@@ -86,12 +87,14 @@ class RoutedExpertsRecord:
         return array[block * S : (block + 1) * S]
 
     def copy(self, stores, loads) -> None:
-        """The host tier's copies of one step: (device block, host block) stores, then
-        (host block, device block) loads."""
-        for device, host in stores:
-            self._blocks(self.host, host)[:] = self._blocks(self.by_slot, device)
-        for host, device in loads:
-            self._blocks(self.by_slot, device)[:] = self._blocks(self.host, host)
+        """The host tier's copies of one step: (pool, device block, host block) stores, then
+        (pool, host block, device block) loads; those of the record group's pool."""
+        for pool, device, host in stores:
+            if pool == self.pool:
+                self._blocks(self.host, host)[:] = self._blocks(self.by_slot, device)
+        for pool, host, device in loads:
+            if pool == self.pool:
+                self._blocks(self.by_slot, device)[:] = self._blocks(self.host, host)
 
     def apply(self, sched_out, result, requests: dict[str, Request]) -> None:
         """One step's routing: its copies, the runner's rows (`result.routed_experts`) by

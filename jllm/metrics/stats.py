@@ -103,9 +103,10 @@ class SchedulerStats:
         )
         host = kv.host
         if host is not None:
+            tiers = [t for t in (host, kv.state_host) if t is not None]
             stats.host_queries, stats.host_hits = host.queries, host.hits
-            stats.host_store_bytes = host.stores * host.block_bytes
-            stats.host_load_bytes = host.loads * host.block_bytes
+            stats.host_store_bytes = sum(t.stores * t.block_bytes for t in tiers)
+            stats.host_load_bytes = sum(t.loads * t.block_bytes for t in tiers)
             stats.host_usage = host.usage
         return stats
 

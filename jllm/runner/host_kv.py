@@ -1,6 +1,8 @@
 """The host-memory KV tier's arrays and copies (`engine/host_kv_tier.py` decides which
-blocks): one host array per KV-cache group, [L, Bh, S, 2K, H] in the cache's dtype, and the
-two copies a step may start with:
+blocks): per pool the tier keeps, a host copy of each of its arrays with its own block
+count (a full-attention pool's [L, Bh, S, 2K, H]; a per-request state pool's snapshots,
+[L, Bh, *state shape] per array), in the cache's dtype, and the two copies a step may start
+with, (pool, source, destination) each:
 
 - stores: the device blocks evicted from the prefix cache, gathered on the device by a
   compiled executable before the step's forward can overwrite them, and brought to the host
@@ -12,8 +14,8 @@ two copies a step may start with:
   forward that reads them.
 
 Both run in buckets of 1, 2, 4, ... blocks, compiled at start-up. `HostKVCache` is a runner
-manager (`runner/manager.py`): a step's writes are its (stores, loads), block-id pairs on
-the wire. On TPU and GPU the host
+manager (`runner/manager.py`): a step's writes are its (stores, loads), (pool, block, block)
+triples on the wire. On TPU and GPU the host
 array would live in the `pinned_host` memory kind for DMA copies; on the CPU host memory is
 the device's memory and numpy is the host array.
 
@@ -22,6 +24,7 @@ Glossary: L layers, Bh host blocks, S block size, K kv heads, H head dim, n bloc
 
 from __future__ import annotations
 
+import itertools
 import os
 from functools import partial
 
@@ -39,36 +42,49 @@ MAX_COPY_BLOCKS = 64
 
 @jax.jit
 def gather_blocks(cache, ids):
-    """cache [L, B, S, 2K, H], ids [n] -> [L, n, S, 2K, H] (a padding id reads block 0)."""
+    """cache [L, B, ...], ids [n] -> [L, n, ...] (a padding id reads block 0)."""
     return cache[:, ids]
 
 
 @partial(jax.jit, donate_argnames=("cache",))
 def scatter_blocks(cache, ids, blocks):
-    """Write blocks [L, n, S, 2K, H] at ids [n] (an id past the cache, padding, writes
+    """Write blocks [L, n, ...] at ids [n] (an id past the cache, padding, writes
     nothing)."""
     return cache.at[:, ids].set(blocks.astype(cache.dtype), mode="drop")
+
+
+def _arrays(cache) -> list:
+    """A pool's arrays: its one array, or a state pool's tuple."""
+    return list(cache) if isinstance(cache, tuple) else [cache]
+
+
+def _rebuilt(cache, arrays: list):
+    return tuple(arrays) if isinstance(cache, tuple) else arrays[0]
 
 
 class HostKVCache(RunnerManager):
     name = "host_kv"
 
-    def __init__(self, num_blocks: int, device_caches: tuple, replicated) -> None:
-        """`device_caches`: the model's KV-cache groups (their shapes and shardings)."""
-        self.num_blocks = num_blocks
+    def __init__(self, blocks: dict[int, int], device_caches: tuple, replicated) -> None:
+        """`blocks`: the host blocks of each pool the tier keeps; `device_caches`: the
+        model's pools (their shapes and shardings)."""
+        self.blocks = dict(blocks)
         self.replicated = replicated
-        self.arrays = [
-            np.zeros((c.shape[0], num_blocks, *c.shape[2:]), c.dtype) for c in device_caches
-        ]
+        self.arrays = {
+            pool: [np.zeros((c.shape[0], n, *c.shape[2:]), c.dtype) for c in _arrays(cache)]
+            for pool, cache in enumerate(device_caches)
+            if (n := self.blocks.get(pool))
+        }
         self.buckets = pow2_buckets(MAX_COPY_BLOCKS)
-        self._pending: list[tuple[list[int], list]] = []  # (host blocks, gathered arrays)
+        # (pool, host blocks, gathered arrays) of the stores not written yet
+        self._pending: list[tuple[int, list[int], list]] = []
 
     @staticmethod
-    def block_bytes(device_caches) -> int:
-        """Host bytes of one block in every group."""
+    def block_bytes(cache) -> int:
+        """Host bytes of one block (one slot, of per-request state) of a pool."""
         return sum(
             int(np.prod((c.shape[0], *c.shape[2:]))) * jnp.dtype(c.dtype).itemsize
-            for c in device_caches
+            for c in _arrays(cache)
         )
 
     def _executable(self, table, kind: str, fn, cache, n: int, *extra):
@@ -83,8 +99,8 @@ class HostKVCache(RunnerManager):
         return jax.ShapeDtypeStruct(shape, cache.dtype, sharding=cache.sharding)
 
     def compile_all(self, runner) -> None:
-        for cache in runner.kv_cache:
-            for n in self.buckets:
+        for pool in self.arrays:
+            for cache, n in itertools.product(_arrays(runner.kv_cache[pool]), self.buckets):
                 self._executable(runner.table, "host kv gather", gather_blocks, cache, n)
                 blocks = self._blocks_shape(cache, n)
                 self._executable(runner.table, "host kv scatter", scatter_blocks, cache, n, blocks)
@@ -98,22 +114,24 @@ class HostKVCache(RunnerManager):
             runner.kv_cache = self.copy(runner.table, runner.kv_cache, stores, loads)
 
     def encode(self, writes) -> list:
-        stores, loads = writes
-        return [[[int(a), int(b)] for a, b in stores], [[int(a), int(b)] for a, b in loads]]
+        return [[[int(x) for x in copy] for copy in copies] for copies in writes]
 
     def decode(self, wire):
         wire = expect_list(wire, "the host KV copies")
         if len(wire) != 2:
             raise MalformedMessage("step message: the host KV copies are not [stores, loads]")
         stores, loads = (
-            [tuple(expect_ints(p, "a host KV copy", 2)) for p in expect_list(w, "copies")]
+            [tuple(expect_ints(p, "a host KV copy", 3)) for p in expect_list(w, "copies")]
             for w in wire
         )
+        for pool, _, _ in stores + loads:
+            if pool not in self.arrays:
+                raise MalformedMessage(f"step message: no host KV tier for pool {pool}")
         return stores, loads
 
     def device_arrays(self, runner) -> list:
-        self.flush()
-        return list(self.arrays)  # host memory, written by every process alike
+        self.flush()  # host memory, written by every process alike
+        return [array for arrays in self.arrays.values() for array in arrays]
 
     def _chunks(self, pairs):
         largest = self.buckets[-1]
@@ -123,41 +141,46 @@ class HostKVCache(RunnerManager):
 
     def flush(self) -> None:
         """Write the stores started by earlier steps into the host arrays."""
-        for host_ids, gathered in self._pending:
-            for array, blocks in zip(self.arrays, gathered, strict=True):
+        for pool, host_ids, gathered in self._pending:
+            for array, blocks in zip(self.arrays[pool], gathered, strict=True):
                 array[:, host_ids] = np.asarray(blocks)[:, : len(host_ids)]
         self._pending = []
 
     def copy(self, table, caches: tuple, stores, loads) -> tuple:
-        """Start this step's stores ((device block, host block) each) and make its loads
-        ((host block, device block) each); returns the updated caches."""
+        """Start this step's stores ((pool, device block, host block) each) and make its
+        loads ((pool, host block, device block) each); returns the updated caches."""
         self.flush()
         caches = list(caches)
-        for part, n in self._chunks(list(stores)):
-            ids = np.zeros(n, np.int32)
-            ids[: len(part)] = [d for d, _ in part]
-            ids = jax.device_put(ids, self.replicated)
-            gathered = []
-            for cache in caches:
-                blocks = self._executable(table, "host kv gather", gather_blocks, cache, n)(
-                    cache, ids
-                )
-                blocks.copy_to_host_async()
-                gathered.append(blocks)
-            self._pending.append(([h for _, h in part], gathered))
-        for part, n in self._chunks(list(loads)):
-            host_ids = [h for h, _ in part]
-            ids = np.full(n, -1, np.int32)
-            ids[: len(part)] = [d for _, d in part]
-            for g, cache in enumerate(caches):
-                ids[len(part) :] = cache.shape[1]  # padding: past the cache, dropped
-                data = np.zeros((cache.shape[0], n, *cache.shape[2:]), self.arrays[g].dtype)
-                data[:, : len(part)] = self.arrays[g][:, host_ids]
-                shape = self._blocks_shape(cache, n)
-                put_ids = jax.device_put(ids, self.replicated)
-                blocks = jax.device_put(data, shape.sharding)
-                exe = self._executable(table, "host kv scatter", scatter_blocks, cache, n, shape)
-                caches[g] = exe(cache, put_ids, blocks)
+        for pool in self.arrays:
+            mine = [(d, h) for p, d, h in stores if p == pool]
+            for part, n in self._chunks(mine):
+                ids = np.zeros(n, np.int32)
+                ids[: len(part)] = [d for d, _ in part]
+                ids = jax.device_put(ids, self.replicated)
+                gathered = []
+                for cache in _arrays(caches[pool]):
+                    exe = self._executable(table, "host kv gather", gather_blocks, cache, n)
+                    blocks = exe(cache, ids)
+                    blocks.copy_to_host_async()
+                    gathered.append(blocks)
+                self._pending.append((pool, [h for _, h in part], gathered))
+        for pool, hosts in self.arrays.items():
+            arrays = _arrays(caches[pool])
+            for part, n in self._chunks([(h, d) for p, h, d in loads if p == pool]):
+                host_ids = [h for h, _ in part]
+                for i, (cache, host) in enumerate(zip(arrays, hosts, strict=True)):
+                    ids = np.full(n, cache.shape[1], np.int32)  # padding: past it, dropped
+                    ids[: len(part)] = [d for _, d in part]
+                    data = np.zeros((cache.shape[0], n, *cache.shape[2:]), host.dtype)
+                    data[:, : len(part)] = host[:, host_ids]
+                    shape = self._blocks_shape(cache, n)
+                    put_ids = jax.device_put(ids, self.replicated)
+                    blocks = jax.device_put(data, shape.sharding)
+                    exe = self._executable(
+                        table, "host kv scatter", scatter_blocks, cache, n, shape
+                    )
+                    arrays[i] = exe(cache, put_ids, blocks)
+            caches[pool] = _rebuilt(caches[pool], arrays)
         return tuple(caches)
 
 
@@ -173,11 +196,15 @@ def available_host_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def host_tier_blocks(size_gib: float | None, device_caches, nnodes: int = 1) -> int:
-    """Host blocks `kv_offloading_size` GiB holds (0: off); ValueError when the host does
-    not have that memory available, or the engine spans several hosts (not built yet)."""
+def host_tier_blocks(
+    size_gib: float | None, device_caches, shares: dict[int, int], nnodes: int = 1
+) -> dict[int, int]:
+    """Host blocks of each pool `kv_offloading_size` GiB holds ({}: off), in units of
+    `shares` (pool -> its blocks per unit: a hybrid's full-attention blocks between two
+    state snapshots, and one snapshot); ValueError when the host does not have that memory
+    available, or the engine spans several hosts (not built yet)."""
     if not size_gib:
-        return 0
+        return {}
     if nnodes > 1:
         raise ValueError(
             "The host KV tier (kv_offloading_size) runs on one host; with nnodes > 1 it is "
@@ -190,10 +217,11 @@ def host_tier_blocks(size_gib: float | None, device_caches, nnodes: int = 1) -> 
             f"kv_offloading_size={size_gib} GiB ({size / 2**30:.2f} GiB) is more than this "
             f"host's available memory ({available / 2**30:.2f} GiB)."
         )
-    per_block = HostKVCache.block_bytes(device_caches)
-    blocks = size // per_block
-    if blocks < 1:
+    per_unit = sum(n * HostKVCache.block_bytes(device_caches[pool]) for pool, n in shares.items())
+    units = size // per_unit
+    if units < 1:
+        what = "block" if len(shares) == 1 else "block run and state snapshot"
         raise ValueError(
-            f"kv_offloading_size={size_gib} GiB holds no block ({per_block} bytes each)."
+            f"kv_offloading_size={size_gib} GiB holds no {what} ({per_unit} bytes each)."
         )
-    return int(blocks)
+    return {pool: int(units * n) for pool, n in shares.items()}

@@ -242,11 +242,58 @@ def test_hits_are_taken_before_fresh_blocks_evict_them():
     assert not set(b_first) & set(b_second) and kv.num_free_blocks == 0
 
 
+def test_a_hybrid_hit_comes_back_from_both_host_tiers():
+    """Full attention beside state snapshots every 2 blocks (S=4): a request's two blocks
+    and its snapshot at block 2, evicted from their small pools by another request, are
+    stored in the host tiers ((pool, device, host) copies); the next request with that
+    prefix hits them there: its attention blocks and its state load from host memory into
+    fresh blocks and its live slot, and the hit counts all 8 tokens."""
+    snap = dataclasses.replace(STATE, cache_interval=8)
+    attn_tier, state_tier = HostKVTier(8), HostKVTier(4)
+    kv = KVCacheManager(
+        [5, 3], 4, True, specs=[attention(), snap], host=attn_tier, state_host=state_tier
+    )
+    a = req("a", list(range(9)))
+    assert kv.allocate_slots(a, 8) is not None  # caches blocks 0, 1 and snapshots at 2
+    kv.take_state_copies()
+    kv.begin_step()
+    assert kv.take_state_copies()[0][0] == 1  # the snapshot's copy, handed on
+    a_blocks, (a_snapshot,) = kv.block_ids("a")[0][:2], [kv.pools[1].cached[a.block_hashes[1]]]
+    kv.free(a)
+    x = req("x", list(range(100, 117)))  # 4 attention blocks, its live slot and snapshot
+    assert kv.allocate_slots(x, 16) is not None
+    stores, loads = kv.take_copies()
+    assert sorted((p, d) for p, d, _ in stores) == [
+        (0, a_blocks[0]),
+        (0, a_blocks[1]),
+        (1, a_snapshot),
+    ]
+    assert not loads
+    kv.free(x)
+    kv.begin_step()
+    b = req("b", list(range(9)))
+    hits, n = kv.get_computed_blocks(b)
+    assert hits == ([], []) and n == 0 and len(kv.host_hits) == 2
+    assert kv.allocate_slots(b, 1, hits, host_hits=kv.host_hits) is not None
+    _, loads = kv.take_copies()
+    b_attn, (b_live,) = kv.block_ids("b")
+    assert sorted(loads) == sorted(
+        [(0, h, d) for h, d in zip(kv.host_hits, b_attn[:2], strict=True)]
+        + [(1, loads[-1][1], b_live)]
+    )
+    assert attn_tier.loads == 2 and state_tier.loads == 1
+
+
 def test_the_host_tier_and_pool_numbers_are_checked():
     with pytest.raises(ValueError, match="one KV-cache group of full attention"):
         KVCacheManager(8, 4, True, [MLA], host=HostKVTier(4))
     with pytest.raises(ValueError, match="one KV-cache group of full attention"):
         KVCacheManager(8, 4, True, groups(None, None), pools=[0, 0], host=HostKVTier(4))
+    snap = dataclasses.replace(STATE, cache_interval=8)
+    with pytest.raises(ValueError, match="state snapshots too"):
+        KVCacheManager(8, 4, True, [attention(), snap], host=HostKVTier(4))
+    with pytest.raises(ValueError, match="one KV-cache group of full attention"):
+        KVCacheManager(8, 4, True, [attention(), STATE], host=HostKVTier(4))
     with pytest.raises(ValueError, match="need one pool each"):
         KVCacheManager(8, 4, True, groups(None, None), pools=[0])
     with pytest.raises(ValueError, match="numbered from 0"):

@@ -2,12 +2,13 @@
 against transformers' torch path: tiny random models (float32, 4 layers: three linear, one
 full; Qwen3-Next's experts with a shared one and a dense layer among them), 40-90 token
 prompts, greedy tokens equal and each chosen token's logprob within 1e-4 of transformers'
-teacher-forced one. Crosses: prefix hits from state snapshots, chunked prefill
-smaller than a prompt (the state carried across chunks, decodes beside chunks) one step ahead,
-the packed batch layout, preemption (the state slot freed, the request recomputed), tensor
-parallelism (the linear layers split by head) with expert parallelism, the Pallas TPU and GPU
-kernels interpreted, bf16 as near float32 as transformers' bf16; n-gram
-speculation exact (the state put back after rejected drafts), draft models refused."""
+teacher-forced one. Crosses: prefix hits from state snapshots, chunked prefill smaller than
+a prompt (the state carried across chunks, decodes beside chunks) one step ahead, the packed
+batch layout, preemption (the state slot freed, the request recomputed), tensor parallelism
+(the linear layers split by head) with expert parallelism, the Pallas TPU and GPU kernels
+interpreted, the host KV tier (blocks and state snapshots back from host memory), bf16 as
+near float32 as transformers' bf16; n-gram speculation exact (the state put back after
+rejected drafts), draft models refused."""
 
 from __future__ import annotations
 
@@ -146,6 +147,26 @@ def test_matches_transformers(hybrids, oracles, model_type, settings):
         again = generate(llm, PROMPTS, params)
         assert_matches(oracles[model_type], PROMPTS, again)
         assert [o.num_cached_tokens for o in again] == [0, 0, 0, 64]
+
+
+@pytest.mark.parametrize("settings", [{}, {"tensor_parallel_size": 2}], ids=["plain", "tp2"])
+def test_host_tier_brings_back_blocks_and_state_snapshots(hybrids, oracles, settings):
+    """Small device pools (2 requests, 15 attention blocks, 4 state slots) and a host tier:
+    a 90-token prompt's blocks and its state snapshot at 64 are evicted by four other
+    prompts and stored in host memory; the prompt again hits 64 tokens there (attention
+    blocks and the snapshot loaded back) and equals the oracle."""
+    pools = dict(max_num_seqs=2, num_gpu_blocks_override=16, kv_offloading_size=0.01)
+    llm = LLM(hybrids["qwen3_next"], **{**SMALL, "dtype": "float32", **pools, **settings})
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    first = prompt_ids(1, 90, seed=7, vocab=VOCAB)
+    generate(llm, first, params)
+    generate(llm, prompt_ids(4, 70, seed=8, vocab=VOCAB), params)
+    kv = llm.llm_engine.scheduler.kv_cache
+    assert kv.host.stores and kv.state_host.stores
+    again = generate(llm, first, params)
+    assert_matches(oracles["qwen3_next"], first, again)
+    assert again[0].num_cached_tokens == 64
+    assert kv.host.loads == 4 and kv.state_host.loads == 1
 
 
 def test_bf16_as_near_float32_as_transformers_bf16(hybrids, oracles):
