@@ -14,6 +14,15 @@ difference (the small prefill they share cancels out). Also printed: the KV-cach
 request holds at that context (the DeltaNet's state is fixed; attention grows with it).
 
     python benchmarks/qwen3_next.py --context 4096 --requests 4
+
+`--chat`: the hybrid alone under a multi-turn chat load (`--requests` conversations of
+`--turns` turns: a `--context`-token history, then each turn 64 new user tokens and a
+32-token answer, the conversations of a turn submitted together), with state snapshots
+(`mamba_cache_mode="align"`, the default) and without (`"none"`: no prefix hit on a hybrid,
+as in vLLM before its align mode); printed per turn: the prompt tokens the prefix cache
+served and the mean time to first token.
+
+    python benchmarks/qwen3_next.py --chat --context 1024 --requests 4 --turns 4
 """
 
 from __future__ import annotations
@@ -68,12 +77,11 @@ def config_dir(hybrid: bool, max_len: int) -> str:
     return out
 
 
-def _measure(hybrid: bool, dtype: str, context: int, requests: int) -> dict:
-    from jllm import LLM, SamplingParams
+def make_engine(path: str, dtype: str, max_len: int, requests: int, **extra):
+    """The model at `path` with random weights, 4 GiB of KV cache, `requests` at once."""
+    from jllm import LLM
 
-    max_len = context + DECODE + 16
-    path = config_dir(hybrid, max_len)
-    llm = LLM(
+    return LLM(
         path,
         load_format="dummy",
         skip_tokenizer_init=True,
@@ -82,7 +90,60 @@ def _measure(hybrid: bool, dtype: str, context: int, requests: int) -> dict:
         max_num_seqs=max(requests, 2),
         kv_cache_memory_bytes=(4 << 30),
         disable_log_stats=True,
+        **extra,
     )
+
+
+def _chat(mode: str, dtype: str, context: int, requests: int, turns: int) -> list:
+    """Per turn: (prompt tokens, of which cached, mean time to first token in s)."""
+    from jllm import SamplingParams
+
+    max_len = context + turns * 96 + 16
+    path = config_dir(True, max_len)
+    llm = make_engine(path, dtype, max_len, requests, mamba_cache_mode=mode)
+    rng = np.random.default_rng(0)
+    histories = [rng.integers(3, 150000, context).tolist() for _ in range(requests)]
+    params = SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.0)
+    rows = []
+    for _ in range(turns):
+        for h in histories:
+            h.extend(rng.integers(3, 150000, 64).tolist())
+        prompts = [{"prompt_token_ids": list(h)} for h in histories]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        prompt = sum(len(o.prompt_token_ids) for o in outs)
+        cached = sum(o.num_cached_tokens for o in outs)
+        ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
+        rows.append((prompt, cached, sum(ttft) / len(ttft)))
+        for h, out in zip(histories, outs, strict=True):
+            h.extend(out.outputs[0].token_ids)
+    shutil.rmtree(path)
+    return rows
+
+
+def chat(args, spawn) -> None:
+    results = {}
+    for mode in ("align", "none"):
+        with spawn.Pool(1) as pool:
+            argv = (mode, args.dtype, args.context, args.requests, args.turns)
+            results[mode] = pool.apply(_chat, argv)
+    print(
+        f"\n{args.requests} conversations, {args.context}-token histories, {args.turns} turns "
+        f"of 64 user + 32 answer tokens ({args.dtype})\n"
+    )
+    print(
+        "| turn | prompt tokens | cached, snapshots | cached, none | TTFT snapshots | TTFT none |"
+    )
+    print("|---|---|---|---|---|---|")
+    for t, (a, n) in enumerate(zip(results["align"], results["none"], strict=True)):
+        print(f"| {t + 1} | {a[0]} | {a[1]} | {n[1]} | {a[2]:.2f} s | {n[2]:.2f} s |")
+
+
+def _measure(hybrid: bool, dtype: str, context: int, requests: int) -> dict:
+    from jllm import SamplingParams
+
+    max_len = context + DECODE + 16
+    path = config_dir(hybrid, max_len)
+    llm = make_engine(path, dtype, max_len, requests)
     rng = np.random.default_rng(0)
     prompts = [
         {"prompt_token_ids": rng.integers(3, 150000, context).tolist()} for _ in range(requests)
@@ -116,8 +177,12 @@ def main() -> None:
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--requests", type=int, default=4)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--chat", action="store_true", help="the multi-turn chat load")
+    p.add_argument("--turns", type=int, default=4)
     args = p.parse_args()
     spawn = multiprocessing.get_context("spawn")
+    if args.chat:
+        return chat(args, spawn)
     rows = {}
     for name, hybrid in (("hybrid (3 DeltaNet : 1 attention)", True), ("dense twin", False)):
         with spawn.Pool(1) as pool:  # one engine per process: their executables apart

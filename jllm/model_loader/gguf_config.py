@@ -48,12 +48,14 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 def gguf_hf_config(gf: GgufFile) -> PretrainedConfig:
     """The transformers config (LlamaConfig, Qwen2Config, Qwen3Config, Gemma2Config,
-    Gemma3TextConfig, Phi3Config, DeepseekV2Config, DeepseekV3Config) a GGUF file describes."""
+    Gemma3TextConfig, Phi3Config, DeepseekV2Config, DeepseekV3Config, Qwen3NextConfig) a GGUF
+    file describes."""
     arch = gf.architecture
-    if gf.arch_key("expert_count") and arch != "deepseek2":
+    if gf.arch_key("expert_count") and arch not in ("deepseek2", "qwen3next"):
         raise ValueError(
             f"{gf.path} is a mixture-of-experts GGUF of architecture {arch!r}; jllm loads "
-            "the experts of deepseek2 files only. Use the model's safetensors checkpoint."
+            "the experts of deepseek2 and qwen3next files only. Use the model's safetensors "
+            "checkpoint."
         )
     num_heads = int(gf.arch_key("attention.head_count"))
     num_kv_heads = gf.arch_key("attention.head_count_kv", num_heads)
@@ -82,6 +84,8 @@ def gguf_hf_config(gf: GgufFile) -> PretrainedConfig:
         model_type, class_name, own = _deepseek2(gf)
         kwargs |= own | {"architectures": [class_name]}
         return AutoConfig.for_model(model_type, **kwargs)
+    if arch == "qwen3next":
+        return AutoConfig.for_model(model_type, **kwargs, **_qwen3next(gf, head_dim))
     if arch in ("llama", "qwen3", "gemma2", "gemma3"):
         kwargs["head_dim"] = head_dim
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
@@ -94,6 +98,49 @@ def gguf_hf_config(gf: GgufFile) -> PretrainedConfig:
     else:
         kwargs["rope_parameters"] = _rope_parameters(gf, head_dim)
     return AutoConfig.for_model(model_type, **kwargs)
+
+
+def _qwen3next(gf: GgufFile, head_dim: int) -> dict:
+    """llama.cpp's `qwen3next` (Qwen3-Next): the DeltaNet's shape from its `ssm.*` keys, the
+    layer order from `full_attention_interval` (the last of every N layers is full
+    attention: llama.cpp's rule and transformers' default), the rotated share of each head
+    from `rope.dimension_count`, and the experts (the layers without a router are dense)."""
+    layers = int(gf.arch_key("block_count"))
+    every = int(gf.arch_key("full_attention_interval", 4))
+    value_heads = int(gf.arch_key("ssm.time_step_rank"))
+    rotary = int(gf.arch_key("rope.dimension_count", head_dim // 4))
+    names = set(gf.tensors)
+    sparse = [f"blk.{i}.ffn_gate_inp.weight" in names for i in range(layers)]
+    own = {
+        "head_dim": head_dim,
+        "attention_bias": any(n.endswith(".attn_q.bias") for n in names),
+        "layer_types": [
+            "full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(layers)
+        ],
+        "linear_conv_kernel_dim": int(gf.arch_key("ssm.conv_kernel")),
+        "linear_key_head_dim": int(gf.arch_key("ssm.state_size")),
+        "linear_num_key_heads": int(gf.arch_key("ssm.group_count")),
+        "linear_num_value_heads": value_heads,
+        "linear_value_head_dim": int(gf.arch_key("ssm.inner_size")) // value_heads,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": _f32(gf.arch_key("rope.freq_base", 10000.0)),
+            "partial_rotary_factor": rotary / head_dim,
+        },
+    }
+    if any(sparse):
+        own |= {
+            "num_experts": int(gf.arch_key("expert_count")),
+            "num_experts_per_tok": int(gf.arch_key("expert_used_count")),
+            "moe_intermediate_size": int(gf.arch_key("expert_feed_forward_length")),
+            "shared_expert_intermediate_size": int(
+                gf.arch_key("expert_shared_feed_forward_length", 0)
+            ),
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i, s in enumerate(sparse) if not s],
+        }
+    return own
 
 
 def _f32(value: float) -> float:

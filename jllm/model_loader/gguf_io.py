@@ -59,7 +59,8 @@ _PER_LAYER = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# A layer tensor: its part and suffix (none for a few, e.g. Qwen3-Next's `ssm_a`).
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?")
 
 # Tensors that carry configuration rather than weights: read by `gguf_config`, never yielded.
 # rope_freqs: Llama 3.1's rope scaling; rope_factors_*: Phi-3's LongRoPE factors.
@@ -105,7 +106,8 @@ class GgufFile:
         match = _LAYER_NAME.fullmatch(gguf_name)
         if match and match.group(2) in self._layer_names:
             layer, part, suffix = match.groups()
-            return f"model.layers.{layer}.{self._layer_names[part]}.{suffix}"
+            name = f"model.layers.{layer}.{self._layer_names[part]}"
+            return name if suffix is None else f"{name}.{suffix}"
         raise ValueError(
             f"{self.path} holds a tensor {gguf_name!r} that jllm does not know how to load for "
             f"architecture {self.architecture!r}."
@@ -123,7 +125,7 @@ class GgufFile:
         them (quantization="gguf"); see `_kept_tensors` for which."""
         weights = self._iter_weights(keep_quantized)
         regroup = self.family.regroup
-        yield from weights if regroup is None else regroup(weights)
+        yield from weights if regroup is None else regroup(weights, self)
 
     def _iter_weights(self, keep_quantized: bool) -> Iterator[tuple[str, object]]:
         permute, plus_one = self.family.permuted, self.family.norm_plus_one
@@ -156,7 +158,9 @@ class GgufFile:
             match = _LAYER_NAME.fullmatch(name)
             parts.setdefault(match.group(2) if match else name, []).append(name)
         kept = set()
-        for names in parts.values():
+        for part, names in parts.items():
+            if part in self.family.float_parts:
+                continue
             tensors = [self.tensors[n] for n in names]
             if all(t.tensor_type.name in GGUF_KEPT and len(t.shape) == 2 for t in tensors):
                 kept.update(names)

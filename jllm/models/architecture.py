@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass(frozen=True, kw_only=True)
 class Architecture:
@@ -53,8 +55,22 @@ class GgufFamily:
     permuted: bool = False
     norm_plus_one: bool = False
     # The transformers-named tensors -> the checkpoint's, where llama.cpp's converter did
-    # more than rename (DeepSeek's: the experts stacked, kv_b_proj split in two).
-    regroup: Callable[[Iterator[tuple[str, object]]], Iterator[tuple[str, object]]] | None = None
+    # more than rename (DeepSeek's: the experts stacked, kv_b_proj split in two), given the
+    # file (its metadata: `arch_key`).
+    regroup: (
+        Callable[[Iterator[tuple[str, object]], object], Iterator[tuple[str, object]]] | None
+    ) = None
+    # llama.cpp's parts (`attn_qkv`, ...) the regrouping takes as float arrays: never kept
+    # quantized.
+    float_parts: frozenset[str] = frozenset()
+
+
+def unstacked_experts(name: str, w) -> Iterator[tuple[str, object]]:
+    """A GGUF layer's stacked experts ([E, out, in], llama.cpp's `ffn_*_exps`) as the
+    checkpoint's one tensor per expert."""
+    stem, proj = name.rsplit(".mlp.experts.", 1)
+    for e, expert in enumerate(np.asarray(w)):
+        yield f"{stem}.mlp.experts.{e}.{proj}", expert
 
 
 TOP_WEIGHTS = {

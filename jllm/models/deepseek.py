@@ -42,6 +42,7 @@ from jllm.models.architecture import (
     GgufFamily,
     expert_weights,
     mlp_weights,
+    unstacked_experts,
 )
 from jllm.models.blocks import DecoderLayer, GatedMLP, split_kind
 from jllm.models.config import DecoderConfig
@@ -282,7 +283,7 @@ ARCHITECTURES = {
 }
 
 
-def _gguf_regroup(weights: Iterator[tuple[str, object]]) -> Iterator[tuple[str, object]]:
+def _gguf_regroup(weights: Iterator[tuple[str, object]], gf=None) -> Iterator[tuple[str, object]]:
     """llama.cpp's `deepseek2` tensors as the checkpoint's: each layer's experts stacked
     ([E, out, in]) back into one tensor per expert, the router's correction bias under its
     name, and kv_b_proj from the two halves the converter splits it into for its absorbed
@@ -302,9 +303,7 @@ def _gguf_regroup(weights: Iterator[tuple[str, object]]) -> Iterator[tuple[str, 
                 kv_b = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)  # [N, h + v, R]
                 yield f"{layer}.self_attn.kv_b_proj.weight", kv_b.reshape(-1, v_b.shape[2])
         elif ".mlp.experts." in name and np.ndim(w) == 3:
-            stem, proj = name.rsplit(".mlp.experts.", 1)
-            for e, expert in enumerate(np.asarray(w)):
-                yield f"{stem}.mlp.experts.{e}.{proj}", expert
+            yield from unstacked_experts(name, w)
         else:
             yield name, w
     if halves:

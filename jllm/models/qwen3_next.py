@@ -34,10 +34,12 @@ G key-head groups of a fused projection, X a group's fused (or conv) width, J ta
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jllm.kv_cache_interface import MambaSpec
@@ -45,7 +47,9 @@ from jllm.models.architecture import (
     LAYER_NORMS,
     TOP_WEIGHTS,
     Architecture,
+    GgufFamily,
     attention_weights,
+    unstacked_experts,
 )
 from jllm.models.blocks import Attention, GatedMLP, split_kind
 from jllm.models.config import DecoderConfig
@@ -318,6 +322,79 @@ def _architecture(name: str, fused: bool) -> Architecture:
         top_weights=TOP_WEIGHTS,
         fused_weights=fused_weights,
     )
+
+
+def _gguf_regroup(weights: Iterator[tuple[str, object]], gf) -> Iterator[tuple[str, object]]:
+    """llama.cpp's `qwen3next` tensors as the checkpoint's (its converter,
+    Qwen3NextModel.modify_tensors, undone): `ssm_a` is -exp(A_log); the norms scaling by
+    1 + w hold 1 + w (the DeltaNet's gated norm does not); the conv taps are squeezed to
+    [C, J]; in_proj_qkvz is split into `attn_qkv` (every key head's q, then k, then v:
+    the conv's channel order) and `attn_gate` (z), from which each key head's group
+    [q, k, v, z] is rebuilt (files from before that split hold it whole, as `ssm_in`);
+    each layer's experts are stacked."""
+    held: dict[str, dict[str, np.ndarray]] = {}
+    key_heads, key_dim = int(gf.arch_key("ssm.group_count")), int(gf.arch_key("ssm.state_size"))
+    for name, w in weights:
+        layer, _, part = name.partition(".linear_attn.")
+        if part == "A_log":
+            yield name, np.log(-np.asarray(w))
+        elif part == "dt_proj.bias":
+            yield f"{layer}.linear_attn.dt_bias", w
+        elif part == "conv1d.weight":
+            yield name, np.asarray(w)[:, None, :]
+        elif part in ("attn_qkv.weight", "attn_gate.weight"):
+            pair = held.setdefault(layer, {})
+            pair[part] = np.asarray(w)
+            if len(pair) == 2:
+                del held[layer]
+                qkvz = _qkvz(pair["attn_qkv.weight"], pair["attn_gate.weight"], key_heads, key_dim)
+                yield f"{layer}.linear_attn.in_proj_qkvz.weight", qkvz
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            yield name, np.asarray(w) - np.float32(1.0)
+        elif name.endswith("mlp.shared_expert_gate.weight") and np.ndim(w) == 1:
+            yield name, np.asarray(w)[None]  # converters that squeezed it
+        elif ".mlp.experts." in name and np.ndim(w) == 3:
+            yield from unstacked_experts(name, w)
+        else:
+            yield name, w
+    if held:
+        raise ValueError(f"GGUF layers {sorted(held)} hold one of attn_qkv and attn_gate only.")
+
+
+def _qkvz(qkv: np.ndarray, z: np.ndarray, Hk: int, K: int) -> np.ndarray:
+    """in_proj_qkvz [Hk * X, D] (per key head: q, k, its values, its gates) from `attn_qkv`
+    [2 Hk K + Hv V, D] (all q, all k, all v) and `attn_gate` [Hv V, D]."""
+    D = qkv.shape[1]
+    q, k, v = np.split(qkv, [Hk * K, 2 * Hk * K])
+    parts = [q.reshape(Hk, K, D), k.reshape(Hk, K, D), v.reshape(Hk, -1, D), z.reshape(Hk, -1, D)]
+    return np.concatenate(parts, axis=1).reshape(-1, D)
+
+
+_GGUF_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ssm_in": "linear_attn.in_proj_qkvz",  # files from before attn_qkv / attn_gate
+    "attn_qkv": "linear_attn.attn_qkv",
+    "attn_gate": "linear_attn.attn_gate",
+    "ssm_ba": "linear_attn.in_proj_ba",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_dt": "linear_attn.dt_proj",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    **{f"ffn_{p}_exps": f"mlp.experts.{p}_proj" for p in ("gate", "up", "down")},
+    **{f"ffn_{p}_shexp": f"mlp.shared_expert.{p}_proj" for p in ("gate", "up", "down")},
+}
+GGUF = {
+    "qwen3next": GgufFamily(
+        model_type="qwen3_next",
+        class_name="Qwen3NextForCausalLM",
+        layer_names=_GGUF_NAMES,
+        regroup=_gguf_regroup,
+        float_parts=frozenset({"attn_qkv", "attn_gate"}),
+    )
+}
 
 
 ARCHITECTURES = {

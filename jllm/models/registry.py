@@ -52,6 +52,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "gemma3": "gemma",
     "phi3": "phi3",
     "deepseek2": "deepseek",
+    "qwen3next": "qwen3_next",
 }
 
 # Tensors some checkpoints carry that hold no weights: buffers transformers once saved.

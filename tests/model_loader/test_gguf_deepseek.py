@@ -56,6 +56,21 @@ def checkpoint(source: str) -> dict[str, np.ndarray]:
     return load_file(f"{source}/model.safetensors")
 
 
+def write_text_keys(w, cfg, num_kv_heads: int) -> None:
+    """The keys llama.cpp's TextModel writes for every architecture."""
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(num_kv_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    for kind in ("bos", "eos", "pad"):  # the special vocabulary's ids
+        if getattr(cfg, f"{kind}_token_id") is not None:
+            getattr(w, f"add_{kind}_token_id")(getattr(cfg, f"{kind}_token_id"))
+
+
 def write_deepseek_gguf(
     path: str, source: str, *, split_kv_b: bool, quantize: bool = False, edit=None, drop=()
 ) -> None:
@@ -69,18 +84,8 @@ def write_deepseek_gguf(
     rope = cfg.rope_parameters
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, L)
     w = gguf.GGUFWriter(path, "deepseek2")
-    # TextModel's keys (num_key_value_heads is 1 once MLA is one shared head)
-    w.add_block_count(L)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(N)
-    w.add_head_count_kv(1 if split_kv_b else N)
-    w.add_rope_freq_base(rope["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    for kind in ("bos", "eos", "pad"):  # the special vocabulary's ids
-        if getattr(cfg, f"{kind}_token_id") is not None:
-            getattr(w, f"add_{kind}_token_id")(getattr(cfg, f"{kind}_token_id"))
+    # num_key_value_heads is 1 once MLA is one shared head
+    write_text_keys(w, cfg, 1 if split_kv_b else N)
     w.add_expert_count(cfg.n_routed_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     if v3:  # transformers' V2 config has no scoring function: llama.cpp assumes softmax
@@ -133,10 +138,21 @@ def write_deepseek_gguf(
             tensors[name] = values
     for name, by_expert in experts.items():
         tensors[name] = np.stack([by_expert[e] for e in sorted(by_expert)])
+    write_tensors(w, names, tensors, quantize)
+
+
+def write_tensors(w, names, tensors: dict, quantize: bool, floats=("mlp.gate.",)) -> None:
+    """Add the transformers-named `tensors` under llama.cpp's `names` (F32, or Q8_0 for
+    each matrix whose rows are whole blocks of 32 but the embedding and those named in
+    `floats`, which the converter keeps F32) and write the file. A name without a suffix
+    (Qwen3-Next's `ssm_a`) maps whole."""
     for name, values in tensors.items():
         stem, suffix = name.rsplit(".", 1)
-        gguf_name = f"{names.get_name(stem)}.{suffix}"
-        matrix = values.ndim >= 2 and "embed" not in name and "mlp.gate." not in name
+        if suffix in ("weight", "bias"):
+            gguf_name = f"{names.get_name(stem)}.{suffix}"
+        else:
+            gguf_name = names.get_name(name)
+        matrix = values.ndim >= 2 and "embed" not in name and not any(f in name for f in floats)
         kind = "Q8_0" if quantize and matrix and values.shape[-1] % 32 == 0 else "F32"
         qtype = gguf.GGMLQuantizationType[kind]
         w.add_tensor(gguf_name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)

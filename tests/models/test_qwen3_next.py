@@ -68,11 +68,11 @@ MODELS = {
 }
 
 
-def save_hybrid(model_type: str, root, tokenizer_dir: str) -> str:
+def save_hybrid(model_type: str, root, tokenizer_dir: str, **overrides) -> str:
     """A tiny random model of `model_type` with non-trivial norms (1 + w around 1), decays
-    (A_log, dt_bias) and gated norms."""
+    (A_log, dt_bias) and gated norms; `overrides`: config fields."""
     cls, extra = MODELS[model_type]
-    config = transformers.AutoConfig.for_model(model_type, **SHAPE, **extra)
+    config = transformers.AutoConfig.for_model(model_type, **SHAPE, **extra | overrides)
     torch.manual_seed(0)
     model = cls(config).eval()
     with torch.no_grad():
