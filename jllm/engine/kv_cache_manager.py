@@ -374,7 +374,9 @@ class KVCacheManager:
         if blocks is None:
             blocks = self.req_blocks[req.request_id] = self.no_blocks()
         hits = new_computed_blocks or self.no_blocks()
-        num_hit = max(map(len, hits))
+        # blocks of context the hits hold (a state group's one snapshot says nothing)
+        paged = [h for h, spec in zip(hits, self.specs, strict=True) if not _is_state(spec)]
+        num_hit = max(map(len, paged), default=0)
         num_loaded = len(host_hits)
         start = req.num_computed_tokens + (num_hit + num_loaded) * self.block_size
         total = start + num_new_tokens

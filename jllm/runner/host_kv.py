@@ -11,7 +11,9 @@ with, (pool, source, destination) each:
   next, and the scheduler loop never waits on a copy it has just started;
 - loads: host blocks put on the device (with the cache's sharding) and scattered into fresh
   device blocks by a compiled executable that updates the donated cache in place, before the
-  forward that reads them.
+  forward that reads them; a state snapshot's load into a request's live slot runs after the
+  step's state copies (`apply_late`), one of which may still read that slot (the source of
+  a snapshot whose request was freed before the copy ran).
 
 Both run in buckets of 1, 2, 4, ... blocks, compiled at start-up. `HostKVCache` is a runner
 manager (`runner/manager.py`): a step's writes are its (stores, loads), (pool, block, block)
@@ -70,6 +72,8 @@ class HostKVCache(RunnerManager):
         model's pools (their shapes and shardings)."""
         self.blocks = dict(blocks)
         self.replicated = replicated
+        # pools of per-request state (a tuple of arrays each): their loads run late
+        self.state_pools = {p for p, c in enumerate(device_caches) if isinstance(c, tuple)}
         self.arrays = {
             pool: [np.zeros((c.shape[0], n, *c.shape[2:]), c.dtype) for c in _arrays(cache)]
             for pool, cache in enumerate(device_caches)
@@ -109,9 +113,19 @@ class HostKVCache(RunnerManager):
         return ([], [])
 
     def apply(self, runner, writes) -> None:
+        """The stores, and the loads into pools of blocks (not per-request state)."""
         stores, loads = writes
-        if stores or loads:
-            runner.kv_cache = self.copy(runner.table, runner.kv_cache, stores, loads)
+        early = [c for c in loads if c[0] not in self.state_pools]
+        if stores or early:
+            runner.kv_cache = self.copy(runner.table, runner.kv_cache, stores, early)
+
+    def apply_late(self, runner, writes) -> None:
+        """The loads into a request's live state slot, after the state copies
+        (runner/state_copies.py), which may read that slot first: a snapshot's source that
+        its request freed before the copy ran."""
+        late = [c for c in writes[1] if c[0] in self.state_pools]
+        if late:
+            runner.kv_cache = self.copy(runner.table, runner.kv_cache, [], late)
 
     def encode(self, writes) -> list:
         return [[[int(x) for x in copy] for copy in copies] for copies in writes]

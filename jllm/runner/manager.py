@@ -8,7 +8,9 @@ the host KV tier's copies) owns its device arrays and declares three things:
 - its per-step device writes: the runner's host side plans them (each manager's own
   planning method, e.g. `PenaltyState.admit`) into a `StepPlan`'s `writes[name]`, and
   `apply(runner, writes)` runs them on the device before the step's forward, on every
-  process of the engine;
+  process of the engine, in the managers' order, then `apply_late(runner, writes)` for
+  what must follow the others' writes (the host tier's state loads, after the state
+  copies);
 - their wire form: `encode(writes)` gives plain data for the step channel (lists, ints,
   numpy arrays: `jllm/distributed/codec.py`) and `decode(wire)` checks it against the
   schema and rebuilds the writes, raising `MalformedMessage` otherwise.
@@ -33,6 +35,9 @@ class RunnerManager:
     def apply(self, runner, writes) -> None:
         """Run this step's writes on the device (every process, the same writes)."""
         raise NotImplementedError
+
+    def apply_late(self, runner, writes) -> None:
+        """The part of this step's writes that runs after every manager's `apply`."""
 
     def empty(self):
         """The writes of a step that writes nothing."""

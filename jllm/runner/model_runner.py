@@ -562,15 +562,17 @@ class ModelRunner:
         return cached
 
     def run_step(self, plan: StepPlan):
-        """The device part of a step: every manager's writes, then the forward and the
-        sampler, from the packed host inputs to the packed result, still on the device (JAX
-        dispatches asynchronously); with prompt-logprob targets, also the packed prompt
-        logprobs (else None), and the routed experts when recorded (else None). Every
-        process of a multi-process engine runs it with the same plan."""
-        for manager in self.managers:
-            writes = plan.writes[manager.name]
-            if writes != manager.empty():
-                manager.apply(self, writes)
+        """The device part of a step: every manager's writes (then their late parts), then
+        the forward and the sampler, from the packed host inputs to the packed result, still
+        on the device (JAX dispatches asynchronously); with prompt-logprob targets, also the
+        packed prompt logprobs (else None), and the routed experts when recorded (else
+        None). Every process of a multi-process engine runs it with the same plan."""
+        written = [(m, plan.writes[m.name]) for m in self.managers]
+        written = [(m, w) for m, w in written if w != m.empty()]
+        for manager, writes in written:
+            manager.apply(self, writes)
+        for manager, writes in written:
+            manager.apply_late(self, writes)
         layout, md_layout = self.step_layouts(plan.key, plan.rs)
         buf, md_buf = jax.device_put((plan.inputs, plan.sampling), self.replicated)
         fwd = self.forward_for(plan.key)

@@ -8,9 +8,11 @@ is (Hv heads, NC chunks), heads parallel, chunks in order. Scalar prefetch hands
 row and size to the index maps, so a chunk's state block is its row's: the state stays in a
 VMEM scratch across the row's chunks (loaded at its first, written back as the block index
 moves on), and the state output aliases the input, so rows without tokens keep theirs.
-Inside a chunk (`chunk_step`), DeltaNet's WY form with matrix products only: the unit
-lower-triangular inverse by doubling, (I + A)^-1 = (I - A)(I + A^2)(I + A^4)... (A is
-strictly lower, so A^C = 0 and log2(C) factors are exact), as the MXU likes it.
+Inside a chunk (`chunk_step`), DeltaNet's WY form with matrix products only, as the MXU
+likes it: the unit lower-triangular inverse block by block, log2(C) levels of two products
+each (blocks of 1, 2, 4, ... rows, each level from the exact inverses of the level before,
+as blocked forward substitution: stable where keys repeat, unlike the Neumann product
+(I - A)(I + A^2)(I + A^4)..., whose powers of A overflow float32 before they cancel).
 
 Recurrent kernel. One program per (row, value head): the row's one token, its key and query
 as columns [K, 1], decays the state [K, V], writes what it did not predict, reads the output;
@@ -44,14 +46,17 @@ def dot(a, b):
 
 
 def unit_lower_inverse(A):
-    """(I + A)^-1 for a strictly lower-triangular A [C, C], by doubling (module docstring)."""
+    """(I + A)^-1 for a strictly lower-triangular A [C, C] (C a power of two), block by
+    block (module docstring): with P the exact inverse of every diagonal block of size s,
+    the blocks of size 2s are P - P (A on their lower-left s-blocks) P."""
     C = A.shape[0]
     i = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
-    eye = (i == jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)).astype(f32)
-    inverse, power = eye - A, A
-    for _ in range(1, (C - 1).bit_length()):
-        power = dot(power, power)  # A^2, A^4, ...
-        inverse = dot(inverse, eye + power)
+    j = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
+    inverse = (i == j).astype(f32)
+    for level in range((C - 1).bit_length()):  # s = 2^level
+        same = jax.lax.shift_right_logical(i ^ j, jnp.int32(level + 1)) == 0
+        lower_left = same & (jax.lax.shift_right_logical(i ^ j, jnp.int32(level)) == 1)
+        inverse = inverse - dot(dot(inverse, jnp.where(lower_left, A, 0.0)), inverse)
     return inverse
 
 

@@ -269,7 +269,10 @@ def test_a_hybrid_hit_comes_back_from_both_host_tiers():
         (1, a_snapshot),
     ]
     assert not loads
+    kv.take_state_copies()
     kv.free(x)
+    kv.begin_step()
+    kv.take_state_copies()  # x's snapshot copied: its slots free
     kv.begin_step()
     b = req("b", list(range(9)))
     hits, n = kv.get_computed_blocks(b)
@@ -282,6 +285,46 @@ def test_a_hybrid_hit_comes_back_from_both_host_tiers():
         + [(1, loads[-1][1], b_live)]
     )
     assert attn_tier.loads == 2 and state_tier.loads == 1
+
+
+def hybrid_tiered(attention_blocks: int, state_slots: int) -> KVCacheManager:
+    snap = dataclasses.replace(STATE, cache_interval=8)
+    specs = [attention(), snap]
+    return KVCacheManager(
+        [attention_blocks, state_slots],
+        4,
+        True,
+        specs,
+        host=HostKVTier(8),
+        state_host=HostKVTier(4),
+    )
+
+
+def step(kv: KVCacheManager):
+    """The copies of the step scheduled so far, handed on; the next step begins."""
+    copies = kv.take_copies(), kv.take_state_copies()
+    kv.begin_step()
+    return copies
+
+
+def test_a_device_snapshot_beside_host_blocks_counts_no_block():
+    """The snapshot still on the device, the prefix's attention blocks all in host memory:
+    the hit's blocks are the host's two, and the request computes from token 8, holding
+    the blocks of its 9 tokens (3), not one more."""
+    kv = hybrid_tiered(5, 6)
+    a = req("a", list(range(9)))
+    kv.allocate_slots(a, 8)
+    step(kv), step(kv)
+    kv.free(a)
+    x = req("x", list(range(100, 117)))
+    kv.allocate_slots(x, 15)  # 4 attention blocks (a's evicted), no snapshot of its own
+    step(kv)
+    kv.free(x)
+    b = req("b", list(range(9)))
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 0 and len(hits[1]) == 1 and len(kv.host_hits) == 2  # the device snapshot
+    blocks = kv.allocate_slots(b, 1, hits, host_hits=kv.host_hits)
+    assert len(blocks[0]) == 3
 
 
 def test_the_host_tier_and_pool_numbers_are_checked():

@@ -118,7 +118,7 @@ def test_causal_conv_matches_its_reference():
 
 PATHS = {
     "xla": gated_delta_rule_xla,
-    "tpu": functools.partial(gated_delta_rule, interpret=True),
+    "tpu": functools.partial(gated_delta_rule, interpret=True),  # chunks of 64 on one row
     "gpu": functools.partial(gated_delta_rule_gpu, interpret=True, block_v=16),
 }
 # A decode-only step: every row one token or none (the recurrent kernels' case).
@@ -126,13 +126,19 @@ DECODE_STARTS = np.array([0, 1, 2, 2, 3, 4], np.int32)
 DECODE_LENS = np.array([1, 1, 0, 1, 1, 0], np.int32)
 
 
-@pytest.mark.parametrize("step", ["mixed", "decode"])
+@pytest.mark.parametrize("step", ["mixed", "decode", "repeated"])
 @pytest.mark.parametrize("path", list(PATHS))
 def test_every_path_matches_the_reference(path, step):
-    """Triton's shapes: head dims powers of two of at least 16."""
+    """Triton's shapes: head dims powers of two of at least 16. "repeated": one 64-token
+    row whose keys are all alike (a run of one token), chunks of 64 on the TPU kernel: the
+    triangular solve's worst case (every key fully correlated)."""
     args = list(_batch(np.random.default_rng(3), K=16, V=32))
     if step == "decode":
         args[6:] = DECODE_STARTS, DECODE_LENS
+    if step == "repeated":  # hardly any decay, strong writes: A's entries near 1
+        args[1] = np.broadcast_to(args[1][:1], args[1].shape).copy()
+        args[3], args[4] = np.full_like(args[3], -1e-3), np.full_like(args[4], 0.9)
+        args[5:] = args[5][:1], np.array([0], np.int32), np.array([T], np.int32)
     o_ref, s_ref = gated_delta_rule_reference(*args)
     o, s = jax.jit(PATHS[path])(*args)
     np.testing.assert_allclose(o, o_ref, atol=2e-5)
