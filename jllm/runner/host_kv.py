@@ -138,9 +138,12 @@ class HostKVCache(RunnerManager):
             [tuple(expect_ints(p, "a host KV copy", 3)) for p in expect_list(w, "copies")]
             for w in wire
         )
-        for pool, _, _ in stores + loads:
+        hosts = [(p, h) for p, _, h in stores] + [(p, h) for p, h, _ in loads]
+        for pool, host in hosts:
             if pool not in self.arrays:
                 raise MalformedMessage(f"step message: no host KV tier for pool {pool}")
+            if not 0 <= host < self.blocks[pool]:
+                raise MalformedMessage(f"step message: host block {host} of pool {pool}")
         return stores, loads
 
     def device_arrays(self, runner) -> list:

@@ -49,3 +49,5 @@ def test_the_wire_form_names_a_pool_the_tier_keeps():
     assert host.decode(host.encode(writes)) == writes
     with pytest.raises(MalformedMessage, match="pool 1"):
         host.decode([[[1, 0, 0]], []])
+    with pytest.raises(MalformedMessage, match="host block 2"):
+        host.decode([[], [[0, 2, 1]]])
