@@ -17,6 +17,29 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 AWQ_NIBBLE_OF = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: nibble i of a word holds channel [i]
 
 
+# The online methods (quantization="fp8" / "tpu_int8"): a channel's absmax maps to 448
+# (float8_e4m3fn's largest) or 127 (vLLM's tpu_int8).
+BOUND = {"tpu_int8": 127.0, "fp8": 448.0}
+
+
+def reference_codes(w: np.ndarray, scale: np.ndarray, method: str) -> np.ndarray:
+    """The online methods' rounding, in numpy."""
+    import ml_dtypes
+
+    ratio = w / scale
+    if method == "fp8":
+        return ratio.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return np.clip(np.round(ratio), -128, 127)
+
+
+def online_values(w: np.ndarray, method: str, axis: int = -1) -> np.ndarray:
+    """w's values after the online method's per-output-channel quantization, `axis` the
+    input axis each channel's absmax runs over: the float reference for quantization=method."""
+    absmax = np.abs(w).max(axis=axis, keepdims=True)
+    scale = (np.maximum(absmax, 1e-5) / BOUND[method]).astype(np.float32)
+    return (reference_codes(w, scale, method) * scale).astype(np.float32)
+
+
 def quantize(w: np.ndarray, bits: int, group: int):
     """Asymmetric min-max quantization of w [Out, In] per `group` inputs (-1: per channel):
     codes [Out, In], zero points [Out, G] and float16 scales [Out, G]."""

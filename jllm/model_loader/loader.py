@@ -417,6 +417,7 @@ def _checkpoint_values(t: _Target, arch: Architecture, cfg, source) -> dict:
     experts: dict[tuple, dict[int, np.ndarray]] = {}  # (path, layer) -> expert -> weight
     layer_weights, fused = arch.layer_weights(cfg), arch.fused_weights(cfg)
     weights = _renamed(arch, source.iter_weights(keep_quantized=t.quantization == "gguf"))
+    weights = arch.regroup(weights)
     # Layers past the decoder's that a config declares for drafting (DeepSeek-V3's MTP
     # layers, `num_nextn_predict_layers`): not part of the model that generates.
     drafting = range(cfg.num_layers, cfg.num_layers + getattr(cfg, "draft_layers", 0))
@@ -575,7 +576,9 @@ def _host_weight(t: _Target, name: str, w, path, layer, kind):
             )
         if replicate:
             host = host.repeat(kv_replicas, axis=-2)
-        host = host.astype(t.dtype)
+        # The model's dtype, but for what the module keeps in float32 whatever it is
+        # (attention sinks, a router's correction bias).
+        host = host.astype(var.dtype if var.dtype == np.float32 else t.dtype)
     return host
 
 

@@ -38,6 +38,12 @@ class Architecture:
     # A checkpoint name -> the name the maps use, or None for a tensor the model does not
     # use (a vision-language model's: its text model's names, the tower's layers it skips).
     rename: Callable[[str], str | None] = lambda name: name
+    # The checkpoint's (renamed) tensors -> the tensors the maps name, where a family's
+    # checkpoint layout is more than renaming (gpt-oss's stacked experts with gate and up
+    # interleaved: one tensor per expert and projection).
+    regroup: Callable[[Iterator[tuple[str, object]]], Iterator[tuple[str, object]]] = (
+        lambda weights: weights
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,7 +10,8 @@ argsort of the flattened expert ids, and each expert's row count; every product 
 one expert's weights for a contiguous run of rows.
 
 The grouped product (`grouped_ffn`), act(x W_gate) * (x W_up) W_down over each expert's
-run:
+run (with per-expert biases after each product where the checkpoint has them, gpt-oss's, and
+its clamped SwiGLU `SwigluOai` in place of act(gate) * up):
 - "ragged": `jax.lax.ragged_dot`, which TPU and GPU lower to grouped matrix products;
 - "tiles" (the CPU's): ragged_dot's CPU lowering multiplies every row by every expert, so
   each expert's run is padded to whole tiles of `TILE` rows and a loop runs only the tiles
@@ -86,6 +87,9 @@ class MoeConfig:
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int = 0
     expert_parallel: bool = False
+    # gpt-oss's: a bias on the router's logits, and on each expert's projections.
+    router_bias: bool = False
+    expert_bias: bool = False
 
     @classmethod
     def from_hf(
@@ -206,20 +210,49 @@ def sort_by_expert(ids, num_experts: int):
     return order, sizes
 
 
-def grouped_ffn(x, w_gate, w_up, w_down, group_sizes, act: str, method: str):
-    """x [N, D] sorted by expert, w_gate/w_up [E, D, F], w_down [E, F, D], group_sizes [E]
-    -> [N, D]: each row through its expert's gated MLP. The weights may be the layer's view
-    of the stacked experts (`StackedWeight`)."""
+@dataclass(frozen=True)
+class SwigluOai:
+    """gpt-oss's clamped SwiGLU (vLLM's `swigluoai`): the gate clamped above at `limit`, the
+    up projection to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gate, up):
+        gate = jnp.minimum(gate, self.limit)
+        up = jnp.clip(up, -self.limit, self.limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * self.alpha))
+
+
+def glu(act):
+    """The gated half of an expert's MLP, (gate, up) -> h: act(gate) * up for transformers'
+    activation name `act`, or `act` itself when it is such a function (`SwigluOai`)."""
+    if callable(act):
+        return act
     f = activation(act)
+    return lambda gate, up: f(gate) * up
+
+
+def grouped_ffn(x, w_gate, w_up, w_down, group_sizes, act, method: str, bias=None):
+    """x [N, D] sorted by expert, w_gate/w_up [E, D, F], w_down [E, F, D], group_sizes [E]
+    -> [N, D]: each row through its expert's gated MLP (`act`: as `glu` takes it). The
+    weights may be the layer's view of the stacked experts (`StackedWeight`). `bias`: None, or
+    the experts' (gate [E, F], up [E, F], down [E, D]) added after each product."""
+    h = glu(act)
     if method == "ragged":
         w_gate, w_up, w_down = (_layer(w, x.dtype) for w in (w_gate, w_up, w_down))
         gate = jax.lax.ragged_dot(x, w_gate, group_sizes)
         up = jax.lax.ragged_dot(x, w_up, group_sizes)
-        return jax.lax.ragged_dot((f(gate) * up).astype(x.dtype), w_down, group_sizes)
+        if bias is not None:  # each sorted row's expert's
+            E, N = group_sizes.shape[0], x.shape[0]
+            expert = jnp.repeat(jnp.arange(E), group_sizes, total_repeat_length=N)
+            gate, up = gate + bias[0][expert], up + bias[1][expert]
+        y = jax.lax.ragged_dot(h(gate, up).astype(x.dtype), w_down, group_sizes)
+        return y if bias is None else y + bias[2][expert]
     if method != "tiles":
         raise ValueError(f"grouped product method must be 'ragged' or 'tiles', got {method!r}")
-    expert_ffn = _kernel_expert_ffn(x, w_gate, w_up, w_down, act)
-    return _tiled_ffn(x, w_gate, w_up, w_down, group_sizes, f, expert_ffn)
+    expert_ffn = None if bias is not None else _kernel_expert_ffn(x, w_gate, w_up, w_down, act)
+    return _tiled_ffn(x, w_gate, w_up, w_down, group_sizes, h, expert_ffn, bias)
 
 
 def _is_view(a) -> bool:
@@ -246,7 +279,7 @@ def _dot(x, w):
     return matmul(x, w) if isinstance(w, QuantizedWeight) else x @ w
 
 
-def _kernel_expert_ffn(x, w_gate, w_up, w_down, act: str):
+def _kernel_expert_ffn(x, w_gate, w_up, w_down, act):
     """One tile's gated MLP through expert e on the C++ layer-product kernels, reading the
     expert in the stack in place: (rows [M, D], e) -> [M, D]. XLA's product copies the
     expert out of the stack first (a dynamic slice per tile); and a row's place in its tile
@@ -279,7 +312,7 @@ def _kernel_expert_ffn(x, w_gate, w_up, w_down, act: str):
     )
 
 
-def _tiled_ffn(x, w_gate, w_up, w_down, sizes, f, expert_ffn=None):
+def _tiled_ffn(x, w_gate, w_up, w_down, sizes, h, expert_ffn=None, bias=None):
     N, D = x.shape
     E = sizes.shape[0]
     M = TILE
@@ -300,20 +333,27 @@ def _tiled_ffn(x, w_gate, w_up, w_down, sizes, f, expert_ffn=None):
         e = tile_expert[t]
         if expert_ffn is not None:
             return jax.lax.dynamic_update_slice_in_dim(out, expert_ffn(rows, e), t * M, 0)
-        h = f(_dot(rows, _expert(w_gate, e))) * _dot(rows, _expert(w_up, e))  # [M, F]
-        y = _dot(h.astype(x.dtype), _expert(w_down, e))
+        gate, up = _dot(rows, _expert(w_gate, e)), _dot(rows, _expert(w_up, e))  # [M, F]
+        if bias is not None:
+            gate, up = gate + bias[0][e], up + bias[1][e]
+        y = _dot(h(gate, up).astype(x.dtype), _expert(w_down, e))
+        if bias is not None:
+            y = y + bias[2][e]
         return jax.lax.dynamic_update_slice_in_dim(out, y, t * M, 0)
 
     out = jax.lax.fori_loop(0, tile_end[-1], body, jnp.zeros_like(padded))
     return out.at[slot].get(mode="fill", fill_value=0)
 
 
-def dense_ffn_reference(x, weights, ids, w_gate, w_up, w_down, act: str):
+def dense_ffn_reference(x, weights, ids, w_gate, w_up, w_down, act, bias=None):
     """The test oracle: every expert on every token, weighted by the routing (zero where not
     chosen). x [T, D] -> [T, D]."""
-    f = activation(act)
-    h = f(jnp.einsum("TD,EDF->ETF", x, w_gate)) * jnp.einsum("TD,EDF->ETF", x, w_up)
-    y = jnp.einsum("ETF,EFD->ETD", h, w_down)  # [E, T, D]
+    gate, up = jnp.einsum("TD,EDF->ETF", x, w_gate), jnp.einsum("TD,EDF->ETF", x, w_up)
+    if bias is not None:
+        gate, up = gate + bias[0][:, None], up + bias[1][:, None]
+    y = jnp.einsum("ETF,EFD->ETD", glu(act)(gate, up), w_down)  # [E, T, D]
+    if bias is not None:
+        y = y + bias[2][:, None]
     E = w_gate.shape[0]
     mix = (jax.nn.one_hot(ids, E, dtype=jnp.float32) * weights[..., None]).sum(1)  # [T, E]
     return jnp.einsum("TE,ETD->TD", mix, y.astype(jnp.float32)).astype(x.dtype)
@@ -321,15 +361,31 @@ def dense_ffn_reference(x, weights, ids, w_gate, w_up, w_down, act: str):
 
 class Experts(nnx.Module):
     """E experts' gated MLPs, stacked on a leading expert axis: under tensor parallelism each
-    expert's F axis is split, under expert parallelism (`split`) the expert axis."""
+    expert's F axis is split, under expert parallelism (`split`) the expert axis. With `bias`,
+    each projection's per-expert bias (`gate_bias`, `up_bias` [E, F], `down_bias` [E, D])."""
 
-    def __init__(self, E: int, D: int, F: int, dtype, rngs: nnx.Rngs, split: bool = False):
+    def __init__(
+        self, E: int, D: int, F: int, dtype, rngs: nnx.Rngs, split: bool = False, bias=False
+    ):
         experts, mlp = ("experts_split", None) if split else ("experts", "mlp")
         # Read from the layer stack in place (decoder.py), one routed expert at a time.
         kw = dict(stacked_experts=True)
         self.gate_proj = param(rngs, (E, D, F), (experts, "embed", mlp), dtype, **kw)
         self.up_proj = param(rngs, (E, D, F), (experts, "embed", mlp), dtype, **kw)
         self.down_proj = param(rngs, (E, F, D), (experts, mlp, "embed"), dtype, **kw)
+        self.bias = bias
+        if bias:
+            self.gate_bias = param(rngs, (E, F), (experts, mlp), dtype)
+            self.up_bias = param(rngs, (E, F), (experts, mlp), dtype)
+            self.down_bias = param(rngs, (E, D), (experts, "embed"), dtype)
+
+    def weights(self) -> tuple:
+        return self.gate_proj.get_value(), self.up_proj.get_value(), self.down_proj.get_value()
+
+    def biases(self) -> tuple | None:
+        if not self.bias:
+            return None
+        return self.gate_bias[...], self.up_bias[...], self.down_bias[...]
 
 
 class SharedExpert(nnx.Module):
@@ -346,9 +402,10 @@ class SharedExpert(nnx.Module):
 
 
 class MoE(nnx.Module):
-    """The sparse MLP block: `gate` (the router, a Linear [D, E]) and `experts`; with
-    `shared` > 0 also a shared expert of that width, added to every token's output through
-    a sigmoid gate of its own (`shared_expert_gate`, Qwen2-MoE's)."""
+    """The sparse MLP block: `gate` (the router, a Linear [D, E], with a bias where
+    `router_bias`) and `experts` (biased where `expert_bias`); with `shared` > 0 also a
+    shared expert of that width, added to every token's output through a sigmoid gate of its
+    own (`shared_expert_gate`, Qwen2-MoE's). `act`: as `glu` takes it."""
 
     def __init__(
         self,
@@ -357,14 +414,16 @@ class MoE(nnx.Module):
         E,
         k,
         normalize: bool,
-        act: str,
+        act,
         dtype,
         rngs,
         expert_parallel: bool = False,
         shared: int = 0,
+        router_bias: bool = False,
+        expert_bias: bool = False,
     ):
-        self.gate = Linear("TD,DE->TE", (D, E), ("embed", None), dtype, rngs)
-        self.experts = Experts(E, D, F, dtype, rngs, expert_parallel)
+        self.gate = Linear("TD,DE->TE", (D, E), ("embed", None), dtype, rngs, int(router_bias))
+        self.experts = Experts(E, D, F, dtype, rngs, expert_parallel, expert_bias)
         self.num_experts, self.k, self.normalize, self.act = E, k, normalize, act
         self.expert_parallel = expert_parallel
         if shared:
@@ -372,7 +431,7 @@ class MoE(nnx.Module):
             self.shared_expert_gate = Linear("TD,DO->TO", (D, 1), ("embed", None), dtype, rngs)
 
     @classmethod
-    def of(cls, D: int, moe: MoeConfig, act: str, dtype, rngs):
+    def of(cls, D: int, moe: MoeConfig, act, dtype, rngs):
         """The block of a family's `MoeConfig`, for a model of width D."""
         return cls(
             D,
@@ -385,6 +444,8 @@ class MoE(nnx.Module):
             rngs,
             moe.expert_parallel,
             moe.shared_expert_intermediate_size,
+            moe.router_bias,
+            moe.expert_bias,
         )
 
     def __call__(self, x, ctx=None):  # [T, D]
@@ -405,21 +466,20 @@ class MoE(nnx.Module):
         order, sizes = sort_by_expert(ids, self.num_experts)
         token = order // self.k  # [N] the token of each sorted row
         row_weight = weights.reshape(-1)[order]  # [N]
-        e = self.experts
-        w = (e.gate_proj.get_value(), e.up_proj.get_value(), e.down_proj.get_value())
+        w, b = self.experts.weights(), self.experts.biases()
         mesh = jax.sharding.get_abstract_mesh()
         devices = 1 if mesh.empty else mesh.shape.get(MODEL_AXIS, 1)
         if self.expert_parallel and devices > 1:
-            return self._expert_parallel(x, token, row_weight, sizes, w, mesh)
+            return self._expert_parallel(x, token, row_weight, sizes, w, b, mesh)
         if batch_invariant.enabled():
-            return _combine_in_order(x, order, token, weights, sizes, w, self.act)
-        return _combine(x, token, row_weight, sizes, w, self.act, x.shape[0])
+            return _combine_in_order(x, order, token, weights, sizes, w, self.act, b)
+        return _combine(x, token, row_weight, sizes, w, self.act, x.shape[0], b)
 
-    def _expert_parallel(self, x, token, row_weight, sizes, w, mesh):
+    def _expert_parallel(self, x, token, row_weight, sizes, w, b, mesh):
         T, N = x.shape[0], token.shape[0]
         act = self.act
 
-        def per_device(x, token, row_weight, sizes, w_gate, w_up, w_down):
+        def per_device(x, token, row_weight, sizes, w_gate, w_up, w_down, b):
             local = w_gate.shape[0]
             first = jax.lax.axis_index(MODEL_AXIS) * local
             start = (jnp.cumsum(sizes) - sizes)[first]  # the local experts' run of rows
@@ -429,42 +489,44 @@ class MoE(nnx.Module):
                 padded = jnp.concatenate([a, jnp.zeros((N, *a.shape[1:]), a.dtype)])
                 return jax.lax.dynamic_slice_in_dim(padded, start, N)
 
-            part = _combine(x, run(token), run(row_weight), mine, (w_gate, w_up, w_down), act, T)
+            w = (w_gate, w_up, w_down)
+            part = _combine(x, run(token), run(row_weight), mine, w, act, T, b)
             return jax.lax.psum(part, MODEL_AXIS)
 
         split = P(MODEL_AXIS, None, None)
+        biases = None if b is None else (P(MODEL_AXIS, None),) * 3
         return jax.shard_map(
             per_device,
             mesh=mesh,
-            in_specs=(P(), P(), P(), P(), split, split, split),
+            in_specs=(P(), P(), P(), P(), split, split, split, biases),
             out_specs=P(),
             check_vma=False,
-        )(x, token, row_weight, sizes, *(_layer(a, x.dtype) for a in w))
+        )(x, token, row_weight, sizes, *(_layer(a, x.dtype) for a in w), b)
 
 
-def _combine(x, token, row_weight, sizes, w, act: str, T: int):
+def _combine(x, token, row_weight, sizes, w, act, T: int, bias=None):
     """The sorted rows (`token` [N] their tokens, `row_weight` [N] their routing weights;
     only the first sum(sizes) are routed) through their experts, summed back per token
     -> [T, D]."""
-    y = _expert_outputs(x, token, sizes, w, act)  # [N, D]
+    y = _expert_outputs(x, token, sizes, w, act, bias)  # [N, D]
     live = jnp.arange(token.shape[0]) < sizes.sum()
     y = y * jnp.where(live, row_weight, 0.0)[:, None].astype(y.dtype)
     return jnp.zeros((T, x.shape[1]), y.dtype).at[token].add(y)
 
 
-def _expert_outputs(x, token, sizes, w, act: str):
+def _expert_outputs(x, token, sizes, w, act, bias=None):
     """The sorted rows (`token` [N] their tokens) through their experts -> [N, D]: the CPU's
     tiles, TPU's and GPU's ragged products."""
     method = "tiles" if jax.default_backend() == "cpu" else "ragged"
-    return grouped_ffn(x[token], *w, sizes, act, method)
+    return grouped_ffn(x[token], *w, sizes, act, method, bias)
 
 
-def _combine_in_order(x, order, token, weights, sizes, w, act: str):
+def _combine_in_order(x, order, token, weights, sizes, w, act, bias=None):
     """`_combine` for the batch-invariant mode: each token's k expert outputs gathered back
     to its own rows and summed in its top-k order by explicit adds, where a scatter-add's
     order and fusion (a multiply folded into the add) may change with the token count."""
     T, k = weights.shape
-    y = _expert_outputs(x, token, sizes, w, act)  # [N, D] sorted by expert
+    y = _expert_outputs(x, token, sizes, w, act, bias)  # [N, D] sorted by expert
     back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))  # [N]
     y = y[back].reshape(T, k, -1)  # [T, k, D]: token t's j-th choice at [t, j]
     out = y[:, 0] * weights[:, :1].astype(y.dtype)

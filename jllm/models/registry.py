@@ -29,6 +29,7 @@ MODEL_TYPES: dict[str, tuple[str, str]] = {
     "qwen3": ("qwen", "Qwen3ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "mixtral": ("mixtral", "MixtralForCausalLM"),
+    "gpt_oss": ("gpt_oss", "GptOssForCausalLM"),
     "qwen2_moe": ("qwen_moe", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("qwen_moe", "Qwen3MoeForCausalLM"),
     "qwen3_next": ("qwen3_next", "Qwen3NextForCausalLM"),

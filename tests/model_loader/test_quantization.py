@@ -15,6 +15,7 @@ import transformers
 from gguf.quants import dequantize as gguf_dequantize
 from oracle import SMALL, worst_teacher_forced_gaps
 from oracle import prompt_ids as oracle_prompts
+from quantized_checkpoints import online_values, reference_codes
 
 from jllm import LLM, SamplingParams
 from jllm.model_loader import resolve_model
@@ -24,10 +25,8 @@ from jllm.quantization.weights import QuantizedWeight, dequantize, fp8_values, m
 from jllm.runner.compile_guard import count_compiles
 
 Q = gguf.GGMLQuantizationType
-# A channel's absmax maps to 127 (vLLM's tpu_int8) or 448 (float8_e4m3fn's largest).
 # The tiny GGUF files carry no tokenizer: token ids in, token ids out.
 GGUF_ARGS = {**SMALL, "skip_tokenizer_init": True}
-BOUND = {"tpu_int8": 127.0, "fp8": 448.0}
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
@@ -77,14 +76,6 @@ def test_online_quantization_is_per_channel_absmax(method):
         np.testing.assert_allclose(got, x @ values.T, rtol=1e-5, atol=1e-6)
 
 
-def reference_codes(w: np.ndarray, scale: np.ndarray, method: str) -> np.ndarray:
-    """The quantization rule, in numpy."""
-    ratio = w / scale
-    if method == "fp8":
-        return ratio.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    return np.clip(np.round(ratio), -128, 127)
-
-
 def prompt_ids(n: int, length: int, seed: int) -> list[list[int]]:
     """Prompts for the 256-token tiny models."""
     rng = np.random.default_rng(seed)
@@ -99,11 +90,7 @@ def dequantized_copy(model_dir: str, method: str, dest) -> str:
         for name, param in model.named_parameters():
             if param.ndim not in (2, 3) or "embed_tokens" in name:
                 continue  # 3: stacked experts [E, Out, In], per output channel too
-            w = param.numpy()
-            absmax = np.abs(w).max(axis=-1, keepdims=True)
-            scale = (np.maximum(absmax, 1e-5) / BOUND[method]).astype(np.float32)
-            codes = reference_codes(w, scale, method)
-            param.copy_(torch.from_numpy((codes * scale).astype(np.float32)))
+            param.copy_(torch.from_numpy(online_values(param.numpy(), method)))
     model.save_pretrained(dest)
     transformers.AutoTokenizer.from_pretrained(model_dir).save_pretrained(dest)
     return str(dest)

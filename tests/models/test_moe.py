@@ -18,7 +18,7 @@ from oracle import SMALL, assert_matches, eager, generate, prompt_ids
 from safetensors.numpy import load_file, save_file
 
 from jllm import LLM, SamplingParams
-from jllm.models.moe import dense_ffn_reference, grouped_ffn, route, sort_by_expert
+from jllm.models.moe import SwigluOai, dense_ffn_reference, grouped_ffn, route, sort_by_expert
 from jllm.quantization.formats import quantize_online, stack_layers
 from jllm.quantization.weights import dequantize
 from jllm.runner.compile_guard import count_compiles
@@ -172,3 +172,39 @@ def test_grouped_product_of_quantized_experts(method, quantization):
     out = jnp.zeros((T, D)).at[token].add(y * weights.reshape(-1)[order][:, None])
     ref = dense_ffn_reference(x, weights, ids, *values, "silu")
     np.testing.assert_allclose(out, ref, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["tiles", "ragged"])
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "fp8"])
+def test_grouped_product_with_biases_and_the_clamped_swiglu(method, quantized):
+    """gpt-oss's experts: a bias after each product, and SwigluOai (a limit the gates and
+    ups reach) for act(gate) * up; float and fp8 experts, against the dense reference."""
+    rng = np.random.default_rng(7)
+    T, E, k, D, F = 11, 8, 4, 32, 48
+    floats = [rng.normal(size=s).astype(np.float32) * 0.3 for s in ((E, D, F), (E, D, F))]
+    floats.append(rng.normal(size=(E, F, D)).astype(np.float32) * 0.3)
+    shapes = ((E, F), (E, F), (E, D))
+    bias = tuple(jnp.asarray(rng.normal(size=s).astype(np.float32) * 0.5) for s in shapes)
+    weights = [jnp.asarray(w) for w in floats]
+    if quantized:  # each expert's [Out, In] = our [In, Out] transposed
+        weights = [
+            jax.tree.map(
+                jnp.asarray,
+                stack_layers(
+                    [quantize_online(np.ascontiguousarray(w[e].T), "fp8") for e in range(E)]
+                ),
+            )
+            for w in floats
+        ]
+    values = [jnp.swapaxes(dequantize(w, jnp.float32), -1, -2) if quantized else w for w in weights]
+    act = SwigluOai(limit=0.5)
+    x = jnp.asarray(rng.normal(size=(T, D)), jnp.float32)
+    routing, ids = route(jnp.asarray(rng.normal(size=(T, E)), jnp.float32), k, True)
+    order, sizes = sort_by_expert(ids, E)
+    token = order // k
+    y = grouped_ffn(x[token], *weights, sizes, act, method, bias)
+    out = jnp.zeros((T, D)).at[token].add(y * routing.reshape(-1)[order][:, None])
+    ref = dense_ffn_reference(x, routing, ids, *values, act, bias)
+    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=1e-5)
+    gate = jnp.einsum("TD,EDF->ETF", x, values[0]) + bias[0][:, None]
+    assert float(gate.max()) > act.limit  # the clamp binds
