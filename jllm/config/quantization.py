@@ -4,7 +4,8 @@ jllm/quantization)."""
 from __future__ import annotations
 
 ONLINE_METHODS = ("fp8", "tpu_int8")
-CHECKPOINT_METHODS = ("awq", "gptq")  # read from a checkpoint's quantization_config
+# Read from a checkpoint's quantization_config.
+CHECKPOINT_METHODS = ("awq", "gptq", "mxfp4")
 METHODS = (*ONLINE_METHODS, "gguf", *CHECKPOINT_METHODS)
 ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}  # vLLM's GPU kernels of the same formats
 

@@ -47,7 +47,8 @@ HELP = {
     "with per-channel scales, made on load), 'gguf' (a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K "
     "tensors kept quantized instead of dequantized on load), 'awq' or 'gptq' (found in an "
     "AWQ/GPTQ checkpoint's quantization_config without this flag; 'awq_marlin' and "
-    "'gptq_marlin' are accepted as the same).",
+    "'gptq_marlin' are accepted as the same), 'mxfp4' (gpt-oss's released experts, found "
+    "in the checkpoint too).",
     "seed": "Random seed for requests without their own seed.",
     "max_model_len": "Context length (prompt + output); default: the model's.",
     "disable_sliding_window": "Turn sliding windows off (full attention on every layer) and "

@@ -33,6 +33,7 @@ from jllm.quantization.formats import (
     quantize_online,
     stack_layers,
 )
+from jllm.quantization.mxfp4 import MXFP4_GROUP
 from jllm.quantization.weights import QuantizedWeight
 from sharding import named_sharding, param_axes
 
@@ -239,6 +240,26 @@ def _dummy_packed(key, var, spec, mesh) -> QuantizedWeight:
     return QuantizedWeight(codes, scale, offset, "int8")
 
 
+def _dummy_mxfp4(key, var, mesh) -> QuantizedWeight:
+    """Random MXFP4 experts [L, E, Out, In] (uniform codes, every block's scale 2^-7: weights
+    of about N(0, 0.02)'s spread), drawn on the devices."""
+    layers, experts, width, out = var.shape  # our [L, E, In, Out]
+    axes = _quantized_axes(var)
+    codes_shape = (layers, experts, out, width // 2)
+    scale_shape = (layers, experts, out, width // MXFP4_GROUP)
+    shardings = (
+        named_sharding(mesh, axes, codes_shape, "a dummy weight's codes"),
+        named_sharding(mesh, axes, scale_shape, replicate_uneven=True),
+    )
+
+    def draw(key):
+        codes = jax.random.bits(key, codes_shape, jnp.uint8)
+        return codes, jnp.full(scale_shape, 127 - 7, jnp.uint8)
+
+    codes, scale = jax.jit(draw, out_shardings=shardings)(key)
+    return QuantizedWeight(codes, scale, None, "mxfp4")
+
+
 def _dummy_quantized(key, var, method: str, mesh, layered: bool, group: int | None = None):
     """Random N(0, 0.02) weights quantized per output channel, drawn and quantized on the
     devices; with `group`, each channel's scale repeated for every `group` inputs (a dummy
@@ -275,7 +296,8 @@ class _Target:
     mesh: object
     dtype: object
     quantization: str | None
-    packed_checkpoint: bool  # an AWQ/GPTQ checkpoint's packed codes
+    # A quantized checkpoint's method ("awq", "gptq", "fp8", "mxfp4"), else None.
+    packed_checkpoint: str | None
     kv_replicas: int
     # The checkpoint's KV-cache scales as read: (layer, "k" | "v") -> factor.
     checkpoint_scales: dict = dataclasses.field(default_factory=dict)
@@ -289,10 +311,17 @@ class _Target:
         quantized = "contract" in meta or meta.get("stacked_experts", False)
         return self.quantization in ONLINE_METHODS and quantized
 
-    def packed(self, path) -> bool:  # an AWQ/GPTQ/FP8 checkpoint's projections (never lm_head)
+    def packed(self, path) -> bool:  # a quantized checkpoint's projections (never lm_head)
         meta = self.meta(path)
-        fp8_experts = self.quantization == "fp8" and meta.get("stacked_experts", False)
-        return self.packed_checkpoint and _in_layers(path) and ("contract" in meta or fp8_experts)
+        experts = meta.get("stacked_experts", False)
+        if self.packed_checkpoint == "mxfp4":  # only the experts are
+            return experts
+        fp8_experts = self.quantization == "fp8" and experts
+        return (
+            bool(self.packed_checkpoint)
+            and _in_layers(path)
+            and ("contract" in meta or fp8_experts)
+        )
 
     def meta(self, path) -> dict:
         return self.flat[path].get_metadata()
@@ -344,7 +373,7 @@ def load_model(
         mesh,
         dtype,
         quantization,
-        getattr(source, "checkpoint_quantization", None) is not None,
+        getattr(getattr(source, "checkpoint_quantization", None), "method", None),
         kv_replicas,
     )
     if load_format == "dummy":
@@ -396,6 +425,8 @@ def _dummy_values(t: _Target, source, seed: int) -> dict:
             if spec.method == "fp8":  # float8 codes, a scale per block of inputs
                 group = None if spec.block is None else spec.block[1]
                 values[path] = _dummy_quantized(k, var, "fp8", mesh, layered, group)
+            elif spec.method == "mxfp4":
+                values[path] = _dummy_mxfp4(k, var, mesh)
             else:
                 values[path] = _dummy_packed(k, var, spec, mesh)
             continue

@@ -28,7 +28,7 @@ _DTYPES: dict[str, np.dtype] = {
 }
 
 # Integer tensors: the packed codes of AWQ/GPTQ checkpoints, read only for them.
-_INT_DTYPES: dict[str, np.dtype] = {"I32": np.dtype(np.int32)}
+_INT_DTYPES: dict[str, np.dtype] = {"I32": np.dtype(np.int32), "U8": np.dtype(np.uint8)}
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -97,8 +97,9 @@ def iter_safetensors(
 ) -> Iterator[tuple[str, np.ndarray]]:
     """Yield `(name, float32 array)` for every tensor of every file, in file order.
 
-    integers: int32 tensors (AWQ/GPTQ packed codes) come as they are stored instead of being
-    refused. fp8: float8 tensors (an FP8 checkpoint's codes) come as stored, not widened."""
+    integers: int32 and uint8 tensors (AWQ/GPTQ packed codes, MXFP4 blocks and scales) come as
+    they are stored instead of being refused. fp8: float8 tensors (an FP8 checkpoint's codes)
+    come as stored, not widened."""
     for path in files:
         entries = read_header(path)
         if not entries:
@@ -119,7 +120,7 @@ def iter_safetensors(
                     f"shape {entry.shape} and dtype {entry.dtype}; the file is corrupt."
                 )
             raw = blob[entry.start : entry.end].view(dtype).reshape(entry.shape)
-            if dtype.kind == "i" or (fp8 and entry.dtype.startswith("F8")):
+            if dtype.kind in "iu" or (fp8 and entry.dtype.startswith("F8")):
                 yield entry.name, np.asarray(raw)
                 continue
             # float32 stays a read-only view of the map; everything else is converted (one copy).

@@ -9,7 +9,10 @@ top k.
 The checkpoint stacks each layer's experts (`mlp.experts.gate_up_proj` [E, D, 2F], gate and
 up interleaved column by column, `down_proj` [E, F, D], and their `_bias`es); `regroup` cuts
 them into one transformers-layout tensor per expert and projection, which the loader stacks
-as every family's (so online fp8 quantization and expert parallelism apply unchanged).
+as every family's (so online fp8 quantization and expert parallelism apply unchanged). The
+released MXFP4 checkpoints store the experts [E, Out, In] in 4 bits (quantization/mxfp4.py:
+one QuantizedWeight per stacked tensor, gate and up interleaved row by row): cut the same way,
+they stay in 4 bits.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -29,6 +33,7 @@ from jllm.models.architecture import (
 from jllm.models.blocks import Attention, DecoderLayer, layer_window, split_kind
 from jllm.models.config import DecoderConfig
 from jllm.models.moe import MoE, MoeConfig, MoeForCausalLM, SwigluOai
+from jllm.quantization.weights import QuantizedWeight
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +90,9 @@ def regroup(weights):
             yield name, w
             continue
         prefix, proj, bias = m.group(1), m.group(2), m.group(3)
+        if isinstance(w, QuantizedWeight):  # MXFP4's [E, Out, In]: gate and up by rows
+            yield from _quantized_experts(prefix, proj, w)
+            continue
         w = np.asarray(as_array(w))
         kind = "bias" if bias else "weight"
         for e, expert in enumerate(w):
@@ -94,6 +102,19 @@ def regroup(weights):
                 parts = {"gate_proj": expert[..., 0::2], "up_proj": expert[..., 1::2]}
             for part, value in parts.items():
                 yield f"{prefix}.{e}.{part}.{kind}", value if bias else value.T
+
+
+def _quantized_experts(prefix: str, proj: str, w: QuantizedWeight):
+    for e in range(w.codes.shape[0]):
+        if proj == "down_proj":
+            parts = {"down_proj": jax.tree.map(lambda a, e=e: a[e], w)}
+        else:
+            parts = {
+                "gate_proj": jax.tree.map(lambda a, e=e: a[e, 0::2], w),
+                "up_proj": jax.tree.map(lambda a, e=e: a[e, 1::2], w),
+            }
+        for part, value in parts.items():
+            yield f"{prefix}.{e}.{part}.weight", value
 
 
 def layer_weights(cfg: GptOssConfig) -> dict:

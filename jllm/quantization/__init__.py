@@ -10,6 +10,8 @@
 - "awq", "gptq": 4-bit (GPTQ: and 8-bit) checkpoints with group-wise scales and zero points,
   detected from the checkpoint's `quantization_config` as vLLM does (checkpoints.py). vLLM's
   GPU kernel names for them, "awq_marlin" and "gptq_marlin", are accepted as aliases.
+- "mxfp4": gpt-oss's released checkpoints, whose experts are OCP MXFP4 (`*_blocks` and
+  `*_scales`, mxfp4.py), kept in 4 bits; the rest of the checkpoint is bf16.
 
 `resolve_quantization` checks the method against the checkpoint before any weight is read;
 `weights.QuantizedWeight` is the in-memory form and `formats` builds it from each format.
@@ -42,9 +44,9 @@ def resolve_quantization(method: str | None, source) -> str | None:
             )
         return stored.method
     if method in CHECKPOINT_METHODS:
+        article = {"awq": "an AWQ", "gptq": "a GPTQ", "mxfp4": "an MXFP4"}[method]
         raise ValueError(
-            f"quantization={method!r} needs {'an AWQ' if method == 'awq' else 'a GPTQ'} "
-            f"checkpoint (a config.json with "
+            f"quantization={method!r} needs {article} checkpoint (a config.json with "
             f"a quantization_config whose quant_method is {method!r}); {source.path} has none."
         )
     if method is None:

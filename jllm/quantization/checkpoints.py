@@ -32,6 +32,7 @@ import numpy as np
 
 from jllm.quantization import CHECKPOINT_METHODS
 from jllm.quantization.fp8_checkpoints import iter_fp8, parse_block
+from jllm.quantization.mxfp4 import MXFP4_GROUP, iter_mxfp4
 from jllm.quantization.weights import QuantizedWeight
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word -> output channel 8c + AWQ_ORDER[i]
@@ -43,7 +44,7 @@ _PARTS = ("qweight", "qzeros", "scales", "g_idx")
 class CheckpointQuantization:
     """A checkpoint's `quantization_config`, checked: what jllm reads it with."""
 
-    method: str  # "awq" | "gptq" | "fp8"
+    method: str  # "awq" | "gptq" | "fp8" | "mxfp4"
     bits: int
     group_size: int  # -1: one group per output channel
     v1_zeros: bool = False  # GPTQ's original format: stored zero points are z - 1
@@ -64,11 +65,13 @@ def parse_config(quantization_config, path: str) -> CheckpointQuantization:
     if method == "fp8":
         block = parse_block(qc, path)
         return CheckpointQuantization("fp8", 8, -1 if block is None else block[1], block=block)
+    if method == "mxfp4":  # the experts' blocks of 32 (mxfp4.py); the rest is not quantized
+        return CheckpointQuantization("mxfp4", 4, MXFP4_GROUP)
     if method not in CHECKPOINT_METHODS:
         raise ValueError(
-            f"{path} is a {method!r}-quantized checkpoint; jllm reads AWQ, GPTQ and FP8 "
-            "checkpoints (quant_method 'awq', 'gptq' or 'fp8'), unquantized safetensors and "
-            "GGUF files."
+            f"{path} is a {method!r}-quantized checkpoint; jllm reads AWQ, GPTQ, FP8 and "
+            "MXFP4 checkpoints (quant_method 'awq', 'gptq', 'fp8' or 'mxfp4'), unquantized "
+            "safetensors and GGUF files."
         )
     bits = int(_get(qc, "bits", "w_bit", default=4))
     group_size = int(_get(qc, "group_size", "q_group_size", default=128))
@@ -195,6 +198,9 @@ def iter_quantized(
     tensors pass through. A projection is yielded once its parts are all read."""
     if spec.method == "fp8":  # float8 weights and their scales (fp8_checkpoints.py)
         yield from iter_fp8(tensors, spec.block)
+        return
+    if spec.method == "mxfp4":  # stacked experts' blocks and scales (mxfp4.py)
+        yield from iter_mxfp4(tensors)
         return
     read = awq_weight if spec.method == "awq" else gptq_weight
     need = set(_PARTS[:3]) | ({"g_idx"} if spec.method == "gptq" else set())

@@ -39,7 +39,7 @@ def applies(x: jax.Array, w) -> bool:
     rows, groups of whole 16-input chunks, and a kernel that could be built."""
     if not tracing_for_cpu() or x.ndim != 2 or x.shape[0] > MAX_ROWS:
         return False
-    if x.dtype not in (jnp.float32, jnp.bfloat16) or w.codes.ndim != 2:
+    if x.dtype not in (jnp.float32, jnp.bfloat16) or w.codes.ndim != 2 or w.kind not in KINDS:
         return False
     if w.group % 16 or w.shape[-2] % 4 or (w.kind == "uint4" and w.pack not in (32, 64)):
         return False

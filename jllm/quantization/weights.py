@@ -13,7 +13,10 @@ the model stacks its layers. Every format maps onto it (jllm/quantization/format
   XLA's CPU backend slices and copies float8 arrays element by element);
 - kind "uint4": codes 0..15 packed two to a byte: within each run of `pack` consecutive inputs,
   the low nibbles hold the run's first half and the high nibbles its second half (GGUF's own
-  Q4_0/Q4_1/Q4_K order, so their bytes are used as they are).
+  Q4_0/Q4_1/Q4_K order, so their bytes are used as they are);
+- kind "mxfp4": OCP microscaling FP4 (gpt-oss's experts): e2m1 codes (FP4_VALUES) two to a
+  byte, input 2j in the low nibble and 2j + 1 in the high one, and per group of 32 inputs
+  one power-of-two scale held as its uint8 exponent (e8m0, 2^(s - 127)): 4.25 bits a weight.
 
 The weights are never dequantized in memory as a whole. On the CPU a step of at most 16 rows
 (decode) goes to a C++ kernel that reads the codes in place (cpu_kernel.py,
@@ -51,7 +54,7 @@ class QuantizedWeight:
     def shape(self) -> tuple[int, ...]:
         """The float weight's shape, [..., Out, In]."""
         *lead, out, width = self.codes.shape
-        return (*lead, out, width * 2 if self.kind == "uint4" else width)
+        return (*lead, out, width * 2 if self.kind in ("uint4", "mxfp4") else width)
 
     @property
     def group(self) -> int:
@@ -81,10 +84,35 @@ def fp8_values(codes: jax.Array, dtype) -> jax.Array:
     return ((magnitude * sign).astype(jnp.float32) * 2.0**-9).astype(dtype)
 
 
+# The e2m1 values of the 16 FP4 codes (sign in bit 3).
+FP4_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
+
+
 def code_values(w: QuantizedWeight, dtype) -> jax.Array:
-    """The codes as `dtype` values, [..., Out, In] (small integers, exact in bf16)."""
+    """The codes as `dtype` values, [..., Out, In] (small integers or FP4's, exact in bf16)."""
     if w.kind == "fp8":
         return fp8_values(w.codes, dtype)
+    if w.kind == "mxfp4":
+        *lead, out, width = w.codes.shape
+        nibbles = jnp.stack([w.codes & 15, w.codes >> 4], axis=-1).reshape(*lead, out, 2 * width)
+        return jnp.asarray(FP4_VALUES, dtype)[nibbles.astype(jnp.int32)]
     codes = w.codes
     if w.kind == "uint4":
         *lead, out, width = codes.shape
@@ -94,12 +122,21 @@ def code_values(w: QuantizedWeight, dtype) -> jax.Array:
     return codes.astype(dtype)
 
 
+def scale_values(w: QuantizedWeight) -> jax.Array:
+    """The scales as float32: MXFP4's e8m0 exponents as 2^(s - 127) (exactly: the bits of a
+    float32 whose exponent field is s; s = 0, 2^-127, reads as 0)."""
+    if w.kind == "mxfp4":
+        bits = w.scale.astype(jnp.uint32) << 23
+        return jax.lax.bitcast_convert_type(bits, jnp.float32)
+    return w.scale.astype(jnp.float32)
+
+
 def dequantize(w: QuantizedWeight, dtype) -> jax.Array:
     """The float weight [..., Out, In] (one layer's transient, or a test's reference)."""
     *lead, out, width = w.shape
     groups = w.scale.shape[-1]
     codes = code_values(w, jnp.float32).reshape(*lead, out, groups, width // groups)
-    values = codes * w.scale.astype(jnp.float32)[..., None]
+    values = codes * scale_values(w)[..., None]
     if w.offset is not None:
         values = values + w.offset.astype(jnp.float32)[..., None]
     return values.reshape(w.shape).astype(dtype)
@@ -115,7 +152,7 @@ def matmul(x: jax.Array, w: QuantizedWeight, out_dtype=None) -> jax.Array:
         # past float16's range for a weight of absmax 1e-3 and an output of 1.
         f32 = jnp.float32
         y = jnp.einsum("TI,OI->TO", x, code_values(w, x.dtype), preferred_element_type=f32)
-        return (y * w.scale[:, 0].astype(f32)).astype(out_dtype)
+        return (y * scale_values(w)[:, 0]).astype(out_dtype)
     # The barrier keeps XLA from fusing the dequantization into the dot's operand, which it
     # then recomputes per output tile (5x slower on the CPU).
     weight = jax.lax.optimization_barrier(dequantize(w, x.dtype))

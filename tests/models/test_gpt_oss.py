@@ -9,12 +9,17 @@ the quantized values)."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+
 import numpy as np
 import pytest
 import torch
 import transformers
 from oracle import SMALL, TINY, assert_matches, generate, prompt_ids
 from quantized_checkpoints import online_values
+from safetensors.numpy import save_file
 
 from jllm import LLM, SamplingParams
 from jllm.models.gpt_oss import regroup
@@ -135,3 +140,84 @@ def test_fp8_matches_transformers_on_the_quantized_values(gpt_oss_dir, tmp_path)
     llm = LLM(gpt_oss_dir, **{**SMALL, "dtype": "float32", "quantization": "fp8"})
     outs = generate(llm, PROMPTS[:2])
     assert_matches(model, PROMPTS[:2], outs)
+
+
+# The e2m1 values of the 16 FP4 codes, the test's own table (OCP's microscaling format).
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def to_mxfp4(w: np.ndarray):
+    """w [..., Out, In] -> (blocks [..., Out, In / 32, 16] uint8, scales [..., Out, In / 32]
+    uint8, the values they hold): each block of 32 inputs scaled by the power of two that
+    brings its absmax within 6, each value rounded to the nearest code."""
+    *lead, out, width = w.shape
+    g = w.reshape(*lead, out, width // 32, 32)
+    absmax = np.maximum(np.abs(g).max(-1), 1e-30)
+    exp = np.clip(np.ceil(np.log2(absmax / 6.0)), -127, 127).astype(np.int32)
+    scale = np.exp2(exp.astype(np.float32))[..., None]
+    idx = np.abs((g / scale)[..., None] - E2M1).argmin(-1)
+    blocks = (idx[..., 0::2] | (idx[..., 1::2] << 4)).astype(np.uint8)
+    scales = (exp + 127).astype(np.uint8)  # (safetensors writes an array's memory order)
+    values = (E2M1[idx] * scale).reshape(w.shape)
+    return np.ascontiguousarray(blocks), np.ascontiguousarray(scales), values
+
+
+@pytest.fixture(scope="module")
+def mxfp4_dirs(gpt_oss_dir, tmp_path_factory):
+    """(the checkpoint in the released MXFP4 layout, its float twin holding the values the
+    MXFP4 codes hold): the tiny model's experts as `*_blocks` / `*_scales` [E, Out, In]."""
+    root = tmp_path_factory.mktemp("mxfp4")
+    model = transformers.AutoModelForCausalLM.from_pretrained(gpt_oss_dir).eval()
+    tensors = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                blocks, scales, values = to_mxfp4(np.swapaxes(param.numpy(), 1, 2))
+                tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+                param.copy_(torch.from_numpy(np.swapaxes(values, 1, 2)))
+            else:
+                tensors[name] = param.numpy().copy()
+    model.save_pretrained(root / "float")
+    quantized = root / "mxfp4"
+    shutil.copytree(gpt_oss_dir, quantized)
+    os.remove(quantized / "model.safetensors")
+    save_file(tensors, str(quantized / "model.safetensors"))
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router"],
+    }
+    (quantized / "config.json").write_text(json.dumps(config))
+    return str(quantized), str(root / "float")
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"tensor_parallel_size": 2}, {"tensor_parallel_size": 2, "enable_expert_parallel": True}],
+    ids=["plain", "tp2", "tp2-ep"],
+)
+def test_mxfp4_checkpoint_stays_4_bit_and_matches_transformers(mxfp4_dirs, settings):
+    """The released layout loads with quantization detected ("mxfp4"), its experts kept as
+    4-bit codes and e8m0 scales; greedy tokens and logprobs equal transformers' on the values
+    the codes hold."""
+    quantized, floats = mxfp4_dirs
+    llm = LLM(quantized, **{**SMALL, "dtype": "float32", **settings})
+    experts = llm.llm_engine.runner.state["blocks"][0][0]["mlp"]["experts"]
+    gate = experts["gate_proj"].get_value()
+    assert gate.kind == "mxfp4" and gate.codes.dtype == np.uint8 and gate.scale.dtype == np.uint8
+    assert gate.codes.shape == (2, 8, 32, 32) and gate.scale.shape == (2, 8, 32, 2)  # F, D / 2
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(floats).eval()
+    assert_matches(oracle, PROMPTS, generate(llm, PROMPTS))
+
+
+def test_mxfp4_dummy_weights(mxfp4_dirs):
+    """load_format="dummy" on an MXFP4 config draws 4-bit experts (the speed benchmarks')."""
+    llm = LLM(mxfp4_dirs[0], **{**SMALL, "load_format": "dummy"})
+    gate = llm.llm_engine.runner.state["blocks"][0][0]["mlp"]["experts"]["gate_proj"].get_value()
+    assert gate.kind == "mxfp4"
+    assert len(generate(llm, PROMPTS[:1])[0].outputs[0].token_ids) == 8
+
+
+def test_mxfp4_refused_without_such_a_checkpoint(gpt_oss_dir):
+    with pytest.raises(ValueError, match="needs an MXFP4 checkpoint"):
+        LLM(gpt_oss_dir, **SMALL, quantization="mxfp4")
