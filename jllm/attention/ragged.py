@@ -10,10 +10,10 @@ heads.
 
 Both kernels implement the sliding window and the soft cap, and MLA's latent attention (a
 cache of one latent per token, no head axis, replicated under TP; its values are its first
-v_head_dim lanes, the only value head size unlike the key's they take). Sinks, chunked local
-attention and a value head size unlike the key's otherwise are lacking for now
-(`supported`), so a model that needs one is refused by name at start-up (`auto` takes the
-XLA attention).
+v_head_dim lanes, the only value head size unlike the key's they take). The Pallas kernels
+take attention sinks (gpt-oss's); chunked local attention and a value head size unlike the
+key's otherwise are lacking for now (`supported`), so a model that needs one is refused by
+name at start-up (`auto` takes the XLA attention).
 """
 
 from __future__ import annotations
@@ -58,6 +58,11 @@ class _Ragged(AttentionBackend):
 
     def check(self, options: AttentionOptions) -> None:
         super().check(options)
+        if options.sinks and options.latent:
+            raise ValueError(
+                f"attention backend {self.name!r} has no {OPTION_NAMES['sinks']} "
+                "(sinks=True) in a latent layer"
+            )
         if options.v_head_dim is not None and not options.latent:
             raise ValueError(
                 f"attention backend {self.name!r} has no {OPTION_NAMES['v_head_dim']} "
@@ -119,6 +124,8 @@ class CpuKernelBackend(_Ragged):
         )
         if md.q_horizon is not None:  # image tokens that attend both ways (Gemma 3)
             kw["q_horizon"] = md.q_horizon
+        if sinks is not None:  # gpt-oss's, one per query head
+            kw["sinks"] = sinks
         mesh = model_mesh()
         if mesh is not None:
             out = ragged_paged_attention_cpu_sharded(
@@ -134,6 +141,7 @@ class PallasBackend(_Ragged):
     """`pallas` (TPU), `pallas_gpu` (Triton), and either in interpret mode."""
 
     name: str = "pallas"
+    supported = _Ragged.supported | {"sinks"}
 
     def check(self, options: AttentionOptions) -> None:
         super().check(options)
@@ -187,6 +195,8 @@ class PallasBackend(_Ragged):
             kw["q_horizon"] = md.q_horizon
         if gpu and batch_invariant.enabled():  # one tiling, no KV split
             kw["batch_invariant"] = True
+        if sinks is not None:  # gpt-oss's, one per query head
+            kw["sinks"] = sinks
         mesh = model_mesh()
         if mesh is not None:
             out = ragged_paged_attention_sharded(mesh, MODEL_AXIS, *args, kernel=kernel, **kw)

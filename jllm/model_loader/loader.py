@@ -448,7 +448,7 @@ def _checkpoint_values(t: _Target, arch: Architecture, cfg, source) -> dict:
     experts: dict[tuple, dict[int, np.ndarray]] = {}  # (path, layer) -> expert -> weight
     layer_weights, fused = arch.layer_weights(cfg), arch.fused_weights(cfg)
     weights = _renamed(arch, source.iter_weights(keep_quantized=t.quantization == "gguf"))
-    weights = arch.regroup(weights)
+    weights = arch.regroup(weights, cfg)
     # Layers past the decoder's that a config declares for drafting (DeepSeek-V3's MTP
     # layers, `num_nextn_predict_layers`): not part of the model that generates.
     drafting = range(cfg.num_layers, cfg.num_layers + getattr(cfg, "draft_layers", 0))

@@ -38,11 +38,11 @@ class Architecture:
     # A checkpoint name -> the name the maps use, or None for a tensor the model does not
     # use (a vision-language model's: its text model's names, the tower's layers it skips).
     rename: Callable[[str], str | None] = lambda name: name
-    # The checkpoint's (renamed) tensors -> the tensors the maps name, where a family's
-    # checkpoint layout is more than renaming (gpt-oss's stacked experts with gate and up
-    # interleaved: one tensor per expert and projection).
-    regroup: Callable[[Iterator[tuple[str, object]]], Iterator[tuple[str, object]]] = (
-        lambda weights: weights
+    # The checkpoint's (renamed) tensors and our config -> the tensors the maps name, where a
+    # family's checkpoint layout is more than renaming (gpt-oss's and Llama 4's stacked
+    # experts: one tensor per expert and projection; Llama 4's q/k rows reordered).
+    regroup: Callable[[Iterator[tuple[str, object]], object], Iterator[tuple[str, object]]] = (
+        lambda weights, cfg: weights
     )
 
 
@@ -77,6 +77,25 @@ def unstacked_experts(name: str, w) -> Iterator[tuple[str, object]]:
     stem, proj = name.rsplit(".mlp.experts.", 1)
     for e, expert in enumerate(np.asarray(w)):
         yield f"{stem}.mlp.experts.{e}.{proj}", expert
+
+
+def cut_stacked_experts(prefix: str, proj: str, w: np.ndarray, interleaved: bool, bias=False):
+    """One stacked expert tensor of transformers' fused layout (gpt-oss's and Llama 4's:
+    `gate_up_proj` [E, D, 2F], `down_proj` [E, F, D], or their biases [E, 2F] / [E, D]) as
+    one tensor per expert and projection in transformers' [Out, In]
+    (`{prefix}.{e}.gate_proj.weight`, ...; `.bias` with `bias`). `interleaved`: gate and up
+    alternate column by column (gpt-oss), else gate is the first half (Llama 4)."""
+    kind = "bias" if bias else "weight"
+    for e, expert in enumerate(w):
+        if proj == "down_proj":
+            parts = {"down_proj": expert}
+        elif interleaved:
+            parts = {"gate_proj": expert[..., 0::2], "up_proj": expert[..., 1::2]}
+        else:
+            gate, up = np.split(expert, 2, axis=-1)
+            parts = {"gate_proj": gate, "up_proj": up}
+        for part, value in parts.items():
+            yield f"{prefix}.{e}.{part}.{kind}", value if bias else value.T
 
 
 TOP_WEIGHTS = {

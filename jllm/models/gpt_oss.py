@@ -29,6 +29,7 @@ from jllm.models.architecture import (
     TOP_WEIGHTS,
     Architecture,
     attention_weights,
+    cut_stacked_experts,
 )
 from jllm.models.blocks import Attention, DecoderLayer, layer_window, split_kind
 from jllm.models.config import DecoderConfig
@@ -79,7 +80,7 @@ class GptOssForCausalLM(MoeForCausalLM):
 _STACKED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?")
 
 
-def regroup(weights):
+def regroup(weights, cfg=None):
     """The stacked experts as one tensor per expert and projection, transformers' [Out, In]
     (`mlp.experts.{e}.gate_proj.weight`, ...; biases `...gate_proj.bias`)."""
     from jllm.model_loader.loader import as_array
@@ -93,15 +94,8 @@ def regroup(weights):
         if isinstance(w, QuantizedWeight):  # MXFP4's [E, Out, In]: gate and up by rows
             yield from _quantized_experts(prefix, proj, w)
             continue
-        w = np.asarray(as_array(w))
-        kind = "bias" if bias else "weight"
-        for e, expert in enumerate(w):
-            if proj == "down_proj":
-                parts = {"down_proj": expert}
-            else:  # [D, 2F] (or [2F]): gate in the even columns, up in the odd
-                parts = {"gate_proj": expert[..., 0::2], "up_proj": expert[..., 1::2]}
-            for part, value in parts.items():
-                yield f"{prefix}.{e}.{part}.{kind}", value if bias else value.T
+        w = np.asarray(as_array(w))  # gate in the even columns, up in the odd
+        yield from cut_stacked_experts(prefix, proj, w, interleaved=True, bias=bool(bias))
 
 
 def _quantized_experts(prefix: str, proj: str, w: QuantizedWeight):

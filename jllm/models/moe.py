@@ -90,6 +90,9 @@ class MoeConfig:
     # gpt-oss's: a bias on the router's logits, and on each expert's projections.
     router_bias: bool = False
     expert_bias: bool = False
+    # Llama 4's: a token's routing weight scales its input to the expert, not the output
+    # (vLLM's apply_router_weight_on_input).
+    weight_on_input: bool = False
 
     @classmethod
     def from_hf(
@@ -405,7 +408,9 @@ class MoE(nnx.Module):
     """The sparse MLP block: `gate` (the router, a Linear [D, E], with a bias where
     `router_bias`) and `experts` (biased where `expert_bias`); with `shared` > 0 also a
     shared expert of that width, added to every token's output through a sigmoid gate of its
-    own (`shared_expert_gate`, Qwen2-MoE's). `act`: as `glu` takes it."""
+    own (`shared_expert_gate`, Qwen2-MoE's). `act`: as `glu` takes it. With
+    `weight_on_input` a token's routing weight scales its input to each expert instead of the
+    expert's output (Llama 4's)."""
 
     def __init__(
         self,
@@ -421,11 +426,13 @@ class MoE(nnx.Module):
         shared: int = 0,
         router_bias: bool = False,
         expert_bias: bool = False,
+        weight_on_input: bool = False,
     ):
         self.gate = Linear("TD,DE->TE", (D, E), ("embed", None), dtype, rngs, int(router_bias))
         self.experts = Experts(E, D, F, dtype, rngs, expert_parallel, expert_bias)
         self.num_experts, self.k, self.normalize, self.act = E, k, normalize, act
         self.expert_parallel = expert_parallel
+        self.weight_on_input = weight_on_input
         if shared:
             self.shared_expert = SharedExpert(D, shared, act, dtype, rngs)
             self.shared_expert_gate = Linear("TD,DO->TO", (D, 1), ("embed", None), dtype, rngs)
@@ -446,6 +453,7 @@ class MoE(nnx.Module):
             moe.shared_expert_intermediate_size,
             moe.router_bias,
             moe.expert_bias,
+            moe.weight_on_input,
         )
 
     def __call__(self, x, ctx=None):  # [T, D]
@@ -471,13 +479,14 @@ class MoE(nnx.Module):
         devices = 1 if mesh.empty else mesh.shape.get(MODEL_AXIS, 1)
         if self.expert_parallel and devices > 1:
             return self._expert_parallel(x, token, row_weight, sizes, w, b, mesh)
+        on_input = self.weight_on_input
         if batch_invariant.enabled():
-            return _combine_in_order(x, order, token, weights, sizes, w, self.act, b)
-        return _combine(x, token, row_weight, sizes, w, self.act, x.shape[0], b)
+            return _combine_in_order(x, order, token, weights, sizes, w, self.act, b, on_input)
+        return _combine(x, token, row_weight, sizes, w, self.act, x.shape[0], b, on_input)
 
     def _expert_parallel(self, x, token, row_weight, sizes, w, b, mesh):
         T, N = x.shape[0], token.shape[0]
-        act = self.act
+        act, on_input = self.act, self.weight_on_input
 
         def per_device(x, token, row_weight, sizes, w_gate, w_up, w_down, b):
             local = w_gate.shape[0]
@@ -490,7 +499,7 @@ class MoE(nnx.Module):
                 return jax.lax.dynamic_slice_in_dim(padded, start, N)
 
             w = (w_gate, w_up, w_down)
-            part = _combine(x, run(token), run(row_weight), mine, w, act, T, b)
+            part = _combine(x, run(token), run(row_weight), mine, w, act, T, b, on_input)
             return jax.lax.psum(part, MODEL_AXIS)
 
         split = P(MODEL_AXIS, None, None)
@@ -504,29 +513,37 @@ class MoE(nnx.Module):
         )(x, token, row_weight, sizes, *(_layer(a, x.dtype) for a in w), b)
 
 
-def _combine(x, token, row_weight, sizes, w, act, T: int, bias=None):
+def _combine(x, token, row_weight, sizes, w, act, T: int, bias=None, on_input=False):
     """The sorted rows (`token` [N] their tokens, `row_weight` [N] their routing weights;
     only the first sum(sizes) are routed) through their experts, summed back per token
-    -> [T, D]."""
-    y = _expert_outputs(x, token, sizes, w, act, bias)  # [N, D]
+    -> [T, D]. `on_input`: each row's weight scales its input instead of its output."""
+    rows = x[token]
+    if on_input:
+        rows = (rows * row_weight[:, None].astype(rows.dtype)).astype(x.dtype)
+    y = _expert_outputs(rows, sizes, w, act, bias)  # [N, D]
     live = jnp.arange(token.shape[0]) < sizes.sum()
-    y = y * jnp.where(live, row_weight, 0.0)[:, None].astype(y.dtype)
+    y = y * jnp.where(live, 1.0 if on_input else row_weight, 0.0)[:, None].astype(y.dtype)
     return jnp.zeros((T, x.shape[1]), y.dtype).at[token].add(y)
 
 
-def _expert_outputs(x, token, sizes, w, act, bias=None):
-    """The sorted rows (`token` [N] their tokens) through their experts -> [N, D]: the CPU's
-    tiles, TPU's and GPU's ragged products."""
+def _expert_outputs(rows, sizes, w, act, bias=None):
+    """The rows sorted by expert through their experts -> [N, D]: the CPU's tiles, TPU's
+    and GPU's ragged products."""
     method = "tiles" if jax.default_backend() == "cpu" else "ragged"
-    return grouped_ffn(x[token], *w, sizes, act, method, bias)
+    return grouped_ffn(rows, *w, sizes, act, method, bias)
 
 
-def _combine_in_order(x, order, token, weights, sizes, w, act, bias=None):
+def _combine_in_order(x, order, token, weights, sizes, w, act, bias=None, on_input=False):
     """`_combine` for the batch-invariant mode: each token's k expert outputs gathered back
     to its own rows and summed in its top-k order by explicit adds, where a scatter-add's
     order and fusion (a multiply folded into the add) may change with the token count."""
     T, k = weights.shape
-    y = _expert_outputs(x, token, sizes, w, act, bias)  # [N, D] sorted by expert
+    rows = x[token]
+    if on_input:
+        row_weight = weights.reshape(-1)[order]
+        rows = (rows * row_weight[:, None].astype(rows.dtype)).astype(x.dtype)
+        weights = jnp.ones_like(weights)
+    y = _expert_outputs(rows, sizes, w, act, bias)  # [N, D] sorted by expert
     back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))  # [N]
     y = y[back].reshape(T, k, -1)  # [T, k, D]: token t's j-th choice at [t, j]
     out = y[:, 0] * weights[:, :1].astype(y.dtype)

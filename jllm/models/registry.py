@@ -30,6 +30,8 @@ MODEL_TYPES: dict[str, tuple[str, str]] = {
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "mixtral": ("mixtral", "MixtralForCausalLM"),
     "gpt_oss": ("gpt_oss", "GptOssForCausalLM"),
+    "llama4_text": ("llama4", "Llama4ForCausalLM"),
+    "llama4": ("llama4", "Llama4ForConditionalGeneration"),
     "qwen2_moe": ("qwen_moe", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("qwen_moe", "Qwen3MoeForCausalLM"),
     "qwen3_next": ("qwen3_next", "Qwen3NextForCausalLM"),

@@ -25,6 +25,14 @@ the request's context: the wrapper lays the horizons out as q's rows (``[T * G]`
 loads its ``block_m`` of them beside its queries, and its KV walk (and the split of it)
 runs to the furthest of them. Without it the kernel is compiled exactly as before.
 
+Sinks. With ``sinks`` (gpt-oss's learned logit per query head) each head's softmax has one
+more term in its denominator, a key of score ``sinks[h]`` (neither scaled nor capped) and
+value zero. The wrapper lays the sinks out as a tile's rows (``[K, block_m]``: row m of kv
+head k is query head ``k * G + m % G``, the same for every tile), and a program starts its
+online softmax as if it had seen that key: running max the sink, normaliser 1. Under a KV
+split only part 0 starts so, so the sink is counted once and the merge below is unchanged.
+A row that sees no key outputs zero. Without sinks the kernel is compiled exactly as before.
+
 Split KV (flash decoding). With few query tiles (a small decode batch), ``K`` programs
 would leave most of the GPU idle while each walks a long context. ``num_kv_splits`` > 1
 cuts each request's KV range into that many contiguous parts, one program each; every
@@ -55,7 +63,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .cache import from_cache, is_fp8_cache
-from .validation import stacked_and_checked, validate_options, validate_q_horizon
+from .validation import stacked_and_checked, validate_options, validate_q_horizon, validate_sinks
 
 
 def _pow2(x: int) -> bool:
@@ -127,6 +135,7 @@ def ragged_paged_attention_gpu(
     batch_invariant: bool = False,
     latent: bool = False,
     v_head_dim: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of a flat ragged batch of queries over a paged KV cache (Pallas GPU).
 
@@ -139,7 +148,9 @@ def ragged_paged_attention_gpu(
     its own (an image's span, seen both ways), as in `ragged_paged_attention_reference`.
     ``batch_invariant``: the tiling of `default_tiling`'s batch-invariant mode. ``latent``
     (MLA): kv_cache is the latent cache [L, B, S, H] (or [B, S, H]) whose first
-    ``v_head_dim`` lanes are the values; the result is [T, N, v_head_dim].
+    ``v_head_dim`` lanes are the values; the result is [T, N, v_head_dim]. ``sinks`` [N]
+    float (optional, not with ``latent``): attention sinks, one logit per query head that
+    joins its softmax's denominator as a key of value zero.
     """
     metadata = (kv_lens, block_tables, query_start, query_lens, num_seqs)
     kv_cache, layer = stacked_and_checked(
@@ -147,6 +158,7 @@ def ragged_paged_attention_gpu(
     )
     validate_options(sm_scale, sliding_window, soft_cap)
     validate_q_horizon(q_horizon, q.shape[0])
+    validate_sinks(sinks, q.shape[1], latent)
     t, n, h = q.shape
     s, hv = kv_cache.shape[2], v_head_dim or h
     k = 1 if latent else kv_cache.shape[3] // 2
@@ -202,6 +214,7 @@ def ragged_paged_attention_gpu(
         fp8_dtype=fp8_dtype,
         horizon=horizon,
         latent=latent,
+        sinks=sinks is not None,
     )
     inputs = [
         tile_req,
@@ -216,6 +229,9 @@ def ragged_paged_attention_gpu(
     ]
     if horizon:  # [T*G] as q's rows (row t * G + g: token t), padded like them
         inputs.append(jnp.pad(jnp.repeat(q_horizon, group), (0, block_m)))
+    if sinks is not None:  # [K, block_m]: row m of kv head k is query head k * G + m % G
+        rows_head = jnp.arange(block_m) % group
+        inputs.append(sinks.astype(jnp.float32).reshape(k, group)[:, rows_head])
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -260,7 +276,7 @@ def _kernel(
     layer_ref,  # [1]
     q_ref,  # [K, rows, H]
     kv_ref,  # [L, B, S, 2K, H] (latent: [L, B, S, H])
-    *refs,  # [hz_ref [rows]], the output inits, their aliases: o_ref [, lse_ref]
+    *refs,  # [hz_ref [rows]], [sinks_ref [K, M]], the output inits, their aliases: o_ref, lse
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
@@ -273,9 +289,12 @@ def _kernel(
     fp8_dtype,
     horizon: bool,
     latent: bool,
+    sinks: bool,
 ):
     if horizon:
         hz_ref, *refs = refs
+    if sinks:
+        sinks_ref, *refs = refs
     if split:
         _o_init, _lse_init, o_ref, lse_ref = refs  # lse_ref [splits, K, rows]
     else:
@@ -403,6 +422,14 @@ def _kernel(
             jnp.full((block_m,), -jnp.inf, jnp.float32),
             jnp.zeros((block_m,), jnp.float32),
         )
+        if sinks:  # as if each row had seen its sink's key (value zero); in one part only
+            sink = plgpu.load(sinks_ref.at[kh, pl.ds(0, block_m)])  # [M]
+            first = part == 0
+            init = (
+                init[0],
+                jnp.where(first, sink, init[1]),
+                jnp.where(first, jnp.ones_like(init[2]), init[2]),
+            )
         acc, m_i, l_i = jax.lax.fori_loop(lo, hi, body, init)
         out = acc / jnp.where(l_i == 0.0, 1.0, l_i)[:, None]
         plgpu.store(

@@ -34,6 +34,12 @@ position (the end of its kv walk) out to the furthest horizon of its rows, and t
 horizons themselves as ``[1, T, 1]`` in HBM, of which the step copies its window to mask
 row by row. Without it the kernel is compiled exactly as before.
 
+Sinks (gpt-oss). With ``sinks`` [N] each query head's running max starts at its sink and
+its running normaliser at 1: the softmax's denominator then holds exp(sink - m) once, a key
+of that score and no value, whatever the kv walk. They reach the kernel broadcast to the
+running max's [N, block_q, 1] as one VMEM block every step reads. Without them the kernel is
+compiled as before.
+
 Latent (MLA's absorbed form). With ``latent`` the cache is ``[L, B, S, H]``, one latent
 vector per token (kv_lora_rank + qk_rope_head_dim lanes): one KV head that every query
 head reads (K = 1, G = N), whose first ``v_head_dim`` lanes are also its value. A page is
@@ -54,7 +60,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .cache import from_cache, is_fp8_cache
-from .validation import stacked_and_checked, validate_options, validate_q_horizon
+from .validation import (
+    stacked_and_checked,
+    validate_options,
+    validate_q_horizon,
+    validate_sinks,
+)
 
 
 def ragged_paged_attention(
@@ -77,6 +88,7 @@ def ragged_paged_attention(
     q_horizon: jax.Array | None = None,
     latent: bool = False,
     v_head_dim: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of a flat ragged batch of queries over a paged KV cache (Pallas TPU).
 
@@ -90,13 +102,15 @@ def ragged_paged_attention(
     (optional): the last key position each query row sees when past its own (an image's
     span, seen both ways), as in `ragged_paged_attention_reference`; None is causal.
     ``latent`` (MLA): kv_cache is the latent cache [L, B, S, H] (or [B, S, H]) whose first
-    ``v_head_dim`` lanes are the values; the result is [T, N, v_head_dim].
+    ``v_head_dim`` lanes are the values; the result is [T, N, v_head_dim]. ``sinks`` [N]
+    (optional): each query head's sink logit, as in the reference.
     """
     metadata = (kv_lens, block_tables, query_start, query_lens, num_seqs)
     kv_cache, layer = stacked_and_checked(
         q, kv_cache, layer, metadata, fp8_dtype, latent, v_head_dim
     )
     validate_options(sm_scale, sliding_window, soft_cap)
+    validate_sinks(sinks, q.shape[1], latent)
     validate_q_horizon(q_horizon, q.shape[0])
     if block_q < 1 or pages_per_chunk < 1:
         raise ValueError(f"block_q={block_q} and pages_per_chunk={pages_per_chunk} must be >= 1")
@@ -120,6 +134,7 @@ def ragged_paged_attention(
         fp8_dtype=fp8_dtype,
         horizon=horizon,
         latent=latent,
+        sinks=sinks is not None,
     )
     prefetch = [
         kv_lens,
@@ -144,10 +159,14 @@ def ragged_paged_attention(
         prefetch.append(_horizon_ahead(q_horizon, bq))  # [T]
         inputs.append(q_horizon.reshape(1, t, 1))
         scratch.append(pltpu.VMEM((1, bq, 1), jnp.int32))  # horizon window
+    in_specs = [pl.BlockSpec(memory_space=pl.ANY)] * len(inputs)
+    if sinks is not None:  # the running max's first value, one block every step reads
+        inputs.append(jnp.broadcast_to(sinks.astype(jnp.float32)[:, None, None], (n, bq, 1)))
+        in_specs.append(pl.BlockSpec((n, bq, 1), lambda *_: (0, 0, 0)))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(prefetch),
         grid=(r, pl.cdiv(t, bq)),
-        in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * (len(inputs) + 1),
+        in_specs=[*in_specs, pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=pl.BlockSpec(memory_space=pl.ANY),
         scratch_shapes=scratch,
     )
@@ -189,14 +208,19 @@ def _kernel(
     fp8_dtype,
     horizon: bool,
     latent: bool,
+    sinks: bool,
 ):
-    if horizon:  # the horizon's operands: one more of each kind, last of each
-        ahead_ref, q_hbm, kv_hbm, hz_hbm, _out_init_hbm, out_hbm, *scratch, hz_buf = refs
-    else:
-        q_hbm, kv_hbm, _out_init_hbm, out_hbm, *scratch = refs
+    refs = list(refs)  # the horizon's operands are one more of each kind, last of each
+    ahead_ref = refs.pop(0) if horizon else None
+    q_hbm, kv_hbm = refs.pop(0), refs.pop(0)
+    hz_hbm = refs.pop(0) if horizon else None
+    sinks_ref = refs.pop(0) if sinks else None
+    _out_init_hbm, out_hbm = refs.pop(0), refs.pop(0)
+    hz_buf = refs.pop() if horizon else None
     # ahead_ref [T] (SMEM); q_hbm [N, T, H]; kv_hbm [L, B, S, 2K, H] (latent: [L, B, S, H]);
-    # hz_hbm [1, T, 1]; _out_init_hbm aliased to out_hbm [N, T, Hv]; hz_buf [1, bq, 1] int32.
-    q_buf, o_buf, kv_buf, acc_ref, m_ref, l_ref, kv_sems, io_sems = scratch
+    # hz_hbm [1, T, 1]; sinks_ref [N, bq, 1] f32 (VMEM); _out_init_hbm aliased to out_hbm
+    # [N, T, Hv]; hz_buf [1, bq, 1] int32.
+    q_buf, o_buf, kv_buf, acc_ref, m_ref, l_ref, kv_sems, io_sems = refs
     # q_buf [N, bq, H]; o_buf [N, bq, Hv]; kv_buf [2, ppc, S, 2K, H] (latent: [2, ppc, S, H]);
     # acc_ref [N, bq, Hv] f32; m_ref, l_ref [N, bq, 1] f32; kv_sems [2, ppc]; io_sems [2]
     # (or [3], with the horizon)
@@ -253,8 +277,12 @@ def _kernel(
         c_start = lo_pos // chunk
         c_end = last_pos // chunk + 1
         for_chunk_pages(c_start, 0, lambda cp: cp.start())
-        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        if sinks:  # the sink seen first: a key of its score and no value
+            m_ref[...] = sinks_ref[...]
+            l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
+        else:
+            m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
         # Query positions of the window's rows; rows the step does not own get

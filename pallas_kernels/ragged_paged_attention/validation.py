@@ -167,11 +167,14 @@ def latent_as_kv(kv_cache) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((b, s, 2, h), kv_cache.dtype)
 
 
-def validate_sinks(sinks, num_heads: int) -> None:
+def validate_sinks(sinks, num_heads: int, latent: bool = False) -> None:
     """Raises ValueError unless `sinks` is None or a float [N] array, N = `num_heads` (q's
-    heads)."""
+    heads), and not beside a latent cache (`latent`: MLA has no sinks, and the kernels
+    take none there)."""
     if sinks is None:
         return
+    if latent:
+        raise ValueError("sinks with a latent (MLA) cache are not supported")
     shape = _shape("sinks", sinks)
     if shape != (num_heads,):
         raise ValueError(f"sinks must be [N={num_heads}] (one per query head), got {shape}")

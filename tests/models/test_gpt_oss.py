@@ -106,8 +106,11 @@ def test_regroup_cuts_the_stacked_experts():
         {"num_gpu_blocks_override": 14},
         {"tensor_parallel_size": 2},
         {"tensor_parallel_size": 2, "enable_expert_parallel": True},
+        # The sinks in the Pallas kernels, interpreted (TPU's, then Triton's split in two).
+        {"attention_backend": "pallas_interpret", "max_num_batched_tokens": 32},
+        {"attention_backend": "pallas_gpu_interpret", "tensor_parallel_size": 2},
     ],
-    ids=["plain", "chunked-async", "preempting", "tp2", "tp2-ep"],
+    ids=["plain", "chunked-async", "preempting", "tp2", "tp2-ep", "pallas-tpu", "pallas-gpu-tp2"],
 )
 def test_matches_transformers(gpt_oss_dir, oracle, settings):
     llm = LLM(gpt_oss_dir, **{**SMALL, "dtype": "float32", **settings})

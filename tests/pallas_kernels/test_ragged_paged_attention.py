@@ -692,3 +692,46 @@ def test_cpu_kernel_rejects_bad_options(bad):
         ragged_paged_attention_cpu_sharded(
             make_mesh(2), MODEL_AXIS, q, cache[None], 0, *meta, **bad
         )
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [dict(), dict(sliding_window=6, soft_cap=1.5)],
+    ids=["plain", "window-cap"],
+)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_sinks_match_reference(dtype, opts):
+    """gpt-oss's sinks in the TPU kernel: the running max starts at each head's sink, the
+    normaliser at 1; MIX mixes prefill chunks and decodes, and its padding rows stay 0."""
+    n = 8
+    args, _ = make_batch(MIX, n=n, k=2, h=16, s=8, dtype=dtype, seed=13)
+    sinks = jnp.asarray(np.random.default_rng(1).normal(size=n) * 2, jnp.float32)
+    ref = ragged_paged_attention_reference(*args, sinks=sinks, **opts)
+    out = ragged_paged_attention(
+        *args, sinks=sinks, **opts, block_q=8, pages_per_chunk=2, interpret=True
+    )
+    assert_matches(out, ref, args, dtype)
+    plain = ragged_paged_attention_reference(*args, **opts)
+    assert not np.allclose(np.asarray(out, np.float32), np.asarray(plain, np.float32), atol=0.05)
+
+
+def test_kernel_sinks_under_shard_map():
+    """Each device takes its own heads' sinks."""
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention_sharded
+    from sharding import MODEL_AXIS, make_mesh
+
+    n = 8
+    args, _ = make_batch(MIX, n=n, k=2, h=16, s=8, dtype=jnp.float32, seed=14)
+    sinks = jnp.asarray(np.random.default_rng(2).normal(size=n) * 2, jnp.float32)
+    kernel = functools.partial(ragged_paged_attention, block_q=8, interpret=True)
+    out = ragged_paged_attention_sharded(
+        make_mesh(2), MODEL_AXIS, *args, kernel=kernel, sinks=sinks
+    )
+    assert_matches(out, ragged_paged_attention_reference(*args, sinks=sinks), args, jnp.float32)
+
+
+def test_sinks_refused_with_a_latent_cache():
+    from pallas_kernels.ragged_paged_attention.validation import validate_sinks
+
+    with pytest.raises(ValueError, match="latent"):
+        validate_sinks(jnp.zeros(4), 4, latent=True)

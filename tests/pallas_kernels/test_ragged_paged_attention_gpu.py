@@ -81,6 +81,75 @@ def test_q_horizon_matches_reference(dtype, sliding_window):
         assert_matches(out, ref, args, dtype)
 
 
+def _sinks(n, seed):
+    """gpt-oss's learned sink logits: one per query head, of the scores' scale."""
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(n) * 2, jnp.float32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("n,k", [(8, 2), (9, 3)])
+@pytest.mark.parametrize("splits", [1, 8])
+def test_sinks_match_reference(dtype, n, k, splits):
+    # MIX mixes decodes and prefill chunks; G = 4 and 3 (a tile's rows wrap over the group
+    # mid-tile); 8 splits leave some parts of every request with no KV tile.
+    args, _ = make_batch(MIX, n=n, k=k, h=16, s=8, dtype=dtype, seed=n + splits)
+    sinks = _sinks(n, seed=n)
+    ref = ragged_paged_attention_reference(*args, sinks=sinks)
+    without = ragged_paged_attention_reference(*args)
+    assert not np.allclose(ref.astype(jnp.float32), without.astype(jnp.float32), atol=0.1)
+    out = interpret(*args, sinks=sinks, num_kv_splits=splits, pages_per_tile=2)
+    assert out.dtype == dtype
+    assert_matches(out, ref, args, dtype)
+
+
+@pytest.mark.parametrize("sliding_window,soft_cap", [(5, None), (None, 1.0), (1, 2.0)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_sinks_with_window_and_soft_cap(sliding_window, soft_cap, splits):
+    # A soft cap of 1 bounds the scores to (-1, 1), never the sinks (normal * 2).
+    args, _ = make_batch(MIX, n=4, k=2, h=16, s=8, dtype=jnp.float32, seed=9)
+    options = dict(sliding_window=sliding_window, soft_cap=soft_cap, sinks=_sinks(4, seed=3))
+    ref = ragged_paged_attention_reference(*args, **options)
+    out = interpret(*args, **options, num_kv_splits=splits, pages_per_tile=2)
+    assert_matches(out, ref, args, jnp.float32)
+
+
+def test_sinks_batch_invariant():
+    """One tiling, no split: a request's rows with sinks are the same bits in the batch as
+    alone, and match the reference."""
+    args, _ = make_batch(MIX, n=8, k=2, h=16, s=8, dtype=jnp.bfloat16, seed=4)
+    sinks = _sinks(8, seed=4)
+    out = interpret(*args, sinks=sinks, batch_invariant=True)
+    assert_matches(out, ragged_paged_attention_reference(*args, sinks=sinks), args, jnp.bfloat16)
+    q, cache, kv_lens, tables, query_start, query_lens, _ = args
+    for r in (1, 2, 3):  # a prefill, a chunk continuing one, a decode
+        q0, q_len = int(query_start[r]), int(query_lens[r])
+        alone = interpret(
+            q[q0 : q0 + q_len],
+            cache,
+            kv_lens[r : r + 1],
+            tables[r : r + 1],
+            jnp.zeros(1, jnp.int32),
+            query_lens[r : r + 1],
+            jnp.ones(1, jnp.int32),
+            sinks=sinks,
+            batch_invariant=True,
+        )
+        rows = np.asarray(out[q0 : q0 + q_len].astype(jnp.float32)).view(np.int32)
+        assert np.array_equal(rows, np.asarray(alone.astype(jnp.float32)).view(np.int32))
+
+
+def test_sinks_refused_when_malformed_or_latent():
+    args, _ = make_batch(MIX, n=4, k=2, h=32, s=8, dtype=jnp.float32)
+    with pytest.raises(ValueError, match="sinks must be \\[N=4\\]"):
+        interpret(*args, sinks=jnp.zeros(2, jnp.float32))
+    with pytest.raises(ValueError, match="floating point"):
+        interpret(*args, sinks=jnp.zeros(4, jnp.int32))
+    # a latent cache [B, S, H] of 16 value and 16 rotary lanes: MLA has no sinks
+    q, cache, *meta = make_batch(MIX, n=4, k=1, h=32, s=8, dtype=jnp.float32)[0]
+    with pytest.raises(ValueError, match="latent"):
+        interpret(q, cache[:, :, 0], *meta, latent=True, v_head_dim=16, sinks=jnp.zeros(4))
+
+
 def test_long_contexts_split_over_the_kv():
     # Decodes at 300-700 positions beside a chunked prefill: many KV tiles per split.
     seqs = [(700, 1), (300, 1), (513, 1), (400, 24)]
@@ -165,9 +234,9 @@ MODEL_SHAPES = {
 }
 
 
-@pytest.mark.parametrize("horizon", [False, True], ids=["causal", "q_horizon"])
+@pytest.mark.parametrize("option", ["causal", "q_horizon", "sinks"])
 @pytest.mark.parametrize("name", list(MODEL_SHAPES))
-def test_lowers_to_triton_for_an_h100(name, horizon):
+def test_lowers_to_triton_for_an_h100(name, option):
     """Lowering (no GPU needed) for an abstract H100: every operation of the kernel has a
     Triton lowering with the shapes Triton takes, and the result is one Triton call."""
     n, k, h, t, r = MODEL_SHAPES[name]
@@ -187,11 +256,15 @@ def test_lowers_to_triton_for_an_h100(name, horizon):
         i32((1,)),
         i32(()),
         i32((t,)),
+        jax.ShapeDtypeStruct((n,), jnp.float32),
     )
 
     def run(q, cache, *meta):
-        q_horizon = meta[6] if horizon else None
-        return ragged_paged_attention_gpu(q, cache, *meta[:5], layer=meta[5], q_horizon=q_horizon)
+        q_horizon = meta[6] if option == "q_horizon" else None
+        sinks = meta[7] if option == "sinks" else None
+        return ragged_paged_attention_gpu(
+            q, cache, *meta[:5], layer=meta[5], q_horizon=q_horizon, sinks=sinks
+        )
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # the Triton backend's notice
@@ -229,3 +302,17 @@ def test_on_gpu_q_horizon_matches_reference(dtype):
     for splits in (None, 1, 4):
         out = run(*args, q_horizon=horizon, num_kv_splits=splits)
         assert_matches(out, ref, args, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_gpu(), reason="needs a CUDA GPU (benchmarks/gpu/run.sh runs it)")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_on_gpu_sinks_match_reference(dtype):
+    seqs = MIX + [(700, 1), (2000, 1), (600, 300)]
+    args, _ = make_batch(seqs, n=64, k=8, h=64, s=16, dtype=dtype, seed=11)  # gpt-oss's heads
+    options = dict(sinks=_sinks(64, seed=11), sliding_window=128)
+    with jax.default_matmul_precision("highest"):
+        ref = ragged_paged_attention_reference(*args, **options)
+    run = jax.jit(functools.partial(ragged_paged_attention_gpu, **options))
+    for splits in (None, 1, 4):
+        assert_matches(run(*args, num_kv_splits=splits), ref, args, dtype)
