@@ -33,8 +33,12 @@ lint: $(VENV)/.installed-test
 docs: $(VENV)/.installed-test
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
+# Two processes (the 2-core machines' cores): XLA compiles one program on one core, and a
+# whole test file goes to one process (fixtures and engines shared within a file).
+TEST_WORKERS ?= 2
+
 test: lint docs
-	$(PY) -m pytest -q --durations=20 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20 tests
 
 # The development loop: everything but the tests marked slow (the real SmolLM2, every bucket).
 test-fast: lint docs

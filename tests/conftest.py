@@ -10,6 +10,14 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 
+# Under pytest-xdist each process keeps its own XLA compilation cache: JAX writes an entry
+# in place, and a process reading one that another is still writing fails to load it.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _root = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(_root, "jllm", f"xla-{_WORKER}")
+    os.makedirs(os.environ["JAX_COMPILATION_CACHE_DIR"], exist_ok=True)
+
 # Requests may ask for at most 8 sequences here (vLLM's limit, read at import): the contract
 # fuzzing then sends only requests the 2-core machine serves in seconds.
 os.environ.setdefault("VLLM_MAX_N_SEQUENCES", "8")
@@ -119,3 +127,15 @@ def cross_encoder_dir(llama_dir, tmp_path_factory) -> str:
     from pooling_oracle import save_classifier
 
     return save_classifier(llama_dir, tmp_path_factory.mktemp("cross-encoder"), 1)
+
+
+SLOW_TEST_SECONDS = 60.0
+
+
+def pytest_runtest_logreport(report):
+    """A test phase slower than a minute is named in the log as it ends (`--durations`
+    prints only when the whole run finishes, which a CI limit may cut short)."""
+    if report.duration > SLOW_TEST_SECONDS:
+        import sys
+
+        sys.stderr.write(f"\n[slow] {report.nodeid} {report.when}: {report.duration:.0f} s\n")

@@ -177,6 +177,9 @@ CONFIG_ONLY = {
     # gated DeltaNet (16 key, 32 value heads of 128: the delta rule's chunk and recurrent
     # kernels) three layers in four, gated attention (2 kv heads of 256), 512 experts
     "qwen3-next-80b-a3b": 2,
+    # attention sinks on 64 heads over 8 kv heads of 64, 128-token windows every other layer,
+    # 32 biased experts of 2880 with the clamped SwiGLU, YaRN, a 201088-token vocabulary
+    "gpt-oss-20b": 4,
 }
 
 
