@@ -10,8 +10,8 @@ heads.
 
 Both kernels implement the sliding window and the soft cap, and MLA's latent attention (a
 cache of one latent per token, no head axis, replicated under TP; its values are its first
-v_head_dim lanes, the only value head size unlike the key's they take). The Pallas kernels
-take attention sinks (gpt-oss's); chunked local attention and a value head size unlike the
+v_head_dim lanes, the only value head size unlike the key's they take), and attention sinks
+(gpt-oss's; not in a latent layer). Chunked local attention and a value head size unlike the
 key's otherwise are lacking for now (`supported`), so a model that needs one is refused by
 name at start-up (`auto` takes the XLA attention).
 """
@@ -51,7 +51,7 @@ from sharding import MODEL_AXIS
 
 @dataclasses.dataclass(frozen=True)
 class _Ragged(AttentionBackend):
-    supported = frozenset({"window", "soft_cap", "latent", "v_head_dim"})
+    supported = frozenset({"window", "soft_cap", "latent", "v_head_dim", "sinks"})
 
     def build_metadata(self, flat: FlatBatch) -> RaggedMetadata:
         return build_ragged(flat)
@@ -141,7 +141,6 @@ class PallasBackend(_Ragged):
     """`pallas` (TPU), `pallas_gpu` (Triton), and either in interpret mode."""
 
     name: str = "pallas"
-    supported = _Ragged.supported | {"sinks"}
 
     def check(self, options: AttentionOptions) -> None:
         super().check(options)

@@ -2,9 +2,10 @@
 
 ``ragged_paged_attention`` is the Pallas TPU kernel (``interpret=True`` runs it on CPU),
 ``ragged_paged_attention_gpu`` the same contract in Pallas on Triton for GPUs (likewise),
-``ragged_paged_attention_reference`` the pure-jnp oracle it is tested against (which alone
-also takes attention sinks, chunked local attention and values narrower than the keys: the
-oracle of jllm's XLA attention, until the kernels have them). MLA's latent cache
+``ragged_paged_attention_reference`` the pure-jnp oracle it is tested against. Every
+flavour takes attention sinks (``sinks`` [N], gpt-oss's); the reference alone also takes
+chunked local attention and values narrower than the keys (the oracle of jllm's XLA
+attention, until the kernels have them). MLA's latent cache
 ``[B, S, H]`` (``latent_cache_shape``; ``latent=True, v_head_dim=``) is taken by the
 reference and the two Pallas kernels,
 ``validate_inputs`` the shared static checks, ``kv_cache_shape`` the cache layout

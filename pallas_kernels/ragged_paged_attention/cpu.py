@@ -10,6 +10,9 @@ It takes the whole stacked cache ``[L, B, S, 2K, H]`` and a layer index rather t
 layer's slice, so that a model's scan over layers never copies a layer out of the cache.
 Same arguments and results as ``ragged_paged_attention_reference`` otherwise, ``q_horizon``
 included: without one the kernel gets an empty buffer in its place and attends causally.
+Attention sinks (gpt-oss's ``sinks`` [N], one logit per query head) go in as float32, or as
+an empty buffer when there are none; each query head's online softmax then starts from its
+sink (running max sinks[n], denominator 1) in every one of the kernel's routines.
 MLA's latent cache (``latent=True``: ``[L, B, S, H]``, one vector per token whose first
 ``v_head_dim`` lanes are its value) goes through the kernel's prefill routine for every row,
 its query heads the lanes of one key stream.
@@ -28,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..cpu.build import CpuKernelUnavailable, FfiKernel
 from .cache import is_fp8_cache
-from .validation import stacked_and_checked, validate_options
+from .validation import stacked_and_checked, validate_options, validate_sinks
 
 __all__ = [
     "CpuKernelUnavailable",
@@ -85,6 +88,15 @@ def _horizon(q, q_horizon) -> jax.Array:
     return q_horizon
 
 
+def _sinks(q, sinks, latent) -> jax.Array:
+    """sinks checked, as the FFI call's argument after q_horizon: float32 [N], or [0] for
+    None."""
+    if sinks is None:
+        return jnp.zeros((0,), jnp.float32)
+    validate_sinks(sinks, q.shape[1], latent)
+    return sinks.astype(jnp.float32)
+
+
 def _options(q, sm_scale, sliding_window, soft_cap, batch_invariant=False, v_head_dim=None) -> dict:
     """The checked options as the kernel's attributes (0 for an option that is off)."""
     validate_options(sm_scale, sliding_window, soft_cap)
@@ -129,6 +141,7 @@ def ragged_paged_attention_cpu(
     batch_invariant: bool = False,
     latent: bool = False,
     v_head_dim: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Ragged paged attention on the CPU; the reference's arguments and result.
 
@@ -141,11 +154,13 @@ def ragged_paged_attention_cpu(
     result does not depend on the rows beside it or on whether it decodes.
     latent (MLA): kv_cache is the latent cache [L, B, S, H] (or [B, S, H]) whose first
     ``v_head_dim`` lanes are the values; the result is [T, N, v_head_dim].
+    sinks [N] (gpt-oss): each query head's sink logit, as in the reference; none with a latent.
     """
     metadata = (kv_lens, block_tables, query_start, query_lens, num_seqs)
     args = _checked_args(q, kv_cache, layer, metadata, fp8_dtype, latent, v_head_dim)
     options = _options(q, sm_scale, sliding_window, soft_cap, batch_invariant, v_head_dim)
-    return _call(*args, _horizon(q, q_horizon), fp8_dtype=fp8_dtype, **options)
+    extra = (_horizon(q, q_horizon), _sinks(q, sinks, latent))
+    return _call(*args, *extra, fp8_dtype=fp8_dtype, **options)
 
 
 def ragged_paged_attention_cpu_sharded(
@@ -168,21 +183,23 @@ def ragged_paged_attention_cpu_sharded(
     batch_invariant: bool = False,
     latent: bool = False,
     v_head_dim: int | None = None,
+    sinks=None,
 ):
     """The CPU kernel with heads split over `mesh` axis `axis` (as in sharded.py): each device
     runs it on its own query heads and kv heads; kv_cache is the stacked cache (a latent
     cache replicated: every device reads all of it for its own heads). The metadata,
-    q_horizon included, is replicated."""
+    q_horizon included, is replicated; sinks are split with q's heads."""
     metadata = (kv_lens, block_tables, query_start, query_lens, num_seqs)
     args = _checked_args(q, kv_cache, layer, metadata, fp8_dtype, latent, v_head_dim)
     options = _options(q, sm_scale, sliding_window, soft_cap, batch_invariant, v_head_dim)
     heads = P(None, axis, None)
     replicated = (P(),) * 7
     cache = P() if latent else P(None, None, None, axis, None)
+    sink_spec = P() if sinks is None else P(axis)  # the empty buffer goes whole to each device
     return jax.shard_map(
         functools.partial(_call, fp8_dtype=fp8_dtype, **options),
         mesh=mesh,
-        in_specs=(heads, cache, *replicated),
+        in_specs=(heads, cache, *replicated, sink_spec),
         out_specs=heads,
         check_vma=False,
-    )(*args, _horizon(q, q_horizon))
+    )(*args, _horizon(q, q_horizon), _sinks(q, sinks, latent))

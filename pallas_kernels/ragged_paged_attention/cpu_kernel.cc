@@ -13,9 +13,12 @@
 // before the mask and the softmax). An optional q_horizon [T] (a [0] buffer for none: causal)
 // moves each query's last key from its position p to max(p, q_horizon[t]), clipped to its
 // request's kv_len - 1 (bidirectional spans, Gemma 3's images); a window still counts back
-// from p. A latent cache [L, B, S, H] (MLA's absorbed form, a rank-4 cache) holds one vector
-// per token: the key of one kv head that every query head reads, and in its first
-// `v_head_dim` lanes the value; out is then [T, N, v_head_dim].
+// from p. Optional sinks [N] float32 (gpt-oss; a [0] buffer for none): each query head's
+// softmax starts as if it had seen one key of score sinks[n] (neither scaled nor capped) and
+// value zero, its running max sinks[n] and its denominator 1; every routine takes them. A
+// latent cache [L, B, S, H] (MLA's absorbed form, a rank-4 cache) holds one vector per token:
+// the key of one kv head that every query head reads, and in its first `v_head_dim` lanes the
+// value; out is then [T, N, v_head_dim].
 //
 // One work item is one request's block of up to kQueryBlock queries with all its heads,
 // reading the request's pages front to back. Items are shared out over XLA's intra-op thread
@@ -382,6 +385,7 @@ struct Problem {
   const int32_t* query_start;
   const int32_t* query_lens;
   const int32_t* horizon;  // [T] q_horizon, null for causal attention
+  const float* sinks;      // [N] sink logits, null for none
   int64_t S, K, G, H, P;
   int64_t Hv;  // value lanes: H, or a latent's first Hv
   bool latent;  // MLA's cache: one vector per token, the key of K = 1 head and its value
@@ -399,6 +403,13 @@ inline int64_t key_at(const Problem& pb, int64_t k) { return pb.latent ? 0 : 2 *
 inline int64_t value_at(const Problem& pb, int64_t k) {
   return pb.latent ? 0 : (2 * k + 1) * pb.H;
 }
+
+// The online softmax's state before any key, for query head n: with a sink, the sink seen
+// (a key of score sinks[n] and value zero: max sinks[n], denominator 1), else nothing seen.
+inline float initial_max(const Problem& pb, int64_t n) {
+  return pb.sinks ? pb.sinks[n] : -INFINITY;
+}
+inline float initial_sum(const Problem& pb) { return pb.sinks ? 1.0f : 0.0f; }
 
 // The first key position a query at `pos` sees: pos - W + 1, or 0 without a window.
 inline int64_t first_key(const Problem& pb, int64_t pos) {
@@ -447,8 +458,8 @@ void run_item(const Problem& pb, const Item& it, std::vector<float>& scratch) {
   float* vf = kf + S * H;       // [S, Hv] values
   float* sj = vf + S * Hv;      // [S] one row's scores, then probabilities
   std::fill(acc, acc + rows * Hv, 0.0f);
-  std::fill(m, m + rows, -INFINITY);
-  std::fill(l, l + rows, 0.0f);
+  for (int64_t j = 0; j < rows; ++j) m[j] = initial_max(pb, j % N);
+  std::fill(l, l + rows, initial_sum(pb));
 
   const int64_t r = it.request;
   const int64_t q_row0 = int64_t(pb.query_start[r]) + it.first_query;
@@ -679,8 +690,10 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
       }
     }
   std::fill(acc, acc + groups * Hv * kL, 0.0f);
-  std::fill(m, m + groups * kL, -INFINITY);
-  std::fill(l, l + groups * kL, 0.0f);
+  for (int64_t k = 0; k < K; ++k)  // kv head k's lane `row` is query head k * G + row % G
+    for (int64_t row = 0; row < ng * kL; ++row)
+      m[k * ng * kL + row] = initial_max(pb, k * G + row % G);
+  std::fill(l, l + groups * kL, initial_sum(pb));
 
   for (int64_t pi = kv_lo / kS; pi < num_pages; ++pi) {
     const Ct* page = cache + int64_t(table[pi]) * page_elems;
@@ -771,12 +784,33 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
         const v16 alpha = exp16(m_old - base);
         store16(l + group * kL, load16(l + group * kL) * alpha + sum);
         store16(m + group * kL, m_new);
-        // acc = acc * alpha + sum_t p_t v_t. Outside shared .. full, a row that does not see
-        // key t keeps its sum as it was: its p is 0, but another position's non-finite value
-        // times 0 would be NaN. The window's lower edge takes a pass of its own, after.
+        // acc = acc * alpha + sum_t p_t v_t, key by key in order: the window's lower edge
+        // (begin .. shared, each row its own keys) in a pass of its own, first; then the keys
+        // every row sees (shared .. full) and those up to each row's last key (full .. nt). A
+        // row that does not see key t keeps its sum as it was: its p is 0, but another
+        // position's non-finite value times 0 would be NaN. In key order a row's sum is the
+        // same bits whatever rows share its lanes (the batch-invariant mode: as a decode row
+        // alone, or a chunk's middle row).
+        v16 rescale = alpha;  // for the second pass: 1 after the edge's (exact)
+        if (begin < shared) {
+          const v16 lo = pos - float(W - 1);
+          for (int64_t h0 = 0; h0 < Hv; h0 += kDimTile) {
+            v16 a[kDimTile];
+            for (int u = 0; u < kDimTile; ++u) a[u] = load16(ag + (h0 + u) * kL) * alpha;
+            for (int64_t t = begin; t < shared; ++t) {
+              const v16 p = load16(s + t * kL);
+              const v16 seen = zero + float(key0 + t);
+              const float* vt = values + t * stride + h0;
+              for (int u = 0; u < kDimTile; ++u)
+                a[u] = where_in(seen, lo, upto, a[u] + vt[u] * p, a[u]);
+            }
+            for (int u = 0; u < kDimTile; ++u) store16(ag + (h0 + u) * kL, a[u]);
+          }
+          rescale = zero + 1.0f;
+        }
         for (int64_t h0 = 0; h0 < Hv; h0 += kDimTile) {
           v16 a[kDimTile];
-          for (int u = 0; u < kDimTile; ++u) a[u] = load16(ag + (h0 + u) * kL) * alpha;
+          for (int u = 0; u < kDimTile; ++u) a[u] = load16(ag + (h0 + u) * kL) * rescale;
           for (int64_t t = shared; t < full; ++t) {
             const v16 p = in_registers(load16(s + t * kL));
             const float* vt = values + t * stride + h0;
@@ -790,21 +824,6 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
               a[u] = where_le(seen, upto, a[u] + vt[u] * p, a[u]);
           }
           for (int u = 0; u < kDimTile; ++u) store16(ag + (h0 + u) * kL, a[u]);
-        }
-        if (begin < shared) {
-          const v16 lo = pos - float(W - 1);
-          for (int64_t h0 = 0; h0 < Hv; h0 += kDimTile) {
-            v16 a[kDimTile];
-            for (int u = 0; u < kDimTile; ++u) a[u] = load16(ag + (h0 + u) * kL);
-            for (int64_t t = begin; t < shared; ++t) {
-              const v16 p = load16(s + t * kL);
-              const v16 seen = zero + float(key0 + t);
-              const float* vt = values + t * stride + h0;
-              for (int u = 0; u < kDimTile; ++u)
-                a[u] = where_in(seen, lo, upto, a[u] + vt[u] * p, a[u]);
-            }
-            for (int u = 0; u < kDimTile; ++u) store16(ag + (h0 + u) * kL, a[u]);
-          }
         }
       }
     }
@@ -937,8 +956,8 @@ struct DecodeRow {
     m = acc + N * H;
     l = m + N;
     std::fill(acc, acc + N * H, 0.0f);
-    std::fill(m, m + N, -INFINITY);
-    std::fill(l, l + N, 0.0f);
+    for (int64_t j = 0; j < N; ++j) m[j] = initial_max(pb, j);
+    std::fill(l, l + N, initial_sum(pb));
   }
   int64_t tokens(int64_t page) const { return std::min<int64_t>(kS, kv_end - page * kS); }
   int64_t first_token(int64_t page) const { return std::max<int64_t>(0, kv_lo - page * kS); }
@@ -1176,9 +1195,10 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_c
                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> kv_lens,
                      ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> query_start,
                      ffi::Buffer<ffi::S32> query_lens, ffi::Buffer<ffi::S32> num_seqs,
-                     ffi::Buffer<ffi::S32> q_horizon, ffi::Result<ffi::AnyBuffer> out,
-                     float sm_scale, int64_t fp8_bytes, int64_t sliding_window, float soft_cap,
-                     bool batch_invariant, int64_t v_head_dim) {
+                     ffi::Buffer<ffi::S32> q_horizon, ffi::Buffer<ffi::F32> sinks,
+                     ffi::Result<ffi::AnyBuffer> out, float sm_scale, int64_t fp8_bytes,
+                     int64_t sliding_window, float soft_cap, bool batch_invariant,
+                     int64_t v_head_dim) {
   const auto qd = q.dimensions();
   const auto cd = kv_cache.dimensions();
   const auto od = out->dimensions();
@@ -1213,6 +1233,9 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_c
   const int64_t horizons = int64_t(q_horizon.element_count());
   if (horizons != 0 && horizons != qd[0])
     return ffi::Error::InvalidArgument("q_horizon must be [T], or [0] for causal attention");
+  const int64_t num_sinks = int64_t(sinks.element_count());
+  if (num_sinks != 0 && num_sinks != qd[1])
+    return ffi::Error::InvalidArgument("sinks must be [N], or [0] for none");
   Problem pb;
   pb.q = q.untyped_data();
   pb.cache = static_cast<const char*>(kv_cache.untyped_data()) +
@@ -1223,6 +1246,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_c
   pb.query_start = query_start.typed_data();
   pb.query_lens = query_lens.typed_data();
   pb.horizon = horizons ? q_horizon.typed_data() : nullptr;
+  pb.sinks = num_sinks ? sinks.typed_data() : nullptr;
   pb.S = S;
   pb.K = K2 / 2;
   pb.G = qd[1] / pb.K;
@@ -1286,6 +1310,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmRaggedPagedAttention, Attention,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_lens [R]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs [1]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q_horizon [T], or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks [N], or [0]
                                   .Ret<ffi::AnyBuffer>()         // out [T, N, Hv]
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("fp8")              // a uint8 cache's format

@@ -4,6 +4,11 @@ running past its context (clipped to kv_len), ending exactly at a request's last
 across the kernel's 16-query blocks and pages; with and without sliding windows, on each of
 the kernel's paths, float32, bfloat16 and float8 caches, and under shard_map.
 
+Its attention sinks (gpt-oss) likewise: each routine (the scalar loop, run_prefill with its
+lanes of several heads, the decode paths), crossed with windows, soft caps and the
+batch-invariant mode, on float8 caches, split over devices with the heads, and a row's bits
+in the batch-invariant mode whatever routine its neighbours would take.
+
 The rest of the kernel's tests (causal attention, windows, soft caps, errors) are in
 test_ragged_paged_attention.py, beside the other flavours'.
 """
@@ -14,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ragged_batches import assert_matches, make_batch
+from ragged_batches import MIX, assert_matches, make_batch, owned_rows
 
 from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention_cpu,
@@ -202,4 +207,173 @@ def test_cpu_kernel_rejects_a_bad_horizon(bad):
     with pytest.raises(ValueError, match="q_horizon must be int32"):
         ragged_paged_attention_cpu_sharded(
             make_mesh(2), MODEL_AXIS, q, cache[None], 0, *meta, q_horizon=q_horizon
+        )
+
+
+# Attention sinks. A decode over many pages (the online softmax rescales the sink's term
+# across them) and a prefill of three 16-query blocks beside MIX's decodes and chunks.
+SINK_MIX = [*MIX, (100, 1), (70, 33)]
+SINK_OPTIONS = [(None, None), (5, None), (37, 2.0)]  # (sliding_window, soft_cap)
+
+
+def random_sinks(n, seed=0) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).normal(size=n) * 2, jnp.float32)
+
+
+@pytest.mark.parametrize("n,k,h,s", [(4, 4, 16, 8), (8, 2, 64, 16)])
+def test_sinks_change_the_output(n, k, h, s):
+    """The sinks reach every owned row of the reference and of the kernel (so the tests below
+    would see a kernel that dropped them, or read another head's)."""
+    args, _ = make_batch(SINK_MIX, n=n, k=k, h=h, s=s, dtype=jnp.float32, seed=5)
+    sinks = random_sinks(n)
+    owned = owned_rows(args)
+    for attend in (ragged_paged_attention_reference, ragged_paged_attention_cpu):
+        out = np.asarray(attend(*args, sm_scale=0.3, sinks=sinks))[owned]
+        plain = np.asarray(attend(*args, sm_scale=0.3))[owned]
+        change = np.abs(out - plain).max(axis=2)  # [rows, heads]
+        assert (change > 1e-5).all() and (change.max(axis=1) > 1e-3).all()
+        # The same sinks in another head order change it again.
+        swapped = np.asarray(attend(*args, sm_scale=0.3, sinks=sinks[::-1]))[owned]
+        assert not np.allclose(out, swapped, atol=1e-3)
+
+
+# h=16 or s=8: the scalar loop; s=16 with h=64 or 128: run_prefill (8/2 and 6/1: lanes of
+# several queries' heads; 32/1: single queries too, 32 heads per kv head) and the decode
+# paths (their AVX512-BF16 twin for bfloat16 where the CPU has it); the batch-invariant mode
+# sends the decode rows through run_prefill.
+@pytest.mark.parametrize("batch_invariant", [False, True])
+@pytest.mark.parametrize("sliding_window,soft_cap", SINK_OPTIONS)
+@pytest.mark.parametrize(
+    "n,k,h,s", [(4, 4, 16, 8), (8, 2, 64, 16), (6, 1, 128, 16), (32, 1, 64, 16)]
+)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_cpu_kernel_sinks_match_reference(
+    dtype, n, k, h, s, sliding_window, soft_cap, batch_invariant
+):
+    args, _ = make_batch(SINK_MIX, n=n, k=k, h=h, s=s, dtype=dtype, seed=n + h + s)
+    opts = dict(sliding_window=sliding_window, soft_cap=soft_cap, sm_scale=0.3)
+    sinks = random_sinks(n, seed=h)
+    out = ragged_paged_attention_cpu(*args, **opts, sinks=sinks, batch_invariant=batch_invariant)
+    assert out.dtype == dtype
+    ref = ragged_paged_attention_reference(*args, **opts, sinks=sinks)
+    assert_matches(out, ref, args, dtype)
+
+
+@pytest.mark.parametrize("h,s", [(16, 8), (64, 16)])
+@pytest.mark.parametrize(
+    "dtype,kv_dtype,as_bytes",
+    [(jnp.float32, jnp.float8_e4m3fn, False), (jnp.bfloat16, jnp.float8_e5m2, True)],
+)
+def test_cpu_kernel_sinks_on_an_fp8_cache(dtype, kv_dtype, as_bytes, h, s):
+    args, _ = make_batch(SINK_MIX, n=8, k=2, h=h, s=s, dtype=dtype, seed=h, kv_dtype=kv_dtype)
+    opts = dict(sliding_window=37, soft_cap=2.0, sinks=random_sinks(8, seed=1))
+    if as_bytes:
+        q, cache, *meta = args
+        args = (q, jax.lax.bitcast_convert_type(cache, jnp.uint8), *meta)
+        opts["fp8_dtype"] = kv_dtype
+    out = ragged_paged_attention_cpu(*args, **opts)
+    assert out.dtype == dtype
+    assert_matches(out, ragged_paged_attention_reference(*args, **opts), args, dtype)
+
+
+@pytest.mark.parametrize("n,k,h,s", [(8, 2, 64, 16), (4, 4, 16, 8)])
+def test_cpu_kernel_under_shard_map_with_sinks(n, k, h, s):
+    """Two devices, each with its half of the heads and of the sinks (traced, under jit)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from sharding import MODEL_AXIS, make_mesh
+
+    mesh = make_mesh(2)
+    args, _ = make_batch(SINK_MIX, n=n, k=k, h=h, s=s, dtype=jnp.float32, seed=n + h)
+    opts = dict(sliding_window=37, soft_cap=2.0)
+    sinks = random_sinks(n, seed=2)
+    ref = ragged_paged_attention_reference(*args, sinks=sinks, **opts)
+    q, cache, *meta = args
+    q = jax.device_put(q, NamedSharding(mesh, P(None, MODEL_AXIS, None)))
+    stacked = jax.device_put(
+        cache[None], NamedSharding(mesh, P(None, None, None, MODEL_AXIS, None))
+    )
+    run = jax.jit(functools.partial(ragged_paged_attention_cpu_sharded, mesh, MODEL_AXIS, **opts))
+    out = run(q, stacked, jnp.int32(0), *meta, sinks=sinks)
+    assert out.sharding.spec == P(None, MODEL_AXIS, None)
+    assert_matches(out, ref, args, jnp.float32)
+
+
+@pytest.mark.parametrize("with_sinks", [True, False])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("h", [16, 64])
+def test_cpu_kernel_batch_invariant_row_with_sinks(h, dtype, with_sinks):
+    """In the batch-invariant mode, with sinks (and without), a query's bits are the same as a
+    decode row alone, as a chunk's last row beside a neighbour, and as a middle row of a
+    prompt: there (h=64, run_prefill) keys at its window's lower edge share a lane group's
+    pass with later queries' keys, which must add up in key order all the same."""
+    rng = np.random.default_rng(h)
+    s, k, n, length = 16, 2, 4, 45
+    pages = -(-length // s)
+    cache = jnp.asarray(rng.standard_normal((1 + 2 * pages, s, 2 * k, h)), dtype)
+    tables = jnp.asarray([[1 + i * pages + j for j in range(pages)] for i in range(2)], jnp.int32)
+    q_rows = rng.standard_normal((2, length, n, h)).astype(np.float32)
+    sinks = random_sinks(n, seed=3) if with_sinks else None
+
+    def row(requests, position):  # requests: (first position, query count); the probe's first
+        q = np.concatenate([q_rows[i][p : p + c] for i, (p, c) in enumerate(requests)])
+        out = ragged_paged_attention_cpu(
+            jnp.asarray(q, dtype),
+            cache,
+            jnp.asarray([p + c for p, c in requests], jnp.int32),
+            tables[: len(requests)],
+            jnp.asarray(np.cumsum([0] + [c for _, c in requests])[:-1], jnp.int32),
+            jnp.asarray([c for _, c in requests], jnp.int32),
+            jnp.asarray([len(requests)], jnp.int32),
+            sinks=sinks,
+            batch_invariant=True,
+            sliding_window=20,
+        )
+        first = requests[0][0]
+        return np.asarray(out.astype(jnp.float32))[position - first].view(np.int32)
+
+    probe = length - 1
+    alone = row([(probe, 1)], probe)
+    assert np.array_equal(row([(length - 7, 7), (3, 30)], probe), alone)
+    assert np.array_equal(row([(0, length)], probe), alone)
+    assert np.array_equal(row([(0, length)], 33), row([(33, 1), (10, 1)], 33))
+
+
+BAD_SINKS = {
+    "short": (lambda n: jnp.zeros(n - 1), "sinks must be"),
+    "rank-2": (lambda n: jnp.zeros((n, 1)), "sinks must be"),
+    "int32": (lambda n: jnp.zeros(n, jnp.int32), "sinks must be floating"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_SINKS))
+def test_cpu_kernel_rejects_bad_sinks(bad):
+    from sharding import MODEL_AXIS, make_mesh
+
+    args, _ = make_batch(MIX[:2], n=4, k=2, h=8, s=8, dtype=jnp.float32)
+    q, cache, *meta = args
+    make, message = BAD_SINKS[bad]
+    sinks = make(q.shape[1])
+    with pytest.raises(ValueError, match=message):
+        ragged_paged_attention_cpu(*args, sinks=sinks)
+    with pytest.raises(ValueError, match=message):
+        ragged_paged_attention_cpu_sharded(
+            make_mesh(2), MODEL_AXIS, q, cache[None], 0, *meta, sinks=sinks
+        )
+
+
+def test_cpu_kernel_refuses_sinks_with_a_latent_cache():
+    from sharding import MODEL_AXIS, make_mesh
+
+    args, _ = make_batch(MIX[:2], n=4, k=1, h=16, s=8, dtype=jnp.float32)
+    q, cache, *meta = args
+    latent = cache[:, :, 0]  # [B, S, H]: one vector per token
+    options = dict(latent=True, v_head_dim=8)
+    ragged_paged_attention_cpu(q, latent, *meta, **options)  # without sinks: fine
+    with pytest.raises(ValueError, match="sinks with a latent"):
+        ragged_paged_attention_cpu(q, latent, *meta, **options, sinks=jnp.zeros(4))
+    with pytest.raises(ValueError, match="sinks with a latent"):
+        ragged_paged_attention_cpu_sharded(
+            make_mesh(2), MODEL_AXIS, q, latent[None], 0, *meta, **options, sinks=jnp.zeros(4)
         )
