@@ -28,6 +28,7 @@ prompts with left padding, each batch generating up to its longest max_tokens.
     python benchmarks/throughput.py --sliding-window   # Gemma-3-1B shape, windows on and off
     python benchmarks/throughput.py --moe   # Qwen3-30B-A3B shape scaled down, beside dense
     python benchmarks/throughput.py --deepseek  # DeepSeek-V2-Lite shape scaled, beside dense
+    python benchmarks/throughput.py --gpt-oss   # gpt-oss-20b's layers, MXFP4 beside bf16 experts
     python benchmarks/throughput.py --pipeline-parallel-size 1 2 4   # the schedule's cost
 
 `--peer vllm-cpu` runs vLLM's CPU backend (set up by ../shared/peers/vllm_cpu/setup.sh, found
@@ -467,6 +468,13 @@ def main() -> None:
         "its dense twin, W1 and S1, and their KV bytes per token (benchmarks/deepseek.py)",
     )
     ap.add_argument(
+        "--gpt-oss",
+        action="store_true",
+        help="only gpt-oss-20b's layers with MXFP4 experts beside bf16 ones, W1 and S1, and the "
+        "experts' bytes (benchmarks/gpt_oss.py)",
+    )
+    ap.add_argument("--gpt-oss-layers", type=int, default=4, help="with --gpt-oss: layers")
+    ap.add_argument(
         "--sliding-window",
         action="store_true",
         help="only a Gemma-3-1B-shaped model with and without its windows at --context tokens "
@@ -519,6 +527,11 @@ def main() -> None:
         import moe
 
         moe.run(args, w1, s1, run_jllm)
+        return
+    if args.gpt_oss:
+        import gpt_oss
+
+        gpt_oss.run(args, w1, s1, run_jllm)
         return
     if args.deepseek:
         import deepseek

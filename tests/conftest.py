@@ -135,7 +135,7 @@ SLOW_TEST_SECONDS = 60.0
 def pytest_runtest_logreport(report):
     """A test phase slower than a minute is named in the log as it ends (`--durations`
     prints only when the whole run finishes, which a CI limit may cut short)."""
-    if report.duration > SLOW_TEST_SECONDS:
+    if report.duration > SLOW_TEST_SECONDS and not _WORKER:  # xdist: the controller's line
         import sys
 
         sys.stderr.write(f"\n[slow] {report.nodeid} {report.when}: {report.duration:.0f} s\n")

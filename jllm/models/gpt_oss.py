@@ -83,8 +83,6 @@ _STACKED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_p
 def regroup(weights, cfg=None):
     """The stacked experts as one tensor per expert and projection, transformers' [Out, In]
     (`mlp.experts.{e}.gate_proj.weight`, ...; biases `...gate_proj.bias`)."""
-    from jllm.model_loader.loader import as_array
-
     for name, w in weights:
         m = _STACKED.fullmatch(name)
         if m is None:
@@ -94,7 +92,7 @@ def regroup(weights, cfg=None):
         if isinstance(w, QuantizedWeight):  # MXFP4's [E, Out, In]: gate and up by rows
             yield from _quantized_experts(prefix, proj, w)
             continue
-        w = np.asarray(as_array(w))  # gate in the even columns, up in the odd
+        w = np.asarray(w)  # gate in the even columns, up in the odd
         yield from cut_stacked_experts(prefix, proj, w, interleaved=True, bias=bool(bias))
 
 

@@ -206,8 +206,6 @@ def _rotate_half_rows(w: np.ndarray, head_dim: int) -> np.ndarray:
 def regroup(weights, cfg: Llama4Config):
     """The checkpoint's `feed_forward` at our `mlp`, its stacked experts cut per expert, and
     q/k rows in the rotate-half layout."""
-    from jllm.model_loader.loader import as_array
-
     for name, w in weights:
         m = _LAYER.fullmatch(name)
         if m is None:
@@ -216,10 +214,10 @@ def regroup(weights, cfg: Llama4Config):
         layer, local = m.group(1), m.group(2).replace("feed_forward.", "mlp.", 1)
         if local in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
             proj = local.rsplit(".", 1)[1]
-            w = np.asarray(as_array(w))
+            w = np.asarray(w)
             yield from cut_stacked_experts(f"{layer}.mlp.experts", proj, w, interleaved=False)
         elif local.startswith(("self_attn.q_proj.", "self_attn.k_proj.")):
-            yield f"{layer}.{local}", _rotate_half_rows(np.asarray(as_array(w)), cfg.head_dim)
+            yield f"{layer}.{local}", _rotate_half_rows(np.asarray(w), cfg.head_dim)
         else:
             yield f"{layer}.{local}", w
 
