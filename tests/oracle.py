@@ -424,6 +424,23 @@ def assert_matches(model, prompts, outs) -> None:
         np.testing.assert_allclose(got, want, atol=1e-4)
 
 
+def assert_crosses_match(model_dir: str, oracle, prompts, settings: dict, cached: list) -> None:
+    """A tiny model's engine under `settings` (float32) equal to `oracle` on `prompts`: 8
+    greedy tokens, 40 with `num_gpu_blocks_override` (which must then preempt); with no
+    settings the prompts again from the prefix cache, `cached` tokens each."""
+    from jllm import LLM
+    llm = LLM(model_dir, **{**SMALL, "dtype": "float32", **settings})
+    tokens = 40 if "num_gpu_blocks_override" in settings else 8
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=1)
+    assert_matches(oracle, prompts, generate(llm, prompts, params))
+    if "num_gpu_blocks_override" in settings:
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+    if settings == {}:
+        again = generate(llm, prompts, params)
+        assert_matches(oracle, prompts, again)
+        assert [o.num_cached_tokens for o in again] == cached
+
+
 def generate(llm, prompts, params=None):
     """Token-id prompts through `llm`; default greedy, 8 tokens, the chosen tokens' logprobs."""
     params = params or SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)

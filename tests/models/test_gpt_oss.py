@@ -17,15 +17,16 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from oracle import SMALL, TINY, assert_matches, generate, prompt_ids
+from oracle import SMALL, TINY, assert_crosses_match, assert_matches, generate, prompt_ids
 from quantized_checkpoints import online_values
 from safetensors.numpy import save_file
 
-from jllm import LLM, SamplingParams
+from jllm import LLM
 from jllm.models.gpt_oss import regroup
 
 VOCAB = 512
 PROMPTS = prompt_ids(3, 40, vocab=VOCAB) + prompt_ids(1, 90, seed=1, vocab=VOCAB)
+CACHED = [32, 32, 48, 80]  # their whole blocks (of 40, 47, 54 and 90 tokens), on a rerun
 
 SHAPE = dict(
     vocab_size=VOCAB,
@@ -113,20 +114,10 @@ def test_regroup_cuts_the_stacked_experts():
     ids=["plain", "chunked-async", "preempting", "tp2-ep", "pallas-tpu", "pallas-gpu-tp2"],
 )
 def test_matches_transformers(gpt_oss_dir, oracle, settings):
-    llm = LLM(gpt_oss_dir, **{**SMALL, "dtype": "float32", **settings})
-    tokens = 40 if "num_gpu_blocks_override" in settings else 8
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=1)
-    outs = generate(llm, PROMPTS, params)
-    assert_matches(oracle, PROMPTS, outs)
-    if "num_gpu_blocks_override" in settings:
-        assert llm.llm_engine.scheduler.num_preemptions > 0
-    if settings == {}:  # the prefix cache: whole blocks of the prompts
-        again = generate(llm, PROMPTS, params)
-        assert_matches(oracle, PROMPTS, again)
-        assert [o.num_cached_tokens for o in again] == [32, 32, 48, 80]  # of 40, 47, 54, 90
+    assert_crosses_match(gpt_oss_dir, oracle, PROMPTS, settings, CACHED)
 
 
-def test_fp8_matches_transformers_on_the_quantized_values(gpt_oss_dir, tmp_path):
+def test_fp8_matches_transformers_on_the_quantized_values(gpt_oss_dir):
     """quantization="fp8": every projection, the router and each expert quantized per output
     channel on load; the biases and sinks kept. Equal to transformers on a checkpoint of the
     quantized values (the stacked experts' channels are their columns: the absmax runs over

@@ -12,12 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from oracle import SMALL, TINY, assert_matches, generate, prompt_ids
+from oracle import SMALL, TINY, assert_crosses_match, assert_matches, generate, prompt_ids
 
-from jllm import LLM, SamplingParams
+from jllm import LLM
 
 VOCAB = 512
 PROMPTS = prompt_ids(3, 40, vocab=VOCAB) + prompt_ids(1, 90, seed=1, vocab=VOCAB)
+CACHED = [32, 32, 48, 80]  # their whole blocks (of 40, 47, 54 and 90 tokens), on a rerun
 
 SHAPE = dict(
     vocab_size=VOCAB,
@@ -70,17 +71,7 @@ def oracle(llama4_dir):
     ids=["plain", "chunked-async", "preempting", "tp2-ep"],
 )
 def test_matches_transformers(llama4_dir, oracle, settings):
-    llm = LLM(llama4_dir, **{**SMALL, "dtype": "float32", **settings})
-    tokens = 40 if "num_gpu_blocks_override" in settings else 8
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=1)
-    outs = generate(llm, PROMPTS, params)
-    assert_matches(oracle, PROMPTS, outs)
-    if "num_gpu_blocks_override" in settings:
-        assert llm.llm_engine.scheduler.num_preemptions > 0
-    if settings == {}:  # the prefix cache: whole blocks of the prompts
-        again = generate(llm, PROMPTS, params)
-        assert_matches(oracle, PROMPTS, again)
-        assert [o.num_cached_tokens for o in again] == [32, 32, 48, 80]  # of 40, 47, 54, 90
+    assert_crosses_match(llama4_dir, oracle, PROMPTS, settings, CACHED)
 
 
 def test_the_multimodal_checkpoints_text_half(tmp_path, tokenizer_dir):
