@@ -429,6 +429,7 @@ def assert_crosses_match(model_dir: str, oracle, prompts, settings: dict, cached
     greedy tokens, 40 with `num_gpu_blocks_override` (which must then preempt); with no
     settings the prompts again from the prefix cache, `cached` tokens each."""
     from jllm import LLM
+
     llm = LLM(model_dir, **{**SMALL, "dtype": "float32", **settings})
     tokens = 40 if "num_gpu_blocks_override" in settings else 8
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=1)
