@@ -10,7 +10,9 @@ bucket, compiled at start-up, so a processor here has two halves:
   row next to the other sampling inputs (no extra transfer);
 - on the device, `apply(logits, state, active)` is traced into the sampler: logits [R, V]
   float32, state [R, *state_shape], active [R] bool -> logits [R, V]. It must act only on
-  active rows.
+  active rows. A processor with `uses_output_index = True` also gets `output_index` [R]
+  int32: the index in the request's output of the token each row samples (vLLM's
+  processors read the output tokens so far; this is their count, drafts included).
 
 Per-request arguments come from `SamplingParams.extra_args` (the server's `vllm_xargs`), as
 in vLLM. A processor that `is_argmax_invariant` (it never changes the most likely token) is
@@ -42,6 +44,7 @@ class LogitsProcessor:
     """Base class: override `row_state`, `apply` and, as needed, the class attributes."""
 
     state_shape: tuple[int, ...] = ()  # per-row state, fixed for the processor
+    uses_output_index = False  # apply(logits, state, active, output_index)
     state_dtype = np.int32  # 32-bit (int32, float32, uint32) or bool
 
     def __init__(self, config: LogitsProcessorConfig) -> None:
@@ -58,8 +61,9 @@ class LogitsProcessor:
         """The request's state (array-like of `state_shape`), or None to leave it alone."""
         raise NotImplementedError
 
-    def apply(self, logits, state, active):
-        """Traceable: logits [R, V] float32, state [R, *state_shape], active [R] bool."""
+    def apply(self, logits, state, active, output_index=None):
+        """Traceable: logits [R, V] float32, state [R, *state_shape], active [R] bool; with
+        `uses_output_index`, output_index [R] int32."""
         raise NotImplementedError
 
 

@@ -32,7 +32,12 @@ def serving(model: str, *extra: str):
 
     args = server_args(model, *extra)
     engine, metrics = build_engine(args)
-    running = RunningServer(build_app(args, engine, metrics), engine)
+    try:
+        app = build_app(args, engine, metrics)
+    except BaseException:
+        engine.shutdown()
+        raise
+    running = RunningServer(app, engine)
     try:
         yield running
     finally:

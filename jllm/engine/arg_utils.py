@@ -99,9 +99,9 @@ HELP = {
     "KV cache freed) for RL rollouts.",
     "batch_invariant": "Batch-invariant mode: a request's tokens and logprobs are the same "
     "bits alone or in any batch, chunked or not (default: VLLM_BATCH_INVARIANT=1 turns it on).",
-    "reasoning_parser": "vLLM's --reasoning-parser: deepseek_r1, qwen3 or granite. Chat "
-    "responses carry the reasoning apart from the content, and a grammar applies once the "
-    "reasoning has ended.",
+    "reasoning_parser": "vLLM's --reasoning-parser: deepseek_r1, qwen3, granite or "
+    "openai_gptoss. Chat responses carry the reasoning apart from the content, and a grammar "
+    "applies once the reasoning has ended.",
     "enable_return_routed_experts": "Return each request's routed experts per layer and "
     "position (CompletionOutput.routed_experts) for RL routing replay; mixtures of experts.",
     "enable_prompt_embeds": "Accept prompts as embeddings (a prompt's prompt_embeds, the "

@@ -311,6 +311,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             sched_cfg, kv, slots, encoder_cache, vision is not None and vision.bidirectional
         )
+        self.hf_config = m.source.hf_config
         self.eos_token_id = eos = eos_token_id(self.tokenizer, m.source.hf_config)
         gen_config = model_generation_config(m.source)
         self.extra_stop_ids = extra_eos_ids(gen_config, eos)

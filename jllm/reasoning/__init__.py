@@ -9,6 +9,8 @@ jllm/structured_output/reasoning.py: structured outputs apply once the reasoning
   `chat_template_kwargs={"enable_thinking": false}` means no reasoning at all.
 - `granite`: Granite 3.2's text markers, "Here is my thought process:" then "Here is my
   response:" ("Here's" also); without the first marker everything is content.
+- `openai_gptoss`: gpt-oss's harmony channels, split by the server's harmony parser on the
+  token ids (jllm/entrypoints/openai/harmony.py); a grammar applies from the start.
 
 A parser reads one output: `split(text)` gives (reasoning, content), each None when empty.
 Streaming is the same function on the text so far, with what might still become a marker
@@ -176,8 +178,45 @@ class GraniteReasoningParser(ReasoningParser):
         )
 
 
+class GptOssReasoningParser(GraniteReasoningParser):
+    """gpt-oss (`openai_gptoss`): the harmony format's channels, read token by token by the
+    server's harmony parser (jllm/entrypoints/openai/harmony.py), not from the text. Here it
+    only says that a grammar applies from the start (harmony's structural tag already lets
+    the analysis channel through), as vLLM's parser of the name does."""
+
+    name = "openai_gptoss"
+    channel_tokens = ("<|channel|>", "<|message|>", "<|start|>", "<|end|>")
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__(tokenizer)
+        vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+        if any(t not in vocab for t in self.channel_tokens):
+            raise ValueError(
+                f"--reasoning-parser {self.name} needs a gpt-oss model (the harmony format's "
+                f"tokens {list(self.channel_tokens)}); this tokenizer lacks them."
+            )
+
+    def ended_in(self, prompt_token_ids) -> bool:
+        return True
+
+    def count_reasoning_tokens(self, token_ids, prompt_token_ids=()) -> int:
+        return 0
+
+    def split(self, text: str, ended: bool = False) -> tuple[str | None, str | None]:
+        return None, text or None
+
+    def markers(self) -> tuple[str, ...]:
+        return ()
+
+
 REASONING_PARSERS = {
-    p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser, GraniteReasoningParser)
+    p.name: p
+    for p in (
+        DeepSeekR1ReasoningParser,
+        Qwen3ReasoningParser,
+        GraniteReasoningParser,
+        GptOssReasoningParser,
+    )
 }
 
 

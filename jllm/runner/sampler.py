@@ -128,7 +128,9 @@ def _apply_processors(logits, md: SamplingMetadata, processors, argmax_invariant
         if proc.is_argmax_invariant() == argmax_invariant:
             logits = jax.lax.cond(
                 jnp.any(active),
-                lambda x, st, act, p=proc: p.apply(x, st, act),
+                lambda x, st, act, p=proc: (
+                    p.apply(x, st, act, md.counter) if p.uses_output_index else p.apply(x, st, act)
+                ),
                 lambda x, st, act: x,
                 logits,
                 state,

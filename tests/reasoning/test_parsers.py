@@ -101,8 +101,13 @@ TEXTS = [
 ]
 
 
+# The text parsers; openai_gptoss reads harmony's channels from the token ids
+# (tests/entrypoints/openai/test_harmony.py).
+TEXT_PARSERS = sorted(set(REASONING_PARSERS) - {"openai_gptoss"})
+
+
 @settings(max_examples=60, deadline=None, database=None)
-@given(st.sampled_from(sorted(REASONING_PARSERS)), st.sampled_from(TEXTS), st.data())
+@given(st.sampled_from(TEXT_PARSERS), st.sampled_from(TEXTS), st.data())
 def test_the_stream_adds_up_to_the_split(name, text, data):
     """Any chunking of any output: the deltas joined equal the whole text's split."""
     cuts = sorted(data.draw(st.sets(st.integers(1, len(text) - 1), max_size=8)))
@@ -159,3 +164,17 @@ def test_the_gate_opens_after_the_end_tag_and_rolls_back_over_it():
     implicit.rollback(1)
     assert not implicit.ended and implicit._m.seen == []
     assert ReasoningGate(Recorder(), frozenset({101}), frozenset(), ended=True).ended
+
+
+def test_openai_gptoss_needs_harmony_tokens():
+    """The harmony parser refuses a vocabulary without the channel tokens; with them it
+    gates no grammar (harmony's channels are the server's to split)."""
+    with pytest.raises(ValueError, match="gpt-oss"):
+        make_reasoning_parser("openai_gptoss", Vocab())
+
+    class Harmony(Vocab):
+        def get_vocab(self):
+            return {"<|channel|>": 1, "<|message|>": 2, "<|start|>": 3, "<|end|>": 4}
+
+    p = make_reasoning_parser("openai_gptoss", Harmony())
+    assert p.ended_in([]) and p.gate_ids() == (frozenset(), frozenset())

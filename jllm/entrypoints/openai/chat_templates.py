@@ -66,7 +66,8 @@ def renderer_parameters(tokenizer_type: type) -> frozenset[str]:
 def check_request_template(request, tokenizer, trusted: bool) -> dict:
     """The request's `chat_template_kwargs` to render with (a dict), after refusing an
     untrusted request template and keys that belong to the renderer (OpenAIError, 400)."""
-    kwargs = request.chat_template_kwargs
+    template_kwargs = getattr(request, "template_kwargs", None)
+    kwargs = template_kwargs() if template_kwargs else request.chat_template_kwargs
     if kwargs is None:
         kwargs = {}
     if not isinstance(kwargs, dict):

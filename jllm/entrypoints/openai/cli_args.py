@@ -92,7 +92,7 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
         choices=sorted(TOOL_PARSERS),
         help="How tool calls are read from the model's text: 'hermes' (Qwen2.5/Qwen3, Hermes), "
         "'llama3_json' (Llama 3.1+), 'mistral', 'pythonic', 'qwen3_coder'/'qwen3_xml' (Qwen3 "
-        "Coder's XML calls) or 'deepseek_v3'.",
+        "Coder's XML calls), 'deepseek_v3' or 'openai' (gpt-oss's harmony commentary channel).",
     )
     server.add_argument(
         "--enable-scale-out",

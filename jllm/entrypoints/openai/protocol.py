@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -373,6 +373,22 @@ class ChatCompletionRequest(SamplingFields):
     echo: bool = False
     # With --reasoning-parser: false leaves the reasoning out of the response.
     include_reasoning: bool = True
+    # vLLM's values; given to the chat template (with enable_thinking: effort != "none"),
+    # and to harmony's system message for gpt-oss (low, medium or high there).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        None
+    )
+
+    def template_kwargs(self) -> dict:
+        """`chat_template_kwargs` with what reasoning_effort adds (the request's own win)."""
+        extra = {}
+        if self.reasoning_effort is not None:
+            extra = {
+                "reasoning_effort": self.reasoning_effort,
+                "enable_thinking": self.reasoning_effort != "none",
+            }
+        kwargs = self.chat_template_kwargs
+        return {**extra, **kwargs} if isinstance(kwargs, dict) else kwargs
 
 
 class TokenizeRequest(OpenAIBaseModel):

@@ -15,6 +15,7 @@ import json
 import uuid
 
 from jllm.entrypoints.media import MediaConnector, chat_messages_with_images
+from jllm.entrypoints.openai import harmony
 from jllm.entrypoints.openai.chat_templates import check_request_template
 from jllm.entrypoints.openai.protocol import ChatCompletionRequest
 from jllm.entrypoints.openai.serving_engine import (
@@ -38,7 +39,7 @@ from jllm.entrypoints.openai.tool_parsers import (
     required_schema,
 )
 from jllm.outputs import CompletionOutput
-from jllm.reasoning import ReasoningStream, make_reasoning_parser
+from jllm.reasoning import GptOssReasoningParser, ReasoningStream, make_reasoning_parser
 from jllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -210,12 +211,17 @@ class Reasoning:
 
 class ChatRun:
     """A validated chat request ready to run: its id, prepared prompt, output role, tool
-    mode, reasoning split and trace headers."""
+    mode, reasoning split and trace headers; `harmony`: (reasoning, tool calls) read from
+    a gpt-oss output's channels (HarmonyChoice's arguments), or None."""
 
     def __init__(self, request, request_id, prepared, role, mode, reasoning, trace) -> None:
         self.request, self.request_id, self.prepared = request, request_id, prepared
         self.role, self.mode, self.reasoning, self.trace = role, mode, reasoning, trace
         self.cached_tokens = 0  # prompt tokens read from the prefix cache, once known
+        self.harmony: tuple[bool, bool] | None = None
+
+    def harmony_choice(self) -> harmony.HarmonyChoice:
+        return harmony.HarmonyChoice(*self.harmony, self.request.include_reasoning)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -236,10 +242,14 @@ class OpenAIServingChat(OpenAIServing):
         `reasoning_parser`: `--reasoning-parser` (jllm/reasoning): messages carry the
         reasoning apart from the content."""
         super().__init__(*args, **kwargs)
+        # gpt-oss speaks harmony: its prompts are harmony's, its channels parsed on the ids.
+        self.harmony = harmony.uses_harmony(getattr(self.engine.engine, "hf_config", None))
+        self.harmony_reasoning = reasoning_parser == GptOssReasoningParser.name
+        self._check_harmony_parsers(reasoning_parser, tool_parser)
         # Built now (an unknown name or a vocabulary without the tags is refused at start),
         # then derived per request; tags the tokenizer calls special stay in the text.
         self.reasoner, self.reasoning_keeps_special = None, False
-        if reasoning_parser:
+        if reasoning_parser and not self.harmony:
             self.reasoner = make_reasoning_parser(reasoning_parser, self.tokenizer)
             special = set(getattr(self.tokenizer, "all_special_tokens", ()))
             self.reasoning_keeps_special = bool(special.intersection(self.reasoner.markers()))
@@ -253,12 +263,37 @@ class OpenAIServingChat(OpenAIServing):
         self.trust_request_chat_template = trust_request_chat_template
         self.response_role = response_role
         self.tool_parser = None if tool_parser is None else TOOL_PARSERS[tool_parser]()
+        if self.harmony and self.tokenizer is not None:
+            harmony.encoding(self.tokenizer)  # o200k's vocabulary found (or written) now
+
+    def _check_harmony_parsers(self, reasoning_parser, tool_parser) -> None:
+        """vLLM's pairing: a gpt-oss model takes `openai_gptoss` and `openai` only, and
+        those two parsers take a gpt-oss model only."""
+        harmony_names = (GptOssReasoningParser.name, "openai")
+        for flag, name in (
+            ("--reasoning-parser", reasoning_parser),
+            ("--tool-call-parser", tool_parser),
+        ):
+            if name is None:
+                continue
+            if self.harmony and name not in harmony_names:
+                raise ValueError(
+                    f"{flag} {name} cannot read gpt-oss's harmony format; use "
+                    f"{'openai_gptoss' if flag == '--reasoning-parser' else 'openai'}."
+                )
+            if not self.harmony and name in harmony_names:
+                raise ValueError(
+                    f"{flag} {name} reads gpt-oss's harmony format: a gpt-oss model only."
+                )
 
     def render(self, request) -> tuple[str, list[int], list]:
         """Apply the chat template; returns the prompt text, its token ids (None with
         images: the model's processor expands their placeholders) and the images."""
         if self.tokenizer is None:
             raise OpenAIError("Chat needs a tokenizer; the server runs without one.", 400)
+        if self.harmony:
+            ids = harmony.render_chat(request, self.tokenizer)
+            return harmony.encoding().decode_utf8(ids), ids, []
         template_kwargs = check_request_template(
             request, self.tokenizer, self.trust_request_chat_template
         )
@@ -340,6 +375,13 @@ class OpenAIServingChat(OpenAIServing):
             params.structured_outputs = StructuredOutputsParams(json=schema)
         if mode.choice == "auto" and not mode.plain and not self.tool_parser.skip_special_tokens:
             params.skip_special_tokens = False
+        if self.harmony and schema is not None:
+            raise OpenAIError(
+                f"tool_choice {request.tool_choice!r} is not supported with gpt-oss's harmony "
+                'format yet; use "auto" (with --tool-call-parser openai) or "none".',
+                400,
+                "tool_choice",
+            )
         parser = self._reasoning_parser(request, params)
         prompt = {"prompt_token_ids": ids, "prompt": text}
         if images:
@@ -359,7 +401,10 @@ class OpenAIServingChat(OpenAIServing):
         prompt_ids = prepared[0][0].prompt_token_ids
         reasoning = Reasoning(parser, prompt_ids, request.include_reasoning)
         trace = self.trace_headers(raw_request)
-        return ChatRun(request, request_id, prepared, role, mode, reasoning, trace)
+        run = ChatRun(request, request_id, prepared, role, mode, reasoning, trace)
+        if self.harmony and (self.harmony_reasoning or self.tool_parser is not None):
+            run.harmony = (self.harmony_reasoning, mode.choice == "auto" and not mode.plain)
+        return run
 
     def _reasoning_parser(self, request, params):
         """The request's reasoning parser (its chat_template_kwargs may turn thinking off)."""
@@ -367,7 +412,7 @@ class OpenAIServingChat(OpenAIServing):
             return None
         if self.reasoning_keeps_special:
             params.skip_special_tokens = False
-        return self.reasoner.for_request(request.chat_template_kwargs)
+        return self.reasoner.for_request(request.template_kwargs())
 
     def tool_mode(self, request) -> ToolMode:
         choice = check_tools(request.tools, request.tool_choice)
@@ -434,8 +479,14 @@ class OpenAIServingChat(OpenAIServing):
         prefix = self._echo(request, run.role)
         choices = []
         for c in final.outputs:
-            thought, text = reasoning.split(c.text)
-            content, calls, reason = mode.message(text, c.finish_reason)
+            if run.harmony is not None:
+                thought, content, calls, reason = run.harmony_choice().message(
+                    c.token_ids, c.finish_reason
+                )
+                calls = calls if mode.parallel else calls[:1]
+            else:
+                thought, text = reasoning.split(c.text)
+                content, calls, reason = mode.message(text, c.finish_reason)
             if content is not None:
                 content = prefix + content
             message = {
@@ -443,7 +494,7 @@ class OpenAIServingChat(OpenAIServing):
                 "content": content,
                 "tool_calls": [t.json() for t in calls],
             }
-            if reasoning.parser is not None:
+            if reasoning.parser is not None or self.harmony_reasoning:
                 message["reasoning"] = thought
             choice = {
                 "index": c.index,
@@ -459,8 +510,8 @@ class OpenAIServingChat(OpenAIServing):
             choices.append(choice)
         num_generated = sum(len(c.token_ids) for c in final.outputs)
         thinking = None
-        if reasoning.parser is not None:
-            thinking = sum(reasoning.tokens(c.token_ids) for c in final.outputs)
+        if reasoning.parser is not None or self.harmony_reasoning:
+            thinking = sum(self._reasoning_tokens(run, c.token_ids) for c in final.outputs)
         response = self._response(
             request,
             run.request_id,
@@ -472,6 +523,11 @@ class OpenAIServingChat(OpenAIServing):
             response["prompt_token_ids"] = list(final.prompt_token_ids)
         return response
 
+    def _reasoning_tokens(self, run: ChatRun, token_ids) -> int | None:
+        if self.harmony_reasoning:
+            return harmony.HarmonyChoice.reasoning_tokens(token_ids)
+        return run.reasoning.tokens(token_ids)
+
     def _response(self, request, request_id, choices, usage_: dict) -> dict:
         return {
             "id": request_id,
@@ -482,6 +538,22 @@ class OpenAIServingChat(OpenAIServing):
             "usage": usage_,
         }
 
+    @staticmethod
+    def _harmony_delta(choice, c, mode) -> tuple[dict | None, str | None]:
+        """A harmony output's delta and finish reason for one update (`parallel_tool_calls`
+        false keeps the first call)."""
+        if c.finish_reason is None:
+            delta, reason = choice.update(c.token_ids), None
+        else:
+            delta, reason = choice.finish(c.token_ids, c.finish_reason)
+        if delta and not mode.parallel and "tool_calls" in delta:
+            calls = [t for t in delta["tool_calls"] if t["index"] == 0]
+            delta = {k: v for k, v in delta.items() if k != "tool_calls"}
+            if calls:
+                delta["tool_calls"] = calls
+            delta = delta or None
+        return delta, reason
+
     async def chunks(self, run: ChatRun):
         """The chunks (dicts) of a started request's stream (`start`): per choice its role,
         then reasoning, content and tool-call deltas, its finish; the usage last if asked."""
@@ -491,12 +563,13 @@ class OpenAIServingChat(OpenAIServing):
         num_prompt = len(run.prepared[0][0].prompt_token_ids)
         generated = [0] * request.n  # tokens so far, per choice
         token_ids = [[] for _ in range(request.n)]  # with a reasoning parser: its count
+        counting = reasoning.parser is not None or self.harmony_reasoning
 
         def usage_of(index=None) -> dict:
             ids = token_ids if index is None else [token_ids[index]]
             thinking = None
-            if reasoning.parser is not None:
-                thinking = sum(reasoning.tokens(t) for t in ids)
+            if counting:
+                thinking = sum(self._reasoning_tokens(run, t) for t in ids)
             done = sum(generated) if index is None else generated[index]
             cached = run.cached_tokens if self.prompt_tokens_details else None
             return usage(num_prompt, done, thinking, cached)
@@ -519,6 +592,7 @@ class OpenAIServingChat(OpenAIServing):
         prefix = self._echo(request, run.role)
         streams = [ChoiceStream(mode) for _ in range(request.n)]
         thoughts = [reasoning.stream() for _ in range(request.n)]
+        channels = [run.harmony_choice() if run.harmony else None for _ in range(request.n)]
         for i in range(request.n):
             delta = {"role": run.role, "content": prefix}
             first = [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]
@@ -530,21 +604,25 @@ class OpenAIServingChat(OpenAIServing):
             run.cached_tokens = out.num_cached_tokens or 0
             for c in out.outputs:
                 generated[c.index] += len(c.token_ids)
-                if reasoning.parser is not None:
+                if counting:
                     token_ids[c.index] += c.token_ids
                 if not (c.text or c.token_ids or c.finish_reason):
                     continue
-                stream, text, thought = streams[c.index], c.text, None
-                if thoughts[c.index] is not None:
-                    thought, text = thoughts[c.index].update(c.text)
-                    if c.finish_reason is not None:
-                        more, rest = thoughts[c.index].finish()
-                        thought, text = thought + more, text + rest
-                delta = stream.update(text) if text or not thoughts[c.index] else None
-                reason = c.finish_reason
-                if reason is not None:
-                    last, reason = stream.finish(reason)
-                    delta = merge_deltas(delta, last)
+                stream, thought = streams[c.index], None
+                if channels[c.index] is not None:
+                    delta, reason = self._harmony_delta(channels[c.index], c, mode)
+                else:
+                    text = c.text
+                    if thoughts[c.index] is not None:
+                        thought, text = thoughts[c.index].update(c.text)
+                        if c.finish_reason is not None:
+                            more, rest = thoughts[c.index].finish()
+                            thought, text = thought + more, text + rest
+                    delta = stream.update(text) if text or not thoughts[c.index] else None
+                    reason = c.finish_reason
+                    if reason is not None:
+                        last, reason = stream.finish(reason)
+                        delta = merge_deltas(delta, last)
                 if thought and reasoning.include:
                     delta = {"reasoning": thought, **(delta or {})}
                 logprobs = None

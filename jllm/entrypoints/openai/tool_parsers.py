@@ -5,7 +5,8 @@ A parser reads the model's text after generation: `hermes` (Hermes 2 Pro and Qwe
 templates: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, content before
 the first block), `llama3_json` (Llama 3.1+: an optional `<|python_tag|>` and then JSON
 objects `{"name": ..., "parameters"|"arguments": {...}}`), and `tool_formats.py`'s
-`mistral`, `pythonic`, `qwen3_coder`/`qwen3_xml` and `deepseek_v3`. Text that does not parse is
+`mistral`, `pythonic`, `qwen3_coder`/`qwen3_xml` and `deepseek_v3`; `openai` is gpt-oss's
+harmony format (jllm/entrypoints/openai/harmony.py). Text that does not parse is
 returned as content, as vLLM does. `stream_start` says where a tool call can begin in a
 stream, so the server holds back from the content whatever might be one.
 """
@@ -88,7 +89,26 @@ class Llama3JsonToolParser:
         return None
 
 
-TOOL_PARSERS = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser, *MORE_TOOL_PARSERS)}
+class OpenAIToolParser:
+    """gpt-oss (`openai`): calls are harmony `commentary` messages to `functions.NAME`, read
+    token by token by the server's harmony parser (jllm/entrypoints/openai/harmony.py); a
+    gpt-oss model only (refused at start otherwise)."""
+
+    name = "openai"
+    harmony = True
+    skip_special_tokens = True
+
+    def parse(self, text: str, tools=None) -> tuple[str | None, list[ToolCall]]:
+        return text, []
+
+    def stream_start(self, text: str) -> int | None:
+        return None
+
+
+TOOL_PARSERS = {
+    p.name: p
+    for p in (HermesToolParser, Llama3JsonToolParser, OpenAIToolParser, *MORE_TOOL_PARSERS)
+}
 
 
 def check_tools(tools, tool_choice):

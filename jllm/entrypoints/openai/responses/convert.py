@@ -111,6 +111,7 @@ def chat_request(request: ResponsesRequest, conversation: list[dict]) -> ChatCom
     kwargs = dict(request.chat_template_kwargs or {})
     if request.reasoning is not None and request.reasoning.effort is not None:
         kwargs.setdefault("reasoning_effort", request.reasoning.effort)
+        body["reasoning_effort"] = request.reasoning.effort  # harmony's system message
         kwargs.setdefault("enable_thinking", request.reasoning.effort != "none")
     if kwargs:
         body["chat_template_kwargs"] = kwargs
