@@ -51,11 +51,11 @@ def gguf_hf_config(gf: GgufFile) -> PretrainedConfig:
     Gemma3TextConfig, Phi3Config, DeepseekV2Config, DeepseekV3Config, Qwen3NextConfig) a GGUF
     file describes."""
     arch = gf.architecture
-    if gf.arch_key("expert_count") and arch not in ("deepseek2", "qwen3next"):
+    if gf.arch_key("expert_count") and arch not in ("deepseek2", "qwen3next", "gpt-oss"):
         raise ValueError(
             f"{gf.path} is a mixture-of-experts GGUF of architecture {arch!r}; jllm loads "
-            "the experts of deepseek2 and qwen3next files only. Use the model's safetensors "
-            "checkpoint."
+            "the experts of deepseek2, qwen3next and gpt-oss files only. Use the model's "
+            "safetensors checkpoint."
         )
     num_heads = int(gf.arch_key("attention.head_count"))
     num_kv_heads = gf.arch_key("attention.head_count_kv", num_heads)
@@ -86,6 +86,8 @@ def gguf_hf_config(gf: GgufFile) -> PretrainedConfig:
         return AutoConfig.for_model(model_type, **kwargs)
     if arch == "qwen3next":
         return AutoConfig.for_model(model_type, **kwargs, **_qwen3next(gf, head_dim))
+    if arch == "gpt-oss":
+        return AutoConfig.for_model(model_type, **(kwargs | _gpt_oss(gf, head_dim)))
     if arch in ("llama", "qwen3", "gemma2", "gemma3"):
         kwargs["head_dim"] = head_dim
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
@@ -141,6 +143,32 @@ def _qwen3next(gf: GgufFile, head_dim: int) -> dict:
             "mlp_only_layers": [i for i, s in enumerate(sparse) if not s],
         }
     return own
+
+
+def _gpt_oss(gf: GgufFile, head_dim: int) -> dict:
+    """llama.cpp's `gpt-oss`: the experts' keys, the window (llama.cpp slides every other
+    layer, the first included, as gpt-oss's `layer_types` do), biases, and YaRN with
+    gpt-oss's betas where the file has none."""
+    layers = int(gf.arch_key("block_count"))
+    rope = _rope_parameters(gf, head_dim)
+    if rope["rope_type"] == "yarn":
+        rope["beta_fast"] = _f32(gf.arch_key("rope.scaling.yarn_beta_fast", 32.0))
+        rope["beta_slow"] = _f32(gf.arch_key("rope.scaling.yarn_beta_slow", 1.0))
+        rope["truncate"] = False
+    window = gf.arch_key("attention.sliding_window")
+    return {
+        "head_dim": head_dim,
+        "intermediate_size": int(gf.arch_key("expert_feed_forward_length")),
+        "num_local_experts": int(gf.arch_key("expert_count")),
+        "num_experts_per_tok": int(gf.arch_key("expert_used_count")),
+        "attention_bias": "blk.0.attn_q.bias" in gf.tensors,
+        "sliding_window": int(window) if window else None,
+        "layer_types": [
+            "sliding_attention" if window and i % 2 == 0 else "full_attention"
+            for i in range(layers)
+        ],
+        "rope_parameters": rope,
+    }
 
 
 def _f32(value: float) -> float:

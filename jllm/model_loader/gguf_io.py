@@ -37,6 +37,7 @@ from gguf.quants import dequantize
 from jllm.models import registry
 from jllm.models.architecture import GgufFamily
 from jllm.quantization.formats import GGUF_KEPT, gguf_weight
+from jllm.quantization.mxfp4 import ggml_mxfp4_weight
 from jllm.quantization.weights import QuantizedWeight
 
 # llama.cpp tensor names -> transformers module names, as llama names them; a family names
@@ -137,6 +138,8 @@ class GgufFile:
             t = self.tensors[gguf_name]
             if gguf_name in kept:
                 array = gguf_weight(np.asarray(t.data), t.tensor_type.name)
+            elif t.tensor_type.name == "MXFP4":  # gpt-oss's experts: an mxfp4 checkpoint's
+                array = ggml_mxfp4_weight(np.asarray(t.data), gguf_name)
             else:
                 array = self.tensor(gguf_name)
             if permute and ".attn_q." in gguf_name:
@@ -165,6 +168,12 @@ class GgufFile:
             if all(t.tensor_type.name in GGUF_KEPT and len(t.shape) == 2 for t in tensors):
                 kept.update(names)
         return kept
+
+    @property
+    def mxfp4(self) -> bool:
+        """Whether tensors are MXFP4 (gpt-oss's experts): the file loads as an mxfp4
+        checkpoint, those tensors kept in 4 bits."""
+        return any(t.tensor_type.name == "MXFP4" for t in self.tensors.values())
 
     def checkpoint_dtype(self) -> str:
         """The precision the weight matrices are stored in: "float32" when they are all F32,

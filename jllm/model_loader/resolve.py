@@ -51,7 +51,16 @@ def resolve_model(
     if kind == "gguf":
         gf = GgufFile(path)
         config = gguf_hf_config(gf)
-        return ModelSource("gguf", path, config, gf.checkpoint_dtype(), gguf_file=gf, **common)
+        quantized = parse_config({"quant_method": "mxfp4"}, path) if gf.mxfp4 else None
+        return ModelSource(
+            "gguf",
+            path,
+            config,
+            gf.checkpoint_dtype(),
+            gguf_file=gf,
+            checkpoint_quantization=quantized,
+            **common,
+        )
 
     files = checkpoint_files(path)
     if not files and load_format != "dummy":

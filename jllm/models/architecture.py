@@ -23,7 +23,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import jax
 import numpy as np
+
+from jllm.quantization.weights import QuantizedWeight
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,9 +75,13 @@ class GgufFamily:
 
 
 def unstacked_experts(name: str, w) -> Iterator[tuple[str, object]]:
-    """A GGUF layer's stacked experts ([E, out, in], llama.cpp's `ffn_*_exps`) as the
-    checkpoint's one tensor per expert."""
+    """A GGUF layer's stacked experts ([E, out, in], llama.cpp's `ffn_*_exps`; an array or
+    a QuantizedWeight whose arrays lead with E) as the checkpoint's one tensor per expert."""
     stem, proj = name.rsplit(".mlp.experts.", 1)
+    if isinstance(w, QuantizedWeight):
+        for e in range(w.codes.shape[0]):
+            yield f"{stem}.mlp.experts.{e}.{proj}", jax.tree.map(lambda a, e=e: a[e], w)
+        return
     for e, expert in enumerate(np.asarray(w)):
         yield f"{stem}.mlp.experts.{e}.{proj}", expert
 

@@ -28,8 +28,10 @@ from jllm.models.architecture import (
     LAYER_NORMS,
     TOP_WEIGHTS,
     Architecture,
+    GgufFamily,
     attention_weights,
     cut_stacked_experts,
+    unstacked_experts,
 )
 from jllm.models.blocks import Attention, DecoderLayer, layer_window, split_kind
 from jllm.models.config import DecoderConfig
@@ -121,6 +123,39 @@ def layer_weights(cfg: GptOssConfig) -> dict:
         names[f"mlp.experts.*.{proj}.bias"] = (f"mlp.experts.{bias_name}", None)
     return names
 
+
+def _gguf_regroup(weights, gf):
+    """llama.cpp's `gpt-oss` tensors as per-expert checkpoint tensors (its converter,
+    GptOssModel, undone): the sinks named without `.weight`; each layer's experts stacked
+    [E, Out, In] with gate and up apart (`ffn_gate_exps`, `ffn_up_exps`) or fused with
+    the gate's rows first (`ffn_gate_up_exps`), biases alike; MXFP4 experts come as
+    QuantizedWeights (gguf_io.py) and are cut alike."""
+    for name, w in weights:
+        if name.endswith("self_attn.sinks.weight"):
+            yield name.removesuffix(".weight"), w
+        elif ".mlp.experts.gate_up_proj." in name:  # [E, 2F, D] weights, [E, 2F] biases
+            for i, proj in enumerate(("gate_proj", "up_proj")):
+                half = jax.tree.map(lambda a, i=i: np.split(np.asarray(a), 2, axis=1)[i], w)
+                yield from unstacked_experts(name.replace("gate_up_proj", proj), half)
+        elif ".mlp.experts." in name:
+            yield from unstacked_experts(name, w)
+        else:
+            yield name, w
+
+
+GGUF = {
+    "gpt-oss": GgufFamily(
+        model_type="gpt_oss",
+        class_name="GptOssForCausalLM",
+        layer_names={
+            "post_attention_norm": "post_attention_layernorm",
+            "attn_sinks": "self_attn.sinks",
+            "ffn_gate_inp": "mlp.router",
+            **{f"ffn_{p}_exps": f"mlp.experts.{p}_proj" for p in ("gate", "up", "down", "gate_up")},
+        },
+        regroup=_gguf_regroup,
+    )
+}
 
 ARCHITECTURES = {
     "GptOssForCausalLM": Architecture(

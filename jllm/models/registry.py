@@ -56,6 +56,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "phi3": "phi3",
     "deepseek2": "deepseek",
     "qwen3next": "qwen3_next",
+    "gpt-oss": "gpt_oss",
 }
 
 # Tensors some checkpoints carry that hold no weights: buffers transformers once saved.

@@ -137,8 +137,9 @@ def _llama3(inv_freq: np.ndarray, p: dict) -> np.ndarray:
     low_wavelen, high_wavelen = old_len / low, old_len / high
     wavelen = 2 * math.pi / inv_freq
     scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    with np.errstate(divide="ignore", invalid="ignore"):  # high == low: no medium band
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return np.where(medium, smoothed, scaled)
 

@@ -39,6 +39,24 @@ def mxfp4_weight(blocks: np.ndarray, scales: np.ndarray, name: str = "") -> Quan
     return QuantizedWeight(codes, np.ascontiguousarray(scales), None, "mxfp4")
 
 
+GGML_BLOCK = 1 + MXFP4_GROUP // 2  # llama.cpp's block: the e8m0 scale, then 16 code bytes
+
+
+def ggml_mxfp4_weight(data: np.ndarray, name: str = "") -> QuantizedWeight:
+    """A GGUF MXFP4 tensor's bytes [..., Out, G * 17] (llama.cpp's blocks: the scale byte,
+    then input j of the block in the low nibble of byte j and input j + 16 in its high one)
+    as a QuantizedWeight of kind "mxfp4" in this module's order (inputs 2j and 2j + 1 share
+    a byte). The codes and scales mean the same in both: e2m1 codes, 2^(s - 127) scales."""
+    data = np.asarray(data, np.uint8)
+    if data.shape[-1] % GGML_BLOCK:
+        raise ValueError(f"{name}: {data.shape[-1]} bytes a row is not whole MXFP4 blocks.")
+    blocks = data.reshape(*data.shape[:-1], -1, GGML_BLOCK)  # [..., Out, G, 17]
+    scales, qs = blocks[..., 0], blocks[..., 1:]
+    codes = np.concatenate([qs & 15, qs >> 4], axis=-1)  # [..., Out, G, 32] in input order
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return mxfp4_weight(packed.astype(np.uint8), np.ascontiguousarray(scales), name)
+
+
 def iter_mxfp4(
     tensors: Iterable[tuple[str, np.ndarray]],
 ) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:

@@ -288,6 +288,70 @@ def render_chat(request, tokenizer=None) -> list[int]:
     return list(ids)
 
 
+# -- constraints --
+
+
+def _lark_regex(pattern: str) -> str:
+    return "/" + pattern.replace("/", "\\/") + "/"
+
+
+def _content(p) -> str:
+    """A request's structured-outputs constraint as a Lark rule body (llguidance's)."""
+    from jllm.structured_output.backends import json_schema_text
+
+    if p.kind in ("json", "json_object"):
+        try:
+            return f"%json {json_schema_text(p)}"
+        except ValueError as e:
+            raise OpenAIError(str(e), 400, "response_format") from e
+    if p.kind == "regex":
+        return _lark_regex(p.regex)
+    if p.kind == "choice":
+        if not p.choice:
+            raise OpenAIError("A choice constraint needs at least one choice.", 400)
+        return " | ".join(json.dumps(c) for c in p.choice)
+    raise OpenAIError(
+        f"A {p.kind} constraint is not supported with gpt-oss's harmony format (json, "
+        "json_object, regex and choice are).",
+        400,
+        "structured_outputs",
+    )
+
+
+def _call(tool: dict) -> str:
+    fn = tool["function"]
+    schema = fn.get("parameters") or {"type": "object"}
+    header = json.dumps(f"commentary to=functions.{fn['name']} ")
+    return f'<|channel|> {header} <|constrain|> "json" <|message|> %json {json.dumps(schema)}'
+
+
+def grammar(structured, tools, tool_choice: str):
+    """The grammar of a constrained gpt-oss output (vLLM's harmony structural tag, as a Lark
+    grammar for llguidance): any number of free `analysis` messages, then the constraint in
+    its channel: `structured` (a StructuredOutputsParams: json, json_object, regex or
+    choice) as the `final` message, or for tool_choice "required" (any of `tools`) or a
+    function's name a `commentary` call to it with JSON arguments. Returns a
+    StructuredOutputsParams, or None when nothing is constrained."""
+    from jllm.sampling_params import StructuredOutputsParams
+
+    if tool_choice in ("auto", "none"):
+        if structured is None:
+            return None
+        body = f'<|channel|> "final" <|message|> content\ncontent: {_content(structured)}'
+    else:
+        chosen = [t for t in tools or () if tool_choice == "required"]
+        chosen = chosen or [t for t in tools if t["function"]["name"] == tool_choice]
+        body = " | ".join(f"call{i}" for i in range(len(chosen)))
+        body += "".join(f"\ncall{i}: {_call(t)}" for i, t in enumerate(chosen))
+    text = (
+        "start: analysis* body\n"
+        'analysis: <|channel|> "analysis" <|message|> ANALYSIS <|end|> <|start|> "assistant"\n'
+        "ANALYSIS: /(?s:.*)/\n"
+        f"body: {body}\n"
+    )
+    return StructuredOutputsParams(grammar=text)
+
+
 # -- the output --
 
 
@@ -318,14 +382,18 @@ class HarmonyChoice:
     delta to stream, `finish(reason)` the last delta and the finish reason; `message()` the
     whole (reasoning, content, tool calls). `reasoning`: the server's `openai_gptoss`
     reasoning parser (without it the analysis is dropped); `tools`: tool calls are read
-    (`--tool-call-parser openai` with tool_choice "auto"); `include`: the request's
-    `include_reasoning`."""
+    (`--tool-call-parser openai` with tool_choice "auto", or a forced call); `include`: the
+    request's `include_reasoning`; `calls_finish`: a call makes the finish reason
+    "tool_calls" (tool_choice "auto" and "required"; a named function keeps the engine's)."""
 
-    def __init__(self, reasoning: bool, tools: bool, include: bool = True) -> None:
+    def __init__(
+        self, reasoning: bool, tools: bool, include: bool = True, calls_finish: bool = True
+    ) -> None:
         from openai_harmony import Role, StreamableParser
 
         self.parser = StreamableParser(encoding(), role=Role.ASSISTANT)
         self.reasoning, self.tools, self.include = reasoning, tools, include
+        self.calls_finish = calls_finish
         self.done = 0  # completed messages read
         self.parts = {"reasoning": [], "content": []}
         self.calls: list[ToolCall] = []
@@ -438,7 +506,7 @@ class HarmonyChoice:
         return delta or None, self._reason(finish_reason)
 
     def _reason(self, finish_reason):
-        if self.tools and self.calls and finish_reason == "stop":
+        if self.tools and self.calls and self.calls_finish and finish_reason == "stop":
             return "tool_calls"
         return finish_reason
 

@@ -211,17 +211,18 @@ class Reasoning:
 
 class ChatRun:
     """A validated chat request ready to run: its id, prepared prompt, output role, tool
-    mode, reasoning split and trace headers; `harmony`: (reasoning, tool calls) read from
-    a gpt-oss output's channels (HarmonyChoice's arguments), or None."""
+    mode, reasoning split and trace headers; `harmony`: (reasoning, tool calls, whether a call
+    finishes with "tool_calls") read from a gpt-oss output's channels, or None."""
 
     def __init__(self, request, request_id, prepared, role, mode, reasoning, trace) -> None:
         self.request, self.request_id, self.prepared = request, request_id, prepared
         self.role, self.mode, self.reasoning, self.trace = role, mode, reasoning, trace
         self.cached_tokens = 0  # prompt tokens read from the prefix cache, once known
-        self.harmony: tuple[bool, bool] | None = None
+        self.harmony: tuple[bool, bool, bool] | None = None
 
     def harmony_choice(self) -> harmony.HarmonyChoice:
-        return harmony.HarmonyChoice(*self.harmony, self.request.include_reasoning)
+        reasoning, tools, calls_finish = self.harmony
+        return harmony.HarmonyChoice(reasoning, tools, self.request.include_reasoning, calls_finish)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -373,15 +374,12 @@ class OpenAIServingChat(OpenAIServing):
                     "tool_choice",
                 )
             params.structured_outputs = StructuredOutputsParams(json=schema)
+        if self.harmony:  # the constraint goes into its harmony channel, after free analysis
+            forced = mode.choice if schema is not None else "none"
+            structured = None if schema is not None else params.structured_outputs
+            params.structured_outputs = harmony.grammar(structured, request.tools, forced)
         if mode.choice == "auto" and not mode.plain and not self.tool_parser.skip_special_tokens:
             params.skip_special_tokens = False
-        if self.harmony and schema is not None:
-            raise OpenAIError(
-                f"tool_choice {request.tool_choice!r} is not supported with gpt-oss's harmony "
-                'format yet; use "auto" (with --tool-call-parser openai) or "none".',
-                400,
-                "tool_choice",
-            )
         parser = self._reasoning_parser(request, params)
         prompt = {"prompt_token_ids": ids, "prompt": text}
         if images:
@@ -402,8 +400,10 @@ class OpenAIServingChat(OpenAIServing):
         reasoning = Reasoning(parser, prompt_ids, request.include_reasoning)
         trace = self.trace_headers(raw_request)
         run = ChatRun(request, request_id, prepared, role, mode, reasoning, trace)
-        if self.harmony and (self.harmony_reasoning or self.tool_parser is not None):
-            run.harmony = (self.harmony_reasoning, mode.choice == "auto" and not mode.plain)
+        forced = mode.choice not in ("auto", "none")  # "required" or a function's name
+        if self.harmony and (self.harmony_reasoning or self.tool_parser is not None or forced):
+            calls_finish = mode.choice in ("auto", "required")
+            run.harmony = (self.harmony_reasoning, not mode.plain, calls_finish)
         return run
 
     def _reasoning_parser(self, request, params):

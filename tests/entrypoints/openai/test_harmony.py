@@ -14,10 +14,11 @@ import lzma
 import openai
 import pytest
 import transformers
-from harmony_model import DATA, save_harmony_gpt_oss
+from harmony_model import DATA, EOS, VOCAB, save_harmony_gpt_oss
 from openai_server import serving
 
 from jllm.entrypoints.openai import harmony
+from jllm.sampling_params import StructuredOutputsParams
 
 REASONING, ANSWER = "The user greets me.", "Hello there!"
 MESSAGES = [
@@ -225,8 +226,9 @@ def test_bad_requests(client):
     for effort in ("none", "max"):
         with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
             chat(client, ANSWERED, reasoning_effort=effort)
+    grammar = {"structured_outputs": {"grammar": "start: /[a-z]+/"}}
     with pytest.raises(openai.BadRequestError, match="harmony"):
-        chat(client, ANSWERED, tools=TOOLS, tool_choice="required")
+        chat(client, ANSWERED, extra_body=grammar)
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     with pytest.raises(openai.BadRequestError, match="harmony"):
         chat(client, ANSWERED, messages=[{"role": "user", "content": [image]}])
@@ -237,3 +239,88 @@ def test_the_parsers_need_gpt_oss(llama_dir):
     with pytest.raises(ValueError, match="gpt-oss"):
         with serving(llama_dir, "--enable-auto-tool-choice", "--tool-call-parser", "openai"):
             pass
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_each_choice_has_its_own_parser(client, stream):
+    """n=2: each choice's channels are read apart (the script forces both alike)."""
+    if not stream:
+        r = chat(client, ANSWERED, n=2)
+        for choice in r.choices:
+            assert choice.message.model_extra["reasoning"] == REASONING
+            assert choice.message.content == ANSWER
+        return
+    got = {0: ["", ""], 1: ["", ""]}
+    for chunk in chat(client, ANSWERED, n=2, stream=True):
+        for choice in chunk.choices:
+            got[choice.index][0] += (choice.delta.model_extra or {}).get("reasoning") or ""
+            got[choice.index][1] += choice.delta.content or ""
+    assert got == {0: [REASONING, ANSWER], 1: [REASONING, ANSWER]}
+
+
+@pytest.fixture(scope="module")
+def guidance(harmony_dir):
+    """The engine's llguidance backend over the harmony tokenizer."""
+    from jllm.structured_output.backends import GuidanceBackend
+
+    return GuidanceBackend(transformers.AutoTokenizer.from_pretrained(harmony_dir), VOCAB, EOS)
+
+
+def accepts(backend, params, text: str) -> bool:
+    matcher = backend.matcher(backend.compile(params))
+    return all(matcher.accept(t) for t in script(text))
+
+
+def test_constraints_sit_in_their_channel(guidance):
+    """vLLM's harmony structural tag as a grammar: free analysis messages, then a forced
+    call with schema-valid arguments, or a final message under the request's constraint."""
+    for choice in ("get_weather", "required"):
+        forced = harmony.grammar(None, TOOLS, choice)
+        assert accepts(guidance, forced, CALLED)
+        assert accepts(guidance, forced, CALLED[CALLED.index("<|start|>") + 18 :])  # no analysis
+        assert not accepts(guidance, forced, ANSWERED)
+        assert not accepts(guidance, forced, CALLED.replace('"Paris"', "7"))
+    choice = StructuredOutputsParams(choice=[ANSWER, "Bye"])
+    assert accepts(guidance, harmony.grammar(choice, TOOLS, "auto"), ANSWERED)
+    assert not accepts(guidance, harmony.grammar(choice, TOOLS, "auto"), CALLED)
+    assert not accepts(guidance, harmony.grammar(choice, None, "none"), ANSWERED.replace("!", "?"))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    as_json = harmony.grammar(StructuredOutputsParams(json=schema), None, "none")
+    assert accepts(guidance, as_json, '<|channel|>final<|message|>{"a": 1}<|return|>')
+    assert not accepts(guidance, as_json, '<|channel|>final<|message|>{"a": "x"}<|return|>')
+    regex = harmony.grammar(StructuredOutputsParams(regex="a/b+"), None, "none")
+    assert accepts(guidance, regex, "<|channel|>final<|message|>a/bbb<|return|>")
+    assert harmony.grammar(None, TOOLS, "auto") is None
+
+
+@pytest.mark.parametrize("choice", ["required", "get_weather"])
+def test_a_forced_call(client, choice):
+    """tool_choice "required" or named: the grammar and the parser together (the script is
+    one the grammar accepts); a named call keeps the engine's finish reason, as without
+    harmony."""
+    tool_choice = (
+        choice if choice == "required" else {"type": "function", "function": {"name": choice}}
+    )
+    r = chat(client, CALLED, tools=TOOLS, tool_choice=tool_choice)
+    (call,) = r.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        "get_weather",
+        {"city": "Paris"},
+    )
+    assert r.choices[0].finish_reason == ("tool_calls" if choice == "required" else "stop")
+    assert r.choices[0].message.model_extra["reasoning"] == "Need the weather."
+
+
+def test_a_response_format_in_the_final_channel(client):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    text = (
+        "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant"
+        '<|channel|>final<|message|>{"a": 1}<|return|>'
+    )
+    r = chat(
+        client,
+        text,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    )
+    assert json.loads(r.choices[0].message.content) == {"a": 1}
+    assert r.choices[0].message.model_extra["reasoning"] == "Think."
