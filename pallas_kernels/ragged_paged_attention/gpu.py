@@ -15,7 +15,8 @@ the batch's own count return at once. Each program walks its request's KV in til
 ``pages_per_tile`` pages: the page ids come from the block table and the pages are
 gathered straight out of layer ``layer`` of the stacked cache ``[L, B, S, 2K, H]``, so a
 model scanning its layers never copies one out. Only tiles holding positions the rows can
-attend to (causal limit, sliding window) are read. Scores, the running max and normaliser
+attend to (causal limit, sliding window, Llama 4's attention chunk) are read. Scores, the
+running max and normaliser
 and the accumulator are float32 (online softmax); positions the rows cannot see are masked
 out of the scores and zeroed in V, so NaN or stale data in unused slots cannot leak.
 
@@ -136,6 +137,7 @@ def ragged_paged_attention_gpu(
     latent: bool = False,
     v_head_dim: int | None = None,
     sinks: jax.Array | None = None,
+    chunk_size: int | None = None,
 ) -> jax.Array:
     """Attention of a flat ragged batch of queries over a paged KV cache (Pallas GPU).
 
@@ -150,13 +152,14 @@ def ragged_paged_attention_gpu(
     (MLA): kv_cache is the latent cache [L, B, S, H] (or [B, S, H]) whose first
     ``v_head_dim`` lanes are the values; the result is [T, N, v_head_dim]. ``sinks`` [N]
     float (optional, not with ``latent``): attention sinks, one logit per query head that
-    joins its softmax's denominator as a key of value zero.
+    joins its softmax's denominator as a key of value zero. ``chunk_size`` C (optional):
+    chunked local attention, a query at position p sees keys from floor(p / C) * C.
     """
     metadata = (kv_lens, block_tables, query_start, query_lens, num_seqs)
     kv_cache, layer = stacked_and_checked(
         q, kv_cache, layer, metadata, fp8_dtype, latent, v_head_dim
     )
-    validate_options(sm_scale, sliding_window, soft_cap)
+    validate_options(sm_scale, sliding_window, soft_cap, chunk_size=chunk_size)
     validate_q_horizon(q_horizon, q.shape[0])
     validate_sinks(sinks, q.shape[1], latent)
     t, n, h = q.shape
@@ -204,6 +207,7 @@ def ragged_paged_attention_gpu(
         _kernel,
         sm_scale=float(sm_scale),
         sliding_window=sliding_window,
+        attention_chunk=chunk_size,
         soft_cap=soft_cap,
         group=group,
         block_m=block_m,
@@ -279,6 +283,7 @@ def _kernel(
     *refs,  # [hz_ref [rows]], [sinks_ref [K, M]], the output inits, their aliases: o_ref, lse
     sm_scale: float,
     sliding_window: int | None,
+    attention_chunk: int | None,
     soft_cap: float | None,
     group: int,
     block_m: int,
@@ -330,6 +335,9 @@ def _kernel(
         first_pos = 0
         if sliding_window is not None:
             first_pos = jnp.maximum(kv_len - q_len + tok0 - sliding_window + 1, 0)
+        if attention_chunk is not None:  # the tile's first token's chunk
+            chunk0 = (kv_len - q_len + tok0) // attention_chunk * attention_chunk
+            first_pos = jnp.maximum(first_pos, chunk0)
 
         tile_lo = first_pos // tile_kv
         tile_hi = last_pos // tile_kv + 1
@@ -402,6 +410,8 @@ def _kernel(
             mask = seen[None, :] & (kv_pos[None, :] <= sees_to[:, None])
             if sliding_window is not None:
                 mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
+            if attention_chunk is not None:
+                mask &= kv_pos[None, :] >= q_pos[:, None] // attention_chunk * attention_chunk
             scores = jnp.where(mask, scores, -jnp.inf)
             m_new = jnp.maximum(m_i, scores.max(axis=1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)

@@ -15,8 +15,9 @@ query group is a contiguous ``[G * block_q, H]`` matrix (G = N // K). The step c
 static-size copy stays in bounds), then walks its kv range in chunks of
 ``pages_per_chunk`` pages: one DMA per page into a double-buffered VMEM chunk, the next
 chunk's DMAs started before the current one is consumed. Only pages that hold positions
-the step can attend to (causal limit, sliding window) are fetched; every other column
-of the chunk buffer holds stale data and is masked out of the scores *and* zeroed in V,
+the step can attend to (causal limit, sliding window, Llama 4's attention chunk) are
+fetched; every other column of the chunk buffer holds stale data and is masked out of the
+scores *and* zeroed in V,
 so NaN/garbage there cannot leak through ``0 * NaN``. Scores, the running max, the
 normaliser and the accumulator are float32 (online softmax).
 
@@ -89,6 +90,7 @@ def ragged_paged_attention(
     latent: bool = False,
     v_head_dim: int | None = None,
     sinks: jax.Array | None = None,
+    chunk_size: int | None = None,
 ) -> jax.Array:
     """Attention of a flat ragged batch of queries over a paged KV cache (Pallas TPU).
 
@@ -103,13 +105,15 @@ def ragged_paged_attention(
     span, seen both ways), as in `ragged_paged_attention_reference`; None is causal.
     ``latent`` (MLA): kv_cache is the latent cache [L, B, S, H] (or [B, S, H]) whose first
     ``v_head_dim`` lanes are the values; the result is [T, N, v_head_dim]. ``sinks`` [N]
-    (optional): each query head's sink logit, as in the reference.
+    (optional): each query head's sink logit, as in the reference. ``chunk_size`` C
+    (optional): chunked local attention (Llama 4), a query at position p sees keys from
+    floor(p / C) * C, as in the reference; only the pages from there are read.
     """
     metadata = (kv_lens, block_tables, query_start, query_lens, num_seqs)
     kv_cache, layer = stacked_and_checked(
         q, kv_cache, layer, metadata, fp8_dtype, latent, v_head_dim
     )
-    validate_options(sm_scale, sliding_window, soft_cap)
+    validate_options(sm_scale, sliding_window, soft_cap, chunk_size=chunk_size)
     validate_sinks(sinks, q.shape[1], latent)
     validate_q_horizon(q_horizon, q.shape[0])
     if block_q < 1 or pages_per_chunk < 1:
@@ -129,6 +133,7 @@ def ragged_paged_attention(
         _kernel,
         sm_scale=float(sm_scale),
         sliding_window=sliding_window,
+        attention_chunk=chunk_size,
         soft_cap=soft_cap,
         pages_per_seq=p,
         fp8_dtype=fp8_dtype,
@@ -203,6 +208,7 @@ def _kernel(
     *refs,
     sm_scale: float,
     sliding_window: int | None,
+    attention_chunk: int | None,
     soft_cap: float | None,
     pages_per_seq: int,
     fp8_dtype,
@@ -249,6 +255,8 @@ def _kernel(
         last_pos = jnp.maximum(last_pos, jnp.minimum(ahead, kv_len - 1))
     first_pos = ctx + (row_lo - q0)
     lo_pos = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
+    if attention_chunk is not None:  # the first row's chunk starts the keys any row sees
+        lo_pos = jnp.maximum(lo_pos, first_pos // attention_chunk * attention_chunk)
 
     @pl.when((req < num_seqs_ref[0]) & (row_lo < q0 + q_len))
     def _step():
@@ -307,6 +315,8 @@ def _kernel(
             mask = col_ok & (kv_pos <= sees_to)  # [1, bq, C]
             if sliding_window is not None:
                 mask &= kv_pos > q_pos - sliding_window
+            if attention_chunk is not None:
+                mask &= kv_pos >= q_pos // attention_chunk * attention_chunk
             v_pos = c * chunk + jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
             v_ok = (v_pos >= lo_pos) & (v_pos <= last_pos)  # [C, 1]
             for kh in range(num_kv_heads):

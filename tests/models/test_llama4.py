@@ -5,7 +5,7 @@ weightless q/k norm, one NoPE layer over everything with its queries' temperatur
 MLP on the others), 40-90 token prompts past several chunks: greedy tokens equal and each
 chosen token's logprob within 1e-4 of transformers' teacher-forced one. Crosses: chunked
 prefill (decodes beside chunks, one step ahead), preemption, the prefix cache, tensor and
-expert parallelism."""
+expert parallelism, the Pallas TPU and GPU kernels (interpreted)."""
 
 from __future__ import annotations
 
@@ -67,8 +67,12 @@ def oracle(llama4_dir):
         # 13 usable blocks: the requests outgrow them with 40 tokens each.
         {"num_gpu_blocks_override": 14},
         {"tensor_parallel_size": 2, "enable_expert_parallel": True},
+        # The chunked local attention in the Pallas kernels, interpreted (TPU's; Triton's
+        # split in two).
+        {"attention_backend": "pallas_interpret", "max_num_batched_tokens": 32},
+        {"attention_backend": "pallas_gpu_interpret", "tensor_parallel_size": 2},
     ],
-    ids=["plain", "chunked-async", "preempting", "tp2-ep"],
+    ids=["plain", "chunked-async", "preempting", "tp2-ep", "pallas-tpu", "pallas-gpu-tp2"],
 )
 def test_matches_transformers(llama4_dir, oracle, settings):
     assert_crosses_match(llama4_dir, oracle, PROMPTS, settings, CACHED)

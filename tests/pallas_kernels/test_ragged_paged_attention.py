@@ -735,3 +735,35 @@ def test_sinks_refused_with_a_latent_cache():
 
     with pytest.raises(ValueError, match="latent"):
         validate_sinks(jnp.zeros(4), 4, latent=True)
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [dict(chunk_size=8), dict(chunk_size=4, sliding_window=6), dict(chunk_size=16)],
+    ids=["chunk8", "chunk4-window", "chunk16"],
+)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_chunked_local_attention_matches_reference(dtype, opts):
+    """Llama 4's chunked local attention in the TPU kernel: a row at p sees keys from
+    floor(p / C) * C. MIX's prefill chunks and q blocks cross chunk boundaries (a block's
+    rows in two chunks), its contexts run past several chunks."""
+    args, _ = make_batch(MIX, n=8, k=2, h=16, s=8, dtype=dtype, seed=21)
+    ref = ragged_paged_attention_reference(*args, **opts)
+    out = ragged_paged_attention(*args, **opts, block_q=8, pages_per_chunk=2, interpret=True)
+    assert_matches(out, ref, args, dtype)
+    full = ragged_paged_attention_reference(*args)
+    assert not np.allclose(np.asarray(ref, np.float32), np.asarray(full, np.float32), atol=0.05)
+
+
+def test_kernel_chunked_attention_with_sinks_under_shard_map():
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention_sharded
+    from sharding import MODEL_AXIS, make_mesh
+
+    args, _ = make_batch(MIX, n=8, k=2, h=16, s=8, dtype=jnp.float32, seed=22)
+    sinks = jnp.asarray(np.random.default_rng(3).normal(size=8) * 2, jnp.float32)
+    kernel = functools.partial(ragged_paged_attention, block_q=8, interpret=True)
+    out = ragged_paged_attention_sharded(
+        make_mesh(2), MODEL_AXIS, *args, kernel=kernel, sinks=sinks, chunk_size=8
+    )
+    ref = ragged_paged_attention_reference(*args, sinks=sinks, chunk_size=8)
+    assert_matches(out, ref, args, jnp.float32)

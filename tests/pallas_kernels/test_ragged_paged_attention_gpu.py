@@ -316,3 +316,17 @@ def test_on_gpu_sinks_match_reference(dtype):
     run = jax.jit(functools.partial(ragged_paged_attention_gpu, **options))
     for splits in (None, 1, 4):
         assert_matches(run(*args, num_kv_splits=splits), ref, args, dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("chunk_size,sliding_window", [(8, None), (4, 6), (16, None)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_chunked_local_attention_matches_reference(dtype, chunk_size, sliding_window, splits):
+    """Llama 4's chunked local attention: a row at p sees keys from floor(p / C) * C; tiles
+    of 4 tokens (G = 4) cross chunk boundaries, and a split walks only the chunk's tiles."""
+    args, _ = make_batch(MIX, n=8, k=2, h=16, s=8, dtype=dtype, seed=chunk_size + splits)
+    options = dict(chunk_size=chunk_size, sliding_window=sliding_window)
+    ref = ragged_paged_attention_reference(*args, **options)
+    out = interpret(*args, **options, num_kv_splits=splits, pages_per_tile=2)
+    assert out.dtype == dtype
+    assert_matches(out, ref, args, dtype)

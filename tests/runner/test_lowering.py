@@ -180,6 +180,9 @@ CONFIG_ONLY = {
     # attention sinks on 64 heads over 8 kv heads of 64, 128-token windows every other layer,
     # 32 biased experts of 2880 with the clamped SwiGLU, YaRN, a 201088-token vocabulary
     "gpt-oss-20b": 4,
+    # Llama 4 Scout's text model: chunked local attention (8192-token chunks) with a NoPE
+    # layer in four, QK norm, 16 experts of 8192 with a shared expert on every layer, top 1
+    "llama-4-scout-17b-16e": 4,
 }
 
 
