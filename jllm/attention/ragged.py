@@ -11,10 +11,9 @@ heads.
 Both kernels implement the sliding window and the soft cap, and MLA's latent attention (a
 cache of one latent per token, no head axis, replicated under TP; its values are its first
 v_head_dim lanes, the only value head size unlike the key's they take), and attention sinks
-(gpt-oss's; not in a latent layer). The Pallas kernels also implement Llama 4's chunked local
-attention; the C++ kernel lacks it for now, and both a value head size unlike the key's
-otherwise (`supported`), so a model that needs one is refused by name at start-up (`auto`
-takes the XLA attention).
+(gpt-oss's; not in a latent layer), and Llama 4's chunked local attention. A value head size
+unlike the key's otherwise is lacking for now (`supported`), so a model that needs one is
+refused by name at start-up (`auto` takes the XLA attention).
 """
 
 from __future__ import annotations
@@ -52,7 +51,7 @@ from sharding import MODEL_AXIS
 
 @dataclasses.dataclass(frozen=True)
 class _Ragged(AttentionBackend):
-    supported = frozenset({"window", "soft_cap", "latent", "v_head_dim", "sinks"})
+    supported = frozenset({"window", "soft_cap", "latent", "v_head_dim", "sinks", "chunk_size"})
 
     def build_metadata(self, flat: FlatBatch) -> RaggedMetadata:
         return build_ragged(flat)
@@ -127,6 +126,8 @@ class CpuKernelBackend(_Ragged):
             kw["q_horizon"] = md.q_horizon
         if sinks is not None:  # gpt-oss's, one per query head
             kw["sinks"] = sinks
+        if options.chunk_size is not None:  # Llama 4's chunked local attention
+            kw["chunk_size"] = options.chunk_size
         mesh = model_mesh()
         if mesh is not None:
             out = ragged_paged_attention_cpu_sharded(
@@ -142,7 +143,6 @@ class PallasBackend(_Ragged):
     """`pallas` (TPU), `pallas_gpu` (Triton), and either in interpret mode."""
 
     name: str = "pallas"
-    supported = _Ragged.supported | {"chunk_size"}
 
     def check(self, options: AttentionOptions) -> None:
         super().check(options)

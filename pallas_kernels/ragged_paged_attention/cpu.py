@@ -97,15 +97,18 @@ def _sinks(q, sinks, latent) -> jax.Array:
     return sinks.astype(jnp.float32)
 
 
-def _options(q, sm_scale, sliding_window, soft_cap, batch_invariant=False, v_head_dim=None) -> dict:
+def _options(
+    q, sm_scale, sliding_window, soft_cap, batch_invariant=False, v_head_dim=None, chunk_size=None
+) -> dict:
     """The checked options as the kernel's attributes (0 for an option that is off)."""
-    validate_options(sm_scale, sliding_window, soft_cap)
+    validate_options(sm_scale, sliding_window, soft_cap, chunk_size=chunk_size)
     return dict(
         sm_scale=np.float32(1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale),
         sliding_window=np.int64(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0),
         batch_invariant=bool(batch_invariant),
         v_head_dim=np.int64(v_head_dim or 0),
+        chunk_size=np.int64(chunk_size or 0),
     )
 
 
@@ -142,6 +145,7 @@ def ragged_paged_attention_cpu(
     latent: bool = False,
     v_head_dim: int | None = None,
     sinks: jax.Array | None = None,
+    chunk_size: int | None = None,
 ) -> jax.Array:
     """Ragged paged attention on the CPU; the reference's arguments and result.
 
@@ -155,10 +159,13 @@ def ragged_paged_attention_cpu(
     latent (MLA): kv_cache is the latent cache [L, B, S, H] (or [B, S, H]) whose first
     ``v_head_dim`` lanes are the values; the result is [T, N, v_head_dim].
     sinks [N] (gpt-oss): each query head's sink logit, as in the reference; none with a latent.
+    chunk_size C (Llama 4): a query at position p sees keys from floor(p / C) * C.
     """
     metadata = (kv_lens, block_tables, query_start, query_lens, num_seqs)
     args = _checked_args(q, kv_cache, layer, metadata, fp8_dtype, latent, v_head_dim)
-    options = _options(q, sm_scale, sliding_window, soft_cap, batch_invariant, v_head_dim)
+    options = _options(
+        q, sm_scale, sliding_window, soft_cap, batch_invariant, v_head_dim, chunk_size
+    )
     extra = (_horizon(q, q_horizon), _sinks(q, sinks, latent))
     return _call(*args, *extra, fp8_dtype=fp8_dtype, **options)
 
@@ -184,6 +191,7 @@ def ragged_paged_attention_cpu_sharded(
     latent: bool = False,
     v_head_dim: int | None = None,
     sinks=None,
+    chunk_size: int | None = None,
 ):
     """The CPU kernel with heads split over `mesh` axis `axis` (as in sharded.py): each device
     runs it on its own query heads and kv heads; kv_cache is the stacked cache (a latent
@@ -191,7 +199,9 @@ def ragged_paged_attention_cpu_sharded(
     q_horizon included, is replicated; sinks are split with q's heads."""
     metadata = (kv_lens, block_tables, query_start, query_lens, num_seqs)
     args = _checked_args(q, kv_cache, layer, metadata, fp8_dtype, latent, v_head_dim)
-    options = _options(q, sm_scale, sliding_window, soft_cap, batch_invariant, v_head_dim)
+    options = _options(
+        q, sm_scale, sliding_window, soft_cap, batch_invariant, v_head_dim, chunk_size
+    )
     heads = P(None, axis, None)
     replicated = (P(),) * 7
     cache = P() if latent else P(None, None, None, axis, None)

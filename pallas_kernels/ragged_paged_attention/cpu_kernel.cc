@@ -7,9 +7,10 @@
 // [L, B, S, 2K, H] (K of kv head k at head index 2k, V at 2k + 1). Rows no request owns come
 // out zero. float32 and bfloat16 q, with a cache of the same dtype or of float8 (e4m3fn or
 // e5m2, scale 1, decoded through a 256-entry table; as float8 buffers, or as uint8 bytes with
-// the `fp8` attribute naming the format); accumulation in float32. Two options, each 0 when
+// the `fp8` attribute naming the format); accumulation in float32. Three options, each 0 when
 // off: `sliding_window` W (a query at position p sees keys p - W + 1 .. p; only the pages
-// that hold some of those are read) and `soft_cap` c (scaled scores s become c * tanh(s / c)
+// that hold some of those are read), `chunk_size` C (Llama 4's chunked local attention: keys
+// from floor(p / C) * C, likewise) and `soft_cap` c (scaled scores s become c * tanh(s / c)
 // before the mask and the softmax). An optional q_horizon [T] (a [0] buffer for none: causal)
 // moves each query's last key from its position p to max(p, q_horizon[t]), clipped to its
 // request's kv_len - 1 (bidirectional spans, Gemma 3's images); a window still counts back
@@ -391,6 +392,7 @@ struct Problem {
   bool latent;  // MLA's cache: one vector per token, the key of K = 1 head and its value
   float scale;
   int64_t window;  // sliding window W, 0 for none
+  int64_t chunk;   // chunked local attention C (Llama 4), 0 for none
   float soft_cap;  // 0 for none
   bool invariant;  // the batch-invariant mode: decode rows through the prefill routine
 };
@@ -411,9 +413,12 @@ inline float initial_max(const Problem& pb, int64_t n) {
 }
 inline float initial_sum(const Problem& pb) { return pb.sinks ? 1.0f : 0.0f; }
 
-// The first key position a query at `pos` sees: pos - W + 1, or 0 without a window.
+// The first key position a query at `pos` sees: pos - W + 1 with a window, from its chunk's
+// start floor(pos / C) * C with chunked local attention, else 0. Never decreasing in pos.
 inline int64_t first_key(const Problem& pb, int64_t pos) {
-  return pb.window ? std::max<int64_t>(0, pos - pb.window + 1) : 0;
+  int64_t lo = pb.window ? std::max<int64_t>(0, pos - pb.window + 1) : 0;
+  if (pb.chunk) lo = std::max<int64_t>(lo, pos / pb.chunk * pb.chunk);
+  return lo;
 }
 
 // The last key position the query of row `q_row` at `pos` of request r sees: pos, or its
@@ -631,7 +636,7 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
   const int64_t G = pb.G, K = pb.K, N = K * G;
   const int64_t nr = it.num_queries * G, ng = (nr + kL - 1) / kL;  // rows, lane groups
   const int64_t groups = K * ng;  // (kv head, lane group) pairs, each with its own state
-  scratch.resize(size_t(groups * kL * (H + Hv + 2) + 2 * ng * kL + 2 * ng + kS * kL +
+  scratch.resize(size_t(groups * kL * (H + Hv + 2) + 3 * ng * kL + 2 * ng + kS * kL +
                        kS * (H + Hv)));
   float* qt = scratch.data();          // [K, ng, H, 16] queries, scaled; lane = row
   float* acc = qt + groups * H * kL;   // [K, ng, Hv, 16]
@@ -640,14 +645,16 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
   float* qpos = l + groups * kL;       // [ng, 16] the row's position; -1 for padding lanes
   float* qlast = qpos + ng * kL;       // [ng, 16] the row's last key (last_key); -1 likewise
   float* reach = qlast + ng * kL;      // [ng, 2] the least and the most of a group's qlast
-  float* s = reach + 2 * ng;           // [16 keys, 16] scores, then probabilities
+  float* qfirst = reach + 2 * ng;      // [ng, 16] the row's first key (first_key); 0 likewise
+  float* s = qfirst + ng * kL;         // [16 keys, 16] scores, then probabilities
   float* kf = s + kS * kL;             // [16, H] a page's keys of one kv head, widened
   float* vf = kf + kS * H;             // [16, Hv] values (a latent's are kf's)
 
   const int64_t r = it.request;
   const int64_t q_row0 = int64_t(pb.query_start[r]) + it.first_query;
   const int64_t pos0 = int64_t(pb.kv_lens[r]) - pb.query_lens[r] + it.first_query;
-  const int64_t kv_lo = first_key(pb, pos0), W = pb.window;  // the first key some row sees
+  const int64_t kv_lo = first_key(pb, pos0);  // the first key some row sees
+  const bool edged = pb.window || pb.chunk;  // rows whose keys start past 0
   const int32_t* table = pb.block_tables + r * pb.P;
   const Ct* cache = static_cast<const Ct*>(pb.cache);
   const int64_t token_elems = row_elems(pb), page_elems = kS * token_elems;
@@ -664,6 +671,7 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
     for (int64_t row = gi * kL; row < gi * kL + kL; ++row) {
       const int64_t i = row / G, last = row < nr ? last_key(pb, r, q_row0 + i, pos0 + i) : -1;
       qpos[row] = row < nr ? float(pos0 + i) : -1;
+      qfirst[row] = row < nr ? float(first_key(pb, pos0 + i)) : 0;
       qlast[row] = float(last);
       if (row < nr) lo = std::min(lo, last);
       hi = std::max(hi, last);
@@ -727,22 +735,23 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
         const int64_t all = int64_t(reach[2 * gi]), any = int64_t(reach[2 * gi + 1]);
         if (next) prefetch_share(next, page_bytes, k * ng + gi, K * ng);
         if (key0 > any) continue;
-        // Keys begin <= t < nt are some row's. Row p sees keys p - W + 1 .. last_key: those
-        // before `shared` lie outside the windows of the group's later rows (the window's
-        // lower edge), those from `full` past the last keys of some of its rows; every row
-        // sees those between. Without a window, begin = shared = 0.
+        // Keys begin <= t < nt are some row's. Row p sees keys first_key(p) .. last_key
+        // (p - W + 1 in a window, its chunk's start in chunked attention): those before
+        // `shared` lie outside the ranges of the group's later rows (the lower edge), those
+        // from `full` past the last keys of some of its rows; every row sees those between.
+        // Without a window or chunks, begin = shared = 0.
         const int64_t nt = std::min<int64_t>(kS, any + 1 - key0);
         int64_t begin = 0, shared = 0;
-        if (W) {
-          begin = std::clamp<int64_t>(first - W + 1 - key0, 0, nt);
+        if (edged) {
+          begin = std::clamp<int64_t>(first_key(pb, first) - key0, 0, nt);
           if (begin == nt) continue;
-          shared = std::clamp<int64_t>(last - W + 1 - key0, begin, nt);
+          shared = std::clamp<int64_t>(first_key(pb, last) - key0, begin, nt);
         }
         const int64_t full = std::clamp<int64_t>(all + 1 - key0, shared, nt);
         const int64_t group = k * ng + gi;
         const float* qg = qt + group * H * kL;
         float* ag = acc + group * Hv * kL;
-        const v16 pos = load16(qpos + gi * kL), upto = load16(qlast + gi * kL);
+        const v16 upto = load16(qlast + gi * kL), from = load16(qfirst + gi * kL);
         // Scores of keys begin <= t < nt (a tile outside reads the page's stale rows or
         // ones no row sees; never used).
         for (int64_t t0 = begin & -kKeyTile; t0 < nt; t0 += kKeyTile) {
@@ -761,9 +770,9 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
         // The online softmax, lane by lane: keys outside a row's window score -inf.
         const v16 m_old = load16(m + group * kL);
         v16 m_new = m_old;
-        for (int64_t t = begin; t < shared; ++t) {  // the lower edge: rows from p - W + 1
-          const v16 lo = pos - float(W - 1);
-          const v16 st = where_in(zero + float(key0 + t), lo, upto, load16(s + t * kL), minus_inf);
+        for (int64_t t = begin; t < shared; ++t) {  // the lower edge: rows from first_key
+          const v16 st =
+              where_in(zero + float(key0 + t), from, upto, load16(s + t * kL), minus_inf);
           store16(s + t * kL, st);
           m_new = max_v16(m_new, st);
         }
@@ -793,7 +802,6 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
         // alone, or a chunk's middle row).
         v16 rescale = alpha;  // for the second pass: 1 after the edge's (exact)
         if (begin < shared) {
-          const v16 lo = pos - float(W - 1);
           for (int64_t h0 = 0; h0 < Hv; h0 += kDimTile) {
             v16 a[kDimTile];
             for (int u = 0; u < kDimTile; ++u) a[u] = load16(ag + (h0 + u) * kL) * alpha;
@@ -802,7 +810,7 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
               const v16 seen = zero + float(key0 + t);
               const float* vt = values + t * stride + h0;
               for (int u = 0; u < kDimTile; ++u)
-                a[u] = where_in(seen, lo, upto, a[u] + vt[u] * p, a[u]);
+                a[u] = where_in(seen, from, upto, a[u] + vt[u] * p, a[u]);
             }
             for (int u = 0; u < kDimTile; ++u) store16(ag + (h0 + u) * kL, a[u]);
           }
@@ -1198,7 +1206,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_c
                      ffi::Buffer<ffi::S32> q_horizon, ffi::Buffer<ffi::F32> sinks,
                      ffi::Result<ffi::AnyBuffer> out, float sm_scale, int64_t fp8_bytes,
                      int64_t sliding_window, float soft_cap, bool batch_invariant,
-                     int64_t v_head_dim) {
+                     int64_t v_head_dim, int64_t chunk_size) {
   const auto qd = q.dimensions();
   const auto cd = kv_cache.dimensions();
   const auto od = out->dimensions();
@@ -1228,8 +1236,9 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_c
         "in 1 .. H - 1 (0 without a latent), and out be [T, N, v_head_dim or H]");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= num_layers) return ffi::Error::InvalidArgument("layer out of range");
-  if (sliding_window < 0 || !(soft_cap >= 0.0f))
-    return ffi::Error::InvalidArgument("sliding_window and soft_cap must be positive, or 0: none");
+  if (sliding_window < 0 || chunk_size < 0 || !(soft_cap >= 0.0f))
+    return ffi::Error::InvalidArgument(
+        "sliding_window, chunk_size and soft_cap must be positive, or 0: none");
   const int64_t horizons = int64_t(q_horizon.element_count());
   if (horizons != 0 && horizons != qd[0])
     return ffi::Error::InvalidArgument("q_horizon must be [T], or [0] for causal attention");
@@ -1256,6 +1265,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_c
   pb.P = block_tables.dimensions()[1];
   pb.scale = sm_scale;
   pb.window = sliding_window;
+  pb.chunk = chunk_size;
   pb.soft_cap = soft_cap;
   pb.invariant = batch_invariant;
 
@@ -1317,4 +1327,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmRaggedPagedAttention, Attention,
                                   .Attr<int64_t>("sliding_window")   // 0: none
                                   .Attr<float>("soft_cap")           // 0: none
                                   .Attr<bool>("batch_invariant")
-                                  .Attr<int64_t>("v_head_dim"));    // a latent's; 0: none
+                                  .Attr<int64_t>("v_head_dim")      // a latent's; 0: none
+                                  .Attr<int64_t>("chunk_size"));    // 0: none

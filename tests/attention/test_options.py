@@ -24,14 +24,17 @@ from jllm.models.context import StepContext
 from jllm.models.gemma import GemmaConfig, GemmaForCausalLM
 from jllm.models.rope import RopeConfig
 
-# The options some kernel does not implement yet, each as a layer would set it.
+# The options the kernels implemented last, and one they lack, each as a layer would set it.
 NEW = {
     "sinks": AttentionOptions(scale=0.125, sinks=True),
     "chunk_size": AttentionOptions(scale=0.125, chunk_size=8192),
     "v_head_dim": AttentionOptions(scale=0.125, v_head_dim=128),
 }
 KERNELS = [name for name in BACKENDS if name != "xla"]
-LACKING = [(b, o) for b in KERNELS for o in NEW if o not in get_backend(b).supported]
+# v_head_dim: the kernels take it in a latent layer only (`_Ragged.check`).
+LACKING = [
+    (b, o) for b in KERNELS for o in NEW if o not in get_backend(b).supported or o == "v_head_dim"
+]
 
 
 def test_the_record_checks_its_values_and_hashes():
@@ -81,31 +84,32 @@ def test_kernels_refuse_what_they_lack_by_name(backend, option):
 
 
 def test_start_up_refuses_or_falls_back_to_xla(caplog):
-    layers = [AttentionOptions(scale=0.1, window=128), NEW["chunk_size"]]
+    layers = [AttentionOptions(scale=0.1, window=128), NEW["v_head_dim"]]
     for named in ("cpu_kernel", "pallas_interpret"):
-        with pytest.raises(ValueError, match=f"attention_backend='{named}': .* chunked local"):
+        with pytest.raises(ValueError, match=f"attention_backend='{named}': .* value head size"):
             resolve_backend(named, "cpu", jnp.float32, options=layers)
     assert resolve_backend("xla", "cpu", jnp.float32, options=layers) == "xla"
     for platform in ("cpu", "gpu", "tpu"):
         with caplog.at_level("WARNING"):
             assert resolve_backend("auto", platform, jnp.bfloat16, options=layers) == "xla"
-        assert "chunk_size=8192), which the model uses" in caplog.text
+        assert "outside a latent layer, which the model uses" in caplog.text
         caplog.clear()
-    sinks = [AttentionOptions(scale=0.1, window=128), NEW["sinks"]]  # the Pallas kernels' own
-    assert resolve_backend("auto", "tpu", jnp.bfloat16, options=sinks) == "pallas"
+    for kernels_own in ("sinks", "chunk_size"):
+        own = [AttentionOptions(scale=0.1, window=128), NEW[kernels_own]]
+        assert resolve_backend("auto", "tpu", jnp.bfloat16, options=own) == "pallas"
     assert resolve_backend("auto", "tpu", jnp.bfloat16, options=layers[:1]) == "pallas"
 
 
 def test_the_engine_refuses_at_start_up(llama_dir, monkeypatch):
-    """A model whose layers use chunked local attention, on the C++ kernel: a ValueError
-    naming both before anything compiles."""
+    """A model whose layers' values are narrower than their keys (outside MLA), on the C++
+    kernel: a ValueError naming both before anything compiles."""
     found = model_setup.options_in
 
-    def chunked(model):
-        return frozenset(dataclasses.replace(o, chunk_size=16) for o in found(model))
+    def narrower(model):
+        return frozenset(dataclasses.replace(o, v_head_dim=8) for o in found(model))
 
-    monkeypatch.setattr(model_setup, "options_in", chunked)
-    with pytest.raises(ValueError, match="'cpu_kernel' has no chunked local attention"):
+    monkeypatch.setattr(model_setup, "options_in", narrower)
+    with pytest.raises(ValueError, match="'cpu_kernel' has no value head size"):
         LLM(llama_dir, **{**SMALL, "attention_backend": "cpu_kernel"})
 
 

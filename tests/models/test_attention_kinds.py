@@ -89,9 +89,15 @@ def test_the_masks_and_sinks_matter(toy_dir):
     assert np.abs(want - toy_family.reference_logits(toy_dir, tokens, sinks=False)).max() > 1e-2
 
 
-def test_a_kernel_without_the_options_refuses_at_start_up(toy_dir):
-    with pytest.raises(ValueError, match="'cpu_kernel' has no"):
-        LLM(toy_dir, **{**SMALL, "dtype": "float32", "attention_backend": "cpu_kernel"})
+@pytest.mark.parametrize("backend", ["cpu_kernel", "pallas_interpret"])
+def test_the_kernels_take_every_kind(toy_dir, backend):
+    """Chunks, windows and sinks mixed in one model, on the C++ kernel and the TPU kernel
+    (interpreted), against the oracle, with chunked prefill."""
+    settings = {**SMALL, "dtype": "float32", "attention_backend": backend}
+    llm = LLM(toy_dir, **{**settings, "max_num_batched_tokens": 32})
+    assert llm.llm_engine.runner.backend == backend
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+    assert_oracle(toy_dir, PROMPTS, generate(llm, PROMPTS, params))
 
 
 def test_the_chunked_group_frees_what_its_chunks_left(toy_dir):

@@ -300,14 +300,18 @@ def test_cpu_kernel_under_shard_map_with_sinks(n, k, h, s):
     assert_matches(out, ref, args, jnp.float32)
 
 
+@pytest.mark.parametrize(
+    "limit", [dict(sliding_window=20), dict(chunk_size=16)], ids=["window", "chunks"]
+)
 @pytest.mark.parametrize("with_sinks", [True, False])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("h", [16, 64])
-def test_cpu_kernel_batch_invariant_row_with_sinks(h, dtype, with_sinks):
+def test_cpu_kernel_batch_invariant_row_with_sinks(h, dtype, with_sinks, limit):
     """In the batch-invariant mode, with sinks (and without), a query's bits are the same as a
     decode row alone, as a chunk's last row beside a neighbour, and as a middle row of a
-    prompt: there (h=64, run_prefill) keys at its window's lower edge share a lane group's
-    pass with later queries' keys, which must add up in key order all the same."""
+    prompt: there (h=64, run_prefill) keys at its window's (or attention chunk's) lower edge
+    share a lane group's pass with later queries' keys, which must add up in key order all
+    the same."""
     rng = np.random.default_rng(h)
     s, k, n, length = 16, 2, 4, 45
     pages = -(-length // s)
@@ -328,7 +332,7 @@ def test_cpu_kernel_batch_invariant_row_with_sinks(h, dtype, with_sinks):
             jnp.asarray([len(requests)], jnp.int32),
             sinks=sinks,
             batch_invariant=True,
-            sliding_window=20,
+            **limit,
         )
         first = requests[0][0]
         return np.asarray(out.astype(jnp.float32))[position - first].view(np.int32)
@@ -377,3 +381,43 @@ def test_cpu_kernel_refuses_sinks_with_a_latent_cache():
         ragged_paged_attention_cpu_sharded(
             make_mesh(2), MODEL_AXIS, q, latent[None], 0, *meta, **options, sinks=jnp.zeros(4)
         )
+
+
+# (chunk_size, sliding_window, soft_cap): chunks alone, inside a wider window, past a narrower
+CHUNK_OPTIONS = [(16, None, None), (8, 37, 2.0), (32, 5, None)]
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+@pytest.mark.parametrize("chunk_size,sliding_window,soft_cap", CHUNK_OPTIONS)
+@pytest.mark.parametrize(
+    "n,k,h,s", [(4, 4, 16, 8), (8, 2, 64, 16), (6, 1, 128, 16), (32, 1, 64, 16)]
+)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_cpu_kernel_chunked_local_attention_matches_reference(
+    dtype, n, k, h, s, chunk_size, sliding_window, soft_cap, batch_invariant
+):
+    """Llama 4's chunked local attention in every routine (the scalar loop, run_prefill's
+    lane groups whose rows start in different chunks, the decode paths): a row at p sees
+    keys from floor(p / C) * C. SINK_MIX's contexts run past several chunks."""
+    args, _ = make_batch(SINK_MIX, n=n, k=k, h=h, s=s, dtype=dtype, seed=n + h + s + 1)
+    opts = dict(
+        chunk_size=chunk_size, sliding_window=sliding_window, soft_cap=soft_cap, sm_scale=0.3
+    )
+    out = ragged_paged_attention_cpu(*args, **opts, batch_invariant=batch_invariant)
+    ref = ragged_paged_attention_reference(*args, **opts)
+    assert_matches(out, ref, args, dtype)
+    sinks = random_sinks(n, seed=h + 1)
+    out = ragged_paged_attention_cpu(*args, **opts, sinks=sinks, batch_invariant=batch_invariant)
+    assert_matches(out, ragged_paged_attention_reference(*args, **opts, sinks=sinks), args, dtype)
+
+
+def test_cpu_kernel_chunked_attention_under_shard_map():
+    from sharding import MODEL_AXIS, make_mesh
+
+    args, _ = make_batch(SINK_MIX, n=8, k=2, h=64, s=16, dtype=jnp.float32, seed=5)
+    q, cache, *meta = args
+    out = ragged_paged_attention_cpu_sharded(
+        make_mesh(2), MODEL_AXIS, q, cache[None], 0, *meta, chunk_size=16
+    )
+    ref = ragged_paged_attention_reference(*args, chunk_size=16)
+    assert_matches(out, ref, args, jnp.float32)
