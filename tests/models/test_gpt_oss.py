@@ -4,8 +4,9 @@ attention and the router and every expert, the clamped SwiGLU with a limit the a
 reach, YaRN), 40-90 token prompts past the window, greedy tokens equal and each chosen
 token's logprob within 1e-4 of transformers' teacher-forced one. Crosses: chunked prefill
 (decodes beside chunks, one step ahead), preemption, the prefix cache, tensor parallelism
-with and without expert parallelism, fp8 experts quantized on load (against transformers on
-the quantized values)."""
+with and without expert parallelism, the Pallas kernels (interpreted), n-gram speculation,
+two pipeline stages, fp8 experts quantized on load (against transformers on the quantized
+values)."""
 
 from __future__ import annotations
 
@@ -110,8 +111,27 @@ def test_regroup_cuts_the_stacked_experts():
         # the experts split by width).
         {"attention_backend": "pallas_interpret", "max_num_batched_tokens": 32},
         {"attention_backend": "pallas_gpu_interpret", "tensor_parallel_size": 2},
+        # n-gram drafts verified as rows beside the decodes; two pipeline stages.
+        {
+            "speculative_config": {
+                "method": "ngram",
+                "num_speculative_tokens": 3,
+                "prompt_lookup_max": 2,
+                "prompt_lookup_min": 1,
+            }
+        },
+        {"pipeline_parallel_size": 2, "max_num_batched_tokens": 32},
     ],
-    ids=["plain", "chunked-async", "preempting", "tp2-ep", "pallas-tpu", "pallas-gpu-tp2"],
+    ids=[
+        "plain",
+        "chunked-async",
+        "preempting",
+        "tp2-ep",
+        "pallas-tpu",
+        "pallas-gpu-tp2",
+        "ngram",
+        "pp2",
+    ],
 )
 def test_matches_transformers(gpt_oss_dir, oracle, settings):
     assert_crosses_match(gpt_oss_dir, oracle, PROMPTS, settings, CACHED)

@@ -5,7 +5,8 @@ weightless q/k norm, one NoPE layer over everything with its queries' temperatur
 MLP on the others), 40-90 token prompts past several chunks: greedy tokens equal and each
 chosen token's logprob within 1e-4 of transformers' teacher-forced one. Crosses: chunked
 prefill (decodes beside chunks, one step ahead), preemption, the prefix cache, tensor and
-expert parallelism, the Pallas TPU and GPU kernels (interpreted)."""
+expert parallelism, the Pallas TPU and GPU kernels (interpreted), n-gram speculation, two
+pipeline stages."""
 
 from __future__ import annotations
 
@@ -71,8 +72,27 @@ def oracle(llama4_dir):
         # split in two).
         {"attention_backend": "pallas_interpret", "max_num_batched_tokens": 32},
         {"attention_backend": "pallas_gpu_interpret", "tensor_parallel_size": 2},
+        # n-gram drafts verified as rows beside the decodes; two pipeline stages.
+        {
+            "speculative_config": {
+                "method": "ngram",
+                "num_speculative_tokens": 3,
+                "prompt_lookup_max": 2,
+                "prompt_lookup_min": 1,
+            }
+        },
+        {"pipeline_parallel_size": 2, "max_num_batched_tokens": 32},
     ],
-    ids=["plain", "chunked-async", "preempting", "tp2-ep", "pallas-tpu", "pallas-gpu-tp2"],
+    ids=[
+        "plain",
+        "chunked-async",
+        "preempting",
+        "tp2-ep",
+        "pallas-tpu",
+        "pallas-gpu-tp2",
+        "ngram",
+        "pp2",
+    ],
 )
 def test_matches_transformers(llama4_dir, oracle, settings):
     assert_crosses_match(llama4_dir, oracle, PROMPTS, settings, CACHED)

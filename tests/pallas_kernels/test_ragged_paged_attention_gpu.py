@@ -330,3 +330,17 @@ def test_chunked_local_attention_matches_reference(dtype, chunk_size, sliding_wi
     out = interpret(*args, **options, num_kv_splits=splits, pages_per_tile=2)
     assert out.dtype == dtype
     assert_matches(out, ref, args, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_gpu(), reason="needs a CUDA GPU (benchmarks/gpu/run.sh runs it)")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_on_gpu_chunked_local_attention_matches_reference(dtype):
+    seqs = MIX + [(700, 1), (2000, 1), (600, 300)]
+    args, _ = make_batch(seqs, n=40, k=8, h=128, s=16, dtype=dtype, seed=12)  # Scout's heads
+    options = dict(chunk_size=512)
+    with jax.default_matmul_precision("highest"):
+        ref = ragged_paged_attention_reference(*args, **options)
+    run = jax.jit(functools.partial(ragged_paged_attention_gpu, **options))
+    for splits in (None, 1, 4):
+        assert_matches(run(*args, num_kv_splits=splits), ref, args, dtype)
