@@ -254,7 +254,7 @@ def grouped_ffn(x, w_gate, w_up, w_down, group_sizes, act, method: str, bias=Non
         return y if bias is None else y + bias[2][expert]
     if method != "tiles":
         raise ValueError(f"grouped product method must be 'ragged' or 'tiles', got {method!r}")
-    expert_ffn = _kernel_expert_ffn(x, w_gate, w_up, w_down, act, bias)
+    expert_ffn = None if bias is not None else _kernel_expert_ffn(x, w_gate, w_up, w_down, act)
     return _tiled_ffn(x, w_gate, w_up, w_down, group_sizes, h, expert_ffn, bias)
 
 
@@ -282,16 +282,16 @@ def _dot(x, w):
     return matmul(x, w) if isinstance(w, QuantizedWeight) else x @ w
 
 
-def _kernel_expert_ffn(x, w_gate, w_up, w_down, act, bias=None):
+def _kernel_expert_ffn(x, w_gate, w_up, w_down, act):
     """One tile's gated MLP through expert e on the C++ layer-product kernels, reading the
     expert in the stack in place: (rows [M, D], e) -> [M, D]. XLA's product copies the
     expert out of the stack first (a dynamic slice per tile); and a row's place in its tile
     depends on the other tokens, where the kernels sum each row in one order wherever it
-    sits (the batch-invariant mode needs that). SiLU experts without biases take the fused
-    gated kernel; others (gpt-oss's biases and clamped SwiGLU) its two products, the biases
-    and the activation between them in XLA. None where the kernels do not apply (quantized
-    experts, another dtype, several devices)."""
+    sits (the batch-invariant mode needs that). None where they do not apply (quantized
+    experts, another activation, another dtype, several devices)."""
     ws = (w_gate, w_up, w_down)
+    if act != "silu":
+        return None
     if any(isinstance(w, QuantizedWeight) for w in ws):
         return None
     if not (bf16_matmul.applies(x.dtype) or f32_matmul.applies(x.dtype)):
@@ -306,30 +306,13 @@ def _kernel_expert_ffn(x, w_gate, w_up, w_down, act, bias=None):
         return w.stack.reshape(-1, *w.stack.shape[2:]), lambda e: w.layer * E + e
 
     (gate, at), (up, _), (down, _) = (flat(w) for w in ws)
-    bf16 = on_bf16_kernel(x)
-    if act == "silu" and bias is None:
-        if bf16:
-            return lambda rows, e: bf16_matmul.bf16_matmul(
-                bf16_matmul.bf16_gated_matmul(rows, gate, up, at(e)), down, at(e)
-            )
-        return lambda rows, e: f32_matmul.f32_matmul(
-            f32_matmul.f32_gated_matmul(rows, gate, up, at(e), out_dtype=x.dtype), down, at(e)
+    if on_bf16_kernel(x):
+        return lambda rows, e: bf16_matmul.bf16_matmul(
+            bf16_matmul.bf16_gated_matmul(rows, gate, up, at(e)), down, at(e)
         )
-    h = glu(act)
-
-    def product(rows, w, e):  # [M, In] @ expert e's [In, Out], read in the stack
-        if bf16:
-            return bf16_matmul.bf16_matmul(rows, w, at(e), out_dtype=jnp.float32)
-        return f32_matmul.f32_matmul(rows, w, at(e), out_dtype=jnp.float32)
-
-    def expert_ffn(rows, e):
-        g, u = product(rows, gate, e), product(rows, up, e)
-        if bias is not None:
-            g, u = g + bias[0][e], u + bias[1][e]
-        y = product(h(g, u).astype(x.dtype), down, e)
-        return (y if bias is None else y + bias[2][e]).astype(x.dtype)
-
-    return expert_ffn
+    return lambda rows, e: f32_matmul.f32_matmul(
+        f32_matmul.f32_gated_matmul(rows, gate, up, at(e), out_dtype=x.dtype), down, at(e)
+    )
 
 
 def _tiled_ffn(x, w_gate, w_up, w_down, sizes, h, expert_ffn=None, bias=None):
@@ -357,9 +340,9 @@ def _tiled_ffn(x, w_gate, w_up, w_down, sizes, h, expert_ffn=None, bias=None):
         if bias is not None:
             gate, up = gate + bias[0][e], up + bias[1][e]
         y = _dot(h(gate, up).astype(x.dtype), _expert(w_down, e))
-        if bias is not None:
+        if bias is not None:  # float32 biases beside bf16 rows: the rows' dtype
             y = y + bias[2][e]
-        return jax.lax.dynamic_update_slice_in_dim(out, y, t * M, 0)
+        return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), t * M, 0)
 
     out = jax.lax.fori_loop(0, tile_end[-1], body, jnp.zeros_like(padded))
     return out.at[slot].get(mode="fill", fill_value=0)
