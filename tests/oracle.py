@@ -424,6 +424,41 @@ def assert_matches(model, prompts, outs) -> None:
         np.testing.assert_allclose(got, want, atol=1e-4)
 
 
+# The engine crosses a family's test runs against transformers (assert_crosses_match).
+CROSSES = [
+    {},
+    # A 16-token budget: every prompt is cut into chunks, decodes run beside them.
+    {"max_num_batched_tokens": 16, "async_scheduling": True},
+    # 13 usable blocks: the requests outgrow them with 40 tokens each.
+    {"num_gpu_blocks_override": 14},
+    {"tensor_parallel_size": 2, "enable_expert_parallel": True},
+    # The Pallas kernels, interpreted (TPU's; Triton's split in two, with the experts split
+    # by width).
+    {"attention_backend": "pallas_interpret", "max_num_batched_tokens": 32},
+    {"attention_backend": "pallas_gpu_interpret", "tensor_parallel_size": 2},
+    # n-gram drafts verified as rows beside the decodes; two pipeline stages.
+    {
+        "speculative_config": {
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_max": 2,
+            "prompt_lookup_min": 1,
+        }
+    },
+    {"pipeline_parallel_size": 2, "max_num_batched_tokens": 32},
+]
+CROSS_IDS = [
+    "plain",
+    "chunked-async",
+    "preempting",
+    "tp2-ep",
+    "pallas-tpu",
+    "pallas-gpu-tp2",
+    "ngram",
+    "pp2",
+]
+
+
 def assert_crosses_match(model_dir: str, oracle, prompts, settings: dict, cached: list) -> None:
     """A tiny model's engine under `settings` (float32) equal to `oracle` on `prompts`: 8
     greedy tokens, 40 with `num_gpu_blocks_override` (which must then preempt); with no

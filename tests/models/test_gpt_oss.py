@@ -18,7 +18,16 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from oracle import SMALL, TINY, assert_crosses_match, assert_matches, generate, prompt_ids
+from oracle import (
+    CROSS_IDS,
+    CROSSES,
+    SMALL,
+    TINY,
+    assert_crosses_match,
+    assert_matches,
+    generate,
+    prompt_ids,
+)
 from quantized_checkpoints import online_values
 from safetensors.numpy import save_file
 
@@ -98,41 +107,7 @@ def test_regroup_cuts_the_stacked_experts():
     assert "model.norm.weight" in out and len(out) == 9
 
 
-@pytest.mark.parametrize(
-    "settings",
-    [
-        {},
-        # A 16-token budget: every prompt is cut into chunks, decodes run beside them.
-        {"max_num_batched_tokens": 16, "async_scheduling": True},
-        # 13 usable blocks: the requests outgrow them with 40 tokens each.
-        {"num_gpu_blocks_override": 14},
-        {"tensor_parallel_size": 2, "enable_expert_parallel": True},
-        # The sinks in the Pallas kernels, interpreted (TPU's; Triton's split in two, with
-        # the experts split by width).
-        {"attention_backend": "pallas_interpret", "max_num_batched_tokens": 32},
-        {"attention_backend": "pallas_gpu_interpret", "tensor_parallel_size": 2},
-        # n-gram drafts verified as rows beside the decodes; two pipeline stages.
-        {
-            "speculative_config": {
-                "method": "ngram",
-                "num_speculative_tokens": 3,
-                "prompt_lookup_max": 2,
-                "prompt_lookup_min": 1,
-            }
-        },
-        {"pipeline_parallel_size": 2, "max_num_batched_tokens": 32},
-    ],
-    ids=[
-        "plain",
-        "chunked-async",
-        "preempting",
-        "tp2-ep",
-        "pallas-tpu",
-        "pallas-gpu-tp2",
-        "ngram",
-        "pp2",
-    ],
-)
+@pytest.mark.parametrize("settings", CROSSES, ids=CROSS_IDS)
 def test_matches_transformers(gpt_oss_dir, oracle, settings):
     assert_crosses_match(gpt_oss_dir, oracle, PROMPTS, settings, CACHED)
 
