@@ -33,6 +33,9 @@ class NewRequestData:
     lora: object | None = None  # that adapter (jllm/lora/peft.py:LoraAdapter)
     # An embeddings prompt: its token ids are placeholders (no prompt tokens to penalize)
     prompt_is_embeds: bool = False
+    # M-RoPE (Qwen-VL): its images' (first token, token count, grid_h, grid_w) in the language
+    # model's tokens (engine/mrope.py); empty without images
+    mrope_spans: tuple = ()
 
 
 @dataclass
@@ -63,11 +66,11 @@ class SchedulerOutput:
     # their matchers) each one's bitmask rows [1 + drafts, ceil(V / 32)] int32.
     structured_output_request_ids: set[str] = field(default_factory=set)
     grammar_bitmask: dict = field(default_factory=dict)
-    # Images: (encoder-cache slot, pixels [C, H, W]) of each image to encode before this
-    # step, and per request the (first token, token count, slot) of every image its
+    # Images: (encoder-cache pages, pixels, patch grid or None) of each image to encode before
+    # this step, and per request the (first token, token count, pages) of every image its
     # scheduled tokens touch (engine/encoder_cache.py).
-    encoder_inputs: list[tuple[int, object]] = field(default_factory=list)
-    mm_slots: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
+    encoder_inputs: list[tuple[tuple, object, object]] = field(default_factory=list)
+    mm_slots: dict[str, list[tuple[int, int, tuple]]] = field(default_factory=dict)
     # The host KV tier (engine/host_kv_tier.py): blocks to copy before this step, device to
     # host (pool, device block, host block) for blocks (and state snapshots) evicted from
     # the device's prefix cache, then host to device (pool, host block, device block) for

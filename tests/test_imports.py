@@ -28,6 +28,7 @@ LAYERS = [
     # and host-side request logic the engine and the front end share (reasoning, pooling).
     {
         "scheduler_output",
+        "mrope",
         "logits_process",
         "beam_search",
         "kv_cache_interface",

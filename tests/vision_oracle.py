@@ -182,3 +182,105 @@ def assert_matches_oracle(oracle: VisionOracle, prompt: str, images: list, out) 
     assert got[:upto] == expected[:upto]
     lp = [out.outputs[0].logprobs[i][t].logprob for i, t in enumerate(got[:upto])]
     np.testing.assert_allclose(lp, [ref[i, t] for i, t in enumerate(got[:upto])], atol=1e-4)
+
+
+QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+QWEN_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
+# The processor's pixel range: 4x4 to 16x16 patches of 14 pixels (4 to 64 merged tokens).
+QWEN_PIXELS = {"min_pixels": 56 * 56, "max_pixels": 224 * 224}
+
+
+def save_qwen2_5_vl(path: str, tokenizer_dir: str) -> str:
+    """Qwen2.5-VL: a 4-layer ViT (14-pixel patches, windows of 2x2 merged tokens, layers 1
+    and 3 full), the patch merger, a Qwen2 text model with M-RoPE (sections 2, 3, 3 of its 8
+    frequencies); images between 56x56 and 224x224 pixels."""
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.add_tokens(QWEN_TOKENS, special_tokens=True)
+    start, pad, _ = tok.convert_tokens_to_ids(QWEN_TOKENS)
+    text = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        initializer_range=0.25,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    vision = dict(
+        depth=4,
+        hidden_size=32,
+        intermediate_size=48,
+        num_heads=4,
+        out_hidden_size=64,
+        window_size=56,
+        fullatt_block_indexes=[1, 3],
+        initializer_range=0.25,
+    )
+    cfg = transformers.Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=pad,
+        vision_start_token_id=start,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(cfg)
+    with torch.no_grad():  # the norms' unit weights made random, so a swap would show
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_q" in name:
+                p.normal_(1.0, 0.3)
+    model.save_pretrained(path)
+    images = transformers.Qwen2VLImageProcessorPil(
+        min_pixels=QWEN_PIXELS["min_pixels"], max_pixels=QWEN_PIXELS["max_pixels"]
+    )
+    images.save_pretrained(path)
+    tok.chat_template = TEMPLATE.replace("PLACEHOLDER", QWEN_IMAGE)
+    tok.save_pretrained(path)
+    return path
+
+
+class QwenVLOracle:
+    """transformers' Qwen2.5-VL of a saved folder in float32, eager attention; prompts
+    prepared as transformers' processor does (each image's placeholder repeated in the text,
+    its pixels by the PIL image processor), without the video processor it would need."""
+
+    def __init__(self, path: str) -> None:
+        self.tok = transformers.AutoTokenizer.from_pretrained(path)
+        self.images = transformers.Qwen2VLImageProcessorPil.from_pretrained(path)
+        self.model = transformers.AutoModelForImageTextToText.from_pretrained(
+            path, attn_implementation="eager", dtype=torch.float32
+        ).eval()
+        self.pad = self.model.config.image_token_id
+
+    def inputs(self, prompt: str, images: list, tokens: list[int] = ()) -> dict:
+        extra = {}
+        if images:
+            px = self.images(images=images, return_tensors="pt")
+            extra = {"pixel_values": px["pixel_values"], "image_grid_thw": px["image_grid_thw"]}
+            parts = prompt.split("<|image_pad|>")
+            counts = [int(g.prod()) // 4 for g in px["image_grid_thw"]]
+            prompt = parts[0] + "".join(
+                "<|image_pad|>" * n + rest for n, rest in zip(counts, parts[1:], strict=True)
+            )
+        ids = self.tok(prompt)["input_ids"] + list(tokens)
+        input_ids = torch.tensor([ids])
+        types = (input_ids == self.pad).int()
+        return {"input_ids": input_ids, "mm_token_type_ids": types, **extra}
+
+    def greedy(self, prompt: str, images: list, max_tokens: int) -> list[int]:
+        inputs = self.inputs(prompt, images)
+        n = inputs["input_ids"].shape[1]
+        with torch.no_grad():
+            out = self.model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+        return out[0, n:].tolist()
+
+    def logprobs(self, prompt: str, images: list, tokens: list[int]) -> np.ndarray:
+        n = self.inputs(prompt, images)["input_ids"].shape[1]
+        inputs = self.inputs(prompt, images, tokens[:-1])
+        with torch.no_grad():
+            logits = self.model(**inputs).logits[0, n - 1 :].float()
+        return torch.log_softmax(logits, -1).numpy()

@@ -1,8 +1,10 @@
-"""Which image embeddings the device holds (vLLM's encoder cache): a fixed number of slots,
-each holding one image's `tokens_per_image` embeddings, keyed by the image's content hash.
+"""Which image embeddings the device holds (vLLM's encoder cache): a fixed number of pages of
+`page_tokens` embeddings each, an image holding as many as its tokens need (one, for the
+families whose images are all `tokens_per_image` tokens, which size the page), keyed by the
+image's content hash.
 
 The scheduler asks for the images a step's tokens touch (`acquire`): a cached image is used
-as it is, a new one gets a free slot (or the least recently used image no request holds)
+as it is, a new one gets free pages (evicting the least recently used images no request holds)
 and is listed for the encoder to run before the step. A request holds its images until its
 computed tokens pass them (`release_passed`), or it finishes or is preempted
 (`release_all`); an image no request holds stays cached, so the same image in a later
@@ -15,33 +17,38 @@ from collections import OrderedDict
 
 
 class EncoderCache:
-    def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
-        self.slot_of: dict[bytes, int] = {}  # image hash -> its slot
+    def __init__(self, num_pages: int, page_tokens: int) -> None:
+        self.num_pages = num_pages
+        self.page_tokens = page_tokens
+        self.slot_of: dict[bytes, tuple[int, ...]] = {}  # image hash -> its pages
         self.holders: dict[bytes, set[str]] = {}  # image hash -> requests holding it
         self.idle: OrderedDict[bytes, None] = OrderedDict()  # held by none, oldest first
-        self.free = list(range(num_slots - 1, -1, -1))
+        self.free = list(range(num_pages - 1, -1, -1))
         self.held: dict[str, set[bytes]] = {}  # request -> the images it holds
 
-    def can_take(self, hashes: set[bytes]) -> bool:
-        """Whether the images `hashes` can all be held at once (the idle ones among them
-        are not evicted for the others)."""
-        new = sum(h not in self.slot_of for h in hashes)
-        reused = sum(h in self.idle for h in hashes)
-        return new <= len(self.free) + len(self.idle) - reused
+    def pages(self, length: int) -> int:
+        """Pages an image of `length` tokens takes."""
+        return -(-length // self.page_tokens)
 
-    def acquire(self, req_id: str, h: bytes) -> tuple[int, bool]:
-        """Hold image `h` for request `req_id`: (its slot, whether it must be encoded now).
-        Check `can_take` first, and acquire the step's cached images before its new ones."""
+    def can_take(self, images: dict[bytes, int]) -> bool:
+        """Whether the images `images` ({hash: token count}) can all be held at once (the
+        idle ones among them are not evicted for the others)."""
+        new = sum(self.pages(n) for h, n in images.items() if h not in self.slot_of)
+        idle = sum(len(self.slot_of[h]) for h in self.idle if h not in images)
+        return new <= len(self.free) + idle
+
+    def acquire(self, req_id: str, h: bytes, length: int) -> tuple[tuple[int, ...], bool]:
+        """Hold image `h` of `length` tokens for request `req_id`: (its pages, whether it
+        must be encoded now). Check `can_take` first, and acquire the step's cached images
+        before its new ones."""
         new = h not in self.slot_of
         if new:
-            if self.free:
-                slot = self.free.pop()
-            else:
+            need = self.pages(length)
+            while len(self.free) < need:
                 old, _ = self.idle.popitem(last=False)
-                slot = self.slot_of.pop(old)
+                self.free.extend(reversed(self.slot_of.pop(old)))
                 self.holders.pop(old, None)
-            self.slot_of[h] = slot
+            self.slot_of[h] = tuple(self.free.pop() for _ in range(need))
         self.idle.pop(h, None)
         self.holders.setdefault(h, set()).add(req_id)
         self.held.setdefault(req_id, set()).add(h)
@@ -71,9 +78,10 @@ class EncoderCache:
     def drop_idle(self) -> None:
         """Forget every image no request holds (new weights: their embeddings are stale)."""
         for h in self.idle:
-            self.free.append(self.slot_of.pop(h))
+            self.free.extend(self.slot_of.pop(h))
         self.idle.clear()
 
     @property
     def usage(self) -> float:
-        return 1.0 - (len(self.free) + len(self.idle)) / max(1, self.num_slots)
+        idle = sum(len(self.slot_of[h]) for h in self.idle)
+        return 1.0 - (len(self.free) + idle) / max(1, self.num_pages)

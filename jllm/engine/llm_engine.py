@@ -39,7 +39,7 @@ from jllm.engine.generation_config import (
 from jllm.engine.host_kv_tier import HostKVTier
 from jllm.engine.kv_cache_manager import KVCacheManager, host_tier_groups
 from jllm.engine.model_setup import load_draft_model, load_engine_model
-from jllm.engine.multimodal import MultiModalProcessor, encoder_slots
+from jllm.engine.multimodal import MultiModalProcessor, encoder_pages, encoder_slots
 from jllm.engine.output_processor import OutputProcessor
 from jllm.engine.outputs import EngineCoreRequest
 from jllm.engine.platform import (
@@ -64,7 +64,7 @@ from jllm.pooling_params import PoolingParams
 from jllm.rl.transfer import TransferConfig
 from jllm.runner.buckets import BatchLayout
 from jllm.runner.compile_cache import enable_compilation_cache
-from jllm.runner.encoder import ImageEncoder
+from jllm.runner.encoder import ImageEncoder, PatchEncoder
 from jllm.runner.host_kv import HostKVCache, host_tier_blocks
 from jllm.runner.kv_cache import allocate_kv_caches, resolve_kv_cache_dtype, size_kv_cache
 from jllm.runner.model_runner import ModelRunner
@@ -85,6 +85,20 @@ POOLING_SAMPLING = SamplingParams(
     detokenize=False,
     output_kind=RequestOutputKind.FINAL_ONLY,
 )
+
+
+def image_encoder(graphdef, vision, mm: MultiModalProcessor, budget: int, dtype, mesh):
+    """(the runner's image encoder, the scheduler's encoder cache) of a vision model: one
+    page per image for images of one size, pages of `tokens_per_image` tokens for images cut
+    at their own size (the largest the engine's max_pixels allows)."""
+    if not getattr(vision, "variable", False):
+        slots, per_step = encoder_slots(vision.tokens_per_image, budget)
+        encoder = ImageEncoder(graphdef, vision, slots, per_step, dtype, replicated(mesh))
+        return encoder, EncoderCache(slots, vision.tokens_per_image)
+    page, max_patches = vision.tokens_per_image, mm.max_patches
+    pages = encoder_pages(page, max_patches // vision.unit, budget, mm.max_images)
+    encoder = PatchEncoder(graphdef, vision, pages, max_patches, dtype, replicated(mesh))
+    return encoder, EncoderCache(pages, page)
 
 
 def check_prompt_embeds(args: EngineArgs, vision, draft) -> None:
@@ -180,18 +194,26 @@ class LLMEngine:
             image_tokens=0 if vision is None else vision.tokens_per_image,
             image_spans=vision is not None and vision.bidirectional,
             embeds_dim=self.embeds_dim,
+            mrope=getattr(getattr(cfg, "rope", None), "mrope_rows", None) is not None,
         )
         if getattr(draft, "takes_hidden", False):  # MTP: each token's successor too
             layout = dataclasses.replace(layout, next_tokens=True)
         if draft is not None:
             draft.layout = dataclasses.replace(layout, kv_token_bytes=draft.token_bytes)
-        encoder, encoder_cache = None, None
+        encoder, encoder_cache, mm = None, None, None
         if vision is not None:
-            slots, per_step = encoder_slots(
-                vision.tokens_per_image, sched_cfg.max_num_batched_tokens
+            mm = MultiModalProcessor(
+                m.source.path,
+                vision,
+                args.limit_mm_per_prompt,
+                args.mm_processor_kwargs,
+                sched_cfg.max_num_batched_tokens,
+                args.trust_remote_code,
+                tokenizer=self.tokenizer,
             )
-            encoder = ImageEncoder(m.graphdef, vision, slots, per_step, dtype, replicated(m.mesh))
-            encoder_cache = EncoderCache(slots)
+            encoder, encoder_cache = image_encoder(
+                m.graphdef, vision, mm, sched_cfg.max_num_batched_tokens, dtype, m.mesh
+            )
         routes = None
         if args.enable_return_routed_experts:
             routes = routes_spec(cfg, m.kv_caches, args.block_size, args.pipeline_parallel_size)
@@ -360,16 +382,6 @@ class LLMEngine:
         self.engine_core = InprocClient(self.core)
         self.output_processor = OutputProcessor(self.tokenizer, m.pooling)
         self.output_handler = None
-        mm = None
-        if vision is not None:
-            mm = MultiModalProcessor(
-                m.source.path,
-                vision,
-                args.limit_mm_per_prompt,
-                args.mm_processor_kwargs,
-                sched_cfg.max_num_batched_tokens,
-                args.trust_remote_code,
-            )
         self.processor = Processor(
             self.tokenizer,
             self.max_model_len,

@@ -23,7 +23,17 @@ class ImageItem:
     hash: bytes  # sha256 of the prepared pixels (vLLM's mm_hash)
     offset: int  # its first placeholder token in the prompt
     length: int  # its placeholder tokens
-    pixels: np.ndarray  # [C, H, W], as the processor prepared them
+    pixels: np.ndarray  # [C, H, W], as the processor prepared them; [patches, C*t*p*p] with a grid
+    # Images cut at their own size (Qwen-VL): the (t, h, w) patch grid, and the side of the
+    # square of patches the encoder merges into one token; None for fixed-size images.
+    grid: tuple[int, int, int] | None = None
+    merge: int = 1
+
+    @property
+    def llm_grid(self) -> tuple[int, int]:
+        """The (height, width) of its tokens' grid (engine/mrope.py)."""
+        _, h, w = self.grid
+        return h // self.merge, w // self.merge
 
     def overlaps(self, start: int, end: int) -> bool:
         """Whether positions start .. end - 1 include any of its tokens."""
@@ -35,11 +45,21 @@ class ImageItem:
 
 
 def encoder_slots(tokens_per_image: int, max_num_batched_tokens: int) -> tuple[int, int]:
-    """(slots of the encoder cache, the most new images one step brings): a step's tokens
-    touch at most cdiv(budget - 1, P) + 1 images; the cache holds twice that, so that
-    images of requests still mid-image and recently used ones stay beside a full step's."""
+    """(pages of the encoder cache, the most new images one step brings) for images of one
+    size, a page each: a step's tokens touch at most cdiv(budget - 1, P) + 1 images; the
+    cache holds twice that, so that images of requests still mid-image and recently used
+    ones stay beside a full step's."""
     per_step = -(-(max_num_batched_tokens - 1) // tokens_per_image) + 1
     return 2 * per_step, per_step
+
+
+def encoder_pages(page: int, max_image_tokens: int, budget: int, max_images: int) -> int:
+    """Pages of the encoder cache for images cut at their own size (at most
+    `max_image_tokens` tokens each): twice a step's tokens (`budget`) and a largest image, so
+    that the largest image always fits beside the images a full step touches, and a page
+    more per image a prompt may hold (each image's last page is part full), so that a whole
+    prompt's images fit at once (chunked prefill off)."""
+    return 2 * -(-(budget + max_image_tokens) // page) + min(max_images, budget)
 
 
 def image_hash(pixels: np.ndarray) -> bytes:
@@ -78,8 +98,10 @@ class MultiModalProcessor:
         processor_kwargs: dict | None,
         max_num_batched_tokens: int,
         trust_remote_code: bool = False,
+        tokenizer=None,
     ) -> None:
         self.model_path = model_path
+        self.tokenizer = tokenizer  # images at their own size: the engine's tokenizer
         self.vision = vision  # models/vision.py:VisionConfig
         self.trust_remote_code = trust_remote_code
         limits = dict(limit_per_prompt or {})
@@ -108,6 +130,8 @@ class MultiModalProcessor:
             return self._load()
 
     def _load(self):
+        if self._hf is None and getattr(self.vision, "variable", False):
+            self._hf = _grid_processor(self.model_path, self.processor_kwargs)
         if self._hf is None:
             from transformers import AutoProcessor
 
@@ -157,6 +181,8 @@ class MultiModalProcessor:
         Token prompts must hold the expanded placeholders already; text prompts one
         placeholder per image, which the processor expands."""
         merged = {**self.processor_kwargs, **(kwargs or {})}
+        if getattr(self.vision, "variable", False):
+            return self._process_grid(text, ids, images, merged, add_special_tokens)
         try:
             with self._lock:
                 ids, pixels = self._run(text, ids, images, merged, add_special_tokens)
@@ -193,3 +219,124 @@ class MultiModalProcessor:
         if not images:
             return ids, None
         return ids, hf.image_processor(images=images, return_tensors="np", **merged)["pixel_values"]
+
+    # Images at their own size (Qwen-VL): the PIL image processor (no PyTorch) makes each
+    # image's patches and grid; jllm expands the placeholders itself.
+
+    @property
+    def max_patches(self) -> int:
+        """Patches of the largest image the engine's `max_pixels` lets through."""
+        hf = self.hf
+        return int(hf.size["longest_edge"]) // hf.patch_size**2
+
+    def _process_grid(self, text, ids, images, merged: dict, add_special_tokens: bool):
+        unknown = sorted(set(merged) - {"min_pixels", "max_pixels"})
+        if unknown:
+            raise ValueError(
+                f"mm_processor_kwargs: {unknown} not supported for this model (it takes "
+                "min_pixels and max_pixels)."
+            )
+        hf = self.hf
+        size = dict(hf.size)
+        if "min_pixels" in merged:
+            size["shortest_edge"] = _pixels(merged["min_pixels"], "min_pixels")
+        if "max_pixels" in merged:
+            size["longest_edge"] = _pixels(merged["max_pixels"], "max_pixels")
+        if size["longest_edge"] // hf.patch_size**2 > self.max_patches:
+            raise ValueError(
+                f"max_pixels {size['longest_edge']} is above the engine's "
+                f"{self.hf.size['longest_edge']} (its mm_processor_kwargs), for which the "
+                "encoder was compiled."
+            )
+        if size["shortest_edge"] > size["longest_edge"]:
+            raise ValueError("min_pixels must not exceed max_pixels.")
+        patches, grids = [], []
+        if images:
+            try:
+                with self._lock:
+                    out = hf(images=images, size=size, return_tensors="np")
+            except (ValueError, TypeError, OSError) as e:
+                raise ValueError(f"The model's image processor refused the images: {e}") from e
+            grids = [tuple(int(v) for v in g) for g in out["image_grid_thw"]]
+            counts = [t * h * w for t, h, w in grids]
+            cuts = np.cumsum(counts)[:-1]
+            patches = np.split(np.asarray(out["pixel_values"], np.float32), cuts)
+        v = self.vision
+        lengths = [t * h * w // v.unit for t, h, w in grids]
+        if ids is None:
+            tok = self.tokenizer
+            ids = tok(text, add_special_tokens=add_special_tokens)["input_ids"]
+            ids = expand_placeholders(list(ids), v.image_token_id, lengths)
+        starts = grid_offsets(ids, v.image_token_id, lengths)
+        items = [
+            ImageItem(grid_hash(px, g), s, n, px, g, v.merge)
+            for s, n, px, g in zip(starts, lengths, patches, grids, strict=True)
+        ]
+        return ids, items
+
+
+def _pixels(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"mm_processor_kwargs: {name} must be a positive integer.")
+    return value
+
+
+def _grid_processor(model_path: str, engine_kwargs: dict):
+    """The model's image processor without PyTorch (transformers' PIL backend of Qwen2-VL's,
+    which Qwen2.5-VL's and Qwen3-VL's folders name), the engine's min/max_pixels applied."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    kwargs = {
+        k: _pixels(v, k) for k, v in engine_kwargs.items() if k in ("min_pixels", "max_pixels")
+    }
+    unknown = sorted(set(engine_kwargs) - set(kwargs))
+    if unknown:
+        raise ValueError(
+            f"mm_processor_kwargs: {unknown} not supported for this model (it takes min_pixels "
+            "and max_pixels)."
+        )
+    try:
+        return Qwen2VLImageProcessorPil.from_pretrained(model_path, **kwargs)
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"The model at {model_path} has no image processor config to prepare images ({e})."
+        ) from e
+
+
+def grid_hash(patches: np.ndarray, grid) -> bytes:
+    h = hashlib.sha256(str(tuple(grid)).encode())
+    h.update(image_hash(patches))
+    return h.digest()
+
+
+def expand_placeholders(ids: list[int], token_id: int, lengths: list[int]) -> list[int]:
+    """A text prompt's ids with its i-th image placeholder token repeated `lengths[i]` times;
+    ValueError unless there is one placeholder per image."""
+    at = [i for i, t in enumerate(ids) if t == token_id]
+    if len(at) != len(lengths):
+        raise ValueError(
+            f"The prompt has {len(at)} image placeholder tokens for {len(lengths)} image(s): "
+            "put one placeholder per image in the prompt, as the model's chat template does."
+        )
+    out, last = [], 0
+    for i, n in zip(at, lengths, strict=True):
+        out += ids[last:i] + [token_id] * n
+        last = i + 1
+    return out + ids[last:]
+
+
+def grid_offsets(ids: list[int], token_id: int, lengths: list[int]) -> list[int]:
+    """Where each image's run of `lengths[i]` placeholder tokens starts; ValueError unless
+    the runs are exactly those."""
+    at = np.flatnonzero(np.asarray(ids) == token_id)
+    runs = np.split(at, np.flatnonzero(np.diff(at) != 1) + 1) if len(at) else []
+    got = [len(r) for r in runs]
+    if got != list(lengths):
+        raise ValueError(
+            f"The prompt's image placeholder runs have {got} tokens; its images need "
+            f"{list(lengths)}. Put one placeholder per image in a text prompt, or each image's "
+            "expanded placeholders in a token prompt."
+        )
+    return [int(r[0]) for r in runs]

@@ -170,7 +170,7 @@ class Processor:
         if self.mm is None:
             raise ValueError(
                 "multi_modal_data was given, but this model takes text only (image inputs: "
-                "LLaVA-1.5 and Gemma 3 families)."
+                "LLaVA-1.5, Gemma 3 and Qwen2.5-VL families)."
             )
         kwargs = prompt.get("mm_processor_kwargs")
         if kwargs is not None and not isinstance(kwargs, dict):

@@ -363,6 +363,11 @@ class Scheduler:
                         req.lora_slot,
                         req.lora,
                         prompt_is_embeds=req.prompt_embeds is not None,
+                        mrope_spans=tuple(
+                            (it.offset, it.length, *it.llm_grid)
+                            for it in req.mm_items
+                            if it.grid is not None
+                        ),
                     )
                 )
             else:
@@ -401,10 +406,10 @@ class Scheduler:
         cache = self.encoder_cache
         touched.sort(key=lambda pair: pair[1].hash not in cache.slot_of)
         for req, item in touched:
-            slot, new = cache.acquire(req.request_id, item.hash)
+            pages, new = cache.acquire(req.request_id, item.hash, item.length)
             if new:
-                out.encoder_inputs.append((slot, item.pixels))
-            out.mm_slots.setdefault(req.request_id, []).append((item.offset, item.length, slot))
+                out.encoder_inputs.append((pages, item.pixels, item.grid))
+            out.mm_slots.setdefault(req.request_id, []).append((item.offset, item.length, pages))
 
     def finish_request(self, req: Request, status: RequestStatus) -> None:
         """End `req` (stop, length or abort) and give its blocks back."""

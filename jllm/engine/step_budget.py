@@ -42,7 +42,7 @@ class StepBudget:
         self.tokens = tokens
         self.tile_size = tile_size
         self.logprob_rows = PROMPT_LOGPROB_ROWS
-        self.images: set[bytes] = set()  # the images this step's rows touch
+        self.images: dict[bytes, int] = {}  # the images this step's rows touch: their tokens
         self.encoder_cache = encoder_cache
         self.lora_slots = lora_slots
 
@@ -75,7 +75,7 @@ class StepBudget:
             if end <= start:
                 return 0
             touched = [it for it in req.mm_items if it.overlaps(start, end)]
-            if self.encoder_cache.can_take(self.images | {it.hash for it in touched}):
+            if self.encoder_cache.can_take(self.images | {it.hash: it.length for it in touched}):
                 return end - start
             end = max(it.offset for it in touched)
 
@@ -93,7 +93,8 @@ class StepBudget:
         self.tokens -= self.cost(num_new)
         self.logprob_rows -= prompt_logprob_rows(req, start, num_new)
         if self.encoder_cache is not None:
-            self.images |= {it.hash for it in req.mm_items if it.overlaps(start, start + num_new)}
+            touched = [it for it in req.mm_items if it.overlaps(start, start + num_new)]
+            self.images |= {it.hash: it.length for it in touched}
 
     def give_back(self, req: Request, start: int, num_new: int) -> None:
         """Undo `take` for a row taken back out of the step (its request is preempted). Its

@@ -53,7 +53,7 @@ def _convert(w: np.ndarray, kind: str | None, shape: tuple[int, ...]) -> np.ndar
         return w.reshape(shape)
     if kind == "t":
         return w.T
-    if kind == "patch":  # a Conv2d of stride = kernel [E, C, p, p] -> [C*p*p, E]
+    if kind == "patch":  # a Conv2d (Conv3d) of stride = kernel [E, C, (t,) p, p] -> [C*t*p*p, E]
         return w.reshape(w.shape[0], -1).T
     return w
 
@@ -79,8 +79,8 @@ def _split_fused(name: str, w, fused: dict):
 _EXPERT = re.compile(r"(.+)\.experts\.(\d+)\.(.+)")
 # A vision-language model's encoder and projector (models/vision.py) sit at transformers'
 # names (after `Architecture.rename`); the encoder's layers are stacked.
-_VISION = ("vision_tower.", "multi_modal_projector.")
-_VISION_LAYER = re.compile(r"vision_tower\.encoder\.layers\.(\d+)\.(.+)")
+_VISION = ("vision_tower.", "multi_modal_projector.", "visual.")
+_VISION_LAYER = re.compile(r"(vision_tower\.encoder\.layers|visual\.blocks)\.(\d+)\.(.+)")
 
 
 def _map_name(name: str, layer_weights: dict, top_weights: dict, layer_slot):
@@ -94,8 +94,8 @@ def _map_name(name: str, layer_weights: dict, top_weights: dict, layer_slot):
         v = _VISION_LAYER.fullmatch(name)
         if v:
             return (
-                ("vision_tower", "encoder", "layers", *v.group(2).split(".")),
-                int(v.group(1)),
+                (*v.group(1).split("."), *v.group(3).split(".")),
+                int(v.group(2)),
                 "vision",
                 None,
             )
@@ -584,7 +584,7 @@ def _host_weight(t: _Target, name: str, w, path, layer, kind):
     shape = var.shape[1:] if layer is not None else var.shape
     if kind == "vision":  # transformers' nn.Linear [out, in], Conv2d, or as it is
         linear = "contract" in t.meta(path)
-        kind = "patch" if np.ndim(w) == 4 else ("t" if linear else None)
+        kind = "patch" if np.ndim(w) >= 4 else ("t" if linear else None)
     kv_replicas = t.kv_replicas
     replicate = kv_replicas > 1 and len(path) > 1 and path[-2] in _KV_PROJ
     if replicate:  # kv-head axis is the one before head_dim

@@ -43,6 +43,8 @@ MODEL_TYPES: dict[str, tuple[str, str]] = {
     "gemma3_text": ("gemma", "Gemma3ForCausalLM"),
     "llava": ("llava", "LlavaForConditionalGeneration"),
     "gemma3": ("gemma3_mm", "Gemma3ForConditionalGeneration"),
+    "qwen2_5_vl": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "qwen2_5_vl_text": ("qwen", "Qwen2ForCausalLM"),  # Qwen2.5-VL's language model
 }
 _BY_CLASS = {cls: (module, cls) for module, cls in MODEL_TYPES.values()}
 

@@ -31,6 +31,9 @@ class RopeConfig:
     # LongRoPE: the long factors' frequencies and the length beyond which they apply.
     long_inv_freq: tuple[float, ...] | None = None
     original_max_position: int | None = None
+    # M-RoPE (Qwen-VL): per frequency [R/2], the row of the [3, T] positions (time, height,
+    # width) that rotates it; None: one row of positions.
+    mrope_rows: tuple[int, ...] | None = None
 
     @classmethod
     def from_hf(cls, hf, head_dim: int, layer_type: str | None = None) -> RopeConfig:
@@ -57,7 +60,16 @@ class RopeConfig:
             return _yarn(hf, params, theta, dim, truncate)
         if rope_type != "default":
             raise ValueError(f"RoPE scaling {rope_type!r} is not supported by jllm yet.")
-        return cls(_tuple(inv_freq))
+        section = params.get("mrope_section")
+        rows = (
+            None if section is None else mrope_rows(section, bool(params.get("mrope_interleaved")))
+        )
+        if rows is not None and len(rows) != len(inv_freq):
+            raise ValueError(
+                f"mrope_section {list(section)} covers {len(rows)} frequencies; the head "
+                f"rotates {len(inv_freq)}."
+            )
+        return cls(_tuple(inv_freq), mrope_rows=rows)
 
     def for_length(self, max_model_len: int) -> RopeConfig:
         """The rotation an engine of `max_model_len` uses: LongRoPE's short or long factors."""
@@ -66,6 +78,21 @@ class RopeConfig:
         if max_model_len > self.original_max_position:
             return replace(self, inv_freq=self.long_inv_freq, long_inv_freq=None)
         return replace(self, long_inv_freq=None)
+
+
+def mrope_rows(section, interleaved: bool) -> tuple[int, ...]:
+    """Which position row (0 time, 1 height, 2 width) rotates each frequency: in contiguous
+    sections (Qwen2-VL, Qwen2.5-VL: `mrope_section` [t, h, w] frequencies each), or
+    interleaved t, h, w, t, h, w... while each row has frequencies left, then time (Qwen3-VL's
+    `mrope_interleaved`)."""
+    t, h, w = (int(n) for n in section)
+    if not interleaved:
+        return (0,) * t + (1,) * h + (2,) * w
+    rows = [0] * (t + h + w)
+    for row, count in ((1, h), (2, w)):
+        for i in range(row, 3 * count, 3):
+            rows[i] = row
+    return tuple(rows)
 
 
 def _tuple(a: np.ndarray) -> tuple[float, ...]:
@@ -145,9 +172,15 @@ def _llama3(inv_freq: np.ndarray, p: dict) -> np.ndarray:
 
 
 def apply_rope(x, positions, rope: RopeConfig):
-    """x [T, N, H] rotated by positions [T] (rotate-half layout over the first R dims)."""
+    """x [T, N, H] rotated by positions [T] (rotate-half layout over the first R dims), or
+    with M-RoPE by positions [3, T], each frequency by its row."""
     inv_freq = jnp.asarray(rope.inv_freq, jnp.float32)  # [R/2]
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, R/2]
+    if positions.ndim == 2:  # M-RoPE: [3, T]
+        rows = np.asarray(rope.mrope_rows or (0,) * len(rope.inv_freq))
+        pos = positions.astype(jnp.float32)[rows].T  # [T, R/2]
+        freqs = pos * inv_freq[None, :]
+    else:
+        freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, R/2]
     cos = (jnp.cos(freqs) * rope.attention_scaling)[:, None, :]
     sin = (jnp.sin(freqs) * rope.attention_scaling)[:, None, :]
     half = inv_freq.shape[0]

@@ -37,6 +37,7 @@ ACTIVATIONS = {
     "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),  # CLIP's
     "gelu": partial(jax.nn.gelu, approximate=False),
     "gelu_pytorch_tanh": partial(jax.nn.gelu, approximate=True),  # SigLIP's
+    "silu": jax.nn.silu,  # Qwen2.5-VL's
 }
 
 
@@ -265,16 +266,18 @@ class VisionLanguageModel:
 
 
 @cache
-def vision_model(text_cls: type, projector_cls: type) -> type:
-    """The vision-language model class of a text family's CausalLM and a projector."""
+def vision_model(text_cls: type, projector_cls: type | None, mixin: type) -> type:
+    """The vision-language model class of a text family's CausalLM, a vision mixin (its
+    `init_vision`: `VisionLanguageModel`'s ViT and `projector_cls`, or a family's own)."""
 
     def __init__(self, cfg, dtype, rngs: nnx.Rngs):
         text_cls.__init__(self, cfg, dtype, rngs)
         self.init_vision(cfg.vision, dtype, rngs)
 
+    parts = projector_cls or mixin
     return type(
-        f"{text_cls.__name__}With{projector_cls.__name__}",
-        (VisionLanguageModel, text_cls),
+        f"{text_cls.__name__}With{parts.__name__}",
+        (mixin, text_cls),
         {"__init__": __init__, "__module__": __name__, "projector_cls": projector_cls},
     )
 
@@ -316,12 +319,15 @@ def vision_rename(vision: VisionConfig):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VisionFamily:
     """A vision-language family (a family file's entry): its transformers class name, its
-    vision config builder (the transformers config -> VisionConfig) and its projector. Its
+    vision config builder (the transformers config -> VisionConfig) and its projector, or
+    its own vision mixin and checkpoint renaming (Qwen-VL: models/qwen2_5_vl.py). Its
     language model is whatever text family the config's `text_config` names."""
 
     name: str
-    vision_config: Callable[[object], VisionConfig]
-    projector: type
+    vision_config: Callable[[object], object]
+    projector: type | None
+    mixin: type = VisionLanguageModel
+    rename: Callable[[str], str | None] | None = None
 
     def architecture(self, hf_config, text: Architecture) -> Architecture:
         """The text architecture `text` with this encoder and projector beside it."""
@@ -336,6 +342,6 @@ class VisionFamily:
             text,
             name=self.name,
             config=config,
-            module=vision_model(text.module, self.projector),
-            rename=vision_rename(self.vision_config(hf_config)),
+            module=vision_model(text.module, self.projector, self.mixin),
+            rename=self.rename or vision_rename(self.vision_config(hf_config)),
         )

@@ -62,10 +62,13 @@ class BatchLayout:
     # (its spec's `step_fields`: token bytes, a sliding window, a local chunk), which each
     # group's copy of the flat batch takes: a backend reads only the pages they leave.
     group_fields: tuple = ()
-    # A vision-language model's tokens per image (0: text only), and whether an image's
+    # A vision-language model's tokens per encoder-cache page (0: text only: a page holds a
+    # fixed-size image, or part of an image cut at its own size), and whether an image's
     # tokens attend to each other in both directions (each token's `q_horizon`).
     image_tokens: int = 0
     image_spans: bool = False
+    # M-RoPE (Qwen-VL): every step carries [3, T] rotary positions (`StepInputs.mrope_positions`)
+    mrope: bool = False
     # enable_prompt_embeds: the model's hidden size D; every step then carries an embedding
     # row [T, D] per token slot and a mask of the slots that take it (0: off)
     embeds_dim: int = 0
@@ -89,6 +92,7 @@ class BatchLayout:
         image_tokens=0,
         image_spans=False,
         embeds_dim=0,
+        mrope=False,
     ):
         """`min_rows`: the smallest decode, token and sample bucket (see `min_dot_rows`).
         Buckets stop at what the limits can reach: a step holds at most `budget` tokens
@@ -115,6 +119,7 @@ class BatchLayout:
             image_tokens=image_tokens,
             image_spans=image_spans,
             embeds_dim=embeds_dim,
+            mrope=mrope,
         )
 
     def with_blocks(self, num_blocks: int) -> BatchLayout:

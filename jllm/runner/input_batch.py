@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jllm import mrope
 from jllm.sampling_params import MAX_SUPPRESS
 from jllm.scheduler_output import CachedRequestData, NewRequestData
 
@@ -68,6 +69,12 @@ class InputBatch:
         self.prompt_logprobs = np.zeros(rows, bool)  # the request asked for them
         self.bias_row = np.zeros(rows, np.int32)  # row in the logit-bias table (0: none)
         self.lora_slot = np.zeros(rows, np.int32)  # its LoRA adapter's device slot (0: none)
+        # M-RoPE (Qwen-VL): each row's positions minus index past its images, and the image
+        # spans of rows that have any (engine/mrope.py)
+        # and where its last image ends
+        self.mrope_delta = np.zeros(rows, np.int32)
+        self.mrope_end = np.zeros(rows, np.int32)
+        self.mrope_spans: dict[int, np.ndarray] = {}
         # Bad words of several tokens by row: their last token is masked per step when the
         # output ends with the rest.
         self.bad_words: dict[int, list[list[int]]] = {}
@@ -116,6 +123,13 @@ class InputBatch:
         self.prompt_logprobs[r] = p.prompt_logprobs is not None and not new.output_token_ids
         self.bias_row[r] = r + 1 if p.has_bias else 0
         self.lora_slot[r] = new.lora_slot
+        self.mrope_spans.pop(r, None)
+        self.mrope_delta[r] = self.mrope_end[r] = 0
+        if new.mrope_spans:
+            spans = np.asarray(new.mrope_spans, np.int64).reshape(-1, 4)
+            self.mrope_spans[r] = spans
+            self.mrope_delta[r] = mrope.delta(spans)
+            self.mrope_end[r] = spans[-1, 0] + spans[-1, 1]
         self.bad_words.pop(r, None)
         for proc, active, state in zip(
             self.logits_processors, self.proc_active, self.proc_state, strict=True

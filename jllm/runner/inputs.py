@@ -25,6 +25,7 @@ from jllm.runner.placement import (
     place_rows,
     plan_rows,
     prompt_logprob_rows,
+    rope_positions,
 )
 from jllm.runner.sampling_inputs import sampling_metadata
 from jllm.scheduler_output import PROMPT_LOGPROB_ROWS, SchedulerOutput
@@ -44,6 +45,7 @@ from jllm.scheduler_output import PROMPT_LOGPROB_ROWS, SchedulerOutput
         "embeds",
         "embeds_mask",
         "next_tokens",
+        "mrope_positions",
     ],
     meta_fields=[],
 )
@@ -72,6 +74,9 @@ class StepInputs:
     # [T] with an MTP draft: each token's successor in its request (the next token of the
     # step, or of the prompt past the chunk; 0 where it is yet to be sampled); else None
     next_tokens: jax.Array | None = None
+    # [3, T] with M-RoPE (Qwen-VL): each token's rotary positions (time, height, width), which
+    # `positions` (the sequence index, what attention and the cache read) is not
+    mrope_positions: jax.Array | None = None
 
 
 def successors(p: Placed, batch: InputBatch) -> np.ndarray:
@@ -151,5 +156,6 @@ def build_step(
         embeds,
         embeds_mask,
         next_tokens,
+        rope_positions(p, batch) if layout.mrope else None,
     )
     return inputs, md, p.groups, plan.shape, prompt_rows, p.tok_row

@@ -116,7 +116,8 @@ def _forward(
             _, draft_cache = draft(token_ids, draft_ctx, draft_cache)
     model = nnx.merge(graphdef, state)
     attn = batch.attn[: len(model.kv_cache_specs(model.cfg))]
-    ctx = StepContext(batch.positions, attn, backend, lora_slots=batch.lora_slots)
+    positions = batch.positions if batch.mrope_positions is None else batch.mrope_positions
+    ctx = StepContext(positions, attn, backend, lora_slots=batch.lora_slots)
     if images is not None:
         rows = images.reshape(-1, images.shape[-1])  # [slots * P, D]
         index = batch.embed_index

@@ -22,6 +22,7 @@ import dataclasses
 
 import numpy as np
 
+from jllm import mrope
 from jllm.attention.metadata import FlatBatch
 from jllm.runner.buckets import BatchLayout, bucket
 from jllm.runner.flat_batch import fill_decode_rows, padded_flat_batch
@@ -209,8 +210,23 @@ def place_rows(p: Placed, batch: InputBatch, plan: Rows, layout: BatchLayout, sp
         start += k * C
 
 
+def rope_positions(p: Placed, batch: InputBatch) -> np.ndarray:
+    """[3, T] int32 M-RoPE positions of the step's tokens (jllm/mrope.py): the index plus the
+    row's shift past its images, recomputed from the spans where a token is not past them."""
+    rows, pos = p.tok_row, p.positions
+    live = rows >= 0
+    out = np.broadcast_to(pos, (3, len(pos))).copy()
+    out[:, live] += batch.mrope_delta[rows[live]]
+    need = np.flatnonzero(live)
+    need = need[pos[need] < batch.mrope_end[rows[need]]]
+    for r in np.unique(rows[need]):
+        at = need[rows[need] == r]
+        out[:, at] = mrope.rope_positions(pos[at], batch.mrope_spans[int(r)])
+    return out
+
+
 def place_images(p: Placed, batch: InputBatch, out: SchedulerOutput, layout: BatchLayout):
-    """Each token's row in the encoder cache ([T], -1: none) from the slots of the images
+    """Each token's row in the encoder cache ([T], -1: none) from the pages of the images
     the step's tokens touch (`out.mm_slots`), and with bidirectional images each query's
     horizon (the flat batch's `q_horizon`: an image token's is its image's last token)."""
     P = layout.image_tokens
@@ -222,10 +238,11 @@ def place_images(p: Placed, batch: InputBatch, out: SchedulerOutput, layout: Bat
         start, r = p.flat_start[rid], batch.index[rid]
         nc, n = int(batch.num_computed[r]), int(out.num_scheduled_tokens[rid])
         pos = np.arange(nc, nc + n)
-        for offset, length, slot in images:
+        for offset, length, pages in images:
             inside = (pos >= offset) & (pos < offset + length)
             at = start + np.flatnonzero(inside)
-            index[at] = slot * P + pos[inside] - offset
+            j = pos[inside] - offset
+            index[at] = np.asarray(pages, np.int32)[j // P] * P + j % P
             if horizon is not None:
                 horizon[at] = offset + length - 1
     return index

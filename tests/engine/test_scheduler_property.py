@@ -67,8 +67,12 @@ def prompt(prefix: int, kind: int, n: int) -> list[int]:
     return PREFIXES[prefix][:cut] + [970 + i for i in range(n - cut)]
 
 
-def image(h: int, offset: int, length: int) -> ImageItem:
-    return ImageItem(bytes([h]) * 32, offset, length, np.zeros((1, 1, 1), np.float32))
+ENC_PAGE = 2  # tokens per encoder-cache page: images of 1..4 tokens take 1 or 2 pages
+
+
+def image(h: int, offset: int) -> ImageItem:
+    """Image h: h + 1 tokens (equal images are equally long) from `offset`."""
+    return ImageItem(bytes([h]) * 32, offset, h + 1, np.zeros((1, 1, 1), np.float32))
 
 
 class Proposer:
@@ -296,9 +300,9 @@ class CheckedScheduler(Scheduler):
             assert n >= 1 and len(drafts) <= self.config.num_lookahead_slots
             rows += prompt_logprob_rows(req, req.num_computed_tokens - n, n)
         assert rows <= self.lp_rows
-        images = {slot for slots in out.mm_slots.values() for _, _, slot in slots}
+        images = {pages for slots in out.mm_slots.values() for _, _, pages in slots}
         if self.encoder_cache is not None:
-            assert len(images) <= self.encoder_cache.num_slots
+            assert sum(map(len, images)) <= self.encoder_cache.num_pages
 
 
 def check_blocks(kv: KVCacheManager, sched: Scheduler) -> None:
@@ -336,7 +340,9 @@ def scenarios(draw):
     s.shared = s.second is not None and draw(st.booleans())  # one pool for both groups
     s.spare = [draw(st.sampled_from([0, 1, 2, 4, 8])), draw(st.integers(0, 3))]
     s.lora_slots = draw(st.sampled_from([0, 1, 2]))
-    s.enc_slots = draw(st.sampled_from([0, 2, 3]))
+    # Encoder-cache pages: at least what a prompt's two largest images take (a prompt is
+    # whole in a step without chunked prefill), as the engine sizes it.
+    s.enc_slots = draw(st.sampled_from([0, 4, 5]))
     s.bidirectional = draw(st.booleans())
     s.lp_rows = draw(st.sampled_from([6, 16, 256]))
     # Later arrivals first, sometimes: a running request then meets a victim scheduled
@@ -349,11 +355,10 @@ def scenarios(draw):
         if s.enc_slots and draw(st.booleans()):
             at = draw(st.integers(0, length - 1))
             for h in draw(st.lists(st.integers(0, 3), max_size=2)):
-                size = min(draw(st.integers(1, 4)), length - at)
-                if size < 1:
+                if at + h + 1 > length:
                     break
-                images.append(image(h, at, size))
-                at += size + draw(st.integers(0, 3))
+                images.append(image(h, at))
+                at += h + 1 + draw(st.integers(0, 3))
         prompt_logprobs = draw(st.sampled_from([None, None, 0]))
         if not s.chunked and length - 1 > s.lp_rows:
             prompt_logprobs = None  # the engine refuses these (llm_engine.py)
@@ -411,7 +416,7 @@ def build(s):
         config,
         kv,
         LoraSlots(s.lora_slots) if s.lora_slots else None,
-        EncoderCache(s.enc_slots) if s.enc_slots else None,
+        EncoderCache(s.enc_slots, ENC_PAGE) if s.enc_slots else None,
         s.bidirectional,
     )
     sched.lp_rows, sched.arrival = s.lp_rows, {}

@@ -20,7 +20,7 @@ from jllm import LLM, SamplingParams
 from jllm.distributed import codec
 from jllm.distributed.codec import MalformedMessage
 from jllm.lora.request import LoRARequest
-from jllm.runner.encoder import ImageEncoder
+from jllm.runner.encoder import ImageEncoder, PatchEncoder
 from jllm.runner.manager import RunnerManager
 from jllm.runner.penalty_state import PenaltyState
 from jllm.runner.state_copies import StateCopies, rounds
@@ -122,15 +122,39 @@ def _encoder():
     return ImageEncoder(None, vision, 3, 2, "float32", replicated(make_mesh(1)))
 
 
+def test_patch_encoder_wire_form_checks_pages_and_grid():
+    """Images cut at their own size: (pages, patches [n, K], grid) on the wire; pages past
+    the pool, a grid that is not the patches', or too few pages are refused."""
+    vision = types.SimpleNamespace(
+        tokens_per_image=4, text_hidden_size=8, unit=4, merge=2, patch_pixels=6
+    )
+    enc = PatchEncoder(None, vision, 5, 64, "float32", replicated(make_mesh(1)))
+    px = np.ones((32, 6), np.float32)  # a 4x8 grid: 8 tokens, 2 pages
+    images = [((3, 1), px, (1, 4, 8))]
+    back = enc.decode(codec.decode(codec.encode(enc.encode(images))))
+    assert back[0][0] == (3, 1) and back[0][2] == (1, 4, 8)
+    np.testing.assert_array_equal(back[0][1], px)
+    for bad in (
+        [[[3, 5], px, [1, 4, 8]]],  # page 5 is past the pool
+        [[[3], px, [1, 4, 8]]],  # 8 tokens need 2 pages
+        [[[3, 1], px, [1, 4, 4]]],  # 16 patches, not 32
+        [[[3, 1], px, [1, 3, 8]]],  # not whole merge squares
+        [[[3, 1], np.ones((32, 5), np.float32), [1, 4, 8]]],
+        [[[3, 1], px]],
+    ):
+        with pytest.raises(MalformedMessage):
+            enc.decode(bad)
+
+
 def _penalties():
     return PenaltyState(2, 32, 10, replicated(make_mesh(1)))
 
 
 def test_each_wire_form_round_trips_and_checks():
     enc = _encoder()
-    images = [(2, np.ones((3, 4, 4), np.float32))]
+    images = [((2,), np.ones((3, 4, 4), np.float32), None)]
     back = enc.decode(codec.decode(codec.encode(enc.encode(images))))
-    assert back[0][0] == 2 and np.array_equal(back[0][1], images[0][1])
+    assert back[0][0] == (2,) and np.array_equal(back[0][1], images[0][1])
     for bad in ([[3, images[0][1]]], [[0, np.ones((3, 4, 5), np.float32)]], [[0, [1.0]]]):
         with pytest.raises(MalformedMessage):
             enc.decode(bad)
