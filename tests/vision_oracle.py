@@ -284,3 +284,75 @@ class QwenVLOracle:
         with torch.no_grad():
             logits = self.model(**inputs).logits[0, n - 1 :].float()
         return torch.log_softmax(logits, -1).numpy()
+
+
+QWEN3_PIXELS = {"min_pixels": 64 * 64, "max_pixels": 256 * 256}
+
+
+def save_qwen3_vl(path: str, tokenizer_dir: str, moe: bool = False) -> str:
+    """Qwen3-VL: a 4-layer ViT (16-pixel patches, a learned 4x4 grid of positions,
+    DeepStack features from layers 0 and 2), a Qwen3 text model with interleaved M-RoPE
+    (sections 2, 3, 3 of its 8 frequencies), or with `moe` Qwen3-VL-MoE's (4 experts, top 2,
+    every layer sparse); images between 64x64 and 256x256 pixels."""
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.add_tokens(QWEN_TOKENS, special_tokens=True)
+    start, pad, _ = tok.convert_tokens_to_ids(QWEN_TOKENS)
+    text = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [2, 3, 3],
+            "mrope_interleaved": True,
+        },
+        initializer_range=0.25,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    vision = dict(
+        depth=4,
+        hidden_size=32,
+        intermediate_size=48,
+        num_heads=4,
+        patch_size=16,
+        out_hidden_size=64,
+        num_position_embeddings=16,
+        deepstack_visual_indexes=[0, 2],
+        initializer_range=0.25,
+    )
+    if moe:
+        # 2F = 96 beside D = 64: the stacked experts' two layouts differ in shape
+        text |= dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
+    kind = "Qwen3VLMoe" if moe else "Qwen3VL"
+    cfg = getattr(transformers, f"{kind}Config")(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=pad,
+        vision_start_token_id=start,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{kind}ForConditionalGeneration")(cfg)
+    with torch.no_grad():  # the norms made random, so a swap would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0 if name.endswith("weight") else 0.0, 0.3)
+    model.save_pretrained(path)
+    images = transformers.Qwen2VLImageProcessorPil(
+        patch_size=16,
+        min_pixels=QWEN3_PIXELS["min_pixels"],
+        max_pixels=QWEN3_PIXELS["max_pixels"],
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+    )
+    images.save_pretrained(path)
+    tok.chat_template = TEMPLATE.replace("PLACEHOLDER", QWEN_IMAGE)
+    tok.save_pretrained(path)
+    return path

@@ -36,7 +36,16 @@ from jllm.models import state
 
 @partial(
     jax.tree_util.register_dataclass,
-    data_fields=["positions", "attn", "live", "layer", "lora_slots", "embeds", "embeds_mask"],
+    data_fields=[
+        "positions",
+        "attn",
+        "live",
+        "layer",
+        "lora_slots",
+        "embeds",
+        "embeds_mask",
+        "deep_embeds",
+    ],
     meta_fields=["backend", "group", "pools", "routes"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +59,9 @@ class StepContext:
     lora_slots: jax.Array | None = None  # [T] int32 adapter slot per token (0: none)
     embeds: jax.Array | None = None  # [T, D] embeddings that replace the tokens' own
     embeds_mask: jax.Array | None = None  # [T] bool: where `embeds` replaces them
+    # [Ld, T, D] DeepStack (Qwen3-VL): added, where `embeds_mask`, to the hidden states after
+    # each of the first Ld decoder layers
+    deep_embeds: jax.Array | None = None
     pools: tuple = ()  # each group's pool, its cache's index (static; empty: one per group)
     # enable_return_routed_experts: the current layer's RouteLog (below), where its
     # experts' router leaves the step's top-k expert ids; None: not recorded (static)

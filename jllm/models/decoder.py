@@ -86,6 +86,14 @@ class Segment:
         return len(self.pattern) * self.repeats
 
 
+def add_deepstack(x, ctx: StepContext, layer):
+    """x [T, D] after decoder layer `layer` (traced) plus, at the image tokens, DeepStack's
+    features for that layer (`ctx.deep_embeds` [Ld, T, D]; none past the first Ld)."""
+    deep = ctx.deep_embeds
+    feature = deep[jnp.minimum(layer, deep.shape[0] - 1)].astype(x.dtype)
+    return jnp.where((ctx.embeds_mask & (layer < deep.shape[0]))[:, None], x + feature, x)
+
+
 def plan_segments(kinds: Sequence[Hashable]) -> tuple[Segment, ...]:
     """The layer kinds in order -> segments that cover them in order: from each start, the
     pattern whose repeats cover the most layers (at least two repeats; the shortest such
@@ -369,6 +377,8 @@ class CausalLM(nnx.Module):
         if stages > 1:
             if routes_k:
                 raise ValueError("Routed experts are not recorded under pipeline stages yet.")
+            if ctx.deep_embeds is not None:
+                raise ValueError("DeepStack image features are not run under pipeline stages yet.")
             x, kv_caches = pipeline.run(self, x, ctx, kv_caches, stages, in_place)
         else:
             for s in range(len(self.segments)):
@@ -415,6 +425,9 @@ class CausalLM(nnx.Module):
                         x,
                         kv_caches,
                     )
+                if ctx.deep_embeds is not None:
+                    seg = self.segments[s]
+                    x = add_deepstack(x, ctx, seg.first + repeat * len(seg.pattern) + j)
                 if routes_k:
                     ids = layer_ctx.routes.ids
                     routes.append(jnp.zeros((T, routes_k), jnp.int32) if ids is None else ids)

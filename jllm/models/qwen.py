@@ -7,6 +7,7 @@ Glossary: T tokens, D model dim.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from flax import nnx
@@ -22,6 +23,7 @@ from jllm.models.architecture import (
 from jllm.models.blocks import Attention, DecoderLayer, GatedMLP, layer_window
 from jllm.models.config import DecoderConfig
 from jllm.models.llama import LlamaForCausalLM
+from jllm.models.rope import mrope_rows
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +40,21 @@ class QwenConfig(DecoderConfig):
     def qwen3(cls, hf) -> QwenConfig:
         bias = bool(getattr(hf, "attention_bias", False))
         return cls(**DecoderConfig.fields_of(hf), qkv_bias=bias, o_bias=bias, qk_norm=True)
+
+    @classmethod
+    def qwen3_vl(cls, hf) -> QwenConfig:
+        """Qwen3-VL's text model: Qwen3's with M-RoPE's rows interleaved, as transformers
+        runs it whatever `mrope_interleaved` says."""
+        return interleaved_mrope(cls.qwen3(hf), hf)
+
+
+def interleaved_mrope(cfg, hf):
+    """`cfg` with its M-RoPE rows interleaved (Qwen3-VL's: models/rope.py `mrope_rows`)."""
+    section = (getattr(hf, "rope_parameters", None) or {}).get("mrope_section")
+    if section is None:
+        return cfg
+    rope = dataclasses.replace(cfg.rope, mrope_rows=mrope_rows(section, True))
+    return dataclasses.replace(cfg, rope=rope)
 
 
 def qwen_attention(cfg, dtype, rngs: nnx.Rngs, kind) -> Attention:
@@ -86,6 +103,7 @@ def _architecture(name: str, config) -> Architecture:
 ARCHITECTURES = {
     "Qwen2ForCausalLM": _architecture("Qwen2ForCausalLM", QwenConfig.qwen2),
     "Qwen3ForCausalLM": _architecture("Qwen3ForCausalLM", QwenConfig.qwen3),
+    "Qwen3VLTextModel": _architecture("Qwen3VLTextModel", QwenConfig.qwen3_vl),
 }
 
 GGUF = {

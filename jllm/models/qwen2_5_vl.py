@@ -53,6 +53,16 @@ class QwenVisionConfig:
     tokens_per_image: int = 16  # the encoder cache's page
     bidirectional: bool = False
     variable: bool = True  # images at their own size
+    # Qwen3-VL (models/qwen3_vl.py): the learned position grid's side (0: none) and the
+    # layers whose features also go, merged, to the first decoder layers (DeepStack)
+    position_side: int = 0
+    deepstack: tuple[int, ...] = ()
+
+    @property
+    def embed_width(self) -> int:
+        """An image token's row in the encoder cache: its embedding, then its DeepStack
+        features for the first decoder layers."""
+        return self.text_hidden_size * (1 + len(self.deepstack))
 
     @property
     def patch_pixels(self) -> int:  # K
@@ -65,25 +75,55 @@ class QwenVisionConfig:
     def pack(self, images, B: int, page: int, pool_tokens: int) -> dict:
         """The encoder's inputs for `images` ((pages, patches [n, K], grid (t, h, w)) each)
         in a bucket of B patches: numpy arrays (module docstring)."""
-        patches = np.zeros((B, self.patch_pixels), np.float32)
-        hw = np.zeros((2, B), np.int32)
-        window = np.full(B, -1, np.int32)
-        image = np.full(B, -1, np.int32)
-        dest = np.full(B // self.unit, pool_tokens, np.int32)  # past the pool: dropped
+        out = dict(
+            patches=np.zeros((B, self.patch_pixels), np.float32),
+            hw=np.zeros((2, B), np.int32),
+            window=np.full(B, -1, np.int32),
+            image=np.full(B, -1, np.int32),
+            dest=np.full(B // self.unit, pool_tokens, np.int32),  # past the pool: dropped
+        )
+        if self.position_side:  # bilinear taps into the learned grid [B, 4]
+            out["taps"] = np.zeros((B, 4), np.int32)
+            out["tap_weights"] = np.zeros((B, 4), np.float32)
         at, windows = 0, 0
         for i, (pages, px, grid) in enumerate(images):
             order, seg, pos = self.layout(grid)
             n = len(order) * self.unit
-            units = order[:, None] * self.unit + np.arange(self.unit)
-            patches[at : at + n] = px[units.reshape(-1)]
-            hw[:, at : at + n] = pos[:, units.reshape(-1)]
-            window[at : at + n] = np.repeat(seg + windows, self.unit)
-            image[at : at + n] = i
+            units = (order[:, None] * self.unit + np.arange(self.unit)).reshape(-1)
+            out["patches"][at : at + n] = px[units]
+            out["hw"][:, at : at + n] = pos[:, units]
+            out["window"][at : at + n] = np.repeat(seg + windows, self.unit)
+            out["image"][at : at + n] = i
+            if self.position_side:
+                taps, weights = self.position_taps(grid, pos)
+                out["taps"][at : at + n], out["tap_weights"][at : at + n] = (
+                    taps[units],
+                    weights[units],
+                )
             pages = np.asarray(pages, np.int32)
             u0 = at // self.unit
-            dest[u0 : u0 + len(order)] = pages[order // page] * page + order % page
+            out["dest"][u0 : u0 + len(order)] = pages[order // page] * page + order % page
             at, windows = at + n, windows + int(seg.max()) + 1
-        return dict(patches=patches, hw=hw, window=window, image=image, dest=dest)
+        return out
+
+    def position_taps(self, grid, pos) -> tuple[np.ndarray, np.ndarray]:
+        """Qwen3-VL: each patch's four taps into the learned square grid of positions and
+        their weights, bilinear with aligned corners (transformers'
+        `get_vision_interpolation_indices_and_weights`), from its (row, column) `pos`."""
+        side = self.position_side
+        _, h, w = (int(v) for v in grid)
+
+        def axis(index, size):
+            src = index.astype(np.float32) * np.float32(side - 1) / np.float32(max(size - 1, 1))
+            floor = np.floor(src)
+            taps = floor.astype(np.int64)[:, None] + np.arange(2)
+            weights = np.maximum(1 - np.abs(src[:, None] - floor[:, None] - np.arange(2)), 0)
+            return np.clip(taps, 0, side - 1), weights.astype(np.float32)
+
+        (ht, hw_), (wt, ww) = axis(pos[0], h), axis(pos[1], w)
+        taps = (ht[:, :, None] * side + wt[:, None, :]).reshape(-1, 4)
+        weights = (hw_[:, :, None] * ww[:, None, :]).reshape(-1, 4)
+        return taps.astype(np.int32), weights
 
     def layout(self, grid) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(merged tokens in window order [U], each one's window [U], each patch's (row,
@@ -92,6 +132,13 @@ class QwenVisionConfig:
         t, h, w = (int(v) for v in grid)
         m = self.merge
         gh, gw = h // m, w // m
+        rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+        block = (gh, m, gw, m)
+        rows = rows.reshape(block).transpose(0, 2, 1, 3).reshape(-1)
+        cols = cols.reshape(block).transpose(0, 2, 1, 3).reshape(-1)
+        pos = np.tile(np.stack([rows, cols]), (1, t))
+        if not self.window_size:  # every layer attends to the whole image (Qwen3-VL)
+            return np.arange(t * gh * gw), np.zeros(t * gh * gw, np.int32), pos
         side = self.window_size // m // self.patch_size  # merged tokens per window side
         nh, nw = -(-gh // side), -(-gw // side)
         idx = np.arange(t * gh * gw).reshape(t, gh, gw)
@@ -103,11 +150,6 @@ class QwenVisionConfig:
         keep = tiles >= 0
         order, seg = tiles[keep], seg[keep]
         _, seg = np.unique(seg, return_inverse=True)  # windows numbered without the empty
-        rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
-        block = (gh, m, gw, m)
-        rows = rows.reshape(block).transpose(0, 2, 1, 3).reshape(-1)
-        cols = cols.reshape(block).transpose(0, 2, 1, 3).reshape(-1)
-        pos = np.tile(np.stack([rows, cols]), (1, t))
         return order, seg.astype(np.int32), pos
 
 
@@ -228,9 +270,10 @@ class VisionTower(nnx.Module):
         n = len(inv)
         return RopeConfig(tuple(map(float, [*inv, *inv])), mrope_rows=(0,) * n + (1,) * n)
 
-    def __call__(self, patches, hw, window, image):
+    def __call__(self, inputs: dict):
         cfg = self.cfg
-        x = self.patch_embed(patches)
+        hw, window, image = inputs["hw"], inputs["window"], inputs["image"]
+        x = self.patch_embed(inputs["patches"].astype(self.patch_embed.weight.dtype))
         full = np.zeros(cfg.num_layers, bool)
         full[list(cfg.full_layers)] = True
         graphdef, state = nnx.split(self.blocks)
@@ -252,13 +295,15 @@ class QwenVisionLanguageModel:
     def init_vision(self, cfg: QwenVisionConfig, dtype, rngs):
         self.visual = VisionTower(cfg, dtype, rngs)
 
-    def encode_patches(self, patches, hw, window, image):
-        """Packed patches -> [U, D] merged tokens in the model's dtype (in window order:
-        `pack`'s `dest` says where each goes)."""
-        return self.visual(patches.astype(self.dtype), hw, window, image).astype(self.dtype)
+    def encode_patches(self, inputs: dict):
+        """Packed patches (`QwenVisionConfig.pack`'s arrays) -> [U, embed_width] merged tokens
+        in the model's dtype, in window order (`pack`'s `dest` says where each goes)."""
+        return self.visual(inputs).astype(self.dtype)
 
 
-def _rename(name: str) -> str | None:
+def rename_from(name: str) -> str:
+    """A Qwen-VL checkpoint's names -> ours: the text model's at the text family's, the
+    tower's at `visual.` (the patch embedding's Conv3d and the merger's MLP renamed)."""
     for old, new in (
         ("model.language_model.", "model."),
         ("model.visual.", "visual."),
@@ -277,6 +322,6 @@ ARCHITECTURES = {
         vision_config=qwen2_5_vision_config,
         projector=None,
         mixin=QwenVisionLanguageModel,
-        rename=_rename,
+        rename=rename_from,
     )
 }

@@ -5,21 +5,29 @@ Qwen2-MoE adds a shared expert behind a sigmoid gate (`models/moe.py`).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
+import numpy as np
 from flax import nnx
 
 from jllm.models.architecture import (
     LAYER_NORMS,
     TOP_WEIGHTS,
     Architecture,
+    cut_stacked_experts,
     expert_weights,
     mlp_weights,
 )
 from jllm.models.blocks import DecoderLayer, GatedMLP, split_kind
 from jllm.models.config import DecoderConfig
 from jllm.models.moe import MoE, MoeConfig, MoeForCausalLM
-from jllm.models.qwen import QwenConfig, qwen_attention, qwen_attention_weights
+from jllm.models.qwen import (
+    QwenConfig,
+    interleaved_mrope,
+    qwen_attention,
+    qwen_attention_weights,
+)
 
 
 def sparse_layers(hf) -> tuple[bool, ...]:
@@ -43,7 +51,8 @@ class QwenMoeConfig(QwenConfig):
             sparse_layers=sparse_layers(hf),
             num_experts=hf.num_experts,
             intermediate_size=hf.moe_intermediate_size,
-            norm_topk_prob=hf.norm_topk_prob,
+            # Qwen3-VL-MoE's config has no flag: its router always renormalises the top k
+            norm_topk_prob=getattr(hf, "norm_topk_prob", True),
             shared=0 if qwen3 else hf.shared_expert_intermediate_size,
         )
         if qwen3:
@@ -92,17 +101,48 @@ def layer_weights(cfg: QwenMoeConfig) -> dict:
     return qwen_attention_weights(cfg) | LAYER_NORMS | mlp_names(cfg.moe)
 
 
-def _architecture(name: str, qwen3: bool) -> Architecture:
+_STACKED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)")
+
+
+def stacked_experts(weights, cfg):
+    """Qwen3-VL-MoE's checkpoints stack each layer's experts (`experts.gate_up_proj`
+    [E, D, 2F], gate first, and `experts.down_proj` [E, F, D]): cut per expert. Files
+    transformers saves hold its modules' layout instead ([E, 2F, D] and [E, D, F]), which
+    the model's width tells apart (transformers' loader transposes by shape too)."""
+    for name, w in weights:
+        m = _STACKED.fullmatch(name)
+        if m is None:
+            yield name, w
+            continue
+        w = np.asarray(w)
+        module_layout = (
+            w.shape[2] == cfg.hidden_size
+            if m.group(2) == "gate_up_proj"
+            else (w.shape[1] == cfg.hidden_size)
+        )
+        if module_layout:
+            w = w.transpose(0, 2, 1)
+        yield from cut_stacked_experts(m.group(1), m.group(2), w, False)
+
+
+def _architecture(name: str, qwen3: bool, vl: bool = False) -> Architecture:
+    def config(hf):
+        cfg = QwenMoeConfig.from_hf(hf, qwen3)
+        return interleaved_mrope(cfg, hf) if vl else cfg
+
     return Architecture(
         name=name,
-        config=lambda hf: QwenMoeConfig.from_hf(hf, qwen3),
+        config=config,
         module=QwenMoeForCausalLM,
         layer_weights=layer_weights,
         top_weights=TOP_WEIGHTS,
+        regroup=stacked_experts if vl else (lambda weights, cfg: weights),
     )
 
 
 ARCHITECTURES = {
     "Qwen2MoeForCausalLM": _architecture("Qwen2MoeForCausalLM", qwen3=False),
     "Qwen3MoeForCausalLM": _architecture("Qwen3MoeForCausalLM", qwen3=True),
+    # Qwen3-VL-MoE's language model: Qwen3-MoE's with interleaved M-RoPE
+    "Qwen3VLMoeTextModel": _architecture("Qwen3VLMoeTextModel", qwen3=True, vl=True),
 }

@@ -45,6 +45,10 @@ MODEL_TYPES: dict[str, tuple[str, str]] = {
     "gemma3": ("gemma3_mm", "Gemma3ForConditionalGeneration"),
     "qwen2_5_vl": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
     "qwen2_5_vl_text": ("qwen", "Qwen2ForCausalLM"),  # Qwen2.5-VL's language model
+    "qwen3_vl": ("qwen3_vl", "Qwen3VLForConditionalGeneration"),
+    "qwen3_vl_text": ("qwen", "Qwen3VLTextModel"),  # Qwen3-VL's language model
+    "qwen3_vl_moe": ("qwen3_vl", "Qwen3VLMoeForConditionalGeneration"),
+    "qwen3_vl_moe_text": ("qwen_moe", "Qwen3VLMoeTextModel"),
 }
 _BY_CLASS = {cls: (module, cls) for module, cls in MODEL_TYPES.values()}
 

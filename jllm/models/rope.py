@@ -90,7 +90,7 @@ def mrope_rows(section, interleaved: bool) -> tuple[int, ...]:
         return (0,) * t + (1,) * h + (2,) * w
     rows = [0] * (t + h + w)
     for row, count in ((1, h), (2, w)):
-        for i in range(row, 3 * count, 3):
+        for i in range(row, min(3 * count, len(rows)), 3):  # transformers' slice stops there
             rows[i] = row
     return tuple(rows)
 

@@ -105,9 +105,7 @@ def encode_patches_step(state, pool, inputs, *, graphdef):
     """Packed patches (`QwenVisionConfig.pack`) -> their merged tokens written at `dest` of
     the flattened pool [pages * P, D] (past it, padding, writes nothing)."""
     model = nnx.merge(graphdef, state)
-    tokens = model.encode_patches(
-        inputs["patches"], inputs["hw"], inputs["window"], inputs["image"]
-    )
+    tokens = model.encode_patches(inputs)
     flat = pool.reshape(-1, pool.shape[-1])
     flat = flat.at[inputs["dest"]].set(tokens.astype(pool.dtype), mode="drop")
     return flat.reshape(pool.shape)
@@ -123,7 +121,7 @@ class PatchEncoder(ImageEncoder):
         self.vision = vision
         self.num_slots = num_pages
         self.page = vision.tokens_per_image
-        shape = (num_pages, self.page, vision.text_hidden_size)
+        shape = (num_pages, self.page, vision.embed_width)
         self.pool = jax.device_put(np.zeros(shape, jnp.dtype(dtype)), sharding)
         self.sharding = sharding
         self.max_patches = max_patches

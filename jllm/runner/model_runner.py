@@ -119,9 +119,14 @@ def _forward(
     positions = batch.positions if batch.mrope_positions is None else batch.mrope_positions
     ctx = StepContext(positions, attn, backend, lora_slots=batch.lora_slots)
     if images is not None:
-        rows = images.reshape(-1, images.shape[-1])  # [slots * P, D]
+        rows = images.reshape(-1, images.shape[-1])  # [pages * P, W]
         index = batch.embed_index
-        ctx = ctx.replace(embeds=rows[jnp.maximum(index, 0)], embeds_mask=index >= 0)
+        gathered = rows[jnp.maximum(index, 0)]  # [T, W]: the embedding, then DeepStack's
+        D = model.cfg.hidden_size
+        ctx = ctx.replace(embeds=gathered[:, :D], embeds_mask=index >= 0)
+        if gathered.shape[1] > D:
+            deep = gathered[:, D:].reshape(gathered.shape[0], -1, D)
+            ctx = ctx.replace(deep_embeds=deep.transpose(1, 0, 2))
     elif batch.embeds is not None:  # enable_prompt_embeds: embeddings prompts' rows
         ctx = ctx.replace(embeds=batch.embeds, embeds_mask=batch.embeds_mask)
     hidden, kv_cache, routes = model.forward(token_ids, ctx, kv_cache, routes_k)

@@ -1,9 +1,10 @@
-"""Qwen2.5-VL against transformers: images cut at their own size (a different token count per
-image), windowed and full vision attention, M-RoPE positions; a tiny random model built by
-the test, in float32, with chunked prefill through images, several images in one prompt and
-in one encoder call, the prefix cache keyed by image, preemption, the chat API, TP = 2, and
-bad input. The M-RoPE positions and the encoder's window layout are also checked piece by
-piece against transformers' own functions."""
+"""Qwen2.5-VL and Qwen3-VL against transformers: images cut at their own size (a different
+token count per image), windowed and full vision attention, M-RoPE positions (interleaved for
+Qwen3-VL), Qwen3-VL's learned position grid and DeepStack features; tiny random models built
+by the test, in float32, with chunked prefill through images, several images in one prompt
+and in one encoder call, the prefix cache keyed by image, preemption, the chat API, TP = 2,
+and bad input. The M-RoPE positions, the encoder's window layout and the position grid's
+taps are also checked piece by piece against transformers' own functions."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from vision_oracle import (
     QwenVLOracle,
     assert_matches_oracle,
     save_qwen2_5_vl,
+    save_qwen3_vl,
 )
 
 from jllm import LLM, SamplingParams
@@ -278,3 +280,70 @@ def test_images_need_no_torch(qwen_dir):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["ok", "256"]
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory, tokenizer_dir):
+    return save_qwen3_vl(str(tmp_path_factory.mktemp("qwen3_vl")), tokenizer_dir)
+
+
+def test_qwen3_vl_matches_transformers(qwen3_dir):
+    """Qwen3-VL (16-pixel patches: the sizes give grids 4x12, 10x8, 16x16 and, scaled, 10x16
+    patches): one, two and three images and text only, chunked at 32 tokens, so DeepStack's
+    features reach the first decoder layers chunk by chunk; and a prefix hit through an
+    image answers as the first run."""
+    llm = LLM(qwen3_dir, **ENGINE)
+    oracle = QwenVLOracle(qwen3_dir)
+    pairs = cases(seed=60)
+    outs = generate(llm, pairs)
+    for (prompt, ims), out in zip(pairs, outs, strict=True):
+        assert_matches_oracle(oracle, prompt, ims, out)
+    again = generate(llm, pairs[:1])[0]
+    assert again.num_cached_tokens > 0
+    assert again.outputs[0].token_ids == outs[0].outputs[0].token_ids
+    assert llm.llm_engine.runner.encoder.pool.shape[-1] == 64 * 3  # embedding + 2 DeepStack
+
+
+def test_position_taps_equal_transformers(qwen3_dir):
+    """Qwen3-VL's bilinear taps into its learned grid equal transformers'
+    get_vision_interpolation_indices_and_weights, in the merge squares' order."""
+    from transformers import AutoConfig
+    from transformers.vision_utils import get_vision_interpolation_indices_and_weights
+
+    from jllm.models.qwen3_vl import qwen3_vision_config
+
+    cfg = qwen3_vision_config(AutoConfig.from_pretrained(qwen3_dir))
+    for grid in [(1, 4, 12), (1, 10, 8), (1, 16, 16), (1, 2, 2)]:
+        _, _, pos = cfg.layout(grid)
+        taps, weights = cfg.position_taps(grid, pos)
+        want_taps, want_weights = get_vision_interpolation_indices_and_weights(
+            torch.tensor([grid]), cfg.position_side, align_corners=True, spatial_merge_size=2
+        )
+        np.testing.assert_array_equal(taps, want_taps.numpy())
+        np.testing.assert_allclose(weights, want_weights.numpy(), rtol=0, atol=1e-7)
+
+
+def test_qwen3_vl_moe_matches_transformers(tmp_path, tokenizer_dir):
+    """Qwen3-VL-MoE (4 experts, top 2): equal to transformers, from the file transformers
+    saves (its modules' stacked layout) and from the released layout ([E, D, 2F] and
+    [E, F, D], which the test writes), with experts split over two devices (EP)."""
+    import shutil
+
+    import safetensors.numpy
+
+    path = save_qwen3_vl(str(tmp_path / "moe"), tokenizer_dir, moe=True)
+    oracle = QwenVLOracle(path)
+    pairs = cases(seed=70)[:2]
+    outs = generate(LLM(path, **ENGINE), pairs)
+    for (prompt, ims), out in zip(pairs, outs, strict=True):
+        assert_matches_oracle(oracle, prompt, ims, out)
+    released = str(tmp_path / "released")
+    shutil.copytree(path, released)
+    file = f"{released}/model.safetensors"
+    tensors = safetensors.numpy.load_file(file)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        tensors[name] = np.ascontiguousarray(tensors[name].transpose(0, 2, 1))
+    safetensors.numpy.save_file(tensors, file, metadata={"format": "pt"})
+    llm = LLM(released, tensor_parallel_size=2, enable_expert_parallel=True, **ENGINE)
+    again = generate(llm, pairs)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]

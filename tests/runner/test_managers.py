@@ -126,7 +126,7 @@ def test_patch_encoder_wire_form_checks_pages_and_grid():
     """Images cut at their own size: (pages, patches [n, K], grid) on the wire; pages past
     the pool, a grid that is not the patches', or too few pages are refused."""
     vision = types.SimpleNamespace(
-        tokens_per_image=4, text_hidden_size=8, unit=4, merge=2, patch_pixels=6
+        tokens_per_image=4, embed_width=8, unit=4, merge=2, patch_pixels=6
     )
     enc = PatchEncoder(None, vision, 5, 64, "float32", replicated(make_mesh(1)))
     px = np.ones((32, 6), np.float32)  # a 4x8 grid: 8 tokens, 2 pages
