@@ -28,7 +28,8 @@ from jllm.models.layers import RMSNorm
 from jllm.models.rope import RopeConfig, apply_rope
 from jllm.models.vision import Dense, VisionFamily, vision_activation
 
-QUERY_BLOCK = 1024  # queries per attention block: scores [A, QUERY_BLOCK, B] at a time
+QUERY_BLOCK = 1024  # queries per block of whole-image attention: scores [A, 1024, B]
+WINDOW_BLOCK = 128  # queries per block of window attention: scores [A, 128, 128 + 2 span]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +72,11 @@ class QwenVisionConfig:
     @property
     def unit(self) -> int:  # patches per merged token
         return self.merge**2
+
+    @property
+    def window_patches(self) -> int:
+        """The most patches one window holds."""
+        return (self.window_size // self.patch_size) ** 2
 
     def pack(self, images, B: int, page: int, pool_tokens: int) -> dict:
         """The encoder's inputs for `images` ((pages, patches [n, K], grid (t, h, w)) each)
@@ -174,19 +180,31 @@ def qwen2_5_vision_config(hf) -> QwenVisionConfig:
     )
 
 
-def segment_attention(q, k, v, seg):
+def segment_attention(q, k, v, seg, span: int = 0):
     """softmax(q k^T / sqrt(Hd)) v over the keys of each query's segment: q, k, v [B, A, Hd],
-    seg [B]; in blocks of QUERY_BLOCK queries."""
+    seg [B]; in blocks of queries. With `span` (the longest segment: a window's patches),
+    a block of Q queries scores only the Q + 2 span keys around it, which hold every key of
+    its segments (segments are contiguous); else every key of the bucket."""
     B, A, Hd = q.shape
-    Q = min(B, QUERY_BLOCK)
+    Q = min(B, WINDOW_BLOCK if span else QUERY_BLOCK)
+    keys, kseg, width = k, seg, B
+    if span:  # padded so each block's slice stays inside; padding keys match no segment
+        keys = jnp.pad(k, ((span, span), (0, 0), (0, 0)))
+        v = jnp.pad(v, ((span, span), (0, 0), (0, 0)))
+        kseg = jnp.pad(seg, (span, span), constant_values=-2)
+        width = Q + 2 * span
 
     def block(i):
         qb = jax.lax.dynamic_slice_in_dim(q, i * Q, Q)
         sb = jax.lax.dynamic_slice_in_dim(seg, i * Q, Q)
-        s = jnp.einsum("QAH,BAH->AQB", qb, k, preferred_element_type=jnp.float32)
-        s = jnp.where((sb[:, None] == seg[None, :])[None], s * Hd**-0.5, -jnp.inf)
-        p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-        return jnp.einsum("AQB,BAH->QAH", p, v)
+        at = i * Q if span else 0
+        kb = jax.lax.dynamic_slice_in_dim(keys, at, width)
+        vb = jax.lax.dynamic_slice_in_dim(v, at, width)
+        skb = jax.lax.dynamic_slice_in_dim(kseg, at, width)
+        s = jnp.einsum("QAH,KAH->AQK", qb, kb, preferred_element_type=jnp.float32)
+        s = jnp.where((sb[:, None] == skb[None, :])[None], s * Hd**-0.5, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1).astype(vb.dtype)
+        return jnp.einsum("AQK,KAH->QAH", p, vb)
 
     out = jax.lax.map(block, jnp.arange(B // Q))  # [B / Q, Q, A, Hd]
     return out.reshape(B, A, Hd)
@@ -200,8 +218,8 @@ class VisionBlock(nnx.Module):
         self.norm2 = RMSNorm(E, 1e-6, dtype)
         self.mlp = VisionMLP(E, F, cfg.hidden_act, dtype, rngs)
 
-    def __call__(self, x, hw, seg, rope):
-        x = x + self.attn(self.norm1(x), hw, seg, rope)
+    def __call__(self, x, hw, seg, rope, span: int = 0):
+        x = x + self.attn(self.norm1(x), hw, seg, rope, span)
         return x + self.mlp(self.norm2(x))
 
 
@@ -212,12 +230,12 @@ class VisionAttention(nnx.Module):
         self.qkv = Dense(E, 3 * E, dtype, rngs)
         self.proj = Dense(E, E, dtype, rngs)
 
-    def __call__(self, x, hw, seg, rope):  # x [B, E]
+    def __call__(self, x, hw, seg, rope, span: int = 0):  # x [B, E]
         B, E = x.shape
         A = self.num_heads
         q, k, v = jnp.moveaxis(self.qkv(x).reshape(B, 3, A, E // A), 1, 0)
         q, k = apply_rope(q, hw, rope), apply_rope(k, hw, rope)
-        return self.proj(segment_attention(q, k, v, seg).reshape(B, E))
+        return self.proj(segment_attention(q, k, v, seg, span).reshape(B, E))
 
 
 class VisionMLP(nnx.Module):
@@ -279,10 +297,18 @@ class VisionTower(nnx.Module):
         graphdef, state = nnx.split(self.blocks)
         rope = self.rope()
 
+        span = cfg.window_patches
+
         def body(x, layer):
             layer_state, is_full = layer
-            seg = jnp.where(is_full, image, window)
-            return nnx.merge(graphdef, layer_state)(x, hw, seg, rope), None
+            block = nnx.merge(graphdef, layer_state)
+            x = jax.lax.cond(
+                is_full,
+                lambda x: block(x, hw, image, rope),
+                lambda x: block(x, hw, window, rope, span),
+                x,
+            )
+            return x, None
 
         x, _ = jax.lax.scan(body, x, (state, jnp.asarray(full)))
         return self.merger(x)
