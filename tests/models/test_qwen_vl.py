@@ -347,3 +347,38 @@ def test_qwen3_vl_moe_matches_transformers(tmp_path, tokenizer_dir):
     llm = LLM(released, tensor_parallel_size=2, enable_expert_parallel=True, **ENGINE)
     again = generate(llm, pairs)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
+
+
+def test_server_chat_equals_llm_chat(qwen, qwen_dir):
+    """The openai client against the server: a Qwen2.5-VL chat with a data URL answers as
+    LLM.chat; mm_processor_kwargs above the engine's max_pixels is a 400, and the server
+    goes on."""
+    import base64
+    import io
+
+    import openai
+    from openai_server import MODEL_NAME, serving
+
+    image = images(1, seed=8)[0]
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    content = [
+        {"type": "text", "text": "What is it? "},
+        {"type": "image_url", "image_url": {"url": url}},
+    ]
+    messages = [{"role": "user", "content": content}]
+    expected = qwen.chat(messages, GREEDY, use_tqdm=False)[0].outputs[0].text
+    with serving(qwen_dir, "--limit-mm-per-prompt", '{"image": 1}') as running:
+        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="x", max_retries=0)
+        ask = dict(model=MODEL_NAME, messages=messages, max_tokens=GREEDY.max_tokens)
+        reply = client.chat.completions.create(
+            **ask, temperature=0.0, extra_body={"ignore_eos": True}
+        )
+        assert reply.choices[0].message.content == expected
+        with pytest.raises(openai.BadRequestError, match="above the engine's"):
+            client.chat.completions.create(
+                **ask, extra_body={"mm_processor_kwargs": {"max_pixels": 1 << 24}}
+            )
+        again = client.chat.completions.create(**ask, temperature=0.0)
+        assert again.choices[0].finish_reason in ("length", "stop")
