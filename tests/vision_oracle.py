@@ -190,10 +190,9 @@ QWEN_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
 QWEN_PIXELS = {"min_pixels": 56 * 56, "max_pixels": 224 * 224}
 
 
-def save_qwen2_5_vl(path: str, tokenizer_dir: str) -> str:
-    """Qwen2.5-VL: a 4-layer ViT (14-pixel patches, windows of 2x2 merged tokens, layers 1
-    and 3 full), the patch merger, a Qwen2 text model with M-RoPE (sections 2, 3, 3 of its 8
-    frequencies); images between 56x56 and 224x224 pixels."""
+def _qwen_parts(tokenizer_dir: str, **text_kw):
+    """The tokenizer with Qwen's vision tokens (and their ids: start, pad), and the tiny text
+    and vision config dicts both Qwen-VL savers start from."""
     tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     tok.add_tokens(QWEN_TOKENS, special_tokens=True)
     start, pad, _ = tok.convert_tokens_to_ids(QWEN_TOKENS)
@@ -201,7 +200,6 @@ def save_qwen2_5_vl(path: str, tokenizer_dir: str) -> str:
         vocab_size=len(tok),
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=1024,
@@ -209,6 +207,7 @@ def save_qwen2_5_vl(path: str, tokenizer_dir: str) -> str:
         initializer_range=0.25,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
+        **text_kw,
     )
     vision = dict(
         depth=4,
@@ -216,10 +215,17 @@ def save_qwen2_5_vl(path: str, tokenizer_dir: str) -> str:
         intermediate_size=48,
         num_heads=4,
         out_hidden_size=64,
-        window_size=56,
-        fullatt_block_indexes=[1, 3],
         initializer_range=0.25,
     )
+    return tok, start, pad, text, vision
+
+
+def save_qwen2_5_vl(path: str, tokenizer_dir: str) -> str:
+    """Qwen2.5-VL: a 4-layer ViT (14-pixel patches, windows of 2x2 merged tokens, layers 1
+    and 3 full), the patch merger, a Qwen2 text model with M-RoPE (sections 2, 3, 3 of its 8
+    frequencies); images between 56x56 and 224x224 pixels."""
+    tok, start, pad, text, vision = _qwen_parts(tokenizer_dir, num_hidden_layers=2)
+    vision |= dict(window_size=56, fullatt_block_indexes=[1, 3])
     cfg = transformers.Qwen2_5_VLConfig(
         text_config=text,
         vision_config=vision,
@@ -294,39 +300,9 @@ def save_qwen3_vl(path: str, tokenizer_dir: str, moe: bool = False) -> str:
     DeepStack features from layers 0 and 2), a Qwen3 text model with interleaved M-RoPE
     (sections 2, 3, 3 of its 8 frequencies), or with `moe` Qwen3-VL-MoE's (4 experts, top 2,
     every layer sparse); images between 64x64 and 256x256 pixels."""
-    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
-    tok.add_tokens(QWEN_TOKENS, special_tokens=True)
-    start, pad, _ = tok.convert_tokens_to_ids(QWEN_TOKENS)
-    text = dict(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "mrope_section": [2, 3, 3],
-            "mrope_interleaved": True,
-        },
-        initializer_range=0.25,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    vision = dict(
-        depth=4,
-        hidden_size=32,
-        intermediate_size=48,
-        num_heads=4,
-        patch_size=16,
-        out_hidden_size=64,
-        num_position_embeddings=16,
-        deepstack_visual_indexes=[0, 2],
-        initializer_range=0.25,
-    )
+    tok, start, pad, text, vision = _qwen_parts(tokenizer_dir, num_hidden_layers=3, head_dim=16)
+    text["rope_parameters"]["mrope_interleaved"] = True
+    vision |= dict(patch_size=16, num_position_embeddings=16, deepstack_visual_indexes=[0, 2])
     if moe:
         # 2F = 96 beside D = 64: the stacked experts' two layouts differ in shape
         text |= dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)

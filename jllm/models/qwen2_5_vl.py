@@ -180,6 +180,16 @@ def qwen2_5_vision_config(hf) -> QwenVisionConfig:
     )
 
 
+def axial_rope(cfg: QwenVisionConfig) -> RopeConfig:
+    """The tower's 2-D rotary: the head's first half of frequencies by row, then by column
+    (a two-row M-RoPE over positions [2, B])."""
+    Hd = cfg.hidden_size // cfg.num_heads
+    half = Hd // 2
+    inv = 1.0 / cfg.rope_theta ** (np.arange(0, half, 2) / half)
+    n = len(inv)
+    return RopeConfig(tuple(map(float, [*inv, *inv])), mrope_rows=(0,) * n + (1,) * n)
+
+
 def segment_attention(q, k, v, seg, span: int = 0):
     """softmax(q k^T / sqrt(Hd)) v over the keys of each query's segment: q, k, v [B, A, Hd],
     seg [B]; in blocks of queries. With `span` (the longest segment: a window's patches),
@@ -280,14 +290,6 @@ class VisionTower(nnx.Module):
         self.blocks = stack(rngs)
         self.merger = PatchMerger(cfg, dtype, rngs)
 
-    def rope(self) -> RopeConfig:
-        """Axial 2-D rotary: the head's first half of frequencies by row, then by column."""
-        Hd = self.cfg.hidden_size // self.cfg.num_heads
-        half = Hd // 2
-        inv = 1.0 / self.cfg.rope_theta ** (np.arange(0, half, 2) / half)
-        n = len(inv)
-        return RopeConfig(tuple(map(float, [*inv, *inv])), mrope_rows=(0,) * n + (1,) * n)
-
     def __call__(self, inputs: dict):
         cfg = self.cfg
         hw, window, image = inputs["hw"], inputs["window"], inputs["image"]
@@ -295,7 +297,7 @@ class VisionTower(nnx.Module):
         full = np.zeros(cfg.num_layers, bool)
         full[list(cfg.full_layers)] = True
         graphdef, state = nnx.split(self.blocks)
-        rope = self.rope()
+        rope = axial_rope(cfg)
 
         span = cfg.window_patches
 

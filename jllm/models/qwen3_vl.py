@@ -19,16 +19,15 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jllm.models.qwen2_5_vl import (
     QwenVisionConfig,
     QwenVisionLanguageModel,
     VisionAttention,
+    axial_rope,
     rename_from,
 )
-from jllm.models.rope import RopeConfig
 from jllm.models.vision import Dense, LayerNorm, VisionFamily, vision_activation
 
 
@@ -127,13 +126,6 @@ class VisionTower(nnx.Module):
         for k in range(len(cfg.deepstack)):
             setattr(self, f"deepstack_{k}", PatchMerger(cfg, dtype, rngs, after_shuffle=True))
 
-    def rope(self) -> RopeConfig:
-        Hd = self.cfg.hidden_size // self.cfg.num_heads
-        half = Hd // 2
-        inv = 1.0 / self.cfg.rope_theta ** (np.arange(0, half, 2) / half)
-        n = len(inv)
-        return RopeConfig(tuple(map(float, [*inv, *inv])), mrope_rows=(0,) * n + (1,) * n)
-
     def __call__(self, inputs: dict):
         cfg = self.cfg
         hw, seg = inputs["hw"], inputs["image"]
@@ -142,7 +134,7 @@ class VisionTower(nnx.Module):
         pos = jnp.einsum("BkE,Bk->BE", table[inputs["taps"]], inputs["tap_weights"].astype(x.dtype))
         x = x + pos.astype(x.dtype)
         graphdef, state = nnx.split(self.blocks)
-        rope = self.rope()
+        rope = axial_rope(cfg)
         taken = jnp.asarray(cfg.deepstack, jnp.int32)
 
         def body(carry, layer):
