@@ -226,7 +226,15 @@ def save_qwen2_5_vl(path: str, tokenizer_dir: str) -> str:
     frequencies); images between 56x56 and 224x224 pixels."""
     tok, start, pad, text, vision = _qwen_parts(tokenizer_dir, num_hidden_layers=2)
     vision |= dict(window_size=56, fullatt_block_indexes=[1, 3])
-    cfg = transformers.Qwen2_5_VLConfig(
+    images = transformers.Qwen2VLImageProcessorPil(**QWEN_PIXELS)
+    return _save_qwen(path, "Qwen2_5_VL", tok, start, pad, text, vision, images)
+
+
+def _save_qwen(path: str, kind: str, tok, start, pad, text, vision, images) -> str:
+    """A tiny Qwen-VL of transformers' `{kind}Config` saved with its image processor and
+    the tokenizer (the placeholders' chat template); the norms' weights and biases made
+    random (around 1 and 0), so a swap would show."""
+    cfg = getattr(transformers, f"{kind}Config")(
         text_config=text,
         vision_config=vision,
         image_token_id=pad,
@@ -234,15 +242,12 @@ def save_qwen2_5_vl(path: str, tokenizer_dir: str) -> str:
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(cfg)
-    with torch.no_grad():  # the norms' unit weights made random, so a swap would show
+    model = getattr(transformers, f"{kind}ForConditionalGeneration")(cfg)
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or "ln_q" in name:
-                p.normal_(1.0, 0.3)
+                p.normal_(1.0 if name.endswith("weight") else 0.0, 0.3)
     model.save_pretrained(path)
-    images = transformers.Qwen2VLImageProcessorPil(
-        min_pixels=QWEN_PIXELS["min_pixels"], max_pixels=QWEN_PIXELS["max_pixels"]
-    )
     images.save_pretrained(path)
     tok.chat_template = TEMPLATE.replace("PLACEHOLDER", QWEN_IMAGE)
     tok.save_pretrained(path)
@@ -306,29 +311,8 @@ def save_qwen3_vl(path: str, tokenizer_dir: str, moe: bool = False) -> str:
     if moe:
         # 2F = 96 beside D = 64: the stacked experts' two layouts differ in shape
         text |= dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
-    kind = "Qwen3VLMoe" if moe else "Qwen3VL"
-    cfg = getattr(transformers, f"{kind}Config")(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=pad,
-        vision_start_token_id=start,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = getattr(transformers, f"{kind}ForConditionalGeneration")(cfg)
-    with torch.no_grad():  # the norms made random, so a swap would show
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0 if name.endswith("weight") else 0.0, 0.3)
-    model.save_pretrained(path)
     images = transformers.Qwen2VLImageProcessorPil(
-        patch_size=16,
-        min_pixels=QWEN3_PIXELS["min_pixels"],
-        max_pixels=QWEN3_PIXELS["max_pixels"],
-        image_mean=[0.5, 0.5, 0.5],
-        image_std=[0.5, 0.5, 0.5],
+        patch_size=16, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5], **QWEN3_PIXELS
     )
-    images.save_pretrained(path)
-    tok.chat_template = TEMPLATE.replace("PLACEHOLDER", QWEN_IMAGE)
-    tok.save_pretrained(path)
-    return path
+    kind = "Qwen3VLMoe" if moe else "Qwen3VL"
+    return _save_qwen(path, kind, tok, start, pad, text, vision, images)

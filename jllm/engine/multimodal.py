@@ -230,18 +230,13 @@ class MultiModalProcessor:
         return int(hf.size["longest_edge"]) // hf.patch_size**2
 
     def _process_grid(self, text, ids, images, merged: dict, add_special_tokens: bool):
-        unknown = sorted(set(merged) - {"min_pixels", "max_pixels"})
-        if unknown:
-            raise ValueError(
-                f"mm_processor_kwargs: {unknown} not supported for this model (it takes "
-                "min_pixels and max_pixels)."
-            )
+        pixels = _pixel_kwargs(merged)
         hf = self.hf
         size = dict(hf.size)
-        if "min_pixels" in merged:
-            size["shortest_edge"] = _pixels(merged["min_pixels"], "min_pixels")
-        if "max_pixels" in merged:
-            size["longest_edge"] = _pixels(merged["max_pixels"], "max_pixels")
+        if "min_pixels" in pixels:
+            size["shortest_edge"] = pixels["min_pixels"]
+        if "max_pixels" in pixels:
+            size["longest_edge"] = pixels["max_pixels"]
         if size["longest_edge"] // hf.patch_size**2 > self.max_patches:
             raise ValueError(
                 f"max_pixels {size['longest_edge']} is above the engine's "
@@ -275,6 +270,18 @@ class MultiModalProcessor:
         return ids, items
 
 
+def _pixel_kwargs(kwargs: dict) -> dict[str, int]:
+    """`mm_processor_kwargs` for images cut at their own size: min_pixels and max_pixels,
+    each a positive integer; any other key is refused by name."""
+    unknown = sorted(set(kwargs) - {"min_pixels", "max_pixels"})
+    if unknown:
+        raise ValueError(
+            f"mm_processor_kwargs: {unknown} not supported for this model (it takes "
+            "min_pixels and max_pixels)."
+        )
+    return {k: _pixels(v, k) for k, v in kwargs.items()}
+
+
 def _pixels(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"mm_processor_kwargs: {name} must be a positive integer.")
@@ -288,17 +295,8 @@ def _grid_processor(model_path: str, engine_kwargs: dict):
         Qwen2VLImageProcessorPil,
     )
 
-    kwargs = {
-        k: _pixels(v, k) for k, v in engine_kwargs.items() if k in ("min_pixels", "max_pixels")
-    }
-    unknown = sorted(set(engine_kwargs) - set(kwargs))
-    if unknown:
-        raise ValueError(
-            f"mm_processor_kwargs: {unknown} not supported for this model (it takes min_pixels "
-            "and max_pixels)."
-        )
     try:
-        return Qwen2VLImageProcessorPil.from_pretrained(model_path, **kwargs)
+        return Qwen2VLImageProcessorPil.from_pretrained(model_path, **_pixel_kwargs(engine_kwargs))
     except (OSError, ValueError) as e:
         raise ValueError(
             f"The model at {model_path} has no image processor config to prepare images ({e})."

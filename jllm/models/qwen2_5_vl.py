@@ -159,10 +159,11 @@ class QwenVisionConfig:
         return order, seg.astype(np.int32), pos
 
 
-def qwen2_5_vision_config(hf) -> QwenVisionConfig:
+def tower_fields(hf) -> dict:
+    """The fields every Qwen-VL tower's config reads from transformers'."""
     v = hf.vision_config
     params = dict(getattr(v, "rope_parameters", None) or {})
-    return QwenVisionConfig(
+    return dict(
         hidden_size=v.hidden_size,
         intermediate_size=v.intermediate_size,
         num_layers=v.depth,
@@ -171,12 +172,19 @@ def qwen2_5_vision_config(hf) -> QwenVisionConfig:
         temporal_patch_size=v.temporal_patch_size,
         num_channels=v.in_channels,
         merge=v.spatial_merge_size,
-        window_size=v.window_size,
-        full_layers=tuple(v.fullatt_block_indexes),
         hidden_act=v.hidden_act,
         rope_theta=float(params.get("rope_theta", 10000.0)),
         text_hidden_size=v.out_hidden_size,
         image_token_id=int(hf.image_token_id),
+    )
+
+
+def qwen2_5_vision_config(hf) -> QwenVisionConfig:
+    v = hf.vision_config
+    return QwenVisionConfig(
+        **tower_fields(hf),
+        window_size=v.window_size,
+        full_layers=tuple(v.fullatt_block_indexes),
     )
 
 

@@ -27,31 +27,20 @@ from jllm.models.qwen2_5_vl import (
     VisionAttention,
     axial_rope,
     rename_from,
+    tower_fields,
 )
 from jllm.models.vision import Dense, LayerNorm, VisionFamily, vision_activation
 
 
 def qwen3_vision_config(hf) -> QwenVisionConfig:
     v = hf.vision_config
-    params = dict(getattr(v, "rope_parameters", None) or {})
     side = math.isqrt(v.num_position_embeddings)
     if side * side != v.num_position_embeddings:
         raise ValueError(f"num_position_embeddings {v.num_position_embeddings} is not a square.")
     return QwenVisionConfig(
-        hidden_size=v.hidden_size,
-        intermediate_size=v.intermediate_size,
-        num_layers=v.depth,
-        num_heads=v.num_heads,
-        patch_size=v.patch_size,
-        temporal_patch_size=v.temporal_patch_size,
-        num_channels=v.in_channels,
-        merge=v.spatial_merge_size,
+        **tower_fields(hf),
         window_size=0,
         full_layers=tuple(range(v.depth)),
-        hidden_act=v.hidden_act,
-        rope_theta=float(params.get("rope_theta", 10000.0)),
-        text_hidden_size=v.out_hidden_size,
-        image_token_id=int(hf.image_token_id),
         position_side=side,
         deepstack=tuple(v.deepstack_visual_indexes),
     )
