@@ -202,6 +202,11 @@ def test_mm_processor_kwargs_resize(qwen):
         ({"max_pixels": 448 * 448}, "above the engine's"),
         ({"do_resize": False}, "not supported"),
         ({"max_pixels": -1}, "positive integer"),
+        ({"max_pixels": 2**63}, "above the engine's"),
+        ({"min_pixels": 2**31}, "must not exceed"),
+        ({"max_pixels": float("nan")}, "positive integer"),
+        ({"max_pixels": "50176"}, "positive integer"),
+        ({"max_pixels": True}, "positive integer"),
     ]:
         with pytest.raises(ValueError, match=error):
             qwen.generate(
@@ -382,3 +387,34 @@ def test_server_chat_equals_llm_chat(qwen, qwen_dir):
             )
         again = client.chat.completions.create(**ask, temperature=0.0)
         assert again.choices[0].finish_reason in ("length", "stop")
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        {"async_scheduling": True},
+        {
+            "speculative_config": {
+                "method": "ngram",
+                "num_speculative_tokens": 3,
+                "prompt_lookup_max": 2,
+                "prompt_lookup_min": 1,
+            }
+        },
+    ],
+    ids=["async", "ngram"],
+)
+def test_crosses_answer_as_alone(qwen, qwen_dir, engine):
+    """Async scheduling, or n-gram drafts verified beside the decodes (M-RoPE positions past
+    the prompt for the drafts): two requests admitted in one step sharing a prefix and its
+    image, an n=2 request beside them; every greedy answer equals the plain engine's alone."""
+    image = images(1, seed=90)
+    shared = f"One shared beginning of two prompts, {QWEN_IMAGE} then"
+    pairs = [(shared + " the first", image), (shared + " another", image), cases(91)[1]]
+    alone = [generate(qwen, [pair])[0].outputs[0].token_ids for pair in pairs]
+    llm = LLM(qwen_dir, **{**ENGINE, **engine})
+    outs = generate(llm, pairs)
+    assert [o.outputs[0].token_ids for o in outs] == alone
+    two = SamplingParams(n=2, temperature=0.0, max_tokens=6, ignore_eos=True)
+    (both,) = generate(llm, pairs[2:], two)
+    assert [c.token_ids for c in both.outputs] == [alone[2], alone[2]]
