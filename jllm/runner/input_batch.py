@@ -23,6 +23,10 @@ from jllm import mrope
 from jllm.sampling_params import MAX_SUPPRESS
 from jllm.scheduler_output import CachedRequestData, NewRequestData
 
+# A temperature past float32's range is stored as its top (its row samples the same as at
+# infinity: every logit scaled to about zero) rather than cast to inf with numpy's warning.
+_F32_MAX = float(np.finfo(np.float32).max)
+
 NO_TOKEN = np.iinfo(np.int32).max  # an id past any vocabulary: scatters with it are dropped
 
 
@@ -103,7 +107,7 @@ class InputBatch:
         self.num_blocks[:, r] = 0
         self._append_blocks(r, new.block_ids)
         p = new.sampling_params
-        self.temperature[r], self.top_p[r] = p.temperature, p.top_p
+        self.temperature[r], self.top_p[r] = min(p.temperature, _F32_MAX), p.top_p
         self.top_k[r], self.min_p[r] = p.top_k, p.min_p  # top_k: below the vocabulary
         self.seed_lo[r], self.seed_hi[r] = new.seed & 0xFFFFFFFF, (new.seed >> 32) & 0xFFFFFFFF
         penalties = p.has_penalties

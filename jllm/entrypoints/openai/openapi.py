@@ -20,10 +20,6 @@ from jllm.entrypoints.anthropic.protocol import is_anthropic_path
 from jllm.entrypoints.openai.auth import OPEN_PATHS
 from jllm.entrypoints.openai.openapi_rules import write_rules
 
-# The largest float64 at most INT64_MAX (2^63 - 1024): a 64-bit field's published maximum,
-# which a reader holding numbers as doubles cannot round up past what the server takes.
-FLOAT_SAFE_INT64_MAX = 2**63 - 1024
-
 ERROR_SCHEMA = {
     "type": "object",
     "required": ["error"],
@@ -164,15 +160,16 @@ def build_openapi(app, *, api_key: bool, limits: dict) -> dict:
             model["anyOf"] = [{"type": "string", "enum": list(limits["model_names"])}]
             if nullable:
                 model["anyOf"].append({"type": "null"})
-    _float_safe_maxima(doc)
+    _integer_bounds(doc)
     return doc
 
 
-def _float_safe_maxima(node) -> None:
+def _integer_bounds(node) -> None:
     """Every integer bound in the document as an integer, and every maximum at or past
-    INT64_MAX as FLOAT_SAFE_INT64_MAX. FastAPI writes the bounds as floats, so INT64_MAX
-    arrives as 2.0^63, a value the server refuses; and a client or fuzzer that reads the
-    document in doubles would round 2^63 - 1 up to it too."""
+    INT64_MAX as INT64_MAX exactly, the server's own bound. FastAPI writes the bounds as
+    floats, so INT64_MAX arrives as 2.0^63, a value the server refuses. (Publishing a lower
+    top, 2^63 - 1024, left the values between it and INT64_MAX taken though the document
+    forbade them: the contract fuzzer sent max_tokens 2^63 - 1023 to /v1/messages.)"""
     if isinstance(node, dict):
         if node.get("type") == "integer":
             for bound in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
@@ -180,9 +177,9 @@ def _float_safe_maxima(node) -> None:
                 if isinstance(value, float) and value.is_integer():
                     node[bound] = int(value)
             if node.get("maximum", 0) >= INT64_MAX:
-                node["maximum"] = FLOAT_SAFE_INT64_MAX
+                node["maximum"] = INT64_MAX
         for value in node.values():
-            _float_safe_maxima(value)
+            _integer_bounds(value)
     elif isinstance(node, list):
         for value in node:
-            _float_safe_maxima(value)
+            _integer_bounds(value)
