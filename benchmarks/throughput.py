@@ -30,6 +30,7 @@ prompts with left padding, each batch generating up to its longest max_tokens.
     python benchmarks/throughput.py --deepseek  # DeepSeek-V2-Lite shape scaled, beside dense
     python benchmarks/throughput.py --gpt-oss   # gpt-oss-20b's layers, MXFP4 beside bf16 experts
     python benchmarks/throughput.py --pipeline-parallel-size 1 2 4   # the schedule's cost
+    python benchmarks/throughput.py --data-parallel-size 1 2 4     # the shards' step cost
 
 `--peer vllm-cpu` runs vLLM's CPU backend (set up by ../shared/peers/vllm_cpu/setup.sh, found
 under $JLLM_PEERS, default ~/.cache/jllm-peers) on exactly the same requests in the same
@@ -123,11 +124,15 @@ class StepTimer:
     def run_step(self, plan):
         # The padded step, packed: count its slots and rows against the live ones.
         layouts = self.layouts(plan.key, plan.rs)
-        bufs = (plan.inputs, plan.sampling)
-        inputs, md = (unpack_host(buf, lay) for buf, lay in zip(bufs, layouts, strict=True))
-        rows = np.asarray(md.batch_row)
-        live_rows = int(np.sum(rows != self.pad_row))
-        self.padding += (len(inputs.token_ids), self._live, len(rows), live_rows)
+        # One buffer, or a row per data shard (runner/data_parallel.py).
+        shards = zip(np.atleast_2d(plan.inputs), np.atleast_2d(plan.sampling), strict=True)
+        slots = rows = live_rows = 0
+        for bufs in shards:
+            inputs, md = (unpack_host(buf, lay) for buf, lay in zip(bufs, layouts, strict=True))
+            batch_rows = np.asarray(md.batch_row)
+            slots, rows = slots + len(inputs.token_ids), rows + len(batch_rows)
+            live_rows += int(np.sum(batch_rows != self.pad_row))
+        self.padding += (slots, self._live, rows, live_rows)
         if self.async_mode:
             return self.inner["run_step"](plan)
         t0 = time.perf_counter()
@@ -488,6 +493,13 @@ def main() -> None:
         "CPU devices (benchmarks/pipeline.py)",
     )
     ap.add_argument(
+        "--data-parallel-size",
+        nargs="+",
+        type=int,
+        help="only what data parallelism adds per step at these shard counts, on fake CPU "
+        "devices (benchmarks/data_parallel.py)",
+    )
+    ap.add_argument(
         "--phases", action="store_true", help="also W3's prefill and decode phases (needs W3)"
     )
     ap.add_argument("--seed", type=int, default=0)
@@ -511,11 +523,17 @@ def main() -> None:
         reqs["W3 prefill"], reqs["W3 cached"] = w3_phases(reqs["W3"], np.random.default_rng(7))
 
     print(f"host: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
-    if args.pipeline_parallel_size:
-        # Fake CPU devices, one per stage; JAX reads the flag when it first starts a backend.
-        count = max(args.pipeline_parallel_size)
+    if args.pipeline_parallel_size or args.data_parallel_size:
+        # Fake CPU devices, one per stage or shard; JAX reads the flag when it first starts a
+        # backend.
+        count = max(args.pipeline_parallel_size or args.data_parallel_size)
         flag = f"--xla_force_host_platform_device_count={count}"
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+        if args.data_parallel_size:
+            import data_parallel
+
+            data_parallel.run(args.data_parallel_size, run_jllm, StepTimer)
+            return
         import pipeline
 
         pipeline.run(args.pipeline_parallel_size, run_jllm, StepTimer)

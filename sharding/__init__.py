@@ -5,6 +5,10 @@ logical axis names where it is created (`logical_axes=` metadata on `nnx.Param`)
 `LOGICAL_RULES` maps each logical name to a mesh axis (or None: replicated). Only this
 module knows the mapping, so tensor parallelism changes here and nowhere else.
 
+Data parallelism splits the KV cache's blocks over `data` (`cache_blocks`): each data shard
+holds its own slice of blocks and serves its own requests (`jllm/runner/data_parallel.py`);
+weights are replicated over it. With one shard the axis has size 1 and places nothing.
+
 Pipeline parallelism splits the stacked layer axis (`layers`: every layer stack's weights
 and every KV-cache group's rows) over `stage`: stage s holds the s-th run of consecutive
 layers on its own devices (`models/pipeline.py` runs them). With one stage the axis has size
@@ -44,23 +48,29 @@ LOGICAL_RULES: dict[str, str | None] = {
     "lora_rank_split": MODEL_AXIS,
     "lora_out_split": MODEL_AXIS,
     # KV cache [L, B, S, 2K, H]
-    "cache_blocks": None,
+    "cache_blocks": DATA_AXIS,  # each data shard's own blocks
     "cache_slots": None,
     "cache_kv_heads": MODEL_AXIS,
 }
 
 
-def make_mesh(tensor_parallel_size: int = 1, devices=None, pipeline_parallel_size: int = 1) -> Mesh:
-    """The first PP x TP devices as (1, PP, TP): stage s gets devices [s TP, (s + 1) TP), so
-    that with one process per host and TP devices each, a stage is a host."""
+def make_mesh(
+    tensor_parallel_size: int = 1,
+    devices=None,
+    pipeline_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+) -> Mesh:
+    """The first DP x PP x TP devices as (DP, PP, TP): data shard d gets devices
+    [d PP TP, (d + 1) PP TP), and within it stage s devices [s TP, (s + 1) TP), so that with
+    one process per host and TP devices each, a stage is a host."""
     devices = list(devices if devices is not None else jax.devices())
-    tp, pp = tensor_parallel_size, pipeline_parallel_size
-    if tp * pp > len(devices):
+    tp, pp, dp = tensor_parallel_size, pipeline_parallel_size, data_parallel_size
+    if dp * tp * pp > len(devices):
         raise ValueError(
-            f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} exceeds the "
-            f"{len(devices)} available devices."
+            f"data_parallel_size={dp} x tensor_parallel_size={tp} x pipeline_parallel_size="
+            f"{pp} exceeds the {len(devices)} available devices."
         )
-    grid = np.array(devices[: tp * pp]).reshape(1, pp, tp)
+    grid = np.array(devices[: dp * tp * pp]).reshape(dp, pp, tp)
     return Mesh(grid, (DATA_AXIS, STAGE_AXIS, MODEL_AXIS))
 
 

@@ -31,7 +31,6 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 UNSUPPORTED_ARGS = {
     "cpu_offload_gb": 0,
-    "data_parallel_size": 1,
 }
 # The seeds' image flags, which vLLM removed: refused with a message that says so
 # (engine/multimodal.py).
@@ -201,6 +200,9 @@ class EngineArgs:
     fully_sharded_loras: bool = False  # also split A of column- and B of row-parallel ones
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1  # stages of consecutive layers (models/pipeline.py)
+    # Replicas of the model inside one engine, each with its own requests and KV-cache
+    # blocks, in one SPMD program over the mesh's `data` axis (runner/data_parallel.py)
+    data_parallel_size: int = 1
     # Mixtures of experts: whole experts per device over the tensor-parallel devices,
     # instead of every expert split (vLLM's flag).
     enable_expert_parallel: bool = False
@@ -390,6 +392,10 @@ class EngineArgs:
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}."
+            )
+        if self.data_parallel_size < 1:
+            raise ValueError(
+                f"data_parallel_size must be at least 1, got {self.data_parallel_size}."
             )
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(

@@ -137,6 +137,9 @@ HELP = {
     "pipeline_parallel_size": "Pipeline stages: the layers split into this many runs of "
     "consecutive layers, each on its own tensor_parallel_size devices (the mesh's 'stage' "
     "axis; docs/parallelism.md).",
+    "data_parallel_size": "Data-parallel replicas of the model inside this engine (the "
+    "mesh's 'data' axis): each has tensor_parallel_size devices, its own KV-cache blocks and "
+    "its own requests, which the engine spreads by load and prefix (docs/parallelism.md).",
     "nnodes": "Number of processes (hosts) serving this model together.",
     "node_rank": "This process's rank; 0 runs the scheduler and the API, the others follow.",
     "master_addr": "Address of process 0 (JAX's coordinator runs there). Unset: JAX detects "

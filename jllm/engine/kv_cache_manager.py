@@ -307,6 +307,16 @@ class KVCacheManager:
             self.host_hits = self.host.lookup(keys[n:])
         return hits, n * self.block_size
 
+    def cached_prefix_tokens(self, req: Request) -> int:
+        """The tokens of `req`'s prompt this cache holds as a prefix hit on the device, found
+        without touching anything (a data-parallel engine asks every shard before it picks
+        one; engine/data_parallel.py). Computes the request's block keys once."""
+        if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
+            return 0
+        self._update_hashes(req, req.num_tokens - 1)
+        keys = req.block_hashes[: (req.num_tokens - 1) // self.block_size]
+        return self._hit_length(keys, len(keys)) * self.block_size
+
     def _hybrid_host_hit(self, req: Request, keys: list[bytes], hits, n: int):
         """A hybrid's hit through the host tiers, when longer than the device's `n` blocks:
         its attention blocks from the device, then the host (`host_hits`), and the state

@@ -29,6 +29,7 @@ from jllm.distributed import (
 from jllm.distributed.codec import MalformedMessage
 from jllm.engine.core import EngineCore
 from jllm.engine.core_client import InprocClient
+from jllm.engine.data_parallel import DataParallelScheduler, check_data_parallel
 from jllm.engine.encoder_cache import EncoderCache
 from jllm.engine.generation_config import (
     eos_token_id,
@@ -173,6 +174,13 @@ class LLMEngine:
             )
         vision = getattr(cfg, "vision", None)
         check_prompt_embeds(args, vision, draft)
+        check_data_parallel(
+            args,
+            tiles=tile is not None,
+            vision=vision,
+            state=any(isinstance(g, MambaSpec) for g in groups),
+            pooling=m.pooling,
+        )
         # enable_prompt_embeds: the rows' width, which the processor checks and steps carry
         self.embeds_dim = cfg.hidden_size if args.enable_prompt_embeds else 0
         token_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
@@ -239,6 +247,7 @@ class LLMEngine:
             routes=routes,
             invariant=invariant,
             pooling=None if m.pooling is None else m.pooling.pooling_type,
+            data_parallel_size=args.data_parallel_size,
         )
         sizing = time.perf_counter()
         specs, kv_config = size_kv_cache(
@@ -246,6 +255,7 @@ class LLMEngine:
             block_size=args.block_size,
             tp=args.tensor_parallel_size,
             pp=args.pipeline_parallel_size,
+            dp=args.data_parallel_size,
             dtype=kv_dtype,
             mesh=m.mesh,
             platform=platform,
@@ -310,19 +320,23 @@ class LLMEngine:
         if self.channel is not None and self.rank == 0:
             self.runner.channel = self.channel
             atexit.register(self.shutdown)
-        kv = KVCacheManager(
-            kv_config.num_blocks,
-            args.block_size,
-            args.enable_prefix_caching,
-            kv_config.specs,
-            pools=kv_config.pools,
-            host=host_tier,
-            state_host=state_tier,
-            # Stages run a step's rows in micro-batches, not all writes before all reads.
-            same_step_hits=args.pipeline_parallel_size == 1,
-            # An MTP draft's cache entry at a block's end depends on the next block's token.
-            drop_last_hit=getattr(draft, "takes_hidden", False),
-        )
+        kvs = [
+            KVCacheManager(
+                kv_config.num_blocks,
+                args.block_size,
+                args.enable_prefix_caching,
+                kv_config.specs,
+                pools=kv_config.pools,
+                host=host_tier,
+                state_host=state_tier,
+                # Stages run a step's rows in micro-batches, not all writes before all reads.
+                same_step_hits=args.pipeline_parallel_size == 1,
+                # An MTP draft's cache entry at a block's end depends on the next block's
+                # token.
+                drop_last_hit=getattr(draft, "takes_hidden", False),
+            )
+            for _ in range(args.data_parallel_size)  # each data shard's own blocks
+        ]
         self.lora_cache = None
         slots = None
         if m.lora is not None:
@@ -330,9 +344,13 @@ class LLMEngine:
                 m.lora.targets, cfg.num_layers, args.max_lora_rank, args.max_cpu_loras
             )
             slots = LoraSlots(args.max_loras)
-        self.scheduler = Scheduler(
-            sched_cfg, kv, slots, encoder_cache, vision is not None and vision.bidirectional
-        )
+        shards = [
+            Scheduler(
+                sched_cfg, kv, slots, encoder_cache, vision is not None and vision.bidirectional
+            )
+            for kv in kvs
+        ]
+        self.scheduler = shards[0] if len(shards) == 1 else DataParallelScheduler(shards)
         self.hf_config = m.source.hf_config
         self.eos_token_id = eos = eos_token_id(self.tokenizer, m.source.hf_config)
         gen_config = model_generation_config(m.source)

@@ -118,14 +118,15 @@ def apply_hf_overrides(hf, overrides: dict) -> None:
 
 
 def engine_devices(indexes: list[int] | None, count: int):
-    """The devices of `indexes` (into jax.devices()), exactly TP x PP of them; None: all."""
+    """The devices of `indexes` (into jax.devices()), exactly DP x TP x PP of them; None:
+    all."""
     if indexes is None:
         return None
     every = jax.devices()
     if len(indexes) != count or len(set(indexes)) != count:
         raise ValueError(
-            f"devices={list(indexes)} must name {count} distinct devices (tensor_parallel_size "
-            "x pipeline_parallel_size)."
+            f"devices={list(indexes)} must name {count} distinct devices (data_parallel_size "
+            "x tensor_parallel_size x pipeline_parallel_size)."
         )
     if not all(isinstance(i, int) and 0 <= i < len(every) for i in indexes):
         raise ValueError(f"devices={list(indexes)}: indexes into the {len(every)} devices.")
@@ -222,7 +223,9 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
                 f"them ({plan} repeats per stage): give the original checkpoint, or a "
                 "pipeline_parallel_size that divides the layers."
             )
-    mesh = make_mesh(tp, engine_devices(args.devices, tp * pp), pipeline_parallel_size=pp)
+    dp = args.data_parallel_size
+    devices = engine_devices(args.devices, dp * tp * pp)
+    mesh = make_mesh(tp, devices, pipeline_parallel_size=pp, data_parallel_size=dp)
     cfg = expert_parallel(cfg, args.enable_expert_parallel, tp)
     check_linear_heads(cfg, tp)
     cfg, replicas = replicate_kv_heads(cfg, tp)

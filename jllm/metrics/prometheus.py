@@ -60,11 +60,18 @@ class PrometheusStatLogger:
         self.engine_label = str(engine_index)
         reg = self.registry
 
+        # The scheduler's figures, per data shard under data parallelism (vLLM's `engine`
+        # label: one series per shard); every other series is the engine's as a whole.
+        self.model_name = model_name
+        self._per_engine: dict[str, Gauge | Counter] = {}
+
         def gauge(name, doc):
-            return Gauge(name, doc, names, registry=reg).labels(**labels)
+            family = self._per_engine[name] = Gauge(name, doc, names, registry=reg)
+            return family.labels(**labels)
 
         def counter(name, doc):
-            return Counter(name, doc, names, registry=reg).labels(**labels)
+            family = self._per_engine[name] = Counter(name, doc, names, registry=reg)
+            return family.labels(**labels)
 
         def histogram(name, doc, buckets):
             return Histogram(name, doc, names, buckets=buckets, registry=reg).labels(**labels)
@@ -191,17 +198,41 @@ class PrometheusStatLogger:
         )
         self.spec_accepted_per_pos = lambda pos: per_pos.labels(**labels, position=str(pos))
         self._seen = SchedulerStats(0, 0, 0.0, 0, 0, 0)
+        self._shards_seen: list[SchedulerStats] = []
+
+    def _engine(self, name: str, engine: int):
+        return self._per_engine[name].labels(model_name=self.model_name, engine=str(engine))
+
+    def _record_shards(self, shards: list[SchedulerStats]) -> None:
+        """Each data shard's running and waiting requests, KV usage, prefix-cache counts and
+        preemptions, under its engine label."""
+        while len(self._shards_seen) < len(shards):
+            self._shards_seen.append(SchedulerStats(0, 0, 0.0, 0, 0, 0))
+        for d, (shard, seen) in enumerate(zip(shards, self._shards_seen, strict=False)):
+            self._engine("vllm:num_requests_running", d).set(shard.num_running)
+            self._engine("vllm:num_requests_waiting", d).set(shard.num_waiting)
+            self._engine("vllm:kv_cache_usage_perc", d).set(shard.kv_cache_usage)
+            queries = shard.prefix_cache_queries - seen.prefix_cache_queries
+            self._engine("vllm:prefix_cache_queries", d).inc(queries)
+            hits = shard.prefix_cache_hits - seen.prefix_cache_hits
+            self._engine("vllm:prefix_cache_hits", d).inc(hits)
+            preempted = shard.num_preemptions - seen.num_preemptions
+            self._engine("vllm:num_preemptions", d).inc(preempted)
+        self._shards_seen = list(shards)
 
     def record(self, step: StepStats, sched: SchedulerStats) -> None:
-        self.running.set(sched.num_running)
-        self.waiting.set(sched.num_waiting + sched.num_deferred)
         self.waiting_capacity.set(sched.num_waiting)
         self.waiting_deferred.set(sched.num_deferred)
-        self.kv_usage.set(sched.kv_cache_usage)
-        # The scheduler keeps cumulative counts; counters advance by the difference.
-        self.prefix_queries.inc(sched.prefix_cache_queries - self._seen.prefix_cache_queries)
-        self.prefix_hits.inc(sched.prefix_cache_hits - self._seen.prefix_cache_hits)
-        self.preemptions.inc(sched.num_preemptions - self._seen.num_preemptions)
+        if sched.shards is not None:
+            self._record_shards(sched.shards)
+        else:
+            self.running.set(sched.num_running)
+            self.waiting.set(sched.num_waiting + sched.num_deferred)
+            self.kv_usage.set(sched.kv_cache_usage)
+            # The scheduler keeps cumulative counts; counters advance by the difference.
+            self.prefix_queries.inc(sched.prefix_cache_queries - self._seen.prefix_cache_queries)
+            self.prefix_hits.inc(sched.prefix_cache_hits - self._seen.prefix_cache_hits)
+            self.preemptions.inc(sched.num_preemptions - self._seen.num_preemptions)
         if sched.host_usage is not None:
             seen = self._seen
             self.external_queries.inc(sched.host_queries - seen.host_queries)

@@ -89,10 +89,13 @@ class SchedulerStats:
     host_usage: float | None = None
     # Requests waiting outside the scheduler (a grammar still compiling): vLLM's "deferred".
     num_deferred: int = 0
+    # With data parallelism, each shard's own (engine/data_parallel.py); None with one.
+    shards: list | None = None
 
     @classmethod
     def from_scheduler(cls, scheduler) -> SchedulerStats:
         kv = scheduler.kv_cache
+        shards = getattr(scheduler, "shards", None)
         stats = cls(
             len(scheduler.running),
             len(scheduler.waiting),
@@ -108,6 +111,8 @@ class SchedulerStats:
             stats.host_store_bytes = sum(t.stores * t.block_bytes for t in tiers)
             stats.host_load_bytes = sum(t.loads * t.block_bytes for t in tiers)
             stats.host_usage = host.usage
+        if shards is not None:
+            stats.shards = [cls.from_scheduler(s) for s in shards]
         return stats
 
 
@@ -146,6 +151,18 @@ class LoggingStatLogger:
             hit_rate * 100,
             sched.num_preemptions,
         )
+        for d, shard in enumerate(sched.shards or ()):  # vLLM's line per engine
+            queries = shard.prefix_cache_queries
+            logger.info(
+                "Engine %03d: Running: %d reqs, Waiting: %d reqs, GPU KV cache usage: %.1f%%, "
+                "Prefix cache hit rate: %.1f%%, Preemptions: %d",
+                d,
+                shard.num_running,
+                shard.num_waiting,
+                shard.kv_cache_usage * 100,
+                (shard.prefix_cache_hits / queries if queries else 0.0) * 100,
+                shard.num_preemptions,
+            )
         if sched.host_usage is not None:
             queries = sched.host_queries
             logger.info(

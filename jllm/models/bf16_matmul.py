@@ -102,10 +102,15 @@ def applies(dtype) -> bool:
 
 
 def one_device() -> bool:
-    """Whether the computation being traced runs on one device (no mesh, or a mesh of one):
-    the layer-product kernels see whole operands only there."""
+    """Whether the computation being traced runs on one device (no mesh, or a mesh of one,
+    counting only the axes not already split by hand: a data shard's step inside its
+    `shard_map`, runner/data_parallel.py, sees its whole operands): the layer-product
+    kernels see whole operands only there."""
     mesh = jax.sharding.get_abstract_mesh()
-    return mesh.empty or mesh.size == 1
+    if mesh.empty:
+        return True
+    manual = set(getattr(mesh, "manual_axes", ()))
+    return all(n == 1 for axis, n in mesh.shape.items() if axis not in manual)
 
 
 def _check(x, w, out_dtype):

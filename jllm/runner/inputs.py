@@ -109,14 +109,40 @@ def build_step(
 ):
     """Returns (StepInputs and SamplingMetadata in numpy, the sample groups, the forward
     key, the prompt-logprob rows or None, each token's input-batch row [T] (-1: padding)).
-    `shape` and `sample_rows` force the forward key and the sample-row bucket (warm-up)."""
+    `shape` and `sample_rows` force the forward key and the sample-row bucket (warm-up, and
+    the data shards of one step: runner/data_parallel.py)."""
+    placed = place_step(batch, out, layout, shape)
+    return finish_step(batch, out, layout, backend, placed, sample_rows)
+
+
+def place_step(batch: InputBatch, out: SchedulerOutput, layout: BatchLayout, shape=None):
+    """Where each scheduled token goes, in the forward key `shape` (None: the smallest that
+    holds the step) -> (the rows' plan, the placement)."""
     plan = plan_rows(batch, out, layout, shape)
     p = Placed.padded(layout, plan.shape)
     spec = out.scheduled_spec_decode_tokens
     place_decodes(p, batch, plan, spec)
     place_rows(p, batch, plan, layout, spec)
+    return plan, p
 
-    Rs = sample_rows or bucket(max(len(p.sample_at), 1), layout.sample_buckets)
+
+def sample_bucket(placed, layout: BatchLayout) -> int:
+    """The sample-row bucket a placed step needs."""
+    return bucket(max(len(placed[1].sample_at), 1), layout.sample_buckets)
+
+
+def finish_step(
+    batch: InputBatch,
+    out: SchedulerOutput,
+    layout: BatchLayout,
+    backend: AttentionBackend,
+    placed,
+    sample_rows: int | None = None,
+):
+    """`build_step`'s result from a `place_step` placement, with `sample_rows` sample rows
+    (None: the bucket it needs)."""
+    plan, p = placed
+    Rs = sample_rows or sample_bucket(placed, layout)
     logits_indices = np.zeros(layout.logit_rows, np.int32)
     logits_indices[: len(p.sample_at)] = p.sample_at
     md = sampling_metadata(batch, p.groups, Rs, max(1, layout.num_spec_tokens))

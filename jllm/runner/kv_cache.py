@@ -179,6 +179,7 @@ def size_kv_cache(
     tp: int,
     dtype,
     pp: int = 1,
+    dp: int = 1,
     mesh,
     platform: str,
     max_model_len: int,
@@ -198,7 +199,10 @@ def size_kv_cache(
     (`ModelRunner.profile_step_bytes`; with a draft, the pair (target's, draft's)).
     `override` (num_gpu_blocks_override): every uncapped pool's count, and a capped pool's
     up to its cap. Returns (each model's tuple of pool caches, abstract: `allocate_kv_caches`
-    makes them; the KVCacheConfig: every group's spec and pool, every pool's block count)."""
+    makes them; the KVCacheConfig: every group's spec and pool, every pool's block count).
+    With `dp` data shards each shard's devices hold that count of blocks: the arrays hold
+    `dp` times as many, their block axis split over the mesh's `data` axis, and the
+    KVCacheConfig counts one shard's (each shard's KVCacheManager hands out its own)."""
     own, pools = [], []  # each model's pools (each the specs of its groups); each group's
     for groups in models:
         shared = share_pools(groups)
@@ -220,7 +224,7 @@ def size_kv_cache(
         for model_pools in own:
             out.append(
                 tuple(
-                    abstract_kv_cache(m[0], next(counts), block_size, dtype, mesh)
+                    abstract_kv_cache(m[0], dp * next(counts), block_size, dtype, mesh)
                     for m in model_pools
                 )
             )
@@ -252,8 +256,10 @@ def size_kv_cache(
     concurrency = min((n - 1) / need(m, 1) for n, m in zip(counts, members, strict=True))
     total = sum(n * size for n, size in zip(counts, sizes, strict=True))
     logger.info(
-        "# %s blocks: %s (%.2f GiB KV cache); maximum concurrency for %d tokens per request: %.2fx",
+        "# %s blocks%s: %s (%.2f GiB KV cache); maximum concurrency for %d tokens per request: "
+        "%.2fx",
         platform.upper(),
+        "" if dp == 1 else f" per data shard (of {dp})",
         ", ".join(_pool_line(m, n) for m, n in zip(members, counts, strict=True)),
         total / 2**30,
         max_model_len,

@@ -51,9 +51,12 @@ class LogitBiasTable(RunnerManager):
 
     name = "bias"
 
-    def __init__(self, num_rows: int, vocab_size: int, sharding) -> None:
+    def __init__(self, num_rows: int, vocab_size: int, sharding, rows_sharding=None) -> None:
+        """`sharding`: the writes'; `rows_sharding` (default: the same) the table's (split
+        by data shard under data parallelism)."""
         self.num_rows, self.vocab_size, self.sharding = num_rows, vocab_size, sharding
-        self.bias = jax.device_put(np.zeros((num_rows, vocab_size), np.float32), sharding)
+        rows_sharding = sharding if rows_sharding is None else rows_sharding
+        self.bias = jax.device_put(np.zeros((num_rows, vocab_size), np.float32), rows_sharding)
 
     def _put(self, row: int, vector: np.ndarray):
         return jax.device_put((np.int32(row), vector), self.sharding)

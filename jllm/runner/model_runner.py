@@ -41,15 +41,16 @@ from jllm.attention import get_backend
 from jllm.config import batch_invariant
 from jllm.distributed.codec import MalformedMessage
 from jllm.models.context import StepContext
-from jllm.runner.buckets import BatchLayout
+from jllm.runner.buckets import BatchLayout, bucket
 from jllm.runner.compile_cache import cache_counts
+from jllm.runner.data_parallel import SPLIT, blocks, over_data, rows_sharding, whole
 from jllm.runner.executables import ExecutableTable
 from jllm.runner.input_batch import InputBatch, token_slots
-from jllm.runner.inputs import build_step
+from jllm.runner.inputs import build_step, finish_step, place_step, sample_bucket
 from jllm.runner.logit_bias import LogitBiasTable, bias_vector
 from jllm.runner.lora_slots import LoraSlotArrays
 from jllm.runner.penalty_state import PenaltyState
-from jllm.runner.prompt_logprobs import prompt_logprobs_step
+from jllm.runner.prompt_logprobs import _prompt_logprobs_step, prompt_logprobs_step
 from jllm.runner.prompt_logprobs import unpack as unpack_prompt_logprobs
 from jllm.runner.routed_experts import split_by_request
 from jllm.runner.sampled import SampledToken
@@ -163,19 +164,18 @@ def prompt_pool(hidden, positions, last, kind: str):
 
 
 # `invariant` (batch_invariant.keyed): the batch-invariant mode the step is traced in.
+FORWARD_STATIC = (
+    "layout",
+    "graphdef",
+    "backend",
+    "draft_graphdef",
+    "routes_k",
+    "routes_dtype",
+    "pooling",
+    "invariant",
+)
 forward_step = jax.jit(
-    batch_invariant.keyed(_forward),
-    static_argnames=(
-        "layout",
-        "graphdef",
-        "backend",
-        "draft_graphdef",
-        "routes_k",
-        "routes_dtype",
-        "pooling",
-        "invariant",
-    ),
-    donate_argnames=("kv_cache",),
+    batch_invariant.keyed(_forward), static_argnames=FORWARD_STATIC, donate_argnames=("kv_cache",)
 )
 
 
@@ -224,19 +224,121 @@ def _sample_step(
     )
 
 
+SAMPLE_STATIC = (
+    "layout",
+    "graphdef",
+    "logits_sharding",
+    "num_logprobs",
+    "logits_processors",
+    "logprobs_mode",
+    "pooling",
+    "invariant",
+)
 sample_step = jax.jit(
     batch_invariant.keyed(_sample_step),
-    static_argnames=(
-        "layout",
-        "graphdef",
-        "logits_sharding",
-        "num_logprobs",
-        "logits_processors",
-        "logprobs_mode",
-        "pooling",
-        "invariant",
-    ),
+    static_argnames=SAMPLE_STATIC,
     donate_argnames=("counts", "last_tokens"),
+)
+
+
+# ---- data parallelism: the same steps on every data shard (runner/data_parallel.py) ------
+def _forward_shards(
+    state,
+    kv_cache,
+    last_tokens,
+    buf,
+    images=None,
+    *,
+    layout,
+    graphdef,
+    backend,
+    draft_graphdef=None,
+    routes_k=0,
+    routes_dtype=None,
+    pooling=None,
+):
+    """`_forward` on each data shard: `buf` [D, n], each shard's row its packed inputs;
+    the cache's blocks and the last tokens split by shard. -> the shards' sample-row and
+    prompt-logprob hidden states side by side, the caches (no routed experts)."""
+    static = dict(layout=layout, graphdef=graphdef, backend=backend, pooling=pooling)
+
+    def shard(state, kv_cache, last_tokens, buf):
+        rows, kv_cache, prompt_hidden, _ = _forward(state, kv_cache, last_tokens, buf[0], **static)
+        return rows, kv_cache, prompt_hidden
+
+    pools = blocks(kv_cache)
+    specs = (whole(state), pools, SPLIT, SPLIT)
+    rows, kv_cache, prompt_hidden = over_data(shard, specs, (SPLIT, pools, SPLIT))(
+        state, kv_cache, last_tokens, buf
+    )
+    return rows, kv_cache, prompt_hidden, None
+
+
+forward_shards = jax.jit(
+    batch_invariant.keyed(_forward_shards),
+    static_argnames=FORWARD_STATIC,
+    donate_argnames=("kv_cache",),
+)
+
+
+def _sample_shards(
+    state,
+    hidden,
+    buf,
+    counts,
+    prompt_mask,
+    bias,
+    last_tokens,
+    bitmask,
+    *,
+    layout,
+    graphdef,
+    logits_sharding,
+    num_logprobs,
+    logits_processors,
+    logprobs_mode="raw_logprobs",
+    pooling=False,
+):
+    """`_sample_step` on each data shard: every argument but the weights split by shard."""
+    static = dict(
+        layout=layout,
+        graphdef=graphdef,
+        logits_sharding=logits_sharding,
+        num_logprobs=num_logprobs,
+        logits_processors=logits_processors,
+        logprobs_mode=logprobs_mode,
+        pooling=pooling,
+    )
+
+    def shard(state, hidden, buf, *rows):
+        return _sample_step(state, hidden, buf[0], *rows, **static)
+
+    specs = (whole(state), *[SPLIT] * 7)
+    return over_data(shard, specs, (SPLIT,) * 3)(
+        state, hidden, buf, counts, prompt_mask, bias, last_tokens, bitmask
+    )
+
+
+sample_shards = jax.jit(
+    batch_invariant.keyed(_sample_shards),
+    static_argnames=SAMPLE_STATIC,
+    donate_argnames=("counts", "last_tokens"),
+)
+
+
+def _prompt_lp_shards(state, hidden, targets, *, graphdef, num_logprobs, logits_sharding):
+    """`_prompt_logprobs_step` on each data shard."""
+    static = dict(graphdef=graphdef, num_logprobs=num_logprobs, logits_sharding=logits_sharding)
+
+    def shard(state, hidden, targets):
+        return _prompt_logprobs_step(state, hidden, targets, **static)
+
+    return over_data(shard, (whole(state), SPLIT, SPLIT), SPLIT)(state, hidden, targets)
+
+
+prompt_lp_shards = jax.jit(
+    batch_invariant.keyed(_prompt_lp_shards),
+    static_argnames=("graphdef", "num_logprobs", "logits_sharding", "invariant"),
 )
 
 
@@ -261,8 +363,12 @@ class ModelRunner:
         routes=None,
         invariant: bool = False,
         pooling: str | None = None,
+        data_parallel_size: int = 1,
     ) -> None:
         self.graphdef = graphdef
+        # Data shards (runner/data_parallel.py): each has its own input batch of
+        # max_num_seqs rows and its own per-row device state; a step runs on all at once.
+        self.dp = data_parallel_size
         # A pooling model's pooling type (jllm/pooling: "LAST", "MEAN", "CLS"): its steps
         # return pooled hidden states, not tokens. None: a generative model.
         self.pooling = pooling
@@ -277,9 +383,13 @@ class ModelRunner:
         self.kv_groups = tuple(kv_caches) + (() if draft is None else tuple(draft.kv_caches))
         self.mesh = mesh
         self.table = ExecutableTable(mesh)
-        # Step inputs and penalty state are replicated on every device of the mesh.
+        # Step inputs and penalty state are replicated on every device of the mesh (with
+        # data shards, each shard's rows on its devices).
         self.replicated = replicated(mesh)
+        self.rows = self.replicated if self.dp == 1 else rows_sharding(mesh)
         self.logits_sharding = named_sharding(mesh, (None, "vocab"), (1, vocab_size))
+        if self.dp > 1:  # inside the shards' shard_map: a spec of the mesh in context
+            self.logits_sharding = self.logits_sharding.spec
         self.state = state
         self.kv_cache = None  # attach_kv_cache, once sized
         if layout.group_fields and len(layout.group_fields) != len(self.kv_groups):
@@ -299,9 +409,13 @@ class ModelRunner:
         self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
         max_len = layout.max_pages * layout.block_size
         self.logits_processors = tuple(logits_processors)  # traced into the sampler
-        self.batch = InputBatch(
-            max_num_seqs, max_len, layout.max_pages, self.logits_processors, len(self.kv_groups)
-        )
+        self.batches = [
+            InputBatch(
+                max_num_seqs, max_len, layout.max_pages, self.logits_processors, len(self.kv_groups)
+            )
+            for _ in range(self.dp)
+        ]
+        self.batch = self.batches[0]
         # The managers (runner/manager.py), in the order their writes run in a step: a LoRA
         # slot and the images a step reads are written before the forward; the host KV
         # tier's copies before it overwrites or reads their blocks; penalty rows (row 0
@@ -311,16 +425,18 @@ class ModelRunner:
         self.host_kv = None  # the host KV tier's HostKVCache (runner/host_kv.py), if any
         # A linear-attention model's state snapshots (runner/state_copies.py), if any.
         self.state_copies = None
-        self.penalties = PenaltyState(max_num_seqs, max_len, vocab_size, self.replicated)
-        self.bias = LogitBiasTable(self.penalties.num_rows, vocab_size, self.replicated)
+        self.penalties = PenaltyState(
+            max_num_seqs, max_len, vocab_size, self.replicated, self.dp, self.rows
+        )
+        self.bias = LogitBiasTable(self.penalties.num_rows, vocab_size, self.replicated, self.rows)
         self.vocab_size = vocab_size
         # Grammar bitmasks (structured outputs): a step without any passes a zero array of
         # its row bucket, kept on the device, so only steps with a grammar transfer one.
         self.bitmask_width = bitmask_width(vocab_size)
         self._no_bitmask: dict[int, jax.Array] = {}
         # The last token each input-batch row sampled, where the next step reads it.
-        last = np.zeros(max_num_seqs + 1, np.int32)
-        self.last_tokens = jax.device_put(last, self.replicated)
+        last = np.zeros(self.dp * (max_num_seqs + 1), np.int32)
+        self.last_tokens = jax.device_put(last, self.rows)
         # An MTP draft's first step reads the step's sample rows' hidden states: the last
         # forward's [logit_rows, D] (spec_decode/mtp.py).
         self.step_hidden = None
@@ -404,14 +520,17 @@ class ModelRunner:
         return None if self.encoder is None else self.encoder.pool
 
     def _abstract(self, layout: Layout):
-        """The packed buffer of `layout` as an abstract replicated argument."""
+        """The packed buffer of `layout` as an abstract replicated argument ([D, size], a
+        row per data shard, with data parallelism)."""
         size = sum(int(np.prod(shape)) for shape, _ in layout.leaves)
-        return jax.ShapeDtypeStruct((size,), jnp.int32, sharding=self.replicated)
+        shape = (size,) if self.dp == 1 else (self.dp, size)
+        return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.rows)
 
     def _lower_forward(self, key: tuple, kv_cache):
         """`kv_cache`: the target's, or the pair (target, draft) with a draft model."""
         layout = self.step_layouts(key, self.layout.sample_buckets[0])[0]
-        return forward_step.lower(
+        step = forward_step if self.dp == 1 else forward_shards
+        return step.lower(
             *self._forward_args(kv_cache),
             self.last_tokens,
             self._abstract(layout),
@@ -442,9 +561,10 @@ class ModelRunner:
         def lower():
             layout = self.step_layouts(self.layout.shapes()[0], rs)[1]
             bitmask = jax.ShapeDtypeStruct(
-                (rs, self.bitmask_width), jnp.int32, sharding=self.replicated
+                (self.dp * rs, self.bitmask_width), jnp.int32, sharding=self.rows
             )
-            return sample_step.lower(
+            step = sample_step if self.dp == 1 else sample_shards
+            return step.lower(
                 self.state,
                 hidden,
                 self._abstract(layout),
@@ -464,9 +584,10 @@ class ModelRunner:
     def _prompt_lp_executable(self, hidden):
         def lower():
             targets = jax.ShapeDtypeStruct(
-                (PROMPT_LOGPROB_ROWS,), jnp.int32, sharding=self.replicated
+                (self.dp * PROMPT_LOGPROB_ROWS,), jnp.int32, sharding=self.rows
             )
-            return prompt_logprobs_step.lower(
+            step = prompt_logprobs_step if self.dp == 1 else prompt_lp_shards
+            return step.lower(
                 self.state,
                 hidden,
                 targets,
@@ -551,11 +672,11 @@ class ModelRunner:
     # ---- the step ------------------------------------------------------------------------
     def _bitmask(self, rows: int, bitmask):
         if bitmask is not None:
-            return jax.device_put(bitmask, self.replicated)
+            return jax.device_put(bitmask, self.rows)
         zeros = self._no_bitmask.get(rows)
         if zeros is None:
-            zeros = np.zeros((rows, self.bitmask_width), np.int32)
-            zeros = self._no_bitmask[rows] = jax.device_put(zeros, self.replicated)
+            zeros = np.zeros((self.dp * rows, self.bitmask_width), np.int32)
+            zeros = self._no_bitmask[rows] = jax.device_put(zeros, self.rows)
         return zeros
 
     def step_layouts(self, key: tuple, rs: int) -> tuple[Layout, Layout]:
@@ -580,7 +701,7 @@ class ModelRunner:
         for manager, writes in written:
             manager.apply_late(self, writes)
         layout, md_layout = self.step_layouts(plan.key, plan.rs)
-        buf, md_buf = jax.device_put((plan.inputs, plan.sampling), self.replicated)
+        buf, md_buf = jax.device_put((plan.inputs, plan.sampling), self.rows)
         fwd = self.forward_for(plan.key)
         hidden, caches, prompt_hidden, routes = fwd(
             *self._forward_args(self._caches()), self.last_tokens, buf, self._images()
@@ -597,7 +718,7 @@ class ModelRunner:
         )
         prompt_packed = None
         if plan.prompt_targets is not None:
-            targets = jax.device_put(plan.prompt_targets, self.replicated)
+            targets = jax.device_put(plan.prompt_targets, self.rows)
             prompt_lp = self._prompt_lp_executable(prompt_hidden)
             prompt_packed = prompt_lp(self.state, prompt_hidden, targets)
         return packed, prompt_packed, routes
@@ -618,27 +739,30 @@ class ModelRunner:
     def _apply(self, out: SchedulerOutput) -> tuple[dict, dict]:
         """Bring the input batch up to date with the scheduler's output; returns every
         manager's writes for the step and the requests whose admission failed ({req id:
-        reason})."""
-        for rid in out.finished_req_ids | out.preempted_req_ids:
-            self.batch.remove(rid)
+        reason}). With data shards, each shard's output updates its own input batch, and
+        its penalty and bias rows are its own run of the arrays' rows."""
         writes = {m.name: m.empty() for m in self.managers}
         admitted, bias_writes, failed = [], [], {}
-        for new in out.scheduled_new_reqs:
-            if new.lora_slot:
-                writes[self.lora.name] += self.lora.admit(self, new.lora_slot, new.lora)
-            try:
-                row = self.batch.add(new)
-                p = new.sampling_params
-                bias = bias_vector(p, self.vocab_size) if p.has_bias else None
-            except Exception as e:  # noqa: BLE001 - fails this request only
-                failed[new.req_id] = self._admit_neutral(new, e)
-                continue
-            if p.has_penalties:
-                prompt = () if new.prompt_is_embeds else new.prompt_token_ids
-                admitted.append((row + 1, prompt, new.output_token_ids))
-            if bias is not None:
-                bias_writes.append((row + 1, bias))
-        self.batch.update(out.scheduled_cached_reqs)
+        for d, (batch, shard) in enumerate(zip(self.batches, self._shards(out), strict=True)):
+            base = d * self.penalties.rows_per_shard
+            for rid in shard.finished_req_ids | shard.preempted_req_ids:
+                batch.remove(rid)
+            for new in shard.scheduled_new_reqs:
+                if new.lora_slot:
+                    writes[self.lora.name] += self.lora.admit(self, new.lora_slot, new.lora)
+                try:
+                    row = batch.add(new)
+                    p = new.sampling_params
+                    bias = bias_vector(p, self.vocab_size) if p.has_bias else None
+                except Exception as e:  # noqa: BLE001 - fails this request only
+                    failed[new.req_id] = self._admit_neutral(batch, new, e)
+                    continue
+                if p.has_penalties:
+                    prompt = () if new.prompt_is_embeds else new.prompt_token_ids
+                    admitted.append((base + row + 1, prompt, new.output_token_ids))
+                if bias is not None:
+                    bias_writes.append((base + row + 1, bias))
+            batch.update(shard.scheduled_cached_reqs)
         writes[self.penalties.name] = self.penalties.admit(admitted)
         writes[self.bias.name] = bias_writes
         if self.encoder is not None:
@@ -649,13 +773,19 @@ class ModelRunner:
             writes[self.state_copies.name] = list(out.state_copies)
         return writes, failed
 
-    def _admit_neutral(self, new, error: Exception) -> str:
+    def _shards(self, out: SchedulerOutput) -> list[SchedulerOutput]:
+        """Each data shard's part of a step (engine/data_parallel.py): the step itself with
+        one shard."""
+        return [out] if self.dp == 1 else out.shards
+
+    @staticmethod
+    def _admit_neutral(batch: InputBatch, new, error: Exception) -> str:
         """A request whose row could not be written (its sampling parameters): it still
         runs this step with greedy defaults, so its scheduled tokens fill its KV blocks as
         the scheduler expects, and the engine fails it alone with the returned reason."""
         logger.error("Request %s could not be admitted: %r", new.req_id, error)
-        self.batch.remove(new.req_id)
-        self.batch.add(dataclasses.replace(new, sampling_params=SamplingParams(temperature=0)))
+        batch.remove(new.req_id)
+        batch.add(dataclasses.replace(new, sampling_params=SamplingParams(temperature=0)))
         return f"{type(error).__name__}: {error}"
 
     def dispatch(self, out: SchedulerOutput):
@@ -664,6 +794,8 @@ class ModelRunner:
         if self._first_step is None:
             self._first_step = time.perf_counter()
         writes, failed = self._apply(out)
+        if self.dp > 1:
+            return self._dispatch_shards(out, writes, failed)
         inputs, md, groups, key, prompt_rows, tok_row = build_step(
             self.batch, out, self.layout, self.attention
         )
@@ -690,20 +822,55 @@ class ModelRunner:
             routes = (routes, tok_row, positions, slots, rows)
         return packed, groups, prompt_packed, prompt_rows, failed, routes
 
-    def fetch(self, handle) -> ModelRunnerOutput:
-        """Wait for a dispatched step: the emitted tokens of every request that sampled,
-        appended to their rows (unless a row changed hands since)."""
-        packed, groups, prompt_packed, prompt_rows, failed, routes = handle
-        packed = np.asarray(packed.addressable_shards[0].data)  # replicated: the whole array
-        if not self._first_logged:
-            self._first_logged = True
-            logger.info("First step took %.2f s.", time.perf_counter() - self._first_step)
+    def _dispatch_shards(self, out, writes: dict, failed: dict):
+        """`dispatch` with data shards: each shard's inputs built from its own batch in the
+        largest shard's forward key and sample-row bucket, side by side in one plan."""
+        shards = out.shards
+        tokens = max(sum(o.num_scheduled_tokens.values()) for o in shards)
+        key = (bucket(max(tokens, 1), self.layout.token_buckets),)
+        placed = [
+            place_step(b, o, self.layout, key) for b, o in zip(self.batches, shards, strict=True)
+        ]
+        rs = max(sample_bucket(p, self.layout) for p in placed)
+        built = [
+            finish_step(b, o, self.layout, self.attention, p, rs)
+            for b, o, p in zip(self.batches, shards, placed, strict=True)
+        ]
+        prompts = [b[4] for b in built]
+        targets = None
+        if any(p is not None for p in prompts):
+            none = np.zeros(PROMPT_LOGPROB_ROWS, np.int32)
+            targets = np.concatenate([none if p is None else p.targets for p in prompts])
+        masks = [
+            grammar_rows(b[2], o.grammar_bitmask, rs, self.bitmask_width)
+            for b, o in zip(built, shards, strict=True)
+        ]
+        bitmask = None
+        if any(m is not None for m in masks):
+            none = np.zeros((rs, self.bitmask_width), np.int32)
+            bitmask = np.concatenate([none if m is None else m for m in masks])
+        plan = StepPlan(
+            key=key,
+            rs=rs,
+            inputs=np.stack([pack(b[0])[0] for b in built]),
+            sampling=np.stack([pack(b[1])[0] for b in built]),
+            prompt_targets=targets,
+            bitmask=bitmask,
+            writes=writes,
+        )
+        packed, prompt_packed, _ = self.run_step(plan)
+        for batch, b in zip(self.batches, built, strict=True):
+            for g in b[2]:
+                batch.num_pending[g.row] += 1
+        groups = [b[2] for b in built]
+        return packed, groups, prompt_packed, prompts, failed, None
+
+    def _fetch_rows(self, result, batch, groups, packed) -> None:
+        """One input batch's sampled tokens (`packed`: its rows of the step's result)."""
         tokens, lp, rank, emitted, top_ids, top_lp = unpack_result(packed, self.max_logprobs)
-        result = ModelRunnerOutput(failed=failed)
         if self.pooling:
             states = unpack_pooled(packed, self.max_logprobs)
-            result.pooled = {g.req_id: states[g.first].copy() for g in groups}
-        batch = self.batch
+            result.pooled.update({g.req_id: states[g.first].copy() for g in groups})
         for g in groups:
             rows = range(g.first, g.first + g.count)
             n = int(emitted[g.first : g.first + g.count].sum())
@@ -714,16 +881,49 @@ class ModelRunner:
                 SampledToken(int(tokens[r]), float(lp[r]), int(rank[r]), top_ids[r], top_lp[r])
                 for r in rows[:n]
             ]
+
+    def _fetch_prompt_rows(self, result, prompt_rows, packed) -> None:
+        fields = unpack_prompt_logprobs(packed, self.max_logprobs)
+        at = 0
+        for rid, first, n in prompt_rows.spans:
+            result.prompt_logprobs[rid] = (first, *(f[at : at + n] for f in fields))
+            at += n
+
+    def _fetch_shards(self, handle) -> ModelRunnerOutput:
+        packed, groups, prompt_packed, prompts, failed, _ = handle
+        packed = np.asarray(packed)  # [D * Rs, ...]: each shard's rows in turn
+        result = ModelRunnerOutput(failed=failed)
+        rs = packed.shape[0] // self.dp
+        for d, batch in enumerate(self.batches):
+            self._fetch_rows(result, batch, groups[d], packed[d * rs : (d + 1) * rs])
+        if prompt_packed is not None:
+            prompt_packed = np.asarray(prompt_packed)
+            for d, rows in enumerate(prompts):
+                if rows is not None:
+                    at = d * PROMPT_LOGPROB_ROWS
+                    self._fetch_prompt_rows(
+                        result, rows, prompt_packed[at : at + PROMPT_LOGPROB_ROWS]
+                    )
+        return result
+
+    def fetch(self, handle) -> ModelRunnerOutput:
+        """Wait for a dispatched step: the emitted tokens of every request that sampled,
+        appended to their rows (unless a row changed hands since)."""
+        if not self._first_logged:
+            self._first_logged = True
+            jax.block_until_ready(handle[0])
+            logger.info("First step took %.2f s.", time.perf_counter() - self._first_step)
+        if self.dp > 1:
+            return self._fetch_shards(handle)
+        packed, groups, prompt_packed, prompt_rows, failed, routes = handle
+        packed = np.asarray(packed.addressable_shards[0].data)  # replicated: the whole array
+        result = ModelRunnerOutput(failed=failed)
+        self._fetch_rows(result, self.batch, groups, packed)
         if self.draft is not None:
             result.spec_token_ids = self.draft.propose(self, groups, result.sampled)
         if prompt_rows is not None:
-            fields = unpack_prompt_logprobs(
-                np.asarray(prompt_packed.addressable_shards[0].data), self.max_logprobs
-            )
-            at = 0
-            for rid, first, n in prompt_rows.spans:
-                result.prompt_logprobs[rid] = (first, *(f[at : at + n] for f in fields))
-                at += n
+            prompt_packed = np.asarray(prompt_packed.addressable_shards[0].data)
+            self._fetch_prompt_rows(result, prompt_rows, prompt_packed)
         if routes is not None:
             ids, tok_row, positions, slots, rows = routes
             ids = np.asarray(ids.addressable_shards[0].data)

@@ -61,14 +61,27 @@ class PenaltyState(RunnerManager):
 
     name = "penalties"
 
-    def __init__(self, max_num_seqs: int, max_model_len: int, vocab_size: int, sharding):
-        self.num_rows = max_num_seqs + 1
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_model_len: int,
+        vocab_size: int,
+        sharding,
+        shards: int = 1,
+        rows_sharding=None,
+    ):
+        """`sharding`: the writes'; `rows_sharding` (default: the same) the rows'. With
+        data parallelism (`shards` > 1) each shard has its own `rows_per_shard` rows, side by
+        side on the data axis; a write names rows of the whole array."""
+        self.rows_per_shard = max_num_seqs + 1
+        self.num_rows = shards * self.rows_per_shard
         self.write_buckets = pow2_buckets(max(16, max_model_len), 16)
-        self.max_resets = max_num_seqs
+        self.max_resets = shards * max_num_seqs
         self.sharding = sharding
+        rows_sharding = sharding if rows_sharding is None else rows_sharding
         shape = (self.num_rows, vocab_size)
-        self.counts = jax.device_put(np.zeros(shape, np.int32), sharding)
-        self.prompt_mask = jax.device_put(np.zeros(shape, np.bool_), sharding)
+        self.counts = jax.device_put(np.zeros(shape, np.int32), rows_sharding)
+        self.prompt_mask = jax.device_put(np.zeros(shape, np.bool_), rows_sharding)
 
     def admit(self, admitted) -> list[PenaltyWrite]:
         """Writes for the admitted sequences with penalties (`admitted`: (penalty row, prompt

@@ -235,3 +235,29 @@ def test_beam_search_with_an_adapter(lora_llm, adapters):
         assert a.cum_logprob == pytest.approx(b.cum_logprob, abs=1e-3)
     base = lora_llm.beam_search(prompts[1:], params)
     assert [s.tokens for s in got[1].sequences] == [s.tokens for s in base[0].sequences]
+
+
+def test_data_parallel_shards_share_the_slots(llama_dir, adapters):
+    """DP = 2 on fake devices: both shards' requests draw adapters from the engine's one set
+    of slots (here one slot, so the shards wait for each other's adapter to leave it), and
+    each request's tokens and logprobs are its merged model's."""
+    llm = LLM(
+        llama_dir,
+        enable_lora=True,
+        max_loras=1,
+        max_lora_rank=16,
+        data_parallel_size=2,
+        kv_cache_memory_bytes=16 << 20,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        enforce_eager=True,
+        disable_log_stats=True,
+    )
+    prompts = prompt_ids(6, 7, seed=22)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=1)
+    names = ["mlp16", "all8", None, "all8", "mlp16", None]
+    lora = lora_requests(names, adapters)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, False, lora)
+    assert_each_matches_merged(llama_dir, adapters, names, prompts, outs)
+    shards = llm.llm_engine.scheduler.shards
+    assert all(s.kv_cache.prefix_queries > 0 for s in shards)
