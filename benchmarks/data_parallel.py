@@ -14,13 +14,9 @@ float32. The workload: 16 prompts of 64 tokens, 32 tokens out each, spread over 
 
 from __future__ import annotations
 
-import gc
 import re
-import shutil
-import time
 
-import numpy as np
-from pipeline import INPUT, LAYERS, OUTPUT, PROMPTS, config_dir
+from pipeline import INPUT, LAYERS, OUTPUT, PROMPTS, sweep
 
 COLLECTIVES = r"(all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute)(?:-start)?\("
 
@@ -34,40 +30,11 @@ def collectives(llm, tokens: int) -> int:
 
 
 def run(sizes, run_jllm, step_timer) -> None:
-    from jllm import LLM
+    def extra(llm, dp):
+        tokens = next(b for b in llm.llm_engine.runner.layout.token_buckets if b >= PROMPTS // dp)
+        return (collectives(llm, tokens),)
 
-    path = config_dir()
-    rng = np.random.default_rng(0)
-    reqs = [(rng.integers(100, 40000, INPUT).tolist(), OUTPUT) for _ in range(PROMPTS)]
-    rows = []
-    try:
-        for dp in sizes:
-            llm = LLM(
-                path,
-                load_format="dummy",
-                skip_tokenizer_init=True,
-                dtype="float32",
-                max_model_len=512,
-                kv_cache_memory_bytes=256 << 20,  # per device: fake devices share the host
-                max_num_seqs=PROMPTS,
-                data_parallel_size=dp,
-                async_scheduling=False,
-                disable_log_stats=True,
-            )
-            timer = step_timer(llm.llm_engine.runner, False)
-            run_jllm(llm, reqs[:4], "warm-up")
-            timer.records.clear()
-            start = time.perf_counter()
-            result = run_jllm(llm, reqs, f"DP={dp}")
-            wall = time.perf_counter() - start
-            step, host, _ = timer.host_profile(PROMPTS)
-            per_shard = PROMPTS // dp
-            tokens = next(b for b in llm.llm_engine.runner.layout.token_buckets if b >= per_shard)
-            rows.append((dp, result["tok_s"], wall, step, host, collectives(llm, tokens)))
-            del llm, timer
-            gc.collect()
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+    rows = sweep("data_parallel_size", sizes, run_jllm, step_timer, extra)
     print(
         f"\nSmolLM2 shape x {LAYERS} layers, float32, {PROMPTS} x {INPUT} in x {OUTPUT} out, "
         "fake CPU devices sharing the cores"

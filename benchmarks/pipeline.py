@@ -63,7 +63,10 @@ def transfers(llm, tokens: int) -> tuple[int, int, int]:
     return permutes * ticks, permutes * ticks * per_permute, reduces
 
 
-def run(sizes, run_jllm, step_timer) -> None:
+def sweep(argument: str, sizes, run_jllm, step_timer, extra) -> list[tuple]:
+    """An engine per size with `argument` (pipeline_parallel_size, data_parallel_size) set
+    to it, on the SmolLM2 x LAYERS shape: (size, tok/s, wall s, decode step ms, host ms per
+    step, *extra(llm, size)) for each."""
     from jllm import LLM
 
     path = config_dir()
@@ -71,7 +74,7 @@ def run(sizes, run_jllm, step_timer) -> None:
     reqs = [(rng.integers(100, 40000, INPUT).tolist(), OUTPUT) for _ in range(PROMPTS)]
     rows = []
     try:
-        for pp in sizes:
+        for size in sizes:
             llm = LLM(
                 path,
                 load_format="dummy",
@@ -80,23 +83,33 @@ def run(sizes, run_jllm, step_timer) -> None:
                 max_model_len=512,
                 kv_cache_memory_bytes=256 << 20,  # per device: fake devices share the host
                 max_num_seqs=PROMPTS,
-                pipeline_parallel_size=pp,
                 async_scheduling=False,
                 disable_log_stats=True,
+                **{argument: size},
             )
             timer = step_timer(llm.llm_engine.runner, False)
             run_jllm(llm, reqs[:4], "warm-up")
             timer.records.clear()
             start = time.perf_counter()
-            result = run_jllm(llm, reqs, f"PP={pp}")
+            result = run_jllm(llm, reqs, f"{argument}={size}")
             wall = time.perf_counter() - start
             step, host, _ = timer.host_profile(PROMPTS)
-            permutes, nbytes, reduces = transfers(llm, PROMPTS)
-            rows.append((pp, result["tok_s"], wall, step, host, permutes, nbytes, reduces))
+            rows.append((size, result["tok_s"], wall, step, host, *extra(llm, size)))
             del llm, timer
             gc.collect()
     finally:
         shutil.rmtree(path, ignore_errors=True)
+    return rows
+
+
+def run(sizes, run_jllm, step_timer) -> None:
+    rows = sweep(
+        "pipeline_parallel_size",
+        sizes,
+        run_jllm,
+        step_timer,
+        lambda llm, _: transfers(llm, PROMPTS),
+    )
     print(
         f"\nSmolLM2 shape x {LAYERS} layers, float32, {PROMPTS} x {INPUT} in x {OUTPUT} out, "
         "fake CPU devices sharing the cores"
