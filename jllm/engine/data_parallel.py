@@ -194,7 +194,9 @@ def check_data_parallel(args, *, tiles: bool, vision, state: bool, pooling) -> N
     refused = {
         "pipeline_parallel_size > 1": args.pipeline_parallel_size > 1,
         "several nodes (nnodes > 1)": args.nnodes > 1,
-        "speculative decoding (speculative_config)": args.speculative_config is not None,
+        "a draft model or MTP (speculative_config; n-gram speculation splits)": (
+            args.speculative_config is not None and args.speculative_config.method != "ngram"
+        ),
         "expert parallelism (enable_expert_parallel)": args.enable_expert_parallel,
         "the host KV tier (kv_offloading_size)": bool(args.kv_offloading_size),
         "prompt embeddings (enable_prompt_embeds)": args.enable_prompt_embeds,

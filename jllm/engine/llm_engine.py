@@ -162,6 +162,13 @@ class LLMEngine:
         tile = get_backend(backend).prefill_tile
         sched_cfg = resolve_scheduler_config(args, self.max_model_len, tile)
         kv_dtype, kv_fp8 = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, platform)
+        check_data_parallel(  # before a draft model loads
+            args,
+            tiles=tile is not None,
+            vision=getattr(cfg, "vision", None),
+            state=any(isinstance(g, MambaSpec) for g in m.kv_caches),
+            pooling=m.pooling,
+        )
         draft = None
         if args.speculative_config is not None:
             draft = load_draft_model(args, m, backend, platform, kv_dtype.itemsize)
@@ -174,13 +181,6 @@ class LLMEngine:
             )
         vision = getattr(cfg, "vision", None)
         check_prompt_embeds(args, vision, draft)
-        check_data_parallel(
-            args,
-            tiles=tile is not None,
-            vision=vision,
-            state=any(isinstance(g, MambaSpec) for g in groups),
-            pooling=m.pooling,
-        )
         # enable_prompt_embeds: the rows' width, which the processor checks and steps carry
         self.embeds_dim = cfg.hidden_size if args.enable_prompt_embeds else 0
         token_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize

@@ -8,7 +8,7 @@ name."""
 from __future__ import annotations
 
 import pytest
-from oracle import SMALL, prompt_ids, same_outputs
+from oracle import SMALL, assert_matches, eager, generate, prompt_ids, same_outputs, save_copier
 
 from jllm import LLM, SamplingParams
 from jllm.sampling_params import StructuredOutputsParams
@@ -141,10 +141,46 @@ def test_structured_outputs_on_both_shards(tiny_models):
     assert all(n > 0 for n in shards_used(llm))
 
 
+def test_ngram_speculation_on_both_shards(tiny_models, reference):
+    """n-gram drafts verified in each shard's rows: the outputs are still one replica's."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    llm = LLM(tiny_models["llama"], data_parallel_size=2, speculative_config=spec, **SMALL)
+    repeating = [{"prompt_token_ids": [5, 6, 7, 8] * 6} for _ in range(4)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    one = LLM(tiny_models["llama"], **SMALL).generate(repeating, greedy, use_tqdm=False)
+    same(llm.generate(repeating, greedy, use_tqdm=False), one)
+    same(outputs(llm), reference["llama"])
+    assert all(n > 0 for n in shards_used(llm))
+
+
 def test_no_compile_after_warmup(tiny_models, reference):
     llm = LLM(tiny_models["llama"], data_parallel_size=2, **(SMALL | {"enforce_eager": False}))
     assert llm.llm_engine.runner.compile_guard
     same(outputs(llm), reference["llama"])
+
+
+def test_sleep_pause_and_weight_updates_reach_every_shard(tiny_models, tmp_path):
+    """RL's calls act on both shards: a level-1 sleep frees and wakes both caches and gives
+    the same outputs; an update serves the new weights on both (their cached prefixes are
+    no longer hits); pause "abort" then resume."""
+    llm = LLM(tiny_models["llama"], data_parallel_size=2, enable_sleep_mode=True, **SMALL)
+    prompts = prompt_ids(4, 20)
+    before = generate(llm, prompts)
+    llm.sleep(level=1)
+    assert llm.wake_up() is True
+    after = generate(llm, prompts)
+    same_outputs([o.outputs[0] for o in after], [o.outputs[0] for o in before], 1e-5)
+    assert all(n > 0 for n in shards_used(llm))
+    model = eager(save_copier(tiny_models["llama"], tmp_path / "copier"))
+    llm.start_weight_update()
+    llm.update_weights((k, v.numpy()) for k, v in model.state_dict().items())
+    llm.finish_weight_update("copier")
+    updated = generate(llm, prompts)
+    assert all(o.num_cached_tokens == 0 for o in updated)
+    assert_matches(model, prompts, updated)
+    llm.llm_engine.core.pause_scheduler("abort")
+    llm.llm_engine.core.resume_scheduler()
+    assert_matches(model, prompts, generate(llm, prompts))
 
 
 @pytest.mark.parametrize(
@@ -153,7 +189,7 @@ def test_no_compile_after_warmup(tiny_models, reference):
         ({"pipeline_parallel_size": 2}, "pipeline_parallel_size > 1"),
         ({"enable_prompt_embeds": True}, "prompt embeddings"),
         ({"attention_backend": "xla"}, "the xla attention backend"),
-        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative"),
+        ({"speculative_config": {"model": "x", "num_speculative_tokens": 2}}, "a draft model"),
         ({"kv_offloading_size": 0.01}, "host KV tier"),
     ],
 )
