@@ -29,7 +29,7 @@ MODEL_AXIS = "model"
 
 logger = logging.getLogger("jllm")
 
-LOGICAL_RULES: dict[str, str | None] = {
+LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "layers": STAGE_AXIS,
     "vocab": MODEL_AXIS,
     "embed": None,
@@ -38,7 +38,10 @@ LOGICAL_RULES: dict[str, str | None] = {
     "head_dim": None,
     "mlp": MODEL_AXIS,
     "experts": None,  # tensor parallelism splits each expert's "mlp" axis
-    "experts_split": MODEL_AXIS,  # expert parallelism: whole experts per device
+    # Expert parallelism: whole experts per device, over the data shards' devices too (a
+    # data shard's tokens travel to the experts: models/moe.py). An axis of size 1 in a
+    # tuple is left out, so without data parallelism this is "model" alone.
+    "experts_split": (DATA_AXIS, MODEL_AXIS),
     "norm": None,
     # LoRA slot arrays [L, S, *in, R] and [L, S, R, *out] (jllm/lora/layers.py)
     "lora_slots": None,
@@ -98,13 +101,26 @@ def partition_spec(
     spec = []
     for i, logical in enumerate(logical_axes):
         axis = LOGICAL_RULES.get(logical) if logical else None
-        if axis is not None and mesh is not None and axis not in mesh.shape:
+        if isinstance(axis, tuple):  # several mesh axes: those of size > 1 (else the last)
+            kept = () if mesh is None else tuple(a for a in axis if mesh.shape.get(a, 1) > 1)
+            kept = kept or axis[-1:]
+            axis = kept[0] if len(kept) == 1 else kept
+        if axis is not None and mesh is not None and not _in_mesh(axis, mesh):
             axis = None  # a mesh without that axis (e.g. a test's 1-D mesh)
-        if axis is not None and shape is not None and shape[i] % mesh.shape[axis]:
-            _uneven(logical_axes, shape, i, mesh.shape[axis], axis, name, replicate_uneven)
+        if axis is not None and shape is not None and shape[i] % _size(axis, mesh):
+            _uneven(logical_axes, shape, i, _size(axis, mesh), axis, name, replicate_uneven)
             axis = None
         spec.append(axis)
     return PartitionSpec(*spec)
+
+
+def _in_mesh(axis, mesh) -> bool:
+    return all(a in mesh.shape for a in (axis if isinstance(axis, tuple) else (axis,)))
+
+
+def _size(axis, mesh) -> int:
+    """Devices along a mesh axis, or along several (their product)."""
+    return int(np.prod([mesh.shape[a] for a in (axis if isinstance(axis, tuple) else (axis,))]))
 
 
 def _uneven(logical_axes, shape, i, devices, axis, name, replicate_uneven) -> None:

@@ -197,7 +197,6 @@ def check_data_parallel(args, *, tiles: bool, vision, state: bool, pooling) -> N
         "a draft model or MTP (speculative_config; n-gram speculation splits)": (
             args.speculative_config is not None and args.speculative_config.method != "ngram"
         ),
-        "expert parallelism (enable_expert_parallel)": args.enable_expert_parallel,
         "the host KV tier (kv_offloading_size)": bool(args.kv_offloading_size),
         "prompt embeddings (enable_prompt_embeds)": args.enable_prompt_embeds,
         "routed experts (enable_return_routed_experts)": args.enable_return_routed_experts,

@@ -72,19 +72,21 @@ def check_linear_heads(cfg, tp: int) -> None:
         )
 
 
-def expert_parallel(cfg, enabled: bool, tp: int):
-    """cfg with its experts placed whole over the `tp` devices (`enable_expert_parallel`);
-    a model without experts ignores the flag, as vLLM does."""
+def expert_parallel(cfg, enabled: bool, tp: int, dp: int = 1):
+    """cfg with its experts placed whole over the `tp` devices of each of the `dp` data
+    shards, `dp x tp` devices in all (`enable_expert_parallel`); a model without experts
+    ignores the flag, as vLLM does."""
     moe = getattr(cfg, "moe", None)
     experts = 0 if moe is None else moe.num_experts
     if not enabled or not experts:
         if enabled:
             logger.info("enable_expert_parallel: the model has no experts; ignored.")
         return cfg
-    if experts % tp:
+    if experts % (tp * dp):
         raise ValueError(
-            f"enable_expert_parallel places {experts} experts on {tp} devices: the expert "
-            "count must be divisible by tensor_parallel_size."
+            f"enable_expert_parallel places {experts} experts on {tp * dp} devices: the "
+            "expert count must be divisible by tensor_parallel_size"
+            + (" x data_parallel_size." if dp > 1 else ".")
         )
     return dataclasses.replace(cfg, moe=dataclasses.replace(moe, expert_parallel=True))
 
@@ -226,7 +228,7 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
     dp = args.data_parallel_size
     devices = engine_devices(args.devices, dp * tp * pp)
     mesh = make_mesh(tp, devices, pipeline_parallel_size=pp, data_parallel_size=dp)
-    cfg = expert_parallel(cfg, args.enable_expert_parallel, tp)
+    cfg = expert_parallel(cfg, args.enable_expert_parallel, tp, dp)
     check_linear_heads(cfg, tp)
     cfg, replicas = replicate_kv_heads(cfg, tp)
     # Per-layer float8 KV-cache scales, from the checkpoint or quantization_param_path.

@@ -67,7 +67,7 @@ from jllm.models.layers import (
     param,
 )
 from jllm.quantization.weights import QuantizedWeight, dequantize, matmul
-from sharding import MODEL_AXIS
+from sharding import DATA_AXIS, MODEL_AXIS
 
 TILE = 16  # rows per tile of the CPU's grouped product
 
@@ -468,6 +468,26 @@ class MoE(nnx.Module):
         return route(logits, self.k, self.normalize)
 
     def _routed(self, x, ctx):
+        """Under data parallelism with expert parallelism, a data shard's step (manual over
+        `data`: runner/data_parallel.py) holds only its own tokens and its run of the
+        experts: every shard's tokens are gathered, each device runs its experts' rows of
+        all of them, and the partial outputs are summed and scattered back to the shards
+        (the all-gather / reduce-scatter form of the dispatch)."""
+        shards = self._data_shards()
+        if shards == 1:
+            return self._routed_all(x, ctx)
+        out = self._routed_all(jax.lax.all_gather(x, DATA_AXIS, tiled=True), ctx)
+        return jax.lax.psum_scatter(out, DATA_AXIS, scatter_dimension=0, tiled=True)
+
+    def _data_shards(self) -> int:
+        """The data shards the experts are split over in the step being traced: >1 only
+        with expert parallelism inside a data shard's step."""
+        mesh = jax.sharding.get_abstract_mesh()
+        if not self.expert_parallel or mesh.empty or DATA_AXIS not in mesh.manual_axes:
+            return 1
+        return mesh.shape[DATA_AXIS]
+
+    def _routed_all(self, x, ctx):
         weights, ids = self.choose(self.gate(x, ctx, out_dtype=jnp.float32))
         if ctx is not None and ctx.routes is not None:
             ctx.routes.ids = ids
@@ -476,7 +496,7 @@ class MoE(nnx.Module):
         row_weight = weights.reshape(-1)[order]  # [N]
         w, b = self.experts.weights(), self.experts.biases()
         mesh = jax.sharding.get_abstract_mesh()
-        devices = 1 if mesh.empty else mesh.shape.get(MODEL_AXIS, 1)
+        devices = 1 if mesh.empty else mesh.shape.get(MODEL_AXIS, 1) * self._data_shards()
         if self.expert_parallel and devices > 1:
             return self._expert_parallel(x, token, row_weight, sizes, w, b, mesh)
         on_input = self.weight_on_input
@@ -487,10 +507,14 @@ class MoE(nnx.Module):
     def _expert_parallel(self, x, token, row_weight, sizes, w, b, mesh):
         T, N = x.shape[0], token.shape[0]
         act, on_input = self.act, self.weight_on_input
+        shards = self._data_shards()  # the experts' leading split, when over data x model
 
         def per_device(x, token, row_weight, sizes, w_gate, w_up, w_down, b):
             local = w_gate.shape[0]
-            first = jax.lax.axis_index(MODEL_AXIS) * local
+            device = jax.lax.axis_index(MODEL_AXIS)
+            if shards > 1:  # experts split data-major over (data, model): sharding/
+                device = jax.lax.axis_index(DATA_AXIS) * mesh.shape[MODEL_AXIS] + device
+            first = device * local
             start = (jnp.cumsum(sizes) - sizes)[first]  # the local experts' run of rows
             mine = jax.lax.dynamic_slice_in_dim(sizes, first, local)
 

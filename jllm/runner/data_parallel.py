@@ -50,3 +50,24 @@ def over_data(fn, in_specs, out_specs):
     return jax.shard_map(
         fn, in_specs=in_specs, out_specs=out_specs, axis_names={DATA_AXIS}, check_vma=False
     )
+
+
+def data_splits(state):
+    """Which dimension of each weight is split over `data` (the experts under expert
+    parallelism: sharding/), as a hashable static argument of the steps: (treedef, a spec per
+    leaf), or None when every weight is whole on every shard."""
+    leaves, treedef = jax.tree.flatten(state)
+    specs = tuple(_data_only(leaf.sharding.spec) for leaf in leaves)
+    if all(spec == PartitionSpec() for spec in specs):
+        return None
+    return treedef, specs
+
+
+def _data_only(spec) -> PartitionSpec:
+    dims = [DATA_AXIS if DATA_AXIS in (e if isinstance(e, tuple) else (e,)) else None for e in spec]
+    return PartitionSpec(*dims) if any(dims) else PartitionSpec()
+
+
+def weight_specs(state, splits):
+    """The steps' in_specs of the weights: whole, but for what `data_splits` found split."""
+    return whole(state) if splits is None else jax.tree.unflatten(*splits)

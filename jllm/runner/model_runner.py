@@ -43,7 +43,14 @@ from jllm.distributed.codec import MalformedMessage
 from jllm.models.context import StepContext
 from jllm.runner.buckets import BatchLayout, bucket
 from jllm.runner.compile_cache import cache_counts
-from jllm.runner.data_parallel import SPLIT, blocks, over_data, rows_sharding, whole
+from jllm.runner.data_parallel import (
+    SPLIT,
+    blocks,
+    data_splits,
+    over_data,
+    rows_sharding,
+    weight_specs,
+)
 from jllm.runner.executables import ExecutableTable
 from jllm.runner.input_batch import InputBatch, token_slots
 from jllm.runner.inputs import build_step, finish_step, place_step, sample_bucket
@@ -256,9 +263,11 @@ def _forward_shards(
     routes_k=0,
     routes_dtype=None,
     pooling=None,
+    splits=None,
 ):
     """`_forward` on each data shard: `buf` [D, n], each shard's row its packed inputs;
-    the cache's blocks and the last tokens split by shard. -> the shards' sample-row and
+    the cache's blocks and the last tokens split by shard; the weights whole but for
+    `splits` (runner/data_parallel.data_splits). -> the shards' sample-row and
     prompt-logprob hidden states side by side, the caches (no routed experts)."""
     static = dict(layout=layout, graphdef=graphdef, backend=backend, pooling=pooling)
 
@@ -267,7 +276,7 @@ def _forward_shards(
         return rows, kv_cache, prompt_hidden
 
     pools = blocks(kv_cache)
-    specs = (whole(state), pools, SPLIT, SPLIT)
+    specs = (weight_specs(state, splits), pools, SPLIT, SPLIT)
     rows, kv_cache, prompt_hidden = over_data(shard, specs, (SPLIT, pools, SPLIT))(
         state, kv_cache, last_tokens, buf
     )
@@ -276,7 +285,7 @@ def _forward_shards(
 
 forward_shards = jax.jit(
     batch_invariant.keyed(_forward_shards),
-    static_argnames=FORWARD_STATIC,
+    static_argnames=(*FORWARD_STATIC, "splits"),
     donate_argnames=("kv_cache",),
 )
 
@@ -298,6 +307,7 @@ def _sample_shards(
     logits_processors,
     logprobs_mode="raw_logprobs",
     pooling=False,
+    splits=None,
 ):
     """`_sample_step` on each data shard: every argument but the weights split by shard."""
     static = dict(
@@ -313,7 +323,7 @@ def _sample_shards(
     def shard(state, hidden, buf, *rows):
         return _sample_step(state, hidden, buf[0], *rows, **static)
 
-    specs = (whole(state), *[SPLIT] * 7)
+    specs = (weight_specs(state, splits), *[SPLIT] * 7)
     return over_data(shard, specs, (SPLIT,) * 3)(
         state, hidden, buf, counts, prompt_mask, bias, last_tokens, bitmask
     )
@@ -321,24 +331,27 @@ def _sample_shards(
 
 sample_shards = jax.jit(
     batch_invariant.keyed(_sample_shards),
-    static_argnames=SAMPLE_STATIC,
+    static_argnames=(*SAMPLE_STATIC, "splits"),
     donate_argnames=("counts", "last_tokens"),
 )
 
 
-def _prompt_lp_shards(state, hidden, targets, *, graphdef, num_logprobs, logits_sharding):
+def _prompt_lp_shards(
+    state, hidden, targets, *, graphdef, num_logprobs, logits_sharding, splits=None
+):
     """`_prompt_logprobs_step` on each data shard."""
     static = dict(graphdef=graphdef, num_logprobs=num_logprobs, logits_sharding=logits_sharding)
 
     def shard(state, hidden, targets):
         return _prompt_logprobs_step(state, hidden, targets, **static)
 
-    return over_data(shard, (whole(state), SPLIT, SPLIT), SPLIT)(state, hidden, targets)
+    specs = (weight_specs(state, splits), SPLIT, SPLIT)
+    return over_data(shard, specs, SPLIT)(state, hidden, targets)
 
 
 prompt_lp_shards = jax.jit(
     batch_invariant.keyed(_prompt_lp_shards),
-    static_argnames=("graphdef", "num_logprobs", "logits_sharding", "invariant"),
+    static_argnames=("graphdef", "num_logprobs", "logits_sharding", "invariant", "splits"),
 )
 
 
@@ -391,6 +404,9 @@ class ModelRunner:
         if self.dp > 1:  # inside the shards' shard_map: a spec of the mesh in context
             self.logits_sharding = self.logits_sharding.spec
         self.state = state
+        # With data shards: the weights split over `data` (experts under expert
+        # parallelism), which each shard's step takes its own part of.
+        self.splits = data_splits(state) if self.dp > 1 else None
         self.kv_cache = None  # attach_kv_cache, once sized
         if layout.group_fields and len(layout.group_fields) != len(self.kv_groups):
             raise ValueError(
@@ -543,7 +559,12 @@ class ModelRunner:
             routes_dtype=None if self.routes is None else self.routes.dtype,
             pooling=self.pooling,
             invariant=self.invariant,
+            **self._split_kw(),
         )
+
+    def _split_kw(self) -> dict:
+        """The data shards' steps' static `splits` (none with one shard)."""
+        return {} if self.dp == 1 else {"splits": self.splits}
 
     def forward_for(self, key: tuple):
         """The forward executable of `key`, compiled now when missing (and allowed)."""
@@ -577,6 +598,7 @@ class ModelRunner:
                 logprobs_mode=self.logprobs_mode,
                 pooling=self.pooling is not None,
                 invariant=self.invariant,
+                **self._split_kw(),
             )
 
         return self.table.get("sampler", rs, lower)
@@ -595,6 +617,7 @@ class ModelRunner:
                 num_logprobs=self.max_logprobs,
                 logits_sharding=self.logits_sharding,
                 invariant=self.invariant,
+                **self._split_kw(),
             )
 
         return self.table.get("prompt logprobs", None, lower)

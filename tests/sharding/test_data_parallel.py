@@ -8,6 +8,7 @@ name."""
 from __future__ import annotations
 
 import pytest
+from flax import nnx
 from oracle import SMALL, assert_matches, eager, generate, prompt_ids, same_outputs, save_copier
 
 from jllm import LLM, SamplingParams
@@ -86,6 +87,34 @@ def test_two_shards_equal_one_replica(tiny_models, reference, arch, extra):
     blocks = engine.scheduler.shards[0].kv_cache.pools[0].num_blocks
     assert cache.shape[1] == 2 * blocks
     assert cache.addressable_shards[0].data.shape[1] == blocks
+
+
+def test_experts_split_over_data_and_model(tiny_models, reference):
+    """DP = 2 x TP = 2 with expert parallelism: Mixtral's 8 experts, 2 per device over all
+    4 devices; each shard's tokens reach every expert (gathered over the shards, the
+    partial outputs reduced and scattered back) and the outputs are one replica's."""
+    llm = LLM(
+        tiny_models["mixtral"],
+        data_parallel_size=2,
+        tensor_parallel_size=2,
+        enable_expert_parallel=True,
+        **SMALL,
+    )
+    same(outputs(llm), reference["mixtral"])
+    runner = llm.llm_engine.runner
+    (gate,) = [
+        v.get_value()
+        for p, v in nnx.to_flat_state(runner.state)
+        if p[-2:] == ("experts", "gate_proj")
+    ]
+    experts = gate.shape[1]  # [L, E, D, F]
+    assert experts == 8 and gate.addressable_shards[0].data.shape[1] == experts // 4
+    assert len({s.device for s in gate.addressable_shards}) == 4
+    hlo = runner.forward_for(runner.layout.shapes()[0]).as_text()
+    assert "all-gather" in hlo and "reduce-scatter" in hlo
+    assert all(n > 0 for n in shards_used(llm))
+    with pytest.raises(ValueError, match="tensor_parallel_size x data_parallel_size"):
+        LLM(tiny_models["mixtral"], data_parallel_size=3, enable_expert_parallel=True, **SMALL)
 
 
 def test_async_scheduling_and_preemption_within_a_shard(tiny_models, reference):
