@@ -212,6 +212,16 @@ class EngineArgs:
     node_rank: int = 0
     master_addr: str | None = None  # None: JAX detects the cluster (Cloud TPU, Slurm, ...)
     master_port: int = 29501
+    # vLLM's multi-node data-parallel names, mapped onto the ones above: the shards this
+    # node runs (nnodes = data_parallel_size / data_parallel_size_local), its first shard's
+    # rank (node_rank = start rank / local size), the head node's address and port.
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int | None = None
+    data_parallel_address: str | None = None
+    data_parallel_rpc_port: int | None = None
+    # vLLM's external load balancing (a rank per process, each with its own API): refused.
+    data_parallel_rank: int | None = None
+    data_parallel_external_lb: bool = False
     # Image inputs (vision-language models, engine/multimodal.py): vLLM's per-prompt limit
     # ({"image": N}), the processor's keyword arguments (under each request's own), the
     # folder whose files `file://` image URLs may read, and the domains whose http(s)
@@ -224,6 +234,36 @@ class EngineArgs:
     # images and load LoRA adapters for new requests (vLLM's name; vLLM's default is 1,
     # jllm's 8, so a slow image host or adapter load holds one worker, not every request).
     renderer_num_workers: int = 8
+
+    def _data_parallel_nodes(self) -> None:
+        """vLLM's multi-node data-parallel flags as jllm's nodes: one jax.distributed
+        cluster whose `data` axis spans every node's shards."""
+        if self.data_parallel_rank is not None or self.data_parallel_external_lb:
+            raise ValueError(
+                "data_parallel_rank / data_parallel_external_lb (vLLM's external load "
+                "balancing, a rank per API server) is not supported by jllm yet: run one "
+                "engine with data_parallel_size over every node (--data-parallel-size-local "
+                "per node), or independent engines behind the router."
+            )
+        local, dp = self.data_parallel_size_local, self.data_parallel_size
+        if local is None:
+            return
+        if local < 1 or dp % local:
+            raise ValueError(
+                f"data_parallel_size_local={local} must be at least 1 and divide "
+                f"data_parallel_size={dp}."
+            )
+        start = self.data_parallel_start_rank or 0
+        if start % local or not 0 <= start < dp:
+            raise ValueError(
+                f"data_parallel_start_rank={start} must be a multiple of "
+                f"data_parallel_size_local={local} below data_parallel_size={dp}."
+            )
+        self.nnodes, self.node_rank = dp // local, start // local
+        if self.data_parallel_address is not None:
+            self.master_addr = self.data_parallel_address
+        if self.data_parallel_rpc_port is not None:
+            self.master_port = self.data_parallel_rpc_port
 
     def _check_lora(self) -> None:
         if self.max_lora_rank not in LORA_RANKS:
@@ -403,6 +443,7 @@ class EngineArgs:
                 f"nnodes={self.nnodes}."
             )
         self._check_lora()
+        self._data_parallel_nodes()
         if self.num_lookahead_slots < 0:
             raise ValueError(
                 f"num_lookahead_slots must be at least 0, got {self.num_lookahead_slots}."

@@ -140,6 +140,15 @@ HELP = {
     "data_parallel_size": "Data-parallel replicas of the model inside this engine (the "
     "mesh's 'data' axis): each has tensor_parallel_size devices, its own KV-cache blocks and "
     "its own requests, which the engine spreads by load and prefix (docs/parallelism.md).",
+    "data_parallel_size_local": "Data-parallel shards on this node (vLLM's; nnodes = "
+    "data_parallel_size / this).",
+    "data_parallel_start_rank": "This node's first data-parallel shard (vLLM's; node_rank = "
+    "this / data_parallel_size_local).",
+    "data_parallel_address": "Address of the data-parallel head node (vLLM's; JAX's "
+    "coordinator, as master_addr).",
+    "data_parallel_rpc_port": "Port of the data-parallel head node (vLLM's; as master_port).",
+    "data_parallel_rank": "vLLM's external load balancing: not supported yet (refused).",
+    "data_parallel_external_lb": "vLLM's external load balancing: not supported yet (refused).",
     "nnodes": "Number of processes (hosts) serving this model together.",
     "node_rank": "This process's rank; 0 runs the scheduler and the API, the others follow.",
     "master_addr": "Address of process 0 (JAX's coordinator runs there). Unset: JAX detects "

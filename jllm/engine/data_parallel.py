@@ -193,7 +193,6 @@ def check_data_parallel(args, *, tiles: bool, vision, state: bool, pooling) -> N
         return
     refused = {
         "pipeline_parallel_size > 1": args.pipeline_parallel_size > 1,
-        "several nodes (nnodes > 1)": args.nnodes > 1,
         "a draft model or MTP (speculative_config; n-gram speculation splits)": (
             args.speculative_config is not None and args.speculative_config.method != "ngram"
         ),

@@ -209,10 +209,12 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
             args.tokenizer_mode, args.trust_remote_code, args.tokenizer_revision
         )
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
-    if args.nnodes > 1 and tp * pp != jax.device_count():
+    dp = args.data_parallel_size
+    if args.nnodes > 1 and dp * tp * pp != jax.device_count():
         raise ValueError(
             f"With {args.nnodes} nodes the model must span all {jax.device_count()} devices "
-            f"of the cluster; got tensor_parallel_size={tp} x pipeline_parallel_size={pp}."
+            f"of the cluster; got data_parallel_size={dp} x tensor_parallel_size={tp} x "
+            f"pipeline_parallel_size={pp}."
         )
     if pp > 1:
         whole = arch.module.segments_of(cfg)
@@ -225,7 +227,6 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
                 f"them ({plan} repeats per stage): give the original checkpoint, or a "
                 "pipeline_parallel_size that divides the layers."
             )
-    dp = args.data_parallel_size
     devices = engine_devices(args.devices, dp * tp * pp)
     mesh = make_mesh(tp, devices, pipeline_parallel_size=pp, data_parallel_size=dp)
     cfg = expert_parallel(cfg, args.enable_expert_parallel, tp, dp)

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from jllm.attention import get_backend
 from jllm.config import batch_invariant
@@ -68,9 +69,17 @@ from jllm.runner.transfer import Layout, pack, unpack
 from jllm.sampling_params import SamplingParams
 from jllm.scheduler_output import PROMPT_LOGPROB_ROWS, ModelRunnerOutput, SchedulerOutput
 from jllm.structured_output.backends import bitmask_width
-from sharding import named_sharding, replicated
+from sharding import DATA_AXIS, named_sharding, replicated
 
 logger = logging.getLogger(__name__)
+
+
+def _whole(array) -> np.ndarray:
+    """A step result in numpy: gathered (whole on this process's devices) or split over the
+    data shards of this process alone."""
+    if array.is_fully_replicated:
+        return np.asarray(array.addressable_shards[0].data)
+    return np.asarray(array)
 
 
 def _sample_rows(md_layout: Layout) -> int:
@@ -308,8 +317,11 @@ def _sample_shards(
     logprobs_mode="raw_logprobs",
     pooling=False,
     splits=None,
+    gather=False,
 ):
-    """`_sample_step` on each data shard: every argument but the weights split by shard."""
+    """`_sample_step` on each data shard: every argument but the weights split by shard.
+    With `gather` (several processes: process 0 reads every shard's result) the packed
+    result is gathered over the shards, whole on every device."""
     static = dict(
         layout=layout,
         graphdef=graphdef,
@@ -321,37 +333,50 @@ def _sample_shards(
     )
 
     def shard(state, hidden, buf, *rows):
-        return _sample_step(state, hidden, buf[0], *rows, **static)
+        packed, counts, last = _sample_step(state, hidden, buf[0], *rows, **static)
+        if gather:
+            packed = jax.lax.all_gather(packed, DATA_AXIS, tiled=True)
+        return packed, counts, last
 
     specs = (weight_specs(state, splits), *[SPLIT] * 7)
-    return over_data(shard, specs, (SPLIT,) * 3)(
+    packed = PartitionSpec() if gather else SPLIT
+    return over_data(shard, specs, (packed, SPLIT, SPLIT))(
         state, hidden, buf, counts, prompt_mask, bias, last_tokens, bitmask
     )
 
 
 sample_shards = jax.jit(
     batch_invariant.keyed(_sample_shards),
-    static_argnames=(*SAMPLE_STATIC, "splits"),
+    static_argnames=(*SAMPLE_STATIC, "splits", "gather"),
     donate_argnames=("counts", "last_tokens"),
 )
 
 
 def _prompt_lp_shards(
-    state, hidden, targets, *, graphdef, num_logprobs, logits_sharding, splits=None
+    state, hidden, targets, *, graphdef, num_logprobs, logits_sharding, splits=None, gather=False
 ):
-    """`_prompt_logprobs_step` on each data shard."""
+    """`_prompt_logprobs_step` on each data shard (`gather`: as `_sample_shards`)."""
     static = dict(graphdef=graphdef, num_logprobs=num_logprobs, logits_sharding=logits_sharding)
 
     def shard(state, hidden, targets):
-        return _prompt_logprobs_step(state, hidden, targets, **static)
+        packed = _prompt_logprobs_step(state, hidden, targets, **static)
+        return jax.lax.all_gather(packed, DATA_AXIS, tiled=True) if gather else packed
 
     specs = (weight_specs(state, splits), SPLIT, SPLIT)
-    return over_data(shard, specs, SPLIT)(state, hidden, targets)
+    out = PartitionSpec() if gather else SPLIT
+    return over_data(shard, specs, out)(state, hidden, targets)
 
 
 prompt_lp_shards = jax.jit(
     batch_invariant.keyed(_prompt_lp_shards),
-    static_argnames=("graphdef", "num_logprobs", "logits_sharding", "invariant", "splits"),
+    static_argnames=(
+        "graphdef",
+        "num_logprobs",
+        "logits_sharding",
+        "invariant",
+        "splits",
+        "gather",
+    ),
 )
 
 
@@ -566,6 +591,11 @@ class ModelRunner:
         """The data shards' steps' static `splits` (none with one shard)."""
         return {} if self.dp == 1 else {"splits": self.splits}
 
+    def _gather_kw(self) -> dict:
+        """Whether the data shards' results are gathered for process 0 (several
+        processes: another's shard is not addressable here)."""
+        return {} if self.dp == 1 else {"gather": jax.process_count() > 1}
+
     def forward_for(self, key: tuple):
         """The forward executable of `key`, compiled now when missing (and allowed)."""
         return self.table.get("forward", key, lambda: self._lower_forward(key, self._caches()))
@@ -599,6 +629,7 @@ class ModelRunner:
                 pooling=self.pooling is not None,
                 invariant=self.invariant,
                 **self._split_kw(),
+                **self._gather_kw(),
             )
 
         return self.table.get("sampler", rs, lower)
@@ -618,6 +649,7 @@ class ModelRunner:
                 logits_sharding=self.logits_sharding,
                 invariant=self.invariant,
                 **self._split_kw(),
+                **self._gather_kw(),
             )
 
         return self.table.get("prompt logprobs", None, lower)
@@ -756,7 +788,7 @@ class ModelRunner:
                 return
             if message["kind"] != "step":
                 raise MalformedMessage(f"step channel: unknown message {message['kind']!r}")
-            plan = from_message(message, self.step_layouts, self.managers)
+            plan = from_message(message, self.step_layouts, self.managers, self.dp)
             jax.block_until_ready(self.run_step(plan))
 
     def _apply(self, out: SchedulerOutput) -> tuple[dict, dict]:
@@ -881,6 +913,8 @@ class ModelRunner:
             bitmask=bitmask,
             writes=writes,
         )
+        if self.channel is not None:  # the other processes run the same step
+            self.channel.send(to_message(plan, self.managers))
         packed, prompt_packed, _ = self.run_step(plan)
         for batch, b in zip(self.batches, built, strict=True):
             for g in b[2]:
@@ -914,13 +948,13 @@ class ModelRunner:
 
     def _fetch_shards(self, handle) -> ModelRunnerOutput:
         packed, groups, prompt_packed, prompts, failed, _ = handle
-        packed = np.asarray(packed)  # [D * Rs, ...]: each shard's rows in turn
+        packed = _whole(packed)  # [D * Rs, ...]: each shard's rows in turn
         result = ModelRunnerOutput(failed=failed)
         rs = packed.shape[0] // self.dp
         for d, batch in enumerate(self.batches):
             self._fetch_rows(result, batch, groups[d], packed[d * rs : (d + 1) * rs])
         if prompt_packed is not None:
-            prompt_packed = np.asarray(prompt_packed)
+            prompt_packed = _whole(prompt_packed)
             for d, rows in enumerate(prompts):
                 if rows is not None:
                     at = d * PROMPT_LOGPROB_ROWS

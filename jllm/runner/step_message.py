@@ -19,6 +19,7 @@ import dataclasses
 import numpy as np
 
 from jllm.distributed.codec import MalformedMessage, expect_array, expect_ints
+from jllm.scheduler_output import PROMPT_LOGPROB_ROWS
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -45,9 +46,10 @@ def to_message(plan: StepPlan, managers) -> dict:
     }
 
 
-def from_message(message: dict, layouts, managers) -> StepPlan:
+def from_message(message: dict, layouts, managers, shards: int = 1) -> StepPlan:
     """The StepPlan of a step message; `layouts(key, rs)` gives the packed layouts this
-    process built for a key, and each of `managers` decodes its own writes."""
+    process built for a key, and each of `managers` decodes its own writes. With data
+    shards, the buffers are [shards, n] and the targets and bitmask `shards` times one's."""
     try:
         key = tuple(expect_ints(message["key"], "key"))
         rs = message["rs"]
@@ -55,15 +57,17 @@ def from_message(message: dict, layouts, managers) -> StepPlan:
             raise MalformedMessage("step message: rs is not an integer")
         bufs = []
         for name, lay in zip(("inputs", "sampling"), layouts(key, rs), strict=True):
-            buf = expect_array(message[name], "int32", 1, name)
-            if buf.size != sum(int(np.prod(shape)) for shape, _ in lay.leaves):
-                raise MalformedMessage(f"step message: {name} has {buf.size} values")
+            size = sum(int(np.prod(shape)) for shape, _ in lay.leaves)
+            if shards == 1:
+                buf = expect_array(message[name], "int32", 1, name, (size,))
+            else:
+                buf = expect_array(message[name], "int32", 2, name, (shards, size))
             bufs.append(buf)
         targets, bitmask = message["targets"], message["bitmask"]
         if targets is not None:
-            expect_array(targets, "int32", 1, "targets")
+            expect_array(targets, "int32", 1, "targets", (shards * PROMPT_LOGPROB_ROWS,))
         if bitmask is not None:
-            expect_array(bitmask, "int32", 2, "bitmask", (rs, None))
+            expect_array(bitmask, "int32", 2, "bitmask", (shards * rs, None))
         wire = message["writes"]
         if not isinstance(wire, dict) or set(wire) != {m.name for m in managers}:
             raise MalformedMessage(

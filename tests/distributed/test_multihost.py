@@ -117,13 +117,22 @@ def test_lora_across_processes(tiny_models, tmp_path, one_process):
     assert "Process 0 stopped; process 1 is done." in logs[1]
 
 
-def serve_two(model: str, parallel: list[str]) -> tuple[list[subprocess.Popen], str]:
+def serve_two(model: str, parallel: list[str], nodes=None) -> tuple[list[subprocess.Popen], str]:
     """`jllm serve` as process 0 and a headless follower, up and healthy: (the processes,
-    the API's URL)."""
+    the API's URL). `nodes(port, rank)`: each process's cluster flags (default: jllm's
+    --nnodes, --node-rank and master address)."""
     import os
 
     port, api_port = free_port(), free_port()
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+
+    def jllm_nodes(port, rank):
+        return ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)] + [
+            "--node-rank",
+            str(rank),
+        ]
+
+    nodes = nodes or jllm_nodes
     common = [
         sys.executable,
         "-m",
@@ -131,12 +140,6 @@ def serve_two(model: str, parallel: list[str]) -> tuple[list[subprocess.Popen], 
         "--model",
         model,
         *parallel,
-        "--nnodes",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(port),
         "--enforce-eager",
         "--kv-cache-memory-bytes",
         str(8 << 20),
@@ -148,7 +151,7 @@ def serve_two(model: str, parallel: list[str]) -> tuple[list[subprocess.Popen], 
     ]
     procs = [
         subprocess.Popen(
-            [*common, "--node-rank", str(rank), "--host", "127.0.0.1", "--port", str(api_port)],
+            [*common, *nodes(port, rank), "--host", "127.0.0.1", "--port", str(api_port)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -201,6 +204,54 @@ def test_server_loses_a_stage(tiny_models, one_process):
         assert httpx.get(f"{url}/health", timeout=30).status_code == 503
         procs[0].terminate()
         assert procs[0].wait(timeout=60) is not None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def test_data_parallel_shards_on_two_processes(tiny_models, one_process):
+    """DP = 2 x TP = 2, one data shard per process, launched with vLLM's multi-node
+    data-parallel flags (the second node --headless): concurrent completions answer as one
+    process, both shards served some (their metrics under engine 0 and 1), and process 0
+    reads the other process's shard's results (gathered in the step)."""
+    import concurrent.futures
+
+    import httpx
+
+    def vllm_nodes(port, rank):
+        flags = ["--data-parallel-size-local", "1", "--data-parallel-start-rank", str(rank)]
+        flags += ["--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(port)]
+        return flags + (["--headless"] if rank else [])
+
+    model = tiny_models["llama-h8kv2"]
+    parallel = ["--data-parallel-size", "2", "--tensor-parallel-size", "2"]
+    procs, url = serve_two(model, parallel, vllm_nodes)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = PROMPTS[:4]
+    want = one_process.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+    def complete(prompt):
+        body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(complete, prompts))
+        assert got == [o.outputs[0].text for o in want]
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+        queries = [
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("vllm:prefix_cache_queries_total")
+        ]
+        assert len(queries) == 2 and all(q > 0 for q in queries), text
+        procs[0].terminate()
+        procs[0].wait(timeout=60)
+        out = procs[1].communicate(timeout=120)[0]
+        assert "Process 1 of 2: 2 local devices, 4 in all." in out
     finally:
         for p in procs:
             if p.poll() is None:

@@ -270,3 +270,25 @@ def test_server_with_two_shards(tiny_models):
         if line.startswith("vllm:prefix_cache_queries_total")
     }
     assert queries.keys() == {"0", "1"} and all(v > 0 for v in queries.values())
+
+
+def test_vllm_multi_node_flags_map_onto_nodes():
+    """vLLM's multi-node data-parallel flags give jllm's nodes (one cluster whose data axis
+    spans them); external load balancing is refused, as are sizes that do not divide."""
+    from jllm.config import EngineArgs
+
+    args = EngineArgs(
+        data_parallel_size=4,
+        data_parallel_size_local=2,
+        data_parallel_start_rank=2,
+        data_parallel_address="10.0.0.1",
+        data_parallel_rpc_port=13345,
+    )
+    assert (args.nnodes, args.node_rank) == (2, 1)
+    assert (args.master_addr, args.master_port) == ("10.0.0.1", 13345)
+    with pytest.raises(ValueError, match="divide data_parallel_size=4"):
+        EngineArgs(data_parallel_size=4, data_parallel_size_local=3)
+    with pytest.raises(ValueError, match="multiple of data_parallel_size_local=2"):
+        EngineArgs(data_parallel_size=4, data_parallel_size_local=2, data_parallel_start_rank=1)
+    with pytest.raises(ValueError, match="external load balancing"):
+        EngineArgs(data_parallel_size=2, data_parallel_rank=1)

@@ -339,6 +339,11 @@ def build_engine(args: argparse.Namespace) -> tuple[StoppableLLM, PrometheusStat
     from jllm.engine.llm_engine import LLMEngine
 
     engine_args = engine_args_from_namespace(args)
+    if getattr(args, "headless", False) and engine_args.node_rank == 0:
+        raise ValueError(
+            "--headless is for the secondary nodes: node 0 (node_rank 0, or "
+            "data_parallel_start_rank 0) runs the scheduler and serves the API."
+        )
     llm_engine = LLMEngine.from_engine_args(engine_args)
     if llm_engine.is_follower:
         llm_engine.follow()  # headless: no API on processes other than 0

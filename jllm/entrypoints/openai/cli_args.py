@@ -41,6 +41,12 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     server.add_argument("--host", default=None, help="Host name to bind (default: all).")
     server.add_argument("--port", type=int, default=8000, help="Port to listen on.")
     server.add_argument(
+        "--headless",
+        action="store_true",
+        help="vLLM's secondary nodes: no API, only process 0's steps (every node but node 0 "
+        "runs so; node 0 serves the API and cannot be headless).",
+    )
+    server.add_argument(
         "--api-key",
         nargs="+",
         default=None,
