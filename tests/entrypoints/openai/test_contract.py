@@ -219,8 +219,10 @@ def test_integer_bounds_are_integers_a_double_holds(server):
     assert max(bounds) == 2**63 - 1
     assert min(bounds) == -(2**63)
     body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
-    for max_tokens, status in ((2**63 - 1023, 200), (2**63 - 1, 200), (2**63, 400)):
-        r = httpx.post(f"{server.url}/v1/messages", json={**body, "max_tokens": max_tokens})
+    for max_tokens, status in ((2**63 - 1, 200), (2**63, 400)):  # the first: up to the context
+        r = httpx.post(
+            f"{server.url}/v1/messages", json={**body, "max_tokens": max_tokens}, timeout=300
+        )
         assert r.status_code == status, (max_tokens, r.text)
 
 
