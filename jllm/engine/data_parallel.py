@@ -173,6 +173,8 @@ class DataParallelScheduler:
         d = self.owner.pop(req.request_id, None)
         if d is not None:
             self.shards[d].finish_request(req, status)
+        elif not req.is_finished():  # never scheduled (a grammar still compiling)
+            req.status = status
 
     def reject_drafts(self, req: Request, num_rejected: int, num_scheduled: int) -> None:
         self.shard_of(req).reject_drafts(req, num_rejected, num_scheduled)

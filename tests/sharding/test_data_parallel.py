@@ -182,6 +182,20 @@ def test_ngram_speculation_on_both_shards(tiny_models, reference):
     assert all(n > 0 for n in shards_used(llm))
 
 
+def test_abort_before_a_shard_has_it(tiny_models):
+    """A request aborted while its grammar compiles (no shard holds it yet) ends, and the
+    engine is left with nothing to do."""
+    llm = LLM(tiny_models["llama"], data_parallel_size=2, **SMALL)
+    engine = llm.llm_engine
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    params = SamplingParams(max_tokens=4, structured_outputs=choice)
+    engine.add_request("g", *engine.prepare({"prompt_token_ids": [5, 6, 7]}, params))
+    engine.abort_request(["g"])
+    assert engine.core.parents == {} and engine.scheduler.owner == {}
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def test_no_compile_after_warmup(tiny_models, reference):
     llm = LLM(tiny_models["llama"], data_parallel_size=2, **(SMALL | {"enforce_eager": False}))
     assert llm.llm_engine.runner.compile_guard
