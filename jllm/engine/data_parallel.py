@@ -194,15 +194,12 @@ def check_data_parallel(args, *, tiles: bool, vision, state: bool, pooling) -> N
     if args.data_parallel_size == 1:
         return
     refused = {
-        "pipeline_parallel_size > 1": args.pipeline_parallel_size > 1,
         "a draft model or MTP (speculative_config; n-gram speculation splits)": (
             args.speculative_config is not None and args.speculative_config.method != "ngram"
         ),
         "the host KV tier (kv_offloading_size)": bool(args.kv_offloading_size),
-        "prompt embeddings (enable_prompt_embeds)": args.enable_prompt_embeds,
         "routed experts (enable_return_routed_experts)": args.enable_return_routed_experts,
         "images (a vision-language model)": vision is not None,
-        "a pooling model": pooling is not None,
         "linear-attention layers (per-request state)": state,
         "the xla attention backend (its tiled steps): use the packed kernels "
         "(cpu_kernel on the CPU, pallas on TPU and GPU)": tiles,

@@ -54,6 +54,20 @@ def test_greedy_tokens_and_logprobs_match_transformers(llm, hf):
         assert out.outputs[0].text  # detokenized from no prompt context
 
 
+def test_data_parallel_shards_take_embeddings_prompts(llama_dir, hf):
+    """Two data shards: embeddings prompts beside token prompts, each shard's rows its own."""
+    llm = LLM(llama_dir, **ARGS, data_parallel_size=2)
+    ids = prompt_ids(4, 5, seed=3)
+    prompts = [
+        {"prompt_embeds": embeds_of(hf, p, seed=i)} if i % 2 == 0 else {"prompt_token_ids": p}
+        for i, p in enumerate(ids)
+    ]
+    outs = llm.generate(prompts, SamplingParams(**GREEDY), use_tqdm=False)
+    one = LLM(llama_dir, **ARGS).generate(prompts, SamplingParams(**GREEDY), use_tqdm=False)
+    same_outputs([o.outputs[0] for o in outs], [o.outputs[0] for o in one])
+    assert all(s.kv_cache.prefix_queries > 0 for s in llm.llm_engine.scheduler.shards)
+
+
 def test_the_table_rows_of_a_prompt_are_that_prompt(llm, hf):
     ids = prompt_ids(1, 21, seed=3)[0]
     rows = hf.get_input_embeddings().weight.detach()[torch.tensor(ids)]

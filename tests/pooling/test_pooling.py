@@ -85,6 +85,15 @@ def test_tensor_parallel_embeds_the_same(st_model, embedder):
     np.testing.assert_allclose(got, want, atol=2e-5)
 
 
+def test_data_parallel_embeds_the_same(st_model, embedder):
+    """Two data shards each pool their own requests' prompts."""
+    llm = LLM(st_model[0], **SMALL, data_parallel_size=2)
+    got = np.array([o.outputs.embedding for o in llm.embed(TEXTS)])
+    want = np.array([o.outputs.embedding for o in embedder.embed(TEXTS)])
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    assert all(s.kv_cache.prefix_queries > 0 for s in llm.llm_engine.scheduler.shards)
+
+
 def test_matryoshka_dimensions_cut_then_normalize(st_model):
     llm = LLM(st_model[0], **SMALL, hf_overrides={"matryoshka_dimensions": [16, 32]})
     raw = np.array(llm.embed(TEXTS[:1], PoolingParams(use_activation=False))[0].outputs.embedding)

@@ -56,7 +56,7 @@ def same(got, expected) -> None:
 def reference(tiny_models):
     return {
         arch: outputs(LLM(tiny_models[arch], **SMALL))
-        for arch in ("llama", "llama-h8kv2", "mistral-window", "mixtral")
+        for arch in ("llama", "llama-h8kv2", "mistral-window", "mixtral", "llama-l4")
     }
 
 
@@ -72,8 +72,9 @@ def shards_used(llm) -> list[int]:
         ("llama-h8kv2", {"tensor_parallel_size": 2}),
         ("mistral-window", {"max_num_batched_tokens": 32}),  # windows crossed in chunks
         ("mixtral", {"tensor_parallel_size": 2}),
+        ("llama-l4", {"pipeline_parallel_size": 2}),
     ],
-    ids=["dense", "dp2xtp2", "sliding-window-chunked", "moe-tp2"],
+    ids=["dense", "dp2xtp2", "sliding-window-chunked", "moe-tp2", "dp2xpp2"],
 )
 def test_two_shards_equal_one_replica(tiny_models, reference, arch, extra):
     llm = LLM(tiny_models[arch], data_parallel_size=2, **(SMALL | extra))
@@ -81,7 +82,7 @@ def test_two_shards_equal_one_replica(tiny_models, reference, arch, extra):
     assert all(n > 0 for n in shards_used(llm)), "both shards served requests"
     engine = llm.llm_engine
     (cache,) = engine.runner.kv_cache
-    tp = extra.get("tensor_parallel_size", 1)
+    tp = extra.get("tensor_parallel_size", 1) * extra.get("pipeline_parallel_size", 1)
     assert len(cache.sharding.device_set) == 2 * tp
     # Each shard's devices hold its own blocks: the block axis is split in two.
     blocks = engine.scheduler.shards[0].kv_cache.pools[0].num_blocks
@@ -229,8 +230,7 @@ def test_sleep_pause_and_weight_updates_reach_every_shard(tiny_models, tmp_path)
 @pytest.mark.parametrize(
     "extra, named",
     [
-        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size > 1"),
-        ({"enable_prompt_embeds": True}, "prompt embeddings"),
+        ({"enable_return_routed_experts": True}, "routed experts"),
         ({"attention_backend": "xla"}, "the xla attention backend"),
         ({"speculative_config": {"model": "x", "num_speculative_tokens": 2}}, "a draft model"),
         ({"kv_offloading_size": 0.01}, "host KV tier"),
