@@ -212,6 +212,11 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--attention-backend", default="auto")
+    # Several devices: DP = 2 against TP = 2 for a dense and a MoE model (issue 63), e.g.
+    # --model llama-3.1-8b --data-parallel-size 2, then --tensor-parallel-size 2.
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--data-parallel-size", type=int, default=1)
+    ap.add_argument("--enable-expert-parallel", action="store_true")
     ap.add_argument("--dry-run", action="store_true", help="a tiny config and few requests")
     ap.add_argument("--out", default=None, help="folder for results.json")
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)  # the child's model folder
@@ -252,6 +257,9 @@ def main() -> None:
         max_num_seqs=16 if args.dry_run else args.max_num_seqs,
         max_num_batched_tokens=256 if args.dry_run else args.max_num_batched_tokens,
         attention_backend=args.attention_backend,
+        tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
     )
     if platform == "cpu":
         engine_args["kv_cache_memory_bytes"] = 64 << 20
