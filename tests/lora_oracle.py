@@ -12,6 +12,7 @@ from oracle import teacher_forced_logprobs
 
 from jllm.lora.request import LoRARequest
 
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ADAPTERS = {  # name: (rank, alpha, targets, rsLoRA)
     "all8": (
         8,
@@ -24,33 +25,38 @@ ADAPTERS = {  # name: (rank, alpha, targets, rsLoRA)
 }
 
 
+def make_adapter(base_dir, root, name, r, alpha, targets, rslora=False, seed=100) -> tuple:
+    """A PEFT adapter on the model at `base_dir` (random A and B, scaled up so outputs
+    really change): (its folder, the merged model's folder: the oracle)."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = peft.LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        target_modules=targets,
+        init_lora_weights=False,  # random A and B: a real delta
+        use_rslora=rslora,
+    )
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(base, config)
+    with torch.no_grad():  # deltas the size of the weights: outputs really change
+        for pname, p in model.named_parameters():
+            if "lora_" in pname:
+                p.mul_(3.0)
+    model.save_pretrained(root / name)
+    merged = model.merge_and_unload()
+    merged.save_pretrained(root / f"{name}-merged")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{base_dir}/{f}", root / f"{name}-merged")
+    return str(root / name), str(root / f"{name}-merged")
+
+
 def make_adapters(llama_dir, root, names=tuple(ADAPTERS)):
     """Each adapter's PEFT folder and the merged model's folder (the oracle)."""
-    out = {}
-    for i, (name, (r, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
-        if name not in names:
-            continue
-        base = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
-        config = peft.LoraConfig(
-            r=r,
-            lora_alpha=alpha,
-            target_modules=targets,
-            init_lora_weights=False,  # random A and B: a real delta
-            use_rslora=rslora,
-        )
-        torch.manual_seed(100 + i)
-        model = peft.get_peft_model(base, config)
-        with torch.no_grad():  # deltas the size of the weights: outputs really change
-            for pname, p in model.named_parameters():
-                if "lora_" in pname:
-                    p.mul_(3.0)
-        model.save_pretrained(root / name)
-        merged = model.merge_and_unload()
-        merged.save_pretrained(root / f"{name}-merged")
-        for f in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(f"{llama_dir}/{f}", root / f"{name}-merged")
-        out[name] = (str(root / name), str(root / f"{name}-merged"))
-    return out
+    return {
+        name: make_adapter(llama_dir, root, name, r, alpha, targets, rslora, seed=100 + i)
+        for i, (name, (r, alpha, targets, rslora)) in enumerate(ADAPTERS.items())
+        if name in names
+    }
 
 
 def oracle(model_dir, prompts, outs):

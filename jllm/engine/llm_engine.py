@@ -56,7 +56,7 @@ from jllm.engine.processor import Processor
 from jllm.engine.request import RequestStatus
 from jllm.engine.routed_experts import RoutedExpertsRecord, routes_spec
 from jllm.engine.scheduler import Scheduler
-from jllm.kv_cache_interface import MambaSpec, with_state_options
+from jllm.kv_cache_interface import MambaSpec, MLAAttentionSpec, with_state_options
 from jllm.logits_process import LogitsProcessorConfig, load_logits_processors
 from jllm.lora.manager import LoraCache, LoraSlots
 from jllm.metrics.stats import LoggingStatLogger
@@ -178,6 +178,11 @@ class LLMEngine:
             raise ValueError(
                 "LoRA adapters on a model with linear-attention layers (Qwen3-Next, Qwen3.5) "
                 "are not supported by jllm yet."
+            )
+        if args.enable_lora and any(isinstance(g, MLAAttentionSpec) for g in groups):
+            raise ValueError(  # kv_b_proj is split and absorbed: a delta on it is not applied
+                "LoRA adapters on a model with multi-head latent attention (DeepSeek) are not "
+                "supported by jllm yet."
             )
         vision = getattr(cfg, "vision", None)
         check_prompt_embeds(args, vision, draft)
@@ -341,7 +346,7 @@ class LLMEngine:
         slots = None
         if m.lora is not None:
             self.lora_cache = LoraCache(
-                m.lora.targets, cfg.num_layers, args.max_lora_rank, args.max_cpu_loras
+                m.lora.targets, cfg.num_layers, args.max_lora_rank, args.max_cpu_loras, m.lora.rows
             )
             slots = LoraSlots(args.max_loras)
         shards = [

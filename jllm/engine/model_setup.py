@@ -19,7 +19,7 @@ from jllm.model_loader.kv_scales import resolve_kv_scales
 from jllm.model_loader.loader import load_model
 from jllm.models import registry
 from jllm.models.config import settle, sliding_window
-from jllm.models.lora import with_lora_slots
+from jllm.models.lora import adapter_rows, with_lora_slots
 from jllm.models.pipeline import stage_layers, stage_plan
 from jllm.pooling.model import HeadWeights, dummy_head, resolve_pooling
 from jllm.quantization import resolve_quantization
@@ -271,6 +271,7 @@ def load_engine_model(args: EngineArgs, platform: str) -> EngineModel:
             mesh,
             replicas,
             args.fully_sharded_loras,
+            adapter_rows(arch, cfg),
         )
     return EngineModel(
         source,

@@ -90,6 +90,7 @@ class LoraSpec:
     targets: dict[str, LoraTarget]
     layers: dict[tuple, list[int]]
     max_loras: int
+    rows: object = None  # the family's path and row order for adapters (load_peft_adapter)
 
     def slot_values(self, paths: list[tuple], adapter, arrays) -> list[np.ndarray]:
         """One slot's content for each slot array at `paths` (`arrays`: those arrays, for

@@ -27,9 +27,14 @@ from jllm.lora.request import LoRARequest
 
 class LoraCache:
     def __init__(
-        self, targets: dict[str, LoraTarget], num_layers: int, max_rank: int, capacity: int
+        self,
+        targets: dict[str, LoraTarget],
+        num_layers: int,
+        max_rank: int,
+        capacity: int,
+        rows=None,
     ):
-        self.targets, self.num_layers = targets, num_layers
+        self.targets, self.num_layers, self.rows = targets, num_layers, rows
         self.max_rank, self.capacity = max_rank, capacity
         self._adapters: OrderedDict[int, LoraAdapter] = OrderedDict()
         self._lock = threading.Lock()
@@ -62,6 +67,7 @@ class LoraCache:
                 self.targets,
                 self.num_layers,
                 self.max_rank,
+                self.rows,
             )
         except BaseException as e:
             with self._lock:

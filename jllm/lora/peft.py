@@ -115,9 +115,11 @@ def load_peft_adapter(
     targets: dict[str, LoraTarget],
     num_layers: int,
     max_rank: int,
+    rows=None,
 ) -> LoraAdapter:
     """Read and check the PEFT folder `path` against the base model's `targets` (module name
-    -> LoraTarget). Raises ValueError saying what is wrong."""
+    -> LoraTarget); `rows` (models/lora.adapter_rows) moves a module's path and B rows to the
+    model's layout. Raises ValueError saying what is wrong."""
     folder = Path(path)
     where = f"LoRA adapter {name!r} ({path})"
     config = _config(folder)
@@ -139,22 +141,28 @@ def load_peft_adapter(
         tensors = load_file(str(weights_path))
     except Exception as e:  # safetensors' own errors: a truncated or foreign file
         raise ValueError(f"{where}: adapter_model.safetensors cannot be read: {e}") from None
-    parts: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    found: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     for key, value in tensors.items():
         m = _TENSOR.fullmatch(key)
-        module = m and m.group(2).split(".")[-1]
-        if (
-            m is None
-            or module not in targets
-            or targets[module].path != tuple(m.group(2).split("."))
-        ):
+        if m is None:
             raise ValueError(f"{where}: tensor {key} has no place in this model's LoRA targets.")
         layer = int(m.group(1))
         if layer >= num_layers:
             raise ValueError(
                 f"{where}: tensor {key} is for layer {layer} of a {num_layers}-layer model."
             )
-        parts.setdefault((layer, module), {})[m.group(3)] = value
+        found.setdefault((layer, m.group(2)), {})[m.group(3)] = value
+    parts: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    for (layer, given), ab in found.items():
+        path = given
+        if rows is not None and "B" in ab:  # the family's names and row order (Llama 4)
+            moved = rows(layer, given, ab["B"])
+            path, ab = ("", ab) if moved is None else (moved[0], {**ab, "B": moved[1]})
+        module = path.split(".")[-1]
+        if module not in targets or targets[module].path != tuple(path.split(".")):
+            key = f"base_model.model.model.layers.{layer}.{given}"
+            raise ValueError(f"{where}: tensor {key} has no place in this model's LoRA targets.")
+        parts[(layer, module)] = ab
     alpha = float(config.get("lora_alpha", config["r"]))
     rslora = bool(config.get("use_rslora", False))
     weights: dict[str, tuple[np.ndarray, np.ndarray]] = {}

@@ -20,7 +20,7 @@ def reads(monkeypatch):
     """Adapter reads recorded; a read of "slow" waits for `release`."""
     log = SimpleNamespace(names=[], entered=threading.Event(), release=threading.Event())
 
-    def load(name, int_id, path, targets, num_layers, max_rank):
+    def load(name, int_id, path, targets, num_layers, max_rank, rows=None):
         log.names.append(name)
         if name == "slow":
             log.entered.set()

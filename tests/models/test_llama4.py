@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from lora_oracle import ATTENTION, assert_each_matches_merged, lora_requests, make_adapter
 from oracle import (
     CROSS_IDS,
     CROSSES,
@@ -24,7 +25,8 @@ from oracle import (
     prompt_ids,
 )
 
-from jllm import LLM
+from jllm import LLM, SamplingParams
+from jllm.lora.request import LoRARequest
 
 VOCAB = 512
 PROMPTS = prompt_ids(3, 40, vocab=VOCAB) + prompt_ids(1, 90, seed=1, vocab=VOCAB)
@@ -94,3 +96,21 @@ def test_the_multimodal_checkpoints_text_half(tmp_path, tokenizer_dir):
     transformers.AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp_path)
     llm = LLM(str(tmp_path), **{**SMALL, "dtype": "float32"})
     assert_matches(model.language_model, PROMPTS[:2], generate(llm, PROMPTS[:2]))
+
+
+def test_lora_on_the_attention_matches_merged_peft(llama4_dir, tmp_path):
+    """A PEFT adapter on q/k/v/o, mixed with the base model in one batch, equals transformers
+    with it merged: its q/k rows take the rotate-half order the weights took on load. An
+    adapter on down_proj (the dense MLP's and the shared expert's differ in shape) is
+    refused by name."""
+    adapter = make_adapter(llama4_dir, tmp_path, "attn", 8, 16, ATTENTION)
+    llm = LLM(llama4_dir, enable_lora=True, max_loras=1, max_lora_rank=8, **SMALL)
+    names = [None, "attn", None, "attn"]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    requests = lora_requests(names, {"attn": adapter})
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, False, requests)
+    assert_each_matches_merged(llama4_dir, {"attn": adapter}, names, PROMPTS, outs)
+
+    mlp = make_adapter(llama4_dir, tmp_path, "mlp", 8, 16, ["q_proj", "down_proj"])
+    with pytest.raises(ValueError, match=r"target modules \['down_proj'\] are not in"):
+        llm.generate({"prompt_token_ids": PROMPTS[0]}, params, False, LoRARequest("mlp", 2, mlp[0]))
