@@ -7,6 +7,8 @@ SmolLM2-135M's layer products (30 layers stacked, as the model holds them) at 1,
   in one pass) on CPUs with AVX512-BF16, else pallas_kernels/cpu/f32_matmul.cc widening the bf16
   operands. float32: pallas_kernels/cpu/f32_matmul.cc (its gated form likewise), on x86 CPUs with
   FMA;
+- `vector` (CPUs with AMX only): the bf16 kernel built without the tile instructions, its
+  AVX512-BF16 loop at every row count (what the batch-invariant mode runs there);
 - `xla`: jnp.dot on the same layer inside a jitted function, as the layer scan runs it
   without the kernel (the layer's dynamic slice, then the product; the gated row adds XLA's
   SiLU pass);
@@ -30,6 +32,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from jllm.config import batch_invariant  # noqa: E402
 from jllm.models import bf16_matmul, f32_matmul  # noqa: E402
 
 D, F, N_HEADS, KV = 576, 1536, 9, 3
@@ -69,6 +72,17 @@ def xla_gated(x, gate, up, layer):
     return jax.nn.silu(x @ gate[layer]) * (x @ up[layer])
 
 
+def vector(fn):
+    """fn traced in the batch-invariant mode: on an AMX CPU, the kernel's build without the
+    tiles."""
+
+    def run(*args):
+        with batch_invariant.scope(True):
+            return fn(*args)
+
+    return run
+
+
 def torch_gated(x, gate, up):
     import torch
 
@@ -100,8 +114,9 @@ def main():
         f"host: {os.cpu_count()} cores; jax {jax.__version__}; {args.dtype}"
         f"{' (f32_matmul widening bf16)' if widened else ''}; GFLOP/s (higher is better)"
     )
-    print("| rows | product | kernel | xla | torch | kernel / xla |")
-    print("|---|---|---|---|---|---|")
+    amx = not f32 and not widened and "amx_bf16" in bf16_matmul.cpu_flags()
+    print(f"| rows | product | kernel |{' vector |' if amx else ''} xla | torch | kernel / xla |")
+    print(f"|---|---|---|{'---|' if amx else ''}---|---|---|")
     for m in args.rows:
         x_np = rng.normal(0, 1, (m, D)).astype(np.float32)
         rows = list(SHAPES.items()) + [("gated gate/up (2 products)", (D, F))]
@@ -117,11 +132,13 @@ def main():
                 pair = f32_matmul.f32_gated_matmul if f32_kernel else bf16_matmul.bf16_gated_matmul
                 kern = jax.jit(pair)
                 t_k = timed(args.seconds, kern, x, stack, up, layer)
+                t_v = amx and timed(args.seconds, jax.jit(vector(pair)), x, stack, up, layer)
                 t_x = timed(args.seconds, jax.jit(xla_gated), x, stack, up, layer)
             else:
                 f32_kernel = f32 or widened
-                kern = jax.jit(f32_matmul.f32_matmul if f32_kernel else bf16_matmul.bf16_matmul)
-                t_k = timed(args.seconds, kern, x, stack, layer)
+                one = f32_matmul.f32_matmul if f32_kernel else bf16_matmul.bf16_matmul
+                t_k = timed(args.seconds, jax.jit(one), x, stack, layer)
+                t_v = amx and timed(args.seconds, jax.jit(vector(one)), x, stack, layer)
                 t_x = timed(args.seconds, jax.jit(xla_product), x, stack, layer)
             flops = 2 * m * k * n * (2 if gated else 1)
             t_t = None
@@ -137,7 +154,8 @@ def main():
                         t_t = timed(args.seconds, torch.nn.functional.linear, xt, wt)
             torch_col = f"{flops / t_t / 1e9:.0f}" if t_t else "-"
             print(
-                f"| {m} | {name} | {flops / t_k / 1e9:.0f} | {flops / t_x / 1e9:.0f} | "
+                f"| {m} | {name} | {flops / t_k / 1e9:.0f} |"
+                f"{f' {flops / t_v / 1e9:.0f} |' if amx else ''} {flops / t_x / 1e9:.0f} | "
                 f"{torch_col} | {t_x / t_k:.2f}x |",
                 flush=True,
             )

@@ -40,6 +40,9 @@ from pallas_kernels.cpu.build import (
 logger = logging.getLogger("jllm")
 
 SOURCE = os.path.join(INCLUDE, "bf16_matmul.cc")
+# Without the tile instructions (`-mno-amx-tile`): the batch-invariant mode's build on an AMX
+# CPU, whose rows take one summation order at any row count.
+NO_AMX = ("-mno-amx-tile",)
 KERNEL = FfiKernel(
     SOURCE,
     "bf16_matmul",
@@ -56,6 +59,32 @@ GATED = FfiKernel(
     "jllm_bf16_gated_matmul_cpu",
     extra_flags=EXACT_ORDER,
 )
+KERNEL_NO_AMX = FfiKernel(
+    SOURCE,
+    "bf16_matmul",
+    "CPU bf16 matmul kernel without AMX",
+    "JllmBf16Matmul",
+    "jllm_bf16_matmul_no_amx_cpu",
+    extra_flags=EXACT_ORDER + NO_AMX,
+)
+GATED_NO_AMX = FfiKernel(
+    SOURCE,
+    "bf16_matmul",
+    "CPU bf16 gated matmul kernel without AMX",
+    "JllmBf16GatedMatmul",
+    "jllm_bf16_gated_matmul_no_amx_cpu",
+    extra_flags=EXACT_ORDER + NO_AMX,
+)
+
+
+def kernels(invariant: bool) -> tuple[FfiKernel, FfiKernel]:
+    """The plain and gated kernels of a mode: with AMX where the CPU has it, except in the
+    batch-invariant mode (the tiles' sums differ from the vector loop's, and which one a row
+    takes depends on how many rows its step has)."""
+    amx = "amx_bf16" in cpu_flags() and not invariant
+    return (
+        (KERNEL, GATED) if amx or "amx_bf16" not in cpu_flags() else (KERNEL_NO_AMX, GATED_NO_AMX)
+    )
 
 
 def supported() -> bool:
@@ -66,30 +95,29 @@ def supported() -> bool:
 @functools.cache
 def enabled(invariant: bool = False) -> bool:
     """Whether bfloat16 models' layer products go to the kernel in this process: the CPU
-    backend, AVX512-BF16 without AMX (with AMX too in the batch-invariant mode, `invariant`:
-    the kernel's sums run in one order for any number of rows, XLA's do not), and a kernel
-    that builds. Logged once."""
+    backend, AVX512-BF16 (its products of 32 rows and more on the AMX tiles where the CPU
+    has them, outside the batch-invariant mode, `invariant`), and a kernel that builds.
+    Logged once."""
     if jax.default_backend() != "cpu":
         return False
     flags = cpu_flags()
     if "avx512_bf16" not in flags:
-        reason = "this CPU has no AVX512-BF16"
-    elif "amx_bf16" in flags and not invariant:
-        reason = "this CPU has AMX, which XLA's products use"
+        logger.info("bf16 layer products: XLA's (this CPU has no AVX512-BF16).")
+        return False
+    try:
+        for kernel in kernels(invariant):
+            kernel.load()
+    except CpuKernelUnavailable as e:
+        logger.warning("bf16 layer products: XLA's (the kernel is unavailable: %s).", e)
+        return False
+    if "amx_bf16" not in flags:
+        how = "AVX512-BF16"
+    elif invariant:
+        how = "AVX512-BF16 without AMX, batch-invariant mode"
     else:
-        try:
-            KERNEL.load()
-            GATED.load()
-        except CpuKernelUnavailable as e:
-            logger.warning("bf16 layer products: XLA's (the kernel is unavailable: %s).", e)
-            return False
-        logger.info(
-            "bf16 layer products: the C++ kernel (AVX512-BF16%s).",
-            "" if "amx_bf16" not in flags else ", batch-invariant mode",
-        )
-        return True
-    logger.info("bf16 layer products: XLA's (%s).", reason)
-    return False
+        how = "AMX tiles from 32 rows, AVX512-BF16 below"
+    logger.info("bf16 layer products: the C++ kernel (%s).", how)
+    return True
 
 
 def applies(dtype) -> bool:
@@ -142,7 +170,8 @@ def bf16_matmul(
     padding rows are not); the others come out zero. None: every row."""
     out = _check(x, w, out_dtype)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    return jax.ffi.ffi_call(KERNEL.load(), out)(x, w, layer, check_live(x, live))
+    target = kernels(batch_invariant.enabled())[0].load()
+    return jax.ffi.ffi_call(target, out)(x, w, layer, check_live(x, live))
 
 
 def bf16_gated_matmul(
@@ -155,7 +184,8 @@ def bf16_gated_matmul(
     if up.shape != gate.shape or up.dtype != gate.dtype:
         raise ValueError(f"bf16_gated_matmul: up {up.shape} {up.dtype} is not like gate")
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    return jax.ffi.ffi_call(GATED.load(), out)(x, gate, up, layer, check_live(x, live))
+    target = kernels(batch_invariant.enabled())[1].load()
+    return jax.ffi.ffi_call(target, out)(x, gate, up, layer, check_live(x, live))
 
 
 def reference(x: jax.Array, w: jax.Array, layer=0, out_dtype=jnp.bfloat16) -> jax.Array:

@@ -22,6 +22,17 @@
 // 32-column panels, shared over XLA's intra-op pool; a block's tiles reuse each panel from
 // cache.
 //
+// With AMX (the tile instructions, `amx_bf16`; built with them where -march=native has them,
+// and the process granted the tile state by the kernel), products of at least kAmxMinRows
+// live rows run on the tiles instead: per work item each 32-column panel of w is packed once
+// into the pairs layout the tiles take (Kp/2 rows of 32 (w[2k][n], w[2k+1][n]) pairs, zeros
+// past K and N), and each 32-row tile of x is multiplied by it as two A tiles (16 rows by 32
+// inputs, read in place when K is a multiple of 32 and the tile is whole, else from a
+// zero-padded copy) against two B tiles into four 16x16 float32 accumulator tiles, stored and
+// then written out as the vector loop writes its own. The tiles sum each 32-input chunk in
+// their own order, so with AMX a row's sums depend on whether its step took the tiles: the
+// batch-invariant mode uses the build without them (bf16_matmul.py, `-mno-amx-tile`).
+//
 // Like XLA's own bf16 products on this hardware (which use the same instruction), the dot
 // instruction treats denormal inputs as zero and flushes denormal results.
 //
@@ -37,6 +48,12 @@
 #include <immintrin.h>
 
 #include "cpu_silu.h"  // this folder: silu_times
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define JLLM_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #include "cpu_pool.h"  // this folder: share_items
@@ -115,12 +132,34 @@ __attribute__((always_inline)) inline void products(const Product& p, const uint
 
 using jllm_cpu::silu_times;
 
+// Stores one row's 32 float32 columns (y0: 0-15, y1: 16-31; masked at the right edge) to row
+// m, columns n0.., of the output: float32, or bfloat16 rounded to nearest even as XLA
+// converts.
+__attribute__((always_inline)) inline void store_row(const Product& p, int64_t m, int64_t n0,
+                                                     __mmask32 cols, __m512 y0, __m512 y1) {
+  const int64_t N = p.N;
+  const __mmask16 cols0 = __mmask16(cols), cols1 = __mmask16(cols >> 16);
+  if (p.f32_out) {
+    float* y = static_cast<float*>(p.y) + m * N + n0;
+    _mm512_mask_storeu_ps(y, cols0, y0);
+    _mm512_mask_storeu_ps(y + 16, cols1, y1);
+  } else {
+    const __m256i h0 = (__m256i)_mm512_cvtneps_pbh(y0);
+    const __m256i h1 = (__m256i)_mm512_cvtneps_pbh(y1);
+    uint16_t* y = static_cast<uint16_t*>(p.y) + m * N + n0;
+    _mm512_mask_storeu_epi16(y, cols, _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1));
+  }
+}
+
+inline __mmask32 panel_cols(int64_t N, int64_t n0) {
+  return n0 + kPanel <= N ? ~__mmask32(0) : (__mmask32(1) << (N - n0)) - 1;
+}
+
 // Rows m0 .. m0 + R - 1 by columns n0 .. n0 + 31 of the output: x @ w, or with `p.up`,
 // silu(x @ w) * (x @ up).
 template <int R>
 void tile(const Product& p, int64_t m0, int64_t n0) {
-  const int64_t N = p.N;
-  const __mmask32 cols = n0 + kPanel <= N ? ~__mmask32(0) : (__mmask32(1) << (N - n0)) - 1;
+  const __mmask32 cols = panel_cols(p.N, n0);
   __m512 y0[R], y1[R];
   products<R>(p, p.w + n0, m0, cols, y0, y1);
   if (p.up) {
@@ -131,19 +170,7 @@ void tile(const Product& p, int64_t m0, int64_t n0) {
       y1[r] = silu_times(y1[r], u1[r]);
     }
   }
-  const __mmask16 cols0 = __mmask16(cols), cols1 = __mmask16(cols >> 16);
-  _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) {
-    if (p.f32_out) {
-      float* y = static_cast<float*>(p.y) + (m0 + r) * N + n0;
-      _mm512_mask_storeu_ps(y, cols0, y0[r]);
-      _mm512_mask_storeu_ps(y + 16, cols1, y1[r]);
-    } else {  // rounded to nearest even, as XLA converts
-      const __m256i h0 = (__m256i)_mm512_cvtneps_pbh(y0[r]);
-      const __m256i h1 = (__m256i)_mm512_cvtneps_pbh(y1[r]);
-      uint16_t* y = static_cast<uint16_t*>(p.y) + (m0 + r) * N + n0;
-      _mm512_mask_storeu_epi16(y, cols, _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1));
-    }
-  }
+  _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) store_row(p, m0 + r, n0, cols, y0[r], y1[r]);
 }
 
 void tile_rows(const Product& p, int rows, int64_t m0, int64_t n0) {
@@ -158,14 +185,173 @@ void tile_rows(const Product& p, int rows, int64_t m0, int64_t n0) {
   }
 }
 
+// Products of fewer live rows keep the vector loop: a decode step reads each weight once
+// whichever unit multiplies, and packing the panel would add to that read.
+constexpr int64_t kAmxMinRows = 32;
+
+#ifdef JLLM_AMX
+
+constexpr int kAmxRows = 32;      // rows per tile of x: two A tiles of 16
+constexpr int64_t kAmxK = 32;     // inputs per A tile row (64 bytes)
+
+// The tile state must be granted to the process once (Linux's arch_prctl): false where the
+// kernel refuses it, and the vector loop runs everything.
+bool amx_granted() {
+  static const bool granted = [] {
+    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile used (0-3 accumulators, 4-5 x, 6-7 w) is 16 rows of 64 bytes.
+inline void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+}
+
+inline int64_t padded_k(int64_t K) { return (K + kAmxK - 1) / kAmxK * kAmxK; }
+
+// Columns n0 .. n0 + 31 of w as the B tiles take them: row k2 of the result holds the 32
+// pairs (w[2 k2][n], w[2 k2 + 1][n]), 128 bytes; zeros past K and N.
+void pack_panel(const Product& p, const uint16_t* w, int64_t n0, uint32_t* out) {
+  const int64_t K = p.K, N = p.N, Kp = padded_k(K);
+  const __mmask32 cols = panel_cols(N, n0);
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t k = 0; k < Kp; k += 2) {
+    const __m512i w0 = k < K ? _mm512_maskz_loadu_epi16(cols, w + k * N + n0) : zero;
+    const __m512i w1 = k + 1 < K ? _mm512_maskz_loadu_epi16(cols, w + (k + 1) * N + n0) : zero;
+    const __m512i lo = _mm512_unpacklo_epi16(w0, w1), hi = _mm512_unpackhi_epi16(w0, w1);
+    uint32_t* row = out + (k / 2) * kPanel;
+    _mm512_storeu_si512(row, _mm512_permutex2var_epi32(lo, first, hi));
+    _mm512_storeu_si512(row + 16, _mm512_permutex2var_epi32(lo, second, hi));
+  }
+}
+
+// x's rows m0 .. m0 + rows - 1 by the packed panel b into acc [32][32] float32.
+void amx_products(const uint16_t* a, int64_t a_stride, int64_t Kp, const uint32_t* b,
+                  float* acc) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t b_stride = kPanel * 4;  // bytes per pair row
+  for (int64_t k = 0; k < Kp; k += kAmxK) {
+    _tile_loadd(4, a + k, a_stride * 2);
+    _tile_loadd(5, a + 16 * a_stride + k, a_stride * 2);
+    const uint32_t* bk = b + (k / 2) * kPanel;
+    _tile_loadd(6, bk, b_stride);
+    _tile_loadd(7, bk + 16, b_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  constexpr int64_t c_stride = kPanel * 4;
+  _tile_stored(0, acc, c_stride);
+  _tile_stored(1, acc + 16, c_stride);
+  _tile_stored(2, acc + 16 * kPanel, c_stride);
+  _tile_stored(3, acc + 16 * kPanel + 16, c_stride);
+}
+
+// One work item on the tiles: tiles [t0, t1) of x by panels [p0, p1).
+void amx_item(const Product& p, const std::vector<jllm_cpu::RowTile>& tiles, int64_t t0,
+              int64_t t1, int64_t p0, int64_t p1) {
+  const int64_t K = p.K, Kp = padded_k(K), panel_words = Kp / 2 * kPanel;
+  const int64_t panels = p1 - p0, gated = p.up ? 2 : 1;
+  thread_local std::vector<uint32_t> packed;
+  thread_local std::vector<uint16_t> padded;
+  thread_local std::vector<float> acc;
+  packed.resize(panels * gated * panel_words);
+  acc.resize(gated * kAmxRows * kPanel);
+  for (int64_t j = 0; j < panels; ++j) {
+    pack_panel(p, p.w, (p0 + j) * kPanel, packed.data() + (j * gated) * panel_words);
+    if (p.up) pack_panel(p, p.up, (p0 + j) * kPanel, packed.data() + (j * 2 + 1) * panel_words);
+  }
+  configure_tiles();
+  for (int64_t t = t0; t < t1; ++t) {
+    const jllm_cpu::RowTile tile = tiles[t];
+    const uint16_t* a = p.x + tile.m0 * K;
+    int64_t a_stride = K;
+    if (tile.rows != kAmxRows || K != Kp) {  // a zero-padded copy of the tile's rows
+      padded.assign(kAmxRows * Kp, 0);
+      for (int r = 0; r < tile.rows; ++r)
+        std::memcpy(padded.data() + r * Kp, a + r * K, K * sizeof(uint16_t));
+      a = padded.data();
+      a_stride = Kp;
+    }
+    for (int64_t j = 0; j < panels; ++j) {
+      const int64_t n0 = (p0 + j) * kPanel;
+      amx_products(a, a_stride, Kp, packed.data() + (j * gated) * panel_words, acc.data());
+      float* up = acc.data() + kAmxRows * kPanel;
+      if (p.up) amx_products(a, a_stride, Kp, packed.data() + (j * 2 + 1) * panel_words, up);
+      const __mmask32 cols = panel_cols(p.N, n0);
+      for (int r = 0; r < tile.rows; ++r) {
+        __m512 y0 = _mm512_loadu_ps(acc.data() + r * kPanel);
+        __m512 y1 = _mm512_loadu_ps(acc.data() + r * kPanel + 16);
+        if (p.up) {
+          y0 = silu_times(y0, _mm512_loadu_ps(up + r * kPanel));
+          y1 = silu_times(y1, _mm512_loadu_ps(up + r * kPanel + 16));
+        }
+        store_row(p, tile.m0 + r, n0, cols, y0, y1);
+      }
+    }
+  }
+  _tile_release();
+}
+
+// The tiles over the live rows: each run of consecutive live rows in whole tiles of 32, then
+// its remainder (the tiles compute 32 rows whatever the tile holds).
+std::vector<jllm_cpu::RowTile> amx_tiles(const int8_t* live, int64_t M) {
+  std::vector<jllm_cpu::RowTile> tiles;
+  for (const jllm_cpu::RowTile run : jllm_cpu::live_tiles(live, M, int(M)))
+    for (int64_t m = run.m0; m < run.m0 + run.rows; m += kAmxRows)
+      tiles.push_back({m, int(std::min<int64_t>(kAmxRows, run.m0 + run.rows - m))});
+  return tiles;
+}
+
+#endif  // JLLM_AMX
+
+int64_t live_rows(const int8_t* live, int64_t M) {
+  if (!live) return M;
+  int64_t n = 0;
+  for (int64_t m = 0; m < M; ++m) n += live[m] != 0;
+  return n;
+}
+
 ffi::Error Run(ffi::ThreadPool& pool, const Product& p, const int8_t* live) {
   if (live) {  // padding rows: zeros, which every later op takes as it took XLA's products
     const int64_t row_bytes = p.N * (p.f32_out ? 4 : 2);
     for (int64_t m = 0; m < p.M; ++m)
       if (!live[m]) std::memset(static_cast<char*>(p.y) + m * row_bytes, 0, row_bytes);
   }
-  const std::vector<jllm_cpu::RowTile> tiles = jllm_cpu::live_tiles(live, p.M, kMaxRows);
   const int64_t panels = (p.N + kPanel - 1) / kPanel;
+#ifdef JLLM_AMX
+  if (live_rows(live, p.M) >= kAmxMinRows && amx_granted()) {
+    const std::vector<jllm_cpu::RowTile> tiles = amx_tiles(live, p.M);
+    const auto item = [&](int64_t t0, int64_t t1, int64_t p0, int64_t p1) {
+      amx_item(p, tiles, t0, t1, p0, p1);
+    };
+    const bool ok = jllm_cpu::share_tile_panels(pool, int64_t(tiles.size()), panels,
+                                                kBlockTiles, item);
+    return ok ? ffi::Error::Success() : ffi::Error::Internal("a bf16 matmul work item failed");
+  }
+#endif
+  const std::vector<jllm_cpu::RowTile> tiles = jllm_cpu::live_tiles(live, p.M, kMaxRows);
   const auto item = [&](int64_t t0, int64_t t1, int64_t p0, int64_t p1) {
     for (int64_t panel = p0; panel < p1; ++panel)  // the block's rows reuse it
       for (int64_t t = t0; t < t1; ++t) tile_rows(p, tiles[t].rows, tiles[t].m0, panel * kPanel);

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from oracle import SMALL, assert_bf16_near_fp32, save_tiny, weight_copies
 
 from jllm import LLM
+from jllm.config import batch_invariant
 from jllm.models import bf16_matmul, f32_matmul
 from jllm.models.bf16_matmul import bf16_gated_matmul, gated_reference, reference
 from jllm.models.bf16_matmul import bf16_matmul as kernel
@@ -56,6 +57,10 @@ def assert_product(x, w, layer, got, out_dtype):
         (15, 7, 37),  # odd K (the last input paired with zero), a masked right edge
         (130, 128, 64),  # two row blocks (112 + 18)
         (3, 1536, 40),
+        # 32 rows and more: the AMX tiles where the CPU has them
+        (100, 7, 37),  # a partial last tile of 4 rows, odd K padded to 32, a masked edge
+        (64, 1000, 65),  # K not a multiple of 32 (a padded copy of x), 3 panels
+        (32, 64, 32),  # one whole tile read in place
     ],
 )
 def test_matches_xla(m, k, n, out_dtype):
@@ -93,7 +98,9 @@ def test_rows_are_independent():
 
 
 @pytest.mark.parametrize("scale", [1.0, 40.0])  # 40: gate values in the hundreds, both signs
-@pytest.mark.parametrize("m,k,n", [(1, 64, 96), (64, 576, 192), (15, 7, 37), (130, 128, 64)])
+@pytest.mark.parametrize(
+    "m,k,n", [(1, 64, 96), (64, 576, 192), (15, 7, 37), (130, 128, 64), (100, 7, 37)]
+)
 def test_gated_matches_silu_of_the_products(m, k, n, scale):
     """silu(x @ gate) * (x @ up) in one pass: against the kernel's own float32 products (each
     checked against XLA above) through jax.nn.silu, so only its exp approximation differs;
@@ -184,9 +191,9 @@ def test_engine_on_the_kernel_against_fp32_oracle(bf16_qwen3, monkeypatch, on):
 @pytest.mark.parametrize(
     "flags,invariant,want,reason",
     [
-        ({"avx512f", "avx512_bf16"}, False, True, "the C++ kernel"),
-        ({"avx512_bf16", "amx_bf16"}, False, False, "AMX, which XLA's products use"),
-        ({"avx512_bf16", "amx_bf16"}, True, True, "the C++ kernel"),  # batch-invariant mode
+        ({"avx512f", "avx512_bf16"}, False, True, "the C++ kernel (AVX512-BF16)"),
+        ({"avx512_bf16", "amx_bf16"}, False, True, "AMX tiles from 32 rows"),
+        ({"avx512_bf16", "amx_bf16"}, True, True, "without AMX, batch-invariant mode"),
         ({"avx2"}, False, False, "no AVX512-BF16"),
     ],
 )
@@ -195,3 +202,18 @@ def test_where_the_kernel_runs(monkeypatch, caplog, flags, invariant, want, reas
     with caplog.at_level("INFO", logger="jllm"):
         assert bf16_matmul.enabled.__wrapped__(invariant) is want
     assert reason in caplog.text
+
+
+@pytest.mark.skipif("amx_bf16" not in bf16_matmul.cpu_flags(), reason="needs AMX")
+def test_amx_rows_do_not_depend_on_their_neighbours():
+    """On the tiles a row's sums are the same whichever tile it sits in, at any row count
+    from 32 (each tile sums its rows' 32-input chunks in one order); below 32 the vector loop
+    takes them. The batch-invariant mode's build (no tiles) gives one order at every count."""
+    x, w = operands(300, 576, 96)
+    rows = [np.asarray(kernel(x[:m], w, 1, jnp.float32))[0] for m in (32, 33, 64, 97, 300)]
+    for row in rows[1:]:
+        np.testing.assert_array_equal(row, rows[0])
+    with batch_invariant.scope(True):
+        exact = [np.asarray(jax.jit(kernel)(x[:m], w, 1))[0] for m in (1, 31, 32, 300)]
+    for row in exact[1:]:
+        np.testing.assert_array_equal(row, exact[0])

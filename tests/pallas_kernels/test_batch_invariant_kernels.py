@@ -128,5 +128,6 @@ def test_bf16_products_row_is_the_same_for_any_row_count(k, n):
     rng = np.random.default_rng(k)
     x = jnp.asarray(rng.standard_normal((200, k)), jnp.bfloat16)
     w, up = (jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16) for _ in "wu")
-    assert _rows_agree(lambda a: bf16_matmul.bf16_matmul(a, w), x)
-    assert _rows_agree(lambda a: bf16_matmul.bf16_gated_matmul(a, w, up), x)
+    with batch_invariant.scope(True):  # on an AMX CPU: the build without the tiles
+        assert _rows_agree(lambda a: bf16_matmul.bf16_matmul(a, w), x)
+        assert _rows_agree(lambda a: bf16_matmul.bf16_gated_matmul(a, w, up), x)
