@@ -17,6 +17,10 @@ SmolLM2-135M's layer products (30 layers stacked, as the model holds them) at 1,
 
     python benchmarks/matmul.py                  # bf16: GFLOP/s per shape, and kernel / xla
     python benchmarks/matmul.py --dtype float32 --rows 1 8 64 128 256 512 2048
+    python benchmarks/matmul.py --head --rows 1 8 32 64   # the tied LM head, bf16 on AMX
+
+`--head`: SmolLM2's tied LM head instead (x [rows, 576] @ table[49152, 576]^T, float32
+out): the transposed AMX kernel against XLA's einsum, in ms per call.
 """
 
 from __future__ import annotations
@@ -83,6 +87,26 @@ def vector(fn):
     return run
 
 
+def head(args):
+    """The tied LM head: the transposed kernel against XLA's einsum."""
+    if "amx_bf16" not in bf16_matmul.cpu_flags():
+        sys.exit("the transposed bf16 kernel runs on AMX CPUs only")
+    rng = np.random.default_rng(0)
+    vocab = 49152
+    table = jnp.asarray(rng.normal(0, 0.02, (vocab, D)), jnp.bfloat16)
+    kern = jax.jit(
+        lambda x, t: bf16_matmul.bf16_matmul(x, t, transposed=True, out_dtype=jnp.float32)
+    )
+    xla = jax.jit(lambda x, t: jnp.einsum("RD,VD->RV", x, t, preferred_element_type=jnp.float32))
+    print(f"host: {os.cpu_count()} cores; jax {jax.__version__}; tied LM head [{vocab}, {D}]")
+    print("| rows | kernel ms | xla ms | xla / kernel |")
+    print("|---|---|---|---|")
+    for m in args.rows:
+        x = jnp.asarray(rng.normal(0, 1, (m, D)), jnp.bfloat16)
+        t_k, t_x = timed(args.seconds, kern, x, table), timed(args.seconds, xla, x, table)
+        print(f"| {m} | {t_k * 1e3:.2f} | {t_x * 1e3:.2f} | {t_x / t_k:.2f}x |", flush=True)
+
+
 def torch_gated(x, gate, up):
     import torch
 
@@ -95,7 +119,10 @@ def main():
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 64, 2048])
     ap.add_argument("--seconds", type=float, default=1.5)
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--head", action="store_true", help="the tied LM head (bf16, AMX)")
     args = ap.parse_args()
+    if args.head:
+        return head(args)
     f32 = args.dtype == "float32"
     if f32 and not f32_matmul.supported():
         sys.exit("this CPU has no FMA with AVX2: the float32 kernel does not run here")

@@ -75,6 +75,15 @@ GATED_NO_AMX = FfiKernel(
     "jllm_bf16_gated_matmul_no_amx_cpu",
     extra_flags=EXACT_ORDER + NO_AMX,
 )
+# w transposed (a tied embedding table as the LM head), on the AMX tiles only.
+TRANSPOSED = FfiKernel(
+    SOURCE,
+    "bf16_matmul",
+    "CPU bf16 transposed matmul kernel",
+    "JllmBf16MatmulTransposed",
+    "jllm_bf16_matmul_transposed_cpu",
+    extra_flags=EXACT_ORDER,
+)
 
 
 def kernels(invariant: bool) -> tuple[FfiKernel, FfiKernel]:
@@ -120,6 +129,28 @@ def enabled(invariant: bool = False) -> bool:
     return True
 
 
+# Rows up to which a tied head is the transposed kernel's. Measured on the 2-core AMX Xeon,
+# SmolLM2's table [49152, 576] (benchmarks/matmul.py --head): 1 row 1.3 ms against XLA's 31.7
+# (its one-row product), 32 rows 2.4-2.6 against 3.8-4.4, 64 rows 4.6-6.9 against 6.0-6.7 (two
+# tiles' packed rows and the table's block no longer fit L1 together), 128 rows 10.6 against 9.9.
+HEAD_ROWS = 48
+
+
+def head_applies(dtype, rows: int) -> bool:
+    """Whether a tied bfloat16 LM head of `rows` rows runs on the transposed kernel here:
+    `applies`, the AMX tiles, outside the batch-invariant mode, at most HEAD_ROWS rows;
+    elsewhere the head stays XLA's."""
+    if rows > HEAD_ROWS or not applies(dtype) or batch_invariant.enabled():
+        return False
+    if "amx_bf16" not in cpu_flags():
+        return False
+    try:
+        TRANSPOSED.load()
+    except CpuKernelUnavailable:
+        return False
+    return True
+
+
 def applies(dtype) -> bool:
     """Whether a model of activation dtype `dtype` runs its layer products on the kernel
     here: bfloat16, `enabled`, and no mesh of several devices nor a lowering for another
@@ -162,15 +193,21 @@ def check_live(x, live) -> jax.Array:
 
 
 def bf16_matmul(
-    x: jax.Array, w: jax.Array, layer=0, out_dtype=jnp.bfloat16, live=None
+    x: jax.Array, w: jax.Array, layer=0, out_dtype=jnp.bfloat16, live=None, transposed=False
 ) -> jax.Array:
     """x [M, K] @ w[layer] -> [M, N] in out_dtype (bfloat16 or float32), accumulated in
     float32; w is [L, K, N] (read in place) or [K, N]; layer an int or an int32 scalar,
     traced or not, within [0, L). live: [M] bool or int, the rows to compute (a step's
-    padding rows are not); the others come out zero. None: every row."""
-    out = _check(x, w, out_dtype)
+    padding rows are not); the others come out zero. None: every row. transposed: w is
+    [L, N, K] or [N, K] (a tied embedding table), on the AMX tiles only (`head_applies`)."""
+    if transposed:
+        flipped = jax.ShapeDtypeStruct((*w.shape[:-2], w.shape[-1], w.shape[-2]), w.dtype)
+        out = _check(x, flipped, out_dtype)
+        target = TRANSPOSED.load()
+    else:
+        out = _check(x, w, out_dtype)
+        target = kernels(batch_invariant.enabled())[0].load()
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    target = kernels(batch_invariant.enabled())[0].load()
     return jax.ffi.ffi_call(target, out)(x, w, layer, check_live(x, live))
 
 

@@ -455,6 +455,11 @@ class CausalLM(nnx.Module):
             table = self.embed_tokens.get_value()
             if isinstance(table, QuantizedWeight):  # [V, D]: the [Out, In] layout
                 return matmul(hidden, table, f32)
+            if table.dtype == hidden.dtype and bf16_matmul.head_applies(
+                hidden.dtype, hidden.shape[0]
+            ):
+                product = bf16_matmul.bf16_matmul
+                return product(hidden, table, live=live, transposed=True, out_dtype=f32)
             if table.dtype == hidden.dtype and f32_matmul.applies(hidden.dtype):
                 product = f32_matmul.f32_matmul
                 return product(hidden, table, live=live, transposed=True, out_dtype=f32)

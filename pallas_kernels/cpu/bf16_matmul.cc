@@ -324,6 +324,115 @@ std::vector<jllm_cpu::RowTile> amx_tiles(const int8_t* live, int64_t M) {
   return tiles;
 }
 
+
+// ---- w transposed (a tied embedding table as the LM head): y[M, N] = x[M, K] @ w[N, K]^T ----
+//
+// Here w's rows are the A tiles, read in place (16 rows of it by 32 inputs: exactly a row
+// block of the table), and x, small (a step's sampled rows), is packed once into the pairs
+// layout as the B tiles: packed[t][k2][j] = (x[m][2 k2], x[m][2 k2 + 1]) for the tile's j-th
+// row m, zeros past K and the tile's rows. The accumulators hold y's transpose (32 columns of
+// y by 32 rows), gathered into y's rows at the store. A table whose K is not a multiple of
+// 32, or whose last block has fewer than 32 rows, is read through a zero-padded copy of that
+// block. The tiles run at any row count (one step's LM head is a few rows; the vector loop's
+// one dot per row and column ran it at a fraction of the weight's read rate).
+
+void pack_x_pairs(const Product& p, const std::vector<jllm_cpu::RowTile>& tiles,
+                  uint32_t* out) {
+  const int64_t K = p.K, Kp = padded_k(K), tile_words = Kp / 2 * kPanel;
+  std::memset(out, 0, tiles.size() * tile_words * sizeof(uint32_t));
+  for (size_t t = 0; t < tiles.size(); ++t)
+    for (int j = 0; j < tiles[t].rows; ++j) {
+      const uint16_t* x = p.x + (tiles[t].m0 + j) * K;
+      uint32_t* col = out + t * tile_words + j;
+      for (int64_t k = 0; k < K; k += 2) {
+        const uint32_t lo = x[k], hi = k + 1 < K ? x[k + 1] : 0;
+        col[(k / 2) * kPanel] = lo | (hi << 16);
+      }
+    }
+}
+
+// Columns n0 .. n0 + 31 of y for every tile of x's rows.
+void amx_transposed_block(const Product& p, const std::vector<jllm_cpu::RowTile>& tiles,
+                          const uint32_t* packed, int64_t n0, float* acc,
+                          std::vector<uint16_t>& padded) {
+  const int64_t K = p.K, Kp = padded_k(K), tile_words = Kp / 2 * kPanel;
+  const int64_t width = std::min<int64_t>(kPanel, p.N - n0);
+  const uint16_t* a = p.w + n0 * K;
+  int64_t a_stride = K;
+  if (width != kPanel || K != Kp) {
+    padded.assign(kPanel * Kp, 0);
+    for (int64_t i = 0; i < width; ++i)
+      std::memcpy(padded.data() + i * Kp, a + i * K, K * sizeof(uint16_t));
+    a = padded.data();
+    a_stride = Kp;
+  }
+  const __mmask32 cols = panel_cols(p.N, n0);
+  const __m512i lanes = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(int(kPanel)));
+  constexpr int64_t c_stride = kPanel * 4;
+  for (size_t t = 0; t < tiles.size(); ++t) {
+    const uint32_t* b = packed + t * tile_words;
+    const bool half = tiles[t].rows <= 16;  // one B tile holds them all
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k = 0; k < Kp; k += kAmxK) {
+      _tile_loadd(4, a + k, a_stride * 2);
+      _tile_loadd(5, a + 16 * a_stride + k, a_stride * 2);
+      const uint32_t* bk = b + (k / 2) * kPanel;
+      _tile_loadd(6, bk, c_stride);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(2, 5, 6);
+      if (!half) {
+        _tile_loadd(7, bk + 16, c_stride);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, acc, c_stride);
+    _tile_stored(2, acc + 16 * kPanel, c_stride);
+    if (!half) {
+      _tile_stored(1, acc + 16, c_stride);
+      _tile_stored(3, acc + 16 * kPanel + 16, c_stride);
+    }
+    for (int j = 0; j < tiles[t].rows; ++j) {  // y's row: column j of acc
+      const __m512 y0 = _mm512_i32gather_ps(lanes, acc + j, 4);
+      const __m512 y1 = _mm512_i32gather_ps(lanes, acc + 16 * kPanel + j, 4);
+      store_row(p, tiles[t].m0 + j, n0, cols, y0, y1);
+    }
+  }
+}
+
+ffi::Error RunTransposed(ffi::ThreadPool& pool, const Product& p, const int8_t* live) {
+  if (!amx_granted())
+    return ffi::Error(ffi::ErrorCode::kUnavailable, "the AMX tile state was not granted");
+  if (live) {
+    const int64_t row_bytes = p.N * (p.f32_out ? 4 : 2);
+    for (int64_t m = 0; m < p.M; ++m)
+      if (!live[m]) std::memset(static_cast<char*>(p.y) + m * row_bytes, 0, row_bytes);
+  }
+  const std::vector<jllm_cpu::RowTile> tiles = amx_tiles(live, p.M);
+  if (tiles.empty()) return ffi::Error::Success();
+  std::vector<uint32_t> packed(tiles.size() * padded_k(p.K) / 2 * kPanel);
+  pack_x_pairs(p, tiles, packed.data());
+  const int64_t blocks = (p.N + kPanel - 1) / kPanel;
+  constexpr int64_t kBlocksPerItem = 16;
+  const int64_t items = (blocks + kBlocksPerItem - 1) / kBlocksPerItem;
+  const bool ok = jllm_cpu::share_items(pool, items, [&](int64_t i) {
+    thread_local std::vector<float> acc;
+    thread_local std::vector<uint16_t> padded;
+    acc.resize(kPanel * kPanel);
+    configure_tiles();
+    const int64_t b1 = std::min(blocks, (i + 1) * kBlocksPerItem);
+    for (int64_t b = i * kBlocksPerItem; b < b1; ++b)
+      amx_transposed_block(p, tiles, packed.data(), b * kPanel, acc.data(), padded);
+    _tile_release();
+  });
+  return ok ? ffi::Error::Success() : ffi::Error::Internal("a bf16 matmul work item failed");
+}
+
 #endif  // JLLM_AMX
 
 int64_t live_rows(const int8_t* live, int64_t M) {
@@ -332,6 +441,13 @@ int64_t live_rows(const int8_t* live, int64_t M) {
   for (int64_t m = 0; m < M; ++m) n += live[m] != 0;
   return n;
 }
+
+#ifndef JLLM_AMX
+ffi::Error RunTransposed(ffi::ThreadPool&, const Product&, const int8_t*) {
+  return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                    "the transposed bf16 matmul kernel needs a build with AMX");
+}
+#endif
 
 ffi::Error Run(ffi::ThreadPool& pool, const Product& p, const int8_t* live) {
   if (live) {  // padding rows: zeros, which every later op takes as it took XLA's products
@@ -377,6 +493,10 @@ ffi::Error Run(ffi::ThreadPool&, const Product&, const int8_t*) {
                     "the bf16 matmul kernel needs a CPU with AVX512-BF16");
 }
 
+ffi::Error RunTransposed(ffi::ThreadPool& pool, const Product& p, const int8_t* live) {
+  return Run(pool, p, live);
+}
+
 #endif  // __AVX512BF16__
 
 // Checks the operands (up: the second weight of a gated product, or nullptr) and runs.
@@ -420,6 +540,42 @@ ffi::Error Bf16Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   return Checked(pool, x, w, nullptr, layer, live, y);
 }
 
+// w transposed: x [M, K], w [N, K] or [L, N, K] (a tied embedding table) -> y [M, N].
+ffi::Error Bf16MatmulTransposed(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                                ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S8> live,
+                                ffi::Result<ffi::AnyBuffer> y) {
+  if (x.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("x and w must be bfloat16");
+  if (y->element_type() != ffi::DataType::BF16 && y->element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("y must be bfloat16 or float32");
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || (wd.size() != 2 && wd.size() != 3) || yd.size() != 2 ||
+      layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("x [M, K], w [L, N, K] or [N, K], layer [1]");
+  Product p;
+  p.M = xd[0];
+  p.K = xd[1];
+  p.N = wd[wd.size() - 2];
+  const int64_t layers = wd.size() == 3 ? wd[0] : 1;
+  if (wd[wd.size() - 1] != p.K || yd[0] != p.M || yd[1] != p.N)
+    return ffi::Error::InvalidArgument("inconsistent matmul shapes");
+  if (live.element_count() != 0 && live.element_count() != p.M)
+    return ffi::Error::InvalidArgument("live must have one entry per row of x, or none");
+  const int32_t index = layer.typed_data()[0];
+  if (index < 0 || index >= layers) return ffi::Error::InvalidArgument("layer index out of range");
+  if (p.M == 0 || p.N == 0) return ffi::Error::Success();
+  if (p.K == 0) {
+    std::memset(y->untyped_data(), 0, y->size_bytes());
+    return ffi::Error::Success();
+  }
+  p.x = static_cast<const uint16_t*>(x.untyped_data());
+  p.w = static_cast<const uint16_t*>(w.untyped_data()) + int64_t(index) * p.N * p.K;
+  p.up = nullptr;
+  p.y = y->untyped_data();
+  p.f32_out = y->element_type() == ffi::DataType::F32;
+  return RunTransposed(pool, p, live.element_count() ? live.typed_data() : nullptr);
+}
+
 ffi::Error Bf16GatedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gate,
                            ffi::AnyBuffer up, ffi::Buffer<ffi::S32> layer,
                            ffi::Buffer<ffi::S8> live, ffi::Result<ffi::AnyBuffer> y) {
@@ -429,6 +585,9 @@ ffi::Error Bf16GatedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmBf16Matmul, Bf16Matmul, jllm_cpu::product_binding());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmBf16MatmulTransposed, Bf16MatmulTransposed,
+                              jllm_cpu::product_binding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmBf16GatedMatmul, Bf16GatedMatmul,
                               jllm_cpu::gated_product_binding());

@@ -217,3 +217,34 @@ def test_amx_rows_do_not_depend_on_their_neighbours():
         exact = [np.asarray(jax.jit(kernel)(x[:m], w, 1))[0] for m in (1, 31, 32, 300)]
     for row in exact[1:]:
         np.testing.assert_array_equal(row, exact[0])
+
+
+@pytest.mark.skipif("amx_bf16" not in bf16_matmul.cpu_flags(), reason="needs AMX")
+@pytest.mark.parametrize(
+    "m,k,n",
+    [
+        (1, 576, 4096),  # a single decode's head: one B tile
+        (40, 96, 200),  # two row tiles (32 + 8), a partial last block of the table
+        (17, 7, 33),  # odd K (padded copies of the table's blocks), a masked right edge
+        (64, 1000, 64),  # K not a multiple of 32
+    ],
+)
+def test_transposed_matches_xla(m, k, n):
+    """The tied head's product, x @ table.T with the table [N, K] read in place, in float32
+    and bf16, stacked or not; padding rows zero."""
+    rng = np.random.default_rng(m + k)
+    x = jnp.asarray(rng.normal(0, 1, (m, k)), jnp.bfloat16)
+    table = jnp.asarray(rng.normal(0, 1, (2, n, k)), jnp.bfloat16)
+    flipped = jnp.swapaxes(table, -1, -2)
+    for out_dtype in (jnp.float32, jnp.bfloat16):
+        got = kernel(x, table, 1, out_dtype, transposed=True)
+        assert got.shape == (m, n) and got.dtype == out_dtype
+        assert_product(x, flipped, 1, got, out_dtype)
+    live = np.arange(m) % 3 != 1
+    got = np.asarray(kernel(x, table[0], 0, jnp.float32, live=jnp.asarray(live), transposed=True))
+    assert not got[~live].any()
+    assert_product(x[live], flipped, 0, got[live], jnp.float32)
+    assert bf16_matmul.head_applies(jnp.bfloat16, 32)
+    assert not bf16_matmul.head_applies(jnp.bfloat16, bf16_matmul.HEAD_ROWS + 1)
+    with batch_invariant.scope(True):
+        assert not bf16_matmul.head_applies(jnp.bfloat16, 1)
