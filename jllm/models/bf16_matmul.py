@@ -124,7 +124,7 @@ def enabled(invariant: bool = False) -> bool:
     elif invariant:
         how = "AVX512-BF16 without AMX, batch-invariant mode"
     else:
-        how = "AMX tiles from 32 rows, AVX512-BF16 below"
+        how = "AMX tiles from 16 rows, AVX512-BF16 below"
     logger.info("bf16 layer products: the C++ kernel (%s).", how)
     return True
 

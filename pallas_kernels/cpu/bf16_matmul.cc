@@ -23,7 +23,7 @@
 // cache.
 //
 // With AMX (the tile instructions, `amx_bf16`; built with them where -march=native has them,
-// and the process granted the tile state by the kernel), products of at least kAmxMinRows
+// and the process granted the tile state by the kernel), products of at least kAmxMinRows (16)
 // live rows run on the tiles instead: per work item each 32-column panel of w is packed once
 // into the pairs layout the tiles take (Kp/2 rows of 32 (w[2k][n], w[2k+1][n]) pairs, zeros
 // past K and N), and each 32-row tile of x is multiplied by it as two A tiles (16 rows by 32
@@ -185,9 +185,14 @@ void tile_rows(const Product& p, int rows, int64_t m0, int64_t n0) {
   }
 }
 
-// Products of fewer live rows keep the vector loop: a decode step reads each weight once
-// whichever unit multiplies, and packing the panel would add to that read.
-constexpr int64_t kAmxMinRows = 32;
+// Products of fewer live rows keep the vector loop, which reads the weight in place where the
+// tiles would first pack it. Measured on the 2-core AMX Xeon (SmolLM2's layer shapes, AMX
+// from any row count against the loop): the loop 1.3-2.7x faster at 1-2 rows, even at 8,
+// the tiles 1.0-3.9x faster from 16 (a half tile: one A tile, two accumulators).
+#ifndef JLLM_AMX_MIN_ROWS
+#define JLLM_AMX_MIN_ROWS 16
+#endif
+constexpr int64_t kAmxMinRows = JLLM_AMX_MIN_ROWS;
 
 #ifdef JLLM_AMX
 
@@ -242,30 +247,37 @@ void pack_panel(const Product& p, const uint16_t* w, int64_t n0, uint32_t* out) 
   }
 }
 
-// x's rows m0 .. m0 + rows - 1 by the packed panel b into acc [32][32] float32.
+// A tile of x (32 rows from a, a_stride elements apart; `half`: only its first 16) by the
+// packed panel b into acc [32][32] float32 (its first 16 rows when half).
 void amx_products(const uint16_t* a, int64_t a_stride, int64_t Kp, const uint32_t* b,
-                  float* acc) {
+                  float* acc, bool half) {
   _tile_zero(0);
   _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  if (!half) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
   const int64_t b_stride = kPanel * 4;  // bytes per pair row
   for (int64_t k = 0; k < Kp; k += kAmxK) {
     _tile_loadd(4, a + k, a_stride * 2);
-    _tile_loadd(5, a + 16 * a_stride + k, a_stride * 2);
     const uint32_t* bk = b + (k / 2) * kPanel;
     _tile_loadd(6, bk, b_stride);
     _tile_loadd(7, bk + 16, b_stride);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
+    if (!half) {
+      _tile_loadd(5, a + 16 * a_stride + k, a_stride * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
   }
   constexpr int64_t c_stride = kPanel * 4;
   _tile_stored(0, acc, c_stride);
   _tile_stored(1, acc + 16, c_stride);
-  _tile_stored(2, acc + 16 * kPanel, c_stride);
-  _tile_stored(3, acc + 16 * kPanel + 16, c_stride);
+  if (!half) {
+    _tile_stored(2, acc + 16 * kPanel, c_stride);
+    _tile_stored(3, acc + 16 * kPanel + 16, c_stride);
+  }
 }
 
 // One work item on the tiles: tiles [t0, t1) of x by panels [p0, p1).
@@ -287,8 +299,9 @@ void amx_item(const Product& p, const std::vector<jllm_cpu::RowTile>& tiles, int
     const jllm_cpu::RowTile tile = tiles[t];
     const uint16_t* a = p.x + tile.m0 * K;
     int64_t a_stride = K;
+    const bool half = tile.rows <= 16;
     if (tile.rows != kAmxRows || K != Kp) {  // a zero-padded copy of the tile's rows
-      padded.assign(kAmxRows * Kp, 0);
+      padded.assign((half ? 16 : kAmxRows) * Kp, 0);
       for (int r = 0; r < tile.rows; ++r)
         std::memcpy(padded.data() + r * Kp, a + r * K, K * sizeof(uint16_t));
       a = padded.data();
@@ -296,9 +309,10 @@ void amx_item(const Product& p, const std::vector<jllm_cpu::RowTile>& tiles, int
     }
     for (int64_t j = 0; j < panels; ++j) {
       const int64_t n0 = (p0 + j) * kPanel;
-      amx_products(a, a_stride, Kp, packed.data() + (j * gated) * panel_words, acc.data());
+      amx_products(a, a_stride, Kp, packed.data() + (j * gated) * panel_words, acc.data(), half);
       float* up = acc.data() + kAmxRows * kPanel;
-      if (p.up) amx_products(a, a_stride, Kp, packed.data() + (j * 2 + 1) * panel_words, up);
+      if (p.up)
+        amx_products(a, a_stride, Kp, packed.data() + (j * 2 + 1) * panel_words, up, half);
       const __mmask32 cols = panel_cols(p.N, n0);
       for (int r = 0; r < tile.rows; ++r) {
         __m512 y0 = _mm512_loadu_ps(acc.data() + r * kPanel);

@@ -53,14 +53,15 @@ def assert_product(x, w, layer, got, out_dtype):
     [
         (1, 64, 96),  # one row (a single decode)
         (64, 576, 192),  # SmolLM2's k_proj at a decode batch: tiles of 13 and 12 rows
-        (14, 32, 32),  # one full tile
+        (14, 32, 32),  # one full tile of the vector loop
         (15, 7, 37),  # odd K (the last input paired with zero), a masked right edge
         (130, 128, 64),  # two row blocks (112 + 18)
         (3, 1536, 40),
-        # 32 rows and more: the AMX tiles where the CPU has them
+        # 16 rows and more: the AMX tiles where the CPU has them
         (100, 7, 37),  # a partial last tile of 4 rows, odd K padded to 32, a masked edge
         (64, 1000, 65),  # K not a multiple of 32 (a padded copy of x), 3 panels
         (32, 64, 32),  # one whole tile read in place
+        (16, 576, 40),  # a half tile: one A tile, two accumulators
     ],
 )
 def test_matches_xla(m, k, n, out_dtype):
@@ -192,7 +193,7 @@ def test_engine_on_the_kernel_against_fp32_oracle(bf16_qwen3, monkeypatch, on):
     "flags,invariant,want,reason",
     [
         ({"avx512f", "avx512_bf16"}, False, True, "the C++ kernel (AVX512-BF16)"),
-        ({"avx512_bf16", "amx_bf16"}, False, True, "AMX tiles from 32 rows"),
+        ({"avx512_bf16", "amx_bf16"}, False, True, "AMX tiles from 16 rows"),
         ({"avx512_bf16", "amx_bf16"}, True, True, "without AMX, batch-invariant mode"),
         ({"avx2"}, False, False, "no AVX512-BF16"),
     ],
@@ -207,10 +208,11 @@ def test_where_the_kernel_runs(monkeypatch, caplog, flags, invariant, want, reas
 @pytest.mark.skipif("amx_bf16" not in bf16_matmul.cpu_flags(), reason="needs AMX")
 def test_amx_rows_do_not_depend_on_their_neighbours():
     """On the tiles a row's sums are the same whichever tile it sits in, at any row count
-    from 32 (each tile sums its rows' 32-input chunks in one order); below 32 the vector loop
-    takes them. The batch-invariant mode's build (no tiles) gives one order at every count."""
+    from 16 (each tile sums its rows' 32-input chunks in one order, half tile or whole);
+    below 16 the vector loop takes them. The batch-invariant mode's build (no tiles) gives
+    one order at every count."""
     x, w = operands(300, 576, 96)
-    rows = [np.asarray(kernel(x[:m], w, 1, jnp.float32))[0] for m in (32, 33, 64, 97, 300)]
+    rows = [np.asarray(kernel(x[:m], w, 1, jnp.float32))[0] for m in (16, 17, 32, 64, 97, 300)]
     for row in rows[1:]:
         np.testing.assert_array_equal(row, rows[0])
     with batch_invariant.scope(True):
