@@ -10,6 +10,7 @@ import torch
 import transformers
 from oracle import teacher_forced_logprobs
 
+from jllm import LLM, SamplingParams
 from jllm.lora.request import LoRARequest
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -94,3 +95,17 @@ def assert_each_matches_merged(base_dir, adapters, names, prompts, outs) -> None
     for i, name in enumerate(names):
         model_dir = base_dir if name is None else adapters[name][1]
         assert oracle(model_dir, prompts[i : i + 1], outs[i : i + 1]) < 2e-3
+
+
+def assert_attention_adapter_matches(model_dir, root, prompts, settings):
+    """An adapter on q/k/v/o made by PEFT on the model at `model_dir`, served mixed with the
+    base model in one batch (an engine of `settings`, one slot): each request equals its
+    merged model. Returns the engine."""
+    adapter = make_adapter(model_dir, root, "attn", 8, 16, ATTENTION)
+    llm = LLM(model_dir, enable_lora=True, max_loras=1, max_lora_rank=8, **settings)
+    names = [None, "attn", None, "attn"][: len(prompts)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    requests = lora_requests(names, {"attn": adapter})
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, False, requests)
+    assert_each_matches_merged(model_dir, {"attn": adapter}, names, prompts, outs)
+    return llm

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from lora_oracle import ATTENTION, assert_each_matches_merged, lora_requests, make_adapter
+from lora_oracle import assert_attention_adapter_matches
 from oracle import (
     CROSS_IDS,
     CROSSES,
@@ -32,7 +32,7 @@ from oracle import (
 from quantized_checkpoints import online_values
 from safetensors.numpy import save_file
 
-from jllm import LLM, SamplingParams
+from jllm import LLM
 from jllm.models.gpt_oss import regroup
 
 VOCAB = 512
@@ -216,10 +216,4 @@ def test_mxfp4_refused_without_such_a_checkpoint(gpt_oss_dir):
 def test_lora_on_the_attention_matches_merged_peft(gpt_oss_dir, tmp_path):
     """A PEFT adapter on q/k/v/o (biased projections beside sinks), mixed with the base model
     in one batch: each request equals transformers with the adapter merged."""
-    adapter = make_adapter(gpt_oss_dir, tmp_path, "attn", 8, 16, ATTENTION)
-    llm = LLM(gpt_oss_dir, enable_lora=True, max_loras=1, max_lora_rank=8, **SMALL)
-    names = [None, "attn", None, "attn"]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
-    requests = lora_requests(names, {"attn": adapter})
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, False, requests)
-    assert_each_matches_merged(gpt_oss_dir, {"attn": adapter}, names, PROMPTS, outs)
+    assert_attention_adapter_matches(gpt_oss_dir, tmp_path, PROMPTS, SMALL)

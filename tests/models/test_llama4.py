@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from lora_oracle import ATTENTION, assert_each_matches_merged, lora_requests, make_adapter
+from lora_oracle import assert_attention_adapter_matches, make_adapter
 from oracle import (
     CROSS_IDS,
     CROSSES,
@@ -103,13 +103,8 @@ def test_lora_on_the_attention_matches_merged_peft(llama4_dir, tmp_path):
     with it merged: its q/k rows take the rotate-half order the weights took on load. An
     adapter on down_proj (the dense MLP's and the shared expert's differ in shape) is
     refused by name."""
-    adapter = make_adapter(llama4_dir, tmp_path, "attn", 8, 16, ATTENTION)
-    llm = LLM(llama4_dir, enable_lora=True, max_loras=1, max_lora_rank=8, **SMALL)
-    names = [None, "attn", None, "attn"]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
-    requests = lora_requests(names, {"attn": adapter})
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, False, requests)
-    assert_each_matches_merged(llama4_dir, {"attn": adapter}, names, PROMPTS, outs)
+    llm = assert_attention_adapter_matches(llama4_dir, tmp_path, PROMPTS, SMALL)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
     mlp = make_adapter(llama4_dir, tmp_path, "mlp", 8, 16, ["q_proj", "down_proj"])
     with pytest.raises(ValueError, match=r"target modules \['down_proj'\] are not in"):
