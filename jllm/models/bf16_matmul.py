@@ -90,10 +90,9 @@ def kernels(invariant: bool) -> tuple[FfiKernel, FfiKernel]:
     """The plain and gated kernels of a mode: with AMX where the CPU has it, except in the
     batch-invariant mode (the tiles' sums differ from the vector loop's, and which one a row
     takes depends on how many rows its step has)."""
-    amx = "amx_bf16" in cpu_flags() and not invariant
-    return (
-        (KERNEL, GATED) if amx or "amx_bf16" not in cpu_flags() else (KERNEL_NO_AMX, GATED_NO_AMX)
-    )
+    if invariant and "amx_bf16" in cpu_flags():
+        return KERNEL_NO_AMX, GATED_NO_AMX
+    return KERNEL, GATED
 
 
 def supported() -> bool:
@@ -104,7 +103,7 @@ def supported() -> bool:
 @functools.cache
 def enabled(invariant: bool = False) -> bool:
     """Whether bfloat16 models' layer products go to the kernel in this process: the CPU
-    backend, AVX512-BF16 (its products of 32 rows and more on the AMX tiles where the CPU
+    backend, AVX512-BF16 (its products of 16 rows and more on the AMX tiles where the CPU
     has them, outside the batch-invariant mode, `invariant`), and a kernel that builds.
     Logged once."""
     if jax.default_backend() != "cpu":

@@ -185,6 +185,15 @@ void tile_rows(const Product& p, int rows, int64_t m0, int64_t n0) {
   }
 }
 
+// Rows marked not live (a step's padding) come out zero, which every later op takes as it
+// took XLA's products.
+void zero_padding_rows(const Product& p, const int8_t* live) {
+  if (!live) return;
+  const int64_t row_bytes = p.N * (p.f32_out ? 4 : 2);
+  for (int64_t m = 0; m < p.M; ++m)
+    if (!live[m]) std::memset(static_cast<char*>(p.y) + m * row_bytes, 0, row_bytes);
+}
+
 // Products of fewer live rows keep the vector loop, which reads the weight in place where the
 // tiles would first pack it. Measured on the 2-core AMX Xeon (SmolLM2's layer shapes, AMX
 // from any row count against the loop): the loop 1.3-2.7x faster at 1-2 rows, even at 8,
@@ -247,37 +256,36 @@ void pack_panel(const Product& p, const uint16_t* w, int64_t n0, uint32_t* out) 
   }
 }
 
-// A tile of x (32 rows from a, a_stride elements apart; `half`: only its first 16) by the
-// packed panel b into acc [32][32] float32 (its first 16 rows when half).
-void amx_products(const uint16_t* a, int64_t a_stride, int64_t Kp, const uint32_t* b,
-                  float* acc, bool half) {
+// acc [32][32] float32 += the A rows (32 from a, a_stride elements apart) times the packed B
+// columns (b: Kp/2 pair rows of kPanel pairs, 32 columns), over Kp inputs; one_a: only the
+// first 16 A rows (acc's first 16 rows), one_b: only the first 16 B columns (acc's first 16
+// columns). Tiles 0-3 are the accumulators, 4-5 A, 6-7 B.
+void tile_products(const uint16_t* a, int64_t a_stride, const uint32_t* b, int64_t Kp,
+                   float* acc, bool one_a, bool one_b) {
   _tile_zero(0);
   _tile_zero(1);
-  if (!half) {
-    _tile_zero(2);
-    _tile_zero(3);
-  }
-  const int64_t b_stride = kPanel * 4;  // bytes per pair row
+  _tile_zero(2);
+  _tile_zero(3);
+  constexpr int64_t b_stride = kPanel * 4;  // bytes per pair row, and per row of acc
   for (int64_t k = 0; k < Kp; k += kAmxK) {
-    _tile_loadd(4, a + k, a_stride * 2);
     const uint32_t* bk = b + (k / 2) * kPanel;
+    _tile_loadd(4, a + k, a_stride * 2);
     _tile_loadd(6, bk, b_stride);
-    _tile_loadd(7, bk + 16, b_stride);
     _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    if (!half) {
+    if (!one_b) {
+      _tile_loadd(7, bk + 16, b_stride);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if (!one_a) {
       _tile_loadd(5, a + 16 * a_stride + k, a_stride * 2);
       _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
+      if (!one_b) _tile_dpbf16ps(3, 5, 7);
     }
   }
-  constexpr int64_t c_stride = kPanel * 4;
-  _tile_stored(0, acc, c_stride);
-  _tile_stored(1, acc + 16, c_stride);
-  if (!half) {
-    _tile_stored(2, acc + 16 * kPanel, c_stride);
-    _tile_stored(3, acc + 16 * kPanel + 16, c_stride);
-  }
+  _tile_stored(0, acc, b_stride);
+  if (!one_b) _tile_stored(1, acc + 16, b_stride);
+  if (!one_a) _tile_stored(2, acc + 16 * kPanel, b_stride);
+  if (!one_a && !one_b) _tile_stored(3, acc + 16 * kPanel + 16, b_stride);
 }
 
 // One work item on the tiles: tiles [t0, t1) of x by panels [p0, p1).
@@ -309,10 +317,10 @@ void amx_item(const Product& p, const std::vector<jllm_cpu::RowTile>& tiles, int
     }
     for (int64_t j = 0; j < panels; ++j) {
       const int64_t n0 = (p0 + j) * kPanel;
-      amx_products(a, a_stride, Kp, packed.data() + (j * gated) * panel_words, acc.data(), half);
+      const uint32_t* panel = packed.data() + (j * gated) * panel_words;
+      tile_products(a, a_stride, panel, Kp, acc.data(), half, false);
       float* up = acc.data() + kAmxRows * kPanel;
-      if (p.up)
-        amx_products(a, a_stride, Kp, packed.data() + (j * 2 + 1) * panel_words, up, half);
+      if (p.up) tile_products(a, a_stride, panel + panel_words, Kp, up, half, false);
       const __mmask32 cols = panel_cols(p.N, n0);
       for (int r = 0; r < tile.rows; ++r) {
         __m512 y0 = _mm512_loadu_ps(acc.data() + r * kPanel);
@@ -347,8 +355,8 @@ std::vector<jllm_cpu::RowTile> amx_tiles(const int8_t* live, int64_t M) {
 // row m, zeros past K and the tile's rows. The accumulators hold y's transpose (32 columns of
 // y by 32 rows), gathered into y's rows at the store. A table whose K is not a multiple of
 // 32, or whose last block has fewer than 32 rows, is read through a zero-padded copy of that
-// block. The tiles run at any row count (one step's LM head is a few rows; the vector loop's
-// one dot per row and column ran it at a fraction of the weight's read rate).
+// block. The tiles run at any row count (one step's LM head is a few rows: where XLA's bf16
+// product of one row ran at a small fraction of the table's read rate).
 
 void pack_x_pairs(const Product& p, const std::vector<jllm_cpu::RowTile>& tiles,
                   uint32_t* out) {
@@ -384,33 +392,9 @@ void amx_transposed_block(const Product& p, const std::vector<jllm_cpu::RowTile>
   const __m512i lanes = _mm512_mullo_epi32(
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
       _mm512_set1_epi32(int(kPanel)));
-  constexpr int64_t c_stride = kPanel * 4;
   for (size_t t = 0; t < tiles.size(); ++t) {
-    const uint32_t* b = packed + t * tile_words;
-    const bool half = tiles[t].rows <= 16;  // one B tile holds them all
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t k = 0; k < Kp; k += kAmxK) {
-      _tile_loadd(4, a + k, a_stride * 2);
-      _tile_loadd(5, a + 16 * a_stride + k, a_stride * 2);
-      const uint32_t* bk = b + (k / 2) * kPanel;
-      _tile_loadd(6, bk, c_stride);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(2, 5, 6);
-      if (!half) {
-        _tile_loadd(7, bk + 16, c_stride);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-    }
-    _tile_stored(0, acc, c_stride);
-    _tile_stored(2, acc + 16 * kPanel, c_stride);
-    if (!half) {
-      _tile_stored(1, acc + 16, c_stride);
-      _tile_stored(3, acc + 16 * kPanel + 16, c_stride);
-    }
+    const bool one_b = tiles[t].rows <= 16;  // one B tile holds the tile's rows
+    tile_products(a, a_stride, packed + t * tile_words, Kp, acc, false, one_b);
     for (int j = 0; j < tiles[t].rows; ++j) {  // y's row: column j of acc
       const __m512 y0 = _mm512_i32gather_ps(lanes, acc + j, 4);
       const __m512 y1 = _mm512_i32gather_ps(lanes, acc + 16 * kPanel + j, 4);
@@ -422,11 +406,7 @@ void amx_transposed_block(const Product& p, const std::vector<jllm_cpu::RowTile>
 ffi::Error RunTransposed(ffi::ThreadPool& pool, const Product& p, const int8_t* live) {
   if (!amx_granted())
     return ffi::Error(ffi::ErrorCode::kUnavailable, "the AMX tile state was not granted");
-  if (live) {
-    const int64_t row_bytes = p.N * (p.f32_out ? 4 : 2);
-    for (int64_t m = 0; m < p.M; ++m)
-      if (!live[m]) std::memset(static_cast<char*>(p.y) + m * row_bytes, 0, row_bytes);
-  }
+  zero_padding_rows(p, live);
   const std::vector<jllm_cpu::RowTile> tiles = amx_tiles(live, p.M);
   if (tiles.empty()) return ffi::Error::Success();
   std::vector<uint32_t> packed(tiles.size() * padded_k(p.K) / 2 * kPanel);
@@ -464,11 +444,7 @@ ffi::Error RunTransposed(ffi::ThreadPool&, const Product&, const int8_t*) {
 #endif
 
 ffi::Error Run(ffi::ThreadPool& pool, const Product& p, const int8_t* live) {
-  if (live) {  // padding rows: zeros, which every later op takes as it took XLA's products
-    const int64_t row_bytes = p.N * (p.f32_out ? 4 : 2);
-    for (int64_t m = 0; m < p.M; ++m)
-      if (!live[m]) std::memset(static_cast<char*>(p.y) + m * row_bytes, 0, row_bytes);
-  }
+  zero_padding_rows(p, live);
   const int64_t panels = (p.N + kPanel - 1) / kPanel;
 #ifdef JLLM_AMX
   if (live_rows(live, p.M) >= kAmxMinRows && amx_granted()) {
@@ -513,11 +489,15 @@ ffi::Error RunTransposed(ffi::ThreadPool& pool, const Product& p, const int8_t* 
 
 #endif  // __AVX512BF16__
 
-// Checks the operands (up: the second weight of a gated product, or nullptr) and runs.
+// Checks the operands (up: the second weight of a gated product, or nullptr; transposed: w
+// is [L, N, K] or [N, K]) and runs.
 ffi::Error Checked(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& w,
                    const ffi::AnyBuffer* up, ffi::Buffer<ffi::S32>& layer,
-                   ffi::Buffer<ffi::S8>& live, ffi::Result<ffi::AnyBuffer>& y) {
-  const auto wd = w.dimensions();
+                   ffi::Buffer<ffi::S8>& live, ffi::Result<ffi::AnyBuffer>& y,
+                   bool transposed = false) {
+  const auto wdims = w.dimensions();
+  std::vector<int64_t> wd(wdims.begin(), wdims.end());
+  if (transposed && wd.size() >= 2) std::swap(wd[wd.size() - 1], wd[wd.size() - 2]);
   if (x.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument("x and w must be bfloat16");
   if (y->element_type() != ffi::DataType::BF16 && y->element_type() != ffi::DataType::F32)
@@ -528,7 +508,7 @@ ffi::Error Checked(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& w,
                               layer.element_count(), layer.typed_data(), shape);
   if (bad.failure()) return bad;
   if (up && (up->element_type() != ffi::DataType::BF16 ||
-             !std::equal(wd.begin(), wd.end(), up->dimensions().begin(),
+             !std::equal(wdims.begin(), wdims.end(), up->dimensions().begin(),
                          up->dimensions().end())))
     return ffi::Error::InvalidArgument("up must be bfloat16 of w's shape");
   Product p;
@@ -545,7 +525,8 @@ ffi::Error Checked(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& w,
   p.up = up ? static_cast<const uint16_t*>(up->untyped_data()) + shape.offset : nullptr;
   p.y = y->untyped_data();
   p.f32_out = y->element_type() == ffi::DataType::F32;
-  return Run(pool, p, live.element_count() ? live.typed_data() : nullptr);
+  const int8_t* live_rows = live.element_count() ? live.typed_data() : nullptr;
+  return transposed ? RunTransposed(pool, p, live_rows) : Run(pool, p, live_rows);
 }
 
 ffi::Error Bf16Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
@@ -558,36 +539,7 @@ ffi::Error Bf16Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
 ffi::Error Bf16MatmulTransposed(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                                 ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S8> live,
                                 ffi::Result<ffi::AnyBuffer> y) {
-  if (x.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16)
-    return ffi::Error::InvalidArgument("x and w must be bfloat16");
-  if (y->element_type() != ffi::DataType::BF16 && y->element_type() != ffi::DataType::F32)
-    return ffi::Error::InvalidArgument("y must be bfloat16 or float32");
-  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || (wd.size() != 2 && wd.size() != 3) || yd.size() != 2 ||
-      layer.element_count() != 1)
-    return ffi::Error::InvalidArgument("x [M, K], w [L, N, K] or [N, K], layer [1]");
-  Product p;
-  p.M = xd[0];
-  p.K = xd[1];
-  p.N = wd[wd.size() - 2];
-  const int64_t layers = wd.size() == 3 ? wd[0] : 1;
-  if (wd[wd.size() - 1] != p.K || yd[0] != p.M || yd[1] != p.N)
-    return ffi::Error::InvalidArgument("inconsistent matmul shapes");
-  if (live.element_count() != 0 && live.element_count() != p.M)
-    return ffi::Error::InvalidArgument("live must have one entry per row of x, or none");
-  const int32_t index = layer.typed_data()[0];
-  if (index < 0 || index >= layers) return ffi::Error::InvalidArgument("layer index out of range");
-  if (p.M == 0 || p.N == 0) return ffi::Error::Success();
-  if (p.K == 0) {
-    std::memset(y->untyped_data(), 0, y->size_bytes());
-    return ffi::Error::Success();
-  }
-  p.x = static_cast<const uint16_t*>(x.untyped_data());
-  p.w = static_cast<const uint16_t*>(w.untyped_data()) + int64_t(index) * p.N * p.K;
-  p.up = nullptr;
-  p.y = y->untyped_data();
-  p.f32_out = y->element_type() == ffi::DataType::F32;
-  return RunTransposed(pool, p, live.element_count() ? live.typed_data() : nullptr);
+  return Checked(pool, x, w, nullptr, layer, live, y, /*transposed=*/true);
 }
 
 ffi::Error Bf16GatedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gate,
