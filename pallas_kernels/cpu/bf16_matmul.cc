@@ -20,7 +20,8 @@
 // back in order once, at the store), broadcasts each row's (x[m][k], x[m][k+1]) pair and
 // issues two dot instructions per row. Work items are blocks of up to 8 tiles by runs of
 // 32-column panels, shared over XLA's intra-op pool; a block's tiles reuse each panel from
-// cache.
+// cache. A product of 1 to 4 rows, which reads each weight once, takes items of 4 panels
+// (2 at 3-4 rows) side by side instead, prefetching the weight rows ahead.
 //
 // With AMX (the tile instructions, `amx_bf16`; built with them where -march=native has them,
 // and the process granted the tile state by the kernel), products of at least kAmxMinRows (16)
@@ -68,6 +69,16 @@ namespace {
 constexpr int64_t kPanel = 32;    // columns per tile
 constexpr int kMaxRows = 14;      // 28 accumulators, 2 weight vectors, 1 broadcast
 constexpr int64_t kBlockTiles = 8;  // tiles per work item (112 rows when full)
+// 1 to 4 rows (a decode of one or a few sequences): wide items, whose weight reads are the
+// step's cost. kWidePanels panels an item at 1-2 rows (16 accumulators; half as many at 3-4),
+// so that each weight row is read 256 contiguous bytes at a time, not 64; the rows
+// kPrefetchRows inputs ahead are prefetched. Measured on the 2-core AMX Xeon (SmolLM2's
+// products of one decode token, 30 layers, weights from memory): one row, one panel 49-53 ms,
+// four 28-34, four with the prefetch 26-28, eight no better; four rows 60-67 ms on one
+// panel, 44-50 on two. A column's sums take the same order as in the tiles of the loop.
+constexpr int kWideRows = 4;
+constexpr int kWidePanels = 4;
+constexpr int64_t kPrefetchRows = 16;
 
 struct Product {
   const uint16_t* x;   // [M, K]
@@ -84,39 +95,54 @@ inline __m512bh broadcast_pair(const uint16_t* p) {
   return (__m512bh)_mm512_set1_epi32(v);
 }
 
-// The products of rows m0 .. m0 + R - 1 with columns n0 .. n0 + 31 of w (fewer at the
-// right edge: masked), in float32, columns in order: y0 holds 0-15, y1 16-31.
-template <int R>
+// The products of rows m0 .. m0 + R - 1 with the P panels of 32 columns of w from w's
+// first column (cols[j]: panel j's columns, masked at the right edge, none past it), in
+// float32, columns in order: y0[r][j] holds panel j's columns 0-15, y1[r][j] 16-31. Each
+// column's sum runs over k in one order whatever R and P are.
+template <int R, int P>
 __attribute__((always_inline)) inline void products(const Product& p, const uint16_t* w,
-                                                    int64_t m0, __mmask32 cols, __m512 (&y0)[R],
-                                                    __m512 (&y1)[R]) {
+                                                    int64_t m0, const __mmask32 (&cols)[P],
+                                                    __m512 (&y0)[R][P], __m512 (&y1)[R][P]) {
   const int64_t K = p.K, N = p.N;
   // Unrolled by pragma so that GCC keeps the arrays in registers (without it, it stores
   // every accumulator to the stack on every step).
-  __m512 lo[R], hi[R];
-  _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+  __m512 lo[R][P], hi[R][P];
+  _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
+    _Pragma("GCC unroll 16") for (int j = 0; j < P; ++j) lo[r][j] = hi[r][j] = _mm512_setzero_ps();
   const uint16_t* x = p.x + m0 * K;
   int64_t k = 0;
   for (; k + 1 < K; k += 2) {
-    const __m512i w0 = _mm512_maskz_loadu_epi16(cols, w + k * N);
-    const __m512i w1 = _mm512_maskz_loadu_epi16(cols, w + (k + 1) * N);
-    const __m512bh b0 = (__m512bh)_mm512_unpacklo_epi16(w0, w1);
-    const __m512bh b1 = (__m512bh)_mm512_unpackhi_epi16(w0, w1);
-    _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) {
-      const __m512bh a = broadcast_pair(x + r * K + k);
-      lo[r] = _mm512_dpbf16_ps(lo[r], a, b0);
-      hi[r] = _mm512_dpbf16_ps(hi[r], a, b1);
+    __m512bh a[R];
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) a[r] = broadcast_pair(x + r * K + k);
+    if (P > 1 && k + kPrefetchRows + 1 < K) {  // wide items only (the tiles reuse a panel)
+      const uint16_t* ahead = w + (k + kPrefetchRows) * N;
+      _Pragma("GCC unroll 16") for (int j = 0; j < P; ++j) {
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + j * kPanel), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + N + j * kPanel), _MM_HINT_T0);
+      }
+    }
+    _Pragma("GCC unroll 16") for (int j = 0; j < P; ++j) {
+      const __m512i w0 = _mm512_maskz_loadu_epi16(cols[j], w + k * N + j * kPanel);
+      const __m512i w1 = _mm512_maskz_loadu_epi16(cols[j], w + (k + 1) * N + j * kPanel);
+      const __m512bh b0 = (__m512bh)_mm512_unpacklo_epi16(w0, w1);
+      const __m512bh b1 = (__m512bh)_mm512_unpackhi_epi16(w0, w1);
+      _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) {
+        lo[r][j] = _mm512_dpbf16_ps(lo[r][j], a[r], b0);
+        hi[r][j] = _mm512_dpbf16_ps(hi[r][j], a[r], b1);
+      }
     }
   }
   if (k < K) {  // odd K: the last input paired with zeros
-    const __m512i w0 = _mm512_maskz_loadu_epi16(cols, w + k * N);
     const __m512i zero = _mm512_setzero_si512();
-    const __m512bh b0 = (__m512bh)_mm512_unpacklo_epi16(w0, zero);
-    const __m512bh b1 = (__m512bh)_mm512_unpackhi_epi16(w0, zero);
-    _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(int32_t(x[r * K + k]));
-      lo[r] = _mm512_dpbf16_ps(lo[r], a, b0);
-      hi[r] = _mm512_dpbf16_ps(hi[r], a, b1);
+    _Pragma("GCC unroll 16") for (int j = 0; j < P; ++j) {
+      const __m512i w0 = _mm512_maskz_loadu_epi16(cols[j], w + k * N + j * kPanel);
+      const __m512bh b0 = (__m512bh)_mm512_unpacklo_epi16(w0, zero);
+      const __m512bh b1 = (__m512bh)_mm512_unpackhi_epi16(w0, zero);
+      _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) {
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(int32_t(x[r * K + k]));
+        lo[r][j] = _mm512_dpbf16_ps(lo[r][j], a, b0);
+        hi[r][j] = _mm512_dpbf16_ps(hi[r][j], a, b1);
+      }
     }
   }
   // lo holds columns 0-3, 8-11, 16-19, 24-27 (one group of four per 128-bit lane), hi the
@@ -124,10 +150,11 @@ __attribute__((always_inline)) inline void products(const Product& p, const uint
   const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i second =
       _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) {
-    y0[r] = _mm512_permutex2var_ps(lo[r], first, hi[r]);
-    y1[r] = _mm512_permutex2var_ps(lo[r], second, hi[r]);
-  }
+  _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
+    _Pragma("GCC unroll 16") for (int j = 0; j < P; ++j) {
+      y0[r][j] = _mm512_permutex2var_ps(lo[r][j], first, hi[r][j]);
+      y1[r][j] = _mm512_permutex2var_ps(lo[r][j], second, hi[r][j]);
+    }
 }
 
 using jllm_cpu::silu_times;
@@ -155,22 +182,27 @@ inline __mmask32 panel_cols(int64_t N, int64_t n0) {
   return n0 + kPanel <= N ? ~__mmask32(0) : (__mmask32(1) << (N - n0)) - 1;
 }
 
-// Rows m0 .. m0 + R - 1 by columns n0 .. n0 + 31 of the output: x @ w, or with `p.up`,
-// silu(x @ w) * (x @ up).
-template <int R>
+// Rows m0 .. m0 + R - 1 by the P panels of columns from n0 of the output: x @ w, or with
+// `p.up`, silu(x @ w) * (x @ up).
+template <int R, int P = 1>
 void tile(const Product& p, int64_t m0, int64_t n0) {
-  const __mmask32 cols = panel_cols(p.N, n0);
-  __m512 y0[R], y1[R];
-  products<R>(p, p.w + n0, m0, cols, y0, y1);
+  __mmask32 cols[P];
+  _Pragma("GCC unroll 16") for (int j = 0; j < P; ++j)
+    cols[j] = n0 + j * kPanel < p.N ? panel_cols(p.N, n0 + j * kPanel) : 0;
+  __m512 y0[R][P], y1[R][P];
+  products<R, P>(p, p.w + n0, m0, cols, y0, y1);
   if (p.up) {
-    __m512 u0[R], u1[R];
-    products<R>(p, p.up + n0, m0, cols, u0, u1);
-    _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) {
-      y0[r] = silu_times(y0[r], u0[r]);
-      y1[r] = silu_times(y1[r], u1[r]);
-    }
+    __m512 u0[R][P], u1[R][P];
+    products<R, P>(p, p.up + n0, m0, cols, u0, u1);
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
+      _Pragma("GCC unroll 16") for (int j = 0; j < P; ++j) {
+        y0[r][j] = silu_times(y0[r][j], u0[r][j]);
+        y1[r][j] = silu_times(y1[r][j], u1[r][j]);
+      }
   }
-  _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) store_row(p, m0 + r, n0, cols, y0[r], y1[r]);
+  _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
+    _Pragma("GCC unroll 16") for (int j = 0; j < P; ++j)
+      store_row(p, m0 + r, n0 + j * kPanel, cols[j], y0[r][j], y1[r][j]);
 }
 
 void tile_rows(const Product& p, int rows, int64_t m0, int64_t n0) {
@@ -458,6 +490,22 @@ ffi::Error Run(ffi::ThreadPool& pool, const Product& p, const int8_t* live) {
   }
 #endif
   const std::vector<jllm_cpu::RowTile> tiles = jllm_cpu::live_tiles(live, p.M, kMaxRows);
+  if (tiles.size() == 1 && tiles[0].rows <= kWideRows) {  // each item: `per` panels
+    const jllm_cpu::RowTile t = tiles[0];
+    constexpr int kHalf = kWidePanels / 2;
+    const int64_t per = t.rows <= 2 ? kWidePanels : kHalf;
+    const int64_t items = (panels + per - 1) / per;
+    const bool ok = jllm_cpu::share_items(pool, items, [&](int64_t i) {
+      const int64_t n0 = i * per * kPanel;
+      switch (t.rows) {
+        case 1: return tile<1, kWidePanels>(p, t.m0, n0);
+        case 2: return tile<2, kWidePanels>(p, t.m0, n0);
+        case 3: return tile<3, kHalf>(p, t.m0, n0);
+        default: return tile<4, kHalf>(p, t.m0, n0);
+      }
+    });
+    return ok ? ffi::Error::Success() : ffi::Error::Internal("a bf16 matmul work item failed");
+  }
   const auto item = [&](int64_t t0, int64_t t1, int64_t p0, int64_t p1) {
     for (int64_t panel = p0; panel < p1; ++panel)  // the block's rows reuse it
       for (int64_t t = t0; t < t1; ++t) tile_rows(p, tiles[t].rows, tiles[t].m0, panel * kPanel);

@@ -57,6 +57,10 @@ def assert_product(x, w, layer, got, out_dtype):
         (15, 7, 37),  # odd K (the last input paired with zero), a masked right edge
         (130, 128, 64),  # two row blocks (112 + 18)
         (3, 1536, 40),
+        # 1 to 4 rows: wide items (4 panels at 1-2 rows, 2 at 3-4), masked past N
+        (2, 576, 1536),
+        (4, 101, 200),
+        (3, 33, 300),
         # 16 rows and more: the AMX tiles where the CPU has them
         (100, 7, 37),  # a partial last tile of 4 rows, odd K padded to 32, a masked edge
         (64, 1000, 65),  # K not a multiple of 32 (a padded copy of x), 3 panels
@@ -98,9 +102,32 @@ def test_rows_are_independent():
     assert_product(x[others], w, 1, got[others], jnp.float32)
 
 
+def test_a_rows_sums_do_not_depend_on_how_many_rows_the_loop_takes():
+    """Below the tiles a row's sums are bitwise the same at any row count: 1 to 4 rows take
+    wide items of several panels, 5 to 15 the loop's tiles of up to 14 rows; each column
+    sums its inputs in one order either way (what the batch-invariant mode relies on)."""
+    x, w = operands(15, 577, 300)
+    _, up = operands(15, 577, 300, seed=4)
+    plain = [np.asarray(kernel(x[:m], w, 1, jnp.float32))[0] for m in range(1, 16)]
+    gated = [np.asarray(bf16_gated_matmul(x[:m], w, up, 1, jnp.float32))[0] for m in (1, 3, 9)]
+    for row in plain[1:]:
+        np.testing.assert_array_equal(row, plain[0])
+    for row in gated[1:]:
+        np.testing.assert_array_equal(row, gated[0])
+
+
 @pytest.mark.parametrize("scale", [1.0, 40.0])  # 40: gate values in the hundreds, both signs
 @pytest.mark.parametrize(
-    "m,k,n", [(1, 64, 96), (64, 576, 192), (15, 7, 37), (130, 128, 64), (100, 7, 37)]
+    "m,k,n",
+    [
+        (1, 64, 96),
+        (2, 64, 300),
+        (4, 33, 200),
+        (64, 576, 192),
+        (15, 7, 37),
+        (130, 128, 64),
+        (100, 7, 37),
+    ],
 )
 def test_gated_matches_silu_of_the_products(m, k, n, scale):
     """silu(x @ gate) * (x @ up) in one pass: against the kernel's own float32 products (each
