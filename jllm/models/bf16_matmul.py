@@ -130,9 +130,11 @@ def enabled(invariant: bool = False) -> bool:
 
 # Rows up to which a tied head is the transposed kernel's. Measured on the 2-core AMX Xeon,
 # SmolLM2's table [49152, 576] (benchmarks/matmul.py --head): 1 row 1.3 ms against XLA's 31.7
-# (its one-row product), 32 rows 2.4-2.6 against 3.8-4.4, 64 rows 4.6-6.9 against 6.0-6.7 (two
-# tiles' packed rows and the table's block no longer fit L1 together), 128 rows 10.6 against 9.9.
-HEAD_ROWS = 48
+# (its one-row product), 32 rows 2.4-2.6 against 3.8-4.4, 64 rows 4.6-6.9 against 6.0-6.7, 128
+# rows 10.6 against 9.9; with the B tiles and accumulators in whole cache lines, in
+# one run on a slower state of the machine, 64 rows 10.4-14.4 against 14.7-17.1, 128 rows 24.2
+# against 19.3: a decode batch of 64 (W1's) gains, 128 loses.
+HEAD_ROWS = 64
 
 
 def head_applies(dtype, rows: int) -> bool:

@@ -25,12 +25,14 @@
 //
 // With AMX (the tile instructions, `amx_bf16`; built with them where -march=native has them,
 // and the process granted the tile state by the kernel), products of at least kAmxMinRows (16)
-// live rows run on the tiles instead: per work item each 32-column panel of w is packed once
-// into the pairs layout the tiles take (Kp/2 rows of 32 (w[2k][n], w[2k+1][n]) pairs, zeros
-// past K and N), and each 32-row tile of x is multiplied by it as two A tiles (16 rows by 32
-// inputs, read in place when K is a multiple of 32 and the tile is whole, else from a
-// zero-padded copy) against two B tiles into four 16x16 float32 accumulator tiles, stored and
-// then written out as the vector loop writes its own. The tiles sum each 32-input chunk in
+// live rows run on the tiles instead: each 32-column panel of w is packed into the pairs
+// layout the tiles take (two halves of 16 columns, Kp/2 rows of (w[2k][n], w[2k+1][n]) pairs
+// each, zeros past K and N), by the work item that uses it when the product has one block of
+// row tiles (a decode step: items of up to 4 panels, as many as the threads share evenly),
+// else once for every block first; each 32-row tile of x is multiplied by it as two A tiles
+// (16 rows by 32 inputs, read in place when K is a multiple of 32 and the tile is whole, else
+// from a zero-padded copy) against two B tiles into four 16x16 float32 accumulator tiles,
+// stored and then written out as the vector loop writes its own. The tiles sum each 32-input chunk in
 // their own order, so with AMX a row's sums depend on whether its step took the tiles: the
 // batch-invariant mode uses the build without them (bf16_matmul.py, `-mno-amx-tile`).
 //
@@ -269,43 +271,69 @@ inline void configure_tiles() {
 
 inline int64_t padded_k(int64_t K) { return (K + kAmxK - 1) / kAmxK * kAmxK; }
 
-// Columns n0 .. n0 + 31 of w as the B tiles take them: row k2 of the result holds the 32
-// pairs (w[2 k2][n], w[2 k2 + 1][n]), 128 bytes; zeros past K and N.
-void pack_panel(const Product& p, const uint16_t* w, int64_t n0, uint32_t* out) {
+// A packed panel of 32 columns, as the B tiles take them: two halves of 16 columns, each
+// Kp/2 rows of 64 bytes (row k2: the pairs (w[2 k2][n], w[2 k2 + 1][n]) of its 16 columns),
+// the second half half_words() after the first; zeros past K and N. Each B tile is then 16
+// whole cache lines: from rows of 128 bytes (both halves side by side) the tiles ran at less
+// than half the rate on the AMX Xeon (717 against 1515-1665 GFLOP/s a core, loads and
+// products from L1).
+inline int64_t half_words(int64_t Kp) { return Kp / 2 * 16; }
+
+// Panels [q0, q1) of w packed, panel q at out + (q - q0) * stride. A pair of w's rows is
+// read across all the panels at once (contiguous bytes, not one 64-byte piece per row), and
+// rows kPrefetchRows ahead are prefetched.
+void pack_panels(const Product& p, const uint16_t* w, int64_t q0, int64_t q1, int64_t stride,
+                 uint32_t* out) {
   const int64_t K = p.K, N = p.N, Kp = padded_k(K);
-  const __mmask32 cols = panel_cols(N, n0);
   const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i second =
       _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t k = 0; k < Kp; k += 2) {
-    const __m512i w0 = k < K ? _mm512_maskz_loadu_epi16(cols, w + k * N + n0) : zero;
-    const __m512i w1 = k + 1 < K ? _mm512_maskz_loadu_epi16(cols, w + (k + 1) * N + n0) : zero;
-    const __m512i lo = _mm512_unpacklo_epi16(w0, w1), hi = _mm512_unpackhi_epi16(w0, w1);
-    uint32_t* row = out + (k / 2) * kPanel;
-    _mm512_storeu_si512(row, _mm512_permutex2var_epi32(lo, first, hi));
-    _mm512_storeu_si512(row + 16, _mm512_permutex2var_epi32(lo, second, hi));
+    if (k + kPrefetchRows + 1 < K) {
+      const uint16_t* ahead = w + (k + kPrefetchRows) * N;
+      for (int64_t q = q0; q < q1; ++q) {
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + q * kPanel), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + N + q * kPanel), _MM_HINT_T0);
+      }
+    }
+    for (int64_t q = q0; q < q1; ++q) {
+      const int64_t n0 = q * kPanel;
+      const __mmask32 cols = panel_cols(N, n0);
+      const __m512i w0 = k < K ? _mm512_maskz_loadu_epi16(cols, w + k * N + n0) : zero;
+      const __m512i w1 = k + 1 < K ? _mm512_maskz_loadu_epi16(cols, w + (k + 1) * N + n0) : zero;
+      const __m512i lo = _mm512_unpacklo_epi16(w0, w1), hi = _mm512_unpackhi_epi16(w0, w1);
+      uint32_t* row = out + (q - q0) * stride + (k / 2) * 16;
+      _mm512_storeu_si512(row, _mm512_permutex2var_epi32(lo, first, hi));
+      _mm512_storeu_si512(row + half_words(Kp), _mm512_permutex2var_epi32(lo, second, hi));
+    }
   }
 }
 
-// acc [32][32] float32 += the A rows (32 from a, a_stride elements apart) times the packed B
-// columns (b: Kp/2 pair rows of kPanel pairs, 32 columns), over Kp inputs; one_a: only the
-// first 16 A rows (acc's first 16 rows), one_b: only the first 16 B columns (acc's first 16
-// columns). Tiles 0-3 are the accumulators, 4-5 A, 6-7 B.
+// The float32 products of 32 rows by 32 columns, as the tiles store them: four blocks of 16
+// rows by 16 columns, 1 KB each (whole cache lines, as the B tiles), block (row / 16) * 2 +
+// column / 16.
+inline float* acc_at(float* acc, int row, int col) {
+  return acc + ((row / 16) * 2 + col / 16) * 256 + (row % 16) * 16 + col % 16;
+}
+
+// acc (32 x 32, acc_at's blocks) = the A rows (32 from a, a_stride elements apart) times the
+// packed B columns (b: a packed panel, 32 columns), over Kp inputs; one_a: only the first 16
+// A rows (acc's first 16 rows), one_b: only the first 16 B columns (acc's first 16 columns).
+// Tiles 0-3 are the accumulators, 4-5 A, 6-7 B.
 void tile_products(const uint16_t* a, int64_t a_stride, const uint32_t* b, int64_t Kp,
                    float* acc, bool one_a, bool one_b) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  constexpr int64_t b_stride = kPanel * 4;  // bytes per pair row, and per row of acc
   for (int64_t k = 0; k < Kp; k += kAmxK) {
-    const uint32_t* bk = b + (k / 2) * kPanel;
+    const uint32_t* bk = b + (k / 2) * 16;
     _tile_loadd(4, a + k, a_stride * 2);
-    _tile_loadd(6, bk, b_stride);
+    _tile_loadd(6, bk, 64);
     _tile_dpbf16ps(0, 4, 6);
     if (!one_b) {
-      _tile_loadd(7, bk + 16, b_stride);
+      _tile_loadd(7, bk + half_words(Kp), 64);
       _tile_dpbf16ps(1, 4, 7);
     }
     if (!one_a) {
@@ -314,25 +342,35 @@ void tile_products(const uint16_t* a, int64_t a_stride, const uint32_t* b, int64
       if (!one_b) _tile_dpbf16ps(3, 5, 7);
     }
   }
-  _tile_stored(0, acc, b_stride);
-  if (!one_b) _tile_stored(1, acc + 16, b_stride);
-  if (!one_a) _tile_stored(2, acc + 16 * kPanel, b_stride);
-  if (!one_a && !one_b) _tile_stored(3, acc + 16 * kPanel + 16, b_stride);
+  _tile_stored(0, acc, 64);
+  if (!one_b) _tile_stored(1, acc + 256, 64);
+  if (!one_a) _tile_stored(2, acc + 512, 64);
+  if (!one_a && !one_b) _tile_stored(3, acc + 768, 64);
 }
 
-// One work item on the tiles: tiles [t0, t1) of x by panels [p0, p1).
+// Panels [q0, q1) of w (and of up, after each of w's) packed for the tiles into out, panel q
+// at (q - q0) * gated panels.
+void pack_item(const Product& p, int64_t q0, int64_t q1, uint32_t* out) {
+  const int64_t panel_words = padded_k(p.K) / 2 * kPanel, gated = p.up ? 2 : 1;
+  pack_panels(p, p.w, q0, q1, gated * panel_words, out);
+  if (p.up) pack_panels(p, p.up, q0, q1, 2 * panel_words, out + panel_words);
+}
+
+// One work item on the tiles: tiles [t0, t1) of x by panels [p0, p1), the panels packed by
+// the item itself, or taken from `all` (every panel of the product, packed by pack_item).
 void amx_item(const Product& p, const std::vector<jllm_cpu::RowTile>& tiles, int64_t t0,
-              int64_t t1, int64_t p0, int64_t p1) {
+              int64_t t1, int64_t p0, int64_t p1, const uint32_t* all) {
   const int64_t K = p.K, Kp = padded_k(K), panel_words = Kp / 2 * kPanel;
   const int64_t panels = p1 - p0, gated = p.up ? 2 : 1;
-  thread_local std::vector<uint32_t> packed;
+  thread_local std::vector<uint32_t> own;
   thread_local std::vector<uint16_t> padded;
   thread_local std::vector<float> acc;
-  packed.resize(panels * gated * panel_words);
   acc.resize(gated * kAmxRows * kPanel);
-  for (int64_t j = 0; j < panels; ++j) {
-    pack_panel(p, p.w, (p0 + j) * kPanel, packed.data() + (j * gated) * panel_words);
-    if (p.up) pack_panel(p, p.up, (p0 + j) * kPanel, packed.data() + (j * 2 + 1) * panel_words);
+  const uint32_t* packed = all ? all + p0 * gated * panel_words : nullptr;
+  if (!all) {
+    own.resize(panels * gated * panel_words);
+    pack_item(p, p0, p1, own.data());
+    packed = own.data();
   }
   configure_tiles();
   for (int64_t t = t0; t < t1; ++t) {
@@ -349,17 +387,17 @@ void amx_item(const Product& p, const std::vector<jllm_cpu::RowTile>& tiles, int
     }
     for (int64_t j = 0; j < panels; ++j) {
       const int64_t n0 = (p0 + j) * kPanel;
-      const uint32_t* panel = packed.data() + (j * gated) * panel_words;
+      const uint32_t* panel = packed + (j * gated) * panel_words;
       tile_products(a, a_stride, panel, Kp, acc.data(), half, false);
       float* up = acc.data() + kAmxRows * kPanel;
       if (p.up) tile_products(a, a_stride, panel + panel_words, Kp, up, half, false);
       const __mmask32 cols = panel_cols(p.N, n0);
       for (int r = 0; r < tile.rows; ++r) {
-        __m512 y0 = _mm512_loadu_ps(acc.data() + r * kPanel);
-        __m512 y1 = _mm512_loadu_ps(acc.data() + r * kPanel + 16);
+        __m512 y0 = _mm512_loadu_ps(acc_at(acc.data(), r, 0));
+        __m512 y1 = _mm512_loadu_ps(acc_at(acc.data(), r, 16));
         if (p.up) {
-          y0 = silu_times(y0, _mm512_loadu_ps(up + r * kPanel));
-          y1 = silu_times(y1, _mm512_loadu_ps(up + r * kPanel + 16));
+          y0 = silu_times(y0, _mm512_loadu_ps(acc_at(up, r, 0)));
+          y1 = silu_times(y1, _mm512_loadu_ps(acc_at(up, r, 16)));
         }
         store_row(p, tile.m0 + r, n0, cols, y0, y1);
       }
@@ -397,10 +435,10 @@ void pack_x_pairs(const Product& p, const std::vector<jllm_cpu::RowTile>& tiles,
   for (size_t t = 0; t < tiles.size(); ++t)
     for (int j = 0; j < tiles[t].rows; ++j) {
       const uint16_t* x = p.x + (tiles[t].m0 + j) * K;
-      uint32_t* col = out + t * tile_words + j;
+      uint32_t* col = out + t * tile_words + (j / 16) * half_words(Kp) + j % 16;
       for (int64_t k = 0; k < K; k += 2) {
         const uint32_t lo = x[k], hi = k + 1 < K ? x[k + 1] : 0;
-        col[(k / 2) * kPanel] = lo | (hi << 16);
+        col[(k / 2) * 16] = lo | (hi << 16);
       }
     }
 }
@@ -423,13 +461,13 @@ void amx_transposed_block(const Product& p, const std::vector<jllm_cpu::RowTile>
   const __mmask32 cols = panel_cols(p.N, n0);
   const __m512i lanes = _mm512_mullo_epi32(
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-      _mm512_set1_epi32(int(kPanel)));
+      _mm512_set1_epi32(16));  // acc's rows 0-15 (or 16-31) of one column
   for (size_t t = 0; t < tiles.size(); ++t) {
     const bool one_b = tiles[t].rows <= 16;  // one B tile holds the tile's rows
     tile_products(a, a_stride, packed + t * tile_words, Kp, acc, false, one_b);
     for (int j = 0; j < tiles[t].rows; ++j) {  // y's row: column j of acc
-      const __m512 y0 = _mm512_i32gather_ps(lanes, acc + j, 4);
-      const __m512 y1 = _mm512_i32gather_ps(lanes, acc + 16 * kPanel + j, 4);
+      const __m512 y0 = _mm512_i32gather_ps(lanes, acc_at(acc, 0, j), 4);
+      const __m512 y1 = _mm512_i32gather_ps(lanes, acc_at(acc, 16, j), 4);
       store_row(p, tiles[t].m0 + j, n0, cols, y0, y1);
     }
   }
@@ -481,27 +519,40 @@ ffi::Error Run(ffi::ThreadPool& pool, const Product& p, const int8_t* live) {
 #ifdef JLLM_AMX
   if (live_rows(live, p.M) >= kAmxMinRows && amx_granted()) {
     const std::vector<jllm_cpu::RowTile> tiles = amx_tiles(live, p.M);
+    const int64_t count = int64_t(tiles.size());
+    const int64_t run = jllm_cpu::balanced_run(pool, panels, kWidePanels);
+    // Several row blocks: every panel packed once for all of them, first.
+    std::vector<uint32_t> all;
+    if (count > kBlockTiles) {
+      const int64_t words = padded_k(p.K) / 2 * kPanel * (p.up ? 2 : 1);
+      all.resize(panels * words);
+      const int64_t items = (panels + run - 1) / run;
+      if (!jllm_cpu::share_items(pool, items, [&](int64_t i) {
+            const int64_t q0 = i * run, q1 = std::min(panels, q0 + run);
+            pack_item(p, q0, q1, all.data() + q0 * words);
+          }))
+        return ffi::Error::Internal("a bf16 matmul work item failed");
+    }
     const auto item = [&](int64_t t0, int64_t t1, int64_t p0, int64_t p1) {
-      amx_item(p, tiles, t0, t1, p0, p1);
+      amx_item(p, tiles, t0, t1, p0, p1, all.empty() ? nullptr : all.data());
     };
-    const bool ok = jllm_cpu::share_tile_panels(pool, int64_t(tiles.size()), panels,
-                                                kBlockTiles, item);
+    const bool ok = jllm_cpu::share_tile_panels(pool, count, panels, kBlockTiles, item, run);
     return ok ? ffi::Error::Success() : ffi::Error::Internal("a bf16 matmul work item failed");
   }
 #endif
   const std::vector<jllm_cpu::RowTile> tiles = jllm_cpu::live_tiles(live, p.M, kMaxRows);
   if (tiles.size() == 1 && tiles[0].rows <= kWideRows) {  // each item: `per` panels
     const jllm_cpu::RowTile t = tiles[0];
-    constexpr int kHalf = kWidePanels / 2;
-    const int64_t per = t.rows <= 2 ? kWidePanels : kHalf;
+    constexpr int kFewer = kWidePanels / 2;
+    const int64_t per = t.rows <= 2 ? kWidePanels : kFewer;
     const int64_t items = (panels + per - 1) / per;
     const bool ok = jllm_cpu::share_items(pool, items, [&](int64_t i) {
       const int64_t n0 = i * per * kPanel;
       switch (t.rows) {
         case 1: return tile<1, kWidePanels>(p, t.m0, n0);
         case 2: return tile<2, kWidePanels>(p, t.m0, n0);
-        case 3: return tile<3, kHalf>(p, t.m0, n0);
-        default: return tile<4, kHalf>(p, t.m0, n0);
+        case 3: return tile<3, kFewer>(p, t.m0, n0);
+        default: return tile<4, kFewer>(p, t.m0, n0);
       }
     });
     return ok ? ffi::Error::Success() : ffi::Error::Internal("a bf16 matmul work item failed");

@@ -110,18 +110,29 @@ inline std::vector<RowTile> live_tiles(const int8_t* live, int64_t M, int max_ro
   return tiles;
 }
 
+// Panels per item when `panels` column panels are shared by items of at most `most` panels:
+// as many items as the fewest multiple of the pool's threads allows (18 panels at most 4 on
+// 2 threads: 6 items of 3, not 4, 4, 4, 4, 2).
+inline int64_t balanced_run(xla::ffi::ThreadPool& pool, int64_t panels, int64_t most) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  int64_t items = (panels + most - 1) / most;
+  items = (items + threads - 1) / threads * threads;
+  return std::max<int64_t>(1, (panels + items - 1) / items);
+}
+
 // A layer product's work items over the pool: blocks of up to block_tiles of `count` tiles
 // (near-equal: 10 tiles at 8 are 5 and 5) by runs of its `panels` column panels. item(t0,
 // t1, p0, p1) computes tiles [t0, t1) for panels [p0, p1), and may reuse each panel from
-// cache across the block's tiles. One block (a decode step): one panel per item, so that a
-// narrow weight (6 panels) still splits evenly over the threads; several: two panels.
+// cache across the block's tiles. One block (a decode step): `one_block_run` panels per item
+// (one by default, so that a narrow weight (6 panels) still splits evenly over the threads);
+// several: two panels.
 template <typename Item>
 bool share_tile_panels(xla::ffi::ThreadPool& pool, int64_t count, int64_t panels,
-                       int64_t block_tiles, Item item) {
+                       int64_t block_tiles, Item item, int64_t one_block_run = 1) {
   if (count == 0 || panels == 0) return true;
   const int64_t blocks = (count + block_tiles - 1) / block_tiles;
   const int64_t per_block = (count + blocks - 1) / blocks;
-  const int64_t per_item = blocks == 1 ? 1 : 2;
+  const int64_t per_item = blocks == 1 ? one_block_run : 2;
   const int64_t runs = (panels + per_item - 1) / per_item;
   return share_items(pool, blocks * runs, [&](int64_t i) {
     const int64_t block = i / runs, run = i % runs;
