@@ -22,6 +22,7 @@ prompts with left padding, each batch generating up to its longest max_tokens.
     python benchmarks/throughput.py                 # everything (about 10 minutes on 2 cores)
     python benchmarks/throughput.py --workloads W1 S1 --skip-hf --dtype float32
     python benchmarks/throughput.py --peer vllm-cpu --skip-hf   # beside vLLM's CPU backend
+    python benchmarks/throughput.py --peer vllm-cpu --skip-hf --interleave  # pair by workload
     python benchmarks/throughput.py --quantization gguf tpu_int8 fp8  # against the float engine
     python benchmarks/throughput.py --workloads W3 --phases --skip-hf --peer vllm-cpu
     python benchmarks/throughput.py --lora 0 1 4   # W1 with LoRA adapters (benchmarks/lora.py)
@@ -441,6 +442,14 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true", help="no transformers")
     ap.add_argument("--peer", choices=["vllm-cpu"], help="also vLLM's CPU backend")
     ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="with --peer: vLLM runs each workload in a process of its own just before jllm "
+        "runs it (jllm's engine built first, idle meanwhile), so that a machine whose speed "
+        "drifts drifts within each pair rather than between the engines; costs vLLM's "
+        "start-up once a workload",
+    )
+    ap.add_argument(
         "--quantization",
         nargs="*",
         choices=["gguf", "fp8", "tpu_int8", "awq", "gptq"],
@@ -573,7 +582,8 @@ def main() -> None:
         from jllm.model_loader import resolve_model
 
         ckpt = resolve_model(None).checkpoint_dtype
-        vllm = run_vllm_cpu(reqs, jax.numpy.dtype(resolve_dtype(args.dtype, ckpt, "cpu")).name)
+        peer_dtype = jax.numpy.dtype(resolve_dtype(args.dtype, ckpt, "cpu")).name
+        vllm = {"startup_s": 0.0} if args.interleave else run_vllm_cpu(reqs, peer_dtype)
     kwargs = {}
     if args.async_scheduling != "auto":
         kwargs["async_scheduling"] = args.async_scheduling == "on"
@@ -586,6 +596,10 @@ def main() -> None:
     run_jllm(llm, w1(np.random.default_rng(99))[:8], "warm-up")
     results = {}
     for w in reqs:
+        if vllm is not None and args.interleave:
+            one = run_vllm_cpu({w: reqs[w]}, peer_dtype)
+            vllm[w] = one[w]
+            vllm["startup_s"] += one["startup_s"]
         timer.records.clear()
         timer.padding[:] = 0
         results[w] = {"jllm": run_jllm(llm, reqs[w], w)}
