@@ -153,16 +153,28 @@ def test_gated_propagates_nan_to_its_row_only():
     assert np.isnan(got[3]).all() and np.isfinite(np.delete(got, 3, axis=0)).all()
 
 
+@pytest.mark.parametrize(
+    "m,live_rows",
+    [
+        (90, None),  # runs of every length around padding
+        (16, [9]),  # a lone decode in a padded bucket: one wide item row, not row 0
+        (16, [5, 6, 7]),  # three rows: the wide items of 3-4 rows
+    ],
+)
 @pytest.mark.parametrize("gated", [False, True])
-def test_padding_rows_are_skipped_and_zero(gated):
+def test_padding_rows_are_skipped_and_zero(gated, m, live_rows):
     """Rows marked not live (a step's padding) come out zero whatever x holds there (NaN
-    here), and the live rows, in runs of every length around them, are the full product."""
-    m, k, n = 90, 96, 70
+    here), and the live rows are the full product."""
+    k, n = 96, 170
     x, w = operands(m, k, n)
     _, up = operands(m, k, n, seed=4)
     live = np.ones(m, bool)
-    live[[0, 3, 4, 20]] = False
-    live[40:75] = False  # a decode bucket's padding: a long run
+    if live_rows is None:
+        live[[0, 3, 4, 20]] = False
+        live[40:75] = False  # a decode bucket's padding: a long run
+    else:
+        live[:] = False
+        live[live_rows] = True
     x = x.at[~live].set(jnp.nan)
     if gated:
         got = bf16_gated_matmul(x, w, up, 1, jnp.float32, live=jnp.asarray(live))
