@@ -524,6 +524,8 @@ def main() -> None:
     if args.kv_cache_dtype and args.quantization is None:
         ap.error("--kv-cache-dtype runs with --quantization (the rows against the float engine)")
     rng = np.random.default_rng(args.seed)
+    if args.interleave and not args.peer:
+        ap.error("--interleave pairs jllm with a peer: add --peer")
     make = {"W1": w1, "W2": w2, "W3": w3, "S1": s1}
     reqs = {w: make[w](rng) for w in args.workloads}
     if args.phases:

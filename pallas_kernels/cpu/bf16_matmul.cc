@@ -32,9 +32,10 @@
 // else once for every block first; each 32-row tile of x is multiplied by it as two A tiles
 // (16 rows by 32 inputs, read in place when K is a multiple of 32 and the tile is whole, else
 // from a zero-padded copy) against two B tiles into four 16x16 float32 accumulator tiles,
-// stored and then written out as the vector loop writes its own. The tiles sum each 32-input chunk in
-// their own order, so with AMX a row's sums depend on whether its step took the tiles: the
-// batch-invariant mode uses the build without them (bf16_matmul.py, `-mno-amx-tile`).
+// stored and then written out as the vector loop writes its own. The tiles sum each 32-input
+// chunk in their own order, so with AMX a row's sums depend on whether its step took the
+// tiles: the batch-invariant mode uses the build without them (bf16_matmul.py,
+// `-mno-amx-tile`).
 //
 // Like XLA's own bf16 products on this hardware (which use the same instruction), the dot
 // instruction treats denormal inputs as zero and flushes denormal results.
@@ -89,6 +90,14 @@ struct Product {
   void* y;             // [M, N]
   int64_t M, N, K;
   bool f32_out;
+};
+
+// The unpack instructions work within 128-bit lanes: unpacklo of two 32-value rows holds
+// columns 0-3, 8-11, 16-19, 24-27 (one group of four per lane), unpackhi the groups between.
+// permutex2var(lo, first, hi) gives columns 0-15 in order, with `second` 16-31.
+struct ColumnOrder {
+  __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
 };
 
 inline __m512bh broadcast_pair(const uint16_t* p) {
@@ -147,15 +156,11 @@ __attribute__((always_inline)) inline void products(const Product& p, const uint
       }
     }
   }
-  // lo holds columns 0-3, 8-11, 16-19, 24-27 (one group of four per 128-bit lane), hi the
-  // groups between them: two permutes put them in order.
-  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second =
-      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const ColumnOrder order;  // lo and hi hold the columns in the unpack's order
   _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
     _Pragma("GCC unroll 16") for (int j = 0; j < P; ++j) {
-      y0[r][j] = _mm512_permutex2var_ps(lo[r][j], first, hi[r][j]);
-      y1[r][j] = _mm512_permutex2var_ps(lo[r][j], second, hi[r][j]);
+      y0[r][j] = _mm512_permutex2var_ps(lo[r][j], order.first, hi[r][j]);
+      y1[r][j] = _mm512_permutex2var_ps(lo[r][j], order.second, hi[r][j]);
     }
 }
 
@@ -285,9 +290,7 @@ inline int64_t half_words(int64_t Kp) { return Kp / 2 * 16; }
 void pack_panels(const Product& p, const uint16_t* w, int64_t q0, int64_t q1, int64_t stride,
                  uint32_t* out) {
   const int64_t K = p.K, N = p.N, Kp = padded_k(K);
-  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second =
-      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const ColumnOrder order;
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t k = 0; k < Kp; k += 2) {
     if (k + kPrefetchRows + 1 < K) {
@@ -304,8 +307,8 @@ void pack_panels(const Product& p, const uint16_t* w, int64_t q0, int64_t q1, in
       const __m512i w1 = k + 1 < K ? _mm512_maskz_loadu_epi16(cols, w + (k + 1) * N + n0) : zero;
       const __m512i lo = _mm512_unpacklo_epi16(w0, w1), hi = _mm512_unpackhi_epi16(w0, w1);
       uint32_t* row = out + (q - q0) * stride + (k / 2) * 16;
-      _mm512_storeu_si512(row, _mm512_permutex2var_epi32(lo, first, hi));
-      _mm512_storeu_si512(row + half_words(Kp), _mm512_permutex2var_epi32(lo, second, hi));
+      _mm512_storeu_si512(row, _mm512_permutex2var_epi32(lo, order.first, hi));
+      _mm512_storeu_si512(row + half_words(Kp), _mm512_permutex2var_epi32(lo, order.second, hi));
     }
   }
 }
@@ -324,9 +327,9 @@ inline float* acc_at(float* acc, int row, int col) {
 void tile_products(const uint16_t* a, int64_t a_stride, const uint32_t* b, int64_t Kp,
                    float* acc, bool one_a, bool one_b) {
   _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  if (!one_b) _tile_zero(1);
+  if (!one_a) _tile_zero(2);
+  if (!one_a && !one_b) _tile_zero(3);
   for (int64_t k = 0; k < Kp; k += kAmxK) {
     const uint32_t* bk = b + (k / 2) * 16;
     _tile_loadd(4, a + k, a_stride * 2);
