@@ -61,6 +61,7 @@ from jllm.logits_process import LogitsProcessorConfig, load_logits_processors
 from jllm.lora.manager import LoraCache, LoraSlots
 from jllm.metrics.stats import LoggingStatLogger
 from jllm.model_loader.update import UpdateTarget
+from jllm.models.packing import pack_stacked_weights, packs_here
 from jllm.pooling_params import PoolingParams
 from jllm.rl.transfer import TransferConfig
 from jllm.runner.buckets import BatchLayout
@@ -133,6 +134,12 @@ class LLMEngine:
             args.pipeline_parallel_size,
         )
         m = load_engine_model(args, platform)
+        # The stacked bf16 projections in the CPU kernel's packed panels, once (packing.py);
+        # `m` rebound so that nothing keeps the unpacked arrays.
+        packed = {}
+        if packs_here(m.mesh, m.dtype, invariant):
+            graphdef, state, packed = pack_stacked_weights(m.graphdef, m.state)
+            m = dataclasses.replace(m, graphdef=graphdef, state=state)
         # Linear-attention state: snapshots for the prefix cache, backups for speculation.
         interval = args.mamba_block_size if args.mamba_cache_mode == "align" else 0
         speculative = args.speculative_config is not None
@@ -254,6 +261,7 @@ class LLMEngine:
             pooling=None if m.pooling is None else m.pooling.pooling_type,
             data_parallel_size=args.data_parallel_size,
         )
+        self.runner.packed_weights = packed  # what WeightSync unpacks and packs again
         sizing = time.perf_counter()
         specs, kv_config = size_kv_cache(
             [m.kv_caches] if draft is None else [m.kv_caches, draft.kv_caches],

@@ -75,6 +75,39 @@ GATED_NO_AMX = FfiKernel(
     "jllm_bf16_gated_matmul_no_amx_cpu",
     extra_flags=EXACT_ORDER + NO_AMX,
 )
+# Weights packed once (`pack`) into the panels the products read: nothing packed per call.
+PACKED = FfiKernel(
+    SOURCE,
+    "bf16_matmul",
+    "CPU bf16 matmul kernel",
+    "JllmBf16MatmulPacked",
+    "jllm_bf16_matmul_packed_cpu",
+    extra_flags=EXACT_ORDER,
+)
+GATED_PACKED = FfiKernel(
+    SOURCE,
+    "bf16_matmul",
+    "CPU bf16 gated matmul kernel",
+    "JllmBf16GatedMatmulPacked",
+    "jllm_bf16_gated_matmul_packed_cpu",
+    extra_flags=EXACT_ORDER,
+)
+PACKED_NO_AMX = FfiKernel(
+    SOURCE,
+    "bf16_matmul",
+    "CPU bf16 matmul kernel without AMX",
+    "JllmBf16MatmulPacked",
+    "jllm_bf16_matmul_packed_no_amx_cpu",
+    extra_flags=EXACT_ORDER + NO_AMX,
+)
+GATED_PACKED_NO_AMX = FfiKernel(
+    SOURCE,
+    "bf16_matmul",
+    "CPU bf16 gated matmul kernel without AMX",
+    "JllmBf16GatedMatmulPacked",
+    "jllm_bf16_gated_matmul_packed_no_amx_cpu",
+    extra_flags=EXACT_ORDER + NO_AMX,
+)
 # w transposed (a tied embedding table as the LM head), on the AMX tiles only.
 TRANSPOSED = FfiKernel(
     SOURCE,
@@ -86,13 +119,14 @@ TRANSPOSED = FfiKernel(
 )
 
 
-def kernels(invariant: bool) -> tuple[FfiKernel, FfiKernel]:
+def kernels(invariant: bool, packed: bool = False) -> tuple[FfiKernel, FfiKernel]:
     """The plain and gated kernels of a mode: with AMX where the CPU has it, except in the
     batch-invariant mode (the tiles' sums differ from the vector loop's, and which one a row
-    takes depends on how many rows its step has)."""
-    if invariant and "amx_bf16" in cpu_flags():
-        return KERNEL_NO_AMX, GATED_NO_AMX
-    return KERNEL, GATED
+    takes depends on how many rows its step has); `packed`: those of `pack`ed weights."""
+    no_amx = invariant and "amx_bf16" in cpu_flags()
+    if packed:
+        return (PACKED_NO_AMX, GATED_PACKED_NO_AMX) if no_amx else (PACKED, GATED_PACKED)
+    return (KERNEL_NO_AMX, GATED_NO_AMX) if no_amx else (KERNEL, GATED)
 
 
 def supported() -> bool:
@@ -223,6 +257,68 @@ def bf16_gated_matmul(
         raise ValueError(f"bf16_gated_matmul: up {up.shape} {up.dtype} is not like gate")
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     target = kernels(batch_invariant.enabled())[1].load()
+    return jax.ffi.ffi_call(target, out)(x, gate, up, layer, check_live(x, live))
+
+
+# Packed weights: each 32-column panel of a [K, N] weight as the AMX tiles' B operand and the
+# vector loop's pairs take it: two halves of 16 columns, each Kp / 2 rows of the 16 pairs
+# (w[2 k2][n], w[2 k2 + 1][n]), Kp = K padded to 32, zeros past K and N. [L, K, N] packs to
+# [L, ceil(N / 32), 2, Kp / 2, 32]. The products read it as it lies, where a [K, N] weight is
+# packed by every call (on the AMX tiles) or interleaved pair by pair (the vector loop).
+PANEL = 32
+
+
+def pack(w: jax.Array) -> jax.Array:
+    """w [..., K, N] (bfloat16) in the packed panels: [..., ceil(N / 32), 2, Kp / 2, 32]."""
+    *lead, K, N = w.shape
+    Kp, P = -(-K // PANEL) * PANEL, -(-N // PANEL)
+    n = len(lead)
+    w = jnp.pad(w, [(0, 0)] * n + [(0, Kp - K), (0, P * PANEL - N)])
+    w = w.reshape(*lead, Kp // 2, 2, P, 2, PANEL // 2)  # k2, pair, panel, half, column
+    w = jnp.transpose(w, (*range(n), n + 2, n + 3, n, n + 4, n + 1))
+    return w.reshape(*lead, P, 2, Kp // 2, PANEL)
+
+
+def unpack(packed: jax.Array, k: int, n: int) -> jax.Array:
+    """`pack`'s inverse: [..., P, 2, Kp / 2, 32] -> [..., k, n]."""
+    *lead, P, _, half_k, _ = packed.shape
+    m = len(lead)
+    w = packed.reshape(*lead, P, 2, half_k, PANEL // 2, 2)
+    w = jnp.transpose(w, (*range(m), m + 2, m + 4, m, m + 1, m + 3))
+    return w.reshape(*lead, 2 * half_k, P * PANEL)[..., :k, :n]
+
+
+def _check_packed(x, w, n: int, out_dtype):
+    k = x.shape[1] if x.ndim == 2 else -1
+    want = (-(-n // PANEL), 2, -(-k // PANEL) * PANEL // 2, PANEL)
+    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
+        raise ValueError(f"bf16_matmul takes bfloat16 x and w, got {x.dtype} and {w.dtype}")
+    if x.ndim != 2 or w.ndim not in (4, 5) or tuple(w.shape[-4:]) != want:
+        raise ValueError(
+            f"a packed bf16_matmul takes x [M, K] and w [L, {', '.join(map(str, want))}] "
+            f"(`pack` of [L, K, {n}]), got {x.shape} {w.shape}"
+        )
+    return _check(x, jax.ShapeDtypeStruct((k, n), w.dtype), out_dtype)
+
+
+def bf16_matmul_packed(x, w, n: int, layer=0, out_dtype=jnp.bfloat16, live=None) -> jax.Array:
+    """`bf16_matmul` of a `pack`ed weight w ([L, ...] or one layer's) of n output columns.
+    x's K is the weight's: the packed shape holds K only padded to 32."""
+    out = _check_packed(x, w, n, out_dtype)
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    target = kernels(batch_invariant.enabled(), packed=True)[0].load()
+    return jax.ffi.ffi_call(target, out)(x, w, layer, check_live(x, live))
+
+
+def bf16_gated_matmul_packed(
+    x, gate, up, n: int, layer=0, out_dtype=jnp.bfloat16, live=None
+) -> jax.Array:
+    """`bf16_gated_matmul` of `pack`ed gate and up weights of n output columns."""
+    out = _check_packed(x, gate, n, out_dtype)
+    if up.shape != gate.shape or up.dtype != gate.dtype:
+        raise ValueError(f"bf16_gated_matmul: up {up.shape} {up.dtype} is not like gate")
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    target = kernels(batch_invariant.enabled(), packed=True)[1].load()
     return jax.ffi.ffi_call(target, out)(x, gate, up, layer, check_live(x, live))
 
 

@@ -147,6 +147,7 @@ class LatentAttention(nnx.Module):
         self.kv_a_layernorm = RMSNorm(R, eps, dtype)
         # Read as two halves, never applied as a projection (the absorbed form).
         self.kv_b_proj = Linear("TR,RNH->TNH", (R, N, h + v), heads, dtype, rngs)
+        self.kv_b_proj.packable = False  # absorbed: __call__ reads the weight itself
         self.o_proj = Linear("TNH,NHD->TD", (N, v, D), ("heads", None, "embed"), dtype, rngs, b)
         self.R, self.h, self.rope, self.interleave = R, h, cfg.rope, cfg.rope_interleave
         self.options = AttentionOptions(scale=cfg.softmax_scale, latent=True, v_head_dim=R)

@@ -49,7 +49,15 @@ class Linear(nnx.Module):
     flattened output and input axes instead: x's contracted axes are flattened into In.
 
     `ctx`, the step context (models/context.py), carries what is per token: the tokens that
-    are not padding (a kernel skips the rest), and the adapter slots a LoRA delta will read."""
+    are not padding (a kernel skips the rest), and the adapter slots a LoRA delta will read.
+
+    `packed` (set by `pack_stacked_weights`): the stacked weight is held as the bf16 kernel's
+    packed panels of its [L, In, Out] view (bf16_matmul.py `pack`), which the kernel reads
+    without packing it on every call. `packable`: False where a module reads the weight
+    itself, not through this Linear."""
+
+    packed = False
+    packable = True
 
     def __init__(
         self,
@@ -74,7 +82,9 @@ class Linear(nnx.Module):
 
     def __call__(self, x, ctx=None, *, out_dtype=None):
         w = self.weight.get_value()
-        if isinstance(w, StackedWeight):
+        if self.packed:
+            y = self._packed_product(x, w, ctx, out_dtype)
+        elif isinstance(w, StackedWeight):
             y = self._stacked_product(x, w, ctx, out_dtype)
         elif isinstance(w, QuantizedWeight):
             lead = x.shape[: x.ndim - self.contract]
@@ -118,8 +128,11 @@ class Linear(nnx.Module):
         return x.dtype == jnp.float32 and f32_out
 
     def stack_2d(self) -> jax.Array:
-        """The stacked weight as [L, In, Out] (row-major: a bitcast, no copy)."""
+        """The stacked weight as [L, In, Out] (row-major: a bitcast, no copy); a packed one
+        as it is held."""
         stack = self.weight.get_value().stack
+        if self.packed:
+            return stack
         k = math.prod(stack.shape[1 : 1 + self.contract])
         return stack.reshape(stack.shape[0], k, math.prod(self.out_shape))
 
@@ -141,13 +154,28 @@ class Linear(nnx.Module):
             lambda x, stack, layer, live: product(x, stack, layer, live, out_dtype=out_dtype),
         )
 
+    def _packed_product(self, x, w, ctx, out_dtype):
+        """A packed weight's product: the kernel's where it applies, else XLA's of the layer
+        unpacked (a lowering for another platform, a float32 x)."""
+        n = math.prod(self.out_shape)
+        if isinstance(w, StackedWeight) and self.in_place(x, out_dtype) and on_bf16_kernel(x):
+            out_dtype = out_dtype or x.dtype
+            product = bf16_matmul.bf16_matmul_packed
+            return self.kernel_call(
+                x, ctx, lambda x, stack, layer, live: product(x, stack, n, layer, out_dtype, live)
+            )
+        layer = w.stack[w.layer] if isinstance(w, StackedWeight) else w
+        weight = bf16_matmul.unpack(layer, math.prod(self.in_shape), n)
+        weight = weight.reshape(*self.in_shape, *self.out_shape)
+        return jnp.einsum(self.spec, x, weight, preferred_element_type=out_dtype)
+
     def kernel_call(self, x, ctx, product):
         """product(x [M, In], stack [L, In, Out], layer, live) -> [M, Out], with x's
         contracted axes flattened into In and the result in this Linear's output shape;
         `live` the context's non-padding tokens when x has a row per token, else None."""
         w, stack = self.weight.get_value(), self.stack_2d()
         lead = x.shape[: x.ndim - self.contract]
-        x = x.reshape(-1, stack.shape[1])
+        x = x.reshape(-1, math.prod(self.in_shape))
         live = None if ctx is None else ctx.live
         if live is not None and live.shape != x.shape[:1]:
             live = None
@@ -186,9 +214,18 @@ def gated_product(gate: Linear, up: Linear, x, ctx=None, act: str = "silu"):
     does (a LoRA delta joins each product before the activation)."""
     both = gate.in_place(x) and up.in_place(x) and not (gate.use_bias or up.use_bias)
     both = both and act == "silu" and not (gate.has_lora(ctx, x) or up.has_lora(ctx, x))
+    packed = gate.packed and up.packed
+    if packed != (gate.packed or up.packed) or (packed and not on_bf16_kernel(x)):
+        both = False
     if not both:
         return activation(act)(gate(x, ctx)) * up(x, ctx)
     up_stack = up.stack_2d()
+    if packed:
+        n = math.prod(gate.out_shape)
+        product = bf16_matmul.bf16_gated_matmul_packed
+        return gate.kernel_call(
+            x, ctx, lambda x, stack, layer, live: product(x, stack, up_stack, n, layer, live=live)
+        )
     if on_bf16_kernel(x):
         product = bf16_matmul.bf16_gated_matmul
     else:

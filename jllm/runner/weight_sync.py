@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from jllm.model_loader.update import UpdateTarget, WeightUpdate
+from jllm.models.packing import repacked, unpacked
 from jllm.runner.kv_cache import allocate_kv_caches
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,17 @@ class WeightSync:
         params = self.target.target.flat
         return {p: v for p, v in nnx.to_flat_state(self.runner.state) if p in params}
 
+    def _declared(self, path, value):
+        """A parameter's value as the model declares it: a packed projection
+        (models/packing.py) unpacked."""
+        layout = getattr(self.runner, "packed_weights", {}).get(path)
+        return value if layout is None else unpacked(value, layout)
+
+    def _held(self, path, value):
+        """A declared value as the runner holds it: packed again where it was."""
+        layout = getattr(self.runner, "packed_weights", {}).get(path)
+        return value if layout is None else repacked(value, layout)
+
     def start(self) -> None:
         self.target  # noqa: B018 - refuses an engine that takes no updates
         if self.session is not None:
@@ -73,7 +85,9 @@ class WeightSync:
             raise RuntimeError("start_weight_update must be called before update_weights.")
         try:
             if native:
-                current = {p: v.get_value() for p, v in self._variables().items()}
+                current = {
+                    p: self._declared(p, v.get_value()) for p, v in self._variables().items()
+                }
                 self.session.add_native(weights, current)
             else:
                 self.session.add(weights)
@@ -91,8 +105,8 @@ class WeightSync:
         if "weights" in self.asleep:  # back on the devices first (level 2: zeros), then written
             self._wake_weights(zeros=self.host_weights is None)
         variables = self._variables()
-        current = {p: variables[p].get_value() for p in session.paths()}
-        new = session.build(current)
+        current = {p: self._declared(p, variables[p].get_value()) for p in session.paths()}
+        new = {p: self._held(p, value) for p, value in session.build(current).items()}
         for path, value in new.items():
             variables[path].set_value(value)
         return session.count
@@ -100,7 +114,8 @@ class WeightSync:
     def get_weights(self):
         """The model's parameters as the engine holds them: an `nnx.State` of
         `jax.Array`s on their shardings (stacked layers, split fused tensors)."""
-        return nnx.from_flat_state({p: v.get_value() for p, v in self._variables().items()})
+        values = {p: self._declared(p, v.get_value()) for p, v in self._variables().items()}
+        return nnx.from_flat_state(values)
 
     # ---- sleep -----------------------------------------------------------------------------
     def sleep(self, level: int) -> None:

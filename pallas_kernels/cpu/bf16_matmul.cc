@@ -67,9 +67,35 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+constexpr int64_t kPanel = 32;  // columns per tile
+
+struct Product {
+  const uint16_t* x;   // [M, K]
+  const uint16_t* w;   // [K, N], this layer's (or its packed panels: `packed`)
+  const uint16_t* up;  // [K, N], this layer's, or nullptr: y = silu(x @ w) * (x @ up)
+  void* y;             // [M, N]
+  int64_t M, N, K;
+  bool f32_out;
+  bool packed = false;  // w and up are packed panels (pack_panels' layout), not [K, N]
+};
+
+constexpr int64_t kAmxK = 32;  // inputs per A tile row (64 bytes); packed panels' K pads to it
+
+inline int64_t padded_k(int64_t K) { return (K + kAmxK - 1) / kAmxK * kAmxK; }
+
+// A packed panel of 32 columns, as the B tiles take them: two halves of 16 columns, each
+// Kp/2 rows of 64 bytes (row k2: the pairs (w[2 k2][n], w[2 k2 + 1][n]) of its 16 columns),
+// the second half half_words() after the first; zeros past K and N. Each B tile is then 16
+// whole cache lines: from rows of 128 bytes (both halves side by side) the tiles ran at less
+// than half the rate on the AMX Xeon (717 against 1515-1665 GFLOP/s a core, loads and
+// products from L1).
+inline int64_t half_words(int64_t Kp) { return Kp / 2 * 16; }
+
+// One packed panel's bfloat16 elements (both halves).
+inline int64_t panel_elements(int64_t K) { return 4 * half_words(padded_k(K)); }
+
 #ifdef __AVX512BF16__
 
-constexpr int64_t kPanel = 32;    // columns per tile
 constexpr int kMaxRows = 14;      // 28 accumulators, 2 weight vectors, 1 broadcast
 constexpr int64_t kBlockTiles = 8;  // tiles per work item (112 rows when full)
 // 1 to 4 rows (a decode of one or a few sequences): wide items, whose weight reads are the
@@ -82,15 +108,6 @@ constexpr int64_t kBlockTiles = 8;  // tiles per work item (112 rows when full)
 constexpr int kWideRows = 4;
 constexpr int kWidePanels = 4;
 constexpr int64_t kPrefetchRows = 16;
-
-struct Product {
-  const uint16_t* x;   // [M, K]
-  const uint16_t* w;   // [K, N], this layer's
-  const uint16_t* up;  // [K, N], this layer's, or nullptr: y = silu(x @ w) * (x @ up)
-  void* y;             // [M, N]
-  int64_t M, N, K;
-  bool f32_out;
-};
 
 // The unpack instructions work within 128-bit lanes: unpacklo of two 32-value rows holds
 // columns 0-3, 8-11, 16-19, 24-27 (one group of four per lane), unpackhi the groups between.
@@ -106,37 +123,88 @@ inline __m512bh broadcast_pair(const uint16_t* p) {
   return (__m512bh)_mm512_set1_epi32(v);
 }
 
+// Panel n0's columns of N: all 32, or those left at the right edge.
+inline __mmask32 panel_cols(int64_t N, int64_t n0) {
+  return n0 + kPanel <= N ? ~__mmask32(0) : (__mmask32(1) << (N - n0)) - 1;
+}
+
+// Panels [q0, q1) of w packed, panel q at out + (q - q0) * stride. A pair of w's rows is
+// read across all the panels at once (contiguous bytes, not one 64-byte piece per row), and
+// rows kPrefetchRows ahead are prefetched.
+void pack_panels(const Product& p, const uint16_t* w, int64_t q0, int64_t q1, int64_t stride,
+                 uint32_t* out) {
+  const int64_t K = p.K, N = p.N, Kp = padded_k(K);
+  const ColumnOrder order;
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t k = 0; k < Kp; k += 2) {
+    if (k + kPrefetchRows + 1 < K) {
+      const uint16_t* ahead = w + (k + kPrefetchRows) * N;
+      for (int64_t q = q0; q < q1; ++q) {
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + q * kPanel), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + N + q * kPanel), _MM_HINT_T0);
+      }
+    }
+    for (int64_t q = q0; q < q1; ++q) {
+      const int64_t n0 = q * kPanel;
+      const __mmask32 cols = panel_cols(N, n0);
+      const __m512i w0 = k < K ? _mm512_maskz_loadu_epi16(cols, w + k * N + n0) : zero;
+      const __m512i w1 = k + 1 < K ? _mm512_maskz_loadu_epi16(cols, w + (k + 1) * N + n0) : zero;
+      const __m512i lo = _mm512_unpacklo_epi16(w0, w1), hi = _mm512_unpackhi_epi16(w0, w1);
+      uint32_t* row = out + (q - q0) * stride + (k / 2) * 16;
+      _mm512_storeu_si512(row, _mm512_permutex2var_epi32(lo, order.first, hi));
+      _mm512_storeu_si512(row + half_words(Kp), _mm512_permutex2var_epi32(lo, order.second, hi));
+    }
+  }
+}
+
 // The products of rows m0 .. m0 + R - 1 with the P panels of 32 columns of w from w's
 // first column (cols[j]: panel j's columns, masked at the right edge, none past it), in
 // float32, columns in order: y0[r][j] holds panel j's columns 0-15, y1[r][j] 16-31. Each
-// column's sum runs over k in one order whatever R and P are.
-template <int R, int P>
+// column's sum runs over k in one order whatever R and P are. kPacked: w is packed panels
+// (pack_panels' layout, panel j at w + j * panel_elements(K)), which hold each pair of weight
+// rows interleaved already and the columns in order; the same products, bitwise.
+template <int R, int P, bool kPacked>
 __attribute__((always_inline)) inline void products(const Product& p, const uint16_t* w,
                                                     int64_t m0, const __mmask32 (&cols)[P],
                                                     __m512 (&y0)[R][P], __m512 (&y1)[R][P]) {
-  const int64_t K = p.K, N = p.N;
+  const int64_t K = p.K, N = p.N, panel = panel_elements(K), half = 2 * half_words(padded_k(K));
   // Unrolled by pragma so that GCC keeps the arrays in registers (without it, it stores
   // every accumulator to the stack on every step).
   __m512 lo[R][P], hi[R][P];
   _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
     _Pragma("GCC unroll 16") for (int j = 0; j < P; ++j) lo[r][j] = hi[r][j] = _mm512_setzero_ps();
   const uint16_t* x = p.x + m0 * K;
+  const __m512i zero = _mm512_setzero_si512();
+  // The pairs (w[k][n], w[k + 1][n]) of panel j's columns as two vectors (k + 1 < K, or with
+  // `last` the pairs (w[k][n], 0)): in the unpack's column order, or with kPacked in order.
+  const auto pairs = [&](int j, int64_t k, bool last, __m512bh& b0, __m512bh& b1) {
+    if constexpr (kPacked) {
+      const uint16_t* row = w + j * panel + (k / 2) * 32;
+      b0 = (__m512bh)_mm512_loadu_si512(row);
+      b1 = (__m512bh)_mm512_loadu_si512(row + half);
+    } else {
+      const __m512i w0 = _mm512_maskz_loadu_epi16(cols[j], w + k * N + j * kPanel);
+      const __m512i w1 = last ? zero : _mm512_maskz_loadu_epi16(cols[j], w + (k + 1) * N + j * kPanel);
+      b0 = (__m512bh)_mm512_unpacklo_epi16(w0, w1);
+      b1 = (__m512bh)_mm512_unpackhi_epi16(w0, w1);
+    }
+  };
   int64_t k = 0;
   for (; k + 1 < K; k += 2) {
     __m512bh a[R];
     _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) a[r] = broadcast_pair(x + r * K + k);
     if (P > 1 && k + kPrefetchRows + 1 < K) {  // wide items only (the tiles reuse a panel)
-      const uint16_t* ahead = w + (k + kPrefetchRows) * N;
       _Pragma("GCC unroll 16") for (int j = 0; j < P; ++j) {
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + j * kPanel), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + N + j * kPanel), _MM_HINT_T0);
+        const uint16_t* ahead = kPacked ? w + j * panel + (k + kPrefetchRows) / 2 * 32
+                                        : w + (k + kPrefetchRows) * N + j * kPanel;
+        const uint16_t* next = kPacked ? ahead + half : ahead + N;
+        _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(next), _MM_HINT_T0);
       }
     }
     _Pragma("GCC unroll 16") for (int j = 0; j < P; ++j) {
-      const __m512i w0 = _mm512_maskz_loadu_epi16(cols[j], w + k * N + j * kPanel);
-      const __m512i w1 = _mm512_maskz_loadu_epi16(cols[j], w + (k + 1) * N + j * kPanel);
-      const __m512bh b0 = (__m512bh)_mm512_unpacklo_epi16(w0, w1);
-      const __m512bh b1 = (__m512bh)_mm512_unpackhi_epi16(w0, w1);
+      __m512bh b0, b1;
+      pairs(j, k, false, b0, b1);
       _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) {
         lo[r][j] = _mm512_dpbf16_ps(lo[r][j], a[r], b0);
         hi[r][j] = _mm512_dpbf16_ps(hi[r][j], a[r], b1);
@@ -144,11 +212,9 @@ __attribute__((always_inline)) inline void products(const Product& p, const uint
     }
   }
   if (k < K) {  // odd K: the last input paired with zeros
-    const __m512i zero = _mm512_setzero_si512();
     _Pragma("GCC unroll 16") for (int j = 0; j < P; ++j) {
-      const __m512i w0 = _mm512_maskz_loadu_epi16(cols[j], w + k * N + j * kPanel);
-      const __m512bh b0 = (__m512bh)_mm512_unpacklo_epi16(w0, zero);
-      const __m512bh b1 = (__m512bh)_mm512_unpackhi_epi16(w0, zero);
+      __m512bh b0, b1;
+      pairs(j, k, true, b0, b1);
       _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) {
         const __m512bh a = (__m512bh)_mm512_set1_epi32(int32_t(x[r * K + k]));
         lo[r][j] = _mm512_dpbf16_ps(lo[r][j], a, b0);
@@ -156,12 +222,20 @@ __attribute__((always_inline)) inline void products(const Product& p, const uint
       }
     }
   }
-  const ColumnOrder order;  // lo and hi hold the columns in the unpack's order
-  _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
-    _Pragma("GCC unroll 16") for (int j = 0; j < P; ++j) {
-      y0[r][j] = _mm512_permutex2var_ps(lo[r][j], order.first, hi[r][j]);
-      y1[r][j] = _mm512_permutex2var_ps(lo[r][j], order.second, hi[r][j]);
-    }
+  if constexpr (kPacked) {
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
+      _Pragma("GCC unroll 16") for (int j = 0; j < P; ++j) {
+        y0[r][j] = lo[r][j];
+        y1[r][j] = hi[r][j];
+      }
+  } else {
+    const ColumnOrder order;  // lo and hi hold the columns in the unpack's order
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
+      _Pragma("GCC unroll 16") for (int j = 0; j < P; ++j) {
+        y0[r][j] = _mm512_permutex2var_ps(lo[r][j], order.first, hi[r][j]);
+        y1[r][j] = _mm512_permutex2var_ps(lo[r][j], order.second, hi[r][j]);
+      }
+  }
 }
 
 using jllm_cpu::silu_times;
@@ -185,22 +259,20 @@ __attribute__((always_inline)) inline void store_row(const Product& p, int64_t m
   }
 }
 
-inline __mmask32 panel_cols(int64_t N, int64_t n0) {
-  return n0 + kPanel <= N ? ~__mmask32(0) : (__mmask32(1) << (N - n0)) - 1;
-}
-
 // Rows m0 .. m0 + R - 1 by the P panels of columns from n0 of the output: x @ w, or with
 // `p.up`, silu(x @ w) * (x @ up).
-template <int R, int P = 1>
-void tile(const Product& p, int64_t m0, int64_t n0) {
+template <int R, int P, bool kPacked>
+void tile_from(const Product& p, int64_t m0, int64_t n0) {
   __mmask32 cols[P];
   _Pragma("GCC unroll 16") for (int j = 0; j < P; ++j)
     cols[j] = n0 + j * kPanel < p.N ? panel_cols(p.N, n0 + j * kPanel) : 0;
+  // where the first panel's columns start: in w [K, N], or among the packed panels
+  const int64_t at = kPacked ? n0 / kPanel * panel_elements(p.K) : n0;
   __m512 y0[R][P], y1[R][P];
-  products<R, P>(p, p.w + n0, m0, cols, y0, y1);
+  products<R, P, kPacked>(p, p.w + at, m0, cols, y0, y1);
   if (p.up) {
     __m512 u0[R][P], u1[R][P];
-    products<R, P>(p, p.up + n0, m0, cols, u0, u1);
+    products<R, P, kPacked>(p, p.up + at, m0, cols, u0, u1);
     _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
       _Pragma("GCC unroll 16") for (int j = 0; j < P; ++j) {
         y0[r][j] = silu_times(y0[r][j], u0[r][j]);
@@ -210,6 +282,12 @@ void tile(const Product& p, int64_t m0, int64_t n0) {
   _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
     _Pragma("GCC unroll 16") for (int j = 0; j < P; ++j)
       store_row(p, m0 + r, n0 + j * kPanel, cols[j], y0[r][j], y1[r][j]);
+}
+
+template <int R, int P = 1>
+void tile(const Product& p, int64_t m0, int64_t n0) {
+  if (p.packed) return tile_from<R, P, true>(p, m0, n0);
+  tile_from<R, P, false>(p, m0, n0);
 }
 
 void tile_rows(const Product& p, int rows, int64_t m0, int64_t n0) {
@@ -245,7 +323,6 @@ constexpr int64_t kAmxMinRows = JLLM_AMX_MIN_ROWS;
 #ifdef JLLM_AMX
 
 constexpr int kAmxRows = 32;      // rows per tile of x: two A tiles of 16
-constexpr int64_t kAmxK = 32;     // inputs per A tile row (64 bytes)
 
 // The tile state must be granted to the process once (Linux's arch_prctl): false where the
 // kernel refuses it, and the vector loop runs everything.
@@ -272,45 +349,6 @@ inline void configure_tiles() {
     config.rows[t] = 16;
   }
   _tile_loadconfig(&config);
-}
-
-inline int64_t padded_k(int64_t K) { return (K + kAmxK - 1) / kAmxK * kAmxK; }
-
-// A packed panel of 32 columns, as the B tiles take them: two halves of 16 columns, each
-// Kp/2 rows of 64 bytes (row k2: the pairs (w[2 k2][n], w[2 k2 + 1][n]) of its 16 columns),
-// the second half half_words() after the first; zeros past K and N. Each B tile is then 16
-// whole cache lines: from rows of 128 bytes (both halves side by side) the tiles ran at less
-// than half the rate on the AMX Xeon (717 against 1515-1665 GFLOP/s a core, loads and
-// products from L1).
-inline int64_t half_words(int64_t Kp) { return Kp / 2 * 16; }
-
-// Panels [q0, q1) of w packed, panel q at out + (q - q0) * stride. A pair of w's rows is
-// read across all the panels at once (contiguous bytes, not one 64-byte piece per row), and
-// rows kPrefetchRows ahead are prefetched.
-void pack_panels(const Product& p, const uint16_t* w, int64_t q0, int64_t q1, int64_t stride,
-                 uint32_t* out) {
-  const int64_t K = p.K, N = p.N, Kp = padded_k(K);
-  const ColumnOrder order;
-  const __m512i zero = _mm512_setzero_si512();
-  for (int64_t k = 0; k < Kp; k += 2) {
-    if (k + kPrefetchRows + 1 < K) {
-      const uint16_t* ahead = w + (k + kPrefetchRows) * N;
-      for (int64_t q = q0; q < q1; ++q) {
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + q * kPanel), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + N + q * kPanel), _MM_HINT_T0);
-      }
-    }
-    for (int64_t q = q0; q < q1; ++q) {
-      const int64_t n0 = q * kPanel;
-      const __mmask32 cols = panel_cols(N, n0);
-      const __m512i w0 = k < K ? _mm512_maskz_loadu_epi16(cols, w + k * N + n0) : zero;
-      const __m512i w1 = k + 1 < K ? _mm512_maskz_loadu_epi16(cols, w + (k + 1) * N + n0) : zero;
-      const __m512i lo = _mm512_unpacklo_epi16(w0, w1), hi = _mm512_unpackhi_epi16(w0, w1);
-      uint32_t* row = out + (q - q0) * stride + (k / 2) * 16;
-      _mm512_storeu_si512(row, _mm512_permutex2var_epi32(lo, order.first, hi));
-      _mm512_storeu_si512(row + half_words(Kp), _mm512_permutex2var_epi32(lo, order.second, hi));
-    }
-  }
 }
 
 // The float32 products of 32 rows by 32 columns, as the tiles store them: four blocks of 16
@@ -368,7 +406,9 @@ void pack_item(const Product& p, int64_t q0, int64_t q1, uint32_t* out) {
 }
 
 // One work item on the tiles: tiles [t0, t1) of x by panels [p0, p1), the panels packed by
-// the item itself, or taken from `all` (every panel of the product, packed by pack_item).
+// the item itself, taken from `all` (every panel of the product, packed by pack_item), or, for
+// a product of packed weights (`p.packed`), read where they are: on the item's first row tile
+// each panel prefetches the next one's while it multiplies.
 void amx_item(const Product& p, const std::vector<jllm_cpu::RowTile>& tiles, int64_t t0,
               int64_t t1, int64_t p0, int64_t p1, const uint32_t* all) {
   const int64_t K = p.K, Kp = padded_k(K), panel_words = Kp / 2 * kPanel;
@@ -377,12 +417,20 @@ void amx_item(const Product& p, const std::vector<jllm_cpu::RowTile>& tiles, int
   thread_local std::vector<uint16_t> padded;
   thread_local std::vector<float> acc;
   acc.resize(gated * kAmxRows * kPanel);
+  // the item's first panel of w (and of up) and the words from one panel to the next
   const uint32_t* packed = all ? all + p0 * gated * panel_words : nullptr;
-  if (!all) {
+  int64_t stride = gated * panel_words;
+  if (p.packed) {
+    packed = reinterpret_cast<const uint32_t*>(p.w) + p0 * panel_words;
+    stride = panel_words;
+  } else if (!all) {
     own.resize(panels * gated * panel_words);
     pack_item(p, p0, p1, own.data());
     packed = own.data();
   }
+  const uint32_t* up_packed = !p.up      ? nullptr
+                              : p.packed ? reinterpret_cast<const uint32_t*>(p.up) + p0 * panel_words
+                                         : packed + panel_words;
   configure_tiles();
   for (int64_t t = t0; t < t1; ++t) {
     const jllm_cpu::RowTile tile = tiles[t];
@@ -398,10 +446,17 @@ void amx_item(const Product& p, const std::vector<jllm_cpu::RowTile>& tiles, int
     }
     for (int64_t j = 0; j < panels; ++j) {
       const int64_t n0 = (p0 + j) * kPanel;
-      const uint32_t* panel = packed + (j * gated) * panel_words;
-      tile_products(a, a_stride, panel, Kp, acc.data(), half, false);
+      const uint32_t* panel = packed + j * stride;
+      const bool ahead = p.packed && t == t0 && j + 1 < panels;
+      const auto next = [&](const uint32_t* q) {
+        return ahead ? reinterpret_cast<const char*>(q + (j + 1) * stride) : nullptr;
+      };
+      tile_products(a, a_stride, panel, Kp, acc.data(), half, false, next(packed),
+                    panel_words * 4);
       float* up = acc.data() + kAmxRows * kPanel;
-      if (p.up) tile_products(a, a_stride, panel + panel_words, Kp, up, half, false);
+      if (p.up)
+        tile_products(a, a_stride, up_packed + j * stride, Kp, up, half, false, next(up_packed),
+                      panel_words * 4);
       const __mmask32 cols = panel_cols(p.N, n0);
       for (int r = 0; r < tile.rows; ++r) {
         __m512 y0 = _mm512_loadu_ps(acc_at(acc.data(), r, 0));
@@ -540,7 +595,7 @@ ffi::Error Run(ffi::ThreadPool& pool, const Product& p, const int8_t* live) {
     const int64_t run = jllm_cpu::balanced_run(pool, panels, kWidePanels);
     // Several row blocks: every panel packed once for all of them, first.
     std::vector<uint32_t> all;
-    if (count > kBlockTiles) {
+    if (count > kBlockTiles && !p.packed) {
       const int64_t words = padded_k(p.K) / 2 * kPanel * (p.up ? 2 : 1);
       all.resize(panels * words);
       const int64_t items = (panels + run - 1) / run;
@@ -585,15 +640,6 @@ ffi::Error Run(ffi::ThreadPool& pool, const Product& p, const int8_t* live) {
 
 #else
 
-struct Product {
-  const uint16_t* x;
-  const uint16_t* w;
-  const uint16_t* up;
-  void* y;
-  int64_t M, N, K;
-  bool f32_out;
-};
-
 ffi::Error Run(ffi::ThreadPool&, const Product&, const int8_t*) {
   return ffi::Error(ffi::ErrorCode::kUnimplemented,
                     "the bf16 matmul kernel needs a CPU with AVX512-BF16");
@@ -605,15 +651,37 @@ ffi::Error RunTransposed(ffi::ThreadPool& pool, const Product& p, const int8_t* 
 
 #endif  // __AVX512BF16__
 
+// A packed weight's dimensions as a plain one's: [L, P, 2, Kp / 2, 32] (or without L), P
+// panels of N = y's columns and Kp = K (x's columns) padded to the tiles' 32, as [L, K, N].
+// An empty vector where they are not that.
+std::vector<int64_t> unpacked_dims(const std::vector<int64_t>& wd, int64_t K, int64_t N) {
+  const size_t lead = wd.size() == 5 ? 1 : 0;
+  if (wd.size() != 4 + lead) return {};
+  const int64_t panels = (N + kPanel - 1) / kPanel, Kp = padded_k(K);
+  if (wd[lead] != panels || wd[lead + 1] != 2 || wd[lead + 2] != Kp / 2 || wd[lead + 3] != 32)
+    return {};
+  std::vector<int64_t> dims = {K, N};
+  if (lead) dims.insert(dims.begin(), wd[0]);
+  return dims;
+}
+
 // Checks the operands (up: the second weight of a gated product, or nullptr; transposed: w
-// is [L, N, K] or [N, K]) and runs.
+// is [L, N, K] or [N, K]; packed: w (and up) packed panels, `unpacked_dims`) and runs.
 ffi::Error Checked(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& w,
                    const ffi::AnyBuffer* up, ffi::Buffer<ffi::S32>& layer,
                    ffi::Buffer<ffi::S8>& live, ffi::Result<ffi::AnyBuffer>& y,
-                   bool transposed = false) {
+                   bool transposed = false, bool packed = false) {
   const auto wdims = w.dimensions();
   std::vector<int64_t> wd(wdims.begin(), wdims.end());
   if (transposed && wd.size() >= 2) std::swap(wd[wd.size() - 1], wd[wd.size() - 2]);
+  if (packed) {
+    const auto xd = x.dimensions(), yd = y->dimensions();
+    if (xd.size() != 2 || yd.size() != 2)
+      return ffi::Error::InvalidArgument("x [M, K] and y [M, N]");
+    wd = unpacked_dims(wd, xd[1], yd[1]);
+    if (wd.empty())
+      return ffi::Error::InvalidArgument("packed w must be [L, ceil(N / 32), 2, Kp / 2, 32]");
+  }
   if (x.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument("x and w must be bfloat16");
   if (y->element_type() != ffi::DataType::BF16 && y->element_type() != ffi::DataType::F32)
@@ -637,8 +705,13 @@ ffi::Error Checked(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& w,
     return ffi::Error::Success();
   }
   p.x = static_cast<const uint16_t*>(x.untyped_data());
-  p.w = static_cast<const uint16_t*>(w.untyped_data()) + shape.offset;
-  p.up = up ? static_cast<const uint16_t*>(up->untyped_data()) + shape.offset : nullptr;
+  // the layer's first element: shape.offset counts [K, N] layers, packed ones are larger
+  const int64_t layer_at =
+      packed ? shape.offset / (p.K * p.N) * ((p.N + kPanel - 1) / kPanel) * panel_elements(p.K)
+             : shape.offset;
+  p.packed = packed;
+  p.w = static_cast<const uint16_t*>(w.untyped_data()) + layer_at;
+  p.up = up ? static_cast<const uint16_t*>(up->untyped_data()) + layer_at : nullptr;
   p.y = y->untyped_data();
   p.f32_out = y->element_type() == ffi::DataType::F32;
   const int8_t* live_rows = live.element_count() ? live.typed_data() : nullptr;
@@ -664,6 +737,20 @@ ffi::Error Bf16GatedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
   return Checked(pool, x, gate, &up, layer, live, y);
 }
 
+// w (and gate, up) packed panels (bf16_matmul.py's `pack`): read where they are, nothing
+// packed per call.
+ffi::Error Bf16MatmulPacked(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S8> live,
+                            ffi::Result<ffi::AnyBuffer> y) {
+  return Checked(pool, x, w, nullptr, layer, live, y, false, /*packed=*/true);
+}
+
+ffi::Error Bf16GatedMatmulPacked(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gate,
+                                 ffi::AnyBuffer up, ffi::Buffer<ffi::S32> layer,
+                                 ffi::Buffer<ffi::S8> live, ffi::Result<ffi::AnyBuffer> y) {
+  return Checked(pool, x, gate, &up, layer, live, y, false, /*packed=*/true);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmBf16Matmul, Bf16Matmul, jllm_cpu::product_binding());
@@ -672,4 +759,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmBf16MatmulTransposed, Bf16MatmulTransposed,
                               jllm_cpu::product_binding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmBf16GatedMatmul, Bf16GatedMatmul,
+                              jllm_cpu::gated_product_binding());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmBf16MatmulPacked, Bf16MatmulPacked, jllm_cpu::product_binding());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JllmBf16GatedMatmulPacked, Bf16GatedMatmulPacked,
                               jllm_cpu::gated_product_binding());

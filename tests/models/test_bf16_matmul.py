@@ -212,17 +212,19 @@ def bf16_qwen3(tmp_path_factory, tokenizer_dir):
 def test_engine_on_the_kernel_against_fp32_oracle(bf16_qwen3, monkeypatch, on):
     """The engine with its layer products on the kernel (and, as the control, on XLA's):
     greedy choices stay the float32 argmax or within bf16's error of it, the kernel is in
-    the compiled step, and no layer's weight is copied out of the stack there."""
+    the compiled step (on the projections packed at start-up, models/packing.py), and no
+    layer's weight is copied out of the stack there."""
     monkeypatch.setattr(bf16_matmul, "enabled", lambda invariant=False: on)
     monkeypatch.setattr(f32_matmul, "widens_bf16", lambda: False)  # XLA's, as the control
     jax.clear_caches()  # the decision is made at trace time: no trace of the other choice
     llm = LLM(bf16_qwen3, dtype="bfloat16", **SMALL)
     runner = llm.llm_engine.runner
     text = runner.forward_for(runner.layout.shapes()[-1]).as_text()
-    assert ("jllm_bf16_matmul_cpu" in text) == on
-    assert ("jllm_bf16_gated_matmul_cpu" in text) == on
+    assert ("jllm_bf16_matmul_packed_cpu" in text) == on
+    assert ("jllm_bf16_gated_matmul_packed_cpu" in text) == on
     gate_shape = (64, 128)  # gate_proj's [D, F]
     assert bool(weight_copies(text, "bf16", gate_shape)) != on
+    assert not weight_copies(text, "bf16", (4, 2, 32, 32))  # nor its packed panels
 
     assert_bf16_near_fp32(llm, bf16_qwen3)
     jax.clear_caches()
