@@ -284,6 +284,17 @@ def run_hf(model, reqs, name, batch_size=64):
     return {"name": name, "seconds": dt, "tokens": gen, "tok_s": gen / dt, "ttft": ttft}
 
 
+def declared_model(llm):
+    """The engine's model with its weights as declared (packed projections unpacked,
+    jllm/models/packing.py), to read them."""
+    from flax import nnx
+
+    from jllm.models.packing import declared
+
+    runner = llm.llm_engine.runner
+    return nnx.merge(runner.graphdef, declared(runner.state, runner.packed_weights))
+
+
 def roofline(llm, batch):
     """tokens/s of a jitted forward doing only the model's matmuls (same weights, layers
     unrolled with no KV cache, logits for every row): the best this machine does per step."""
@@ -291,7 +302,7 @@ def roofline(llm, batch):
     import jax.numpy as jnp
     from flax import nnx
 
-    model = nnx.merge(llm.llm_engine.runner.graphdef, llm.llm_engine.runner.state)
+    model = declared_model(llm)
     embed = model.embed_tokens[...]
     stacked = nnx.state(model.layers)
     layers = [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(model.cfg.num_layers)]
@@ -350,7 +361,7 @@ def prompt_token_flops(llm, prompt_len: int = 128) -> float:
     head for one row per prompt."""
     from flax import nnx
 
-    model = nnx.merge(llm.llm_engine.runner.graphdef, llm.llm_engine.runner.state)
+    model = declared_model(llm)
     cfg = model.cfg
     layers = nnx.state(model.layers)
     weights = sum(

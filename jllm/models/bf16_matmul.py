@@ -15,6 +15,10 @@ XLA's 96-159 (its dynamic slice of the layer, then the product), 329-406 at 2048
 float32 at 2048 rows on a 2-core Xeon), which this loop does not: XLA keeps them there.
 Under a mesh of several devices the products stay XLA's, which shards them.
 
+An engine of one device packs its stacked projections once (models/packing.py) into the
+panels the kernel reads (`pack`); `bf16_matmul_packed` and `bf16_gated_matmul_packed` take
+them, and nothing is packed per call.
+
 Glossary: M rows, K inputs, N outputs, L layers.
 """
 

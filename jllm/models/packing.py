@@ -92,3 +92,15 @@ def repacked(value, layout):
     """A stacked weight [L, In..., Out...] packed as `pack_stacked_weights` holds it."""
     k, n, _ = layout
     return _pack(value.reshape(value.shape[0], k, n))
+
+
+def declared(state, layouts: dict):
+    """`state` (an nnx.State) with its packed projections unpacked: a new State, the other
+    Variables as they are; `layouts`: `pack_stacked_weights`'s map."""
+    if not layouts:
+        return state
+    flat = {
+        path: var.replace(unpacked(var.get_value(), layouts[path])) if path in layouts else var
+        for path, var in nnx.to_flat_state(state)
+    }
+    return nnx.from_flat_state(flat)

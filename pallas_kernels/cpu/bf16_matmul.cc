@@ -6,7 +6,9 @@
 // second entry point takes two weights of one shape and writes silu(x @ gate) * (x @ up)
 // (a gated MLP's first half), the SiLU taken on the float32 accumulators. Both take `live`,
 // one byte per row of x (or none): rows marked 0, a step's padding, are not computed and
-// come out zero.
+// come out zero. The *Packed entry points take the weights as packed panels instead
+// ([L, ceil(N / 32), 2, Kp / 2, 32], bf16_matmul.py `pack`: the layout below that the tiles
+// take), packed once by the engine: read where they lie, the same products bitwise.
 //
 // Why not XLA's product: inside the model's layer scan XLA copies each layer's weights out
 // of the stack before multiplying, and its CPU products of these shapes (SmolLM2's, 64 and

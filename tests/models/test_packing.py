@@ -1,7 +1,7 @@
 """Packed projections in the engine (jllm/models/packing.py): a bfloat16 engine whose layer
 products are the CPU kernel's holds its stacked projections packed once, and serves the same
 bits as the same engine reading them as [K, N] (the kernel's products of packed weights are
-bitwise those of the others, tests/models/test_bf16_matmul_packed.py); its compiled step
+bitwise those of the others, tests/models/test_bf16_matmul.py); its compiled step
 reads the packed panels in place; weight updates, `get_weights` and sleep see the
 parameters as declared, and an update lands packed, served as by the control engine; a
 packed Linear outside the kernel (another x dtype) multiplies the unpacked layer."""
