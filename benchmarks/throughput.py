@@ -339,7 +339,7 @@ def calls_per_second(f, *args, seconds=5.0) -> float:
 def peak_product_flops(dtype) -> tuple[float, str]:
     """The best FLOP/s of a 2048 x 2048 x 2048 product in `dtype` (float32 sums) on this
     machine: XLA's dot and, where a bfloat16 model's layer products run on the C++ kernel,
-    the kernel's. -> (FLOP/s, which)."""
+    the kernel's (on [K, N] and on packed weights). -> (FLOP/s, which)."""
     import jax.numpy as jnp
 
     from jllm.models import bf16_matmul
@@ -350,6 +350,10 @@ def peak_product_flops(dtype) -> tuple[float, str]:
     paths = {"XLA's dot": lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)}
     if jnp.dtype(dtype) == jnp.bfloat16 and bf16_matmul.enabled():
         paths["the C++ bf16 kernel"] = lambda a, b: bf16_matmul.bf16_matmul(a, b)
+        packed = bf16_matmul.pack(b)  # as an engine holds its projections (models/packing.py)
+        paths["the C++ bf16 kernel, packed weights"] = lambda a, b: bf16_matmul.bf16_matmul_packed(
+            a, packed, n
+        )
     rates = {name: 2 * n**3 * calls_per_second(jax.jit(f), a, b) for name, f in paths.items()}
     best = max(rates, key=rates.get)
     return rates[best], best

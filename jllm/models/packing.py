@@ -7,18 +7,20 @@ packed all 30 layers' weights again, at 3.5-4 GB/s a core where the tiles then r
 their own rate), and interleaves the pairs in its loop below. Packed once at start-up, the
 calls read the panels where they lie, one contiguous run per half panel.
 
-Which weights: each Linear of the decoder's layer stacks whose stacked weight is bfloat16
-(`Linear.packable`: not one a module reads itself), on an engine of one device whose layer
-products are the kernel's (`packs_here`). The engine packs them before its runner takes the
-state (LLMEngine), and `WeightSync` hands weight updates the [L, In..., Out...] view and
-packs what they write (`unpacked`, `repacked`), so RL updates, `get_weights` and sleep see
-the parameters as they are declared. Nothing else changes shape: the parameters' paths,
-the LoRA slots, the KV-cache scales.
+Which weights: each Linear whose weight is a bfloat16 layer stack [L, In..., Out...] (the
+decoder's projections; `Linear.packable`: not one a module reads itself), on an engine of
+one device whose layer products are the kernel's (`packs_here`). The engine packs them
+before anything else takes its state (LLMEngine); `WeightSync` hands weight updates and
+`get_weights` the declared [L, In..., Out...] view and packs what an update writes
+(`unpacked`, `repacked`); sleep keeps the arrays as they are held. Nothing else changes: the
+parameters' paths, the LoRA slots, the KV-cache scales.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from functools import partial
 
 import jax
@@ -27,6 +29,8 @@ from flax import nnx
 
 from jllm.models import bf16_matmul
 from jllm.models.layers import Linear
+
+logger = logging.getLogger("jllm")
 
 
 def packs_here(mesh, dtype, invariant: bool) -> bool:
@@ -63,6 +67,7 @@ def pack_stacked_weights(graphdef, state) -> tuple[object, object, dict]:
     """(graphdef, state, {parameter path: (In, Out, the weight's declared shape)}) with every
     packable stacked bf16 Linear weight packed (`Linear.packed`); In and Out: its weight's
     flattened input and output sizes, the shape [In..., Out...] without the layers."""
+    start = time.perf_counter()
     model = nnx.merge(graphdef, state)
     packed = {}
     for path, module in nnx.iter_modules(model):
@@ -78,6 +83,11 @@ def pack_stacked_weights(graphdef, state) -> tuple[object, object, dict]:
     if not packed:
         return graphdef, state, packed
     graphdef, state = nnx.split(model)
+    logger.info(
+        "bf16 projections packed for the CPU kernel: %d stacked weights in %.2f s.",
+        len(packed),
+        time.perf_counter() - start,
+    )
     return graphdef, state, packed
 
 
