@@ -179,9 +179,13 @@ __attribute__((always_inline)) inline void products(const Product& p, const uint
   const __m512i zero = _mm512_setzero_si512();
   // The pairs (w[k][n], w[k + 1][n]) of panel j's columns as two vectors (k + 1 < K, or with
   // `last` the pairs (w[k][n], 0)): in the unpack's column order, or with kPacked in order.
+  // Packed, panel j's first element; a panel past N (an item's last, cols[j] == 0: nothing of
+  // it is stored) reads panel 0 instead of memory past the weight's.
+  const uint16_t* at[P];
+  _Pragma("GCC unroll 16") for (int j = 0; j < P; ++j) at[j] = cols[j] ? w + j * panel : w;
   const auto pairs = [&](int j, int64_t k, bool last, __m512bh& b0, __m512bh& b1) {
     if constexpr (kPacked) {
-      const uint16_t* row = w + j * panel + (k / 2) * 32;
+      const uint16_t* row = at[j] + (k / 2) * 32;
       b0 = (__m512bh)_mm512_loadu_si512(row);
       b1 = (__m512bh)_mm512_loadu_si512(row + half);
     } else {
@@ -197,7 +201,7 @@ __attribute__((always_inline)) inline void products(const Product& p, const uint
     _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) a[r] = broadcast_pair(x + r * K + k);
     if (P > 1 && k + kPrefetchRows + 1 < K) {  // wide items only (the tiles reuse a panel)
       _Pragma("GCC unroll 16") for (int j = 0; j < P; ++j) {
-        const uint16_t* ahead = kPacked ? w + j * panel + (k + kPrefetchRows) / 2 * 32
+        const uint16_t* ahead = kPacked ? at[j] + (k + kPrefetchRows) / 2 * 32
                                         : w + (k + kPrefetchRows) * N + j * kPanel;
         const uint16_t* next = kPacked ? ahead + half : ahead + N;
         _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
