@@ -347,14 +347,16 @@ def peak_product_flops(dtype) -> tuple[float, str]:
     n = 2048
     a = jnp.ones((n, n), dtype)
     b = jnp.ones((n, n), dtype) * 0.5
-    paths = {"XLA's dot": lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)}
+    # name -> (product, its second operand)
+    paths = {"XLA's dot": (lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32), b)}
     if jnp.dtype(dtype) == jnp.bfloat16 and bf16_matmul.enabled():
-        paths["the C++ bf16 kernel"] = lambda a, b: bf16_matmul.bf16_matmul(a, b)
-        packed = bf16_matmul.pack(b)  # as an engine holds its projections (models/packing.py)
-        paths["the C++ bf16 kernel, packed weights"] = lambda a, b: bf16_matmul.bf16_matmul_packed(
-            a, packed, n
+        paths["the C++ bf16 kernel"] = (bf16_matmul.bf16_matmul, b)
+        # as an engine holds its projections (models/packing.py)
+        paths["the C++ bf16 kernel, packed weights"] = (
+            lambda a, w: bf16_matmul.bf16_matmul_packed(a, w, n),
+            bf16_matmul.pack(b),
         )
-    rates = {name: 2 * n**3 * calls_per_second(jax.jit(f), a, b) for name, f in paths.items()}
+    rates = {name: 2 * n**3 * calls_per_second(jax.jit(f), a, w) for name, (f, w) in paths.items()}
     best = max(rates, key=rates.get)
     return rates[best], best
 

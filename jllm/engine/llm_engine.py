@@ -261,7 +261,7 @@ class LLMEngine:
             pooling=None if m.pooling is None else m.pooling.pooling_type,
             data_parallel_size=args.data_parallel_size,
         )
-        self.runner.packed_weights = packed  # what WeightSync unpacks and packs again
+        self.runner.packed_weights = packed
         sizing = time.perf_counter()
         specs, kv_config = size_kv_cache(
             [m.kv_caches] if draft is None else [m.kv_caches, draft.kv_caches],

@@ -432,6 +432,9 @@ class ModelRunner:
         # With data shards: the weights split over `data` (experts under expert
         # parallelism), which each shard's step takes its own part of.
         self.splits = data_splits(state) if self.dp > 1 else None
+        # {parameter path: layout} of the projections the engine packed for the CPU kernel
+        # (models/packing.py; set by LLMEngine): what WeightSync unpacks and packs again.
+        self.packed_weights: dict = {}
         self.kv_cache = None  # attach_kv_cache, once sized
         if layout.group_fields and len(layout.group_fields) != len(self.kv_groups):
             raise ValueError(

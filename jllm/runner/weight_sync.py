@@ -63,12 +63,12 @@ class WeightSync:
     def _declared(self, path, value):
         """A parameter's value as the model declares it: a packed projection
         (models/packing.py) unpacked."""
-        layout = getattr(self.runner, "packed_weights", {}).get(path)
+        layout = self.runner.packed_weights.get(path)
         return value if layout is None else unpacked(value, layout)
 
     def _held(self, path, value):
         """A declared value as the runner holds it: packed again where it was."""
-        layout = getattr(self.runner, "packed_weights", {}).get(path)
+        layout = self.runner.packed_weights.get(path)
         return value if layout is None else repacked(value, layout)
 
     def start(self) -> None:

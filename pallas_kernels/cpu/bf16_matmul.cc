@@ -711,9 +711,9 @@ ffi::Error Checked(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& w,
     return ffi::Error::Success();
   }
   p.x = static_cast<const uint16_t*>(x.untyped_data());
-  // the layer's first element: shape.offset counts [K, N] layers, packed ones are larger
+  // the layer's first element: shape.offset counts [K, N] layers, packed ones hold panels
   const int64_t layer_at =
-      packed ? shape.offset / (p.K * p.N) * ((p.N + kPanel - 1) / kPanel) * panel_elements(p.K)
+      packed ? layer.typed_data()[0] * ((p.N + kPanel - 1) / kPanel) * panel_elements(p.K)
              : shape.offset;
   p.packed = packed;
   p.w = static_cast<const uint16_t*>(w.untyped_data()) + layer_at;
