@@ -122,3 +122,22 @@ def test_a_packed_linear_off_the_kernel_multiplies_the_unpacked_layer():
     want = jnp.einsum("TD,DF->TF", x, stack[1])
     np.testing.assert_allclose(np.asarray(linear(x)), np.asarray(want), rtol=1e-6, atol=1e-6)
     jax.clear_caches()
+
+
+def test_packed_crosses_serve_the_same_bits(engines):
+    """Prefix sharing (two requests admitted in one step sharing a 200-token prefix), n=2
+    sampled with seeds, and a prompt longer than the step budget (chunked prefill over two
+    steps): the packed engine's tokens and logprobs are the control's."""
+    shared = prompt_ids(1, 200, seed=7)[0]
+    prompts = [shared + [5, 6, 7], shared + [8, 9], prompt_ids(1, 300, seed=8)[0]]
+    params = SamplingParams(n=2, max_tokens=6, temperature=0.8, seed=3, logprobs=2, ignore_eos=True)
+
+    def run(llm):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [
+            [(c.token_ids, [sorted(d.items()) for d in c.logprobs]) for c in o.outputs]
+            for o in outs
+        ]
+
+    packed, plain = engines
+    assert run(packed) == run(plain)
