@@ -4,7 +4,9 @@ bits as the same engine reading them as [K, N] (the kernel's products of packed 
 bitwise those of the others, tests/models/test_bf16_matmul.py); its compiled step
 reads the packed panels in place; weight updates, `get_weights` and sleep see the
 parameters as declared, and an update lands packed, served as by the control engine; a
-packed Linear outside the kernel (another x dtype) multiplies the unpacked layer."""
+packed Linear outside the kernel (another x dtype) multiplies the unpacked layer. Crosses, bit
+for bit against the unpacked engine: prefix sharing in one step, n=2, chunked prefill, and
+LoRA adapters under n-gram speculation."""
 
 from __future__ import annotations
 
@@ -15,10 +17,12 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from lora_oracle import make_adapters
 from oracle import SMALL, TINY, prompt_ids, weight_copies
 
 from jllm import LLM, SamplingParams
 from jllm.engine import llm_engine
+from jllm.lora.request import LoRARequest
 from jllm.models import bf16_matmul
 from jllm.models.layers import Linear, StackedWeight
 
@@ -140,4 +144,39 @@ def test_packed_crosses_serve_the_same_bits(engines):
         ]
 
     packed, plain = engines
+    assert run(packed) == run(plain)
+
+
+def test_packed_with_lora_and_speculation_serves_the_same_bits(llama_dir, tmp_path):
+    """LoRA adapters on the packed projections (MLP and attention, mixed with the base in one
+    batch) under n-gram speculation: the packed engine's tokens and logprobs are those of
+    the same engine unpacked."""
+    adapters = make_adapters(llama_dir, tmp_path, names=("attn4", "mlp16"))
+    kwargs = dict(
+        dtype="bfloat16",
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=16,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2},
+        **SMALL,
+    )
+    packed = LLM(llama_dir, **kwargs)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llm_engine, "packs_here", lambda *a: False)
+        plain = LLM(llama_dir, **kwargs)
+    assert packed.llm_engine.runner.packed_weights and not plain.llm_engine.runner.packed_weights
+    prompts = [{"prompt_token_ids": p} for p in prompt_ids(3, 12, seed=9, vocab=256)]
+    lora = [
+        None,
+        LoRARequest("attn4", 1, adapters["attn4"][0]),
+        LoRARequest("mlp16", 2, adapters["mlp16"][0]),
+    ]
+
+    def run(llm):
+        outs = llm.generate(prompts, PARAMS, lora_request=lora, use_tqdm=False)
+        return [
+            (o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs])
+            for o in outs
+        ]
+
     assert run(packed) == run(plain)
