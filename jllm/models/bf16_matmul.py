@@ -141,7 +141,7 @@ def supported() -> bool:
 @functools.cache
 def enabled(invariant: bool = False) -> bool:
     """Whether bfloat16 models' layer products go to the kernel in this process: the CPU
-    backend, AVX512-BF16 (its products of 16 rows and more on the AMX tiles where the CPU
+    backend, AVX512-BF16 (its products of 5 rows and more on the AMX tiles where the CPU
     has them, outside the batch-invariant mode, `invariant`), and a kernel that builds.
     Logged once."""
     if jax.default_backend() != "cpu":
@@ -161,7 +161,7 @@ def enabled(invariant: bool = False) -> bool:
     elif invariant:
         how = "AVX512-BF16 without AMX, batch-invariant mode"
     else:
-        how = "AMX tiles from 16 rows, AVX512-BF16 below"
+        how = "AMX tiles from 5 rows, AVX512-BF16 below"
     logger.info("bf16 layer products: the C++ kernel (%s).", how)
     return True
 

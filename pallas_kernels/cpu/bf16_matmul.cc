@@ -26,7 +26,7 @@
 // (2 at 3-4 rows) side by side instead, prefetching the weight rows ahead.
 //
 // With AMX (the tile instructions, `amx_bf16`; built with them where -march=native has them,
-// and the process granted the tile state by the kernel), products of at least kAmxMinRows (16)
+// and the process granted the tile state by the kernel), products of at least kAmxMinRows (5)
 // live rows run on the tiles instead: each 32-column panel of w is packed into the pairs
 // layout the tiles take (two halves of 16 columns, Kp/2 rows of (w[2k][n], w[2k+1][n]) pairs
 // each, zeros past K and N), by the work item that uses it when the product has one block of
@@ -317,12 +317,15 @@ void zero_padding_rows(const Product& p, const int8_t* live) {
     if (!live[m]) std::memset(static_cast<char*>(p.y) + m * row_bytes, 0, row_bytes);
 }
 
-// Products of fewer live rows keep the vector loop, which reads the weight in place where the
-// tiles would first pack it. Measured on the 2-core AMX Xeon (SmolLM2's layer shapes, AMX
-// from any row count against the loop): the loop 1.3-2.7x faster at 1-2 rows, even at 8,
-// the tiles 1.0-3.9x faster from 16 (a half tile: one A tile, two accumulators).
+// Products of 1 to 4 live rows keep the vector loop's wide items, which read each weight row
+// once, in place, with prefetch; from 5 rows the tiles (a half tile of 16 rows computes 5 to
+// 16). Measured on the 2-core AMX Xeon (SmolLM2's 30 layers of products, this threshold and
+// 16 built side by side, interleaved in one process, 2026-12-03): [K, N] weights (each item
+// packs its own panels) 5-14 rows 36-86 ms on the tiles against 81-128 in the loop; packed
+// weights level at 5-9 rows (the VM's noise, 20-60 ms either way, larger than the
+// difference), the tiles ahead from 10 (20-27 against 32-41 ms).
 #ifndef JLLM_AMX_MIN_ROWS
-#define JLLM_AMX_MIN_ROWS 16
+#define JLLM_AMX_MIN_ROWS 5
 #endif
 constexpr int64_t kAmxMinRows = JLLM_AMX_MIN_ROWS;
 

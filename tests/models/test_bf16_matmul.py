@@ -71,7 +71,7 @@ def assert_product(x, w, layer, got, out_dtype):
         (2, 576, 1536),
         (4, 101, 200),
         (3, 33, 300),
-        # 16 rows and more: the AMX tiles where the CPU has them
+        # 5 rows and more: the AMX tiles where the CPU has them
         (100, 7, 37),  # a partial last tile of 4 rows, odd K padded to 32, a masked edge
         (64, 1000, 65),  # K not a multiple of 32 (a padded copy of x), 3 panels
         (32, 64, 32),  # one whole tile read in place
@@ -113,13 +113,15 @@ def test_rows_are_independent():
 
 
 def test_a_rows_sums_do_not_depend_on_how_many_rows_the_loop_takes():
-    """Below the tiles a row's sums are bitwise the same at any row count: 1 to 4 rows take
-    wide items of several panels, 5 to 15 the loop's tiles of up to 14 rows; each column
-    sums its inputs in one order either way (what the batch-invariant mode relies on)."""
+    """In the vector loop a row's sums are bitwise the same at any row count: 1 to 4 rows
+    take wide items of several panels, 5 and more the loop's tiles of up to 14 rows; each
+    column sums its inputs in one order either way (what the batch-invariant mode relies on).
+    Its build (no AMX) runs every count in the loop; elsewhere the tiles take 5 rows and more."""
     x, w = operands(15, 577, 300)
     _, up = operands(15, 577, 300, seed=4)
-    plain = [np.asarray(kernel(x[:m], w, 1, jnp.float32))[0] for m in range(1, 16)]
-    gated = [np.asarray(bf16_gated_matmul(x[:m], w, up, 1, jnp.float32))[0] for m in (1, 3, 9)]
+    with batch_invariant.scope(True):
+        plain = [np.asarray(kernel(x[:m], w, 1, jnp.float32))[0] for m in range(1, 16)]
+        gated = [np.asarray(bf16_gated_matmul(x[:m], w, up, 1, jnp.float32))[0] for m in (1, 3, 9)]
     for row in plain[1:]:
         np.testing.assert_array_equal(row, plain[0])
     for row in gated[1:]:
@@ -244,7 +246,7 @@ def test_engine_on_the_kernel_against_fp32_oracle(bf16_qwen3, monkeypatch, on):
     "flags,invariant,want,reason",
     [
         ({"avx512f", "avx512_bf16"}, False, True, "the C++ kernel (AVX512-BF16)"),
-        ({"avx512_bf16", "amx_bf16"}, False, True, "AMX tiles from 16 rows"),
+        ({"avx512_bf16", "amx_bf16"}, False, True, "AMX tiles from 5 rows"),
         ({"avx512_bf16", "amx_bf16"}, True, True, "without AMX, batch-invariant mode"),
         ({"avx2"}, False, False, "no AVX512-BF16"),
     ],
@@ -259,11 +261,12 @@ def test_where_the_kernel_runs(monkeypatch, caplog, flags, invariant, want, reas
 @pytest.mark.skipif("amx_bf16" not in bf16_matmul.cpu_flags(), reason="needs AMX")
 def test_amx_rows_do_not_depend_on_their_neighbours():
     """On the tiles a row's sums are the same whichever tile it sits in, at any row count
-    from 16 (each tile sums its rows' 32-input chunks in one order, half tile or whole);
-    below 16 the vector loop takes them. The batch-invariant mode's build (no tiles) gives
+    from 5 (each tile sums its rows' 32-input chunks in one order, half tile or whole);
+    below 5 the vector loop takes them. The batch-invariant mode's build (no tiles) gives
     one order at every count."""
     x, w = operands(300, 576, 96)
-    rows = [np.asarray(kernel(x[:m], w, 1, jnp.float32))[0] for m in (16, 17, 32, 64, 97, 300)]
+    counts = (5, 9, 16, 17, 32, 64, 97, 300)
+    rows = [np.asarray(kernel(x[:m], w, 1, jnp.float32))[0] for m in counts]
     for row in rows[1:]:
         np.testing.assert_array_equal(row, rows[0])
     with batch_invariant.scope(True):
