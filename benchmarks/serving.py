@@ -14,12 +14,17 @@ and `ignore_eos` (a vLLM field) makes every request produce its max_tokens.
     python benchmarks/serving.py --base-url http://host:8000 --request-rate 4
     python benchmarks/serving.py --launch --offline-peer     # also time jllm's offline LLM
     python benchmarks/serving.py --launch --peer vllm-cpu --max-concurrency 32 --dtype bfloat16
+    python benchmarks/serving.py --launch --peer vllm-cpu --max-concurrency 32 --dtype bfloat16 \
+        --client jllm-bench                                  # `jllm bench serve` as the client
 
 `--peer vllm-cpu` first serves the same requests from vLLM's own OpenAI server on its CPU
 backend (`../shared/peers/vllm_cpu/setup.sh` builds it; both cores, a 4 GiB KV cache), then
 from `jllm serve`, one after the other (side by side they would fight for the cores), and
 prints jllm's lead: jllm / vLLM for output tok/s, vLLM / jllm for median TTFT and ITL
-(above 1: jllm ahead).
+(above 1: jllm ahead). `--client jllm-bench` sends the load with `jllm bench serve` (vLLM's
+`vllm bench serve` client, random dataset: `--num-prompts` prompts of 64-192 tokens, 64-192
+output tokens, EOS ignored) instead of this file's W3-like workload, and reads its saved
+result.
 """
 
 from __future__ import annotations
@@ -29,9 +34,11 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -192,6 +199,34 @@ def stop(proc: subprocess.Popen) -> None:
             pass
 
 
+def bench_serve(args, name: str) -> dict:
+    """`jllm bench serve` against the running server (the same flags for every server):
+    output tok/s and the median TTFT and ITL (s) from its saved result."""
+    out_dir = tempfile.mkdtemp(prefix="jllm-bench-serve-")
+    cmd = [os.path.join(os.path.dirname(sys.executable), "jllm"), "bench", "serve"]
+    cmd += ["--base-url", args.base_url, "--dataset-name", "random"]
+    cmd += ["--random-input-len", "128", "--random-output-len", "128"]
+    cmd += ["--random-range-ratio", "0.5", "--num-prompts", str(args.num_prompts)]
+    cmd += ["--seed", str(args.seed), "--ignore-eos", "--disable-tqdm", "--save-result"]
+    cmd += ["--result-dir", out_dir, "--result-filename", f"{name}.json"]
+    if args.max_concurrency:
+        cmd += ["--max-concurrency", str(args.max_concurrency)]
+    if args.request_rate != float("inf"):
+        cmd += ["--request-rate", str(args.request_rate)]
+    print("client:", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    with open(os.path.join(out_dir, f"{name}.json")) as f:
+        result = json.load(f)
+    shutil.rmtree(out_dir)
+    if result["failed"]:
+        raise SystemExit(f"{name}: {result['failed']} requests failed")
+    return {
+        "tok_s": result["output_throughput"],
+        "ttft": result["median_ttft_ms"] / 1e3,
+        "itl": result["median_itl_ms"] / 1e3,
+    }
+
+
 def offline_peer(reqs, server_args: str) -> float:
     """The same requests through jllm's offline LLM.generate: the server's overhead."""
     from jllm import LLM, SamplingParams
@@ -226,6 +261,12 @@ def main() -> None:
     parser.add_argument("--offline-peer", action="store_true")
     parser.add_argument("--peer", choices=["vllm-cpu"], help="also vLLM's CPU server (launched)")
     parser.add_argument("--dtype", default=None, help="the launched servers' --dtype")
+    parser.add_argument(
+        "--client",
+        choices=["builtin", "jllm-bench"],
+        default="builtin",
+        help="the load: this file's W3-like workload, or `jllm bench serve` (random dataset)",
+    )
     args = parser.parse_args()
     if args.peer and not args.launch:
         raise SystemExit("--peer needs --launch: both servers are started here, in turn.")
@@ -250,14 +291,18 @@ def main() -> None:
         try:
             model = args.model or httpx.get(f"{args.base_url}/v1/models").json()["data"][0]["id"]
             asyncio.run(run(args, model, reqs[:4]))  # warm-up: first-use costs out of the way
-            results, duration = asyncio.run(run(args, model, reqs))
-            figures[name] = report(results, duration)
+            if args.client == "jllm-bench":
+                figures[name] = bench_serve(args, name)
+            else:
+                results, duration = asyncio.run(run(args, model, reqs))
+                figures[name] = report(results, duration)
         finally:
             if proc is not None:
                 stop(proc)
     if args.peer:
         j, v = figures["jllm"], figures["vllm-cpu"]
-        print(f"\n| served, {args.dtype or 'auto'} | jllm | vLLM-cpu | jllm's lead |")
+        client = "jllm bench serve" if args.client == "jllm-bench" else "serving.py"
+        print(f"\n| served ({client}), {args.dtype or 'auto'} | jllm | vLLM-cpu | jllm's lead |")
         print("|---|---|---|---|")
         ratio = j["tok_s"] / v["tok_s"]
         print(f"| output tok/s | {j['tok_s']:.1f} | {v['tok_s']:.1f} | {ratio:.2f}x |")
