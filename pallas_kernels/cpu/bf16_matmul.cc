@@ -378,11 +378,12 @@ inline float* acc_at(float* acc, int row, int col) {
 //
 // The stream, measured on the 2-core AMX Xeon (SmolLM2's 30 layers of products on packed
 // weights, interleaved with the next panel prefetched whole, spread over the first row
-// tile's steps, which it replaced; two rounds, 2026-12-03): 5 rows 17.2-18.0 -> 15.6-16.5
-// ms, 8 rows 23.1 -> 19.5, 16 rows 18.8-27.0 -> 17.9-20.7, 32 rows 31.8 -> 26.4, 64 rows
-// 40.3-41.9 -> 37.5-38.6, 128 rows 68.0 -> 63.6; 2 KB ahead about the same, 16 KB no better
-// than the whole panel. Alone, one thread streaming 256 MB of panels at 16 rows (8 KB
-// ahead): 9.3-10.3 GB/s, against 7.8-9.2 for the whole next panel, 9.0-9.5 a plain read.
+// tile's steps, which it replaced; ahead in 17 of 18 interleaved pairs, 2026-12-03; one
+// run's two rounds): 5 rows 18.0-35.7 -> 16.5-33.0 ms, 8 rows 23.1-33.6 -> 19.5-24.7, 16 rows
+// 26.9-27.0 -> 17.6-20.7, 32 rows 31.2-31.8 -> 25.3-26.4, 64 rows 41.7-41.9 -> 36.9-38.6,
+// 128 rows 65.7-68.0 -> 63.6-65.2; 2 KB ahead about the same, 16 KB no better than the whole panel. Alone, one
+// thread streaming 256 MB of panels at 16 rows (8 KB ahead): 9.3-10.3 GB/s, against 7.8-9.2
+// for the whole next panel, 9.0-9.5 a plain read.
 constexpr int64_t kStreamAhead = 4096;
 
 void tile_products(const uint16_t* a, int64_t a_stride, const uint32_t* b, int64_t Kp,
