@@ -34,7 +34,6 @@ import asyncio
 import json
 import os
 import platform
-import shutil
 import signal
 import subprocess
 import sys
@@ -202,22 +201,21 @@ def stop(proc: subprocess.Popen) -> None:
 def bench_serve(args, name: str) -> dict:
     """`jllm bench serve` against the running server (the same flags for every server):
     output tok/s and the median TTFT and ITL (s) from its saved result."""
-    out_dir = tempfile.mkdtemp(prefix="jllm-bench-serve-")
-    cmd = [os.path.join(os.path.dirname(sys.executable), "jllm"), "bench", "serve"]
-    cmd += ["--base-url", args.base_url, "--dataset-name", "random"]
-    cmd += ["--random-input-len", "128", "--random-output-len", "128"]
-    cmd += ["--random-range-ratio", "0.5", "--num-prompts", str(args.num_prompts)]
-    cmd += ["--seed", str(args.seed), "--ignore-eos", "--disable-tqdm", "--save-result"]
-    cmd += ["--result-dir", out_dir, "--result-filename", f"{name}.json"]
-    if args.max_concurrency:
-        cmd += ["--max-concurrency", str(args.max_concurrency)]
-    if args.request_rate != float("inf"):
-        cmd += ["--request-rate", str(args.request_rate)]
-    print("client:", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True)
-    with open(os.path.join(out_dir, f"{name}.json")) as f:
-        result = json.load(f)
-    shutil.rmtree(out_dir)
+    with tempfile.TemporaryDirectory(prefix="jllm-bench-serve-") as out_dir:
+        cmd = [os.path.join(os.path.dirname(sys.executable), "jllm"), "bench", "serve"]
+        cmd += ["--base-url", args.base_url, "--dataset-name", "random"]
+        cmd += ["--random-input-len", "128", "--random-output-len", "128"]
+        cmd += ["--random-range-ratio", "0.5", "--num-prompts", str(args.num_prompts)]
+        cmd += ["--seed", str(args.seed), "--ignore-eos", "--disable-tqdm", "--save-result"]
+        cmd += ["--result-dir", out_dir, "--result-filename", f"{name}.json"]
+        if args.max_concurrency:
+            cmd += ["--max-concurrency", str(args.max_concurrency)]
+        if args.request_rate != float("inf"):
+            cmd += ["--request-rate", str(args.request_rate)]
+        print("client:", " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True)
+        with open(os.path.join(out_dir, f"{name}.json")) as f:
+            result = json.load(f)
     if result["failed"]:
         raise SystemExit(f"{name}: {result['failed']} requests failed")
     return {

@@ -246,9 +246,16 @@ __attribute__((always_inline)) inline void products(const Product& p, const uint
 
 using jllm_cpu::silu_times;
 
-// Stores one row's 32 float32 columns (y0: 0-15, y1: 16-31; masked at the right edge) to row
-// m, columns n0.., of the output: float32, or bfloat16 rounded to nearest even as XLA
+// 32 float32 columns (y0: 0-15, y1: 16-31) as 32 bfloat16, rounded to nearest even as XLA
 // converts.
+__attribute__((always_inline)) inline __m512i to_bf16(__m512 y0, __m512 y1) {
+  const __m256i h0 = (__m256i)_mm512_cvtneps_pbh(y0);
+  const __m256i h1 = (__m256i)_mm512_cvtneps_pbh(y1);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1);
+}
+
+// Stores one row's 32 float32 columns (y0: 0-15, y1: 16-31; masked at the right edge) to row
+// m, columns n0.., of the output: float32, or bfloat16 (to_bf16).
 __attribute__((always_inline)) inline void store_row(const Product& p, int64_t m, int64_t n0,
                                                      __mmask32 cols, __m512 y0, __m512 y1) {
   const int64_t N = p.N;
@@ -258,10 +265,8 @@ __attribute__((always_inline)) inline void store_row(const Product& p, int64_t m
     _mm512_mask_storeu_ps(y, cols0, y0);
     _mm512_mask_storeu_ps(y + 16, cols1, y1);
   } else {
-    const __m256i h0 = (__m256i)_mm512_cvtneps_pbh(y0);
-    const __m256i h1 = (__m256i)_mm512_cvtneps_pbh(y1);
     uint16_t* y = static_cast<uint16_t*>(p.y) + m * N + n0;
-    _mm512_mask_storeu_epi16(y, cols, _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1));
+    _mm512_mask_storeu_epi16(y, cols, to_bf16(y0, y1));
   }
 }
 
@@ -381,9 +386,9 @@ inline float* acc_at(float* acc, int row, int col) {
 // tile's steps, which it replaced; ahead in 17 of 18 interleaved pairs, 2026-12-03; one
 // run's two rounds): 5 rows 18.0-35.7 -> 16.5-33.0 ms, 8 rows 23.1-33.6 -> 19.5-24.7, 16 rows
 // 26.9-27.0 -> 17.6-20.7, 32 rows 31.2-31.8 -> 25.3-26.4, 64 rows 41.7-41.9 -> 36.9-38.6,
-// 128 rows 65.7-68.0 -> 63.6-65.2; 2 KB ahead about the same, 16 KB no better than the whole panel. Alone, one
-// thread streaming 256 MB of panels at 16 rows (8 KB ahead): 9.3-10.3 GB/s, against 7.8-9.2
-// for the whole next panel, 9.0-9.5 a plain read.
+// 128 rows 65.7-68.0 -> 63.6-65.2; 2 KB ahead about the same, 16 KB no better than the
+// whole panel. Alone, one thread streaming 256 MB of panels at 16 rows (8 KB ahead):
+// 9.3-10.3 GB/s, against 7.8-9.2 for the whole next panel, 9.0-9.5 a plain read.
 constexpr int64_t kStreamAhead = 4096;
 
 void tile_products(const uint16_t* a, int64_t a_stride, const uint32_t* b, int64_t Kp,
@@ -554,10 +559,7 @@ __attribute__((always_inline)) inline void stream_row(const Product& p, int64_t 
     _mm512_stream_ps(reinterpret_cast<float*>(at), y0);
     _mm512_stream_ps(reinterpret_cast<float*>(at) + 16, y1);
   } else {
-    const __m256i h0 = (__m256i)_mm512_cvtneps_pbh(y0);
-    const __m256i h1 = (__m256i)_mm512_cvtneps_pbh(y1);
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(at),
-                        _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1));
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(at), to_bf16(y0, y1));
   }
 }
 
