@@ -362,6 +362,10 @@ inline void configure_tiles() {
     config.colsb[t] = 64;
     config.rows[t] = 16;
   }
+  // GCC 12 has dropped the colsb stores before ldtilecfg where this was inlined into a
+  // function with no other use of config (the instruction then faults): the barrier makes
+  // every store land first.
+  asm volatile("" : : "r"(&config) : "memory");
   _tile_loadconfig(&config);
 }
 
