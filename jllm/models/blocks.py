@@ -142,5 +142,5 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, ctx: StepContext, kv_caches):
         h, kv_caches = self.self_attn(self.input_layernorm(x), ctx, kv_caches)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x), ctx), kv_caches
+        x, normed = self.post_attention_layernorm.add(x, h)
+        return x + self.mlp(normed, ctx), kv_caches

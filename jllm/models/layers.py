@@ -20,7 +20,7 @@ from flax import nnx
 
 from jllm.config import batch_invariant
 from jllm.lora.layers import lora_delta
-from jllm.models import bf16_matmul, f32_matmul, invariant
+from jllm.models import bf16_matmul, f32_matmul, invariant, layer_ops
 from jllm.quantization.weights import QuantizedWeight, matmul
 
 
@@ -247,6 +247,8 @@ class RMSNorm(nnx.Module):
         self.unit_offset = unit_offset
 
     def __call__(self, x):
+        if layer_ops.applies(x.dtype):
+            return layer_ops.rms_norm(x, self.weight[...], self.eps, self.unit_offset)
         x32 = x.astype(jnp.float32)
         if batch_invariant.enabled():  # one summation order whatever the rows
             # and a correctly rounded 1 / sqrt: XLA's vectorized rsqrt (an estimate refined
@@ -259,3 +261,11 @@ class RMSNorm(nnx.Module):
         if self.unit_offset:
             return (normed * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return normed.astype(x.dtype) * self.weight[...]
+
+    def add(self, x, h):
+        """(x + h, the norm of it): the residual add and the norm after it, in one pass on
+        the CPU kernel where it runs (layer_ops.py)."""
+        if layer_ops.applies(x.dtype):
+            return layer_ops.add_rms_norm(x, h, self.weight[...], self.eps, self.unit_offset)
+        x = x + h
+        return x, self(x)

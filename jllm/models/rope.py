@@ -23,6 +23,8 @@ from dataclasses import dataclass, replace
 import jax.numpy as jnp
 import numpy as np
 
+from jllm.models import layer_ops
+
 
 @dataclass(frozen=True)
 class RopeConfig:
@@ -181,8 +183,11 @@ def apply_rope(x, positions, rope: RopeConfig):
         freqs = pos * inv_freq[None, :]
     else:
         freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, R/2]
-    cos = (jnp.cos(freqs) * rope.attention_scaling)[:, None, :]
-    sin = (jnp.sin(freqs) * rope.attention_scaling)[:, None, :]
+    cos = jnp.cos(freqs) * rope.attention_scaling
+    sin = jnp.sin(freqs) * rope.attention_scaling
+    if x.ndim == 3 and layer_ops.applies(x.dtype):
+        return layer_ops.rope(x, cos, sin)
+    cos, sin = cos[:, None, :], sin[:, None, :]
     half = inv_freq.shape[0]
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half : 2 * half].astype(jnp.float32)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
