@@ -6,10 +6,11 @@ kernels' machinery (pallas_kernels/cpu/build.py). XLA's CPU backend runs a bf16 
 three passes over the rows (a float32 copy, the sum of squares, the scaling), the residual
 add before it as a fourth, and the rotary embedding as five; each kernel reads a row once.
 
-Where it runs (`applies`): where the bf16 layer products are the C++ kernels'
+Where they run (`applies`): where the bf16 layer products are the C++ kernels'
 (`bf16_matmul.applies`: the CPU backend, AVX512-BF16, one device), outside the
 batch-invariant mode (whose norm sums in `invariant.row_mean`'s order). Elsewhere, and on
-every other platform, the norm stays XLA's (`reference`).
+every other platform, the jnp forms in layers.py's RMSNorm and rope.py's `apply_rope` run
+(`reference` is the norm kernel's rounding written in jnp).
 
 The add's sum is rounded to bfloat16 before it is normalised (the residual stream as the
 layer carries it, and as transformers computes it); XLA may normalise the float32 sum it
@@ -44,7 +45,8 @@ ROPE = _kernel("CPU rotary embedding kernel", "JllmRope", "jllm_rope_cpu")
 
 
 def applies(dtype) -> bool:
-    """Whether a norm of `dtype` rows runs on the kernel here (checked at trace time)."""
+    """Whether the norms and rotary embeddings of `dtype` rows (with weights of that dtype)
+    run on the kernels here (checked at trace time)."""
     if jnp.dtype(dtype) != jnp.bfloat16 or batch_invariant.enabled():
         return False
     if not bf16_matmul.applies(dtype):
@@ -92,9 +94,11 @@ def add_rms_norm(x, h, w, eps: float, unit_offset: bool = False) -> tuple[jax.Ar
 def rope(x, cos, sin) -> jax.Array:
     """x [T, N, H] (bfloat16) rotated in the rotate-half layout by cos, sin [T, R] (float32,
     2 R <= H): [x1 c - x2 s, x2 c + x1 s] over the first 2 R dims, the rest as they are."""
-    t, _, h = x.shape
     if x.dtype != jnp.bfloat16 or x.ndim != 3:
-        raise ValueError(f"the CPU rotary embedding takes bfloat16 x [T, N, H], got {x.dtype}")
+        raise ValueError(
+            f"the CPU rotary embedding takes bfloat16 x [T, N, H], got {x.dtype} {x.shape}"
+        )
+    t, _, h = x.shape
     if cos.shape != sin.shape or cos.ndim != 2 or cos.shape[0] != t or 2 * cos.shape[1] > h:
         raise ValueError(f"cos and sin must be [{t}, R] with 2 R <= {h}, got {cos.shape}")
     out = jax.ShapeDtypeStruct(x.shape, x.dtype)

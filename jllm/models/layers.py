@@ -238,7 +238,8 @@ def gated_product(gate: Linear, up: Linear, x, ctx=None, act: str = "silu"):
 class RMSNorm(nnx.Module):
     """Over the last axis, in float32 (x [..., dim]). Llama's scales the normalised x, cast
     back to x's dtype, by `w`; Gemma's (`unit_offset`) scales it by `1 + w` in float32 and
-    casts after, as each family's checkpoints were trained."""
+    casts after, as each family's checkpoints were trained. Where the CPU's bf16 kernels run,
+    one pass of layer_ops.py's kernel (`add`: with the residual add before it)."""
 
     def __init__(self, dim: int, eps: float, dtype, unit_offset: bool = False):
         init = jnp.zeros if unit_offset else jnp.ones
@@ -246,8 +247,11 @@ class RMSNorm(nnx.Module):
         self.eps = eps
         self.unit_offset = unit_offset
 
+    def _on_kernel(self, x) -> bool:
+        return x.dtype == self.weight[...].dtype and layer_ops.applies(x.dtype)
+
     def __call__(self, x):
-        if layer_ops.applies(x.dtype):
+        if self._on_kernel(x):
             return layer_ops.rms_norm(x, self.weight[...], self.eps, self.unit_offset)
         x32 = x.astype(jnp.float32)
         if batch_invariant.enabled():  # one summation order whatever the rows
@@ -265,7 +269,7 @@ class RMSNorm(nnx.Module):
     def add(self, x, h):
         """(x + h, the norm of it): the residual add and the norm after it, in one pass on
         the CPU kernel where it runs (layer_ops.py)."""
-        if layer_ops.applies(x.dtype):
+        if self._on_kernel(x) and h.dtype == x.dtype and h.shape == x.shape:
             return layer_ops.add_rms_norm(x, h, self.weight[...], self.eps, self.unit_offset)
         x = x + h
         return x, self(x)
