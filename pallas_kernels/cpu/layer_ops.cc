@@ -75,16 +75,18 @@ inline __m512 widen16(__m256i v) {
 
 inline __m256i narrow16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 
+// The lanes of elements i .. min(i + 16, n) - 1.
+inline __mmask16 lanes(int64_t i, int64_t n) {
+  return n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
+}
+
 void norm_rows(const Norm& n, int64_t r0, int64_t r1, float* s) {
   const int64_t D = n.dim;
-  const auto lanes = [&](int64_t i) -> __mmask16 {
-    return D - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (D - i)) - 1);
-  };
   for (int64_t r = r0; r < r1; ++r) {
     const uint16_t* x = n.x + r * D;
     __m512 squares = _mm512_setzero_ps();
     for (int64_t i = 0; i < D; i += 16) {
-      const __mmask16 m = lanes(i);
+      const __mmask16 m = lanes(i, D);
       __m512 v = widen16(_mm256_maskz_loadu_epi16(m, x + i));
       if (n.h) {
         const __m256i total =
@@ -99,7 +101,7 @@ void norm_rows(const Norm& n, int64_t r0, int64_t r1, float* s) {
     const __m512 k = _mm512_set1_ps(scale), one = _mm512_set1_ps(1.0f);
     uint16_t* y = n.y + r * D;
     for (int64_t i = 0; i < D; i += 16) {
-      const __mmask16 m = lanes(i);
+      const __mmask16 m = lanes(i, D);
       const __m512 w = widen16(_mm256_maskz_loadu_epi16(m, n.w + i));
       const __m512 normed = _mm512_mul_ps(_mm512_loadu_ps(s + i), k);
       const __m512 out = n.unit_offset ? _mm512_mul_ps(normed, _mm512_add_ps(one, w))
@@ -154,7 +156,7 @@ void rope_rows(const Rope& p, int64_t t0, int64_t t1) {
       uint16_t* y = p.y + (t * p.heads + n) * H;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
       for (int64_t i = 0; i < R; i += 16) {
-        const __mmask16 m = R - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (R - i)) - 1);
+        const __mmask16 m = lanes(i, R);
         const __m512 a = widen16(_mm256_maskz_loadu_epi16(m, x + i));
         const __m512 b = widen16(_mm256_maskz_loadu_epi16(m, x + R + i));
         const __m512 cv = _mm512_maskz_loadu_ps(m, c + i), sv = _mm512_maskz_loadu_ps(m, s + i);
