@@ -31,7 +31,9 @@ logger = logging.getLogger(__name__)
 
 # This folder: the shared headers and the layer-product kernels.
 INCLUDE = os.path.dirname(os.path.abspath(__file__))
-HEADERS = tuple(os.path.join(INCLUDE, h) for h in ("cpu_pool.h", "cpu_fp8.h", "cpu_silu.h"))
+HEADERS = tuple(
+    os.path.join(INCLUDE, h) for h in ("cpu_pool.h", "cpu_fp8.h", "cpu_silu.h", "cpu_bf16.h")
+)
 # Every FfiKernel made in this process, for the checks that the package ships their sources.
 KERNELS: list[FfiKernel] = []
 

@@ -54,6 +54,7 @@
 #include "cpu_silu.h"  // this folder: silu_times
 #endif
 
+#include "cpu_bf16.h"  // this folder: bfloat16 conversions
 #include "cpu_pool.h"  // this folder: share_items
 #include "xla/ffi/api/ffi.h"
 
@@ -75,23 +76,11 @@ struct Product {
 };
 
 inline float widen(float v) { return v; }
-inline float widen(bf16 v) {
-  const uint32_t bits = uint32_t(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
+inline float widen(bf16 v) { return jllm_cpu::bf16_to_float(v); }
 
 // Rounded to nearest even, NaN kept a (quiet) NaN: XLA's conversion.
 inline void narrow(float v, float* to) { *to = v; }
-inline void narrow(float v, bf16* to) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, 4);
-  if (std::isnan(v))
-    *to = bf16((bits >> 16) | 0x40);
-  else
-    *to = bf16((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-}
+inline void narrow(float v, bf16* to) { *to = jllm_cpu::float_to_bf16(v); }
 
 #ifdef JLLM_F32_MATMUL
 

@@ -35,6 +35,7 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_bf16.h"
 #include "cpu_pool.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -42,21 +43,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-inline float widen(uint16_t v) {
-  const uint32_t bits = uint32_t(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-// float32 -> bfloat16, rounding to nearest even; a NaN stays a (quiet) NaN.
-inline uint16_t narrow(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  const uint32_t rounded = bits + 0x7fffu + ((bits >> 16) & 1u);
-  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
-  return uint16_t((nan ? bits | 0x400000u : rounded) >> 16);
-}
+inline float widen(uint16_t v) { return jllm_cpu::bf16_to_float(v); }
+inline uint16_t narrow(float f) { return jllm_cpu::float_to_bf16(f); }
 
 struct Norm {
   int64_t rows, dim;

@@ -26,6 +26,7 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_bf16.h"  // this folder: bfloat16 conversions
 #include "cpu_fp8.h"   // this folder: float8 decoding
 #include "cpu_pool.h"  // this folder: share_items
 #include "xla/ffi/api/ffi.h"
@@ -194,10 +195,7 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
     std::memcpy(xf.data(), x.untyped_data(), n * 4);
   } else if (x.element_type() == ffi::DataType::BF16) {
     const uint16_t* src = static_cast<const uint16_t*>(x.untyped_data());
-    for (int64_t k = 0; k < n; ++k) {
-      const uint32_t bits = uint32_t(src[k]) << 16;
-      std::memcpy(&xf[k], &bits, 4);
-    }
+    for (int64_t k = 0; k < n; ++k) xf[k] = jllm_cpu::bf16_to_float(src[k]);
   } else {
     return ffi::Error::InvalidArgument("x must be float32 or bfloat16");
   }

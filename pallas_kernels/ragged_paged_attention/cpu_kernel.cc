@@ -45,6 +45,7 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_bf16.h"  // pallas_kernels/cpu/: bfloat16 conversions
 #include "cpu_fp8.h"   // pallas_kernels/cpu/: float8 decoding
 #include "cpu_pool.h"  // pallas_kernels/cpu/: share_items
 #include "xla/ffi/api/ffi.h"
@@ -162,19 +163,8 @@ struct Bf16 {
     std::memcpy(&v, &bits, sizeof(v));
     return v;
   }
-  static float load(uint16_t x) {
-    const uint32_t bits = uint32_t(x) << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-  }
-  static uint16_t store(float f) {
-    uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffff) > 0x7f800000) return uint16_t((bits >> 16) | 0x40);  // NaN
-    bits += 0x7fff + ((bits >> 16) & 1);  // round to nearest even
-    return uint16_t(bits >> 16);
-  }
+  static float load(uint16_t x) { return jllm_cpu::bf16_to_float(x); }
+  static uint16_t store(float f) { return jllm_cpu::float_to_bf16(f); }
 };
 
 struct F32 {
