@@ -45,14 +45,18 @@ test-fast: lint docs
 	$(PY) -m pytest -q -m "not slow" tests
 
 # The C++ kernels' AVX-512 and AVX512-BF16 builds on a CPU without them, intrinsics from SIMDe
-# (apt-get install libsimde-dev): what they compute, not their speed (tools/avx512_emulation).
+# (apt-get install libsimde-dev), then the bf16 kernels' AMX builds, the tiles emulated too:
+# what they compute, not their speed (tools/avx512_emulation).
 AVX512_TESTS := tests/pallas_kernels/test_ragged_paged_attention.py tests/models/test_f32_matmul.py \
 	tests/pallas_kernels/test_ragged_paged_mla.py \
 	tests/models/test_bf16_matmul.py tests/models/test_fp8_kv_cache.py \
 	tests/models/test_attention_backends.py tests/model_loader/test_quantization.py \
-	tests/model_loader/test_awq_gptq.py tests/engine/test_bf16.py
+	tests/model_loader/test_awq_gptq.py tests/engine/test_bf16.py tests/models/test_layer_ops.py
+AMX_TESTS := tests/models/test_bf16_matmul.py tests/models/test_layer_ops.py \
+	tests/models/test_packing.py tests/engine/test_bf16.py
 test-avx512-emulated: $(VENV)/.installed-test
 	$(PY) -m pytest -q -p tools.avx512_emulation.plugin $(AVX512_TESTS)
+	JLLM_EMULATED_CPU=amx $(PY) -m pytest -q -p tools.avx512_emulation.plugin $(AMX_TESTS)
 
 bench: $(VENV)/.installed-test
 	$(PY) benchmarks/throughput.py

@@ -339,8 +339,12 @@ constexpr int64_t kAmxMinRows = JLLM_AMX_MIN_ROWS;
 constexpr int kAmxRows = 32;      // rows per tile of x: two A tiles of 16
 
 // The tile state must be granted to the process once (Linux's arch_prctl): false where the
-// kernel refuses it, and the vector loop runs everything.
+// kernel refuses it, and the vector loop runs everything. (The emulated tiles,
+// tools/avx512_emulation, need no grant.)
 bool amx_granted() {
+#ifdef JLLM_AVX512_EMULATION
+  return true;
+#endif
   static const bool granted = [] {
     constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;

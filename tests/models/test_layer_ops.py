@@ -19,6 +19,7 @@ from jllm.config import batch_invariant
 from jllm.models import bf16_matmul, layer_ops
 from jllm.models.layers import RMSNorm
 from jllm.models.rope import RopeConfig, apply_rope
+from pallas_kernels.cpu import build
 from pallas_kernels.cpu.build import EXACT_ORDER, FfiKernel
 
 BF16 = ml_dtypes.bfloat16
@@ -186,7 +187,8 @@ def test_rope_against_numpy(build, t, n, h, r):
 @FAST
 def test_apply_rope_takes_the_kernel_where_it_applies():
     """`apply_rope` on the kernel against its jnp path: the same bits (both fuse the same
-    multiply-adds)."""
+    multiply-adds). Under the AVX-512 emulation (tools/avx512_emulation) XLA's code is the
+    host's, not the emulated CPU's, and may fuse otherwise: there within a last bit."""
     if not layer_ops.applies(jnp.bfloat16):
         pytest.skip("the bf16 layer products are XLA's here")
     rope = RopeConfig(tuple(1.0 / 10000 ** (np.arange(0, 64, 2) / 64)), 1.0)
@@ -199,4 +201,10 @@ def test_apply_rope_takes_the_kernel_where_it_applies():
         jnp_path = jax.jit(lambda x, p: apply_rope(x, p, rope))
         assert "jllm_rope_cpu" not in jnp_path.lower(x, positions).as_text()
         want = jnp_path(x, positions)
-    np.testing.assert_array_equal(np.asarray(kernel(x, positions)), np.asarray(want))
+    got = np.asarray(kernel(x, positions)).astype(np.float32)
+    want = np.asarray(want).astype(np.float32)
+    if "-DJLLM_AVX512_EMULATION" in build.FLAGS:
+        np.testing.assert_allclose(got, want, rtol=2**-7, atol=2**-14)
+        assert np.mean(got != want) < 1e-3
+    else:
+        np.testing.assert_array_equal(got, want)

@@ -10,6 +10,7 @@
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -98,6 +99,33 @@ inline simde__m256bh _mm512_cvtneps_pbh(simde__m512 a) {
 }
 #endif
 
+// Fused multiply-adds, rounded once as the instructions are (SIMDe's portable form multiplies
+// and adds, two roundings where the kernels are built with -ffp-contract=off).
+namespace jllm_emulation {
+template <typename V, int N, typename F>
+inline V fused(V a, V b, V c, F f) {
+  float x[N], y[N], z[N], r[N];
+  std::memcpy(x, &a, sizeof(x));
+  std::memcpy(y, &b, sizeof(y));
+  std::memcpy(z, &c, sizeof(z));
+  for (int i = 0; i < N; ++i) r[i] = f(x[i], y[i], z[i]);
+  V out;
+  std::memcpy(&out, r, sizeof(r));
+  return out;
+}
+inline float fma_lane(float a, float b, float c) { return std::fma(a, b, c); }
+inline float fms_lane(float a, float b, float c) { return std::fma(a, b, -c); }
+}  // namespace jllm_emulation
+#undef _mm512_fmadd_ps
+#undef _mm512_fmsub_ps
+#undef _mm256_fmadd_ps
+#define _mm512_fmadd_ps(a, b, c) \
+  jllm_emulation::fused<simde__m512, 16>(a, b, c, jllm_emulation::fma_lane)
+#define _mm512_fmsub_ps(a, b, c) \
+  jllm_emulation::fused<simde__m512, 16>(a, b, c, jllm_emulation::fms_lane)
+#define _mm256_fmadd_ps(a, b, c) \
+  jllm_emulation::fused<simde__m256, 8>(a, b, c, jllm_emulation::fma_lane)
+
 // Masked loads and stores touch only the lanes their mask selects, as the instructions do.
 // SIMDe's own read and write back the whole vector, which races with another thread writing
 // the bytes past a row's end (the next row's first columns), and reads past a buffer's end.
@@ -127,3 +155,89 @@ inline void mask_storeu_ps(void* p, simde__mmask16 k, simde__m512 a) {
 #define _mm512_maskz_loadu_epi16 jllm_emulation::maskz_loadu_epi16
 #define _mm512_mask_storeu_epi16 jllm_emulation::mask_storeu_epi16
 #define _mm512_mask_storeu_ps jllm_emulation::mask_storeu_ps
+// Streaming (non-temporal) stores: plain aligned stores here.
+#ifndef _mm512_stream_ps
+#define _mm512_stream_ps(p, a) _mm512_store_ps(p, a)
+#endif
+#ifndef _mm512_stream_si512
+#define _mm512_stream_si512(p, a) _mm512_store_si512(p, a)
+#endif
+
+// The AMX tiles (AMX-TILE, AMX-BF16), for a build that emulates a CPU with them
+// (JLLM_EMULATED_CPU=amx, plugin.py): eight tiles of at most 16 rows of 64 bytes in each
+// thread, shaped by the last _tile_loadconfig, as the instructions are described in Intel's
+// manual. The tile intrinsics take the tile's number, as the real ones do.
+#if defined(__AMX_TILE__)
+namespace jllm_emulation {
+struct Tiles {
+  uint8_t rows[8] = {};
+  uint16_t colsb[8] = {};
+  alignas(64) uint8_t data[8][16][64] = {};
+};
+inline Tiles& tiles() {
+  thread_local Tiles t;
+  return t;
+}
+// LDTILECFG: palette 1's 64-byte layout (byte 0 the palette, bytes 16-47 each tile's bytes
+// per row, 48-63 its rows); every tile zeroed.
+inline void tile_loadconfig(const void* config) {
+  const uint8_t* c = static_cast<const uint8_t*>(config);
+  Tiles& t = tiles();
+  t = Tiles();
+  if (c[0] != 1) return;  // palette 0: no tiles configured
+  for (int i = 0; i < 8; ++i) {
+    std::memcpy(&t.colsb[i], c + 16 + 2 * i, 2);
+    t.rows[i] = c[48 + i];
+  }
+}
+// TILELOADD: the configured rows, colsb bytes each, stride bytes apart; the rest zero.
+inline void tile_loadd(int i, const void* base, long stride) {
+  Tiles& t = tiles();
+  std::memset(t.data[i], 0, sizeof(t.data[i]));
+  for (int r = 0; r < t.rows[i]; ++r)
+    std::memcpy(t.data[i][r], static_cast<const uint8_t*>(base) + r * stride, t.colsb[i]);
+}
+inline void tile_stored(int i, void* base, long stride) {
+  const Tiles& t = tiles();
+  for (int r = 0; r < t.rows[i]; ++r)
+    std::memcpy(static_cast<uint8_t*>(base) + r * stride, t.data[i][r], t.colsb[i]);
+}
+inline void tile_zero(int i) { std::memset(tiles().data[i], 0, sizeof(tiles().data[i])); }
+// A bfloat16 as the float32 of its bits; a denormal reads as zero (DAZ).
+inline float bf16_operand(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  if ((h & 0x7f80) == 0) h &= 0x8000;
+  return bits<float>(uint32_t(h) << 16);
+}
+inline float flush_denormal(float f) {
+  const uint32_t u = bits<uint32_t>(f);
+  return (u & 0x7f800000u) == 0 ? bits<float>(u & 0x80000000u) : f;
+}
+// TDPBF16PS: C[m][n] += A[m][2k] B[k][2n] + A[m][2k+1] B[k][2n+1] over the pairs k of A's
+// row, as two float32 multiply-adds in that order, round to nearest even, denormal results
+// flushed to zero (FTZ).
+inline void tile_dpbf16ps(int c, int a, int b) {
+  Tiles& t = tiles();
+  const int pairs = t.colsb[a] / 4, cols = t.colsb[c] / 4;
+  for (int m = 0; m < t.rows[c]; ++m) {
+    float* out = reinterpret_cast<float*>(t.data[c][m]);
+    for (int k = 0; k < pairs; ++k)
+      for (int n = 0; n < cols; ++n) {
+        float acc = out[n];
+        for (int h = 0; h < 2; ++h)
+          acc = flush_denormal(std::fma(bf16_operand(t.data[a][m] + 4 * k + 2 * h),
+                                        bf16_operand(t.data[b][k] + 4 * n + 2 * h), acc));
+        out[n] = acc;
+      }
+  }
+}
+}  // namespace jllm_emulation
+#define _tile_loadconfig(config) jllm_emulation::tile_loadconfig(config)
+#define _tile_loadd(t, base, stride) jllm_emulation::tile_loadd(t, base, stride)
+#define _tile_stream_loadd(t, base, stride) jllm_emulation::tile_loadd(t, base, stride)
+#define _tile_stored(t, base, stride) jllm_emulation::tile_stored(t, base, stride)
+#define _tile_zero(t) jllm_emulation::tile_zero(t)
+#define _tile_dpbf16ps(c, a, b) jllm_emulation::tile_dpbf16ps(c, a, b)
+#define _tile_release() (jllm_emulation::tiles() = jllm_emulation::Tiles())
+#endif
