@@ -19,7 +19,7 @@ from jllm.config import batch_invariant
 from jllm.models import bf16_matmul, layer_ops
 from jllm.models.layers import RMSNorm
 from jllm.models.rope import RopeConfig, apply_rope
-from pallas_kernels.cpu import build
+from pallas_kernels.cpu import build as cpu_build
 from pallas_kernels.cpu.build import EXACT_ORDER, FfiKernel
 
 BF16 = ml_dtypes.bfloat16
@@ -203,7 +203,7 @@ def test_apply_rope_takes_the_kernel_where_it_applies():
         want = jnp_path(x, positions)
     got = np.asarray(kernel(x, positions)).astype(np.float32)
     want = np.asarray(want).astype(np.float32)
-    if "-DJLLM_AVX512_EMULATION" in build.FLAGS:
+    if "-DJLLM_AVX512_EMULATION" in cpu_build.FLAGS:
         np.testing.assert_allclose(got, want, rtol=2**-7, atol=2**-14)
         assert np.mean(got != want) < 1e-3
     else:
