@@ -8,6 +8,9 @@ result can round differently when more rows share the call:
   reassociate floating-point adds;
 - rsqrt: its vector form (an estimate refined by a Newton step) and its scalar form round
   differently; 1 / sqrt is correctly rounded in both (RMSNorm takes it in the mode);
+- a * b + c: contracted into one fused multiply-add or not by the loop's shape (jax 0.12's
+  CPU backend contracts the rotary embedding's x1 * cos - x2 * sin for fewer than 8 rows and
+  not for more); `uncontracted` rounds each product alone;
 - exp: a router's softmax over 8 experts rounded one value differently for 1 token and for
   16 (the scalar exp of a short loop against the vector one); `exp_rows` runs it on one
   fixed block shape. (An exp written out in + and * is no cure: XLA fuses some
@@ -66,3 +69,10 @@ def _exp_block(block):
     neighbours (which would give it another loop shape), e.g. once a one-block map is
     inlined."""
     return jax.lax.optimization_barrier(jnp.exp(jax.lax.optimization_barrier(block)))
+
+
+def uncontracted(*products):
+    """The products as they are, each rounded to float32 before anything adds them: an
+    optimization barrier keeps them out of the fused loop that sums them, where XLA would
+    contract a product and a sum into one multiply-add for some shapes and not others."""
+    return jax.lax.optimization_barrier(products)

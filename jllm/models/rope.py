@@ -23,7 +23,8 @@ from dataclasses import dataclass, replace
 import jax.numpy as jnp
 import numpy as np
 
-from jllm.models import layer_ops
+from jllm.config import batch_invariant
+from jllm.models import invariant, layer_ops
 
 
 @dataclass(frozen=True)
@@ -190,7 +191,10 @@ def apply_rope(x, positions, rope: RopeConfig):
     cos, sin = cos[:, None, :], sin[:, None, :]
     half = inv_freq.shape[0]
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half : 2 * half].astype(jnp.float32)
-    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    terms = x1 * cos, x2 * sin, x2 * cos, x1 * sin
+    if batch_invariant.enabled():  # each term rounded alone for any number of rows
+        terms = invariant.uncontracted(*terms)
+    rotated = jnp.concatenate([terms[0] - terms[1], terms[2] + terms[3]], axis=-1)
     if rotated.shape[-1] < x.shape[-1]:
         rotated = jnp.concatenate([rotated, x[..., 2 * half :].astype(jnp.float32)], axis=-1)
     return rotated.astype(x.dtype)

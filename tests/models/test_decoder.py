@@ -101,7 +101,7 @@ def test_segments_answer_as_one_scan(seven_layers, monkeypatch):
     assert "layers" not in state and len(state["blocks"]) == 2
     assert state["blocks"][0][1]["mlp"]["up_proj"]["weight"].get_value().shape[0] == 3
     got = [o.outputs[0] for o in split.generate(prompts, params, use_tqdm=False)]
-    same_outputs(got, expected, logprob_tol=1e-5)
+    same_outputs(got, expected)  # logprobs to 1e-4: the plans fuse (and round) differently
 
     # Each kind's layers a KV-cache group of their own (b's a sliding window longer than any
     # context here): two caches of 4 and 3 layers, two block pools and tables; the same
@@ -117,7 +117,7 @@ def test_segments_answer_as_one_scan(seven_layers, monkeypatch):
     assert engine.scheduler.kv_cache.num_groups == 2
     for _ in range(2):
         got = [o.outputs[0] for o in groups.generate(prompts, params, use_tqdm=False)]
-        same_outputs(got, expected, logprob_tol=1e-5)
+        same_outputs(got, expected)
     assert engine.scheduler.kv_cache.prefix_hits > 0
 
 

@@ -1,7 +1,8 @@
 """The fixed-order reductions of the batch-invariant mode (models/invariant.py): a row's sum
 is the same bits whatever the number of rows, where XLA's own reduction of an RMSNorm's 576
 floats is not (it vectorizes differently from 8 rows on), and it is a sum within float32
-rounding; RMSNorm takes it in the mode."""
+rounding; RMSNorm takes it in the mode. The rotary embedding's products rounded alone (jax
+0.12 contracted them into multiply-adds for a few rows only)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from jllm.config import batch_invariant
 from jllm.models.invariant import exp_rows, row_sum
 from jllm.models.layers import RMSNorm
+from jllm.models.rope import RopeConfig, apply_rope
 
 
 @pytest.mark.parametrize("d", [64, 576, 100, 2048])
@@ -52,3 +54,26 @@ def test_exp_rows_is_the_same_for_any_row_count_and_alone(e):
         assert np.array_equal(np.asarray(f(x[:m])), full[:m])
     for i in range(0, 300, 13):
         assert np.array_equal(np.asarray(f(x[i : i + 1]))[0], full[i])
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_rope_in_the_mode_is_row_invariant_and_rotates(head_dim):
+    """x1 cos - x2 sin per row alike for 1 row and 256 (jax 0.12's CPU backend contracted it
+    into multiply-adds for fewer than 8 rows of 4 heads of 16: tests/engine/
+    test_batch_invariant.py's tiny Llama caught it), and still the rotation numpy computes."""
+    rng = np.random.default_rng(head_dim)
+    rope = RopeConfig(inv_freq=tuple(10000.0 ** -(np.arange(0, head_dim, 2) / head_dim)))
+    x = jnp.asarray(rng.standard_normal((256, 4, head_dim)), jnp.float32)
+    pos = jnp.asarray(rng.integers(0, 500, 256), jnp.int32)
+    with batch_invariant.scope(True):
+        f = jax.jit(lambda a, p: apply_rope(a, p, rope))
+        full = np.asarray(f(x, pos))
+        for m in (1, 2, 3, 7, 8, 64):
+            assert np.array_equal(np.asarray(f(x[:m], pos[:m])), full[:m])
+    half = head_dim // 2
+    angle = np.asarray(pos, np.float64)[:, None, None] * np.asarray(rope.inv_freq)
+    x1, x2 = np.asarray(x, np.float64)[..., :half], np.asarray(x, np.float64)[..., half:]
+    want = np.concatenate(
+        [x1 * np.cos(angle) - x2 * np.sin(angle), x2 * np.cos(angle) + x1 * np.sin(angle)], -1
+    )
+    np.testing.assert_allclose(full, want, atol=2e-4)

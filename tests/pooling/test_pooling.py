@@ -48,7 +48,9 @@ def test_a_prefix_cache_hit_embeds_the_same(embedder):
     )
     first, again = embedder.embed([text]), embedder.embed([text])
     assert again[0].num_cached_tokens > 0
-    np.testing.assert_array_equal(first[0].outputs.embedding, again[0].outputs.embedding)
+    # Not bitwise: XLA's CPU backend may contract the rotary embedding's multiply-adds for
+    # the few uncached rows and not for the whole prompt (the batch-invariant mode's are)
+    np.testing.assert_allclose(first[0].outputs.embedding, again[0].outputs.embedding, atol=1e-6)
 
 
 def test_use_activation_false_is_the_raw_state(embedder):
@@ -262,8 +264,8 @@ def test_mean_and_cls_pooling_match_sentence_transformers(llama_dir, tmp_path_fa
     args = llm.llm_engine.args
     assert not args.enable_chunked_prefill and not args.enable_prefix_caching
     again = llm.embed(texts[:1])
-    assert again[0].num_cached_tokens == 0
-    np.testing.assert_array_equal(again[0].outputs.embedding, outs[0].outputs.embedding)
+    assert again[0].num_cached_tokens == 0  # alone, the same to rounding (as above)
+    np.testing.assert_allclose(again[0].outputs.embedding, outs[0].outputs.embedding, atol=1e-6)
 
 
 @pytest.mark.slow
