@@ -8,9 +8,10 @@ result can round differently when more rows share the call:
   reassociate floating-point adds;
 - rsqrt: its vector form (an estimate refined by a Newton step) and its scalar form round
   differently; 1 / sqrt is correctly rounded in both (RMSNorm takes it in the mode);
-- a * b + c: contracted into one fused multiply-add or not by the loop's shape (jax 0.12's
-  CPU backend contracts the rotary embedding's x1 * cos - x2 * sin for fewer than 8 rows and
-  not for more); `uncontracted` rounds each product alone;
+- a * b + c: contracted into one fused multiply-add or not by the loop's shape (the rotary
+  embedding's x1 * cos - x2 * sin rounded apart for fewer than 8 rows of a tiny model's
+  heads and for more, jax 0.12 on an AVX2 CPU; an RMSNorm's squares into its sum, jax
+  0.11.2 there); `uncontracted` rounds each product alone;
 - exp: a router's softmax over 8 experts rounded one value differently for 1 token and for
   16 (the scalar exp of a short loop against the vector one); `exp_rows` runs it on one
   fixed block shape. (An exp written out in + and * is no cure: XLA fuses some

@@ -257,7 +257,8 @@ class RMSNorm(nnx.Module):
         if batch_invariant.enabled():  # one summation order whatever the rows
             # and a correctly rounded 1 / sqrt: XLA's vectorized rsqrt (an estimate refined
             # by Newton's step) and its scalar one differ in the last bit
-            var = invariant.row_mean(x32 * x32)
+            (squares,) = invariant.uncontracted(x32 * x32)
+            var = invariant.row_mean(squares)
             normed = x32 * (1.0 / jnp.sqrt(var + self.eps))
         else:
             var = jnp.mean(x32 * x32, axis=-1, keepdims=True)

@@ -58,8 +58,8 @@ def test_exp_rows_is_the_same_for_any_row_count_and_alone(e):
 
 @pytest.mark.parametrize("head_dim", [16, 64])
 def test_rope_in_the_mode_is_row_invariant_and_rotates(head_dim):
-    """x1 cos - x2 sin per row alike for 1 row and 256 (jax 0.12's CPU backend contracted it
-    into multiply-adds for fewer than 8 rows of 4 heads of 16: tests/engine/
+    """x1 cos - x2 sin per row alike for 1 row and 256 (jax 0.12's CPU backend on an AVX2 CPU
+    rounded fewer than 8 rows of 4 heads of 16 apart from more: tests/engine/
     test_batch_invariant.py's tiny Llama caught it), and still the rotation numpy computes."""
     rng = np.random.default_rng(head_dim)
     rope = RopeConfig(inv_freq=tuple(10000.0 ** -(np.arange(0, head_dim, 2) / head_dim)))
