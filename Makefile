@@ -55,8 +55,9 @@ AVX512_TESTS := tests/pallas_kernels/test_ragged_paged_attention.py tests/models
 AMX_TESTS := tests/models/test_bf16_matmul.py tests/models/test_layer_ops.py \
 	tests/models/test_packing.py tests/engine/test_bf16.py
 test-avx512-emulated: $(VENV)/.installed-test
-	$(PY) -m pytest -q -p tools.avx512_emulation.plugin $(AVX512_TESTS)
-	JLLM_EMULATED_CPU=amx $(PY) -m pytest -q -p tools.avx512_emulation.plugin $(AMX_TESTS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -p tools.avx512_emulation.plugin $(AVX512_TESTS)
+	JLLM_EMULATED_CPU=amx $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile \
+		-p tools.avx512_emulation.plugin $(AMX_TESTS)
 
 bench: $(VENV)/.installed-test
 	$(PY) benchmarks/throughput.py
