@@ -49,7 +49,7 @@ def test_a_prefix_cache_hit_embeds_the_same(embedder):
     first, again = embedder.embed([text]), embedder.embed([text])
     assert again[0].num_cached_tokens > 0
     # Not bitwise: XLA's CPU backend may contract the rotary embedding's multiply-adds for
-    # the few uncached rows and not for the whole prompt (the batch-invariant mode's are)
+    # the few uncached rows and not for the whole prompt (the batch-invariant mode does not)
     np.testing.assert_allclose(first[0].outputs.embedding, again[0].outputs.embedding, atol=1e-6)
 
 
