@@ -344,12 +344,13 @@ constexpr int kAmxRows = 32;      // rows per tile of x: two A tiles of 16
 bool amx_granted() {
 #ifdef JLLM_AVX512_EMULATION
   return true;
-#endif
+#else
   static const bool granted = [] {
     constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
   return granted;
+#endif
 }
 
 struct alignas(64) TileConfig {
