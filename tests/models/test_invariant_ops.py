@@ -2,7 +2,7 @@
 is the same bits whatever the number of rows, where XLA's own reduction of an RMSNorm's 576
 floats is not (it vectorizes differently from 8 rows on), and it is a sum within float32
 rounding; RMSNorm takes it in the mode. The rotary embedding's products rounded alone (jax
-0.12 contracted them into multiply-adds for a few rows only)."""
+0.12 on an AVX2 CPU rounded a few rows' rotation apart from more rows')."""
 
 from __future__ import annotations
 
