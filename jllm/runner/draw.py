@@ -220,15 +220,20 @@ def filtered_draw(p, top_k, top_p, min_p, sampled, keys):
     tp = top_p[:, None]
     filtered = sampled & ((k[:, 0] < V) | (top_p < 1.0) | (min_p > 0.0))
 
-    def with_candidates():
+    def candidates():
         token, exact = candidate_draw(p, total, k, tp, keys)
-        exact = exact | ~sampled
-        return jax.lax.cond(
-            jnp.all(exact),
-            lambda: token,
-            lambda: jnp.where(exact, token, vocab_draw(p, total, k, tp, keys)),
-        )
+        return token, exact | ~sampled
 
+    def no_candidates():  # every sampled row takes the vocabulary path
+        return jnp.zeros(sampled.shape, jnp.int32), ~sampled
+
+    # One vocabulary path in the program, after the candidates, where there were two (in
+    # each branch of whether any row is filtered): the draw is about half of a sampler's
+    # compile; a 16-row sampler traced 624 equations instead of 793 and compiled in about
+    # 1.45 s instead of 1.7 (2-core Zen 3, a tiny Llama with SmolLM2's 49152 tokens).
+    token, exact = jax.lax.cond(jnp.any(filtered), candidates, no_candidates)
     return jax.lax.cond(
-        jnp.any(filtered), with_candidates, lambda: vocab_draw(p, total, k, tp, keys)
+        jnp.all(exact),
+        lambda: token,
+        lambda: jnp.where(exact, token, vocab_draw(p, total, k, tp, keys)),
     )
