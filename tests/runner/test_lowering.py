@@ -244,4 +244,7 @@ def test_config_only_shapes_lower_for_the_accelerator(config_only, platform, spl
             sharding = named_sharding(mesh, axes, shape)
             caches.append(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
     n = lower_every_step(runner, layout, params, tuple(caches), mesh, platform, ends_only=True)
-    assert n == 3 + 2 and layout.shapes()[len(layout.shapes()) // 2] == (64,)
+    assert n == 3 + 2
+    # the token axis 1 .. 2048 (its middle 64) and the sample rows 1 .. 256
+    assert len(layout.shapes()) == 12 and len(layout.sample_buckets) == 9
+    assert layout.shapes()[len(layout.shapes()) // 2] == (64,)
