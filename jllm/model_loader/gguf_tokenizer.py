@@ -10,7 +10,6 @@ converter. Tests check encodings, special tokens and the chat template against
 """
 
 from transformers import PreTrainedTokenizerFast
-from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
 from jllm.model_loader.gguf_io import GgufFile
 
@@ -24,6 +23,9 @@ _SPECIAL_TOKENS = {
 
 def gguf_tokenizer(gf: GgufFile) -> PreTrainedTokenizerFast:
     """The tokenizer a GGUF file describes, chat template included."""
+    # Imported here: older transformers lack these names, and only GGUF models need them.
+    from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
     meta = gf.metadata
     if "tokenizer.ggml.tokens" not in meta:
         raise ValueError(
