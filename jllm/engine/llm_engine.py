@@ -315,12 +315,19 @@ class LLMEngine:
             copies = 2 * sched_cfg.max_num_seqs
             self.runner.state_copies = StateCopies(state_pools, copies, replicated(m.mesh))
         compiling = time.perf_counter()
-        # The caches are zeroed on a thread while the steps compile against their shapes.
-        with ThreadPoolExecutor(1, "jllm-kv-cache") as pool:
-            allocated = pool.submit(allocate_kv_caches, specs)
+        if platform == "gpu":
+            # XLA's GPU autotuner runs candidate kernels on the device while compiling, with
+            # buffers of its own: the steps compile before the cache takes the memory.
             self._attach_kv_caches(specs, num_blocks, draft)
             self.runner.compile_all()
-            caches = allocated.result()
+            caches = allocate_kv_caches(specs)
+        else:
+            # The caches are zeroed on a thread while the steps compile against their shapes.
+            with ThreadPoolExecutor(1, "jllm-kv-cache") as pool:
+                allocated = pool.submit(allocate_kv_caches, specs)
+                self._attach_kv_caches(specs, num_blocks, draft)
+                self.runner.compile_all()
+                caches = allocated.result()
         self._attach_kv_caches(caches, num_blocks, draft)
         if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
             log_split(m.mesh, m.state, caches[0], m.kv_replicas, m.stage_layers)
