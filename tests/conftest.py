@@ -54,6 +54,9 @@ def _release_executables():
 def tokenizer_dir(tmp_path_factory) -> str:
     """A Hugging Face tokenizer directory made offline from the embedded GGUF's tokenizer
     (the one fixture for every test; no skip: `make test` installs the model)."""
+    saved = os.environ.get("JLLM_TEST_TOKENIZER_DIR")  # the GPU run's copy (benchmarks/gpu)
+    if saved:
+        return saved
     path = str(tmp_path_factory.mktemp("smollm2-tokenizer"))
     resolve_model(None).load_tokenizer().save_pretrained(path)
     return path

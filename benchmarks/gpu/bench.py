@@ -68,12 +68,12 @@ def fixed(rng, n, n_in, n_out, vocab):
     return [(rng.integers(0, vocab, n_in).tolist(), n_out) for _ in range(n)]
 
 
-def workload(name, rng, vocab, dry):
-    """One workload's (prompt ids, max_tokens) requests."""
+def workload(name, rng, vocab, dry, n=1000):
+    """One workload's (prompt ids, max_tokens) requests; n of them for the batch workloads."""
     if name == "sharegpt":
-        return sharegpt(rng, 16 if dry else 1000, vocab, 8 if dry else 1)
+        return sharegpt(rng, 16 if dry else n, vocab, 8 if dry else 1)
     if name == "random":
-        return fixed(rng, 16 if dry else 1000, 64 if dry else 1024, 16 if dry else 128, vocab)
+        return fixed(rng, 16 if dry else n, 64 if dry else 1024, 16 if dry else 128, vocab)
     if name == "single":
         return fixed(rng, 1, 16 if dry else 128, 32 if dry else 512, vocab)
     return fixed(rng, 1, 128 if dry else 2048, 1, vocab)
@@ -81,7 +81,8 @@ def workload(name, rng, vocab, dry):
 
 def requests(args, vocab, seed=0):
     rng = np.random.default_rng(seed)
-    return {name: workload(name, rng, vocab, args.dry_run) for name in args.workloads}
+    n = args.num_prompts
+    return {name: workload(name, rng, vocab, args.dry_run, n) for name in args.workloads}
 
 
 def read_only_weight_bytes(state) -> int:
@@ -206,6 +207,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="llama-3.1-8b", help="a folder in benchmarks/gpu/configs")
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    ap.add_argument("--num-prompts", type=int, default=1000, help="sharegpt's and random's")
     ap.add_argument("--hf-requests", type=int, default=256, help="requests the peer runs")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--max-num-seqs", type=int, default=256)

