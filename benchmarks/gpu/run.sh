@@ -33,6 +33,7 @@ if [ -z "${SKIP_TESTS:-}" ] && [[ " $* " != *" --dry-run "* ]]; then
   "$PY" -m pytest -q -m gpu -p no:cacheprovider -rA \
     tests/pallas_kernels/test_ragged_paged_attention_gpu.py \
     tests/pallas_kernels/test_ragged_paged_mla.py tests/pallas_kernels/test_gated_delta_rule.py \
+    tests/pallas_kernels/test_batch_invariant_kernels.py \
     tests/models/test_attention_backends.py 2>&1 | tee "$OUT/tests.log"
   status=${PIPESTATUS[0]}
 fi

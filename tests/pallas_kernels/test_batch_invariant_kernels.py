@@ -2,12 +2,16 @@
 share the call. Attention: one query's output is the same as a decode row alone, as the last
 or a middle row of a prefill chunk, and beside other requests, on the C++ kernel's scalar
 (head dim 16) and vector (64) routines and on the Pallas TPU and GPU kernels in interpret
-mode, float32 and bf16, with and without a window; the layer
-products (float32, its gated form and its transposed LM head; bf16): row 0 of 1..M rows.
-The engine-level property is tests/engine/test_batch_invariant.py."""
+mode (the GPU kernel compiled for the device too, `gpu`-marked), float32 and bf16, with
+and without a window; the layer products (float32, its gated form and its transposed LM
+head; bf16): row 0 of 1..M rows. The engine-level property is
+tests/engine/test_batch_invariant.py."""
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -35,6 +39,9 @@ FLAVOURS = {
     "gpu": lambda *a, **kw: ragged_paged_attention_gpu(
         *a, **kw, interpret=True, batch_invariant=True
     ),
+    "gpu-device": lambda *a, **kw: jax.jit(
+        functools.partial(ragged_paged_attention_gpu, batch_invariant=True, **kw)
+    )(*a),
 }
 
 
@@ -80,8 +87,18 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("flavour,h,dtype,window", CASES)
+ON_GPU = [
+    pytest.param("gpu-device", h, dtype, window, marks=pytest.mark.gpu)
+    for h in (64, 128)
+    for dtype in (F32, BF16)
+    for window in (None, 20)
+]
+
+
+@pytest.mark.parametrize("flavour,h,dtype,window", CASES + ON_GPU)
 def test_attention_row_is_the_same_in_any_layout(flavour, h, dtype, window):
+    if flavour == "gpu-device" and jax.devices()[0].platform != "gpu":
+        pytest.skip("needs a CUDA GPU (benchmarks/gpu/run.sh runs it)")
     rng = np.random.default_rng(7)
     q_rows = [rng.standard_normal((L, N, h)).astype(np.float32) for _ in range(3)]
     probe = L - 1
