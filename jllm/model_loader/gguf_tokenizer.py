@@ -21,10 +21,17 @@ _SPECIAL_TOKENS = {
 }
 
 
+_INIT_KEYS = ("chat_template", "add_bos_token", "add_eos_token")
+
+
 def gguf_tokenizer(gf: GgufFile) -> PreTrainedTokenizerFast:
     """The tokenizer a GGUF file describes, chat template included."""
-    # Imported here: older transformers lack these names, and only GGUF models need them.
-    from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    # Imported here, only GGUF models need them; transformers moved them from `ggml` to
+    # `gguf` during 5.x (5.17, the GPU machine's, has them in `ggml` only).
+    try:
+        from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    except ImportError:
+        from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
     meta = gf.metadata
     if "tokenizer.ggml.tokens" not in meta:
@@ -40,7 +47,9 @@ def gguf_tokenizer(gf: GgufFile) -> PreTrainedTokenizerFast:
         }
         for group, keys in GGUF_TOKENIZER_MAPPING.items()
     }
-    tokenizer_dict, init_kwargs = groups["tokenizer"], groups["tokenizer_config"]
+    tokenizer_dict = groups["tokenizer"]
+    # The tokenizer's own options; older tables also copy the special ids and model type here.
+    init_kwargs = {k: v for k, v in groups["tokenizer_config"].items() if k in _INIT_KEYS}
     if tokenizer_dict.get("tokenizer_type") == "llama":
         # sentencepiece files written before the flag existed: llama.cpp adds BOS for them
         init_kwargs.setdefault("add_bos_token", True)
@@ -49,6 +58,6 @@ def gguf_tokenizer(gf: GgufFile) -> PreTrainedTokenizerFast:
         token_id = meta.get(key)
         init_kwargs[name] = tokens[token_id] if token_id is not None else None
     backend, extra_kwargs = convert_gguf_tokenizer(gf.architecture, tokenizer_dict)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, name_or_path=gf.path, **init_kwargs, **extra_kwargs
-    )
+    # The file's special tokens over the converter's defaults (older converters set some).
+    kwargs = {**extra_kwargs, **init_kwargs}
+    return PreTrainedTokenizerFast(tokenizer_object=backend, name_or_path=gf.path, **kwargs)
