@@ -321,6 +321,8 @@ class LLMEngine:
             self._attach_kv_caches(specs, num_blocks, draft)
             self.runner.compile_all()
             caches = allocate_kv_caches(specs)
+            if args.enforce_eager:  # later compiles find the memory taken: XLA's defaults
+                self.runner.table.compiler_options = {"xla_gpu_autotune_level": 0}
         else:
             # The caches are zeroed on a thread while the steps compile against their shapes.
             with ThreadPoolExecutor(1, "jllm-kv-cache") as pool:
@@ -432,7 +434,7 @@ class LLMEngine:
         done = time.perf_counter()
         logger.info(
             "Engine ready in %.1f seconds: loading the model %.1f s, sizing the KV cache "
-            "(profile) %.1f s, compiling (while the cache is allocated) %.1f s, the rest %.1f s.",
+            "(profile) %.1f s, compiling and allocating the cache %.1f s, the rest %.1f s.",
             done - start,
             loaded - start,
             compiling - sizing,

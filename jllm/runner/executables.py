@@ -22,6 +22,8 @@ class ExecutableTable:
     def __init__(self, mesh) -> None:
         self.mesh = mesh
         self.guard = False
+        # XLA options for what compiles from now on (an eager GPU engine's: no autotuning)
+        self.compiler_options: dict | None = None
         self._table: dict[tuple, object] = {}
 
     def get(self, kind: str, detail, lower: Callable[[], object]):
@@ -33,7 +35,7 @@ class ExecutableTable:
             if self.guard:
                 raise CompileAfterWarmupError(f"{kind} {detail} was not compiled at start-up")
             with jax.set_mesh(self.mesh):
-                exe = lower().compile()
+                exe = lower().compile(compiler_options=self.compiler_options)
             # Start-up compiles on several threads; a key compiled twice keeps the first.
             exe = self._table.setdefault(key, exe)
         return exe

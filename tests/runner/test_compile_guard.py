@@ -101,3 +101,22 @@ def test_no_compile_after_warmup_with_prompt_embeds(llama_dir):
         outs = llm.generate(prompts, params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6, 6]
     assert events == []
+
+
+def test_the_tables_compiler_options_reach_xla():
+    """An eager GPU engine compiles later steps without XLA's autotuner (the cache holds the
+    memory it would time candidates in): the table's options go to every compile."""
+    import jax
+    import jax.numpy as jnp
+
+    from jllm.runner.executables import ExecutableTable
+
+    table = ExecutableTable(jax.make_mesh((1,), ("model",), devices=jax.devices()[:1]))
+    lower = jax.jit(lambda x: x * 2).lower
+    x = jnp.ones(4)
+    assert table.get("plain", 0, lambda: lower(x))(x).tolist() == [2.0] * 4
+    table.compiler_options = {"xla_embed_ir_in_executable": True}  # one every backend takes
+    assert table.get("with options", 0, lambda: lower(x))(x).tolist() == [2.0] * 4
+    table.compiler_options = {"no_such_xla_option": 1}
+    with pytest.raises(Exception, match="no_such_xla_option"):
+        table.get("a bad option", 0, lambda: lower(x))
