@@ -46,25 +46,44 @@ def serving(model: str, *extra: str):
         engine.shutdown()
 
 
-def free_port() -> int:
-    """A free port below the kernel's ephemeral range. A port the kernel hands out for port 0
-    and takes back can go to any outgoing connection (JAX's coordination clients, the step
-    channel) before a server started with it binds: CI saw `address already in use`."""
+_HANDED_OUT: set[int] = set()  # this process's picks: two picks never overlap
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:  # no SO_REUSEADDR: a port in TIME_WAIT counts as taken
+        try:
+            s.bind(("0.0.0.0", port))  # as the servers bind: taken on any address is taken
+        except OSError:
+            return False
+    return True
+
+
+def free_port(span: int = 1) -> int:
+    """The first of `span` free ports in a row (a multi-process engine's step channel is on
+    master_port + 1), outside the kernel's ephemeral range. A port the kernel hands out for
+    port 0 and takes back can go to any outgoing connection (JAX's coordination clients, the
+    step channel) before a server started with it binds: CI saw `address already in use`."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
+            low, high = (int(x) for x in f.read().split()[:2])
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    # Below the range (not the well-known ports), else above it: wherever 1024 ports fit.
+    ranges = [
+        (a, b)
+        for a, b in ((max(1024, low - 16384), low - span + 1), (high + 1, 65536 - span + 1))
+        if b - a >= 1024
+    ]
     rng = random.SystemRandom()
-    for _ in range(200):
-        port = rng.randrange(max(1024, low - 16384), low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below the ephemeral range")
+    for _ in range(200 if ranges else 0):
+        first = rng.randrange(*rng.choice(ranges))
+        ports = range(first, first + span)
+        if not _HANDED_OUT.intersection(ports) and all(_bindable(p) for p in ports):
+            _HANDED_OUT.update(ports)
+            return first
+    with socket.socket() as s:  # no room outside the range: the kernel's pick, as before
+        s.bind(("0.0.0.0", 0))
+        return s.getsockname()[1]
 
 
 class RunningServer:

@@ -38,7 +38,7 @@ def start(rank: int, model: str, port: int, mode: str, env=None, stdout=None) ->
 
 def run_two(model: str, mode: str, env=None) -> tuple[list, list[str]]:
     """Both processes to the end: (process 0's TOKENS, the two logs)."""
-    port = free_port()
+    port = free_port(span=2)  # the coordinator and the step channel
     procs = [start(rank, model, port, mode, env) for rank in (0, 1)]
     logs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)
@@ -58,7 +58,7 @@ def test_two_stages_equal_one_until_one_is_lost(tiny_models, one_process, tmp_pa
     same path as under TP: its step cannot be sent). (TP = 4 across both with explicit
     addresses, and a follower that stops with process 0: test_lora_across_processes.)"""
     model = tiny_models["llama-h8kv2"]
-    port = free_port()
+    port = free_port(span=2)  # the coordinator and the step channel
     follower_out = tmp_path / "follower.log"  # a file: nobody reads it while process 0 runs
     with open(follower_out, "w") as f:
         leader = start(0, model, port, "slurm+crash-pp")
@@ -123,7 +123,7 @@ def serve_two(model: str, parallel: list[str], nodes=None) -> tuple[list[subproc
     --nnodes, --node-rank and master address)."""
     import os
 
-    port, api_port = free_port(), free_port()
+    port, api_port = free_port(span=2), free_port()  # the coordinator, the step channel
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
 
     def jllm_nodes(port, rank):
