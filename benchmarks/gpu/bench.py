@@ -199,10 +199,12 @@ def tiny_config(out_dir: str) -> str:
     return path
 
 
-def profile_decode(llm, vocab, out_dir, steps=32, top=25):
-    """One request's decode under JAX's profiler (a Perfetto trace in out_dir/profile): the
-    device's and the host's ops by total time over `steps` tokens, per step, printed. Where a
-    decode step's time goes past its weight reads (the first GPU run: ~0.3 ms a layer)."""
+def profile_decode(llm, vocab, out_dir, steps=32, top=20):
+    """One request's decode under JAX's profiler (its trace in out_dir/profile), printed per
+    generated token: each device and host thread's busy time, then the ops of the device's
+    op line (`XLA Ops`, else its busiest thread). Threads overlap and a thread's spans may
+    nest, so no two rows add up; the first token's prefill is in the totals. Where a decode
+    step's time goes past its weight reads (the first GPU run: ~0.3 ms a layer)."""
     import collections
     import glob
     import gzip
@@ -212,33 +214,42 @@ def profile_decode(llm, vocab, out_dir, steps=32, top=25):
     prompt = np.random.default_rng(2).integers(0, vocab, 128).tolist()
     run_jllm(llm, [(prompt, 8)], "profile warm-up", 1.0)
     trace_dir = os.path.join(out_dir, "profile")
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+    with jax.profiler.trace(trace_dir):
         run_jllm(llm, [(prompt, steps)], "profiled", 1.0)
     found = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))
     if not found:
-        print("profile: no Perfetto trace written")
+        print("profile: no trace written")
         return
     with gzip.open(found[-1], "rt") as f:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    names = {}  # pid -> process name: the device's streams against the host's threads
+    process, thread = {}, {}
     for e in events:
         if e.get("ph") == "M" and e.get("name") == "process_name":
-            names[e["pid"]] = e.get("args", {}).get("name", "")
-    totals, counts = collections.Counter(), collections.Counter()
+            process[e["pid"]] = e.get("args", {}).get("name", "")
+        if e.get("ph") == "M" and e.get("name") == "thread_name":
+            thread[(e["pid"], e["tid"])] = e.get("args", {}).get("name", "")
+    busy, ops = collections.Counter(), collections.defaultdict(collections.Counter)
+    calls = collections.defaultdict(collections.Counter)
     for e in events:
         if e.get("ph") == "X" and "dur" in e:
-            where = "device" if "/device:" in names.get(e["pid"], "") else "host"
-            key = (where, e["name"][:90])
-            totals[key] += e["dur"]
-            counts[key] += 1
-    for where in ("device", "host"):
-        rows = [(k, v) for k, v in totals.items() if k[0] == where]
-        total = sum(v for _, v in rows)
-        print(f"\nprofile, {where}: {total / 1e3 / steps:.3f} ms a step over {steps} steps")
-        print("| op | ms a step | calls a step |\n|---|---|---|")
-        for (_, name), us in sorted(rows, key=lambda r: -r[1])[:top]:
-            print(f"| {name} | {us / 1e3 / steps:.3f} | {counts[(where, name)] / steps:.1f} |")
+            line = (process.get(e["pid"], "?"), thread.get((e["pid"], e["tid"]), "?"))
+            busy[line] += e["dur"]
+            ops[line][e["name"][:90]] += e["dur"]
+            calls[line][e["name"][:90]] += 1
+    print(f"\nprofile: {steps} tokens; ms per token")
+    print("| process | thread | busy |\n|---|---|---|")
+    for (proc, name), us in busy.most_common(12):
+        print(f"| {proc} | {name} | {us / 1e3 / steps:.3f} |")
+    device = [line for line in busy if "/device:" in line[0]]
+    named = [line for line in device if line[1] == "XLA Ops"]
+    pick = named[0] if named else max(device, key=busy.get, default=None)
+    if pick is None:
+        return
+    print(f"\nprofile: {pick[0]} {pick[1]}, its ops, ms per token")
+    print("| op | ms | calls |\n|---|---|---|")
+    for name, us in ops[pick].most_common(top):
+        print(f"| {name} | {us / 1e3 / steps:.3f} | {calls[pick][name] / steps:.1f} |")
 
 
 def fmt(x, spec):
@@ -337,14 +348,16 @@ def main() -> None:
         print(name, "jllm", json.dumps(results[name]["jllm"]), flush=True)
         if name in peer:
             results[name]["hf"] = peer[name]
-    if args.profile:
-        profile_decode(llm, vocab, args.out or tempfile.mkdtemp())
-    llm.llm_engine.shutdown()
-
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump({"info": info, "results": results}, f, indent=1)
+    if args.profile:  # after the results are safe: a failed trace loses nothing else
+        try:
+            profile_decode(llm, vocab, args.out or tempfile.mkdtemp())
+        except Exception as e:  # noqa: BLE001 - reported, the table still prints
+            print(f"profile failed: {type(e).__name__}: {e}")
+    llm.llm_engine.shutdown()
 
     print()
     print(
