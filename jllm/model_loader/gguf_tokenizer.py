@@ -26,12 +26,20 @@ _INIT_KEYS = ("chat_template", "add_bos_token", "add_eos_token")
 
 def gguf_tokenizer(gf: GgufFile) -> PreTrainedTokenizerFast:
     """The tokenizer a GGUF file describes, chat template included."""
-    # Imported here, only GGUF models need them; transformers moved them from `ggml` to
-    # `gguf` during 5.x (5.17, the GPU machine's, has them in `ggml` only).
+    # Imported here: only GGUF models need them. transformers 5.18 moved them to
+    # `integrations.gguf`; 5.17's converter (in `ggml`) builds a byte-level BPE vocabulary
+    # (SmolLM2's) as a sentencepiece one with byte fallback, which encodes the same but which
+    # grammar backends read as other bytes: so not that one.
     try:
         from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
     except ImportError:
-        from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+        import transformers
+
+        raise ImportError(
+            f"{gf.path}: a GGUF file's tokenizer needs transformers>=5.18 (this is "
+            f"{transformers.__version__}); upgrade it, or pass tokenizer= a Hugging Face "
+            "tokenizer directory or hub id for this model."
+        ) from None
 
     meta = gf.metadata
     if "tokenizer.ggml.tokens" not in meta:
@@ -59,5 +67,7 @@ def gguf_tokenizer(gf: GgufFile) -> PreTrainedTokenizerFast:
         init_kwargs[name] = tokens[token_id] if token_id is not None else None
     backend, extra_kwargs = convert_gguf_tokenizer(gf.architecture, tokenizer_dict)
     # The file's special tokens over the converter's defaults (older converters set some).
-    kwargs = {**extra_kwargs, **init_kwargs}
+    # No clean-up of spaces in decoding, as llama.cpp (transformers before 5.2x cleaned up
+    # by default: "a ." decoded as "a.").
+    kwargs = {**extra_kwargs, **init_kwargs, "clean_up_tokenization_spaces": False}
     return PreTrainedTokenizerFast(tokenizer_object=backend, name_or_path=gf.path, **kwargs)
