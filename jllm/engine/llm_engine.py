@@ -315,10 +315,10 @@ class LLMEngine:
             copies = 2 * sched_cfg.max_num_seqs
             self.runner.state_copies = StateCopies(state_pools, copies, replicated(m.mesh))
         compiling = time.perf_counter()
+        self._attach_kv_caches(specs, num_blocks, draft)  # the shapes the steps compile for
         if platform == "gpu":
             # XLA's GPU autotuner runs candidate kernels on the device while compiling, with
             # buffers of its own: the steps compile before the cache takes the memory.
-            self._attach_kv_caches(specs, num_blocks, draft)
             self.runner.compile_all()
             caches = allocate_kv_caches(specs)
             if args.enforce_eager:  # later compiles find the memory taken: XLA's defaults
@@ -327,7 +327,6 @@ class LLMEngine:
             # The caches are zeroed on a thread while the steps compile against their shapes.
             with ThreadPoolExecutor(1, "jllm-kv-cache") as pool:
                 allocated = pool.submit(allocate_kv_caches, specs)
-                self._attach_kv_caches(specs, num_blocks, draft)
                 self.runner.compile_all()
                 caches = allocated.result()
         self._attach_kv_caches(caches, num_blocks, draft)

@@ -21,9 +21,6 @@ _SPECIAL_TOKENS = {
 }
 
 
-_INIT_KEYS = ("chat_template", "add_bos_token", "add_eos_token")
-
-
 def gguf_tokenizer(gf: GgufFile) -> PreTrainedTokenizerFast:
     """The tokenizer a GGUF file describes, chat template included."""
     # Imported here: only GGUF models need them. transformers 5.18 moved them to
@@ -55,9 +52,7 @@ def gguf_tokenizer(gf: GgufFile) -> PreTrainedTokenizerFast:
         }
         for group, keys in GGUF_TOKENIZER_MAPPING.items()
     }
-    tokenizer_dict = groups["tokenizer"]
-    # The tokenizer's own options; older tables also copy the special ids and model type here.
-    init_kwargs = {k: v for k, v in groups["tokenizer_config"].items() if k in _INIT_KEYS}
+    tokenizer_dict, init_kwargs = groups["tokenizer"], groups["tokenizer_config"]
     if tokenizer_dict.get("tokenizer_type") == "llama":
         # sentencepiece files written before the flag existed: llama.cpp adds BOS for them
         init_kwargs.setdefault("add_bos_token", True)
@@ -66,8 +61,6 @@ def gguf_tokenizer(gf: GgufFile) -> PreTrainedTokenizerFast:
         token_id = meta.get(key)
         init_kwargs[name] = tokens[token_id] if token_id is not None else None
     backend, extra_kwargs = convert_gguf_tokenizer(gf.architecture, tokenizer_dict)
-    # The file's special tokens over the converter's defaults (older converters set some).
-    # No clean-up of spaces in decoding, as llama.cpp (transformers before 5.2x cleaned up
-    # by default: "a ." decoded as "a.").
-    kwargs = {**extra_kwargs, **init_kwargs, "clean_up_tokenization_spaces": False}
-    return PreTrainedTokenizerFast(tokenizer_object=backend, name_or_path=gf.path, **kwargs)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, name_or_path=gf.path, **init_kwargs, **extra_kwargs
+    )
