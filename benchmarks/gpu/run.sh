@@ -7,24 +7,13 @@
 #   bash benchmarks/gpu/run.sh --dry-run              # a tiny config on any device (the CPU)
 #   SKIP_TESTS=1 bash benchmarks/gpu/run.sh ...       # the benchmark alone
 #
-# Wheels of packages the machine lacks can sit in .whl/ (installed with --no-deps first).
+# Wheels of packages the machine lacks can sit in .whl/, the tests' tokenizer in .tok/ (env.sh).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-benchmarks/gpu/logs}"
 PY="${PYTHON:-python3}"
 mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/jllm-site \
-    .whl/*.whl || exit 1
-  export PYTHONPATH="/tmp/jllm-site:${PYTHONPATH:-}"
-fi
-export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
-# The tests' tokenizer, saved where the embedded model is installed (its 94 MB wheel is over
-# the device tool's 64 MiB): python -c "from jllm.model_loader import resolve_model;
-# resolve_model(None).load_tokenizer().save_pretrained('.tok')"
-if [ -d .tok ] && [ -z "${JLLM_TEST_TOKENIZER_DIR:-}" ]; then
-  export JLLM_TEST_TOKENIZER_DIR="$PWD/.tok"
-fi
+source benchmarks/gpu/env.sh
 "$PY" -c "import jax, flax; print('JAX', jax.__version__, 'flax', flax.__version__, jax.devices())" \
   2>&1 | tee "$OUT/devices.log" || exit 1
 

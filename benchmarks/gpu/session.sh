@@ -30,16 +30,7 @@ PY="${PYTHON:-python3}"
 STAGES="${STAGES:-profile dslice cmdbuf tests}"
 MODEL="${MODEL:-llama-3.1-8b}"
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/jllm-site \
-    .whl/*.whl || exit 1
-  export PYTHONPATH="/tmp/jllm-site:${PYTHONPATH:-}"
-fi
-export PYTHONPATH="$PWD:${PYTHONPATH:-}"
-if [ -d .tok ] && [ -z "${JLLM_TEST_TOKENIZER_DIR:-}" ]; then
-  export JLLM_TEST_TOKENIZER_DIR="$PWD/.tok"
-fi
+source benchmarks/gpu/env.sh
 T0=$(date +%s)
 elapsed() { echo "$(( $(date +%s) - T0 )) s"; }
 dry=()
