@@ -573,15 +573,17 @@ class EngineCore:
         return status is not None
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
+        """vLLM's order: an EOS or stop token ends the request as "stop" even when it is also
+        the last token max_tokens or the context allows; below min_tokens neither ends it
+        (the sampler masks them there)."""
         p = req.sampling_params
+        if req.num_output_tokens >= p.min_tokens:
+            last = req.output_token_ids[-1]
+            if not p.ignore_eos and last == req.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if last in p.all_stop_token_ids:
+                req.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
         if req.reached_length(self.max_model_len):
             return RequestStatus.FINISHED_LENGTH_CAPPED
-        if req.num_output_tokens < p.min_tokens:
-            return None
-        last = req.output_token_ids[-1]
-        if not p.ignore_eos and last == req.eos_token_id:
-            return RequestStatus.FINISHED_STOPPED
-        if last in p.all_stop_token_ids:
-            req.stop_reason = last
-            return RequestStatus.FINISHED_STOPPED
         return None

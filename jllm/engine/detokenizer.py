@@ -9,10 +9,11 @@ produced, holding back text that ends in an incomplete UTF-8 character. A slow t
 window is decoded by vLLM's rule for slow tokenizers, which is where
 `spaces_between_special_tokens` applies (vLLM's fast path ignores it, and so does jllm's).
 
-Stop strings: after each piece of text, the first stop string in the request's order that
-occurs in it ends the sequence (vLLM's rule). Only one that ends in the new piece can be new,
-so the scan looks up the stop strings by their last character at each new character: its cost
-follows the text, not the length of the stop list. Host-side only: no JAX import.
+Stop strings: after each piece of text, the stop string that completes earliest in it ends
+the sequence, ties going to the request's order (vLLM's rule). Only one that ends in the new
+piece can be new, so the scan looks up the stop strings by their last character at each new
+character: its cost follows the text, not the length of the stop list.
+Host-side only: no JAX import.
 """
 
 from __future__ import annotations
@@ -127,21 +128,16 @@ class IncrementalDetokenizer:
         return max(0, len(self.text) - self._max_stop_len + 1)
 
     def _check_stop(self, new_from: int) -> str | None:
-        """The first stop string (in the list's order) that ends at or past `new_from`: any
-        earlier one would have ended the sequence already. The text is cut at it."""
-        text, best = self.text, None
+        """The stop string that completes earliest at or past `new_from` (ties: the first in
+        the list's order), as vLLM's `check_stop_strings` picks it, so several characters
+        at once (a token of several, speculative tokens) end where one at a time would.
+        One that completed before `new_from` either ended the sequence already or completed
+        while min_tokens held the check off, and does not count. The text is cut at it."""
+        text = self.text
         for end in range(new_from, len(text)):
-            for i, stop in self._by_last.get(text[end], ()):
-                if best is not None and i >= best[0]:
-                    break
+            for _, stop in self._by_last.get(text[end], ()):  # in the list's order
                 begin = end - len(stop) + 1
                 if begin >= 0 and text.startswith(stop, begin):
-                    best = (i, stop)
-                    break
-        if best is None:
-            return None
-        stop = best[1]
-        # Its first occurrence in the window of the stop strings' length.
-        idx = text.find(stop, max(0, new_from - self._max_stop_len + 1))
-        self.text = text[: idx + len(stop) if self.include_stop else idx]
-        return stop
+                    self.text = text[: end + 1 if self.include_stop else begin]
+                    return stop
+        return None

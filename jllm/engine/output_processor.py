@@ -279,8 +279,9 @@ class OutputProcessor:
             if detok is None or (core_reason == "stop" and not p.include_stop_str_in_output):
                 continue
             stop = detok.update(token)
-            if stop is not None and core_reason is None:
-                # Ends here: the core's tokens after this one are dropped.
+            if stop is not None:
+                # Ends here, as "stop" whatever the core said of this token (a stop string
+                # its last allowed token completes): the core's tokens after it are dropped.
                 seq.finish_reason, seq.stop_reason = "stop", stop
                 return True
         if out.finished:

@@ -145,7 +145,7 @@ class Processor:
                 f"your prompt contains {len(ids)} input tokens, which exceeds this limit even "
                 "without any output tokens. Please reduce the length of the input prompt."
             )
-        self.validate(ids, params)
+        self.validate(ids, params, generate=not pooling)
         return ProcessedPrompt(text, ids, salt)
 
     def _process_embeds(self, prompt: dict, params, salt) -> ProcessedPrompt:
@@ -192,7 +192,9 @@ class Processor:
         self.validate(ids, params)
         return ProcessedPrompt(text, ids, salt, mm_items=items)
 
-    def validate(self, ids: list[int], params: SamplingParams) -> None:
+    def validate(self, ids: list[int], params: SamplingParams, generate: bool = True) -> None:
+        """`generate`: a request that generates (a pooling request's prompt may fill the
+        whole context; one that generates must leave room for a token, vLLM's rule)."""
         if not ids:
             raise ValueError("The prompt cannot be empty.")
         if any(t < 0 or t >= self.vocab_size for t in ids):
@@ -202,6 +204,13 @@ class Processor:
                 f"The decoder prompt (length {len(ids)}) is longer than the maximum model "
                 f"length of {self.max_model_len}. Make sure that `max_model_len` is no "
                 "smaller than the number of text tokens plus the tokens to generate."
+            )
+        if generate and len(ids) == self.max_model_len:
+            raise ValueError(
+                f"The decoder prompt (length {len(ids)}) plus the number of requested output "
+                f"tokens (at least 1) is longer than the maximum model length of "
+                f"{self.max_model_len}. Make sure that `max_model_len` is no smaller than the "
+                "number of text tokens (prompt + requested output tokens)."
             )
         if params.routed_experts_prompt_start > len(ids):
             raise ValueError(

@@ -139,16 +139,22 @@ def test_ids_past_a_fast_tokenizers_vocabulary_decode_to_nothing(tok, stream):
 
 
 def scan_by_every_stop(pieces: list[str], stops: list[str], include: bool):
-    """The stop-string rule checked the plain way: after each piece, every stop string in
-    order searched over the window its length allows; (the text, the stop found)."""
-    text, longest = "", max(map(len, stops))
+    """The stop-string rule checked the plain way (vLLM's `check_stop_strings`): after each
+    piece, every stop string searched from where one could end in the piece; the one that
+    completes earliest wins, ties to the list's order; (the text, the stop found)."""
+    text = ""
     for piece in pieces:
-        start = max(0, len(text) - longest + 1)
         text += piece
+        if not piece:
+            continue
+        best = None  # (end, stop, begin)
         for stop in stops:
-            idx = text.find(stop, start)
-            if idx != -1:
-                return text[: idx + len(stop) if include else idx], stop
+            idx = text.find(stop, max(0, len(text) + 1 - len(piece) - len(stop)))
+            if idx != -1 and (best is None or idx + len(stop) < best[0]):
+                best = (idx + len(stop), stop, idx)
+        if best is not None:
+            end, stop, begin = best
+            return text[: end if include else begin], stop
     return text, None
 
 
@@ -161,7 +167,7 @@ def scan_by_every_stop(pieces: list[str], stops: list[str], include: bool):
 def test_indexed_stop_scan_equals_the_plain_one(pieces, stops, include):
     """The detokenizer finds stop strings by their last character at each new character; it
     must stop where (and with the string) a search of every stop string over the window
-    would: the first in the list's order, text cut at its first occurrence."""
+    would: the one that completes earliest, ties to the list's order."""
     params = SamplingParams(stop=stops, include_stop_str_in_output=include)
     d = IncrementalDetokenizer(SlowTokenizer(), [], params, stream=False)
     found = None

@@ -69,13 +69,13 @@ def test_text_is_the_full_decode(tok, per_step):
 
 def cut_at(tok, ids: list[int], stops: list[str], include: bool):
     """The reference: the first token whose prefix decodes to text holding a stop string,
-    the first such string in the list, and the text cut there."""
+    the string that completes earliest there (ties to the list's order), the text cut there."""
     for n in range(1, len(ids) + 1):
         text = tok.decode(ids[:n])
-        for stop in stops:
-            if stop in text:
-                end = text.index(stop) + (len(stop) if include else 0)
-                return ids[:n], text[:end], stop
+        found = [(text.index(s) + len(s), i, s) for i, s in enumerate(stops) if s in text]
+        if found:
+            end, _, stop = min(found)
+            return ids[:n], text[: end if include else end - len(stop)], stop
     raise AssertionError("no stop string is in the text")
 
 
@@ -113,16 +113,31 @@ def test_the_cores_eos_or_stop_token_shows_only_when_included(tok, include):
     assert got.stop_reason is None
 
 
-def test_length_on_the_token_completing_a_stop_string_stays_length(tok):
-    """The core's finish wins on its own token (as when the core checked both), but the
-    text is still cut at the stop string, and nothing is sent back to abort."""
+def test_the_last_allowed_token_completing_a_stop_string_ends_as_stop(tok):
+    """vLLM's rule: a stop string wins over the core's "length" on the token that completes
+    it (the max_tokens-th): finish "stop" with the string, the text cut there, and nothing
+    sent back to abort (the core has ended the request)."""
     ids = tok.encode("one two three")
     proc = OutputProcessor(tok)
     add(proc, max_tokens=len(ids), stop=["three"])
     steps = run(proc, "r", ids, last="length")
     got = final(steps).outputs[0]
-    assert got.text == "one two " and got.finish_reason == "length" and got.stop_reason is None
+    assert got.text == "one two " and got.finish_reason == "stop" and got.stop_reason == "three"
     assert not any(s.reqs_to_abort for s in steps)
+
+
+def test_the_stop_string_completing_earliest_wins(tok):
+    """Two stop strings completed by one token's text: the one that ends first, whatever
+    the list's order (vLLM's `check_stop_strings`); ties go to the list's order."""
+    ids = tok.encode("one two three")
+    proc = OutputProcessor(tok)
+    add(proc, max_tokens=10, stop=["hree", "th"])  # " three" completes "th" first
+    got = final(run(proc, "r", ids)).outputs[0]
+    assert (got.text, got.stop_reason) == ("one two ", "th")
+    proc = OutputProcessor(tok)
+    add(proc, rid="s", max_tokens=10, stop=["two", "o two"])  # both end at one place
+    got = final(run(proc, "s", ids)).outputs[0]
+    assert (got.text, got.stop_reason) == ("one ", "two")
 
 
 @pytest.mark.parametrize("n", [1, 2])
