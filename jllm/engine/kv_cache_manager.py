@@ -399,6 +399,8 @@ class KVCacheManager:
             for g, (manager, _, hit) in enumerate(groups):
                 taken[self.pool_of[g]] += grow[g] + manager.pool.num_reused_free(hit)
             if any(n > pool.num_free for n, pool in zip(taken, self.pools, strict=True)):
+                if not any(blocks):  # a waiting request holds nothing: no entry either
+                    del self.req_blocks[req.request_id]
                 return None
             # Every group's hits first: a fresh block of one group must not evict a free
             # block that another group of its pool is about to take as a hit.
@@ -440,9 +442,9 @@ class KVCacheManager:
         self.weight_updates += 1
         self.root = hashlib.sha256(ROOT_KEY + b"weights:%d" % self.weight_updates).digest()
         for req in requests:
-            if req.request_id in self.req_blocks:
+            if any(self.req_blocks.get(req.request_id, ())):
                 self.stale.add(req.request_id)
-            else:
+            else:  # its keys chain from the old root: a hit on them reads old weights' KV
                 req.block_hashes.clear()
 
     def _cache_full_blocks(self, req: Request, blocks, num_tokens: int, step_end: int) -> None:
@@ -485,7 +487,13 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash (the host tier's too); refused (False) while any
-        request holds blocks."""
+        request holds blocks. Snapshots of linear-attention state not copied yet (the last
+        step's, copied before the next step's forward) are dropped with their keys."""
+        if any(any(blocks) for blocks in self.req_blocks.values()):
+            return False
+        for manager in self.managers:
+            if isinstance(manager, StateManager):
+                manager.discard_pending()
         if not self.all_blocks_free:
             return False
         for pool in self.pools:

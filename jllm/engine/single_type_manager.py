@@ -225,6 +225,14 @@ class StateManager(SingleTypeManager):
                 keep.append((live, slot, end))
         self.snapshots = keep
 
+    def discard_pending(self) -> None:
+        """Drop the snapshots not copied yet, their slots and keys (a prefix-cache reset with
+        no request holding a slot: nothing reads them)."""
+        for _, slot, _ in self.ready + self.snapshots:
+            self.pool.uncache(slot)
+            self.pool.release([slot])
+        self.ready, self.snapshots = [], []
+
     def take_copies(self) -> list[tuple[int, int]]:
         """The copies the step being handed on makes before its forward, in order: the
         snapshots of the step before it (which has run by then), then its own loads. Their

@@ -115,6 +115,7 @@ class HostKVCache(RunnerManager):
     def apply(self, runner, writes) -> None:
         """The stores, and the loads into pools of blocks (not per-request state)."""
         stores, loads = writes
+        self.flush()  # the earlier steps' stores: every load of this step reads them
         early = [c for c in loads if c[0] not in self.state_pools]
         if stores or early:
             runner.kv_cache = self.copy(runner.table, runner.kv_cache, stores, early)
@@ -124,8 +125,8 @@ class HostKVCache(RunnerManager):
         (runner/state_copies.py), which may read that slot first: a snapshot's source that
         its request freed before the copy ran."""
         late = [c for c in writes[1] if c[0] in self.state_pools]
-        if late:
-            runner.kv_cache = self.copy(runner.table, runner.kv_cache, [], late)
+        if late:  # before this step's stores are written: one may reuse the host slot read
+            runner.kv_cache = self.copy(runner.table, runner.kv_cache, [], late, flush=False)
 
     def encode(self, writes) -> list:
         return [[[int(x) for x in copy] for copy in copies] for copies in writes]
@@ -163,10 +164,14 @@ class HostKVCache(RunnerManager):
                 array[:, host_ids] = np.asarray(blocks)[:, : len(host_ids)]
         self._pending = []
 
-    def copy(self, table, caches: tuple, stores, loads) -> tuple:
+    def copy(self, table, caches: tuple, stores, loads, flush: bool = True) -> tuple:
         """Start this step's stores ((pool, device block, host block) each) and make its
-        loads ((pool, host block, device block) each); returns the updated caches."""
-        self.flush()
+        loads ((pool, host block, device block) each); returns the updated caches. The
+        loads read the host arrays before the stores started here are written, with
+        `flush` after those of earlier calls (the host tier may hand a store the host block
+        a load of the same step reads: `HostKVTier.store`)."""
+        if flush:
+            self.flush()
         caches = list(caches)
         for pool in self.arrays:
             mine = [(d, h) for p, d, h in stores if p == pool]

@@ -436,3 +436,24 @@ def test_without_same_step_hits_a_block_is_a_hit_from_the_next_step(windows):
         kv.free(d)
         kv.begin_step()
         assert kv.get_computed_blocks(req("e", other)) == (kv.no_blocks(), 0)
+
+
+def test_a_request_that_waited_for_blocks_across_a_weight_update_takes_no_old_hit():
+    """A waiting request whose admission found the pool short holds nothing; a weight
+    update must then drop its keys (chained from the old root) rather than keep them as a
+    running request's, or its admission hits blocks the old weights computed."""
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    a = req("a", list(range(12)))
+    kv.allocate_slots(a, 12)
+    a.num_computed_tokens = 12
+    hog = req("hog", [500 + i for i in range(16)])
+    assert kv.allocate_slots(hog, 16) is not None  # the pool is full
+    w = req("w", [*range(12), 7, 7, 7, 7, 7])
+    hit, n = kv.get_computed_blocks(w)
+    assert n == 12 and kv.allocate_slots(w, 5, hit) is None  # it waits
+    assert "w" not in kv.req_blocks
+    kv.new_weights([a, hog, w])
+    assert kv.stale == {"a", "hog"}
+    kv.free(a)
+    kv.free(hog)
+    assert kv.get_computed_blocks(w)[1] == 0

@@ -4,7 +4,8 @@ window and a recurrent state per request beside full-attention layers, against a
 numpy oracle over each whole sequence: greedy tokens equal and logprobs within 1e-4, alone,
 with chunked prefill (the state carried across chunks, decode rows beside prefill chunks),
 under preemption (the slot freed, the request recomputed from zero state), one step ahead
-(async scheduling), and with prefix caching on without state snapshots (no hits taken)."""
+(async scheduling), and with prefix caching on without state snapshots (no hits taken);
+with snapshots, a sleep forgets them, and the host tier never loads another prompt's."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import state_family
 from oracle import SMALL, generate, prompt_ids
 
-from jllm import LLM
+from jllm import LLM, SamplingParams
 from jllm.kv_cache_interface import FullAttentionSpec, MambaSpec
 from jllm.models.state import build_state_metadata
 from jllm.spec_decode import check_state_speculation
@@ -152,3 +153,45 @@ def test_draft_models_are_refused_with_state(method):
     check_state_speculation(config, (full,))
     check_state_speculation(None, (state,))
     check_state_speculation(SimpleNamespace(method="ngram"), (state, full))
+
+
+def test_sleep_forgets_state_snapshots_the_last_step_took(state_dir):
+    """The last step's snapshot is copied before the next step's forward, so after a run
+    its slot is still held: a prefix-cache reset (sleep's) must drop it with its key, not be
+    refused and leave keys that point at released memory after wake_up."""
+    llm = LLM(state_dir, **{**SMALL, "dtype": "float32"}, enable_sleep_mode=True)
+    prompt = prompt_ids(1, 100, seed=3, vocab=512)
+    params = SamplingParams(temperature=0.0, max_tokens=29, ignore_eos=True, logprobs=1)
+    first = generate(llm, prompt, params)  # its last decode snapshots at 128 tokens
+    assert_oracle(state_dir, prompt, first)
+    assert llm.reset_prefix_cache()
+    again = generate(llm, prompt, params)
+    llm.sleep(level=1)
+    kv, pool = _state_pool(llm)
+    assert not pool.cached and kv.all_blocks_free
+    assert llm.wake_up() is not False
+    woken = generate(llm, prompt, params)
+    assert again[0].num_cached_tokens == woken[0].num_cached_tokens == 0
+    assert_oracle(state_dir, prompt, woken)
+
+
+def test_a_host_state_load_reads_its_snapshot_not_a_store_of_its_own_step(state_dir):
+    """One host slot for state snapshots: the request loading the snapshot from there
+    evicts a device snapshot when it takes its live slot, whose store reuses that host
+    slot in the same step; the load must read the snapshot, not the store."""
+    base = {**SMALL, "dtype": "float32", "max_num_seqs": 2}
+    probe = LLM(state_dir, **base, kv_offloading_size=0.01)
+    per_slot = 0.01 / probe.llm_engine.scheduler.kv_cache.state_host.num_blocks
+    del probe
+    llm = LLM(state_dir, **base, kv_offloading_size=per_slot * 1.5)
+    kv = llm.llm_engine.scheduler.kv_cache
+    assert kv.state_host.num_blocks == 1
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    prompt = prompt_ids(1, 90, seed=7, vocab=512)
+    generate(llm, prompt, params)
+    for seed in (8, 9, 10):  # its snapshot at 64 goes to the host
+        generate(llm, prompt_ids(1, 70, seed=seed, vocab=512), params)
+    prompts = [prompt_ids(1, 20, seed=30, vocab=512)[0], prompt[0]]
+    outs = generate(llm, prompts, params)
+    assert outs[1].num_cached_tokens == 64 and kv.state_host.loads == 1
+    assert_oracle(state_dir, prompts, outs)
