@@ -76,10 +76,22 @@ class EncoderCache:
         self.held.pop(req_id, None)
 
     def drop_idle(self) -> None:
-        """Forget every image no request holds (new weights: their embeddings are stale)."""
+        """Forget every image no request holds."""
         for h in self.idle:
             self.free.extend(self.slot_of.pop(h))
         self.idle.clear()
+
+    def new_weights(self) -> None:
+        """The encoder's weights changed: every embedding is stale, held ones too. All are
+        forgotten: a request admitted now, or a holder's next chunk, encodes its image
+        anew. A page given back here is written by a later step's encoder only, which
+        runs after any step in flight that still reads it."""
+        self.drop_idle()
+        for pages in self.slot_of.values():
+            self.free.extend(pages)
+        self.slot_of.clear()
+        self.holders.clear()
+        self.held.clear()
 
     @property
     def usage(self) -> float:

@@ -467,3 +467,21 @@ def test_scheduler_invariants(s):
     if sched.encoder_cache is not None:
         assert not any(sched.encoder_cache.holders.values())
     assert runner.num_rows > 0
+
+
+def test_new_weights_forget_held_image_embeddings_too():
+    """After a weight update no image embedding the old encoder computed is found again,
+    not even one a running request holds: a request admitted after the update (and the
+    holder's next chunk) encodes the image anew; the pages all come back."""
+    cache = EncoderCache(num_pages=4, page_tokens=16)
+    assert cache.acquire("running", b"img", 20) == ((0, 1), True)
+    cache.acquire("idle", b"other", 16)
+    cache.release_all("idle")
+    cache.new_weights()
+    assert len(cache.free) == 4 and cache.usage == 0.0
+    pages, new = cache.acquire("admitted after", b"img", 20)
+    assert new and len(pages) == 2
+    assert cache.acquire("running", b"img", 20) == (pages, False)
+    cache.release_all("running")  # its own pages went back with the update: nothing twice
+    cache.release_all("admitted after")  # idle, cached for the new weights
+    assert sorted(cache.free + list(cache.slot_of[b"img"])) == [0, 1, 2, 3]
