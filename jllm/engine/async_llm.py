@@ -167,23 +167,27 @@ class AsyncLLM:
         """ "abort": every request ends now (finish reason "abort"); "wait": they finish
         first; both refuse new requests (EnginePausedError, a 503) until
         `resume_generation`. "keep": requests freeze where they are and new ones queue;
-        all go on after resume with the outputs they would have had. `clear_cache` forgets
-        the cached prefixes once nothing runs (ignored under "keep")."""
+        all go on after resume with the outputs they would have had. `clear_cache` resets
+        the caches once the pause is complete, as vLLM: the cached prefixes are forgotten
+        and, under "keep", the frozen requests lose their KV blocks and are recomputed on
+        resume (with the weights installed meanwhile)."""
         check_pause_mode(mode)  # before new requests are refused
         if mode != "keep":
             self._refuse_new = True
-        await self.call_utility("pause_scheduler", mode, clear_cache and mode == "abort")
+        await self.call_utility("pause_scheduler", mode, clear_cache)
         if mode == "wait":
             while await self.call_utility("has_unfinished_requests"):
                 await asyncio.sleep(0.01)
             if clear_cache:
-                await self.call_utility("reset_prefix_cache")
+                await self.call_utility("reset_prefix_cache", True)
         # The ended requests' final outputs reach their streams before this returns.
         await asyncio.sleep(0.02)
 
     async def resume_generation(self) -> None:
-        self._refuse_new = False
+        """Resume after `pause_generation`; refused (RuntimeError) while asleep: `wake_up`
+        resumes then."""
         await self.call_utility("resume_scheduler")
+        self._refuse_new = False
 
     async def is_paused(self) -> bool:
         return await self.call_utility("is_scheduler_paused")
@@ -199,7 +203,11 @@ class AsyncLLM:
             self._refuse_new = False
 
     async def wake_up(self, tags: list[str] | None = None) -> bool:
-        return await self.call_utility("wake_up", tags)
+        """Fully awake, the engine schedules again: new requests are taken too."""
+        awake = await self.call_utility("wake_up", tags)
+        if awake:
+            self._refuse_new = False
+        return awake
 
     async def is_sleeping(self) -> bool:
         return await self.call_utility("is_sleeping")
@@ -207,8 +215,13 @@ class AsyncLLM:
     async def release_kv_cache_memory(self) -> None:
         await self.call_utility("release_kv_cache_memory")
 
-    async def reset_prefix_cache(self) -> bool:
-        return await self.call_utility("reset_prefix_cache")
+    async def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        """`LLM.reset_prefix_cache`."""
+        return await self.call_utility(
+            "reset_prefix_cache", reset_running_requests, reset_connector
+        )
 
     async def init_weight_transfer_engine(self, request=None) -> None:
         self.engine.init_weight_transfer_engine(request)

@@ -188,10 +188,22 @@ class EngineCore:
             return False
         return bool(self._compiling) or self.scheduler.has_unfinished_requests()
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
         """Forget every cached prefix block; False, and nothing forgotten, while requests
-        run (a utility call: it runs between steps)."""
-        return self.scheduler.kv_cache.reset_prefix_cache()
+        run, unless `reset_running_requests`: then the running requests are preempted first
+        (recomputed when next scheduled) and the reset cannot fail. `reset_connector` is
+        vLLM's for an external KV connector; jllm has none, so there is nothing more to
+        reset (a utility call: it runs between steps)."""
+        del reset_connector  # no KV connector: nothing outside this engine holds its blocks
+        if not reset_running_requests:
+            return self.scheduler.kv_cache.reset_prefix_cache()
+        self._flush_in_flight()
+        self.scheduler.preempt_all()
+        if not self.scheduler.kv_cache.reset_prefix_cache():
+            raise RuntimeError("The prefix cache held blocks with every request preempted.")
+        return True
 
     # ---- RL: weight updates, pause, sleep (utility calls, between steps) ------------------
     def _weight_sync(self):
@@ -209,12 +221,12 @@ class EngineCore:
         """Install the session's weights: from the next step on every token is computed
         with them. Nothing computed with the old ones is reused: cached prefixes become
         unreachable (running requests go on with their own blocks but cache no more of
-        them), idle image embeddings are dropped, drafts are discarded."""
+        them), image embeddings are dropped (held ones too), drafts are discarded."""
         count = self._weight_sync().finish()
         sched = self.scheduler
         sched.kv_cache.new_weights(sched.requests.values())
         if sched.encoder_cache is not None:
-            sched.encoder_cache.drop_idle()
+            sched.encoder_cache.new_weights()
         for req in sched.running:
             req.spec_token_ids = []
         if weight_version is not None:
@@ -233,8 +245,10 @@ class EngineCore:
     def pause_scheduler(self, mode: str = "abort", clear_cache: bool = True) -> None:
         """vLLM's pause: "abort" ends every request (finish reason "abort"), "wait" lets
         them finish, and both leave new requests to the front end to refuse; "keep" freezes
-        them where they are until `resume_scheduler`. `clear_cache` forgets the cached
-        prefixes once nothing runs (not under "keep")."""
+        them where they are until `resume_scheduler`. `clear_cache` resets the caches as
+        vLLM's `_reset_caches` does: under "keep" the frozen requests are preempted (their
+        KV blocks go; they are recomputed on resume) and the cached prefixes forgotten;
+        under "wait" the front end resets once the requests have drained."""
         check_pause_mode(mode)
         if mode == "abort":
             stats, now = StepStats(), time.time()
@@ -250,10 +264,24 @@ class EngineCore:
             if stats.finished:
                 self._record(stats)
         self.pause_state = "all" if mode == "keep" else "new"
-        if clear_cache and mode != "keep":
-            self.scheduler.kv_cache.reset_prefix_cache()  # refused while requests run
+        if clear_cache and mode != "wait":
+            self._reset_caches()
+
+    def _reset_caches(self) -> None:
+        """vLLM's `_reset_caches` after a completed pause: nothing keeps a KV block and
+        no idle image embedding stays."""
+        self.reset_prefix_cache(reset_running_requests=True)
+        if self.scheduler.encoder_cache is not None:
+            self.scheduler.encoder_cache.drop_idle()
 
     def resume_scheduler(self) -> None:
+        """Schedule again; refused while the weights or the KV cache sleep (`wake_up`
+        brings them back and resumes), so a resume cannot run a step on freed memory."""
+        if self.weights is not None and self.weights.is_sleeping:
+            raise RuntimeError(
+                "The engine is asleep (sleep or release_kv_cache_memory): call wake_up, "
+                "which resumes scheduling once everything is back."
+            )
         self.pause_state = None
 
     def is_scheduler_paused(self) -> bool:
@@ -268,9 +296,7 @@ class EngineCore:
         self.pause_scheduler(mode, clear_cache=level >= 1)
         self.pause_state = "all"  # asleep: whatever arrives waits for wake_up
         if level >= 1:
-            self._flush_in_flight()
-            self.scheduler.preempt_all()
-            self.scheduler.kv_cache.reset_prefix_cache()
+            self._reset_caches()  # after "wait" too: the KV cache's memory goes
             self._weight_sync().sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> bool:

@@ -194,10 +194,16 @@ class LLM:
             results.append(BeamSearchOutput(best))
         return results
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
         """vLLM's: forget every cached prefix block (after changing weights, say, or for a
-        cold-cache measurement); False, and nothing forgotten, while requests run."""
-        return self.llm_engine.engine_core.call_utility("reset_prefix_cache")
+        cold-cache measurement); False, and nothing forgotten, while requests run, unless
+        `reset_running_requests` preempts them first (they are recomputed). jllm has no KV
+        connector, so `reset_connector` has nothing more to reset."""
+        return self.llm_engine.engine_core.call_utility(
+            "reset_prefix_cache", reset_running_requests, reset_connector
+        )
 
     # ---- RL: weight updates, sleep (vLLM's names; docs/rl.md) ------------------------------
     def _utility(self, name: str, *args):

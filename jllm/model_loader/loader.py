@@ -446,18 +446,9 @@ def _checkpoint_values(t: _Target, arch: Architecture, cfg, source) -> dict:
     values: dict[tuple, jax.Array | QuantizedWeight] = {}
     layered: dict[tuple, dict[int, np.ndarray]] = {}
     experts: dict[tuple, dict[int, np.ndarray]] = {}  # (path, layer) -> expert -> weight
-    layer_weights, fused = arch.layer_weights(cfg), arch.fused_weights(cfg)
-    weights = _renamed(arch, source.iter_weights(keep_quantized=t.quantization == "gguf"))
-    weights = arch.regroup(weights, cfg)
-    # Layers past the decoder's that a config declares for drafting (DeepSeek-V3's MTP
-    # layers, `num_nextn_predict_layers`): not part of the model that generates.
-    drafting = range(cfg.num_layers, cfg.num_layers + getattr(cfg, "draft_layers", 0))
-    for name, w in _fused_parts(_without_kv_scales(weights, t), fused):
-        if IGNORED.fullmatch(name):
-            continue
-        layer_name = _LAYER.fullmatch(name)
-        if layer_name is not None and int(layer_name.group(1)) in drafting:
-            continue
+    layer_weights = arch.layer_weights(cfg)
+    weights = source.iter_weights(keep_quantized=t.quantization == "gguf")
+    for name, w in checkpoint_tensors(t, arch, cfg, weights):
         mapped = _map_name(name, layer_weights, arch.top_weights, t.model.layer_slot)
         extra_bias = name.endswith(".bias") and packed_checkpoint
         if extra_bias and (mapped is None or mapped[0] not in flat):
@@ -525,6 +516,25 @@ def _expert_weight(t: _Target, name: str, w, path, kind):
     if tuple(host.shape) != tuple(expected):
         raise ValueError(f"Checkpoint tensor {name} has shape {tuple(w.shape)}.")
     return host
+
+
+def checkpoint_tensors(t: _Target, arch: Architecture, cfg, weights):
+    """A checkpoint's (name, tensor) stream as the weight maps name it: renamed, regrouped
+    (`Architecture.regroup`), KV-cache scales taken out (`_without_kv_scales`), fused
+    tensors split, and without what the model does not use (ignored names, drafting
+    layers). The loader's road, and a weight update's (model_loader/update.py)."""
+    fused = arch.fused_weights(cfg)
+    weights = arch.regroup(_renamed(arch, weights), cfg)
+    # Layers past the decoder's that a config declares for drafting (DeepSeek-V3's MTP
+    # layers, `num_nextn_predict_layers`): not part of the model that generates.
+    drafting = range(cfg.num_layers, cfg.num_layers + getattr(cfg, "draft_layers", 0))
+    for name, w in _fused_parts(_without_kv_scales(weights, t), fused):
+        if IGNORED.fullmatch(name):
+            continue
+        layer_name = _LAYER.fullmatch(name)
+        if layer_name is not None and int(layer_name.group(1)) in drafting:
+            continue
+        yield name, w
 
 
 def _renamed(arch: Architecture, weights):

@@ -13,7 +13,9 @@ second copy of a whole stack; layers not sent keep their values.
 
 `native` takes the engine's own parameter state (what `LLM.get_weights()` returns, leaves
 replaced): each leaf of the same shape and dtype is adopted as it is when it already has the
-parameter's sharding (zero copies), else resharded on the devices.
+parameter's sharding (zero copies), else resharded on the devices. An adopted leaf stays
+the trainer's: the engine borrows it (runner/weight_sync.py), so nothing here donates it;
+a later row write copies it first.
 """
 
 from __future__ import annotations
@@ -32,12 +34,11 @@ from jllm.model_loader.loader import (
     _expert_weight,
     _host_weight,
     _map_name,
-    _split_fused,
     _Target,
     abstract_model,
     as_array,
+    checkpoint_tensors,
 )
-from jllm.models.registry import IGNORED
 
 
 class UpdateTarget:
@@ -56,7 +57,6 @@ class UpdateTarget:
         self.target = _Target(model, flat, {}, mesh, dtype, quantization, False, kv_replicas)
         self.arch, self.cfg = arch, cfg
         self.layer_weights = arch.layer_weights(cfg)
-        self.fused = arch.fused_weights(cfg)
         self.checked: set = set()  # (recipe, shape, dtype) of tensors already checked
 
 
@@ -95,19 +95,41 @@ class WeightUpdate:
 
     def add(self, weights) -> None:
         """Check and keep `weights`: (name, tensor) pairs or a mapping, at the checkpoint's
-        names; ValueError naming the first tensor the model cannot take."""
+        names; ValueError naming the first tensor the model cannot take. The chunk takes the
+        loader's road as one stream (`checkpoint_tensors`: renames, the family's regrouping,
+        fused tensors split, drafting layers and ignored names skipped), so a family whose
+        regrouping reads several tensors together sees what the chunk holds of them."""
         items = weights.items() if isinstance(weights, Mapping) else weights
         t = self.target
-        for name, w in items:
-            if not isinstance(name, str):
-                raise ValueError(f"update_weights: a tensor name must be a string, got {name!r}.")
-            renamed = t.arch.rename(name)
-            if renamed is None or IGNORED.fullmatch(renamed):
-                continue
-            _check_float(name, w)
-            for part, piece in _split_fused(renamed, as_array(w), t.fused):
-                self._add_one(name, part, piece)
-            self.count += 1
+        given = [None]  # the name of the tensor the stream read last, for messages
+
+        def read():
+            for name, w in items:
+                if not isinstance(name, str):
+                    raise ValueError(
+                        f"update_weights: a tensor name must be a string, got {name!r}."
+                    )
+                given[0] = name
+                self.count += 1
+                yield name, as_array(w)
+
+        for name, w in checkpoint_tensors(t.target, t.arch, t.cfg, read()):
+            label = name if name == given[0] else f"{name} (of {given[0]})"
+            _check_float(label, w)
+            self._add_one(label, name, w)
+        self._refuse_kv_scales()
+
+    def _refuse_kv_scales(self) -> None:
+        """A float8 KV cache's scales are fixed when the engine starts (its compiled steps
+        read them as they were loaded): an update cannot change them."""
+        scales = self.target.target.checkpoint_scales
+        if scales:
+            layers = sorted({layer for layer, _ in scales})
+            scales.clear()
+            raise ValueError(
+                f"update_weights: KV-cache scales (layers {layers}) cannot be updated: the "
+                "float8 KV cache keeps the scales it was started with."
+            )
 
     def _add_one(self, given: str, name: str, w) -> None:
         t, tt = self.target, self.target.target
@@ -160,6 +182,11 @@ class WeightUpdate:
                 raise ValueError(f"update_weights: {name} is not a parameter of this engine.")
             old = current[path]
             for a, b in zip(jax.tree.leaves(value), jax.tree.leaves(old), strict=True):
+                if isinstance(a, jax.Array) and a.is_deleted():
+                    raise ValueError(
+                        f"update_weights: {name} is a deleted array (donated, or the "
+                        "engine's own from get_weights() before a sleep or an update)."
+                    )
                 if a.shape != b.shape or a.dtype != b.dtype:
                     raise ValueError(
                         f"update_weights: {name} is {a.dtype}{list(a.shape)}, the engine's "
@@ -171,11 +198,12 @@ class WeightUpdate:
     def paths(self) -> set:
         return set(self.raw) | set(self.native)
 
-    def build(self, current: dict) -> dict:
+    def build(self, current: dict, borrowed: frozenset = frozenset()) -> dict:
         """The new value of every parameter this session touched, on its sharding. `current`:
         path -> the engine's value now (whose shardings the new values take; the rows of a
         stacked parameter not sent are kept from it). The old arrays of written rows are
-        donated: the caller installs every returned value."""
+        donated, but for the `borrowed` paths' (a trainer's arrays, adopted by a native
+        update), which are copied first: the caller installs every returned value."""
         out = dict(self.native)  # placed below, like the rest
         for path, rows in self.raw.items():
             old = current[path]
@@ -189,7 +217,7 @@ class WeightUpdate:
                 )
                 continue
             # Row by row into the old array, donated: one pass over the new weights.
-            new = old
+            new = jax.tree.map(jnp.copy, old) if path in borrowed else old
             for (index, (_, recipe)), raw in zip(rows.items(), raws, strict=True):
                 new = _write_row(
                     new,

@@ -12,6 +12,15 @@ Sleep (`sleep(level)`, `wake_up(tags)`): level 1 copies the parameters to host m
 deletes their device arrays and the KV cache's; level 2 deletes both (the next update or a
 wake from zeros provides the weights). Waking puts them back on their shardings; the
 executables were never dropped, so waking compiles nothing either.
+
+A speculative draft model's weights (a separate model, or DeepSeek's MTP layers) sleep
+with the target's: copied to host memory and deleted at both levels. At level 2 the draft
+keeps its host copy, unlike the target's weights: an update reaches the target alone, so a
+discarded draft could never be given weights again.
+
+Arrays a native update adopted without a copy are borrowed: they stay the trainer's, so a
+sleep drops the engine's references to them instead of deleting them, and a later update
+copies them before writing rows in place (update.py donates what it writes into).
 """
 
 from __future__ import annotations
@@ -47,6 +56,8 @@ class WeightSync:
         self.session: WeightUpdate | None = None
         self.asleep: set[str] = set()  # the tags whose memory is released
         self.host_weights: dict | None = None  # level 1: path -> (host copy, sharding)
+        self.borrowed: set = set()  # paths whose arrays a native update adopted as given
+        self.host_draft: tuple | None = None  # asleep: (treedef, [(host copy, sharding)])
 
     @property
     def target(self) -> UpdateTarget:
@@ -106,9 +117,15 @@ class WeightSync:
             self._wake_weights(zeros=self.host_weights is None)
         variables = self._variables()
         current = {p: self._declared(p, variables[p].get_value()) for p in session.paths()}
-        new = {p: self._held(p, value) for p, value in session.build(current).items()}
+        built = session.build(current, frozenset(self.borrowed))
+        new = {p: self._held(p, value) for p, value in built.items()}
         for path, value in new.items():
             variables[path].set_value(value)
+        given = {id(a) for a in jax.tree.leaves(session.native)}
+        self.borrowed -= set(new)
+        self.borrowed |= {
+            p for p, value in new.items() if any(id(a) in given for a in jax.tree.leaves(value))
+        }
         return session.count
 
     def get_weights(self):
@@ -132,13 +149,36 @@ class WeightSync:
                 p: jax.tree.map(lambda a: (np.asarray(a), a.sharding), v.get_value())
                 for p, v in variables.items()
             }
-        for v in variables.values():
+        for path, v in variables.items():
+            if path in self.borrowed:  # the trainer's: only the engine's references go
+                v.set_value(jax.tree.map(_placeholder, v.get_value()))
+                continue
             for a in jax.tree.leaves(v.get_value()):
                 a.delete()
+        self.borrowed.clear()  # waking (or the next update) puts the engine's own back
+        self._sleep_draft()
         self._delete_kv_cache()
         self.asleep = set(TAGS)
         kept = "copied to host memory" if level == 1 else "discarded"
         logger.info("Sleep level %d: weights %s, KV cache released.", level, kept)
+
+    def _sleep_draft(self) -> None:
+        draft = getattr(self.runner, "draft", None)
+        if draft is None:
+            return
+        leaves, treedef = jax.tree.flatten(draft.state)
+        self.host_draft = treedef, [(np.asarray(a), a.sharding) for a in leaves]
+        for a in leaves:
+            a.delete()
+
+    def _wake_draft(self) -> None:
+        if self.host_draft is None:
+            return
+        treedef, pairs = self.host_draft
+        self.runner.draft.state = jax.tree.unflatten(
+            treedef, [jax.device_put(h, s) for h, s in pairs]
+        )
+        self.host_draft = None
 
     def _delete_kv_cache(self) -> None:
         if "kv_cache" in self.asleep:
@@ -181,9 +221,16 @@ class WeightSync:
                     is_leaf=lambda x: isinstance(x, tuple),
                 )
             var.set_value(value)
+        self._wake_draft()
         self.host_weights = None
         self.asleep.discard("weights")
 
     @property
     def is_sleeping(self) -> bool:
         return bool(self.asleep)
+
+
+def _placeholder(a: jax.Array) -> jax.ShapeDtypeStruct:
+    """What a sleeping parameter keeps of a borrowed array: its shape, dtype and sharding
+    (what waking from zeros and an update's checks read)."""
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)

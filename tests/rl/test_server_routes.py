@@ -138,12 +138,18 @@ def test_caches_and_aborts(dev):
     server, _, _ = dev
     with httpx.Client(base_url=server.url) as http:
         assert http.post("/reset_prefix_cache").json() == {"success": True}
+        r = http.post(
+            "/reset_prefix_cache",
+            params={"reset_running_requests": "true", "reset_external": "true"},
+        )
+        assert r.json() == {"success": True}
         assert http.post("/abort_requests", json={}).json() == {"status": "aborted", "aborted": 0}
         assert http.post("/abort_requests", json=[1]).status_code == 400
         assert http.post("/release_kv_cache_memory").status_code == 400  # not paused
         http.post("/sleep", params={"level": 0})
         r = http.post("/release_kv_cache_memory")
         assert r.json() == {"status": "kv_cache_released"}
+        assert http.post("/resume").status_code == 400  # asleep: wake_up resumes
         r = http.post("/wake_up", params=[("tags", "kv_cache"), ("tags", "scheduling")])
         assert r.json()["status"] == "awake"
     assert _complete(server.url).choices[0].finish_reason == "length"

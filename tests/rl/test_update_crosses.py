@@ -77,3 +77,36 @@ def test_an_update_mid_request_under_async_scheduling(tiny_models):
     spans = [(s.version, s.start, s.end) for s in out.weight_versions]
     assert [v for v, _, _ in spans] == ["real", "again"] and spans[-1][2] == 10
     assert list(out.token_ids) == oracle_tokens(model, PROMPTS[:1], 10)[0]
+
+
+def _llama4_dir(root, tokenizer_dir) -> str:
+    import torch
+    import transformers
+    from models.test_llama4 import SHAPE
+
+    torch.manual_seed(0)
+    model = transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(**SHAPE)).eval()
+    model.save_pretrained(root / "llama4")
+    return str(root / "llama4")
+
+
+@pytest.mark.parametrize("family", ["llama4", "gpt-oss"])
+def test_a_family_that_regroups_takes_its_own_checkpoint(family, tmp_path, tokenizer_dir):
+    """The checkpoint's own tensors, as its files hold them, take the loader's road: Llama
+    4's q/k rows reordered for its rotation, gpt-oss's stacked experts cut per expert. Two
+    chunks (attention, the rest); the engine from nothing then matches transformers."""
+    from models.test_gpt_oss import save_gpt_oss
+    from safetensors.numpy import load_file
+
+    if family == "llama4":
+        path = _llama4_dir(tmp_path, tokenizer_dir)
+    else:
+        path = save_gpt_oss(tmp_path, tokenizer_dir)
+    tensors = load_file(f"{path}/model.safetensors")
+    llm = LLM(path, **SMALL, dtype="float32", load_format="dummy", skip_tokenizer_init=True)
+    llm.start_weight_update()
+    llm.update_weights({k: v for k, v in tensors.items() if "self_attn" in k})
+    llm.update_weights({k: v for k, v in tensors.items() if "self_attn" not in k})
+    llm.finish_weight_update()
+    prompts = prompt_ids(2, 20, seed=4, vocab=512)
+    assert_matches(eager(path), prompts, generate(llm, prompts))

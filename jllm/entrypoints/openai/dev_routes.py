@@ -106,8 +106,17 @@ def attach_dev_routes(app: FastAPI, engine) -> None:
         return {"is_sleeping": await engine.is_sleeping()}
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache():
-        return {"success": bool(await engine.reset_prefix_cache())}
+    async def reset_prefix_cache(
+        reset_running_requests: bool = False, reset_external: bool = False
+    ):
+        """vLLM's: `reset_running_requests` preempts the running requests first;
+        `reset_external` (an external connector's cache: jllm has none) resets nothing
+        more."""
+        try:
+            success = await engine.reset_prefix_cache(reset_running_requests, reset_external)
+        except (ValueError, RuntimeError) as e:
+            return error_response(str(e), 400)
+        return {"success": bool(success)}
 
     @app.post("/release_kv_cache_memory")
     async def release_kv_cache_memory():
