@@ -124,7 +124,14 @@ class AssistantMessage(OpenAIBaseModel):
     content: str | Annotated[list[AssistantBlock], Field(min_length=1)]
 
 
-Message = Annotated[UserMessage | AssistantMessage, Field(discriminator="role")]
+class SystemMessage(OpenAIBaseModel):
+    """An inline system message (Claude Code sends per-turn reminders so): text only."""
+
+    role: Literal["system"]
+    content: str | list[TextBlock]
+
+
+Message = Annotated[UserMessage | AssistantMessage | SystemMessage, Field(discriminator="role")]
 
 
 class Tool(OpenAIBaseModel):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 
 from jllm.entrypoints.anthropic.protocol import (
     CountTokensRequest,
@@ -24,6 +25,8 @@ from jllm.entrypoints.anthropic.protocol import (
 from jllm.entrypoints.openai.protocol import ChatCompletionRequest, StreamOptions
 from jllm.entrypoints.openai.serving_engine import OpenAIError, sse_event
 from jllm.entrypoints.openai.tool_parsers import chat_tool
+
+logger = logging.getLogger(__name__)
 
 
 def _image_url(source) -> str:
@@ -50,17 +53,37 @@ def _content(parts: list[dict]):
     return parts
 
 
-def chat_messages(request: CountTokensRequest) -> list[dict]:
-    """The conversation as chat messages: the system prompt first; a user message's
-    tool_result blocks as `tool` messages (before the rest of that message, as vLLM orders
-    them); an assistant's tool_use blocks as its tool calls and its thinking as `reasoning`."""
+BILLING_HEADER = "x-anthropic-billing-header"  # Claude Code's per-request hash
+
+
+def _system_text(content) -> str:
+    """A system prompt's text without Claude Code's attribution header, whose per-request
+    hash would defeat prefix caching (vLLM strips it too)."""
+    if isinstance(content, str):
+        return "" if content.startswith(BILLING_HEADER) else content
+    return "".join(b.text for b in content if not b.text.startswith(BILLING_HEADER))
+
+
+def chat_messages(request: CountTokensRequest, merge_inline_system: bool = False) -> list[dict]:
+    """The conversation as chat messages: the system prompt first; inline system messages
+    where they stand, or appended to that first one when `merge_inline_system` (a template
+    that refuses a system message after the first turn); a user message's tool_result blocks
+    as `tool` messages (before the rest of that message, as vLLM orders them); an
+    assistant's tool_use blocks as its tool calls and its thinking as `reasoning`."""
     messages = []
-    system = request.system
-    if isinstance(system, list):
-        system = "".join(b.text for b in system)
-    if system:
+    system = request.system or ""
+    if not isinstance(system, str):  # vLLM strips the header from blocks only
+        system = _system_text(system)
+    inline = [m for m in request.messages if m.role == "system"]
+    if merge_inline_system:
+        system += "".join(_system_text(m.content) for m in inline)
+    if system or (merge_inline_system and inline):  # a message given, if empty, is kept
         messages.append({"role": "system", "content": system})
     for m in request.messages:
+        if m.role == "system":
+            if not merge_inline_system:
+                messages.append({"role": "system", "content": _system_text(m.content)})
+            continue
         if isinstance(m.content, str):
             messages.append({"role": m.role, "content": m.content})
             continue
@@ -100,9 +123,12 @@ def chat_messages(request: CountTokensRequest) -> list[dict]:
     return messages
 
 
-def chat_request(request: CountTokensRequest) -> ChatCompletionRequest:
+def chat_request(
+    request: CountTokensRequest, merge_inline_system: bool = False
+) -> ChatCompletionRequest:
     """The chat completion request that serves an Anthropic one."""
-    body: dict = {"model": request.model, "messages": chat_messages(request)}
+    messages = chat_messages(request, merge_inline_system)
+    body: dict = {"model": request.model, "messages": messages}
     if request.tools:
         body["tools"] = [
             chat_tool(t.name, t.description, {"type": "object", **t.input_schema})
@@ -160,15 +186,38 @@ def _tool_input(arguments: str) -> dict:
 class AnthropicServingMessages:
     def __init__(self, chat) -> None:
         self.chat = chat  # OpenAIServingChat
+        self._merge_inline_system: bool | None = None
+
+    def _chat_request(self, request: CountTokensRequest) -> ChatCompletionRequest:
+        if self._merge_inline_system is None and any(m.role == "system" for m in request.messages):
+            self._merge_inline_system = self._template_refuses_inline_system()
+        return chat_request(request, bool(self._merge_inline_system))
+
+    def _template_refuses_inline_system(self) -> bool:
+        """Whether the server's template refuses a system message after the first turn
+        (Qwen's raise on it): then inline ones join the system prompt, as vLLM decides, at
+        the price of the prefix cache past it."""
+        turns = [{"role": role, "content": "t"} for role in ("system", "user") * 2]
+        probe = ChatCompletionRequest.model_validate({"messages": turns})
+        try:
+            self.chat.render(probe)
+        except Exception:  # noqa: BLE001 - any refusal of the probe means "merge"
+            logger.warning(
+                "The chat template requires the system message first: inline system "
+                "messages in /v1/messages requests are merged into the system prompt, and "
+                "each new one misses the prefix cache past it."
+            )
+            return True
+        return False
 
     async def create(self, request: MessagesRequest, raw_request=None):
-        run = await self.chat.start(chat_request(request), raw_request, prefix="msg")
+        run = await self.chat.start(self._chat_request(request), raw_request, prefix="msg")
         if request.stream:
             return self.events(run)
         return self.message(await self.chat.full(run))
 
     async def count_tokens(self, request: CountTokensRequest) -> dict:
-        chat = chat_request(request)
+        chat = self._chat_request(request)
         self.chat.check_request(chat)
         self.chat.tool_mode(chat)
         ids = await self.chat.prompt_ids(chat)

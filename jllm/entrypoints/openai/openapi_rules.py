@@ -98,6 +98,23 @@ def below(n: int) -> list[str]:
     return [f"^{part}$" for part in parts]
 
 
+def logit_bias(vocab_size: int) -> dict:
+    """Token ids of the vocabulary, each to a bias in OpenAI's [-100, 100]."""
+    return {
+        "anyOf": [
+            {
+                "type": "object",
+                "patternProperties": {
+                    pattern: {"type": "number", "minimum": -100, "maximum": 100}
+                    for pattern in below(vocab_size)
+                },
+                "additionalProperties": False,
+            },
+            {"type": "null"},
+        ]
+    }
+
+
 def one_constraint() -> dict:
     """At most one structured-outputs constraint; with none, no whitespace pattern (it
     shapes a JSON constraint); with one, no beam search. One `anyOf` rather than a rule per
@@ -229,6 +246,18 @@ def write_rules(schemas: dict, limits: dict) -> None:
                 {"properties": {"background": {"const": False}}},
                 {"properties": {"store": {"const": True}}},
             ]
+        # vLLM's fields as chat's; structured_outputs or text.format, not both.
+        props["structured_outputs"] = {"anyOf": [STRUCTURED_OUTPUTS, {"type": "null"}]}
+        props["logit_bias"] = logit_bias(limits["vocab_size"])
+        responses["allOf"] = [
+            {
+                "anyOf": [
+                    {"properties": {"structured_outputs": {"type": "null"}}},
+                    {"properties": {"text": {"type": "null"}}},
+                    {"properties": {"text": {"properties": {"format": {"type": "null"}}}}},
+                ]
+            }
+        ]
     for name in ("ImageBlock", "InputImage"):  # Anthropic's image blocks, Responses' parts
         if name in schemas and not limits["images"]:
             schemas[name] = {"not": {}, "description": "Only for a model that takes images."}
@@ -241,19 +270,7 @@ def write_rules(schemas: dict, limits: dict) -> None:
         props["best_of"] = NOT_SUPPORTED
         props["structured_outputs"] = {"anyOf": [STRUCTURED_OUTPUTS, {"type": "null"}]}
         props["response_format"] = RESPONSE_FORMAT
-        props["logit_bias"] = {
-            "anyOf": [
-                {
-                    "type": "object",
-                    "patternProperties": {
-                        pattern: {"type": "number", "minimum": -100, "maximum": 100}
-                        for pattern in below(limits["vocab_size"])
-                    },
-                    "additionalProperties": False,
-                },
-                {"type": "null"},
-            ]
-        }
+        props["logit_bias"] = logit_bias(limits["vocab_size"])
         props["guided_json"] = {"type": ["object", "string", "null"]}
         props["guided_choice"] = {"anyOf": [STRUCTURED_KINDS["choice"], {"type": "null"}]}
         props["guided_grammar"] = {"type": ["string", "null"], "minLength": 1}

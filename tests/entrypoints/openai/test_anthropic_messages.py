@@ -11,7 +11,8 @@ import pytest
 import transformers
 
 from jllm.entrypoints.anthropic.protocol import MessagesRequest
-from jllm.entrypoints.anthropic.serving import chat_messages
+from jllm.entrypoints.anthropic.serving import AnthropicServingMessages, chat_messages
+from jllm.entrypoints.openai.serving_engine import OpenAIError
 
 REASONING, ANSWER = "Let me see.", "The answer is four"
 USER = [{"role": "user", "content": "What is two plus two?"}]
@@ -204,3 +205,64 @@ def test_the_sdk_raises_its_own_errors(claude):
         claude.messages.create(model="nope", max_tokens=5, messages=USER)
     with pytest.raises(anthropic.BadRequestError):
         claude.messages.create(model="tiny-llama", max_tokens=5, messages=[])
+
+
+def test_inline_system_messages(claude, thinker_dir):
+    """A message with role "system" (Claude Code's reminders) is a system message where it
+    stands, or joins the system prompt where the template wants the system message first;
+    Claude Code's billing header is dropped from either."""
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi."},
+        {
+            "role": "system",
+            "content": [
+                {"type": "text", "text": "x-anthropic-billing-header: cc_version=1; cch=0f;"},
+                {"type": "text", "text": "Use tools."},
+            ],
+        },
+        *USER,
+    ]
+    request = MessagesRequest.model_validate(
+        {"model": "m", "max_tokens": 5, "system": "Sys. ", "messages": messages}
+    )
+    inline = [
+        {"role": "system", "content": "Sys. "},
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi."},
+        {"role": "system", "content": "Use tools."},
+        *USER,
+    ]
+    merged = [{"role": "system", "content": "Sys. Be brief.Use tools."}, messages[1], *USER]
+    assert chat_messages(request) == inline
+    assert chat_messages(request, merge_inline_system=True) == merged
+    tokenizer = transformers.AutoTokenizer.from_pretrained(thinker_dir)
+    try:
+        text = tokenizer.apply_chat_template(inline, tokenize=False, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - a template wanting the system message first
+        text = tokenizer.apply_chat_template(merged, tokenize=False, add_generation_prompt=True)
+    got = claude.messages.count_tokens(model="tiny-llama", system="Sys. ", messages=messages)
+    assert got.input_tokens == len(tokenizer.encode(text, add_special_tokens=False))
+    r = claude.messages.create(model="tiny-llama", max_tokens=40, messages=messages)
+    assert r.content[-1].text == ANSWER
+
+
+def test_a_template_wanting_the_system_message_first():
+    """Qwen's template raises on a system message after the first turn: the probe sees it
+    once, and inline system messages join the system prompt from then on."""
+
+    class SystemFirst:
+        renders = 0
+
+        def render(self, request):
+            self.renders += 1
+            if any(m["role"] == "system" for m in request.messages[1:]):
+                raise OpenAIError("System message must be at the beginning.", 400)
+
+    chat = SystemFirst()
+    serving = AnthropicServingMessages(chat)
+    body = {"model": "m", "max_tokens": 5, "messages": [*USER, {"role": "system", "content": "B"}]}
+    for _ in range(2):
+        request = serving._chat_request(MessagesRequest.model_validate(body))
+        assert request.messages == [{"role": "system", "content": "B"}, *USER]
+    assert chat.renders == 1

@@ -16,6 +16,8 @@ import pytest
 from openai_server import MODEL_NAME, serving
 from pooling_oracle import hf_last_logits
 
+from jllm.entrypoints.openai.serving_engine import OpenAIError
+
 TEXTS = ["Hello world", "The quick brown fox jumps over the lazy dog", "a"]
 
 
@@ -161,3 +163,81 @@ def test_openapi_document_lists_the_pooling_routes(embed_server):
     paths = doc.json()["paths"]
     assert {"/v1/embeddings", "/pooling", "/score", "/rerank"} <= set(paths)
     assert "/v1/chat/completions" not in paths and "/classify" not in paths
+
+
+class HeldStreams:
+    """Wraps the engine's `generate` so every stream keeps its request id registered (its
+    first output held) until `count` streams have started, or fails prompt number `fail`
+    (of a request without a client id): the requests then overlap in the engine whatever the
+    machine's speed.
+    `closed` counts the streams that ended."""
+
+    def __init__(self, server, count: int, monkeypatch, fail: int | None = None) -> None:
+        self.generate, self.count, self.fail = server.engine.generate, count, fail
+        self.ids: list[str] = []
+        self.closed = 0
+        self.gate: asyncio.Event | None = None  # made on the server's loop
+        monkeypatch.setattr(server.engine, "generate", self.held)
+
+    async def held(self, prompt, params, request_id, *args):
+        self.gate = self.gate or asyncio.Event()
+        stream = self.generate(prompt, params, request_id, *args)
+        try:
+            if request_id.split("-")[2] == str(self.fail):  # embd-{uuid}-{i}-...
+                raise OpenAIError("a prompt failed", 500)
+            try:
+                first = await anext(stream)  # from here the id is the engine's until aclose
+            except Exception:
+                self.gate.set()  # refused by the engine: the others must not wait for it
+                raise
+            self.ids.append(request_id)
+            if len(self.ids) == self.count:
+                self.gate.set()
+            await self.gate.wait()
+            yield first
+            async for out in stream:
+                yield out
+        finally:
+            self.closed += 1
+            await stream.aclose()
+
+
+def test_a_client_request_id_twice_at_once(embed_server, monkeypatch):
+    """Two requests with the same X-Request-Id (or body request_id) run side by side, as in
+    vLLM: the engine's ids carry a random suffix, the responses the client's id."""
+    held = HeldStreams(embed_server, 4, monkeypatch)
+    url = f"{embed_server.url}/v1/embeddings"
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as client:
+            header = {"X-Request-Id": "same"}
+            return await asyncio.gather(
+                client.post(url, json={"input": "a"}, headers=header),
+                client.post(url, json={"input": "b"}, headers=header),
+                client.post(url, json={"input": "a", "request_id": "mine"}),
+                client.post(url, json={"input": "b", "request_id": "mine"}),
+            )
+
+    responses = asyncio.run(run())
+    assert [r.status_code for r in responses] == [200] * 4, [r.text for r in responses]
+    assert [r.json()["id"] for r in responses] == ["embd-same"] * 2 + ["embd-mine"] * 2
+    assert len(set(held.ids)) == 4
+
+
+def test_a_failed_prompt_stops_its_siblings(embed_server, monkeypatch):
+    """The last of three prompts fails: the request answers 500 and the other two's engine
+    requests are closed (aborted) before it does, not left running with nobody to read
+    them."""
+    held = HeldStreams(embed_server, 3, monkeypatch, fail=2)
+    r = httpx.post(f"{embed_server.url}/v1/embeddings", json={"input": TEXTS}, timeout=60)
+    assert r.status_code == 500 and "a prompt failed" in r.text
+    assert held.closed == 3
+
+
+def test_created_is_the_requests_time(embed_server, monkeypatch):
+    from jllm.entrypoints.openai.pooling import serving
+
+    later = 4102444800  # 2100-01-01: no server started then
+    monkeypatch.setattr(serving, "time", type("Clock", (), {"time": staticmethod(lambda: later)}))
+    r = httpx.post(f"{embed_server.url}/v1/embeddings", json={"input": "a"})
+    assert r.json()["created"] == later

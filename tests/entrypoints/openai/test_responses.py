@@ -203,6 +203,110 @@ def test_a_background_stream_and_its_replay(agent_client, agent_server, monkeypa
     assert agent_client.responses.retrieve(first.response.id).status == "cancelled"
     r = httpx.get(f"{agent_server.url}/v1/responses/{rid}x", params={"stream": "true"})
     assert r.status_code == 404
+    # A sequence number, not a Python index: -5 would replay the tail, then all, twice.
+    r = httpx.get(
+        f"{agent_server.url}/v1/responses/{rid}", params={"stream": "true", "starting_after": -5}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "starting_after"
+
+
+def test_a_generated_call_is_stored_as_generated(agent_client, monkeypatch):
+    """The store keeps a turn's output as the model made it: a call named "" (or null, or a
+    number; the input schema refuses these from clients) still completes, and a failure while
+    finishing a stream is its response.failed event, not a cut stream."""
+    from jllm.entrypoints.openai.responses import serving
+    from jllm.entrypoints.openai.responses.convert import call_item, history_of
+
+    for name in ("", None, 3):
+        call = call_item({"id": "c1", "function": {"name": name, "arguments": "{}"}})
+        turn = history_of([{"role": "user", "content": "hi"}], [call])
+        assert turn[1]["tool_calls"][0]["function"]["name"] == name
+    original = serving.output_items
+
+    def unnamed_call(chat_response):
+        items, finish = original(chat_response)
+        return [
+            *items,
+            call_item({"id": "c1", "function": {"name": "", "arguments": "{}"}}),
+        ], finish
+
+    monkeypatch.setattr(serving, "output_items", unnamed_call)
+    r = agent_client.responses.create(model="tiny-llama", input=QUESTION, max_output_tokens=40)
+    assert r.status == "completed" and r.output[-1].name == ""
+    assert agent_client.responses.retrieve(r.id).output[-1].name == ""
+
+    def broken(messages, output):
+        raise RuntimeError("the history broke")
+
+    monkeypatch.setattr(serving, "history_of", broken)
+    stream = agent_client.responses.create(
+        model="tiny-llama", input=QUESTION, stream=True, max_output_tokens=40
+    )
+    last = list(stream)[-1]
+    assert last.type == "response.failed" and "the history broke" in last.response.error.message
+
+
+def test_a_failed_background_stream_is_stored_failed(agent_client, monkeypatch):
+    """background with stream: a run failing mid-stream ends the stream with response.failed
+    and leaves the stored response failed (not in_progress, and no longer cancellable)."""
+    from jllm.entrypoints.openai.serving_chat import OpenAIServingChat
+    from jllm.entrypoints.openai.serving_engine import OpenAIError
+
+    original = OpenAIServingChat.chunks
+
+    async def failing(self, run):
+        async for n, chunk in aenumerate(original(self, run)):
+            if n == 3:
+                raise OpenAIError("the engine failed", 500)
+            yield chunk
+
+    monkeypatch.setattr(OpenAIServingChat, "chunks", failing)
+    stream = agent_client.responses.create(
+        model="tiny-llama", input=QUESTION, background=True, stream=True, max_output_tokens=40
+    )
+    events = list(stream)
+    assert events[-1].type == "response.failed"
+    stored = agent_client.responses.retrieve(events[0].response.id)
+    assert stored.status == "failed" and stored.error.message == "the engine failed"
+    with pytest.raises(openai.BadRequestError):
+        agent_client.responses.cancel(stored.id)
+
+
+async def aenumerate(iterable):
+    n = 0
+    async for item in iterable:
+        yield n, item
+        n += 1
+
+
+def test_vllms_request_fields(agent_client):
+    """vLLM's fields that reach its sampling params reach chat's: the same answer as chat
+    gives with them."""
+    for extra in (
+        {"structured_outputs": {"regex": "a+"}},
+        {"include_stop_str_in_output": True, "stop": ["answer"]},
+    ):
+        chat = agent_client.chat.completions.create(
+            model="tiny-llama",
+            messages=[{"role": "user", "content": QUESTION}],
+            max_tokens=30,
+            extra_body=extra,
+        )
+        r = agent_client.responses.create(
+            model="tiny-llama", input=QUESTION, max_output_tokens=30, extra_body=extra
+        )
+        assert r.output_text == chat.choices[0].message.content
+    assert r.output_text == "The answer"
+    body = {
+        "input": "x",
+        "skip_special_tokens": False,
+        "logit_bias": {"5": 1.5},
+        "vllm_xargs": {"k": 1},
+    }
+    request = ResponsesRequest.model_validate(body)
+    chat = chat_request(request, input_messages(request))
+    assert not chat.skip_special_tokens and chat.logit_bias == {"5": 1.5}
+    assert chat.vllm_xargs == {"k": 1}
 
 
 @pytest.mark.parametrize(
@@ -217,6 +321,15 @@ def test_a_background_stream_and_its_replay(agent_client, agent_server, monkeypa
         ({"input": "x", "text": {"format": {"type": "json_schema"}}}, 400, "text"),
         ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "x"}]}, 400, "input"),
         ({"input": "x", "model": "nope"}, 404, "model"),
+        (
+            {
+                "input": "x",
+                "structured_outputs": {"regex": "a+"},
+                "text": {"format": {"type": "json_object"}},
+            },
+            400,
+            "structured_outputs",
+        ),
     ],
 )
 def test_refusals(agent_server, body, status, param):

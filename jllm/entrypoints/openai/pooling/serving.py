@@ -1,5 +1,7 @@
-"""The pooling routes' handlers: each input becomes one engine request (`{id}-{i}`) run
-concurrently; outputs come back in the inputs' order with vLLM's bodies and usage."""
+"""The pooling routes' handlers: each input becomes one engine request run concurrently;
+outputs come back in the inputs' order with vLLM's bodies and usage. The response's id is the
+client's (X-Request-Id, else the body's request_id) or a fresh one; the engine's ids add a
+random suffix, as vLLM's do, so two requests carrying the same id run side by side."""
 
 from __future__ import annotations
 
@@ -65,7 +67,6 @@ class ServingPooling(OpenAIServing):
         super().__init__(engine, **common)
         self.chat = chat  # renders `messages` inputs with the chat template
         self.spec = engine.engine.pooling
-        self._created = int(time.time())
 
     # ---- the shared path -------------------------------------------------------------
     def _id(self, raw: Request, request, prefix: str) -> str:
@@ -138,24 +139,31 @@ class ServingPooling(OpenAIServing):
             except ValueError as e:
                 raise OpenAIError(str(e), 400) from e
         headers = self.trace_headers(raw)
+        suffix = uuid.uuid4().hex[:8]  # the client's id need not be unique among running ones
 
         async def one(i: int, item):
             last = None
             async for out in self.engine.generate(
-                None, None, f"{rid}-{i}", item, request.priority, headers
+                None, None, f"{rid}-{i}-{suffix}", item, request.priority, headers
             ):
                 last = out
             if last.error is not None:
                 raise OpenAIError(f"The request failed: {last.error}", 500)
             return last
 
-        return await asyncio.gather(*(one(i, item) for i, item in enumerate(prepared)))
+        tasks = [asyncio.ensure_future(one(i, item)) for i, item in enumerate(prepared)]
+        try:
+            return await asyncio.gather(*tasks)
+        finally:  # one failed (or the client left): the others stop too, their engine
+            for task in tasks:  # requests aborted as their streams close
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def _head(self, rid: str, request) -> dict:
         return {
             "id": rid,
             "object": "list",
-            "created": self._created,
+            "created": int(time.time()),
             "model": self.served_name(request),
         }
 

@@ -9,14 +9,10 @@ from __future__ import annotations
 import time
 import uuid
 
-from pydantic import TypeAdapter
-
 from jllm.entrypoints.openai.protocol import ChatCompletionRequest
-from jllm.entrypoints.openai.responses.protocol import Item, ResponsesRequest
+from jllm.entrypoints.openai.responses.protocol import ResponsesRequest
 from jllm.entrypoints.openai.serving_engine import OpenAIError
 from jllm.entrypoints.openai.tool_parsers import chat_tool
-
-OUTPUT_ITEMS = TypeAdapter(list[Item])  # output items read back as input items
 
 
 def new_id(prefix: str) -> str:
@@ -28,10 +24,10 @@ def _parts(content) -> str | list[dict]:
         return content
     out = []
     for part in content:
-        if part.type == "input_image":
-            out.append({"type": "image_url", "image_url": {"url": part.image_url}})
+        if part["type"] == "input_image":
+            out.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
         else:
-            out.append({"type": "text", "text": part.text})
+            out.append({"type": "text", "text": part["text"]})
     if all(p["type"] == "text" for p in out):
         return "\n".join(p["text"] for p in out)
     return out
@@ -41,13 +37,14 @@ def input_messages(request: ResponsesRequest) -> list[dict]:
     """The request's input (text, or items: `item_messages`) as chat messages."""
     if isinstance(request.input, str):
         return [{"role": "user", "content": request.input}]
-    return item_messages(request.input)
+    return item_messages([item.model_dump() for item in request.input])
 
 
-def item_messages(items) -> list[dict]:
-    """Input items as chat messages: function calls join the assistant message before them
-    (or open one), their outputs are `tool` messages, reasoning rides on the assistant
-    message as `reasoning`."""
+def item_messages(items: list[dict]) -> list[dict]:
+    """Items as chat messages: function calls join the assistant message before them (or
+    open one), their outputs are `tool` messages, reasoning rides on the assistant message
+    as `reasoning`. Items are dicts, so a turn's own output reads back as it was generated
+    (the input schema's checks are for what clients send)."""
     messages: list[dict] = []
 
     def assistant() -> dict:
@@ -56,25 +53,28 @@ def item_messages(items) -> list[dict]:
         return messages[-1]
 
     for item in items:
-        if item.type == "message":
-            role = "system" if item.role == "developer" else item.role
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = "system" if item["role"] == "developer" else item["role"]
             if role == "assistant":
-                assistant()["content"] += _parts(item.content)
+                assistant()["content"] += _parts(item["content"])
             else:
-                messages.append({"role": role, "content": _parts(item.content)})
-        elif item.type == "function_call":
+                messages.append({"role": role, "content": _parts(item["content"])})
+        elif kind == "function_call":
             call = {
-                "id": item.call_id,
+                "id": item["call_id"],
                 "type": "function",
-                "function": {"name": item.name, "arguments": item.arguments},
+                "function": {"name": item["name"], "arguments": item["arguments"]},
             }
             assistant().setdefault("tool_calls", []).append(call)
-        elif item.type == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        elif kind == "function_call_output":
+            messages.append(
+                {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
+            )
         else:  # reasoning
-            texts = item.content or item.summary
+            texts = item.get("content") or item.get("summary") or ()
             target = assistant()
-            target["reasoning"] = target.get("reasoning", "") + "".join(t.text for t in texts)
+            target["reasoning"] = target.get("reasoning", "") + "".join(t["text"] for t in texts)
     return messages
 
 
@@ -103,6 +103,10 @@ def chat_request(request: ResponsesRequest, conversation: list[dict]) -> ChatCom
             "tool_choice other than 'auto' or 'none' needs tools.", 400, "tool_choice"
         )
     fmt = request.text.format if request.text is not None else None
+    if fmt is not None and request.structured_outputs is not None:
+        raise OpenAIError(
+            "Cannot specify both structured_outputs and text.format", 400, "structured_outputs"
+        )
     if fmt is not None and fmt.type == "json_object":
         body["response_format"] = {"type": "json_object"}
     elif fmt is not None and fmt.type == "json_schema":
@@ -132,6 +136,9 @@ def chat_request(request: ResponsesRequest, conversation: list[dict]) -> ChatCom
         "stop",
         "stop_token_ids",
         "cache_salt",
+        "logit_bias",
+        "vllm_xargs",
+        "structured_outputs",
     ):
         if getattr(request, name) is not None:
             body[name] = getattr(request, name)
@@ -139,6 +146,8 @@ def chat_request(request: ResponsesRequest, conversation: list[dict]) -> ChatCom
         ignore_eos=request.ignore_eos,
         priority=request.priority,
         include_reasoning=request.include_reasoning,
+        skip_special_tokens=request.skip_special_tokens,
+        include_stop_str_in_output=request.include_stop_str_in_output,
     )
     if request.stream:
         body.update(stream=True, stream_options={"include_usage": True})
@@ -255,7 +264,9 @@ def output_items(chat_response: dict) -> tuple[list[dict], str | None]:
 
 def history_of(messages: list[dict], output: list[dict]) -> list[dict]:
     """What a later `previous_response_id` continues from: the conversation without the
-    instructions (they are not carried over), then the output as the assistant's turn, read
-    as input items are (so it renders as if the client had sent them back)."""
-    turn = item_messages(OUTPUT_ITEMS.validate_python(output))
+    instructions (they are not carried over), then the output as the assistant's turn, as
+    input items are read (so it renders as if the client had sent them back). The output is
+    kept as generated, not checked against the input schema: a call the model named "" is
+    still a finished turn (vLLM stores its messages as they are)."""
+    turn = item_messages(output)
     return [*messages, *(turn or [{"role": "assistant", "content": ""}])]

@@ -166,3 +166,11 @@ class ResponsesRequest(OpenAIBaseModel):
     priority: Int(-(2**63)) = 0
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Token id (as a string, JSON's keys) -> a bias in [-100, 100], as chat's.
+    logit_bias: dict[str, float] | None = None
+    # Arguments for custom logits processors (SamplingParams.extra_args).
+    vllm_xargs: dict[str, Any] | None = None
+    # vLLM's constraint object, as chat's; not with `text.format`.
+    structured_outputs: dict[str, Any] | None = None

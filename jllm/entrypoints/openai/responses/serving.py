@@ -184,6 +184,10 @@ class OpenAIServingResponses:
                 return
 
     def stream_stored(self, response_id: str, after: int | None):
+        if after is not None and after < -1:  # a sequence number, not a Python index
+            raise OpenAIError(
+                f"starting_after must be at least -1, got {after}.", 400, "starting_after"
+            )
         entry = self._store("response_id").get(response_id)
         if "events" not in entry:
             raise OpenAIError(
@@ -242,8 +246,11 @@ class OpenAIServingResponses:
                         finish = choice.get("finish_reason") or finish
                 for e in es.close():
                     yield e
+                final = self._finish(turn, es.items, finish, chat_usage)
             except Exception as e:  # noqa: BLE001 - reported in-band: the stream has started
-                yield es.event("response.failed", response=self._failed(turn, e))
+                failed = self._failed(turn, e)
+                if request.background:  # a later GET reads it as failed, not in_progress
+                    self.store.put(rid, failed)
+                yield es.event("response.failed", response=failed)
                 return
-        final = self._finish(turn, es.items, finish, chat_usage)
         yield es.event("response.completed", response=final)
