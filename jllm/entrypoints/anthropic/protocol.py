@@ -5,7 +5,8 @@ Content blocks are a union on `type`, per role (a user's text, image with a base
 source, tool_result; an assistant's text, tool_use, thinking, redacted_thinking), so a
 malformed or misplaced block is a 400 naming it before anything runs. Unknown top-level
 fields are accepted (as the OpenAI routes do: vLLM's behaviour); `metadata` is accepted and
-has no effect.
+has no effect. vLLM's own fields beside Anthropic's (`chat_template_kwargs`, `cache_salt`) mean
+what they mean on chat completions.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from jllm.entrypoints.openai.protocol import Int, NonEmpty, OpenAIBaseModel, StopList
 from jllm.entrypoints.openai.serving_engine import error_response
@@ -151,6 +152,20 @@ class Thinking(OpenAIBaseModel):
     budget_tokens: Int(1) | None = None
 
 
+class JsonOutputFormat(OpenAIBaseModel):
+    """Output constrained to a JSON schema (chat's `response_format` of type json_schema)."""
+
+    type: Literal["json_schema"] = "json_schema"
+    # `schema` on the wire; the attribute's name would shadow pydantic's `BaseModel.schema`.
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(OpenAIBaseModel):
+    # Chat's `reasoning_effort` (the template's, and harmony's system message).
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: JsonOutputFormat | None = None
+
+
 class CountTokensRequest(OpenAIBaseModel):
     model: NonEmpty
     messages: Annotated[list[Message], Field(min_length=1)]
@@ -158,6 +173,9 @@ class CountTokensRequest(OpenAIBaseModel):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+    # vLLM's: keyword arguments for the chat template, over what `thinking` and `effort` set.
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -168,3 +186,19 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: Int(0) | None = None
     metadata: dict[str, Any] | None = None
+    # vLLM's: requests share prefix-cache blocks only with requests of the same salt.
+    cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
+
+    @model_validator(mode="after")
+    def _budget_below_max_tokens(self) -> MessagesRequest:
+        # Anthropic's rule and vLLM's: the thinking budget is part of max_tokens, so a budget
+        # that fills it leaves no room for the answer.
+        thinking = self.thinking
+        if (
+            thinking is not None
+            and thinking.type == "enabled"
+            and thinking.budget_tokens is not None
+            and thinking.budget_tokens >= self.max_tokens
+        ):
+            raise ValueError("thinking.budget_tokens must be less than max_tokens")
+        return self

@@ -123,6 +123,30 @@ def chat_messages(request: CountTokensRequest, merge_inline_system: bool = False
     return messages
 
 
+def _thinking_and_output(request: CountTokensRequest) -> dict:
+    """The chat fields of `thinking`, `output_config` and `chat_template_kwargs`: thinking as
+    the template's enable_thinking (the request's own keyword arguments win, as vLLM's do),
+    the effort as reasoning_effort, the format as a json_schema response_format."""
+    fields: dict = {}
+    thinking, config = request.thinking, request.output_config
+    template_kwargs = {}
+    if thinking is not None and thinking.type != "adaptive":
+        template_kwargs["enable_thinking"] = thinking.type == "enabled"
+    template_kwargs.update(request.chat_template_kwargs or {})
+    if template_kwargs:
+        fields["chat_template_kwargs"] = template_kwargs
+    if config is None:
+        return fields
+    if config.format is not None:
+        spec = {"name": config.format.type, "schema": config.format.json_schema}
+        fields["response_format"] = {"type": "json_schema", "json_schema": spec}
+    # Disabled thinking overrides an effort (vLLM sends "none" instead): enable_thinking says
+    # so already, and a harmony model would refuse "none".
+    if config.effort is not None and (thinking is None or thinking.type != "disabled"):
+        fields["reasoning_effort"] = config.effort
+    return fields
+
+
 def chat_request(
     request: CountTokensRequest, merge_inline_system: bool = False
 ) -> ChatCompletionRequest:
@@ -144,11 +168,10 @@ def chat_request(
             body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
         if choice.disable_parallel_tool_use is not None:
             body["parallel_tool_calls"] = not choice.disable_parallel_tool_use
-    if request.thinking is not None and request.thinking.type != "adaptive":
-        body["chat_template_kwargs"] = {"enable_thinking": request.thinking.type == "enabled"}
+    body.update(_thinking_and_output(request))
     if isinstance(request, MessagesRequest):
         body["max_tokens"] = request.max_tokens
-        for name in ("temperature", "top_p", "top_k"):
+        for name in ("temperature", "top_p", "top_k", "cache_salt"):
             if getattr(request, name) is not None:
                 body[name] = getattr(request, name)
         if request.stop_sequences:

@@ -188,7 +188,14 @@ def prompt_rule(schema: dict, limits: dict) -> dict:
 def write_rules(schemas: dict, limits: dict) -> None:
     """Write the rules into the request schemas of the completions and chat routes.
     `limits`: as `openapi.build_openapi`'s."""
-    for name in ("ChatCompletionRequest", "TokenizeRequest"):
+    # Anthropic's bodies pass chat_template_kwargs to the same renderer (vLLM's field).
+    templated = (
+        "ChatCompletionRequest",
+        "TokenizeRequest",
+        "MessagesRequest",
+        "CountTokensRequest",
+    )
+    for name in templated:
         props = schemas.get(name, {}).get("properties", {})
         if "chat_template" in props and not limits["trust_request_chat_template"]:
             props["chat_template"] = {

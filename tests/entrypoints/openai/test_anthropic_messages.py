@@ -5,13 +5,20 @@ counts against the chat template, and errors in Anthropic's body."""
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx
+import jsonschema
 import pytest
 import transformers
 
 from jllm.entrypoints.anthropic.protocol import MessagesRequest
-from jllm.entrypoints.anthropic.serving import AnthropicServingMessages, chat_messages
+from jllm.entrypoints.anthropic.serving import (
+    AnthropicServingMessages,
+    chat_messages,
+    chat_request,
+)
 from jllm.entrypoints.openai.serving_engine import OpenAIError
 
 REASONING, ANSWER = "Let me see.", "The answer is four"
@@ -190,6 +197,44 @@ def test_count_tokens(claude, thinker_dir):
         ),
         ({"model": "nope", "max_tokens": 5, "messages": USER}, 404),
         ({"model": "tiny-llama", "max_tokens": 5, "messages": USER, "temperature": -1}, 400),
+        # vLLM's rule: the thinking budget is part of max_tokens.
+        (
+            {
+                "model": "tiny-llama",
+                "max_tokens": 5,
+                "messages": USER,
+                "thinking": {"type": "enabled", "budget_tokens": 5},
+            },
+            400,
+        ),
+        (
+            {
+                "model": "tiny-llama",
+                "max_tokens": 5,
+                "messages": USER,
+                "output_config": {"format": {"type": "json_schema"}},  # no schema
+            },
+            400,
+        ),
+        (
+            {
+                "model": "tiny-llama",
+                "max_tokens": 5,
+                "messages": USER,
+                "output_config": {"effort": "huge"},
+            },
+            400,
+        ),
+        ({"model": "tiny-llama", "max_tokens": 5, "messages": USER, "cache_salt": ""}, 400),
+        (  # the renderer's own parameter
+            {
+                "model": "tiny-llama",
+                "max_tokens": 5,
+                "messages": USER,
+                "chat_template_kwargs": {"add_generation_prompt": False},
+            },
+            400,
+        ),
     ],
 )
 def test_errors_in_anthropics_body(agent_server, body, status):
@@ -266,3 +311,74 @@ def test_a_template_wanting_the_system_message_first():
         request = serving._chat_request(MessagesRequest.model_validate(body))
         assert request.messages == [{"role": "system", "content": "B"}, *USER]
     assert chat.renders == 1
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"enum": ["yes", "no"]},
+        {
+            "type": "object",
+            "properties": {"a": {"type": "boolean"}, "b": {"enum": ["x", "y"]}},
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        },
+    ],
+)
+def test_output_config_format_constrains_the_answer(claude, schema):
+    """output_config.format is chat's json_schema response_format (vLLM's mapping): the
+    answer after the thinking is JSON that the schema takes."""
+    m = claude.messages.create(
+        model="tiny-llama",
+        max_tokens=60,
+        messages=USER,
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+    )
+    assert m.content[0].type == "thinking" and m.content[0].thinking == REASONING
+    assert m.content[-1].type == "text" and m.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(m.content[-1].text), schema)
+
+
+def test_template_kwargs_effort_and_salt_reach_chat(claude, thinker_dir):
+    """chat_template_kwargs and output_config.effort reach the template as on chat (the
+    request's kwargs over thinking's enable_thinking, vLLM's order), cache_salt the prefix
+    cache; disabled thinking overrides an effort."""
+    body = {
+        "model": "m",
+        "max_tokens": 5,
+        "messages": USER,
+        "thinking": {"type": "enabled", "budget_tokens": 2},
+        "output_config": {"effort": "low"},
+        "chat_template_kwargs": {"enable_thinking": False, "x": 1},
+        "cache_salt": "salt",
+    }
+    chat = chat_request(MessagesRequest.model_validate(body))
+    assert chat.reasoning_effort == "low" and chat.cache_salt == "salt"
+    assert chat.template_kwargs() == {"reasoning_effort": "low", "enable_thinking": False, "x": 1}
+    body["thinking"] = {"type": "disabled"}
+    del body["chat_template_kwargs"]
+    chat = chat_request(MessagesRequest.model_validate(body))
+    assert chat.reasoning_effort is None and chat.template_kwargs() == {"enable_thinking": False}
+    # Through the server: without thinking in the template, no thinking block (the scripted
+    # answer's tags are then text); the count renders the same kwargs.
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    m = claude.messages.create(
+        model="tiny-llama", max_tokens=40, messages=USER, extra_body={**off, "cache_salt": "s"}
+    )
+    assert [b.type for b in m.content] == ["text"]
+    assert m.content[0].text == f"<think>{REASONING}</think>{ANSWER}"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(thinker_dir)
+    cases = [
+        ({"chat_template_kwargs": {}}, {}),
+        (off, {"enable_thinking": False}),
+        (
+            {"output_config": {"effort": "high"}},
+            {"reasoning_effort": "high", "enable_thinking": True},
+        ),
+    ]
+    for extra, kwargs in cases:
+        got = claude.messages.count_tokens(model="tiny-llama", messages=USER, extra_body=extra)
+        text = tokenizer.apply_chat_template(
+            USER, tokenize=False, add_generation_prompt=True, **kwargs
+        )
+        assert got.input_tokens == len(tokenizer.encode(text, add_special_tokens=False))

@@ -33,6 +33,7 @@ CONTENT_REFUSALS = (
     "bad-word token sequences",  # more multi-token bad words than a step's mask holds
     "bad_words entries must tokenize",  # a word of spaces only
     "min_tokens must be less than or equal to max_tokens",
+    "thinking.budget_tokens must be less than max_tokens",  # Anthropic's, the same kind
     # A constraint the backend "auto" picks xgrammar for, with an option only guidance
     # takes and disable_fallback set: which backend a constraint gets is no schema's to say.
     "is not supported by the xgrammar backend",
