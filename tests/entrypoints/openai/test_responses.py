@@ -321,6 +321,7 @@ def test_vllms_request_fields(agent_client):
         ({"input": "x", "text": {"format": {"type": "json_schema"}}}, 400, "text"),
         ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "x"}]}, 400, "input"),
         ({"input": "x", "model": "nope"}, 404, "model"),
+        ({"input": "x", "prompt": {"id": "pmpt_1"}}, 400, "prompt"),
         (
             {
                 "input": "x",

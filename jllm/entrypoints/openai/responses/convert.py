@@ -102,6 +102,9 @@ def chat_request(request: ResponsesRequest, conversation: list[dict]) -> ChatCom
         raise OpenAIError(
             "tool_choice other than 'auto' or 'none' needs tools.", 400, "tool_choice"
         )
+    # OpenAI's stored prompt templates live on OpenAI's side: nothing here can expand one.
+    if getattr(request, "prompt", None) is not None:
+        raise OpenAIError("prompt template is not supported", 400, "prompt")
     fmt = request.text.format if request.text is not None else None
     if fmt is not None and request.structured_outputs is not None:
         raise OpenAIError(
