@@ -43,13 +43,6 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped on an error; no request can be served any more."""
 
 
-class EnginePausedError(RuntimeError):
-    """A new request while generation is paused with "abort" or "wait" (a 503)."""
-
-
-PAUSED = "Generation is paused (pause_generation); try again after it resumes."
-
-
 class AsyncLLM:
     def __init__(self, engine, stat_loggers: list | None = None) -> None:
         self.engine = engine
@@ -64,8 +57,10 @@ class AsyncLLM:
             engine, self._deliver, self._commands.put, self._output_thread_died
         )
         engine.output_handler = self._outputs
-        # pause_generation with "abort" or "wait": new requests are refused until resume.
-        self._refuse_new = False
+        # pause_generation with "abort" or "wait": the engine thread holds the requests that
+        # arrive (their "add" commands, in order) until resume or wake_up (vLLM queues them).
+        self._held: dict[str, tuple] = {}
+        self._holding = False  # the engine thread's: set and cleared by "hold" commands
         self._thread = threading.Thread(target=self._run, name="jllm-engine", daemon=True)
         self._thread.start()
 
@@ -124,8 +119,6 @@ class AsyncLLM:
 
         Pass `prepared` (from `prepare`) to validate before starting a response, and the
         HTTP request's `trace_headers` (`trace_headers()`) to trace it under their trace."""
-        if self._refuse_new:
-            raise EnginePausedError(PAUSED)
         processed, params = prepared or self.prepare(prompt, sampling_params)
         if request_id in self._streams:
             raise ValueError(f"Request id {request_id!r} is already running.")
@@ -165,15 +158,15 @@ class AsyncLLM:
     # ---- RL: pause, sleep, weight updates (vLLM's AsyncLLM methods; docs/rl.md) ----------
     async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
         """ "abort": every request ends now (finish reason "abort"); "wait": they finish
-        first; both refuse new requests (EnginePausedError, a 503) until
-        `resume_generation`. "keep": requests freeze where they are and new ones queue;
-        all go on after resume with the outputs they would have had. `clear_cache` resets
-        the caches once the pause is complete, as vLLM: the cached prefixes are forgotten
-        and, under "keep", the frozen requests lose their KV blocks and are recomputed on
-        resume (with the weights installed meanwhile)."""
-        check_pause_mode(mode)  # before new requests are refused
+        first; under both, requests that arrive queue until `resume_generation` (vLLM's
+        rule: held before the engine, so "wait" drains). "keep": requests freeze where they
+        are and new ones queue; all go on after resume with the outputs they would have
+        had. `clear_cache` resets the caches once the pause is complete, as vLLM: the cached
+        prefixes are forgotten and, under "keep", the frozen requests lose their KV blocks
+        and are recomputed on resume (with the weights installed meanwhile)."""
+        check_pause_mode(mode)  # before anything is held
         if mode != "keep":
-            self._refuse_new = True
+            self._commands.put(("hold", True))  # adds after this one wait for resume
         await self.call_utility("pause_scheduler", mode, clear_cache)
         if mode == "wait":
             while await self.call_utility("has_unfinished_requests"):
@@ -185,9 +178,9 @@ class AsyncLLM:
 
     async def resume_generation(self) -> None:
         """Resume after `pause_generation`; refused (RuntimeError) while asleep: `wake_up`
-        resumes then."""
+        resumes then. The requests held meanwhile start, in the order they came."""
         await self.call_utility("resume_scheduler")
-        self._refuse_new = False
+        self._commands.put(("hold", False))
 
     async def is_paused(self) -> bool:
         return await self.call_utility("is_scheduler_paused")
@@ -197,16 +190,13 @@ class AsyncLLM:
         if mode == "wait":  # drain first, then sleep with nothing running
             await self.pause_generation(mode="wait", clear_cache=False)
             mode = "keep"
-        try:
-            await self.call_utility("sleep", level, mode)
-        finally:
-            self._refuse_new = False
+        await self.call_utility("sleep", level, mode)
 
     async def wake_up(self, tags: list[str] | None = None) -> bool:
-        """Fully awake, the engine schedules again: new requests are taken too."""
+        """Fully awake, the engine schedules again: held requests start too."""
         awake = await self.call_utility("wake_up", tags)
         if awake:
-            self._refuse_new = False
+            self._commands.put(("hold", False))
         return awake
 
     async def is_sleeping(self) -> bool:
@@ -294,8 +284,15 @@ class AsyncLLM:
         kind = command[0]
         if kind == "stop":
             return False
-        if kind == "abort":
-            self.engine.abort_request([command[1]])
+        if kind == "hold":
+            self._holding = command[1]
+            if not self._holding:  # resumed: the held requests start, in order
+                held, self._held = self._held, {}
+                for add in held.values():
+                    self._handle(add)
+        elif kind == "abort":
+            if self._held.pop(command[1], None) is None:  # a held one never reached it
+                self.engine.abort_request([command[1]])
         elif kind == "finish":  # the output thread ended these (a stop string, a failure)
             self.engine.engine_core.abort_requests(command[1], command[2])
         elif kind == "utility":
@@ -304,6 +301,8 @@ class AsyncLLM:
                 result.set_result(self.engine.engine_core.call_utility(name, *args))
             except Exception as e:  # noqa: BLE001 - the caller's to handle
                 result.set_exception(e)
+        elif self._holding:  # paused ("abort" or "wait"): it waits for resume
+            self._held[command[1]] = command
         else:
             _, request_id, processed, params, priority, trace_headers = command
             try:

@@ -1,8 +1,8 @@
 """Sleep, wake and pause (RL rollouts): sleep levels 1 and 2 return the weights' and the KV
 cache's device memory (counted with `jax.live_arrays()`) and waking gives the same outputs
 with nothing compiled; level 2 takes its weights from the next update; pause "abort",
-"wait" and "keep" under concurrent streams on AsyncLLM, with new requests refused or
-queued as vLLM's."""
+"wait" and "keep" under concurrent streams on AsyncLLM, with new requests queued until
+resume as vLLM's."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from oracle import (
 
 from jllm import LLM, SamplingParams
 from jllm.config import EngineArgs
-from jllm.engine.async_llm import AsyncLLM, EnginePausedError
+from jllm.engine.async_llm import AsyncLLM
 from jllm.runner.compile_guard import count_compiles
 
 PROMPTS = prompt_ids(3, 20)
@@ -188,32 +188,44 @@ async def _started(engine, tag):
     return tasks
 
 
-def test_pause_abort_ends_every_stream_and_refuses_new_ones(async_llm):
+async def _held(engine, rid):
+    """A request sent while generation is paused: it does not start (vLLM queues it)."""
+    task = asyncio.create_task(_stream(engine, rid, PROMPTS[0]))
+    await asyncio.sleep(0.3)
+    assert not task.done() and not engine.engine.scheduler.requests
+    return task
+
+
+def test_pause_abort_ends_every_stream_and_queues_new_ones(async_llm):
     async def run():
         tasks = await _started(async_llm, "abort")
         await async_llm.pause_generation(mode="abort")
         outs = await asyncio.gather(*tasks)
         assert {o.outputs[0].finish_reason for o in outs} == {"abort"}
         assert await async_llm.is_paused()
-        with pytest.raises(EnginePausedError):
-            await _stream(async_llm, "refused", PROMPTS[0])
+        held = await _held(async_llm, "held")
+        gone = await _held(async_llm, "gone")
+        gone.cancel()  # a client that leaves while held: its request never starts
+        await asyncio.gather(gone, return_exceptions=True)
         await async_llm.resume_generation()
         assert not await async_llm.is_paused()
+        assert (await held).outputs[0].finish_reason == "length"
         out = await _stream(async_llm, "after", PROMPTS[0])
         assert out.outputs[0].finish_reason == "length"
+        assert not async_llm.engine.scheduler.requests
 
     asyncio.run(run())
 
 
-def test_pause_wait_drains_then_refuses(async_llm):
+def test_pause_wait_drains_then_queues(async_llm):
     async def run():
         tasks = await _started(async_llm, "wait")
         await async_llm.pause_generation(mode="wait")
         assert all(t.done() for t in tasks)
         assert {t.result().outputs[0].finish_reason for t in tasks} == {"length"}
-        with pytest.raises(EnginePausedError):
-            await _stream(async_llm, "refused-wait", PROMPTS[0])
+        held = await _held(async_llm, "held-wait")
         await async_llm.resume_generation()
+        assert (await held).outputs[0].finish_reason == "length"
 
     asyncio.run(run())
 

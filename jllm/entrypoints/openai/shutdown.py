@@ -18,7 +18,7 @@ import logging
 
 import uvicorn
 
-from jllm.engine.async_llm import PAUSED, AsyncLLM
+from jllm.engine.async_llm import AsyncLLM
 from jllm.entrypoints.openai.serving_engine import OpenAIError
 
 logger = logging.getLogger("jllm.entrypoints.openai")
@@ -44,8 +44,6 @@ class StoppableLLM(AsyncLLM):
         """AsyncLLM.generate, ended by `stop_requests` with an OpenAIError (503)."""
         if self.stopping:
             raise OpenAIError(SHUTTING_DOWN, 503)
-        if self._refuse_new:  # paused with "abort" or "wait"
-            raise OpenAIError(PAUSED, 503)
         stop = asyncio.get_running_loop().create_future()
         self._stops.add(stop)
         outputs = super().generate(*args, **kwargs)
