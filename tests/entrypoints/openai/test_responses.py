@@ -309,6 +309,32 @@ def test_vllms_request_fields(agent_client):
     assert chat.vllm_xargs == {"k": 1}
 
 
+def test_a_partial_assistant_message_is_continued(agent_client):
+    """vLLM's rule: an input ending in an assistant message still in progress (or
+    incomplete) is continued, as chat's continue_final_message continues it."""
+    start = [
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": "The"},
+    ]
+    chat = agent_client.chat.completions.create(
+        model="tiny-llama",
+        messages=start,
+        max_tokens=10,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    items = [
+        {"type": "message", "role": "user", "content": QUESTION},
+        {"type": "message", "role": "assistant", "content": "The", "status": "incomplete"},
+    ]
+    r = agent_client.responses.create(model="tiny-llama", input=items, max_output_tokens=10)
+    assert r.output_text == chat.choices[0].message.content
+    done = [items[0], {**items[1], "status": "completed"}]
+    again = agent_client.responses.create(model="tiny-llama", input=done, max_output_tokens=10)
+    fresh = agent_client.chat.completions.create(model="tiny-llama", messages=start, max_tokens=10)
+    assert again.output_text == fresh.choices[0].message.content
+    assert r.output_text != again.output_text  # the continued turn differs from a new one
+
+
 @pytest.mark.parametrize(
     "body, status, param",
     [

@@ -10,7 +10,11 @@ import time
 import uuid
 
 from jllm.entrypoints.openai.protocol import ChatCompletionRequest
-from jllm.entrypoints.openai.responses.protocol import ResponsesRequest
+from jllm.entrypoints.openai.responses.protocol import (
+    AssistantItem,
+    ReasoningItem,
+    ResponsesRequest,
+)
 from jllm.entrypoints.openai.serving_engine import OpenAIError
 from jllm.entrypoints.openai.tool_parsers import chat_tool
 
@@ -31,6 +35,19 @@ def _parts(content) -> str | list[dict]:
     if all(p["type"] == "text" for p in out):
         return "\n".join(p["text"] for p in out)
     return out
+
+
+def continues_final_message(request: ResponsesRequest) -> bool:
+    """vLLM's rule: an input that ends in an assistant message or reasoning item still
+    `in_progress` or `incomplete` is continued (the chat template's
+    continue_final_message), not answered after a new generation prompt."""
+    if isinstance(request.input, str) or not request.input:
+        return False
+    last = request.input[-1]
+    return isinstance(last, AssistantItem | ReasoningItem) and last.status in (
+        "in_progress",
+        "incomplete",
+    )
 
 
 def input_messages(request: ResponsesRequest) -> list[dict]:
@@ -115,6 +132,9 @@ def chat_request(request: ResponsesRequest, conversation: list[dict]) -> ChatCom
     elif fmt is not None and fmt.type == "json_schema":
         spec = {"name": fmt.name or "response", "schema": fmt.schema_}
         body["response_format"] = {"type": "json_schema", "json_schema": spec}
+    if continues_final_message(request):
+        body["continue_final_message"] = True
+        body["add_generation_prompt"] = False
     kwargs = dict(request.chat_template_kwargs or {})
     if request.reasoning is not None and request.reasoning.effort is not None:
         kwargs.setdefault("reasoning_effort", request.reasoning.effort)
