@@ -141,7 +141,11 @@ class WeightSync:
                 f"Sleep level {level} needs sleep mode: start the engine with "
                 "enable_sleep_mode=True (level 0 pauses scheduling without it)."
             )
-        if level < 1 or "weights" in self.asleep:
+        if level < 1:
+            return
+        if "weights" in self.asleep:  # asleep already: a partial wake_up may have
+            self._delete_kv_cache()  # brought the KV cache back, which goes again
+            self.asleep = set(TAGS)
             return
         variables = self._variables()
         if level == 1:

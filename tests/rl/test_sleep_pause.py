@@ -59,6 +59,13 @@ def test_sleep_level_1_frees_the_device_and_wakes_to_the_same_outputs(llm):
         generate(llm, PROMPTS)
     assert llm.wake_up(["weights"]) is False  # the KV cache still sleeps
     assert llm.wake_up() is True and not llm.is_sleeping()
+    # Asleep again, and only the KV cache woken: a second sleep releases it again.
+    llm.sleep(level=1)
+    asleep = live_bytes()
+    assert llm.wake_up(["kv_cache"]) is False
+    llm.sleep(level=1)
+    assert live_bytes() == asleep
+    assert llm.wake_up() is True and not llm.is_sleeping()
     with count_compiles() as events:
         after = generate(llm, PROMPTS)
     assert not events
