@@ -34,6 +34,12 @@ _ALLOCATOR_VARIABLES = (
 if not any(name in os.environ for name in _ALLOCATOR_VARIABLES):
     os.environ["XLA_CLIENT_MEM_FRACTION"] = "0.95"
 
+# One malloc arena, before any thread starts (jllm/cpu_heap.py: XLA's CPU steps otherwise
+# fault on fresh pages every step).
+from jllm import cpu_heap  # noqa: E402
+
+cpu_heap.one_arena()
+
 from jllm.config import EngineArgs  # noqa: E402
 from jllm.outputs import (  # noqa: E402
     ClassificationOutput,

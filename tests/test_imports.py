@@ -22,7 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Bottom first.
 LAYERS = [
     # Config and the helpers and records every layer reads: they import nothing from jllm.
-    {"config", "utils", "logger", "version", "outputs"},
+    {"config", "utils", "logger", "version", "outputs", "cpu_heap"},
     {"sampling_params", "pooling_params"},
     # Records the engine and the runner share (the KV-cache specs: models read them too),
     # and host-side request logic the engine and the front end share (reasoning, pooling).

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from flax import nnx
 
+from jllm import cpu_heap
 from jllm.attention import get_backend
 from jllm.config import EngineArgs, resolve_scheduler_config
 from jllm.distributed import (
@@ -145,6 +146,7 @@ class LLMEngine:
         speculative = args.speculative_config is not None
         m.kv_caches = with_state_options(m.kv_caches, interval, speculative)
         loaded = time.perf_counter()
+        cpu_heap.keep(platform)  # the step's temporaries stay mapped
         cfg, dtype, self.max_model_len = m.config, m.dtype, m.max_model_len
         # A pooling model's task and head (jllm/pooling/model.py); None: a generative model.
         self.pooling = m.pooling
