@@ -108,6 +108,9 @@ constexpr int64_t kBlockTiles = 8;  // tiles per work item (112 rows when full)
 // four 28-34, four with the prefetch 26-28, eight no better; four rows 60-67 ms on one
 // panel, 44-50 on two. A column's sums take the same order as in the tiles of the loop.
 constexpr int kWideRows = 4;
+// A packed panel's first tile (the one that reads it from memory; the block's other tiles
+// find it in cache) prefetches the lines kStreamBytes past those it loads, in each half.
+constexpr int64_t kStreamBytes = 4096;
 constexpr int kWidePanels = 4;
 constexpr int64_t kPrefetchRows = 16;
 
@@ -168,7 +171,8 @@ void pack_panels(const Product& p, const uint16_t* w, int64_t q0, int64_t q1, in
 template <int R, int P, bool kPacked>
 __attribute__((always_inline)) inline void products(const Product& p, const uint16_t* w,
                                                     int64_t m0, const __mmask32 (&cols)[P],
-                                                    __m512 (&y0)[R][P], __m512 (&y1)[R][P]) {
+                                                    __m512 (&y0)[R][P], __m512 (&y1)[R][P],
+                                                    bool stream = false) {
   const int64_t K = p.K, N = p.N, panel = panel_elements(K), half = 2 * half_words(padded_k(K));
   // Unrolled by pragma so that GCC keeps the arrays in registers (without it, it stores
   // every accumulator to the stack on every step).
@@ -204,6 +208,11 @@ __attribute__((always_inline)) inline void products(const Product& p, const uint
     __m512bh a[P > 1 ? R : 1];
     if constexpr (P > 1)
       _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) a[r] = broadcast_pair(x + r * K + k);
+    if (kPacked && P == 1 && stream) {  // the panel's first tile: the lines kStreamBytes on
+      const char* ahead = reinterpret_cast<const char*>(at[0] + (k / 2) * 32) + kStreamBytes;
+      _mm_prefetch(ahead, _MM_HINT_T0);
+      _mm_prefetch(ahead + half * 2, _MM_HINT_T0);
+    }
     if (P > 1 && k + kPrefetchRows + 1 < K) {  // wide items only (the tiles reuse a panel)
       _Pragma("GCC unroll 16") for (int j = 0; j < P; ++j) {
         const uint16_t* ahead = kPacked ? at[j] + (k + kPrefetchRows) / 2 * 32
@@ -279,17 +288,17 @@ __attribute__((always_inline)) inline void store_row(const Product& p, int64_t m
 // Rows m0 .. m0 + R - 1 by the P panels of columns from n0 of the output: x @ w, or with
 // `p.up`, silu(x @ w) * (x @ up).
 template <int R, int P, bool kPacked>
-void tile_from(const Product& p, int64_t m0, int64_t n0) {
+void tile_from(const Product& p, int64_t m0, int64_t n0, bool stream = false) {
   __mmask32 cols[P];
   _Pragma("GCC unroll 16") for (int j = 0; j < P; ++j)
     cols[j] = n0 + j * kPanel < p.N ? panel_cols(p.N, n0 + j * kPanel) : 0;
   // where the first panel's columns start: in w [K, N], or among the packed panels
   const int64_t at = kPacked ? n0 / kPanel * panel_elements(p.K) : n0;
   __m512 y0[R][P], y1[R][P];
-  products<R, P, kPacked>(p, p.w + at, m0, cols, y0, y1);
+  products<R, P, kPacked>(p, p.w + at, m0, cols, y0, y1, stream);
   if (p.up) {
     __m512 u0[R][P], u1[R][P];
-    products<R, P, kPacked>(p, p.up + at, m0, cols, u0, u1);
+    products<R, P, kPacked>(p, p.up + at, m0, cols, u0, u1, stream);
     _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
       _Pragma("GCC unroll 16") for (int j = 0; j < P; ++j) {
         y0[r][j] = silu_times(y0[r][j], u0[r][j]);
@@ -302,16 +311,17 @@ void tile_from(const Product& p, int64_t m0, int64_t n0) {
 }
 
 template <int R, int P = 1>
-void tile(const Product& p, int64_t m0, int64_t n0) {
-  if (p.packed) return tile_from<R, P, true>(p, m0, n0);
+void tile(const Product& p, int64_t m0, int64_t n0, bool stream = false) {
+  if (p.packed) return tile_from<R, P, true>(p, m0, n0, stream);
   tile_from<R, P, false>(p, m0, n0);
 }
 
-void tile_rows(const Product& p, int rows, int64_t m0, int64_t n0) {
+// stream: the first tile of a packed panel (products' kStreamBytes prefetch).
+void tile_rows(const Product& p, int rows, int64_t m0, int64_t n0, bool stream) {
   switch (rows) {
 #define JLLM_TILE(R) \
   case R:            \
-    return tile<R>(p, m0, n0);
+    return tile<R>(p, m0, n0, stream);
     JLLM_TILE(1) JLLM_TILE(2) JLLM_TILE(3) JLLM_TILE(4) JLLM_TILE(5) JLLM_TILE(6) JLLM_TILE(7)
     JLLM_TILE(8) JLLM_TILE(9) JLLM_TILE(10) JLLM_TILE(11) JLLM_TILE(12) JLLM_TILE(13)
     JLLM_TILE(14)
@@ -698,7 +708,8 @@ ffi::Error Run(ffi::ThreadPool& pool, const Product& p, const int8_t* live) {
   }
   const auto item = [&](int64_t t0, int64_t t1, int64_t p0, int64_t p1) {
     for (int64_t panel = p0; panel < p1; ++panel)  // the block's rows reuse it
-      for (int64_t t = t0; t < t1; ++t) tile_rows(p, tiles[t].rows, tiles[t].m0, panel * kPanel);
+      for (int64_t t = t0; t < t1; ++t)
+        tile_rows(p, tiles[t].rows, tiles[t].m0, panel * kPanel, t == t0);
   };
   const int64_t count = int64_t(tiles.size());
   const bool ok = jllm_cpu::share_tile_panels(pool, count, panels, kBlockTiles, item);
