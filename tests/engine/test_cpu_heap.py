@@ -55,10 +55,20 @@ def test_cpu_backend_keeps_freed_blocks_mapped():
     assert faults < 100  # 16,384 pages were touched
 
 
+def _huge_pages_always() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[always]" in f.read()
+    except OSError:
+        return False
+
+
 @glibc
 def test_opt_out_and_other_backends_keep_glibcs_defaults():
     applied, faults = _probe("cpu", JLLM_CPU_KEEP_HEAP="0")
-    assert not applied and faults > 10_000  # each page faulted again
+    assert not applied
+    if not _huge_pages_always():  # with them, a fresh 64 MB map faults once per 2 MB
+        assert faults > 10_000  # each page faulted again
     applied, _ = _probe("gpu")
     assert not applied
 
