@@ -28,7 +28,8 @@
 // where the CPU has AVX512-BF16); prefill blocks by arithmetic, which runs on 16-lane
 // vectors (GCC's vector extension) with a block's rows as the lanes (run_prefill, the same
 // shapes, and a latent's rows of every kind: its lane count a multiple of 16, its value lanes
-// of 8). run_item, scalar, takes every other shape.
+// of 8; run_prefill_bf16 for a bf16 q and cache with AVX512-BF16). run_item, scalar, takes
+// every other shape.
 //
 // Built at run time by pallas_kernels/cpu/build.py with GCC (g++ -O3 -march=native; it uses GCC's vector
 // extension, __builtin_shuffle and __builtin_shufflevector).
@@ -602,10 +603,158 @@ inline void prefetch_share(const char* p, int64_t bytes, int64_t i, int64_t n) {
     __builtin_prefetch(p + line * 64, 0, 2);
 }
 
+// A prefill item's rows as the lanes of 16-lane vectors (run_prefill, run_prefill_bf16): row
+// `row` of its nr = num_queries x G rows is query row / G of the block with query head
+// k * G + row % G of each kv head k, ng lane groups of 16 rows per kv head, and each (kv head,
+// lane group) pair has its own online-softmax state. Holds the rows' first and last keys, each
+// group's least and most last key (its first and last query's positions when causal) and the
+// states, all in `state` (`floats` of them).
+struct PrefillBlock {
+  static constexpr int64_t kS = 16, kL = 16;
+  int64_t G, nr, ng, pos0, kv_lo, kv_end, num_pages;
+  bool edged;  // rows whose keys start past 0 (a window, chunks)
+  const int32_t* table;
+  float* m;       // [K, ng, 16] running max
+  float* l;       // [K, ng, 16] running denominator
+  float* qlast;   // [ng, 16] the row's last key (last_key); -1 for padding lanes
+  float* qfirst;  // [ng, 16] the row's first key (first_key); 0 likewise
+  float* reach;   // [ng, 2] the least and the most of a group's qlast
+
+  static int64_t lane_groups(const Problem& pb, const Item& it) {
+    return (it.num_queries * pb.G + kL - 1) / kL;
+  }
+  static int64_t floats(const Problem& pb, const Item& it) {
+    const int64_t ng = lane_groups(pb, it);
+    return 2 * pb.K * ng * kL + 2 * ng * kL + 2 * ng;
+  }
+
+  PrefillBlock(const Problem& pb, const Item& it, float* state)
+      : G(pb.G), nr(it.num_queries * pb.G), ng(lane_groups(pb, it)) {
+    const int64_t r = it.request, groups = pb.K * ng;
+    const int64_t q_row0 = int64_t(pb.query_start[r]) + it.first_query;
+    pos0 = int64_t(pb.kv_lens[r]) - pb.query_lens[r] + it.first_query;
+    kv_lo = first_key(pb, pos0);  // the first key some row sees
+    edged = pb.window || pb.chunk;
+    table = pb.block_tables + r * pb.P;
+    m = state;
+    l = m + groups * kL;
+    qlast = l + groups * kL;
+    qfirst = qlast + ng * kL;
+    reach = qfirst + ng * kL;
+    // Positions and keys are exact as floats below 2^24.
+    kv_end = 0;  // keys before it are read
+    for (int64_t gi = 0; gi < ng; ++gi) {
+      int64_t lo = INT64_MAX, hi = -1;
+      for (int64_t row = gi * kL; row < gi * kL + kL; ++row) {
+        const int64_t i = row / G, last = row < nr ? last_key(pb, r, q_row0 + i, pos0 + i) : -1;
+        qfirst[row] = row < nr ? float(first_key(pb, pos0 + i)) : 0;
+        qlast[row] = float(last);
+        if (row < nr) lo = std::min(lo, last);
+        hi = std::max(hi, last);
+      }
+      reach[2 * gi] = float(lo);
+      reach[2 * gi + 1] = float(hi);
+      kv_end = std::max(kv_end, hi + 1);
+    }
+    num_pages = (kv_end + kS - 1) / kS;
+    for (int64_t k = 0; k < pb.K; ++k)  // kv head k's lane `row` is query head k * G + row % G
+      for (int64_t row = 0; row < ng * kL; ++row)
+        m[k * ng * kL + row] = initial_max(pb, k * G + row % G);
+    std::fill(l, l + groups * kL, initial_sum(pb));
+  }
+
+  // The keys of the page from key0 that lane group gi's rows see: begin <= t < nt; those
+  // before `shared` lie outside the ranges of the group's later rows (the lower edge), those
+  // from `full` past the last keys of some of its rows; every row sees those between. Without
+  // a window or chunks, begin = shared = 0. False where the group sees none.
+  bool keys(const Problem& pb, int64_t gi, int64_t key0, int64_t& begin, int64_t& shared,
+            int64_t& full, int64_t& nt) const {
+    // Rows go query by query: the group's first and last query's positions bound its
+    // windows; its rows see keys up to `any`, and all of them the keys up to `all`.
+    const int64_t first = pos0 + gi * kL / G;
+    const int64_t last = pos0 + (std::min(gi * kL + kL, nr) - 1) / G;
+    const int64_t all = int64_t(reach[2 * gi]), any = int64_t(reach[2 * gi + 1]);
+    if (key0 > any) return false;
+    nt = std::min<int64_t>(kS, any + 1 - key0);
+    begin = shared = 0;
+    if (edged) {
+      begin = std::clamp<int64_t>(first_key(pb, first) - key0, 0, nt);
+      if (begin == nt) return false;
+      shared = std::clamp<int64_t>(first_key(pb, last) - key0, begin, nt);
+    }
+    full = std::clamp<int64_t>(all + 1 - key0, shared, nt);
+    return true;
+  }
+
+  // The online softmax of (kv head, lane group) `group` (lane group gi) over the scores s[t]
+  // (16 lanes a key) of the keys begin <= t < nt of the page from key0, lane by lane: keys
+  // outside a row's range score -inf. s[t] becomes the probabilities (0 outside); updates the
+  // group's max and denominator and returns alpha, the factor that rescales its sums.
+  v16 softmax(int64_t group, int64_t gi, int64_t key0, int64_t begin, int64_t shared,
+              int64_t nt, float* s) const {
+    const v16 zero = zero_vector(), minus_inf = zero - INFINITY;
+    const v16 upto = load16(qlast + gi * kL), from = load16(qfirst + gi * kL);
+    const v16 m_old = load16(m + group * kL);
+    v16 m_new = m_old;
+    for (int64_t t = begin; t < shared; ++t) {  // the lower edge: rows from first_key
+      const v16 st = where_in(zero + float(key0 + t), from, upto, load16(s + t * kL), minus_inf);
+      store16(s + t * kL, st);
+      m_new = max_v16(m_new, st);
+    }
+    for (int64_t t = shared; t < nt; ++t) {
+      const v16 st = where_le(zero + float(key0 + t), upto, load16(s + t * kL), minus_inf);
+      store16(s + t * kL, st);
+      m_new = max_v16(m_new, st);
+    }
+    // Rows that see no key yet keep m = -inf; they subtract 0 instead (no -inf - -inf).
+    const v16 base = where_le(m_new, minus_inf, zero, m_new);
+    v16 sum = zero;
+    for (int64_t t = begin; t < nt; ++t) {
+      const v16 st = load16(s + t * kL);
+      const v16 p = where_le(st, minus_inf, zero, exp16(st - base));
+      store16(s + t * kL, p);
+      sum += p;
+    }
+    const v16 alpha = exp16(m_old - base);
+    store16(l + group * kL, load16(l + group * kL) * alpha + sum);
+    store16(m + group * kL, m_new);
+    return alpha;
+  }
+
+  // The block's rows out of the lanes of acc [K, ng, Hv, 16], 8 head dims by 8 rows at a
+  // time, each divided by its denominator, to `out` (the block's first query's row).
+  template <typename D>
+  void store(const Problem& pb, const float* acc, int64_t Hv, typename D::Storage* out) const {
+    const int64_t N = pb.K * G;
+    for (int64_t k = 0; k < pb.K; ++k)
+      for (int64_t row0 = 0; row0 < nr; row0 += 8) {
+        const float* src = acc + (k * ng + row0 / kL) * Hv * kL + row0 % kL;
+        const int rows = int(std::min<int64_t>(8, nr - row0));
+        typename D::Storage* dst[8];
+        float inv[8];
+        for (int e = 0; e < rows; ++e) {
+          const int64_t row = row0 + e;
+          const float lr = l[k * ng * kL + row];
+          dst[e] = out + ((row / G) * N + k * G + row % G) * Hv;
+          inv[e] = lr > 0.0f ? 1.0f / lr : 0.0f;
+        }
+        for (int64_t h0 = 0; h0 < Hv; h0 += 8) {
+          v8 b[8];
+          for (int e = 0; e < 8; ++e) std::memcpy(&b[e], src + (h0 + e) * kL, sizeof(v8));
+          transpose8(b);
+          for (int e = 0; e < rows; ++e) {
+            const v8 y = b[e] * inv[e];
+            for (int c = 0; c < 8; ++c) dst[e][h0 + c] = D::store(y[c]);
+          }
+        }
+      }
+  }
+};
+
 // A block of queries (a prefill's, or one query with more than kDecodeMaxG heads per kv
 // head, or a latent's), block size 16, head dim 64 or 128 (kH), or for a latent (kH = 0) the
 // Problem's H, a multiple of 16, and Hv values, a multiple of 8. The rows of each kv head (query i, query head
-// g: num_queries x G of them, query by query) are the lanes of 16-lane vectors, so a page's
+// g: num_queries x G of them, query by query) are the lanes of 16-lane vectors (PrefillBlock), so a page's
 // scores are 16 vectors, one per key, and the online softmax (max, exp, sum, rescale) runs
 // lane by lane with no reductions across lanes; a key's or value's element enters as a
 // broadcast scalar. Scores take kKeyTile keys per pass over the head dim, values kDimTile
@@ -624,53 +773,24 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
   constexpr bool in_place = std::is_same_v<Ct, float>;
   const int64_t H = kH ? kH : pb.H, Hv = kH ? kH : pb.Hv;  // key (and query) lanes, value lanes
   const int64_t G = pb.G, K = pb.K, N = K * G;
-  const int64_t nr = it.num_queries * G, ng = (nr + kL - 1) / kL;  // rows, lane groups
+  const int64_t nr = it.num_queries * G, ng = PrefillBlock::lane_groups(pb, it);
   const int64_t groups = K * ng;  // (kv head, lane group) pairs, each with its own state
-  scratch.resize(size_t(groups * kL * (H + Hv + 2) + 3 * ng * kL + 2 * ng + kS * kL +
-                       kS * (H + Hv)));
+  const int64_t block_floats = PrefillBlock::floats(pb, it);
+  scratch.resize(size_t(groups * kL * (H + Hv) + block_floats + kS * kL + kS * (H + Hv)));
   float* qt = scratch.data();          // [K, ng, H, 16] queries, scaled; lane = row
   float* acc = qt + groups * H * kL;   // [K, ng, Hv, 16]
-  float* m = acc + groups * Hv * kL;   // [K, ng, 16] running max
-  float* l = m + groups * kL;          // [K, ng, 16] running denominator
-  float* qpos = l + groups * kL;       // [ng, 16] the row's position; -1 for padding lanes
-  float* qlast = qpos + ng * kL;       // [ng, 16] the row's last key (last_key); -1 likewise
-  float* reach = qlast + ng * kL;      // [ng, 2] the least and the most of a group's qlast
-  float* qfirst = reach + 2 * ng;      // [ng, 16] the row's first key (first_key); 0 likewise
-  float* s = qfirst + ng * kL;         // [16 keys, 16] scores, then probabilities
+  const PrefillBlock blk(pb, it, acc + groups * Hv * kL);
+  float* s = acc + groups * Hv * kL + block_floats;  // [16 keys, 16] scores, then probabilities
   float* kf = s + kS * kL;             // [16, H] a page's keys of one kv head, widened
   float* vf = kf + kS * H;             // [16, Hv] values (a latent's are kf's)
 
-  const int64_t r = it.request;
-  const int64_t q_row0 = int64_t(pb.query_start[r]) + it.first_query;
-  const int64_t pos0 = int64_t(pb.kv_lens[r]) - pb.query_lens[r] + it.first_query;
-  const int64_t kv_lo = first_key(pb, pos0);  // the first key some row sees
-  const bool edged = pb.window || pb.chunk;  // rows whose keys start past 0
-  const int32_t* table = pb.block_tables + r * pb.P;
+  const int64_t q_row0 = int64_t(pb.query_start[it.request]) + it.first_query;
   const Ct* cache = static_cast<const Ct*>(pb.cache);
   const int64_t token_elems = row_elems(pb), page_elems = kS * token_elems;
   const int64_t page_bytes = page_elems * int64_t(sizeof(Ct));
   const St* q = static_cast<const St*>(pb.q) + q_row0 * N * H;
-  St* out = static_cast<St*>(pb.out) + q_row0 * N * Hv;
-  const v16 zero = zero_vector(), minus_inf = zero - INFINITY;
+  const v16 zero = zero_vector();
 
-  // Rows' positions and last keys (exact as floats below 2^24), and each group's least and
-  // most last key: its first and last query's positions when causal.
-  int64_t kv_end = 0;  // keys before it are read
-  for (int64_t gi = 0; gi < ng; ++gi) {
-    int64_t lo = INT64_MAX, hi = -1;
-    for (int64_t row = gi * kL; row < gi * kL + kL; ++row) {
-      const int64_t i = row / G, last = row < nr ? last_key(pb, r, q_row0 + i, pos0 + i) : -1;
-      qpos[row] = row < nr ? float(pos0 + i) : -1;
-      qfirst[row] = row < nr ? float(first_key(pb, pos0 + i)) : 0;
-      qlast[row] = float(last);
-      if (row < nr) lo = std::min(lo, last);
-      hi = std::max(hi, last);
-    }
-    reach[2 * gi] = float(lo);
-    reach[2 * gi + 1] = float(hi);
-    kv_end = std::max(kv_end, hi + 1);
-  }
-  const int64_t num_pages = (kv_end + kS - 1) / kS;
   // Each kv head's queries into lanes, 8 rows by 8 head dims at a time; padding rows 0.
   for (int64_t k = 0; k < K; ++k)
     for (int64_t row0 = 0; row0 < ng * kL; row0 += 8) {
@@ -688,14 +808,10 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
       }
     }
   std::fill(acc, acc + groups * Hv * kL, 0.0f);
-  for (int64_t k = 0; k < K; ++k)  // kv head k's lane `row` is query head k * G + row % G
-    for (int64_t row = 0; row < ng * kL; ++row)
-      m[k * ng * kL + row] = initial_max(pb, k * G + row % G);
-  std::fill(l, l + groups * kL, initial_sum(pb));
 
-  for (int64_t pi = kv_lo / kS; pi < num_pages; ++pi) {
-    const Ct* page = cache + int64_t(table[pi]) * page_elems;
-    const char* next = next_page(cache, table, pi, num_pages, page_elems);
+  for (int64_t pi = blk.kv_lo / kS; pi < blk.num_pages; ++pi) {
+    const Ct* page = cache + int64_t(blk.table[pi]) * page_elems;
+    const char* next = next_page(cache, blk.table, pi, blk.num_pages, page_elems);
     const int64_t key0 = pi * kS;
     for (int64_t k = 0; k < K; ++k) {
       const float *keys, *values;
@@ -705,8 +821,8 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
         values = page + value_at(pb, k);
         stride = token_elems;
       } else {  // the tokens some row sees
-        const int64_t nt = std::min<int64_t>(kS, kv_end - key0);
-        for (int64_t t = std::max<int64_t>(0, kv_lo - key0); t < nt; ++t) {
+        const int64_t nt = std::min<int64_t>(kS, blk.kv_end - key0);
+        for (int64_t t = std::max<int64_t>(0, blk.kv_lo - key0); t < nt; ++t) {
           const Ct* kp = page + t * token_elems + key_at(pb, k);
           for (int64_t h = 0; h < H; h += 16) store16(kf + t * H + h, C::load16(kp + h));
           if (pb.latent) continue;
@@ -718,30 +834,13 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
         stride = H;
       }
       for (int64_t gi = 0; gi < ng; ++gi) {
-        // Rows go query by query: the group's first and last query's positions bound its
-        // windows; its rows see keys up to `any`, and all of them the keys up to `all`.
-        const int64_t first = pos0 + gi * kL / G;
-        const int64_t last = pos0 + (std::min(gi * kL + kL, nr) - 1) / G;
-        const int64_t all = int64_t(reach[2 * gi]), any = int64_t(reach[2 * gi + 1]);
         if (next) prefetch_share(next, page_bytes, k * ng + gi, K * ng);
-        if (key0 > any) continue;
-        // Keys begin <= t < nt are some row's. Row p sees keys first_key(p) .. last_key
-        // (p - W + 1 in a window, its chunk's start in chunked attention): those before
-        // `shared` lie outside the ranges of the group's later rows (the lower edge), those
-        // from `full` past the last keys of some of its rows; every row sees those between.
-        // Without a window or chunks, begin = shared = 0.
-        const int64_t nt = std::min<int64_t>(kS, any + 1 - key0);
-        int64_t begin = 0, shared = 0;
-        if (edged) {
-          begin = std::clamp<int64_t>(first_key(pb, first) - key0, 0, nt);
-          if (begin == nt) continue;
-          shared = std::clamp<int64_t>(first_key(pb, last) - key0, begin, nt);
-        }
-        const int64_t full = std::clamp<int64_t>(all + 1 - key0, shared, nt);
+        int64_t begin, shared, full, nt;
+        if (!blk.keys(pb, gi, key0, begin, shared, full, nt)) continue;
         const int64_t group = k * ng + gi;
         const float* qg = qt + group * H * kL;
         float* ag = acc + group * Hv * kL;
-        const v16 upto = load16(qlast + gi * kL), from = load16(qfirst + gi * kL);
+        const v16 upto = load16(blk.qlast + gi * kL), from = load16(blk.qfirst + gi * kL);
         // Scores of keys begin <= t < nt (a tile outside reads the page's stale rows or
         // ones no row sees; never used).
         for (int64_t t0 = begin & -kKeyTile; t0 < nt; t0 += kKeyTile) {
@@ -757,32 +856,7 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
         if (pb.soft_cap > 0.0f)
           for (int64_t t = begin; t < nt; ++t)
             store16(s + t * kL, soft_cap16(load16(s + t * kL), pb.soft_cap));
-        // The online softmax, lane by lane: keys outside a row's window score -inf.
-        const v16 m_old = load16(m + group * kL);
-        v16 m_new = m_old;
-        for (int64_t t = begin; t < shared; ++t) {  // the lower edge: rows from first_key
-          const v16 st =
-              where_in(zero + float(key0 + t), from, upto, load16(s + t * kL), minus_inf);
-          store16(s + t * kL, st);
-          m_new = max_v16(m_new, st);
-        }
-        for (int64_t t = shared; t < nt; ++t) {
-          const v16 st = where_le(zero + float(key0 + t), upto, load16(s + t * kL), minus_inf);
-          store16(s + t * kL, st);
-          m_new = max_v16(m_new, st);
-        }
-        // Rows that see no key yet keep m = -inf; they subtract 0 instead (no -inf - -inf).
-        const v16 base = where_le(m_new, minus_inf, zero, m_new);
-        v16 sum = zero;
-        for (int64_t t = begin; t < nt; ++t) {
-          const v16 st = load16(s + t * kL);
-          const v16 p = where_le(st, minus_inf, zero, exp16(st - base));
-          store16(s + t * kL, p);
-          sum += p;
-        }
-        const v16 alpha = exp16(m_old - base);
-        store16(l + group * kL, load16(l + group * kL) * alpha + sum);
-        store16(m + group * kL, m_new);
+        const v16 alpha = blk.softmax(group, gi, key0, begin, shared, nt, s);
         // acc = acc * alpha + sum_t p_t v_t, key by key in order: the window's lower edge
         // (begin .. shared, each row its own keys) in a pass of its own, first; then the keys
         // every row sees (shared .. full) and those up to each row's last key (full .. nt). A
@@ -826,30 +900,204 @@ void run_prefill(const Problem& pb, const Item& it, std::vector<float>& scratch)
       }
     }
   }
-  // Out of lanes, 8 head dims by 8 rows at a time, each row divided by its denominator.
+  blk.store<D>(pb, acc, Hv, static_cast<St*>(pb.out) + q_row0 * N * Hv);
+}
+
+#ifdef __AVX512BF16__
+// One 32-bit word (a pair of bf16) at p.
+inline int32_t load32(const void* p) {
+  int32_t w;
+  std::memcpy(&w, p, 4);
+  return w;
+}
+
+// The values of kv head k's tokens t_lo <= t < t_hi of a page (bf16, `stride` elements from one
+// token to the next), paired token by token for the dot instruction: v2[j][h] holds
+// (v[t_lo + 2j][h], v[t_lo + 2j + 1][h]) as one 32-bit word, a token at t_hi or past it zero.
+// Returns whether they are all finite.
+template <int kH>
+bool pair_values(const uint16_t* v, int64_t stride, int64_t t_lo, int64_t t_hi, uint32_t* v2) {
+  // Words 0-15 of (a, b) interleaved: a[0], b[0], a[1], b[1], ..; then words 16-31.
+  static const __m512i first = _mm512_set_epi16(
+      47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4,
+      35, 3, 34, 2, 33, 1, 32, 0);
+  static const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
+  const __m512i exponent = _mm512_set1_epi16(0x7f80);
+  __mmask32 bad = 0;
+  for (int64_t t = t_lo, j = 0; t < t_hi; t += 2, ++j)
+    for (int c = 0; c < kH / 32; ++c) {
+      const __m512i r0 = _mm512_loadu_si512(v + t * stride + 32 * c);
+      const __m512i r1 =
+          t + 1 < t_hi ? _mm512_loadu_si512(v + (t + 1) * stride + 32 * c) : _mm512_setzero_si512();
+      bad |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(r0, exponent), exponent) |
+             _mm512_cmpeq_epi16_mask(_mm512_and_si512(r1, exponent), exponent);
+      _mm512_storeu_si512(v2 + j * kH + 32 * c, _mm512_permutex2var_epi16(r0, first, r1));
+      _mm512_storeu_si512(v2 + j * kH + 32 * c + 16, _mm512_permutex2var_epi16(r0, second, r1));
+    }
+  return bad == 0;
+}
+
+// run_prefill for a bf16 q and cache on CPUs with AVX512-BF16 (block size 16, head dim 64 or
+// 128): the same lanes, pages and online softmax (PrefillBlock), with the dot instruction
+// (`vdpbf16ps`: two bf16 products summed into each float32 lane) in place of float32 FMAs,
+// half as many. q . k: each lane holds its row's query as pairs of head dims (h, h + 1), raw
+// (the scale applies to the scores), and a key's pair is one 32-bit word of the cache,
+// broadcast; p . v: each lane's probabilities of keys (t, t + 1), rounded to bf16 as the
+// decode path's are, against a broadcast pair (v[t][h], v[t + 1][h]) from the page's values
+// interleaved token by token (pair_values). A key a row does not see has p = 0 and adds
+// exactly nothing when its value is finite, so a page whose paired values are all finite
+// takes every pair whole; one with a non-finite value takes masked products, each lane adding
+// only the keys it sees. Either way a row's sums run over the same pairs in the same order
+// whatever rows share its lanes (the batch-invariant mode), and no value a row does not see
+// reaches it.
+template <int kH>
+void run_prefill_bf16(const Problem& pb, const Item& it, std::vector<float>& scratch) {
+  constexpr int64_t kS = 16, kL = 16, kHp = kH / 2;  // kHp: a head's pairs of dims
+  const int64_t G = pb.G, K = pb.K, N = K * G;
+  const int64_t nr = it.num_queries * G, ng = PrefillBlock::lane_groups(pb, it);
+  const int64_t groups = K * ng, block_floats = PrefillBlock::floats(pb, it);
+  scratch.resize(size_t(groups * kL * (kHp + kH) + block_floats + kS * kL + kS / 2 * (kL + kH)));
+  uint32_t* qt = reinterpret_cast<uint32_t*>(scratch.data());  // [K, ng, H / 2, 16] q pairs
+  float* acc = scratch.data() + groups * kHp * kL;                // [K, ng, H, 16]
+  const PrefillBlock blk(pb, it, acc + groups * kH * kL);
+  float* s = acc + groups * kH * kL + block_floats;  // [16 keys, 16] scores, probabilities
+  uint32_t* p2 = reinterpret_cast<uint32_t*>(s + kS * kL);  // [8 key pairs, 16]
+  uint32_t* v2 = p2 + kS / 2 * kL;                          // [8 key pairs, H] (pair_values)
+
+  const int64_t q_row0 = int64_t(pb.query_start[it.request]) + it.first_query;
+  const uint16_t* cache = static_cast<const uint16_t*>(pb.cache);
+  const int64_t token_elems = 2 * K * kH, page_elems = kS * token_elems;
+  const uint16_t* q = static_cast<const uint16_t*>(pb.q) + q_row0 * N * kH;
+
+  // Each kv head's query pairs into lanes, 8 rows by 8 pairs at a time; padding rows 0.
   for (int64_t k = 0; k < K; ++k)
-    for (int64_t row0 = 0; row0 < nr; row0 += 8) {
-      const float* src = acc + (k * ng + row0 / kL) * Hv * kL + row0 % kL;
-      const int rows = int(std::min<int64_t>(8, nr - row0));
-      St* dst[8];
-      float inv[8];
-      for (int e = 0; e < rows; ++e) {
+    for (int64_t row0 = 0; row0 < ng * kL; row0 += 8) {
+      const uint16_t* src[8];
+      for (int e = 0; e < 8; ++e) {
         const int64_t row = row0 + e;
-        const float lr = l[k * ng * kL + row];
-        dst[e] = out + ((row / G) * N + k * G + row % G) * Hv;
-        inv[e] = lr > 0.0f ? 1.0f / lr : 0.0f;
+        src[e] = row < nr ? q + ((row / G) * N + k * G + row % G) * kH : nullptr;
       }
-      for (int64_t h0 = 0; h0 < Hv; h0 += 8) {
-        v8 b[8];
-        for (int e = 0; e < 8; ++e) std::memcpy(&b[e], src + (h0 + e) * kL, sizeof(v8));
-        transpose8(b);
-        for (int e = 0; e < rows; ++e) {
-          const v8 y = b[e] * inv[e];
-          for (int c = 0; c < 8; ++c) dst[e][h0 + c] = D::store(y[c]);
+      uint32_t* dst = qt + (k * ng + row0 / kL) * kHp * kL + row0 % kL;
+      for (int64_t h0 = 0; h0 < kHp; h0 += 8) {
+        v8 w[8];  // 8 pairs of a row, as bits
+        for (int e = 0; e < 8; ++e) {
+          w[e] = v8{};
+          if (src[e]) std::memcpy(&w[e], src[e] + 2 * h0, sizeof(v8));
         }
+        transpose8(w);
+        for (int e = 0; e < 8; ++e) std::memcpy(dst + (h0 + e) * kL, &w[e], sizeof(v8));
       }
     }
+  std::fill(acc, acc + groups * kH * kL, 0.0f);
+  // Word i of (a, b): a's bf16 i, then b's (cvtne2ps_pbh puts b's 16 first).
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+  const __m512 scale = _mm512_set1_ps(pb.scale);
+
+  for (int64_t pi = blk.kv_lo / kS; pi < blk.num_pages; ++pi) {
+    const uint16_t* page = cache + int64_t(blk.table[pi]) * page_elems;
+    const char* next = next_page(cache, blk.table, pi, blk.num_pages, page_elems);
+    const int64_t key0 = pi * kS;
+    // The page's tokens some row sees lie in t_lo .. t_hi - 1 (t_lo even: pairs from it).
+    const int64_t t_hi = std::min<int64_t>(kS, blk.kv_end - key0);
+    const int64_t t_lo = std::max<int64_t>(0, blk.kv_lo - key0) & -2;
+    for (int64_t k = 0; k < K; ++k) {
+      const uint16_t* keys = page + 2 * k * kH;
+      const bool finite = pair_values<kH>(page + (2 * k + 1) * kH, token_elems, t_lo, t_hi, v2);
+      for (int64_t gi = 0; gi < ng; ++gi) {
+        if (next) prefetch_share(next, page_elems * 2, k * ng + gi, K * ng);
+        int64_t begin, shared, full, nt;
+        if (!blk.keys(pb, gi, key0, begin, shared, full, nt)) continue;
+        const int64_t group = k * ng + gi;
+        const uint32_t* qg = qt + group * kHp * kL;
+        float* ag = acc + group * kH * kL;
+        // Scores of keys begin <= t < nt (a tile outside reads the page's stale rows or
+        // ones no row sees; never used).
+        for (int64_t t0 = begin & -kKeyTile; t0 < nt; t0 += kKeyTile) {
+          __m512 a[kKeyTile];
+          for (int u = 0; u < kKeyTile; ++u) a[u] = _mm512_setzero_ps();
+          const uint16_t* kt = keys + t0 * token_elems;
+          for (int64_t h = 0; h < kHp; ++h) {
+            const __m512bh qh = (__m512bh)_mm512_loadu_si512(qg + h * kL);
+            for (int u = 0; u < kKeyTile; ++u)
+              a[u] = _mm512_dpbf16_ps(
+                  a[u], qh, (__m512bh)_mm512_set1_epi32(load32(kt + u * token_elems + 2 * h)));
+          }
+          for (int u = 0; u < kKeyTile; ++u)
+            _mm512_storeu_ps(s + (t0 + u) * kL, _mm512_mul_ps(a[u], scale));
+        }
+        if (pb.soft_cap > 0.0f)
+          for (int64_t t = begin; t < nt; ++t)
+            store16(s + t * kL, soft_cap16(load16(s + t * kL), pb.soft_cap));
+        const v16 alpha_v = blk.softmax(group, gi, key0, begin, shared, nt, s);
+        __m512 alpha;
+        std::memcpy(&alpha, &alpha_v, sizeof(alpha));
+        // Probabilities in pairs of keys (t, t + 1) from `begin` rounded down to even; keys
+        // before `begin` or at `nt` and past have p = 0.
+        const int64_t j0 = ((begin & -2) - t_lo) / 2, j1 = (nt + 1 - t_lo) / 2;
+        for (int64_t j = j0; j < j1; ++j) {
+          const int64_t t = t_lo + 2 * j;
+          const __m512 p0 = t >= begin ? _mm512_loadu_ps(s + t * kL) : _mm512_setzero_ps();
+          const __m512 p1 = t + 1 < nt ? _mm512_loadu_ps(s + (t + 1) * kL) : _mm512_setzero_ps();
+          const __m512i both_keys = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+          _mm512_storeu_si512(p2 + j * kL, _mm512_permutexvar_epi16(pairs, both_keys));
+        }
+        // acc = acc * alpha + p . v, pair by pair in key order. With a non-finite value among
+        // the pairs (masked), each lane takes a pair whole where it sees both keys, one key
+        // of it with the other's value zeroed where it sees one, and nothing where it sees
+        // neither.
+        __mmask16 both[kS / 2], only0[kS / 2], only1[kS / 2];
+        if (!finite) {
+          const __m512 upto = _mm512_loadu_ps(blk.qlast + gi * kL);
+          const __m512 from = _mm512_loadu_ps(blk.qfirst + gi * kL);
+          for (int64_t j = j0; j < j1; ++j) {
+            const __m512 k0 = _mm512_set1_ps(float(key0 + t_lo + 2 * j)), k1 = k0 + 1.0f;
+            const __mmask16 s0 = _mm512_cmp_ps_mask(from, k0, _CMP_LE_OQ) &
+                                 _mm512_cmp_ps_mask(k0, upto, _CMP_LE_OQ);
+            const __mmask16 s1 = _mm512_cmp_ps_mask(from, k1, _CMP_LE_OQ) &
+                                 _mm512_cmp_ps_mask(k1, upto, _CMP_LE_OQ);
+            both[j] = s0 & s1;
+            only0[j] = s0 & ~s1;
+            only1[j] = s1 & ~s0;
+          }
+        }
+        const auto sums = [&](auto masked) {
+          for (int64_t h0 = 0; h0 < kH; h0 += kDimTile) {
+            __m512 a[kDimTile];
+            for (int u = 0; u < kDimTile; ++u)
+              a[u] = _mm512_mul_ps(_mm512_loadu_ps(ag + (h0 + u) * kL), alpha);
+            for (int64_t j = j0; j < j1; ++j) {
+              const __m512bh pj = (__m512bh)_mm512_loadu_si512(p2 + j * kL);
+              const uint32_t* vj = v2 + j * kH + h0;
+              for (int u = 0; u < kDimTile; ++u) {
+                const int32_t w = load32(vj + u);
+                if constexpr (!masked) {
+                  a[u] = _mm512_dpbf16_ps(a[u], pj, (__m512bh)_mm512_set1_epi32(w));
+                } else {
+                  a[u] = _mm512_mask_dpbf16_ps(a[u], both[j], pj,
+                                               (__m512bh)_mm512_set1_epi32(w));
+                  a[u] = _mm512_mask_dpbf16_ps(a[u], only0[j], pj,
+                                               (__m512bh)_mm512_set1_epi32(w & 0xffff));
+                  const int32_t high = int32_t(uint32_t(w) & 0xffff0000u);
+                  a[u] = _mm512_mask_dpbf16_ps(a[u], only1[j], pj,
+                                               (__m512bh)_mm512_set1_epi32(high));
+                }
+              }
+            }
+            for (int u = 0; u < kDimTile; ++u) _mm512_storeu_ps(ag + (h0 + u) * kL, a[u]);
+          }
+        };
+        if (finite)
+          sums(std::false_type{});
+        else
+          sums(std::true_type{});
+      }
+    }
+  }
+  blk.store<Bf16>(pb, acc, kH, static_cast<uint16_t*>(pb.out) + q_row0 * N * kH);
 }
+#endif  // __AVX512BF16__
 
 // 16 vectors folded into one: lane t of the result is the sum of the 16 lanes of v[t].
 // With AVX-512: four rounds of two-vector shuffles and adds (45 operations for 16
@@ -1172,6 +1420,8 @@ void run(const Problem& pb, const Item& it, std::vector<float>& scratch) {
   if constexpr (std::is_same_v<D, Bf16> && std::is_same_v<C, Bf16>) {
     if (pb.S == 16 && pb.H == 64 && decode) return run_decode_bf16<64>(pb, it, scratch);
     if (pb.S == 16 && pb.H == 128 && decode) return run_decode_bf16<128>(pb, it, scratch);
+    if (pb.S == 16 && pb.H == 64) return run_prefill_bf16<64>(pb, it, scratch);
+    if (pb.S == 16 && pb.H == 128) return run_prefill_bf16<128>(pb, it, scratch);
   }
 #endif
   if (pb.S == 16 && pb.H == 64 && decode) return run_decode<D, C, 64>(pb, it, scratch);

@@ -426,19 +426,25 @@ def test_cpu_kernel_long_contexts_and_default_scale(dtype, h):
     )
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("n,k,h", [(8, 8, 64), (8, 1, 64), (8, 1, 32)])
-def test_cpu_kernel_later_values_never_reach_earlier_queries(n, k, h):
+def test_cpu_kernel_later_values_never_reach_earlier_queries(n, k, h, dtype):
     # An infinite V at the last position of a prefill must not leak into earlier queries
-    # through 0 * inf (the vector path covers whole pages; the reference masks V).
-    args, _ = make_batch([(13, 13)], n=n, k=k, h=h, s=16, dtype=jnp.float32, seed=4)
+    # through 0 * inf (the vector paths cover whole pages, bf16's in pairs of keys; the
+    # reference masks V), and the earlier queries' bits are those of a clean cache (bf16: the
+    # page's masked products against whole pairs).
+    args, _ = make_batch([(13, 13)], n=n, k=k, h=h, s=16, dtype=dtype, seed=4)
     q, cache, kv_lens, tables, *rest = args
+    clean = np.asarray(ragged_paged_attention_cpu(*args).astype(jnp.float32))
     cache = cache.at[tables[0, 0], 12, 1::2].set(jnp.inf)
     args = (q, cache, kv_lens, tables, *rest)
-    out = np.asarray(ragged_paged_attention_cpu(*args))
-    ref = np.asarray(ragged_paged_attention_reference(*args))
+    out = np.asarray(ragged_paged_attention_cpu(*args).astype(jnp.float32))
+    ref = np.asarray(ragged_paged_attention_reference(*args).astype(jnp.float32))
     q0 = int(args[4][0])
-    np.testing.assert_allclose(out[q0 : q0 + 12], ref[q0 : q0 + 12], atol=1e-5, rtol=1e-5)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(out[q0 : q0 + 12], ref[q0 : q0 + 12], atol=tol, rtol=tol)
     assert np.isfinite(out[q0 : q0 + 12]).all()
+    assert np.array_equal(out[q0 : q0 + 12].view(np.int32), clean[q0 : q0 + 12].view(np.int32))
 
 
 def test_cpu_kernel_reads_one_layer_of_the_stacked_cache_under_jit():
@@ -620,19 +626,25 @@ def test_cpu_kernel_keys_before_the_window_never_reach_a_query(dtype, n, k, h, s
     assert_matches(out, ref, args, dtype)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("n,k,h", [(8, 8, 64), (8, 1, 64), (8, 1, 32)])
-def test_cpu_kernel_values_outside_a_window_never_reach_its_query(n, k, h):
+def test_cpu_kernel_values_outside_a_window_never_reach_its_query(n, k, h, dtype):
     # An infinite V at position 3 of a prefill must not reach queries from position 11 on,
-    # whose windows of 8 start after it, through 0 * inf: in the vector path they share
+    # whose windows of 8 start after it, through 0 * inf: in the vector paths they share
     # query blocks (and lane groups) with queries that see it.
-    args, _ = make_batch([(40, 40)], n=n, k=k, h=h, s=16, dtype=jnp.float32, seed=4)
+    args, _ = make_batch([(40, 40)], n=n, k=k, h=h, s=16, dtype=dtype, seed=4)
     q, cache, kv_lens, tables, *rest = args
+    clean = np.asarray(ragged_paged_attention_cpu(*args, sliding_window=8).astype(jnp.float32))
     cache = cache.at[tables[0, 0], 3, 1::2].set(jnp.inf)
     args = (q, cache, kv_lens, tables, *rest)
-    out = np.asarray(ragged_paged_attention_cpu(*args, sliding_window=8))
-    ref = np.asarray(ragged_paged_attention_reference(*args, sliding_window=8))
+    out = np.asarray(ragged_paged_attention_cpu(*args, sliding_window=8).astype(jnp.float32))
+    ref = np.asarray(ragged_paged_attention_reference(*args, sliding_window=8).astype(jnp.float32))
     q0 = int(args[4][0])
-    np.testing.assert_allclose(out[q0 + 11 : q0 + 40], ref[q0 + 11 : q0 + 40], atol=1e-5, rtol=1e-5)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(out[q0 + 11 : q0 + 40], ref[q0 + 11 : q0 + 40], atol=tol, rtol=tol)
+    assert np.array_equal(
+        out[q0 + 11 : q0 + 40].view(np.int32), clean[q0 + 11 : q0 + 40].view(np.int32)
+    )
     assert np.isfinite(out[q0 + 11 : q0 + 40]).all()
     assert not np.isfinite(out[q0 + 3 : q0 + 11]).all()  # the queries that see it
 
