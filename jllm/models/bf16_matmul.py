@@ -112,7 +112,7 @@ GATED_PACKED_NO_AMX = FfiKernel(
     "jllm_bf16_gated_matmul_packed_no_amx_cpu",
     extra_flags=EXACT_ORDER + NO_AMX,
 )
-# w transposed (a tied embedding table as the LM head), on the AMX tiles only.
+# w transposed (a tied embedding table as the LM head): the AMX tiles, or the vector loop.
 TRANSPOSED = FfiKernel(
     SOURCE,
     "bf16_matmul",
@@ -173,15 +173,22 @@ def enabled(invariant: bool = False) -> bool:
 # one run on a slower state of the machine, 64 rows 10.4-14.4 against 14.7-17.1, 128 rows 24.2
 # against 19.3: a decode batch of 64 (W1's) gains, 128 loses.
 HEAD_ROWS = 64
+# Without AMX the kernel's vector loop takes the head (x's rows as the lanes, the table read in
+# place) and computes only a step's live sample rows. On the 2-core Zen 5, SmolLM2's table
+# (benchmarks/matmul.py --head), against XLA's: 16 rows 1.9 ms against 2.8, 64 rows 4.2
+# against 5.8, 128 rows 8.7 against 9.4, 256 rows 16.3 against 16.1; with 55% of the rows
+# live (a step's sample rows padded to a bucket) 256 rows 10.6 against 16.1.
+HEAD_ROWS_VECTOR = 256
 
 
 def head_applies(dtype, rows: int) -> bool:
     """Whether a tied bfloat16 LM head of `rows` rows runs on the transposed kernel here:
-    `applies`, the AMX tiles, outside the batch-invariant mode, at most HEAD_ROWS rows;
-    elsewhere the head stays XLA's."""
-    if rows > HEAD_ROWS or not applies(dtype) or batch_invariant.enabled():
+    `applies`, outside the batch-invariant mode, at most HEAD_ROWS rows on the AMX tiles or
+    HEAD_ROWS_VECTOR on the vector loop (AVX512-BF16 without AMX); elsewhere the head stays
+    XLA's."""
+    if not applies(dtype) or batch_invariant.enabled():
         return False
-    if "amx_bf16" not in cpu_flags():
+    if rows > (HEAD_ROWS if "amx_bf16" in cpu_flags() else HEAD_ROWS_VECTOR):
         return False
     try:
         TRANSPOSED.load()

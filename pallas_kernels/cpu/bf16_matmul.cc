@@ -285,6 +285,26 @@ __attribute__((always_inline)) inline void store_row(const Product& p, int64_t m
   }
 }
 
+// store_row past the cache (non-temporal stores) where the row's 32 columns are whole
+// 64-byte lines: the head's output, [rows, vocab] float32 (12.6 MB at 64 rows of SmolLM2's),
+// is written 128 bytes to a row per block, rows a vocabulary apart, and each ordinary store
+// first read its line from memory. Measured on the 2-core AMX Xeon (SmolLM2's table, the kernel
+// alone, two builds interleaved, three rounds): 64 rows 8.5-10.2 -> 7.1-9.3 ms (medians), 32
+// rows 6.1 -> 5.5, 16 rows 4.5 -> 4.3; without any store (the bound) 6.9. The work item ends
+// with a store fence, before the pool sees it done.
+__attribute__((always_inline)) inline void stream_row(const Product& p, int64_t m, int64_t n0,
+                                                      __mmask32 cols, __m512 y0, __m512 y1) {
+  char* at = static_cast<char*>(p.y) + (m * p.N + n0) * (p.f32_out ? 4 : 2);
+  if (cols != ~__mmask32(0) || reinterpret_cast<uintptr_t>(at) % 64)
+    return store_row(p, m, n0, cols, y0, y1);
+  if (p.f32_out) {
+    _mm512_stream_ps(reinterpret_cast<float*>(at), y0);
+    _mm512_stream_ps(reinterpret_cast<float*>(at) + 16, y1);
+  } else {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(at), to_bf16(y0, y1));
+  }
+}
+
 // Rows m0 .. m0 + R - 1 by the P panels of columns from n0 of the output: x @ w, or with
 // `p.up`, silu(x @ w) * (x @ up).
 template <int R, int P, bool kPacked>
@@ -336,6 +356,144 @@ void zero_padding_rows(const Product& p, const int8_t* live) {
   const int64_t row_bytes = p.N * (p.f32_out ? 4 : 2);
   for (int64_t m = 0; m < p.M; ++m)
     if (!live[m]) std::memset(static_cast<char*>(p.y) + m * row_bytes, 0, row_bytes);
+}
+
+// ---- w transposed on the vector loop (AVX512-BF16 without AMX) ----
+//
+// A tied embedding table [N, K] as the LM head, read in place: the live rows of x are the
+// lanes, 16 to a group, packed once as pairs of inputs (xp[g][k2][lane] = (x[m][2 k2],
+// x[m][2 k2 + 1]), zeros past K and the group's rows), and a table row's pair (w[n][2 k2],
+// w[n][2 k2 + 1]) is one 32-bit word of the table, broadcast (the attention kernel's q . k,
+// rows as lanes). 16 table rows at a time hold 16 accumulators of a group's 16 rows, turned
+// into y's rows by a 16 x 16 transpose. A work item is a run of 32-column panels; each half
+// panel (16 table rows, contiguous) serves every group from cache, and the item's first
+// group prefetches the next half panel. Rows a step does not sample (`live`) cost nothing:
+// the head of a step whose sample rows pad to a bucket reads the table once for the live ones.
+
+// r (16 rows of 16 floats) transposed in place: r[i][j] -> r[j][i].
+inline void transpose16(__m512* r) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + j]: column 4L + j of rows 4i .. 4i + 3, lane L
+    u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512 a = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x88);
+    const __m512 b = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xdd);
+    const __m512 c = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x88);
+    const __m512 d = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xdd);
+    r[j] = _mm512_shuffle_f32x4(a, c, 0x88);
+    r[8 + j] = _mm512_shuffle_f32x4(a, c, 0xdd);
+    r[4 + j] = _mm512_shuffle_f32x4(b, d, 0x88);
+    r[12 + j] = _mm512_shuffle_f32x4(b, d, 0xdd);
+  }
+}
+
+// Table rows n0 .. n0 + 15 (those below N; the others repeat row N - 1, never stored) against
+// kGroups groups of lanes (xg[g]): each group's 16 rows of y by those 16 columns, to out[g]
+// [16 rows, 16]. Each table pair broadcast serves every group: one broadcast per dot
+// instruction (16 columns by one group) ran at about half the dot rate on the 2-core Zen 5,
+// the broadcasts' pace. Eight columns at a time (kGroups x 8 accumulators), into `tmp` [16
+// columns, 16 lanes] per group, then transposed. `ahead`: bytes to prefetch over the loop
+// (the next half panel), or null.
+template <int kGroups>
+void lanes_half_panel(const Product& p, const uint32_t* const* xg, int64_t n0, float* const* out,
+                      float* tmp, const char* ahead, int64_t ahead_bytes) {
+  const int64_t K = p.K, pairs = K / 2;
+  const int64_t lines = ahead ? (ahead_bytes + 63) / 64 : 0;
+  const int64_t per = (lines + 2 * pairs - 1) / std::max<int64_t>(1, 2 * pairs);
+  for (int sub = 0; sub < 2; ++sub) {
+    __m512 acc[kGroups][8];  // acc[g][c][lane] = x[lane's row] . w[n0 + 8 sub + c]
+    const uint16_t* row[8];
+    for (int c = 0; c < 8; ++c) row[c] = p.w + std::min<int64_t>(n0 + 8 * sub + c, p.N - 1) * K;
+    for (int g = 0; g < kGroups; ++g)
+      for (int c = 0; c < 8; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t k2 = 0; k2 < pairs; ++k2) {
+      const int64_t step = sub * pairs + k2;
+      for (int64_t l = step * per; l < std::min(lines, (step + 1) * per); ++l)
+        _mm_prefetch(ahead + l * 64, _MM_HINT_T1);
+      __m512bh xv[kGroups];
+      for (int g = 0; g < kGroups; ++g) xv[g] = (__m512bh)_mm512_loadu_si512(xg[g] + k2 * 16);
+      for (int c = 0; c < 8; ++c) {
+        const __m512bh w = broadcast_pair(row[c] + 2 * k2);
+        for (int g = 0; g < kGroups; ++g) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], xv[g], w);
+      }
+    }
+    if (K % 2)  // the last input alone: its pair's other half is zero in x and in w
+      for (int c = 0; c < 8; ++c) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(row[c][K - 1]);
+        for (int g = 0; g < kGroups; ++g) {
+          const __m512bh xv = (__m512bh)_mm512_loadu_si512(xg[g] + pairs * 16);
+          acc[g][c] = _mm512_dpbf16_ps(acc[g][c], xv, w);
+        }
+      }
+    for (int g = 0; g < kGroups; ++g)
+      for (int c = 0; c < 8; ++c) _mm512_storeu_ps(tmp + (g * 16 + 8 * sub + c) * 16, acc[g][c]);
+  }
+  for (int g = 0; g < kGroups; ++g) {
+    __m512 r[16];
+    for (int c = 0; c < 16; ++c) r[c] = _mm512_loadu_ps(tmp + (g * 16 + c) * 16);
+    transpose16(r);  // r[lane]: the lane's row, 16 columns
+    for (int j = 0; j < 16; ++j) _mm512_storeu_ps(out[g] + 16 * j, r[j]);
+  }
+}
+
+ffi::Error RunTransposedLanes(ffi::ThreadPool& pool, const Product& p, const int8_t* live) {
+  zero_padding_rows(p, live);
+  std::vector<int64_t> rows;  // the live rows, in order
+  for (int64_t m = 0; m < p.M; ++m)
+    if (!live || live[m]) rows.push_back(m);
+  if (rows.empty()) return ffi::Error::Success();
+  const int64_t K = p.K, Kp2 = (K + 1) / 2, groups = (int64_t(rows.size()) + 15) / 16;
+  std::vector<uint32_t> xp(groups * Kp2 * 16, 0);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const uint16_t* x = p.x + rows[i] * K;
+    uint32_t* lane = xp.data() + (i / 16) * Kp2 * 16 + i % 16;
+    for (int64_t k2 = 0; k2 < Kp2; ++k2) {
+      const uint32_t lo = x[2 * k2], hi = 2 * k2 + 1 < K ? x[2 * k2 + 1] : 0;
+      lane[k2 * 16] = lo | (hi << 16);
+    }
+  }
+  const int64_t panels = (p.N + kPanel - 1) / kPanel;
+  const int64_t run = jllm_cpu::balanced_run(pool, panels, 8);
+  const int64_t items = (panels + run - 1) / run;
+  const bool ok = jllm_cpu::share_items(pool, items, [&](int64_t i) {
+    thread_local std::vector<float> out, tmp;  // [groups, 2 halves, 16 rows, 16 columns]
+    out.resize(groups * 2 * 16 * 16);
+    tmp.resize(2 * 16 * 16);
+    const int64_t q1 = std::min(panels, (i + 1) * run);
+    for (int64_t q = i * run; q < q1; ++q) {
+      const int64_t n0 = q * kPanel;
+      for (int half = 0; half < 2; ++half) {
+        const int64_t h0 = n0 + 16 * half, next = h0 + 16;
+        for (int64_t g = 0; g < groups; g += 2) {  // two groups at a time, one at the end
+          const char* ahead =
+              g == 0 && next < p.N ? reinterpret_cast<const char*>(p.w + next * K) : nullptr;
+          const int64_t ahead_bytes = std::min<int64_t>(16, p.N - next) * K * 2;
+          const uint32_t* xg[2] = {xp.data() + g * Kp2 * 16, xp.data() + (g + 1) * Kp2 * 16};
+          float* dst[2] = {out.data() + (2 * g + half) * 256,
+                           out.data() + (2 * g + 2 + half) * 256};
+          if (g + 1 < groups)
+            lanes_half_panel<2>(p, xg, h0, dst, tmp.data(), ahead, ahead_bytes);
+          else
+            lanes_half_panel<1>(p, xg, h0, dst, tmp.data(), ahead, ahead_bytes);
+        }
+      }
+      const __mmask32 cols = panel_cols(p.N, n0);
+      for (int64_t g = 0; g < groups; ++g)
+        for (int j = 0; j < 16 && g * 16 + j < int64_t(rows.size()); ++j)
+          stream_row(p, rows[g * 16 + j], n0, cols, _mm512_loadu_ps(&out[2 * g * 256 + 16 * j]),
+                     _mm512_loadu_ps(&out[(2 * g + 1) * 256 + 16 * j]));
+    }
+    _mm_sfence();  // the streamed rows, before the item counts as done
+  });
+  return ok ? ffi::Error::Success() : ffi::Error::Internal("a bf16 matmul work item failed");
 }
 
 // Products of 1 to 4 live rows keep the vector loop's wide items, which read each weight row
@@ -568,26 +726,6 @@ void pack_x_pairs(const Product& p, const std::vector<jllm_cpu::RowTile>& tiles,
     }
 }
 
-// store_row past the cache (non-temporal stores) where the row's 32 columns are whole
-// 64-byte lines: the head's output, [rows, vocab] float32 (12.6 MB at 64 rows of SmolLM2's),
-// is written 128 bytes to a row per block, rows a vocabulary apart, and each ordinary store
-// first read its line from memory. Measured on the 2-core AMX Xeon (SmolLM2's table, the kernel
-// alone, two builds interleaved, three rounds): 64 rows 8.5-10.2 -> 7.1-9.3 ms (medians), 32
-// rows 6.1 -> 5.5, 16 rows 4.5 -> 4.3; without any store (the bound) 6.9. The work item ends
-// with a store fence, before the pool sees it done.
-__attribute__((always_inline)) inline void stream_row(const Product& p, int64_t m, int64_t n0,
-                                                      __mmask32 cols, __m512 y0, __m512 y1) {
-  char* at = static_cast<char*>(p.y) + (m * p.N + n0) * (p.f32_out ? 4 : 2);
-  if (cols != ~__mmask32(0) || reinterpret_cast<uintptr_t>(at) % 64)
-    return store_row(p, m, n0, cols, y0, y1);
-  if (p.f32_out) {
-    _mm512_stream_ps(reinterpret_cast<float*>(at), y0);
-    _mm512_stream_ps(reinterpret_cast<float*>(at) + 16, y1);
-  } else {
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(at), to_bf16(y0, y1));
-  }
-}
-
 // Columns n0 .. n0 + 31 of y for every tile of x's rows.
 void amx_transposed_block(const Product& p, const std::vector<jllm_cpu::RowTile>& tiles,
                           const uint32_t* packed, int64_t n0, float* acc,
@@ -622,8 +760,7 @@ void amx_transposed_block(const Product& p, const std::vector<jllm_cpu::RowTile>
 }
 
 ffi::Error RunTransposed(ffi::ThreadPool& pool, const Product& p, const int8_t* live) {
-  if (!amx_granted())
-    return ffi::Error(ffi::ErrorCode::kUnavailable, "the AMX tile state was not granted");
+  if (!amx_granted()) return RunTransposedLanes(pool, p, live);
   zero_padding_rows(p, live);
   const std::vector<jllm_cpu::RowTile> tiles = amx_tiles(live, p.M);
   if (tiles.empty()) return ffi::Error::Success();
@@ -656,9 +793,8 @@ int64_t live_rows(const int8_t* live, int64_t M) {
 }
 
 #ifndef JLLM_AMX
-ffi::Error RunTransposed(ffi::ThreadPool&, const Product&, const int8_t*) {
-  return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                    "the transposed bf16 matmul kernel needs a build with AMX");
+ffi::Error RunTransposed(ffi::ThreadPool& pool, const Product& p, const int8_t* live) {
+  return RunTransposedLanes(pool, p, live);
 }
 #endif
 

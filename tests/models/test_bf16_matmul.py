@@ -275,19 +275,20 @@ def test_amx_rows_do_not_depend_on_their_neighbours():
         np.testing.assert_array_equal(row, exact[0])
 
 
-@pytest.mark.skipif("amx_bf16" not in bf16_matmul.cpu_flags(), reason="needs AMX")
+@pytest.mark.skipif(not bf16_matmul.supported(), reason="needs AVX512-BF16")
 @pytest.mark.parametrize(
     "m,k,n",
     [
-        (1, 576, 4096),  # a single decode's head: one B tile
-        (40, 96, 200),  # two row tiles (32 + 8), a partial last block of the table
+        (1, 576, 4096),  # a single decode's head: one B tile, one lane group
+        (40, 96, 200),  # two row tiles (32 + 8), a partial last block of the table; 3 groups
         (17, 7, 33),  # odd K (padded copies of the table's blocks), a masked right edge
         (64, 1000, 64),  # K not a multiple of 32
     ],
 )
 def test_transposed_matches_xla(m, k, n):
     """The tied head's product, x @ table.T with the table [N, K] read in place, in float32
-    and bf16, stacked or not; padding rows zero."""
+    and bf16, stacked or not; padding rows zero. On the AMX tiles where the CPU has them, else
+    on the vector loop (x's rows as lanes, two groups of 16 at a time, one at the end)."""
     rng = np.random.default_rng(m + k)
     x = jnp.asarray(rng.normal(0, 1, (m, k)), jnp.bfloat16)
     table = jnp.asarray(rng.normal(0, 1, (2, n, k)), jnp.bfloat16)
@@ -300,8 +301,11 @@ def test_transposed_matches_xla(m, k, n):
     got = np.asarray(kernel(x, table[0], 0, jnp.float32, live=jnp.asarray(live), transposed=True))
     assert not got[~live].any()
     assert_product(x[live], flipped, 0, got[live], jnp.float32)
+    amx = "amx_bf16" in bf16_matmul.cpu_flags()
+    limit = bf16_matmul.HEAD_ROWS if amx else bf16_matmul.HEAD_ROWS_VECTOR
     assert bf16_matmul.head_applies(jnp.bfloat16, 32)
-    assert not bf16_matmul.head_applies(jnp.bfloat16, bf16_matmul.HEAD_ROWS + 1)
+    assert bf16_matmul.head_applies(jnp.bfloat16, limit)
+    assert not bf16_matmul.head_applies(jnp.bfloat16, limit + 1)
     with batch_invariant.scope(True):
         assert not bf16_matmul.head_applies(jnp.bfloat16, 1)
 
