@@ -88,6 +88,34 @@ inline simde__m512 _mm512_cvtph_ps(simde__m256i a) {  // IEEE half to float, exa
   });
 }
 #endif
+#ifndef _mm512_i32gather_ps
+// VGATHERDPS: lane i from base + index[i] * scale bytes.
+inline simde__m512 _mm512_i32gather_ps(simde__m512i index, const void* base, int scale) {
+  int32_t at[16];
+  float lane[16];
+  std::memcpy(at, &index, sizeof(at));
+  for (int i = 0; i < 16; ++i)
+    std::memcpy(&lane[i], static_cast<const char*>(base) + int64_t(at[i]) * scale, 4);
+  return jllm_emulation::bits<simde__m512>(lane);
+}
+#endif
+#ifndef _mm512_shuffle_f32x4
+// VSHUFF32X4: the 128-bit lanes of shuffle_i32x4, on floats.
+#define _mm512_shuffle_f32x4(a, b, imm)                                          \
+  _mm512_castsi512_ps(                                                          \
+      _mm512_shuffle_i32x4(_mm512_castps_si512(a), _mm512_castps_si512(b), imm))
+#endif
+#ifndef _mm512_cmpeq_epi16_mask
+// VPCMPEQW: bit i set where a's and b's 16-bit lanes i are equal.
+inline simde__mmask32 _mm512_cmpeq_epi16_mask(simde__m512i a, simde__m512i b) {
+  uint16_t x[32], y[32];
+  std::memcpy(x, &a, sizeof(x));
+  std::memcpy(y, &b, sizeof(y));
+  simde__mmask32 k = 0;
+  for (int i = 0; i < 32; ++i) k |= simde__mmask32(x[i] == y[i]) << i;
+  return k;
+}
+#endif
 #ifndef _mm512_cvtneps_pbh
 // VCVTNEPS2BF16: round to nearest even; denormal inputs read as zero; NaN stays NaN, quieted.
 inline simde__m256bh _mm512_cvtneps_pbh(simde__m512 a) {
@@ -96,6 +124,16 @@ inline simde__m256bh _mm512_cvtneps_pbh(simde__m512 a) {
     if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
     return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
   });
+}
+#endif
+#ifndef _mm512_cvtne2ps_pbh
+// VCVTNE2PS2BF16: b's 16 lanes to the low half, a's to the high half, each as cvtneps_pbh.
+inline simde__m512bh _mm512_cvtne2ps_pbh(simde__m512 a, simde__m512 b) {
+  const simde__m256bh lo = _mm512_cvtneps_pbh(b), hi = _mm512_cvtneps_pbh(a);
+  uint16_t lane[32];
+  std::memcpy(lane, &lo, 32);
+  std::memcpy(lane + 16, &hi, 32);
+  return jllm_emulation::bits<simde__m512bh>(lane);
 }
 #endif
 
@@ -149,12 +187,48 @@ inline void mask_storeu_ps(void* p, simde__mmask16 k, simde__m512 a) {
     if (k >> i & 1) std::memcpy(static_cast<float*>(p) + i, &lane[i], 4);
 }
 }  // namespace jllm_emulation
+namespace jllm_emulation {
+inline simde__m256i maskz_loadu_epi16_256(simde__mmask16 k, const void* p) {
+  uint16_t lane[16] = {};
+  for (int i = 0; i < 16; ++i)
+    if (k >> i & 1) std::memcpy(&lane[i], static_cast<const uint16_t*>(p) + i, 2);
+  return bits<simde__m256i>(lane);
+}
+inline void mask_storeu_epi16_256(void* p, simde__mmask16 k, simde__m256i a) {
+  uint16_t lane[16];
+  std::memcpy(lane, &a, sizeof(lane));
+  for (int i = 0; i < 16; ++i)
+    if (k >> i & 1) std::memcpy(static_cast<uint16_t*>(p) + i, &lane[i], 2);
+}
+inline simde__m512 maskz_loadu_ps(simde__mmask16 k, const void* p) {
+  float lane[16] = {};
+  for (int i = 0; i < 16; ++i)
+    if (k >> i & 1) std::memcpy(&lane[i], static_cast<const float*>(p) + i, 4);
+  return bits<simde__m512>(lane);
+}
+// The sum of a's 16 lanes in GCC's order: halves, then quarters, pairs, and the last two.
+inline float reduce_add_ps(simde__m512 a) {
+  float v[16];
+  std::memcpy(v, &a, sizeof(v));
+  for (int w = 8; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) v[i] = v[i] + v[i + w];
+  return v[0];
+}
+}  // namespace jllm_emulation
 #undef _mm512_maskz_loadu_epi16
 #undef _mm512_mask_storeu_epi16
 #undef _mm512_mask_storeu_ps
+#undef _mm256_maskz_loadu_epi16
+#undef _mm256_mask_storeu_epi16
+#undef _mm512_maskz_loadu_ps
+#undef _mm512_reduce_add_ps
 #define _mm512_maskz_loadu_epi16 jllm_emulation::maskz_loadu_epi16
 #define _mm512_mask_storeu_epi16 jllm_emulation::mask_storeu_epi16
 #define _mm512_mask_storeu_ps jllm_emulation::mask_storeu_ps
+#define _mm256_maskz_loadu_epi16 jllm_emulation::maskz_loadu_epi16_256
+#define _mm256_mask_storeu_epi16 jllm_emulation::mask_storeu_epi16_256
+#define _mm512_maskz_loadu_ps jllm_emulation::maskz_loadu_ps
+#define _mm512_reduce_add_ps jllm_emulation::reduce_add_ps
 // Streaming (non-temporal) stores: plain aligned stores here.
 #ifndef _mm512_stream_ps
 #define _mm512_stream_ps(p, a) _mm512_store_ps(p, a)
