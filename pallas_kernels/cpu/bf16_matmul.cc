@@ -476,10 +476,12 @@ ffi::Error RunTransposedLanes(ffi::ThreadPool& pool, const Product& p, const int
           const char* ahead =
               g == 0 && next < p.N ? reinterpret_cast<const char*>(p.w + next * K) : nullptr;
           const int64_t ahead_bytes = std::min<int64_t>(16, p.N - next) * K * 2;
-          const uint32_t* xg[2] = {xp.data() + g * Kp2 * 16, xp.data() + (g + 1) * Kp2 * 16};
+          const bool two = g + 1 < groups;
+          const uint32_t* xg[2] = {xp.data() + g * Kp2 * 16,
+                                   two ? xp.data() + (g + 1) * Kp2 * 16 : nullptr};
           float* dst[2] = {out.data() + (2 * g + half) * 256,
-                           out.data() + (2 * g + 2 + half) * 256};
-          if (g + 1 < groups)
+                           two ? out.data() + (2 * g + 2 + half) * 256 : nullptr};
+          if (two)
             lanes_half_panel<2>(p, xg, h0, dst, tmp.data(), ahead, ahead_bytes);
           else
             lanes_half_panel<1>(p, xg, h0, dst, tmp.data(), ahead, ahead_bytes);
