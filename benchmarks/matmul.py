@@ -135,9 +135,8 @@ def main():
         "--live-share", type=float, default=1.0, help="--head: the share of rows computed"
     )
     args = ap.parse_args()
-    cpu_heap.keep(
-        jax.default_backend()
-    )  # the engine's heap: outputs' pages reused, not mapped anew
+    # The engine's heap: large outputs' pages reused from call to call, not mapped anew.
+    cpu_heap.keep(jax.default_backend())
     if args.head:
         return head(args)
     f32 = args.dtype == "float32"

@@ -358,17 +358,35 @@ void zero_padding_rows(const Product& p, const int8_t* live) {
     if (!live[m]) std::memset(static_cast<char*>(p.y) + m * row_bytes, 0, row_bytes);
 }
 
+// x's rows packed as the pairs the transposed head takes (the AMX tiles' B operand, the vector
+// loop's lanes): tile t's row j at packed[t][j / 16][k2][j % 16] = (x[m][2 k2], x[m][2 k2 + 1]),
+// halves of Kp / 2 rows of 16 lanes, zeros past K and the tile's rows.
+void pack_x_pairs(const Product& p, const std::vector<jllm_cpu::RowTile>& tiles,
+                  uint32_t* out) {
+  const int64_t K = p.K, Kp = padded_k(K), tile_words = Kp / 2 * kPanel;
+  std::memset(out, 0, tiles.size() * tile_words * sizeof(uint32_t));
+  for (size_t t = 0; t < tiles.size(); ++t)
+    for (int j = 0; j < tiles[t].rows; ++j) {
+      const uint16_t* x = p.x + (tiles[t].m0 + j) * K;
+      uint32_t* col = out + t * tile_words + (j / 16) * half_words(Kp) + j % 16;
+      for (int64_t k = 0; k < K; k += 2) {
+        const uint32_t lo = x[k], hi = k + 1 < K ? x[k + 1] : 0;
+        col[(k / 2) * 16] = lo | (hi << 16);
+      }
+    }
+}
+
 // ---- w transposed on the vector loop (AVX512-BF16 without AMX) ----
 //
 // A tied embedding table [N, K] as the LM head, read in place: the live rows of x are the
-// lanes, 16 to a group, packed once as pairs of inputs (xp[g][k2][lane] = (x[m][2 k2],
-// x[m][2 k2 + 1]), zeros past K and the group's rows), and a table row's pair (w[n][2 k2],
-// w[n][2 k2 + 1]) is one 32-bit word of the table, broadcast (the attention kernel's q . k,
-// rows as lanes). 16 table rows at a time hold 16 accumulators of a group's 16 rows, turned
-// into y's rows by a 16 x 16 transpose. A work item is a run of 32-column panels; each half
-// panel (16 table rows, contiguous) serves every group from cache, and the item's first
-// group prefetches the next half panel. Rows a step does not sample (`live`) cost nothing:
-// the head of a step whose sample rows pad to a bucket reads the table once for the live ones.
+// lanes, up to 16 to a group, packed once as pairs of inputs (pack_x_pairs), and a table
+// row's pair (w[n][2 k2], w[n][2 k2 + 1]) is one 32-bit word of the table, broadcast (the
+// attention kernel's q . k, rows as lanes). 16 table rows at a time hold 16 accumulators of a
+// group's 16 rows, turned into y's rows by a 16 x 16 transpose. A work item is a run of
+// 32-column panels; each half panel (16 table rows, contiguous) serves every group from
+// cache, and the item's first group prefetches the next half panel. Rows a step does not
+// sample (`live`) cost nothing: the head of a step whose sample rows pad to a bucket reads
+// the table once for the live ones.
 
 // r (16 rows of 16 floats) transposed in place: r[i][j] -> r[j][i].
 inline void transpose16(__m512* r) {
@@ -425,14 +443,14 @@ void lanes_half_panel(const Product& p, const uint32_t* const* xg, int64_t n0, f
         for (int g = 0; g < kGroups; ++g) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], xv[g], w);
       }
     }
-    if (K % 2)  // the last input alone: its pair's other half is zero in x and in w
+    if (K % 2) {  // the last input alone: its pair's other half is zero in x and in w
+      __m512bh xv[kGroups];
+      for (int g = 0; g < kGroups; ++g) xv[g] = (__m512bh)_mm512_loadu_si512(xg[g] + pairs * 16);
       for (int c = 0; c < 8; ++c) {
         const __m512bh w = (__m512bh)_mm512_set1_epi32(row[c][K - 1]);
-        for (int g = 0; g < kGroups; ++g) {
-          const __m512bh xv = (__m512bh)_mm512_loadu_si512(xg[g] + pairs * 16);
-          acc[g][c] = _mm512_dpbf16_ps(acc[g][c], xv, w);
-        }
+        for (int g = 0; g < kGroups; ++g) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], xv[g], w);
       }
+    }
     for (int g = 0; g < kGroups; ++g)
       for (int c = 0; c < 8; ++c) _mm512_storeu_ps(tmp + (g * 16 + 8 * sub + c) * 16, acc[g][c]);
   }
@@ -446,20 +464,13 @@ void lanes_half_panel(const Product& p, const uint32_t* const* xg, int64_t n0, f
 
 ffi::Error RunTransposedLanes(ffi::ThreadPool& pool, const Product& p, const int8_t* live) {
   zero_padding_rows(p, live);
-  std::vector<int64_t> rows;  // the live rows, in order
-  for (int64_t m = 0; m < p.M; ++m)
-    if (!live || live[m]) rows.push_back(m);
-  if (rows.empty()) return ffi::Error::Success();
-  const int64_t K = p.K, Kp2 = (K + 1) / 2, groups = (int64_t(rows.size()) + 15) / 16;
-  std::vector<uint32_t> xp(groups * Kp2 * 16, 0);
-  for (size_t i = 0; i < rows.size(); ++i) {
-    const uint16_t* x = p.x + rows[i] * K;
-    uint32_t* lane = xp.data() + (i / 16) * Kp2 * 16 + i % 16;
-    for (int64_t k2 = 0; k2 < Kp2; ++k2) {
-      const uint32_t lo = x[2 * k2], hi = 2 * k2 + 1 < K ? x[2 * k2 + 1] : 0;
-      lane[k2 * 16] = lo | (hi << 16);
-    }
-  }
+  // The live rows in groups of at most 16 lanes (tiles of near-equal height), each packed as
+  // the first half of a tile (the second, empty, is never read).
+  const std::vector<jllm_cpu::RowTile> tiles = jllm_cpu::live_tiles(live, p.M, 16);
+  if (tiles.empty()) return ffi::Error::Success();
+  const int64_t K = p.K, groups = int64_t(tiles.size()), stride = padded_k(K) / 2 * kPanel;
+  std::vector<uint32_t> xp(groups * stride);
+  pack_x_pairs(p, tiles, xp.data());
   const int64_t panels = (p.N + kPanel - 1) / kPanel;
   const int64_t run = jllm_cpu::balanced_run(pool, panels, 8);
   const int64_t items = (panels + run - 1) / run;
@@ -477,8 +488,8 @@ ffi::Error RunTransposedLanes(ffi::ThreadPool& pool, const Product& p, const int
               g == 0 && next < p.N ? reinterpret_cast<const char*>(p.w + next * K) : nullptr;
           const int64_t ahead_bytes = std::min<int64_t>(16, p.N - next) * K * 2;
           const bool two = g + 1 < groups;
-          const uint32_t* xg[2] = {xp.data() + g * Kp2 * 16,
-                                   two ? xp.data() + (g + 1) * Kp2 * 16 : nullptr};
+          const uint32_t* xg[2] = {xp.data() + g * stride,
+                                   two ? xp.data() + (g + 1) * stride : nullptr};
           float* dst[2] = {out.data() + (2 * g + half) * 256,
                            two ? out.data() + (2 * g + 2 + half) * 256 : nullptr};
           if (two)
@@ -489,8 +500,8 @@ ffi::Error RunTransposedLanes(ffi::ThreadPool& pool, const Product& p, const int
       }
       const __mmask32 cols = panel_cols(p.N, n0);
       for (int64_t g = 0; g < groups; ++g)
-        for (int j = 0; j < 16 && g * 16 + j < int64_t(rows.size()); ++j)
-          stream_row(p, rows[g * 16 + j], n0, cols, _mm512_loadu_ps(&out[2 * g * 256 + 16 * j]),
+        for (int j = 0; j < tiles[g].rows; ++j)
+          stream_row(p, tiles[g].m0 + j, n0, cols, _mm512_loadu_ps(&out[2 * g * 256 + 16 * j]),
                      _mm512_loadu_ps(&out[(2 * g + 1) * 256 + 16 * j]));
     }
     _mm_sfence();  // the streamed rows, before the item counts as done
@@ -703,7 +714,7 @@ std::vector<jllm_cpu::RowTile> amx_tiles(const int8_t* live, int64_t M) {
 //
 // Here w's rows are the A tiles, read in place (16 rows of it by 32 inputs: exactly a row
 // block of the table), and x, small (a step's sampled rows), is packed once into the pairs
-// layout as the B tiles: packed[t][k2][j] = (x[m][2 k2], x[m][2 k2 + 1]) for the tile's j-th
+// layout as the B tiles (pack_x_pairs): packed[t][k2][j] = (x[m][2 k2], x[m][2 k2 + 1]) for the tile's j-th
 // row m, zeros past K and the tile's rows. The accumulators hold y's transpose (32 columns of
 // y by 32 rows), gathered into y's rows at the store. A table whose K is not a multiple of
 // 32, or whose last block has fewer than 32 rows, is read through a zero-padded copy of that
@@ -712,21 +723,6 @@ std::vector<jllm_cpu::RowTile> amx_tiles(const int8_t* live, int64_t M) {
 // the next one's rows while it multiplies: the tile loads wait on memory otherwise (2-core AMX
 // Xeon, SmolLM2's table, variants interleaved: 64 rows 13.1-14.5 -> 10.9-11.4 ms, 16 rows 7.4
 // -> 5.8; two or four blocks ahead no better).
-
-void pack_x_pairs(const Product& p, const std::vector<jllm_cpu::RowTile>& tiles,
-                  uint32_t* out) {
-  const int64_t K = p.K, Kp = padded_k(K), tile_words = Kp / 2 * kPanel;
-  std::memset(out, 0, tiles.size() * tile_words * sizeof(uint32_t));
-  for (size_t t = 0; t < tiles.size(); ++t)
-    for (int j = 0; j < tiles[t].rows; ++j) {
-      const uint16_t* x = p.x + (tiles[t].m0 + j) * K;
-      uint32_t* col = out + t * tile_words + (j / 16) * half_words(Kp) + j % 16;
-      for (int64_t k = 0; k < K; k += 2) {
-        const uint32_t lo = x[k], hi = k + 1 < K ? x[k + 1] : 0;
-        col[(k / 2) * 16] = lo | (hi << 16);
-      }
-    }
-}
 
 // Columns n0 .. n0 + 31 of y for every tile of x's rows.
 void amx_transposed_block(const Product& p, const std::vector<jllm_cpu::RowTile>& tiles,

@@ -168,43 +168,21 @@ inline float fms_lane(float a, float b, float c) { return std::fma(a, b, -c); }
 // SIMDe's own read and write back the whole vector, which races with another thread writing
 // the bytes past a row's end (the next row's first columns), and reads past a buffer's end.
 namespace jllm_emulation {
-inline simde__m512i maskz_loadu_epi16(simde__mmask32 k, const void* p) {
-  uint16_t lane[32] = {};
-  for (int i = 0; i < 32; ++i)
-    if (k >> i & 1) std::memcpy(&lane[i], static_cast<const uint16_t*>(p) + i, 2);
-  return bits<simde__m512i>(lane);
+// The N lanes of type T at p that mask k selects, the others zero, as vector V.
+template <typename V, typename T, int N, typename M>
+inline V maskz_loadu(M k, const void* p) {
+  T lane[N] = {};
+  for (int i = 0; i < N; ++i)
+    if (k >> i & 1) std::memcpy(&lane[i], static_cast<const T*>(p) + i, sizeof(T));
+  return bits<V>(lane);
 }
-inline void mask_storeu_epi16(void* p, simde__mmask32 k, simde__m512i a) {
-  uint16_t lane[32];
+// a's N lanes of type T that mask k selects, to p.
+template <typename T, int N, typename M, typename V>
+inline void mask_storeu(void* p, M k, V a) {
+  T lane[N];
   std::memcpy(lane, &a, sizeof(lane));
-  for (int i = 0; i < 32; ++i)
-    if (k >> i & 1) std::memcpy(static_cast<uint16_t*>(p) + i, &lane[i], 2);
-}
-inline void mask_storeu_ps(void* p, simde__mmask16 k, simde__m512 a) {
-  float lane[16];
-  std::memcpy(lane, &a, sizeof(lane));
-  for (int i = 0; i < 16; ++i)
-    if (k >> i & 1) std::memcpy(static_cast<float*>(p) + i, &lane[i], 4);
-}
-}  // namespace jllm_emulation
-namespace jllm_emulation {
-inline simde__m256i maskz_loadu_epi16_256(simde__mmask16 k, const void* p) {
-  uint16_t lane[16] = {};
-  for (int i = 0; i < 16; ++i)
-    if (k >> i & 1) std::memcpy(&lane[i], static_cast<const uint16_t*>(p) + i, 2);
-  return bits<simde__m256i>(lane);
-}
-inline void mask_storeu_epi16_256(void* p, simde__mmask16 k, simde__m256i a) {
-  uint16_t lane[16];
-  std::memcpy(lane, &a, sizeof(lane));
-  for (int i = 0; i < 16; ++i)
-    if (k >> i & 1) std::memcpy(static_cast<uint16_t*>(p) + i, &lane[i], 2);
-}
-inline simde__m512 maskz_loadu_ps(simde__mmask16 k, const void* p) {
-  float lane[16] = {};
-  for (int i = 0; i < 16; ++i)
-    if (k >> i & 1) std::memcpy(&lane[i], static_cast<const float*>(p) + i, 4);
-  return bits<simde__m512>(lane);
+  for (int i = 0; i < N; ++i)
+    if (k >> i & 1) std::memcpy(static_cast<T*>(p) + i, &lane[i], sizeof(T));
 }
 // The sum of a's 16 lanes in GCC's order: halves, then quarters, pairs, and the last two.
 inline float reduce_add_ps(simde__m512 a) {
@@ -222,12 +200,16 @@ inline float reduce_add_ps(simde__m512 a) {
 #undef _mm256_mask_storeu_epi16
 #undef _mm512_maskz_loadu_ps
 #undef _mm512_reduce_add_ps
-#define _mm512_maskz_loadu_epi16 jllm_emulation::maskz_loadu_epi16
-#define _mm512_mask_storeu_epi16 jllm_emulation::mask_storeu_epi16
-#define _mm512_mask_storeu_ps jllm_emulation::mask_storeu_ps
-#define _mm256_maskz_loadu_epi16 jllm_emulation::maskz_loadu_epi16_256
-#define _mm256_mask_storeu_epi16 jllm_emulation::mask_storeu_epi16_256
-#define _mm512_maskz_loadu_ps jllm_emulation::maskz_loadu_ps
+#define _mm512_maskz_loadu_epi16 \
+  jllm_emulation::maskz_loadu<simde__m512i, uint16_t, 32, simde__mmask32>
+#define _mm512_mask_storeu_epi16 \
+  jllm_emulation::mask_storeu<uint16_t, 32, simde__mmask32, simde__m512i>
+#define _mm512_mask_storeu_ps jllm_emulation::mask_storeu<float, 16, simde__mmask16, simde__m512>
+#define _mm256_maskz_loadu_epi16 \
+  jllm_emulation::maskz_loadu<simde__m256i, uint16_t, 16, simde__mmask16>
+#define _mm256_mask_storeu_epi16 \
+  jllm_emulation::mask_storeu<uint16_t, 16, simde__mmask16, simde__m256i>
+#define _mm512_maskz_loadu_ps jllm_emulation::maskz_loadu<simde__m512, float, 16, simde__mmask16>
 #define _mm512_reduce_add_ps jllm_emulation::reduce_add_ps
 // Streaming (non-temporal) stores: plain aligned stores here.
 #ifndef _mm512_stream_ps
